@@ -1,0 +1,548 @@
+"""The event vocabulary: every kind of event riverbed knows, and its codecs.
+
+Events are frozen msgspec Structs in one tagged union (``tag_field="kind"``).
+The wire form on the stream is msgpack; the human and cross-language form is
+JSON with the same field names.  ``id`` is never stored in a payload: it is the
+stream entry id, attached when an event is read back.
+
+Schema evolution:
+
+- every kind has a schema version (``Event.version``); payloads carry it as ``v``;
+- an older payload is upcast on read by the functions registered with
+  :func:`upcaster`; new fields get defaults and go last; a tag is never reused;
+- a kind this version does not know decodes to :class:`Unknown`, which keeps
+  the raw payload, so nothing is ever dropped.
+
+Users add their own action kinds with :func:`register`.  This module imports
+nothing else from riverbed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, Literal, TypeAlias, Union
+
+import msgspec
+from msgspec.structs import force_setattr, replace
+
+__all__ = [
+    "Action",
+    "CmdOutput",
+    "CmdRun",
+    "Condensation",
+    "CondensationRequest",
+    "DecodeError",
+    "Error",
+    "Event",
+    "FileContent",
+    "FileEdit",
+    "FileEdited",
+    "FileRead",
+    "FileWrite",
+    "FileWritten",
+    "Finish",
+    "Forked",
+    "Hit",
+    "Knowledge",
+    "LlmResponse",
+    "Message",
+    "Observation",
+    "PythonOutput",
+    "PythonRun",
+    "Recall",
+    "RecallResult",
+    "SessionConfig",
+    "Source",
+    "Think",
+    "Unknown",
+    "decode",
+    "decode_json",
+    "encode",
+    "encode_json",
+    "from_builtins",
+    "json_schema",
+    "kind_of",
+    "kinds",
+    "register",
+    "to_builtins",
+    "upcaster",
+    "with_id",
+]
+
+Source: TypeAlias = Literal["agent", "user", "runtime", "memory", "condenser", "system"]
+Role: TypeAlias = Literal["runtime", "memory", "condenser"]
+
+
+class DecodeError(ValueError):
+    """A payload is not a valid event (bad bytes, bad JSON, or a field of the wrong type)."""
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    """Fields every event has.  ``id`` is the per-session event id (None until appended)."""
+
+    version: ClassVar[int] = 1
+
+    id: int | None = None
+    source: Source = "agent"
+    cause: int | None = None
+    ts: dt.datetime = msgspec.field(default_factory=_now)
+    agent: str | None = None
+    tenant: str | None = None
+    trace: str | None = None
+    v: int = 1
+
+    @property
+    def kind(self) -> str:
+        return kind_of(type(self))
+
+
+class Action(Event, frozen=True, kw_only=True):
+    """Something an agent (or user) asks for.
+
+    ``answered_by`` names the role that answers it with exactly one observation
+    (``None``: a record that nobody answers, like a message).  ``repeatable``
+    marks reads that a new owner may run again after a crash.
+    """
+
+    answered_by: ClassVar[Role | None] = "runtime"
+    repeatable: ClassVar[bool] = False
+
+
+class Observation(Event, frozen=True, kw_only=True):
+    """The answer to an action; ``cause`` is the action's id."""
+
+    source: Source = "runtime"
+
+
+# --- actions -----------------------------------------------------------------------------
+
+
+class Message(Action, frozen=True, kw_only=True, tag="message"):
+    answered_by: ClassVar[Role | None] = None
+
+    content: str
+    wait_for_response: bool = False
+
+
+class CmdRun(Action, frozen=True, kw_only=True, tag="cmd_run"):
+    """Run a command in the session's persistent shell.
+
+    ``timeout`` is the hard limit in seconds (None: the worker's default);
+    ``is_input`` sends ``command`` as input to the running command
+    (``C-c`` interrupts it); ``blocking=False`` returns after the soft timeout
+    (no new output) while the command goes on.
+    """
+
+    command: str
+    timeout: float | None = None
+    is_input: bool = False
+    blocking: bool = False
+    cwd: str | None = None
+
+
+class FileRead(Action, frozen=True, kw_only=True, tag="file_read"):
+    """Read a file; ``start``/``end`` are 1-based inclusive line numbers."""
+
+    repeatable: ClassVar[bool] = True
+
+    path: str
+    start: int = 1
+    end: int | None = None
+
+
+class FileWrite(Action, frozen=True, kw_only=True, tag="file_write"):
+    path: str
+    content: str
+
+
+class FileEdit(Action, frozen=True, kw_only=True, tag="file_edit"):
+    command: Literal["view", "create", "str_replace", "insert", "undo_edit"]
+    path: str
+    file_text: str | None = None
+    old_str: str | None = None
+    new_str: str | None = None
+    insert_line: int | None = None
+
+
+class PythonRun(Action, frozen=True, kw_only=True, tag="python_run"):
+    """Run a cell in the session's persistent Python process."""
+
+    code: str
+    timeout: float | None = None
+
+
+class Recall(Action, frozen=True, kw_only=True, tag="recall"):
+    answered_by: ClassVar[Role | None] = "memory"
+    repeatable: ClassVar[bool] = True
+
+    query: str = ""
+    recall_type: Literal["workspace_context", "knowledge", "semantic"] = "semantic"
+    scope: Literal["session", "tenant"] = "session"
+    k: int = 5
+
+
+class CondensationRequest(Action, frozen=True, kw_only=True, tag="condensation_request"):
+    """Ask the condenser to condense now; answered by a ``condensation`` (or ``error``)."""
+
+    answered_by: ClassVar[Role | None] = "condenser"
+    repeatable: ClassVar[bool] = True
+
+
+class Think(Action, frozen=True, kw_only=True, tag="think"):
+    answered_by: ClassVar[Role | None] = None
+
+    thought: str
+
+
+class Finish(Action, frozen=True, kw_only=True, tag="finish"):
+    answered_by: ClassVar[Role | None] = None
+
+    final_thought: str = ""
+    outputs: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+# --- observations ------------------------------------------------------------------------
+
+
+class CmdOutput(Observation, frozen=True, kw_only=True, tag="cmd_output"):
+    content: str
+    exit_code: int | None = None
+    command: str = ""
+    timed_out: bool = False
+    truncated: bool = False
+
+
+class FileContent(Observation, frozen=True, kw_only=True, tag="file_content"):
+    path: str
+    content: str
+
+
+class FileWritten(Observation, frozen=True, kw_only=True, tag="file_written"):
+    path: str
+
+
+class FileEdited(Observation, frozen=True, kw_only=True, tag="file_edited"):
+    path: str
+    diff: str = ""
+    content: str = ""
+
+
+class PythonOutput(Observation, frozen=True, kw_only=True, tag="python_output"):
+    """A cell's output: stdout+stderr interleaved, the trailing expression's value,
+    the traceback if it raised, and files (images) it saved in the workspace."""
+
+    content: str = ""
+    result: str | None = None
+    exception: str | None = None
+    timed_out: bool = False
+    truncated: bool = False
+    state_lost: bool = False
+    files: list[str] = msgspec.field(default_factory=list)
+
+
+class Knowledge(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    trigger: str
+    content: str
+
+
+class Hit(msgspec.Struct, frozen=True, kw_only=True):
+    session: str
+    event_id: int
+    kind: str
+    score: float
+    text: str
+
+
+class RecallResult(Observation, frozen=True, kw_only=True, tag="recall_result"):
+    source: Source = "memory"
+
+    recall_type: Literal["workspace_context", "knowledge", "semantic"]
+    repo_name: str | None = None
+    repo_branch: str | None = None
+    repo_directory: str | None = None
+    repo_instructions: str | None = None
+    runtime_info: dict[str, Any] = msgspec.field(default_factory=dict)
+    date: str | None = None
+    conversation_instructions: str | None = None
+    knowledge: list[Knowledge] = msgspec.field(default_factory=list)
+    hits: list[Hit] = msgspec.field(default_factory=list)
+
+
+class Error(Observation, frozen=True, kw_only=True, tag="error"):
+    """Something went wrong; ``retryable`` says whether the same action may succeed later."""
+
+    content: str
+    reason: str = "error"
+    retryable: bool = False
+
+
+class Condensation(Observation, frozen=True, kw_only=True, tag="condensation"):
+    """Drop ``forgotten`` id ranges (inclusive) from the view; insert ``summary`` at
+    ``summary_offset`` (an index into the condensed view)."""
+
+    source: Source = "condenser"
+
+    forgotten: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    summary: str | None = None
+    summary_offset: int | None = None
+
+
+# --- system ------------------------------------------------------------------------------
+
+
+class Forked(Event, frozen=True, kw_only=True, tag="forked"):
+    """First event after a fork: this session copies events 1..``at`` of ``source_session``.
+
+    (The contract's ``source`` name clashes with every event's ``source`` field.)
+    """
+
+    source: Source = "system"
+
+    source_session: str
+    at: int
+
+
+class SessionConfig(Event, frozen=True, kw_only=True, tag="session_config"):
+    """Session settings, folded from the log: environment variables for the sandbox
+    (later values win; ``None`` unsets) and the condenser configuration."""
+
+    env: dict[str, str | None] = msgspec.field(default_factory=dict)
+    condenser: dict[str, Any] | None = None
+
+
+class LlmResponse(Event, frozen=True, kw_only=True, tag="llm_response"):
+    """A model's raw response, recorded before its actions so replay needs no model."""
+
+    model: str
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    usage: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Unknown(Event, frozen=True, kw_only=True, tag="unknown"):
+    """An event whose kind (or version) this version cannot decode; ``payload`` keeps it all."""
+
+    source: Source = "system"
+
+    original_kind: str = ""
+    payload: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+# --- registry and codecs -----------------------------------------------------------------
+
+_BUILTIN: tuple[type[Event], ...] = (
+    Message,
+    CmdRun,
+    FileRead,
+    FileWrite,
+    FileEdit,
+    PythonRun,
+    Recall,
+    CondensationRequest,
+    Think,
+    Finish,
+    CmdOutput,
+    FileContent,
+    FileWritten,
+    FileEdited,
+    PythonOutput,
+    RecallResult,
+    Error,
+    Condensation,
+    Forked,
+    SessionConfig,
+    LlmResponse,
+    Unknown,
+)
+
+_kinds: dict[str, type[Event]] = {}
+_upcasters: dict[tuple[str, int], Callable[[dict[str, Any]], dict[str, Any]]] = {}
+_msgpack_encoder = msgspec.msgpack.Encoder()
+_json_encoder = msgspec.json.Encoder()
+_raw_msgpack = msgspec.msgpack.Decoder(dict[str, Any])
+_raw_json = msgspec.json.Decoder(dict[str, Any])
+
+
+class _Codecs:
+    """Typed decoders over the current union; rebuilt when a kind is registered."""
+
+    def __init__(self, classes: Iterable[type[Event]]) -> None:
+        union: Any = Union[tuple(classes)]  # noqa: UP007  (a runtime-built union)
+        self.msgpack = msgspec.msgpack.Decoder(union)
+        self.json = msgspec.json.Decoder(union)
+
+
+def kind_of(cls: type[Event]) -> str:
+    tag = cls.__struct_config__.tag
+    if not isinstance(tag, str):
+        raise TypeError(f"{cls.__name__} has no kind tag")
+    return tag
+
+
+def register(cls: type[Event]) -> type[Event]:
+    """Add an event kind (usually a custom :class:`Action`); usable as a class decorator.
+
+    The class must be a frozen ``kw_only`` Struct subclass of :class:`Event` with an
+    explicit ``tag``.  Registering a tag that is taken by another class is an error.
+    """
+    global _codecs
+    if not (isinstance(cls, type) and issubclass(cls, Event)):
+        raise TypeError("only Event subclasses can be registered")
+    kind = kind_of(cls)
+    existing = _kinds.get(kind)
+    if existing is cls:
+        return cls
+    if existing is not None:
+        raise ValueError(f"the event kind {kind!r} is already registered by {existing.__name__}")
+    _kinds[kind] = cls
+    _codecs = _Codecs(_kinds.values())
+    return cls
+
+
+def upcaster(
+    kind: str, from_version: int
+) -> Callable[[Callable[[dict[str, Any]], dict[str, Any]]], Callable[[dict[str, Any]], dict[str, Any]]]:
+    """Register a function that turns a ``kind`` payload of ``from_version`` into the next version."""
+
+    def deco(fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        _upcasters[(kind, from_version)] = fn
+        return fn
+
+    return deco
+
+
+def kinds() -> dict[str, type[Event]]:
+    """Every registered kind, by wire name."""
+    return dict(_kinds)
+
+
+for _cls in _BUILTIN:
+    _kinds[kind_of(_cls)] = _cls
+_codecs = _Codecs(_kinds.values())
+
+
+def with_id(event: Event, event_id: int) -> Event:
+    """The event carrying ``event_id`` (events read from a log carry their id)."""
+    if event.id == event_id:
+        return event
+    return replace(event, id=event_id)
+
+
+def _strip_id(event: Event) -> Event:
+    return event if event.id is None else replace(event, id=None)
+
+
+def encode(event: Event) -> bytes:
+    """The msgpack payload of an event, without its id (the stream entry id is the id)."""
+    if isinstance(event, Unknown):
+        return _msgpack_encoder.encode(event.payload)
+    return _msgpack_encoder.encode(_strip_id(event))
+
+
+def encode_json(event: Event) -> bytes:
+    """The JSON form (one line, with ``id`` when the event has one)."""
+    if isinstance(event, Unknown):
+        raw = dict(event.payload)
+        if event.id is not None:
+            raw = {"kind": raw.get("kind"), "id": event.id, **raw}
+        return _json_encoder.encode(raw)
+    return _json_encoder.encode(event)
+
+
+def to_builtins(event: Event) -> dict[str, Any]:
+    if isinstance(event, Unknown):
+        out = dict(event.payload)
+        if event.id is not None:
+            out["id"] = event.id
+        return out
+    result: dict[str, Any] = msgspec.to_builtins(event)
+    return result
+
+
+def _from_raw(raw: dict[str, Any], event_id: int | None) -> Event:
+    """Slow path: upcast an old version, or keep an unknown kind as :class:`Unknown`."""
+    kind = raw.get("kind")
+    cls = _kinds.get(kind) if isinstance(kind, str) else None
+    if cls is None or cls is Unknown:
+        return Unknown(id=event_id, original_kind=str(kind), payload=raw)
+    version = raw.get("v", 1)
+    if not isinstance(version, int) or version > cls.version:
+        # Written by a newer riverbed: keep it whole rather than guess.
+        return Unknown(id=event_id, original_kind=str(kind), payload=raw)
+    while version < cls.version:
+        step = _upcasters.get((kind, version))  # type: ignore[arg-type]
+        if step is None:
+            raise DecodeError(f"no upcaster for {kind} version {version}")
+        raw = step(dict(raw))
+        version += 1
+    raw["v"] = version
+    raw.pop("id", None)
+    try:
+        event = msgspec.convert(raw, cls)
+    except msgspec.ValidationError as exc:
+        raise DecodeError(f"invalid {kind} event: {exc}") from exc
+    return event if event_id is None else with_id(event, event_id)
+
+
+def decode(payload: bytes, event_id: int | None = None) -> Event:
+    """Decode a msgpack payload; raises :class:`DecodeError` when it is not an event."""
+    try:
+        event: Event = _codecs.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        try:
+            raw = _raw_msgpack.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise DecodeError(f"not a msgpack event payload: {exc}") from exc
+        return _from_raw(raw, event_id)
+    if event.v != type(event).version:
+        return _from_raw(_raw_msgpack.decode(payload), event_id)
+    if event_id is not None:
+        force_setattr(event, "id", event_id)
+    return event
+
+
+def decode_json(data: bytes | str, *, keep_id: bool = True) -> Event:
+    """Decode one JSON object; an unknown kind becomes :class:`Unknown`."""
+    try:
+        event: Event = _codecs.json.decode(data)
+    except msgspec.DecodeError:
+        try:
+            raw = _raw_json.decode(data)
+        except msgspec.DecodeError as exc:
+            raise DecodeError(f"not a JSON event object: {exc}") from exc
+        raw_id = raw.get("id")
+        event = _from_raw(raw, raw_id if isinstance(raw_id, int) and keep_id else None)
+    if event.v != type(event).version:
+        raw = _raw_json.decode(data)
+        event = _from_raw(raw, raw.get("id") if keep_id else None)
+    return event if keep_id else _strip_id(event)
+
+
+def from_builtins(obj: dict[str, Any]) -> Event:
+    """Build an event from a dict (``kind`` names the class); unknown kinds are refused."""
+    kind = obj.get("kind")
+    if not isinstance(kind, str):
+        raise DecodeError("an event needs a string 'kind' field")
+    cls = _kinds.get(kind)
+    if cls is None or cls is Unknown:
+        raise DecodeError(f"unknown event kind {kind!r} (known: {', '.join(sorted(_kinds))})")
+    try:
+        return msgspec.convert(obj, _codecs_union(), strict=False)
+    except msgspec.ValidationError as exc:
+        raise DecodeError(f"invalid {kind} event: {exc}") from exc
+
+
+def _codecs_union() -> Any:
+    return Union[tuple(_kinds.values())]  # noqa: UP007
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON Schema of every registered kind (a ``oneOf`` discriminated by ``kind``)."""
+    schema: dict[str, Any] = msgspec.json.schema(_codecs_union())
+    return schema

