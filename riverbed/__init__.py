@@ -1,0 +1,28 @@
+"""riverbed: an event-sourced runtime for AI agents on Redis Streams and Postgres + pgvector."""
+
+from riverbed.agent.client import Bus, Session, connect
+from riverbed.errors import (
+    ActTimeout,
+    AppendConflict,
+    ConfigError,
+    FencedError,
+    InputError,
+    NotFoundError,
+    RiverbedError,
+    UnavailableError,
+)
+
+__all__ = [
+    "ActTimeout",
+    "AppendConflict",
+    "Bus",
+    "ConfigError",
+    "FencedError",
+    "InputError",
+    "NotFoundError",
+    "RiverbedError",
+    "Session",
+    "UnavailableError",
+    "connect",
+]
+__version__ = "0.1.0"

@@ -533,9 +533,10 @@ def from_builtins(obj: dict[str, Any]) -> Event:
     if cls is None or cls is Unknown:
         raise DecodeError(f"unknown event kind {kind!r} (known: {', '.join(sorted(_kinds))})")
     try:
-        return msgspec.convert(obj, _codecs_union(), strict=False)
+        event: Event = msgspec.convert(obj, cls, strict=False)
     except msgspec.ValidationError as exc:
         raise DecodeError(f"invalid {kind} event: {exc}") from exc
+    return event
 
 
 def _codecs_union() -> Any:

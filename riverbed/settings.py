@@ -104,5 +104,5 @@ def _explain(exc: msgspec.ValidationError) -> str:
     if match:
         field = match.group(1)
         var = field.upper() if field.startswith("openai_") else f"RIVERBED_{field.upper()}"
-        return f"{var} has an invalid value ({text.split(' - at')[0]})"
+        return f"{var} has an invalid value ({text.split(' - at', maxsplit=1)[0]})"
     return text

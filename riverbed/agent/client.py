@@ -1,0 +1,173 @@
+"""The client API: connect to the bus, append actions, await observations, replay.
+
+::
+
+    async with riverbed.connect() as bus:
+        session = bus.session("s-42", tenant="acme")
+        obs = await session.act(CmdRun(command="ls"), timeout=30)
+        async for event in session.log(start=1):
+            ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+from msgspec.structs import replace
+
+from riverbed import events
+from riverbed.bus.connection import Client, connect_redis, translate
+from riverbed.bus.keys import PAYLOAD_FIELD, Keys
+from riverbed.bus.log import AlreadyAnswered, Log, decode_entry, entry_id
+from riverbed.errors import ActTimeout, InputError
+from riverbed.settings import Settings
+
+__all__ = ["Bus", "Session", "connect", "resolve_redis_url"]
+
+
+def resolve_redis_url(settings: Settings) -> str:
+    """The Redis URL from settings, or the embedded services (started on demand)."""
+    if settings.redis_url:
+        return settings.redis_url
+    from riverbed import services  # noqa: PLC0415  (embedded services only when no URL is set)
+
+    return services.up(Path(settings.services_dir)).redis_url
+
+
+class Session:
+    """A handle on one session's log; the log is created by the first append."""
+
+    def __init__(self, bus: Bus, session_id: str, *, tenant: str | None = None, agent: str | None = None) -> None:
+        bus.log_store.check_session(session_id)
+        self.bus = bus
+        self.id = session_id
+        self.tenant = tenant
+        self.agent = agent
+
+    def _stamp(self, event: events.Event) -> events.Event:
+        changes: dict[str, Any] = {}
+        if self.tenant is not None and event.tenant is None:
+            changes["tenant"] = self.tenant
+        if self.agent is not None and event.agent is None:
+            changes["agent"] = self.agent
+        return replace(event, **changes) if changes else event
+
+    async def append(
+        self, *batch: events.Event, expected_last: int | None = None, idempotency_key: str | None = None
+    ) -> list[int]:
+        """Append events in one round trip; returns their ids.
+
+        ``expected_last``: refuse (:class:`AppendConflict`) unless the log's last id is this;
+        ``idempotency_key``: a retry with the same key returns the first ids and appends nothing.
+        """
+        for event in batch:
+            if not isinstance(event, events.Event):
+                raise InputError(f"only events can be appended, not {type(event).__name__}")
+        result = await self.bus.log_store.append(
+            self.id,
+            [self._stamp(e) for e in batch],
+            expected_last=expected_last,
+            idempotency_key=idempotency_key,
+            tenant=self.tenant,
+        )
+        if isinstance(result, AlreadyAnswered):
+            raise InputError(f"action {result.cause} is already answered by event {result.existing}")
+        return result
+
+    async def act(self, action: events.Action, *, timeout: float = 30.0) -> events.Event:
+        """Append ``action`` and wait for the event that answers it (``cause`` = its id)."""
+        if not isinstance(action, events.Action):
+            raise InputError(f"act() takes an action, not a {type(action).__name__} event")
+        (action_id,) = await self.append(action)
+        return await self.wait_for_answer(action_id, timeout=timeout)
+
+    async def wait_for_answer(self, action_id: int, *, timeout: float = 30.0) -> events.Event:
+        """The observation answering ``action_id``; :class:`ActTimeout` when none comes in time."""
+        bus = self.bus
+        log_key = bus.keys.log(self.id)
+        answers_key = bus.keys.answers(self.id)
+        cursor = action_id
+        with anyio.move_on_after(timeout):
+            with translate(bus.url):
+                known = await bus.redis.hget(answers_key, str(action_id))
+            if known is not None:
+                async for event in bus.log_store.read(self.id, int(known), int(known)):
+                    return event
+            while True:
+                with translate(bus.url):
+                    reply = await bus.redis.xread({log_key: f"{cursor}-0"}, count=500, block=1000)
+                for _stream, entries in reply or ():
+                    for raw_id, fields in entries:
+                        cursor = entry_id(raw_id)
+                        event = decode_entry(fields[PAYLOAD_FIELD], cursor)
+                        if event.cause == action_id and not isinstance(event, events.Action):
+                            return event
+        raise ActTimeout(
+            f"no observation answered action {action_id} in session {self.id!r} within {timeout:g}s; "
+            "is a worker for its role running? (riverbed worker all)"
+        )
+
+    async def log(self, start: int = 1, end: int | None = None, *, follow: bool = False) -> AsyncIterator[events.Event]:
+        """Replay the log from ``start`` (to ``end``); ``follow=True`` keeps tailing."""
+        if follow:
+            async for event in self.bus.log_store.follow(self.id, start):
+                if end is not None and (event.id or 0) > end:
+                    return
+                yield event
+        else:
+            async for event in self.bus.log_store.read(self.id, start, end):
+                yield event
+
+    async def events(self, start: int = 1, end: int | None = None) -> list[events.Event]:
+        return [e async for e in self.log(start, end)]
+
+    async def last_id(self) -> int:
+        return await self.bus.log_store.last_id(self.id)
+
+    async def view(self, until: int | None = None) -> list[Any]:
+        """The condensed context as the agent saw it right after event ``until``."""
+        from riverbed.memory.view import view as fold  # noqa: PLC0415  (memory is optional for clients)
+
+        return list(fold(await self.events(1, until), until=until))
+
+
+class Bus:
+    """A connection to the event bus under one key prefix."""
+
+    def __init__(self, redis: Client, *, prefix: str = "rb", url: str = "redis") -> None:
+        self.redis = redis
+        self.url = url
+        self.keys = Keys(prefix)
+        self.log_store = Log(redis, self.keys, url)
+
+    def session(self, session_id: str, *, tenant: str | None = None, agent: str | None = None) -> Session:
+        return Session(self, session_id, tenant=tenant, agent=agent)
+
+    async def sessions(self) -> list[str]:
+        with translate(self.url):
+            raw = await self.redis.zrange(self.keys.sessions, 0, -1)
+        return [s.decode() for s in raw]
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+
+@contextlib.asynccontextmanager
+async def connect(
+    url: str | None = None, *, prefix: str | None = None, settings: Settings | None = None
+) -> AsyncIterator[Bus]:
+    """Connect to the bus at ``url`` (default: ``RIVERBED_REDIS_URL``, else the embedded services)."""
+    settings = settings or Settings.from_env(os.environ)
+    url = url or resolve_redis_url(settings)
+    redis = await connect_redis(url)
+    bus = Bus(redis, prefix=prefix or settings.prefix, url=url)
+    try:
+        yield bus
+    finally:
+        with anyio.CancelScope(shield=True):
+            await bus.aclose()

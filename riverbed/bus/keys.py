@@ -1,0 +1,67 @@
+"""Every Redis key riverbed uses, in one place.
+
+All keys of one session share the hash tag ``{<session>}``, so they live in one Redis
+Cluster slot and every Lua script touches a single slot.  Keys that are not about one
+session (directories, the dead-letter stream, the worker registry) have the prefix as
+their own hash tag.
+
+=====================================  =======================================================
+key                                    what
+=====================================  =======================================================
+``{p}:{s}:log``                        the session log (stream; entry id ``<n>-0`` is event n)
+``{p}:{s}:meta``                       hash: ``last`` id, ``tenant``, ``created``, per role
+                                       ``fence:<role>``, ``holder:<role>``, ``expires:<role>``,
+                                       ``need:<role>`` (announce the session again)
+``{p}:{s}:answers``                    hash: action id -> id of its one answering observation
+``{p}:{s}:idem:<key>``                 string ``first:count`` for a retried append (with TTL)
+``{p}:{p}:dir:<role>``                 stream: sessions waiting for / held by a role owner
+``{p}:{p}:sessions``                   sorted set: every session, scored by creation time
+``{p}:{p}:workers``                    sorted set: worker name -> last heartbeat (ms)
+``{p}:{p}:worker:<name>``              hash: a worker's roles, owned sessions, start time
+``{p}:{p}:dlq``                        stream: dead letters
+=====================================  =======================================================
+"""
+
+from __future__ import annotations
+
+import re
+
+ROLES = ("runtime", "memory", "condenser")
+_SESSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@=+-]{0,127}$")
+PAYLOAD_FIELD = b"e"
+
+
+def valid_session(session: str) -> bool:
+    return bool(_SESSION_RE.match(session))
+
+
+class Keys:
+    """Key names under one prefix."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.dlq = f"{prefix}:{{{prefix}}}:dlq"
+        self.sessions = f"{prefix}:{{{prefix}}}:sessions"
+        self.workers = f"{prefix}:{{{prefix}}}:workers"
+
+    def log(self, session: str) -> str:
+        return f"{self.prefix}:{{{session}}}:log"
+
+    def meta(self, session: str) -> str:
+        return f"{self.prefix}:{{{session}}}:meta"
+
+    def answers(self, session: str) -> str:
+        return f"{self.prefix}:{{{session}}}:answers"
+
+    def idem(self, session: str, key: str) -> str:
+        return f"{self.prefix}:{{{session}}}:idem:{key}"
+
+    def directory(self, role: str) -> str:
+        return f"{self.prefix}:{{{self.prefix}}}:dir:{role}"
+
+    def worker(self, name: str) -> str:
+        return f"{self.prefix}:{{{self.prefix}}}:worker:{name}"
+
+    def session_of(self, log_key: str) -> str:
+        start = log_key.index("{") + 1
+        return log_key[start : log_key.index("}", start)]

@@ -1,0 +1,238 @@
+"""The session log: one Redis stream per session, event ids 1, 2, 3… as entry ids.
+
+Every append goes through one Lua script (``scripts.APPEND``) that assigns the next ids
+and enforces, atomically:
+
+- ``expected_last``: optimistic concurrency (:class:`AppendConflict` when the log moved);
+- an idempotency key: a retried append returns the first ids and appends nothing;
+- a fencing token: a role owner whose lease was taken over cannot append (:class:`FencedError`);
+- one answer per action: a second observation for the same ``cause`` is refused
+  (the reply names the existing answer), so no action is ever answered twice.
+
+Reads page through ``XRANGE``; :meth:`Log.follow` tails with a bounded blocking
+``XREAD`` and resumes from the last id it yielded, so it never misses or repeats an
+event across reconnects.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+
+from riverbed import events
+from riverbed.bus import scripts
+from riverbed.bus.connection import Client, translate
+from riverbed.bus.keys import PAYLOAD_FIELD, Keys, valid_session
+from riverbed.errors import AppendConflict, FencedError, InputError, UnavailableError
+
+__all__ = ["AlreadyAnswered", "Fence", "Log", "entry_id"]
+
+log = structlog.get_logger("riverbed.bus")
+
+IDEMPOTENCY_TTL_MS = 24 * 3600 * 1000
+PAGE = 2000
+
+
+@dataclass(frozen=True)
+class Fence:
+    """An owner's right to append for a role: the token it got when it took the session."""
+
+    role: str
+    token: int
+
+
+@dataclass(frozen=True)
+class AlreadyAnswered:
+    """An append of an answer was refused: ``existing`` already answers ``cause``."""
+
+    cause: int
+    existing: int
+
+
+def entry_id(raw: bytes | str) -> int:
+    """Event id of a stream entry id (``b"12-0"`` -> 12)."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return int(text.partition("-")[0])
+
+
+def answered_cause(event: events.Event) -> int:
+    """The action id this event answers (0: it answers nothing)."""
+    if isinstance(event, events.Observation) and event.cause is not None:
+        return event.cause
+    return 0
+
+
+class Log:
+    """Appends and reads of session logs under one key prefix."""
+
+    def __init__(self, redis: Client, keys: Keys, url: str = "redis") -> None:
+        self.redis = redis
+        self.keys = keys
+        self.url = url
+        self._append = redis.register_script(scripts.APPEND)
+
+    def check_session(self, session: str) -> None:
+        if not valid_session(session):
+            raise InputError(
+                f"{session!r} is not a valid session id: use up to 128 letters, digits and . _ : @ = + - "
+                "(starting with a letter or digit)"
+            )
+
+    async def append(
+        self,
+        session: str,
+        batch: Sequence[events.Event],
+        *,
+        expected_last: int | None = None,
+        idempotency_key: str | None = None,
+        fence: Fence | None = None,
+        ack: tuple[str, bytes | str] | None = None,
+        tenant: str | None = None,
+    ) -> list[int] | AlreadyAnswered:
+        """Append ``batch`` in one round trip; returns the new ids (or the first ids on a retry)."""
+        return await self.append_raw(
+            session,
+            [(events.encode(e), answered_cause(e)) for e in batch],
+            expected_last=expected_last,
+            idempotency_key=idempotency_key,
+            fence=fence,
+            ack=ack,
+            tenant=tenant,
+        )
+
+    async def append_raw(
+        self,
+        session: str,
+        batch: Sequence[tuple[bytes, int]],
+        *,
+        expected_last: int | None = None,
+        idempotency_key: str | None = None,
+        fence: Fence | None = None,
+        ack: tuple[str, bytes | str] | None = None,
+        tenant: str | None = None,
+    ) -> list[int] | AlreadyAnswered:
+        self.check_session(session)
+        if not batch:
+            return []
+        if idempotency_key is not None and not (0 < len(idempotency_key) <= 200):
+            raise InputError("an idempotency key must be 1 to 200 characters long")
+        keys = self.keys
+        args: list[Any] = [
+            "" if expected_last is None else expected_last,
+            "" if idempotency_key is None else IDEMPOTENCY_TTL_MS,
+            "" if fence is None else fence.role,
+            0 if fence is None else fence.token,
+            "" if ack is None else ack[0],
+            "" if ack is None else ack[1],
+            tenant or "",
+            len(batch),
+        ]
+        for payload, cause in batch:
+            args.append(payload)
+            args.append(cause)
+        script_keys = [
+            keys.log(session),
+            keys.meta(session),
+            keys.answers(session),
+            keys.idem(session, idempotency_key or "-"),
+        ]
+        with translate(self.url):
+            reply = await self._append(keys=script_keys, args=args)
+        status = reply[0]
+        if status == b"ok":
+            first, count, created = int(reply[1]), int(reply[2]), int(reply[3])
+            need = [r.decode() for r in reply[4:]]
+            if need or created:
+                await self._announce(session, need, created=bool(created))
+            return list(range(first, first + count))
+        if status == b"dup":
+            first, count = int(reply[1]), int(reply[2])
+            return list(range(first, first + count))
+        if status == b"conflict":
+            raise AppendConflict(session, expected_last or 0, int(reply[1]))
+        if status == b"fenced":
+            assert fence is not None
+            raise FencedError(session, fence.role, fence.token, int(reply[1]))
+        if status == b"answered":
+            return AlreadyAnswered(cause=int(reply[1]), existing=int(reply[2]))
+        raise RuntimeError(f"unexpected append reply {reply!r}")
+
+    async def _announce(self, session: str, roles: Sequence[str], *, created: bool) -> None:
+        """Tell role workers that ``session`` needs an owner (the ownership scripts clear the flag)."""
+        with translate(self.url):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for role in roles:
+                    pipe.xadd(self.keys.directory(role), {"s": session})
+                if created:
+                    pipe.zadd(self.keys.sessions, {session: time.time()}, nx=True)
+                await pipe.execute()
+
+    async def last_id(self, session: str) -> int:
+        with translate(self.url):
+            value = await self.redis.hget(self.keys.meta(session), "last")
+        return int(value or 0)
+
+    async def meta(self, session: str) -> dict[str, str]:
+        with translate(self.url):
+            raw = await self.redis.hgetall(self.keys.meta(session))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def exists(self, session: str) -> bool:
+        return await self.last_id(session) > 0
+
+    async def read_raw(
+        self, session: str, start: int = 1, end: int | None = None, *, page: int = PAGE
+    ) -> AsyncIterator[tuple[int, bytes]]:
+        """(id, payload) pairs of events start..end (inclusive), page by page."""
+        key = self.keys.log(session)
+        lo = f"{max(start, 0)}-0"
+        hi = "+" if end is None else f"{end}-0"
+        while True:
+            with translate(self.url):
+                entries = await self.redis.xrange(key, lo, hi, count=page)
+            for raw_id, fields in entries:
+                yield entry_id(raw_id), fields[PAYLOAD_FIELD]
+            if len(entries) < page:
+                return
+            lo = f"{entry_id(entries[-1][0]) + 1}-0"
+
+    async def read(self, session: str, start: int = 1, end: int | None = None) -> AsyncIterator[events.Event]:
+        """Events start..end; an entry that cannot be decoded at all is yielded as ``Unknown``."""
+        async for event_id, payload in self.read_raw(session, start, end):
+            yield decode_entry(payload, event_id)
+
+    async def follow(
+        self, session: str, start: int = 1, *, block_ms: int = 1000, stop: anyio.Event | None = None
+    ) -> AsyncIterator[events.Event]:
+        """Events from ``start`` on, then new ones as they arrive, until ``stop`` is set."""
+        next_id = max(start, 1)
+        key = self.keys.log(session)
+        backoff = 0.05
+        while stop is None or not stop.is_set():
+            try:
+                with translate(self.url):
+                    reply = await self.redis.xread({key: f"{next_id - 1}-0"}, count=PAGE, block=block_ms)
+            except UnavailableError as exc:
+                log.warning("follow.reconnecting", session=session, error=str(exc))
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            backoff = 0.05
+            for _stream, entries in reply or ():
+                for raw_id, fields in entries:
+                    event_id = entry_id(raw_id)
+                    next_id = event_id + 1
+                    yield decode_entry(fields[PAYLOAD_FIELD], event_id)
+
+
+def decode_entry(payload: bytes, event_id: int) -> events.Event:
+    """Decode a stream entry; bytes that are not an event at all become ``Unknown`` (kept raw)."""
+    try:
+        return events.decode(payload, event_id)
+    except events.DecodeError as exc:
+        return events.Unknown(id=event_id, original_kind="", payload={"undecodable": payload.hex(), "error": str(exc)})

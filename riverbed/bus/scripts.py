@@ -1,0 +1,116 @@
+"""All of riverbed's Lua, in one place.  Every script touches the keys of one session only.
+
+Replies are arrays whose first element is a status word, decoded by the callers in
+``bus/log.py`` and ``bus/ownership.py``.
+"""
+
+from __future__ import annotations
+
+_NOW = """
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS: log, meta, answers, idem
+# ARGV: expected_last ('' = any), idem_ttl_ms ('' = no idempotency key), role ('' = not an owner),
+#       token, ack_group ('' = none), ack_id, tenant, n, then n pairs (payload, answered cause or 0)
+# Replies: {'ok', first, count, created, need...} | {'dup', first, count} | {'conflict', last}
+#          | {'fenced', current} | {'answered', cause, existing id}
+APPEND = (
+    _NOW
+    + """
+if ARGV[2] ~= '' then
+  local seen = redis.call('GET', KEYS[4])
+  if seen then
+    local sep = string.find(seen, ':')
+    return {'dup', tonumber(string.sub(seen, 1, sep - 1)), tonumber(string.sub(seen, sep + 1))}
+  end
+end
+local last = tonumber(redis.call('HGET', KEYS[2], 'last') or '0')
+if ARGV[1] ~= '' and tonumber(ARGV[1]) ~= last then
+  return {'conflict', last}
+end
+if ARGV[3] ~= '' then
+  local current = redis.call('HGET', KEYS[2], 'fence:' .. ARGV[3]) or '0'
+  if current ~= ARGV[4] then
+    return {'fenced', tonumber(current)}
+  end
+end
+local n = tonumber(ARGV[8])
+for i = 0, n - 1 do
+  local cause = ARGV[10 + 2 * i]
+  if cause ~= '0' then
+    local existing = redis.call('HGET', KEYS[3], cause)
+    if existing then return {'answered', tonumber(cause), tonumber(existing)} end
+  end
+end
+local created = 0
+if last == 0 then
+  created = 1
+  redis.call('HSET', KEYS[2], 'created', now, 'need:runtime', 1, 'need:memory', 1, 'need:condenser', 1)
+  if ARGV[7] ~= '' then redis.call('HSET', KEYS[2], 'tenant', ARGV[7]) end
+end
+local first = last + 1
+for i = 0, n - 1 do
+  last = last + 1
+  redis.call('XADD', KEYS[1], last .. '-0', 'e', ARGV[9 + 2 * i])
+  local cause = ARGV[10 + 2 * i]
+  if cause ~= '0' then redis.call('HSET', KEYS[3], cause, last) end
+end
+redis.call('HSET', KEYS[2], 'last', last)
+if ARGV[2] ~= '' then
+  redis.call('SET', KEYS[4], first .. ':' .. n, 'PX', ARGV[2])
+end
+if ARGV[5] ~= '' then
+  redis.call('XACK', KEYS[1], ARGV[5], ARGV[6])
+end
+local reply = {'ok', first, n, created}
+for _, role in ipairs({'runtime', 'memory', 'condenser'}) do
+  if redis.call('HEXISTS', KEYS[2], 'need:' .. role) == 1 then table.insert(reply, role) end
+end
+return reply
+"""
+)
+
+# KEYS: meta.  ARGV: role, worker, lease_ms.
+# Replies: {token, holder}; token 0 when another live worker holds the session.
+ACQUIRE = (
+    _NOW
+    + """
+local holder = redis.call('HGET', KEYS[1], 'holder:' .. ARGV[1])
+local expires = tonumber(redis.call('HGET', KEYS[1], 'expires:' .. ARGV[1]) or '0')
+if holder and holder ~= '' and holder ~= ARGV[2] and expires > now then
+  return {0, holder}
+end
+local token = redis.call('HINCRBY', KEYS[1], 'fence:' .. ARGV[1], 1)
+redis.call('HSET', KEYS[1], 'holder:' .. ARGV[1], ARGV[2], 'expires:' .. ARGV[1], now + tonumber(ARGV[3]))
+redis.call('HDEL', KEYS[1], 'need:' .. ARGV[1])
+return {token, ARGV[2]}
+"""
+)
+
+# KEYS: meta.  ARGV: role, worker, token, lease_ms.  Reply: 1 renewed, 0 lost.
+RENEW = (
+    _NOW
+    + """
+if redis.call('HGET', KEYS[1], 'holder:' .. ARGV[1]) ~= ARGV[2] then return 0 end
+if redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) ~= ARGV[3] then return 0 end
+redis.call('HSET', KEYS[1], 'expires:' .. ARGV[1], now + tonumber(ARGV[4]))
+return 1
+"""
+)
+
+# KEYS: meta.  ARGV: role, worker, token, park (0/1), seen_last.
+# Reply: 1 released, 0 not the owner, -1 not parked because the log moved past seen_last.
+RELEASE = """
+if redis.call('HGET', KEYS[1], 'holder:' .. ARGV[1]) ~= ARGV[2] then return 0 end
+if redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) ~= ARGV[3] then return 0 end
+if ARGV[4] == '1' then
+  local last = tonumber(redis.call('HGET', KEYS[1], 'last') or '0')
+  if last > tonumber(ARGV[5]) then return -1 end
+  redis.call('HSET', KEYS[1], 'need:' .. ARGV[1], 1)
+end
+redis.call('HSET', KEYS[1], 'holder:' .. ARGV[1], '', 'expires:' .. ARGV[1], 0)
+return 1
+"""

@@ -1,0 +1,173 @@
+"""The session log against a real redis-server: ids, conflicts, idempotency, fencing, answers, follow."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import riverbed
+from riverbed import events
+from riverbed.agent.client import Bus
+from riverbed.bus.log import AlreadyAnswered, Fence
+from riverbed.errors import AppendConflict, FencedError, InputError
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
+    async with riverbed.connect(redis_url, prefix=prefix) as bus:
+        yield bus
+
+
+async def test_ids_are_consecutive_integers_and_entry_ids(bus: Bus) -> None:
+    session = bus.session("s1")
+    assert await session.append(events.Message(content="a", source="user")) == [1]
+    assert await session.append(events.CmdRun(command="ls"), events.Think(thought="t")) == [2, 3]
+    got = await session.events()
+    assert [e.id for e in got] == [1, 2, 3]
+    assert [e.kind for e in got] == ["message", "cmd_run", "think"]
+    raw = await bus.redis.xrange(bus.keys.log("s1"))
+    assert [r[0] for r in raw] == [b"1-0", b"2-0", b"3-0"]
+    assert await session.last_id() == 3
+
+
+async def test_range_reads_are_inclusive(bus: Bus) -> None:
+    session = bus.session("s1")
+    await session.append(*[events.Think(thought=str(i)) for i in range(30)])
+    got = await session.events(10, 20)
+    assert [e.id for e in got] == list(range(10, 21))
+    assert [e.thought for e in got if isinstance(e, events.Think)] == [str(i) for i in range(9, 20)]
+
+
+async def test_expected_last_conflict_names_both_ids(bus: Bus) -> None:
+    session = bus.session("s1")
+    await session.append(events.Think(thought="x"), expected_last=0)
+    await session.append(events.Think(thought="y"), expected_last=1)
+    with pytest.raises(AppendConflict) as info:
+        await session.append(events.Think(thought="z"), expected_last=1)
+    assert "expected the last event id to be 1 but it is 2" in str(info.value)
+    assert await session.last_id() == 2
+
+
+async def test_idempotent_retry_returns_first_ids_and_appends_nothing(bus: Bus) -> None:
+    session = bus.session("s1")
+    batch = [events.Think(thought="a"), events.Think(thought="b")]
+    first = await session.append(*batch, idempotency_key="req-1")
+    again = await session.append(*batch, idempotency_key="req-1")
+    assert first == again == [1, 2]
+    assert await session.last_id() == 2
+    assert await session.append(events.Think(thought="c"), idempotency_key="req-2") == [3]
+
+
+async def test_fencing_refuses_a_stale_token(bus: Bus) -> None:
+    session = bus.session("s1")
+    await session.append(events.CmdRun(command="true"))
+    meta = bus.keys.meta("s1")
+    await bus.redis.hset(meta, "fence:runtime", 2)
+    ok = await bus.log_store.append("s1", [events.Think(thought="new owner")], fence=Fence("runtime", 2))
+    assert ok == [2]
+    with pytest.raises(FencedError, match="token 1"):
+        await bus.log_store.append("s1", [events.Think(thought="zombie")], fence=Fence("runtime", 1))
+    assert await session.last_id() == 2
+
+
+async def test_an_action_is_answered_at_most_once(bus: Bus) -> None:
+    session = bus.session("s1")
+    (action,) = await session.append(events.CmdRun(command="true"))
+    first = await bus.log_store.append("s1", [events.CmdOutput(content="", exit_code=0, cause=action)])
+    second = await bus.log_store.append("s1", [events.Error(content="late", cause=action)])
+    assert first == [2]
+    assert second == AlreadyAnswered(cause=action, existing=2)
+    assert await session.last_id() == 2
+
+
+async def test_act_returns_the_answer_even_when_it_came_first(bus: Bus) -> None:
+    session = bus.session("s1")
+    (action,) = await session.append(events.FileRead(path="x"))
+    await bus.log_store.append("s1", [events.Think(thought="noise", source="user")])
+    await bus.log_store.append("s1", [events.FileContent(path="x", content="hello", cause=action)])
+    answer = await session.wait_for_answer(action, timeout=5)
+    assert isinstance(answer, events.FileContent)
+    assert answer.content == "hello"
+
+
+async def test_act_waits_for_the_answer_and_times_out_clearly(bus: Bus) -> None:
+    session = bus.session("s1")
+
+    async def answer_later() -> None:
+        await anyio.sleep(0.2)
+        await bus.log_store.append("s1", [events.FileContent(path="a", content="late", cause=1)])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(answer_later)
+        obs = await session.act(events.FileRead(path="a"), timeout=5)
+    assert isinstance(obs, events.FileContent)
+    with pytest.raises(riverbed.ActTimeout, match="no observation answered action 3"):
+        await session.act(events.FileRead(path="b"), timeout=0.3)
+
+
+async def test_bad_session_ids_are_refused(bus: Bus) -> None:
+    for bad in ["", "a{b}", "x" * 200, "has space", "-lead"]:
+        with pytest.raises(InputError, match="not a valid session id"):
+            bus.session(bad)
+
+
+async def test_twenty_concurrent_writers_never_interleave_or_lose(bus: Bus) -> None:
+    session = bus.session("busy")
+    got: dict[int, list[int]] = {}
+
+    async def writer(w: int) -> None:
+        ids: list[int] = []
+        for i in range(25):
+            ids += await session.append(events.Think(thought=f"{w}:{i}", agent=f"w{w}"))
+        got[w] = ids
+
+    async with anyio.create_task_group() as tg:
+        for w in range(20):
+            tg.start_soon(writer, w)
+    all_ids = sorted(i for ids in got.values() for i in ids)
+    assert all_ids == list(range(1, 501))
+    log = await session.events()
+    assert [e.id for e in log] == list(range(1, 501))
+    for w, ids in got.items():
+        assert ids == sorted(ids)
+        for event_id in ids:
+            event = log[event_id - 1]
+            assert isinstance(event, events.Think)
+            assert event.thought.startswith(f"{w}:")
+
+
+async def test_follow_yields_every_event_once_across_a_reconnect(bus: Bus) -> None:
+    session = bus.session("tail")
+    await session.append(*[events.Think(thought=str(i)) for i in range(5)])
+    seen: list[int] = []
+    stop = anyio.Event()
+
+    async def consume() -> None:
+        async for event in bus.log_store.follow("tail", 1, block_ms=100, stop=stop):
+            seen.append(event.id or 0)
+            if len(seen) == 15:
+                stop.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        await session.append(*[events.Think(thought="x") for _ in range(5)])
+        await bus.redis.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        await session.append(*[events.Think(thought="y") for _ in range(5)])
+    assert seen == list(range(1, 16))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batches=st.lists(st.integers(min_value=1, max_value=7), min_size=1, max_size=8))
+async def test_batches_get_contiguous_ids(bus: Bus, batches: list[int]) -> None:
+    session = bus.session(f"h{len(batches)}-{sum(batches)}-{id(batches)}")
+    expected = 1
+    for size in batches:
+        ids = await session.append(*[events.Think(thought="b") for _ in range(size)])
+        assert ids == list(range(expected, expected + size))
+        expected += size
