@@ -1,0 +1,221 @@
+"""The memory service: index events into the store and answer ``recall`` actions.
+
+:class:`Memory` composes a started :class:`~riverbed.memory.store.Store`, an embedder
+(normally the cached, micro-batched pipeline from :func:`embedding_pipeline`) and the
+microagent directories.  The memory worker calls :meth:`Memory.index` for every event of
+a session it owns and :meth:`Memory.recall` for every ``recall`` action; both raise
+:class:`~riverbed.errors.UnavailableError` (bounded by a timeout) when Postgres or the
+embedder fails, so the worker can answer with an ``error`` observation or retry later.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from riverbed import events
+from riverbed.errors import InputError, UnavailableError
+from riverbed.memory.chunking import ChunkPolicy, event_chunks
+from riverbed.memory.embedcache import CachedEmbedder, embedding_pipeline
+from riverbed.memory.embedders import Embedder
+from riverbed.memory.microagents import load_microagents, match_knowledge, workspace_dirs
+from riverbed.memory.ranking import hybrid_rank
+from riverbed.memory.store import Candidate, ChunkRow, Store
+from riverbed.memory.workspace import workspace_context
+
+__all__ = ["Memory"]
+
+log = structlog.get_logger("riverbed.memory")
+
+
+class Memory:
+    """Indexing and recall over one store and one embedder.
+
+    ``microagent_dirs`` are searched before the workspace's own (global, then user);
+    ``half_life_seconds`` turns on recency weighting of semantic hits; ``candidates`` is
+    how many rows each of the two searches contributes to the fusion (at least ``k``).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        embedder: Embedder,
+        *,
+        policy: ChunkPolicy | None = None,
+        microagent_dirs: Sequence[Path] = (),
+        recall_timeout: float = 10.0,
+        index_timeout: float = 120.0,
+        half_life_seconds: float | None = None,
+        candidates: int = 40,
+    ) -> None:
+        self.store = store
+        self.embedder = embedder
+        self.policy = policy or ChunkPolicy()
+        self.microagent_dirs = list(microagent_dirs)
+        self.recall_timeout = recall_timeout
+        self.index_timeout = index_timeout
+        self.half_life_seconds = half_life_seconds
+        self.candidates = candidates
+
+    @classmethod
+    def cached(cls, store: Store, embedder: Embedder, *, lru_size: int = 10_000, **options: object) -> Memory:
+        """A Memory whose embedder sits behind the micro-batcher and the two-level cache."""
+        pipeline = embedding_pipeline(embedder, store, lru_size=lru_size)
+        return cls(store, pipeline, **options)  # type: ignore[arg-type]
+
+    @property
+    def cache(self) -> CachedEmbedder | None:
+        """The embedding cache (for its hit/miss counters), when the embedder has one."""
+        return self.embedder if isinstance(self.embedder, CachedEmbedder) else None
+
+    # --- indexing ----------------------------------------------------------------------
+
+    async def index(self, session: str, batch: Sequence[events.Event], *, tenant: str | None) -> int:
+        """Index events of one session (each must carry its id); returns how many were new.
+
+        Chunks and tracking rows of the batch commit together, so indexing the same events
+        again (a redelivery, a catch-up after a crash) changes nothing.
+        """
+        if not batch:
+            return 0
+        if any(e.id is None for e in batch):
+            raise InputError("only events read from a log (with an id) can be indexed")
+        by_id = {int(e.id): e for e in batch if e.id is not None}
+        try:
+            with anyio.fail_after(self.index_timeout):
+                done = await self.store.indexed(session, by_id)
+                todo = [e for i, e in by_id.items() if i not in done]
+                if not todo:
+                    return 0
+                rows = [
+                    ChunkRow(event_id=int(e.id or 0), chunk=n, kind=e.kind, source=e.source, ts=e.ts, text=text)
+                    for e in todo
+                    for n, text in enumerate(event_chunks(e, self.policy))
+                ]
+                vectors = await self.embedder.embed([r.text for r in rows])
+                if rows:
+                    await self.store.ensure_model_index(self.embedder.model, int(vectors.shape[1]))
+                fresh = await self.store.write(
+                    session=session,
+                    tenant=tenant,
+                    model=self.embedder.model,
+                    event_ids=[int(e.id or 0) for e in todo],
+                    rows=rows,
+                    vectors=vectors,
+                )
+        except TimeoutError as exc:
+            raise UnavailableError(
+                f"indexing {len(batch)} events of {session!r} took over {self.index_timeout}s"
+            ) from exc
+        return len(fresh)
+
+    # --- recall ------------------------------------------------------------------------
+
+    async def recall(
+        self,
+        action: events.Recall,
+        *,
+        session: str,
+        tenant: str | None,
+        workspace: Path | None,
+        conversation_instructions: str | None = None,
+    ) -> events.RecallResult:
+        """Answer a ``recall`` action (``cause`` is the action's id)."""
+        try:
+            with anyio.fail_after(self.recall_timeout):
+                if action.recall_type == "workspace_context":
+                    ctx = await anyio.to_thread.run_sync(
+                        lambda: workspace_context(workspace, conversation_instructions=conversation_instructions)
+                    )
+                    return events.RecallResult(
+                        cause=action.id,
+                        tenant=tenant,
+                        recall_type="workspace_context",
+                        repo_name=ctx.repo_name,
+                        repo_branch=ctx.repo_branch,
+                        repo_directory=ctx.repo_directory,
+                        repo_instructions=ctx.repo_instructions,
+                        runtime_info=ctx.runtime_info,
+                        date=ctx.date,
+                        conversation_instructions=ctx.conversation_instructions,
+                    )
+                if action.recall_type == "knowledge":
+                    knowledge = await anyio.to_thread.run_sync(self.knowledge, action.query, workspace)
+                    return events.RecallResult(
+                        cause=action.id, tenant=tenant, recall_type="knowledge", knowledge=knowledge
+                    )
+                hits = await self.search(action.query, session=session, tenant=tenant, k=action.k, scope=action.scope)
+                return events.RecallResult(cause=action.id, tenant=tenant, recall_type="semantic", hits=hits)
+        except TimeoutError as exc:
+            raise UnavailableError(f"recall did not finish within {self.recall_timeout}s; try again") from exc
+
+    def knowledge(self, query: str, workspace: Path | None) -> list[events.Knowledge]:
+        """Knowledge microagents triggered by ``query`` (blocking file reads)."""
+        agents = load_microagents([*self.microagent_dirs, *workspace_dirs(workspace)])
+        return match_knowledge(agents, query)
+
+    async def search(
+        self,
+        query: str,
+        *,
+        session: str,
+        tenant: str | None,
+        k: int = 5,
+        scope: str = "session",
+        now: dt.datetime | None = None,
+    ) -> list[events.Hit]:
+        """Hybrid semantic search: vector and full-text candidates fused by RRF."""
+        if k < 1 or not query.strip():
+            return []
+        k = min(k, 100)
+        in_session = session if scope == "session" else None
+        want = max(self.candidates, k * 2)
+        vector = (await self.embedder.embed([query]))[0]
+        found: dict[str, list[Candidate]] = {}
+
+        async def vector_side() -> None:
+            found["vector"] = await self.store.vector_search(
+                vector, model=self.embedder.model, k=want, tenant=tenant, session=in_session
+            )
+
+        async def text_side() -> None:
+            found["text"] = await self.store.text_search(query, k=want, tenant=tenant, session=in_session)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(vector_side)
+            tg.start_soon(text_side)
+        return hybrid_rank(
+            found["vector"],
+            found["text"],
+            k=k,
+            now=now or dt.datetime.now(dt.UTC),
+            half_life_seconds=self.half_life_seconds,
+        )
+
+    # --- model migration ---------------------------------------------------------------
+
+    async def reembed(self, *, batch_size: int = 64, max_batches: int | None = None, pause: float = 0.0) -> int:
+        """Re-embed, batch by batch, chunks written by another model with the current one.
+
+        Meant to run in the background after the embedder changed; until it is done,
+        recall simply does not see the rows still on the old model.  Returns rows updated.
+        """
+        total = 0
+        batches = 0
+        while max_batches is None or batches < max_batches:
+            stale = await self.store.stale_rows(self.embedder.model, batch_size)
+            if not stale:
+                break
+            vectors = await self.embedder.embed([r.text for r in stale])
+            await self.store.ensure_model_index(self.embedder.model, int(vectors.shape[1]))
+            total += await self.store.replace_embeddings(self.embedder.model, stale, vectors)
+            batches += 1
+            log.info("memory_reembedded", rows=len(stale), total=total, model=self.embedder.model)
+            if pause:
+                await anyio.sleep(pause)
+        return total

@@ -1,0 +1,373 @@
+"""The memory store: indexed chunks, the indexing tracker and the shared embedding cache
+in Postgres + pgvector (layout in :mod:`riverbed.memory.migrations`).
+
+A thin adapter: it writes rows and runs the two kinds of search the recall needs, and
+translates every asyncpg/OSError failure into :class:`~riverbed.errors.UnavailableError`.
+
+- Session scope is an exact scan (B-tree on ``session``, distance computed on every row
+  of the session): HNSW with such a selective filter returns too few rows.
+- Tenant scope uses the per-model partial HNSW index with ``hnsw.iterative_scan``
+  (pgvector 0.8), so a filter on the tenant still yields ``k`` rows.
+"""
+
+# ruff: noqa: S608  (SQL text only interpolates the validated, quoted schema name and model literal)
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import re
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+import anyio
+import asyncpg
+import numpy as np
+from asyncpg.pool import PoolConnectionProxy
+from pgvector.asyncpg import register_vector
+
+from riverbed.errors import ConfigError, UnavailableError
+from riverbed.memory import migrations
+from riverbed.memory.embedders import Vectors
+from riverbed.memory.migrations import quote_ident, quote_literal
+
+__all__ = ["Candidate", "ChunkRow", "StaleRow", "Store", "query_words"]
+
+_SCHEMA_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+_WORD_RE = re.compile(r"[^\W_]+", re.UNICODE)
+_CHUNK_COLUMNS = ["session", "event_id", "chunk", "tenant", "kind", "source", "ts", "text", "model", "embedding"]
+_DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRow:
+    """One chunk to index (the embedding is passed alongside)."""
+
+    event_id: int
+    chunk: int
+    kind: str
+    source: str
+    ts: dt.datetime
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A search result: ``score`` is cosine similarity (vector search) or ts_rank (text search)."""
+
+    session: str
+    event_id: int
+    chunk: int
+    kind: str
+    ts: dt.datetime
+    text: str
+    score: float
+
+
+@dataclass(frozen=True, slots=True)
+class StaleRow:
+    session: str
+    event_id: int
+    chunk: int
+    text: str
+
+
+def query_words(query: str, limit: int = 32) -> list[str]:
+    """Distinct lowercase words of a query, for an OR-ed full-text query."""
+    seen: dict[str, None] = {}
+    for word in _WORD_RE.findall(query.lower()):
+        seen.setdefault(word, None)
+        if len(seen) >= limit:
+            break
+    return list(seen)
+
+
+def _tenant(tenant: str | None) -> str:
+    return tenant or ""
+
+
+class Store:
+    """An asyncpg pool over one schema.  The constructor does no I/O; :meth:`start`
+    connects, applies migrations and registers the pgvector codecs."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        schema: str = "rb",
+        min_size: int = 1,
+        max_size: int = 10,
+        connect_timeout: float = 5.0,
+        command_timeout: float = 30.0,
+    ) -> None:
+        if not _SCHEMA_RE.match(schema):
+            raise ConfigError(f"schema {schema!r} is not valid: use lowercase letters, digits or underscores")
+        self.url = url
+        self.schema = schema
+        self._s = quote_ident(schema)
+        self._min_size = min_size
+        self._max_size = max_size
+        self._connect_timeout = connect_timeout
+        self._command_timeout = command_timeout
+        self._pool: asyncpg.Pool[asyncpg.Record] | None = None
+        self._vector_schema = "public"
+        self._indexed_models: set[str] = set()
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, migrate (safe when several workers start at once) and open the pool."""
+        if self._pool is not None:
+            return
+        try:
+            with anyio.fail_after(self._connect_timeout * 3):
+                conn = await asyncpg.connect(self.url, timeout=self._connect_timeout)
+                try:
+                    await migrations.apply(conn, self.schema)
+                    found = await conn.fetchval(
+                        "SELECT extnamespace::regnamespace::text FROM pg_extension WHERE extname = 'vector'"
+                    )
+                    self._vector_schema = str(found or "public")
+                finally:
+                    await conn.close()
+                self._pool = await asyncpg.create_pool(
+                    self.url,
+                    min_size=self._min_size,
+                    max_size=self._max_size,
+                    timeout=self._connect_timeout,
+                    command_timeout=self._command_timeout,
+                    init=self._init_connection,
+                )
+        except _DB_ERRORS as exc:
+            raise UnavailableError(f"the memory database cannot be reached or prepared: {exc}") from exc
+
+    async def _init_connection(self, conn: asyncpg.Connection[asyncpg.Record]) -> None:
+        await register_vector(conn, schema=self._vector_schema)
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            with anyio.move_on_after(5, shield=True):
+                await pool.close()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @contextlib.asynccontextmanager
+    async def _conn(self) -> AsyncIterator[PoolConnectionProxy[asyncpg.Record]]:
+        if self._pool is None:
+            raise UnavailableError("the memory store is not started (call Store.start first)")
+        try:
+            async with self._pool.acquire(timeout=self._connect_timeout) as conn:
+                yield conn
+        except _DB_ERRORS as exc:
+            raise UnavailableError(f"the memory database failed: {type(exc).__name__}: {exc}") from exc
+
+    async def ensure_model_index(self, model: str, dim: int) -> None:
+        """Create the HNSW index for ``model`` rows if missing (once per store)."""
+        if model in self._indexed_models:
+            return
+        async with self._conn() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", migrations.LOCK_KEY)
+            await conn.execute(migrations.hnsw_index_sql(self.schema, model, dim))
+        self._indexed_models.add(model)
+
+    # --- indexing ----------------------------------------------------------------------
+
+    async def indexed(self, session: str, event_ids: Iterable[int]) -> set[int]:
+        """Which of ``event_ids`` already went through indexing."""
+        ids = list(event_ids)
+        if not ids:
+            return set()
+        async with self._conn() as conn:
+            rows = await conn.fetch(
+                f"SELECT event_id FROM {self._s}.memory_indexed WHERE session = $1 AND event_id = ANY($2::bigint[])",
+                session,
+                ids,
+            )
+        return {int(r["event_id"]) for r in rows}
+
+    async def write(
+        self,
+        *,
+        session: str,
+        tenant: str | None,
+        model: str,
+        event_ids: Sequence[int],
+        rows: Sequence[ChunkRow],
+        vectors: Vectors,
+    ) -> set[int]:
+        """In one transaction: track ``event_ids`` and insert the chunks of the ones that were
+        not tracked yet.  Returns the event ids written now (a redelivery writes nothing)."""
+        if len(rows) != len(vectors):
+            raise ValueError("one vector per chunk row is needed")
+        counts: dict[int, int] = dict.fromkeys(event_ids, 0)
+        for row in rows:
+            counts[row.event_id] = counts.get(row.event_id, 0) + 1
+        async with self._conn() as conn, conn.transaction():
+            new = await conn.fetch(
+                f"INSERT INTO {self._s}.memory_indexed (session, event_id, chunks) "
+                "SELECT $1, e, c FROM unnest($2::bigint[], $3::integer[]) AS t(e, c) "
+                "ON CONFLICT DO NOTHING RETURNING event_id",
+                session,
+                list(counts),
+                list(counts.values()),
+            )
+            fresh = {int(r["event_id"]) for r in new}
+            records = [
+                (session, r.event_id, r.chunk, _tenant(tenant), r.kind, r.source, r.ts, r.text, model, vector)
+                for r, vector in zip(rows, vectors, strict=True)
+                if r.event_id in fresh
+            ]
+            if records:
+                await conn.copy_records_to_table(
+                    "memory_chunks",
+                    schema_name=self.schema,
+                    columns=_CHUNK_COLUMNS,
+                    records=records,
+                )
+        return fresh
+
+    # --- search ------------------------------------------------------------------------
+
+    async def vector_search(
+        self,
+        vector: Vectors,
+        *,
+        model: str,
+        k: int,
+        tenant: str | None,
+        session: str | None = None,
+    ) -> list[Candidate]:
+        """Nearest chunks of ``model`` by cosine similarity: exact within a session,
+        HNSW (iterative scan) across the tenant when ``session`` is None."""
+        query = np.asarray(vector, dtype=np.float32).reshape(-1)
+        cols = "session, event_id, chunk, kind, ts, text"
+        async with self._conn() as conn:
+            if session is not None:
+                rows = await conn.fetch(
+                    f"SELECT {cols}, embedding <=> $1::halfvec AS distance FROM {self._s}.memory_chunks "
+                    "WHERE session = $2 AND tenant = $3 AND model = $4 ORDER BY distance LIMIT $5",
+                    query,
+                    session,
+                    _tenant(tenant),
+                    model,
+                    k,
+                )
+            else:
+                dim = int(query.shape[0])
+                async with conn.transaction():
+                    await conn.execute("SET LOCAL hnsw.iterative_scan = relaxed_order")
+                    await conn.execute("SELECT set_config('hnsw.ef_search', $1, true)", str(min(1000, max(40, k))))
+                    rows = await conn.fetch(
+                        f"WITH c AS MATERIALIZED (SELECT {cols}, embedding::halfvec({dim}) <=> $1::halfvec({dim}) "
+                        f"AS distance FROM {self._s}.memory_chunks WHERE model = {quote_literal(model)} "
+                        "AND tenant = $2 ORDER BY distance LIMIT $3) SELECT * FROM c ORDER BY distance",
+                        query,
+                        _tenant(tenant),
+                        k,
+                    )
+        return [_candidate(r, 1.0 - float(r["distance"])) for r in rows]
+
+    async def text_search(
+        self,
+        query: str,
+        *,
+        k: int,
+        tenant: str | None,
+        session: str | None = None,
+    ) -> list[Candidate]:
+        """Chunks matching any word of ``query`` (English stemming), best ``ts_rank_cd`` first."""
+        words = query_words(query)
+        if not words:
+            return []
+        where = "tenant = $2" + (" AND session = $4" if session is not None else "")
+        args: list[Any] = [" | ".join(words), _tenant(tenant), k]
+        if session is not None:
+            args.append(session)
+        async with self._conn() as conn:
+            rows = await conn.fetch(
+                "SELECT session, event_id, chunk, kind, ts, text, ts_rank_cd(tsv, q) AS rank "
+                f"FROM {self._s}.memory_chunks, to_tsquery('english', $1) AS q "
+                f"WHERE tsv @@ q AND {where} ORDER BY rank DESC LIMIT $3",
+                *args,
+            )
+        return [_candidate(r, float(r["rank"])) for r in rows]
+
+    # --- embedding cache (shared level) ------------------------------------------------
+
+    async def cache_get(self, model: str, hashes: Sequence[bytes]) -> dict[bytes, Vectors]:
+        if not hashes:
+            return {}
+        async with self._conn() as conn:
+            rows = await conn.fetch(
+                f"SELECT hash, embedding FROM {self._s}.embedding_cache WHERE model = $1 AND hash = ANY($2::bytea[])",
+                model,
+                list(hashes),
+            )
+        return {bytes(r["hash"]): r["embedding"].to_numpy().astype(np.float32) for r in rows}
+
+    async def cache_put(self, model: str, hashes: Sequence[bytes], vectors: Vectors) -> None:
+        if not hashes:
+            return
+        async with self._conn() as conn:
+            await conn.executemany(
+                f"INSERT INTO {self._s}.embedding_cache (model, hash, embedding) VALUES ($1, $2, $3) "
+                "ON CONFLICT DO NOTHING",
+                [(model, h, v) for h, v in zip(hashes, vectors, strict=True)],
+            )
+
+    # --- re-embedding ------------------------------------------------------------------
+
+    async def stale_rows(self, model: str, limit: int) -> list[StaleRow]:
+        """Up to ``limit`` chunks embedded by a model other than ``model``."""
+        async with self._conn() as conn:
+            rows = await conn.fetch(
+                f"SELECT session, event_id, chunk, text FROM {self._s}.memory_chunks WHERE model <> $1 LIMIT $2",
+                model,
+                limit,
+            )
+        return [StaleRow(r["session"], int(r["event_id"]), int(r["chunk"]), r["text"]) for r in rows]
+
+    async def replace_embeddings(self, model: str, rows: Sequence[StaleRow], vectors: Vectors) -> int:
+        """Store ``model``'s vectors for ``rows`` (rows already on ``model`` are left alone)."""
+        async with self._conn() as conn:
+            await conn.executemany(
+                f"UPDATE {self._s}.memory_chunks SET model = $1, embedding = $2 "
+                "WHERE session = $3 AND event_id = $4 AND chunk = $5 AND model <> $1",
+                [(model, v, r.session, r.event_id, r.chunk) for r, v in zip(rows, vectors, strict=True)],
+            )
+        return len(rows)
+
+    # --- inspection --------------------------------------------------------------------
+
+    async def counts(self, session: str | None = None) -> dict[str, int]:
+        """Rows in the chunk and tracking tables (of one session, or all)."""
+        where, args = ("WHERE session = $1", [session]) if session is not None else ("", [])
+        async with self._conn() as conn:
+            chunks = await conn.fetchval(f"SELECT count(*) FROM {self._s}.memory_chunks {where}", *args)
+            tracked = await conn.fetchval(f"SELECT count(*) FROM {self._s}.memory_indexed {where}", *args)
+            cached = await conn.fetchval(f"SELECT count(*) FROM {self._s}.embedding_cache")
+        return {"chunks": int(chunks), "indexed": int(tracked), "cached": int(cached)}
+
+    async def models(self) -> dict[str, int]:
+        """Chunk rows per embedding model."""
+        async with self._conn() as conn:
+            rows = await conn.fetch(f"SELECT model, count(*) AS n FROM {self._s}.memory_chunks GROUP BY model")
+        return {r["model"]: int(r["n"]) for r in rows}
+
+
+def _candidate(row: asyncpg.Record, score: float) -> Candidate:
+    return Candidate(
+        session=row["session"],
+        event_id=int(row["event_id"]),
+        chunk=int(row["chunk"]),
+        kind=row["kind"],
+        ts=row["ts"],
+        text=row["text"],
+        score=score,
+    )
