@@ -1,0 +1,169 @@
+"""Sandbox limits and the process plumbing that enforces them.
+
+How a sandbox is bounded (there is no cgroup on the machines riverbed targets, and the
+worker usually runs as root):
+
+- **Per-process rlimits.**  Every sandbox process (the session's bash, its Python driver)
+  is started through ``_launch.py``, a stdlib-only script run with the worker's own
+  interpreter, which calls ``setsid()`` (so the sandbox is one POSIX session of its own),
+  makes the pty its controlling terminal when asked, applies ``setrlimit`` and then
+  ``exec``\\ s the real program.  The limits: address space (``RLIMIT_AS``), file size
+  (``RLIMIT_FSIZE``), CPU seconds per process (``RLIMIT_CPU``), open files
+  (``RLIMIT_NOFILE``), no core dumps, and ``RLIMIT_NPROC`` when the worker is *not* root
+  (the kernel ignores it for root, and it counts every process of the user, not just ours).
+  Using a launcher rather than ``preexec_fn`` keeps spawning safe in a threaded worker.
+- **Process count.**  Because ``RLIMIT_NPROC`` does nothing for root, the runtime counts the
+  processes of each sandbox session (``/proc/*/stat`` session id) while a command runs and
+  from :meth:`Runtime.watch`; above ``max_processes`` every process of the sandbox except
+  its shell is killed.
+- **Time.**  A command past its hard timeout is interrupted (Ctrl-C through the pty); if that
+  is not enough, its process group and every process it started in the sandbox session are
+  killed with ``SIGKILL`` (a stop pass first, so a fork loop cannot outrun the kill).
+
+A program that calls ``setsid()`` itself leaves the sandbox session and escapes the count;
+a container or a cgroup is the answer to that, outside riverbed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+LAUNCHER = Path(__file__).with_name("_launch.py")
+DRIVER = Path(__file__).with_name("_driver.py")
+
+_MIB = 1024 * 1024
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Bounds of every sandbox.  Times are seconds; sizes bytes; ``None`` means no limit."""
+
+    cmd_timeout: float = 120.0
+    """hard timeout of a ``cmd_run`` whose ``timeout`` is not set"""
+    soft_timeout: float = 10.0
+    """a non-blocking command with no new output for this long returns (it keeps running)"""
+    python_timeout: float = 120.0
+    """hard timeout of a ``python_run`` whose ``timeout`` is not set"""
+    interrupt_grace: float = 2.0
+    """after Ctrl-C / SIGINT, how long to wait before killing"""
+    start_timeout: float = 15.0
+    """how long a new shell or Python process may take to become ready"""
+    max_output_chars: int = 30_000
+    """output above this is cut in the middle, with a marker"""
+    max_read_bytes: int = 5 * _MIB
+    """largest file ``file_read`` and ``file_edit view`` will load"""
+    max_processes: int = 256
+    """processes one sandbox session may hold; above it they are killed"""
+    address_space: int | None = 8 * 1024 * _MIB
+    """RLIMIT_AS of each sandbox process"""
+    file_size: int | None = 1024 * _MIB
+    """RLIMIT_FSIZE: the largest file a sandbox process may write"""
+    cpu_seconds: int | None = 3600
+    """RLIMIT_CPU of each sandbox process (CPU time, not wall time)"""
+    open_files: int | None = 4096
+    """RLIMIT_NOFILE of each sandbox process"""
+    edit_history: int = 20
+    """``undo_edit`` steps kept per file"""
+
+    def rlimits(self) -> dict[str, int]:
+        """The ``resource.RLIMIT_*`` names and values the launcher applies."""
+        out: dict[str, int] = {"RLIMIT_CORE": 0}
+        for name, value in (
+            ("RLIMIT_AS", self.address_space),
+            ("RLIMIT_FSIZE", self.file_size),
+            ("RLIMIT_CPU", self.cpu_seconds),
+            ("RLIMIT_NOFILE", self.open_files),
+        ):
+            if value is not None:
+                out[name] = int(value)
+        if os.geteuid() != 0:
+            out["RLIMIT_NPROC"] = _user_process_count() + self.max_processes
+        return out
+
+
+def launcher_argv(limits: Limits, argv: list[str], *, ctty: bool = False) -> list[str]:
+    """The command line that runs ``argv`` as a new limited sandbox session."""
+    flags = ["--ctty"] if ctty else []
+    return [sys.executable, "-I", "-S", str(LAUNCHER), json.dumps(limits.rlimits()), *flags, "--", *argv]
+
+
+def _user_process_count() -> int:
+    uid = os.geteuid()
+    count = 0
+    for entry in _proc_entries():
+        with contextlib.suppress(OSError):
+            if os.stat(f"/proc/{entry}").st_uid == uid:
+                count += 1
+    return count
+
+
+def _proc_entries() -> list[str]:
+    try:
+        return [name for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return []
+
+
+def session_processes(sid: int) -> list[tuple[int, int]]:
+    """``(pid, pgrp)`` of every live process in POSIX session ``sid`` (zombies excluded)."""
+    found: list[tuple[int, int]] = []
+    for entry in _proc_entries():
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(b")", 1)[-1].split()
+        if len(fields) < 4 or fields[0] == b"Z":
+            continue
+        if int(fields[3]) == sid:
+            found.append((int(entry), int(fields[2])))
+    return found
+
+
+def kill_processes(sid: int, *, keep: frozenset[int] = frozenset(), only_new_since: set[int] | None = None) -> int:
+    """SIGKILL processes of session ``sid`` except ``keep`` (and, when given, except those
+    in ``only_new_since``).  Stops them first so a fork loop cannot outrun us.  Returns
+    how many were killed."""
+    killed: set[int] = set()
+    for _ in range(20):
+        targets = [
+            pid
+            for pid, _pg in session_processes(sid)
+            if pid not in keep and (only_new_since is None or pid not in only_new_since)
+        ]
+        if not targets:
+            break
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in targets:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
+        killed.update(targets)
+    return len(killed)
+
+
+def spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """Start a sandbox process (call it in a worker thread: forking a big process takes time)."""
+    return subprocess.Popen(argv, close_fds=True, **kwargs)
+
+
+def wait_exit(proc: subprocess.Popen[bytes], seconds: float) -> bool:
+    """Reap ``proc`` (blocking, call it in a thread); True when it has exited."""
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def signal_group(pgrp: int, sig: int) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(pgrp, sig)

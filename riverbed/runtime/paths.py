@@ -1,0 +1,80 @@
+"""Workspaces and path confinement.
+
+Each session has one directory below the runtime's root.  Session ids are arbitrary
+strings, so the directory name is a readable slug of the id (letters, digits, ``.``, ``_``,
+``-``; at most 48 characters) followed by 16 hex digits of the id's SHA-256: deterministic,
+safe on any filesystem, and two ids never share a directory in practice.
+
+Every path an action names is confined to its session's workspace: relative paths resolve
+from the workspace; absolute paths must lie inside it; ``..`` and symlinks are resolved
+first, so neither can lead out.  NUL bytes, over-long names and non-paths are refused.
+The check is made when the action runs; a sandbox process that swaps a directory for a
+symlink at the same instant is outside what a path check can stop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+
+from riverbed.errors import InputError
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_NAME_MAX = 255
+_PATH_MAX = 4096
+
+
+class PathRefused(InputError):
+    """A path names something outside the workspace, or is not a usable path."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def workspace_name(session_id: str) -> str:
+    """The directory name of a session's workspace (pure, deterministic)."""
+    digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    slug = _UNSAFE.sub("_", session_id).strip("._-")[:48] or "session"
+    return f"{slug}-{digest}"
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def confine(workspace: Path, raw: str) -> Path:
+    """The real path that ``raw`` names inside ``workspace``, or :class:`PathRefused`."""
+    if not isinstance(raw, str) or raw == "":
+        raise PathRefused("bad_path", "the path is empty")
+    if "\x00" in raw:
+        raise PathRefused("bad_path", "the path contains a NUL byte")
+    try:
+        encoded = raw.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PathRefused("bad_path", "the path is not valid UTF-8") from exc
+    if len(encoded) > _PATH_MAX:
+        raise PathRefused("bad_path", f"the path is {len(encoded)} bytes long; the limit is {_PATH_MAX}")
+    for part in raw.split("/"):
+        if len(part.encode("utf-8")) > _NAME_MAX:
+            raise PathRefused("bad_path", f"a path component is longer than {_NAME_MAX} bytes")
+    root = os.path.realpath(workspace)
+    joined = raw if os.path.isabs(raw) else os.path.join(root, raw)
+    if not _within(os.path.normpath(joined), root) and not _within(os.path.normpath(joined), str(workspace)):
+        raise PathRefused("path_outside_workspace", f"{raw!r} is outside the workspace")
+    try:
+        real = os.path.realpath(joined)
+    except (OSError, ValueError) as exc:
+        raise PathRefused("bad_path", f"{raw!r} cannot be resolved: {exc}") from exc
+    if not _within(real, root):
+        raise PathRefused("path_outside_workspace", f"{raw!r} leads outside the workspace (through a symlink or '..')")
+    return Path(real)
+
+
+def display(workspace: Path, path: Path) -> str:
+    """``path`` relative to the workspace, as shown to agents."""
+    root = os.path.realpath(workspace)
+    rel = os.path.relpath(path, root)
+    return "." if rel == "." else rel

@@ -1,0 +1,360 @@
+"""The persistent bash of a session.
+
+One interactive ``bash --norc --noprofile --noediting -i`` per session, on a pty that is
+its controlling terminal (so Ctrl-C reaches the foreground job exactly as in a terminal,
+and job control gives each job its own process group).  Echo and CR-LF translation are
+turned off on the pty.  ``PROMPT_COMMAND`` prints a marker with a per-shell nonce and
+``$?`` before every prompt, which is how the end of a command and its exit code are
+seen; the prompts themselves are empty.
+
+A command is written to a private file outside the workspace and run with ``source``, so
+multi-line scripts, heredocs and unbalanced quotes end in exactly one marker, while
+``cd``, ``export``, functions and aliases persist in the shell.  Input sent with
+``is_input`` goes to the pty, where the running command reads it.
+
+Timeouts: a *hard* timeout interrupts the command (Ctrl-C, then ``SIGKILL`` of its process
+group) and kills every process the command started in the sandbox session; the shell,
+its cwd and its variables survive.  A non-blocking command that prints nothing new for
+the *soft* timeout returns what it has printed so far and keeps running; the next
+``cmd_run`` may be input for it, ``C-c``, or an empty command to wait for more output.
+If the shell itself dies or stops answering, it is replaced by a fresh one and the
+observation says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import struct
+import subprocess
+import tempfile
+import termios
+from collections.abc import Mapping
+from functools import partial
+from pathlib import Path
+
+import anyio
+import structlog
+
+from riverbed import events
+from riverbed.runtime.limits import (
+    Limits,
+    kill_processes,
+    launcher_argv,
+    session_processes,
+    signal_group,
+    spawn,
+    wait_exit,
+)
+from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
+
+log = structlog.get_logger("riverbed.runtime.shell")
+
+_KEYS = {"C-c": b"\x03", "C-d": b"\x04", "C-z": b"\x1a", "C-\\": b"\x1c"}
+_WATCH_EVERY = 1.0
+
+
+class ShellUnavailable(Exception):
+    """The shell could not be started or does not answer."""
+
+
+class Shell:
+    """A persistent bash in ``workspace``; not safe for concurrent use (the caller locks)."""
+
+    def __init__(self, workspace: Path, env: Mapping[str, str], limits: Limits) -> None:
+        self._workspace = workspace
+        self._env = dict(env)
+        self._limits = limits
+        self._nonce = secrets.token_hex(8)
+        self._scanner = MarkerScanner(f"\n__RB_{self._nonce}_".encode(), b"__\n")
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._master = -1
+        self._ctl_dir: str | None = None
+        self._applied: dict[str, str | None] = {}
+        self._running = False
+        self._before: set[int] = set()
+        self._command = ""
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        master, slave = os.openpty()
+        try:
+            attrs = termios.tcgetattr(slave)
+            attrs[1] &= ~termios.ONLCR
+            attrs[3] &= ~(termios.ECHO | termios.ECHONL)
+            termios.tcsetattr(slave, termios.TCSANOW, attrs)
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+            env = dict(self._env)
+            env.update(
+                PS1="",
+                PS2="",
+                PROMPT_COMMAND=f"printf '\\n__RB_{self._nonce}_%s__\\n' \"$?\"",
+                HISTFILE="",
+            )
+            argv = launcher_argv(self._limits, ["bash", "--norc", "--noprofile", "--noediting", "-i"], ctty=True)
+            popen = partial(spawn, argv, stdin=slave, stdout=slave, stderr=slave, cwd=self._workspace, env=env)
+            self._proc = await anyio.to_thread.run_sync(popen)
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(slave)
+        os.set_blocking(master, False)
+        self._master = master
+        self._ctl_dir = tempfile.mkdtemp(prefix="riverbed-sh-")
+        self._applied = {}
+        self._running = False
+        self._scanner.reset()
+        ok = await self._hidden("export -n PS1 PS2 PROMPT_COMMAND HISTFILE; set +o history", first=True)
+        if not ok:
+            await self.close()
+            raise ShellUnavailable("bash did not start in time")
+        log.debug("shell started", pid=self.pid, workspace=str(self._workspace))
+
+    async def close(self) -> None:
+        """Kill the shell and everything in its sandbox session (bounded)."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            await anyio.to_thread.run_sync(partial(kill_processes, proc.pid))
+            await anyio.to_thread.run_sync(wait_exit, proc, 2.0)
+        if self._master >= 0:
+            os.close(self._master)
+            self._master = -1
+        if self._ctl_dir is not None:
+            shutil.rmtree(self._ctl_dir, ignore_errors=True)
+            self._ctl_dir = None
+        self._running = False
+
+    # --- commands ------------------------------------------------------------------------------
+
+    async def run(self, action: events.CmdRun, env: Mapping[str, str | None], cwd: Path | None) -> events.Event:
+        """Run (or feed, or wait for) a command; returns a CmdOutput or an Error."""
+        timeout = action.timeout if action.timeout is not None else self._limits.cmd_timeout
+        notes: list[str] = []
+        if not self.alive:
+            if self._proc is not None:
+                notes.append("[the previous shell had exited; this is a new shell: cwd and variables were reset]")
+                await self.close()
+            await self.start()
+        if action.is_input:
+            if not self._running:
+                return _error("no_running_command", "no command is running, so there is nothing to send input to")
+            key = _KEYS.get(action.command)
+            if key == b"\x03":
+                return await self._interrupt_and_report(action.command)
+            await write_all(self._master, key if key is not None else action.command.encode() + b"\n")
+            return await self._collect(action, timeout, notes)
+        if self._running:
+            if action.command == "":
+                return await self._collect(action, timeout, notes)
+            return _error(
+                "command_running",
+                f"the previous command ({self._command!r}) is still running: send input with is_input=true, "
+                "'C-c' with is_input=true to interrupt it, or an empty command to wait for more output",
+                retryable=True,
+            )
+        if action.command.strip() == "":
+            return _error("no_running_command", "the command is empty and no command is running")
+        if not await self._apply_env(env):
+            return _error("shell_unavailable", "the shell did not accept the session environment", retryable=True)
+        self._drain()
+        assert self._ctl_dir is not None
+        script = Path(self._ctl_dir) / "command.sh"
+        script.write_text(action.command + "\n", encoding="utf-8")
+        line = f"source {shlex.quote(str(script))}"
+        if cwd is not None:
+            line = f"builtin cd -- {shlex.quote(str(cwd))} && {line}"
+        self._before = {pid for pid, _ in await anyio.to_thread.run_sync(session_processes, self._sid())}
+        self._command = action.command
+        self._running = True
+        self._scanner.reset()
+        await write_all(self._master, line.encode() + b"\n")
+        return await self._collect(action, timeout, notes)
+
+    def _sid(self) -> int:
+        assert self._proc is not None
+        return self._proc.pid
+
+    async def _collect(self, action: events.CmdRun, timeout: float, notes: list[str]) -> events.Event:
+        text = CappedText(self._limits.max_output_chars)
+        loop_start = anyio.current_time()
+        deadline = loop_start + timeout
+        last_output = loop_start
+        next_watch = loop_start + _WATCH_EVERY
+        while True:
+            now = anyio.current_time()
+            wait = min(deadline, next_watch) - now
+            if not action.blocking:
+                wait = min(wait, last_output + self._limits.soft_timeout - now)
+            data: bytes | None = None
+            with anyio.move_on_after(max(wait, 0)):
+                data = await read_some(self._master)
+            now = anyio.current_time()
+            if data == b"":
+                self._running = False
+                text.feed_bytes(self._scanner.flush(), final=True)
+                notes.append("[the shell exited; the next command starts a new shell with a fresh state]")
+                proc = self._proc
+                await self.close()
+                return self._output(action, text, proc.returncode if proc is not None else None, notes)
+            if data:
+                last_output = now
+                text.feed_bytes(self._scanner.feed(data))
+                if self._scanner.found:
+                    self._running = False
+                    text.feed_bytes(b"", final=True)
+                    return self._output(action, text, _exit_code(self._scanner.payload), notes)
+            if now >= next_watch:
+                next_watch = now + _WATCH_EVERY
+                note = await self._watch_processes()
+                if note:
+                    notes.append(note)
+            if now >= deadline:
+                code = await self._interrupt(text, notes)
+                notes.append(f"[the command timed out after {timeout:g} seconds and was interrupted]")
+                return self._output(action, text, code, notes, timed_out=True)
+            if not action.blocking and now - last_output >= self._limits.soft_timeout:
+                notes.append(
+                    f"[no new output for {self._limits.soft_timeout:g} seconds; the command is still running: "
+                    "send an empty command to wait for more, input with is_input=true, or 'C-c' to interrupt]"
+                )
+                return self._output(action, text, None, notes, timed_out=True)
+
+    def _output(
+        self,
+        action: events.CmdRun,
+        text: CappedText,
+        code: int | None,
+        notes: list[str],
+        *,
+        timed_out: bool = False,
+    ) -> events.CmdOutput:
+        content = text.render()
+        if notes:
+            content = (content + "\n" if content and not content.endswith("\n") else content) + "\n".join(notes)
+        return events.CmdOutput(
+            content=content,
+            exit_code=code,
+            command=action.command,
+            timed_out=timed_out,
+            truncated=text.truncated,
+            cause=action.id,
+        )
+
+    async def _interrupt_and_report(self, command: str) -> events.CmdOutput:
+        text = CappedText(self._limits.max_output_chars)
+        notes: list[str] = []
+        code = await self._interrupt(text, notes)
+        action = events.CmdRun(command=command, is_input=True)
+        return self._output(action, text, code, notes)
+
+    async def _interrupt(self, text: CappedText, notes: list[str]) -> int | None:
+        """Ctrl-C, then kill; leaves nothing the command started; restarts a stuck shell."""
+        sid = self._sid()
+        await write_all(self._master, b"\x03")
+        found = await self._wait_marker(text, self._limits.interrupt_grace)
+        with contextlib.suppress(OSError):
+            fg = os.tcgetpgrp(self._master)
+            if not found and fg != sid:
+                signal_group(fg, signal.SIGKILL)
+        killed = await anyio.to_thread.run_sync(
+            partial(kill_processes, sid, keep=frozenset({sid}), only_new_since=self._before)
+        )
+        if killed:
+            notes.append(f"[killed {killed} process(es) the command had started]")
+        if not found:
+            found = await self._wait_marker(text, self._limits.interrupt_grace)
+        self._running = False
+        if not found:
+            notes.append(
+                "[the shell did not recover from the interrupt; it was replaced: cwd and variables were reset]"
+            )
+            await self.close()
+            return None
+        return _exit_code(self._scanner.payload)
+
+    async def _wait_marker(self, text: CappedText, seconds: float) -> bool:
+        with anyio.move_on_after(seconds):
+            while not self._scanner.found:
+                data = await read_some(self._master)
+                if not data:
+                    return False
+                text.feed_bytes(self._scanner.feed(data))
+        return self._scanner.found
+
+    async def _watch_processes(self) -> str | None:
+        """Kill everything but the shell when the sandbox holds too many processes."""
+        sid = self._sid()
+        count = len(await anyio.to_thread.run_sync(session_processes, sid))
+        if count <= self._limits.max_processes:
+            return None
+        killed = await anyio.to_thread.run_sync(partial(kill_processes, sid, keep=frozenset({sid})))
+        log.warning("sandbox process limit", pid=sid, processes=count, killed=killed)
+        return f"[the sandbox held {count} processes, over the limit of {self._limits.max_processes}: killed {killed}]"
+
+    async def enforce_limits(self) -> None:
+        """The process-count check, for a periodic watcher (between commands too)."""
+        if self.alive:
+            await self._watch_processes()
+
+    # --- hidden helpers -----------------------------------------------------------------------
+
+    async def _hidden(self, line: str, *, first: bool = False) -> bool:
+        """Run a line whose output nobody sees; True when the shell answered."""
+        sink = CappedText(1000)
+        if first:
+            if not await self._wait_marker(sink, self._limits.start_timeout):
+                return False
+        self._scanner.reset()
+        await write_all(self._master, line.encode() + b"\n")
+        ok = await self._wait_marker(sink, self._limits.start_timeout)
+        self._scanner.reset()
+        return ok
+
+    def _drain(self) -> None:
+        """Discard what arrived while idle (job notices, late output of background jobs)."""
+        while True:
+            try:
+                if not os.read(self._master, 65536):
+                    return
+            except OSError:
+                return
+
+    async def _apply_env(self, env: Mapping[str, str | None]) -> bool:
+        parts: list[str] = []
+        for name in sorted(set(env) | set(self._applied)):
+            value = env.get(name)
+            if name in self._applied and self._applied[name] == value:
+                continue
+            parts.append(f"unset {name}" if value is None else f"export {name}={shlex.quote(value)}")
+        if not parts:
+            return True
+        ok = await self._hidden("; ".join(parts))
+        if ok:
+            self._applied = dict(env)
+        return ok
+
+
+def _exit_code(payload: str) -> int | None:
+    try:
+        return int(payload)
+    except ValueError:
+        return None
+
+
+def _error(reason: str, content: str, *, retryable: bool = False) -> events.Error:
+    return events.Error(content=content, reason=reason, retryable=retryable)
