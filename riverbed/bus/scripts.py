@@ -73,20 +73,21 @@ return reply
 """
 )
 
-# KEYS: meta.  ARGV: role, worker, lease_ms.
-# Replies: {token, holder}; token 0 when another live worker holds the session.
+# KEYS: meta.  ARGV: role, worker, lease_ms, directory entry id.
+# Replies: {token, holder, holder's directory entry}; token 0 when another live worker holds it.
 ACQUIRE = (
     _NOW
     + """
 local holder = redis.call('HGET', KEYS[1], 'holder:' .. ARGV[1])
 local expires = tonumber(redis.call('HGET', KEYS[1], 'expires:' .. ARGV[1]) or '0')
 if holder and holder ~= '' and holder ~= ARGV[2] and expires > now then
-  return {0, holder}
+  return {0, holder, redis.call('HGET', KEYS[1], 'entry:' .. ARGV[1]) or ''}
 end
 local token = redis.call('HINCRBY', KEYS[1], 'fence:' .. ARGV[1], 1)
-redis.call('HSET', KEYS[1], 'holder:' .. ARGV[1], ARGV[2], 'expires:' .. ARGV[1], now + tonumber(ARGV[3]))
+redis.call('HSET', KEYS[1], 'holder:' .. ARGV[1], ARGV[2], 'expires:' .. ARGV[1], now + tonumber(ARGV[3]),
+  'entry:' .. ARGV[1], ARGV[4])
 redis.call('HDEL', KEYS[1], 'need:' .. ARGV[1])
-return {token, ARGV[2]}
+return {token, ARGV[2], ARGV[4]}
 """
 )
 

@@ -1,0 +1,516 @@
+"""The consumer loop of one role in one worker: take sessions, serve them, survive crashes.
+
+An :class:`Owner` runs four kinds of task in one task group:
+
+- **intake** reads new directory entries (bounded ``BLOCK``) while it owns fewer than
+  ``capacity`` sessions and acquires them;
+- **reclaim** takes over sessions whose owner stopped renewing (``XAUTOCLAIM`` after a lease);
+- **renew** pushes every owned lease forward every third of a lease; a session whose
+  renewal fails is abandoned at once (its fencing token is stale anyway);
+- one **session loop** per owned session: it creates the role's consumer group on the log,
+  hands entries that were in flight on the previous owner to :meth:`Handler.recover`, then
+  reads new entries (``XREADGROUP >``, bounded ``BLOCK``) and hands them, in order, to
+  :meth:`Handler.handle`.
+
+Failures inside a handler never escape: an entry that keeps failing (or that crashed its
+worker) ``max_attempts`` times goes to the dead-letter stream, the session gets an
+``error`` event, and the loop goes on.  :class:`UnavailableError` (Postgres or the embedder
+down) is not the entry's fault: the loop backs off and retries without counting attempts.
+
+Shutdown is two-phase: :meth:`Owner.stop` stops intake and lets each session loop finish
+its current batch; after the drain deadline the rest is cancelled; releases run shielded
+and re-announce each session so a peer takes it at once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+import anyio
+import redis.exceptions as rexc
+import structlog
+from anyio.abc import TaskStatus
+from msgspec.structs import replace
+
+from riverbed import events
+from riverbed.bus.connection import Client, translate
+from riverbed.bus.dlq import DeadLetters
+from riverbed.bus.faults import crashpoint
+from riverbed.bus.keys import PAYLOAD_FIELD, Keys
+from riverbed.bus.log import AlreadyAnswered, Fence, Log, decode_entry, entry_id
+from riverbed.bus.ownership import Claim, Leases
+from riverbed.errors import FencedError, UnavailableError
+
+__all__ = ["Entry", "Handler", "Owner", "OwnerStats", "SessionContext"]
+
+log = structlog.get_logger("riverbed.worker")
+
+READ_COUNT = 100
+T = TypeVar("T")
+
+
+@dataclass
+class Entry:
+    """One log entry as delivered to a role: its id, the decoded event and the raw payload."""
+
+    id: int
+    event: events.Event
+    payload: bytes
+    deliveries: int = 1
+
+    @property
+    def undecodable(self) -> bool:
+        return isinstance(self.event, events.Unknown) and "undecodable" in self.event.payload
+
+
+@dataclass
+class OwnerStats:
+    """Counters an operator pages on; exported as Prometheus metrics by the worker."""
+
+    handled: int = 0
+    redeliveries: int = 0
+    dead_letters: int = 0
+    takeovers: int = 0
+    append_conflicts: int = 0
+    lost: int = 0
+    handler_seconds: list[float] = field(default_factory=list)
+
+
+class SessionContext:
+    """What a handler may do for the session it serves, with the owner's fencing token."""
+
+    def __init__(self, owner: Owner, session: str, token: int) -> None:
+        self.owner = owner
+        self.session = session
+        self.role = owner.role
+        self.worker = owner.worker
+        self.fence = Fence(owner.role, token)
+        self.log = owner.log
+        self.last_seen = 0
+        self.tenant: str | None = None
+
+    async def answer(self, entry: Entry, observation: events.Observation) -> int | None:
+        """Append the one observation answering ``entry`` and acknowledge the entry atomically.
+
+        Returns its id, or None when the action was answered already (then only acks).
+        """
+        obs = observation if observation.cause == entry.id else _with_cause(observation, entry.id)
+        if obs.tenant is None and self.tenant is not None:
+            obs = _with_tenant(obs, self.tenant)
+        result = await self.log.append(self.session, [obs], fence=self.fence, ack=(self.role, f"{entry.id}-0"))
+        crashpoint("after_append")
+        if isinstance(result, AlreadyAnswered):
+            await self.ack([entry.id])
+            return None
+        return result[0]
+
+    async def append(self, batch: Sequence[events.Event], *, expected_last: int | None = None) -> list[int]:
+        result = await self.log.append(self.session, batch, fence=self.fence, expected_last=expected_last)
+        if isinstance(result, AlreadyAnswered):
+            return []
+        return result
+
+    async def ack(self, ids: Sequence[int]) -> None:
+        if not ids:
+            return
+        crashpoint("before_ack")
+        with translate(self.owner.url):
+            await self.owner.redis.xack(self.owner.keys.log(self.session), self.role, *[f"{i}-0" for i in ids])
+
+    async def is_answered(self, action_id: int) -> bool:
+        with translate(self.owner.url):
+            return bool(await self.owner.redis.hexists(self.owner.keys.answers(self.session), str(action_id)))
+
+
+class Handler(Protocol):
+    """A role's behaviour for the sessions it owns."""
+
+    role: str
+
+    async def open(self, ctx: SessionContext) -> None:
+        """Called after the session is acquired, before any entry (e.g. fold its settings)."""
+
+    async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
+        """Entries that were in flight on a previous owner (delivered, never acknowledged)."""
+
+    async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
+        """New entries, in log order; acknowledge (or answer) each one."""
+
+    async def close(self, ctx: SessionContext) -> None:
+        """Called when the session is released, parked or lost."""
+
+
+@dataclass
+class _Owned:
+    entry: str
+    token: int
+    scope: anyio.CancelScope
+    busy: bool = False
+
+
+class Owner:
+    """Serves one role for up to ``capacity`` sessions at a time."""
+
+    def __init__(
+        self,
+        redis: Client,
+        keys: Keys,
+        handler: Handler,
+        *,
+        worker: str,
+        capacity: int = 100,
+        lease_seconds: float = 5.0,
+        park_after: float = 60.0,
+        max_attempts: int = 3,
+        url: str = "redis",
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.handler = handler
+        self.role = handler.role
+        self.worker = worker
+        self.capacity = capacity
+        self.lease_seconds = lease_seconds
+        self.park_after = park_after
+        self.max_attempts = max_attempts
+        self.url = url
+        self.log = Log(redis, keys, url)
+        self.leases = Leases(redis, keys, self.role, worker=worker, lease_ms=math.ceil(lease_seconds * 1000), url=url)
+        self.dlq = DeadLetters(redis, keys, url)
+        self.owned: dict[str, _Owned] = {}
+        self.stats = OwnerStats()
+        self.ready = False
+        self._stopping = anyio.Event()
+        self._drained = anyio.Event()
+        self._slot_freed = anyio.Event()
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        await _retrying(self.leases.ensure_group, self._stopping)
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self._intake)
+            tg.start_soon(self._reclaim)
+            tg.start_soon(self._renew)
+            self.ready = True
+            task_status.started()
+            await self._drained.wait()
+            tg.cancel_scope.cancel()
+
+    async def drain(self, deadline: float) -> None:
+        """Stop taking sessions; let in-flight work finish for up to ``deadline`` seconds, then
+        cancel what is left.  Every session is released (and re-announced) before this returns."""
+        self._stopping.set()
+        await _wait_until(lambda: not any(o.busy for o in self.owned.values()), deadline)
+        for owned in list(self.owned.values()):
+            owned.scope.cancel()
+        await _wait_until(lambda: not self.owned, max(1.0, deadline))
+        self._drained.set()
+
+    # --- taking sessions -------------------------------------------------------------------
+
+    def _free(self) -> int:
+        return self.capacity - len(self.owned)
+
+    async def _intake(self) -> None:
+        for claim in await _retrying(lambda: self.leases.read_own_pending(self.capacity), self._stopping):
+            await self._take(claim, reclaimed=True)
+        while not self._stopping.is_set():
+            if self._free() <= 0:
+                self._slot_freed = anyio.Event()
+                with anyio.move_on_after(1.0):
+                    await self._slot_freed.wait()
+                continue
+            try:
+                claims = await self.leases.read_new(self._free(), block_ms=1000)
+            except UnavailableError as exc:
+                log.warning("intake.unavailable", role=self.role, error=str(exc))
+                await anyio.sleep(0.5)
+                continue
+            for claim in claims:
+                await self._take(claim, reclaimed=False)
+
+    async def _reclaim(self) -> None:
+        period = max(0.05, min(self.lease_seconds / 4, 1.0))
+        while not self._stopping.is_set():
+            await anyio.sleep(period)
+            if self._free() <= 0:
+                continue
+            try:
+                claims = await self.leases.reclaim_stale(self._free())
+            except (UnavailableError, rexc.ResponseError) as exc:
+                log.warning("reclaim.failed", role=self.role, error=str(exc))
+                continue
+            for claim in claims:
+                await self._take(claim, reclaimed=True)
+
+    async def _take(self, claim: Claim, *, reclaimed: bool) -> None:
+        if claim.session in self.owned:
+            if claim.entry != self.owned[claim.session].entry:
+                await self.leases.drop(claim)
+            return
+        try:
+            got = await self.leases.acquire(claim)
+        except UnavailableError as exc:
+            log.warning("acquire.unavailable", role=self.role, session=claim.session, error=str(exc))
+            return
+        if got.token == 0:
+            if reclaimed and got.holder_entry == claim.entry:
+                await self.leases.hand_back(claim, got.holder)
+            else:
+                await self.leases.drop(claim)
+            return
+        if reclaimed:
+            self.stats.takeovers += 1
+        scope = anyio.CancelScope()
+        self.owned[claim.session] = _Owned(entry=claim.entry, token=got.token, scope=scope)
+        assert self._tg is not None
+        self._tg.start_soon(self._serve, claim.session, scope)
+
+    async def _renew(self) -> None:
+        period = self.lease_seconds / 3
+        while not self._stopping.is_set():
+            await anyio.sleep(period)
+            snapshot = {s: (o.entry, o.token) for s, o in self.owned.items()}
+            crashpoint("during_renew")
+            try:
+                lost = await self.leases.renew(snapshot)
+            except UnavailableError as exc:
+                log.warning("renew.unavailable", role=self.role, error=str(exc))
+                continue
+            for session in lost:
+                owned = self.owned.get(session)
+                if owned is not None:
+                    log.warning("lease.lost", role=self.role, session=session)
+                    self.stats.lost += 1
+                    owned.scope.cancel()
+
+    # --- serving one session ---------------------------------------------------------------
+
+    async def _serve(self, session: str, scope: anyio.CancelScope) -> None:
+        owned = self.owned[session]
+        ctx = SessionContext(self, session, owned.token)
+        released = False
+        bound = log.bind(role=self.role, session=session, worker=self.worker)
+        try:
+            with scope:
+                await self._ensure_log_group(session)
+                await self.handler.open(ctx)
+                in_flight = await self._in_flight(session)
+                if in_flight:
+                    bound.info("session.recover", entries=len(in_flight))
+                    await self._dispatch(ctx, in_flight, recovering=True)
+                released = await self._loop(ctx, owned)
+        except FencedError:
+            bound.warning("session.fenced")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._finish(ctx, owned, released)
+
+    async def _loop(self, ctx: SessionContext, owned: _Owned) -> bool:
+        """Serve until stopping or idle; returns True when the session was parked."""
+        key = self.keys.log(ctx.session)
+        idle_since = time.monotonic()
+        while not self._stopping.is_set():
+            try:
+                with translate(self.url):
+                    reply = await self.redis.xreadgroup(self.role, self.worker, {key: ">"}, count=READ_COUNT, block=500)
+            except UnavailableError as exc:
+                log.warning("read.unavailable", role=self.role, session=ctx.session, error=str(exc))
+                await anyio.sleep(0.5)
+                continue
+            except rexc.ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    await self._ensure_log_group(ctx.session)
+                    continue
+                raise
+            batch = [_entry(raw_id, fields) for _s, entries in reply or () for raw_id, fields in entries]
+            if batch:
+                crashpoint("after_read")
+                owned.busy = True
+                try:
+                    await self._dispatch(ctx, batch, recovering=False)
+                finally:
+                    owned.busy = False
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > self.park_after:
+                parked = await self.leases.release(
+                    ctx.session, owned.entry, owned.token, park=True, seen_last=ctx.last_seen
+                )
+                if parked == 1:
+                    log.info("session.parked", role=self.role, session=ctx.session)
+                    return True
+                if parked == 0:
+                    raise FencedError(ctx.session, self.role, owned.token, -1)
+                idle_since = time.monotonic()
+        return False
+
+    async def _finish(self, ctx: SessionContext, owned: _Owned, parked: bool) -> None:
+        try:
+            await self.handler.close(ctx)
+        except Exception:
+            log.exception("handler.close_failed", role=self.role, session=ctx.session)
+        if not parked:
+            try:
+                await self.leases.release(ctx.session, owned.entry, owned.token)
+            except UnavailableError as exc:
+                log.warning("release.unavailable", role=self.role, session=ctx.session, error=str(exc))
+        self.owned.pop(ctx.session, None)
+        self._slot_freed.set()
+
+    async def _ensure_log_group(self, session: str) -> None:
+        with translate(self.url):
+            try:
+                await self.redis.xgroup_create(self.keys.log(session), self.role, id="0", mkstream=True)
+            except rexc.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def _in_flight(self, session: str) -> list[Entry]:
+        """Entries delivered to some consumer of this role and never acknowledged."""
+        key = self.keys.log(session)
+        out: list[Entry] = []
+        start = "-"
+        while True:
+            with translate(self.url):
+                pending = await self.redis.xpending_range(key, self.role, min=start, max="+", count=500)
+            if not pending:
+                return out
+            ids = [p["message_id"] for p in pending]
+            deliveries = {entry_id(p["message_id"]): int(p["times_delivered"]) for p in pending}
+            with translate(self.url):
+                claimed = await self.redis.xclaim(key, self.role, self.worker, 0, ids)
+            for raw_id, fields in claimed:
+                if fields:
+                    entry = _entry(raw_id, fields)
+                    entry.deliveries = deliveries.get(entry.id, 1)
+                    out.append(entry)
+            if len(pending) < 500:
+                return out
+            start = f"({pending[-1]['message_id'].decode()}"
+
+    async def _dispatch(self, ctx: SessionContext, batch: list[Entry], *, recovering: bool) -> None:
+        """Hand a batch to the handler; count failures, dead-letter poison, retry the rest."""
+        attempts: dict[int, int] = {}
+        todo = batch
+        backoff = 0.1
+        while todo:
+            poison = [e for e in todo if e.undecodable or e.deliveries + attempts.get(e.id, 0) > self.max_attempts]
+            for entry in poison:
+                reason = "undecodable payload" if entry.undecodable else "failed too many times"
+                await self.dead_letter(ctx, entry, reason, entry.deliveries + attempts.get(entry.id, 0))
+            todo = [e for e in todo if e not in poison]
+            if not todo:
+                break
+            if recovering:
+                self.stats.redeliveries += len(todo)
+            started = time.perf_counter()
+            try:
+                if recovering:
+                    await self.handler.recover(ctx, todo)
+                else:
+                    await self.handler.handle(ctx, todo)
+            except FencedError:
+                raise
+            except UnavailableError as exc:
+                log.warning("handler.unavailable", role=self.role, session=ctx.session, error=str(exc))
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                todo = await self._unacked(ctx, todo)
+                continue
+            except Exception as exc:
+                log.exception("handler.failed", role=self.role, session=ctx.session, error=str(exc))
+                for entry in todo:
+                    attempts[entry.id] = attempts.get(entry.id, 0) + 1
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                todo = await self._unacked(ctx, todo)
+                continue
+            finally:
+                self.stats.handler_seconds.append(time.perf_counter() - started)
+            self.stats.handled += len(todo)
+            ctx.last_seen = max(ctx.last_seen, todo[-1].id)
+            break
+
+    async def _unacked(self, ctx: SessionContext, entries: list[Entry]) -> list[Entry]:
+        """The entries of ``entries`` that are still pending (a failed batch may be half done)."""
+        key = self.keys.log(ctx.session)
+        with translate(self.url):
+            pending = await self.redis.xpending_range(
+                key, self.role, min=f"{entries[0].id}-0", max=f"{entries[-1].id}-0", count=len(entries)
+            )
+        still = {entry_id(p["message_id"]) for p in pending}
+        return [e for e in entries if e.id in still]
+
+    async def dead_letter(self, ctx: SessionContext, entry: Entry, reason: str, attempts: int) -> None:
+        """Move ``entry`` to the dead-letter stream and tell the session (answering it if it is an action)."""
+        self.stats.dead_letters += 1
+        letter = await self.dlq.add(
+            session=ctx.session,
+            event_id=entry.id,
+            role=self.role,
+            reason=reason,
+            attempts=attempts,
+            payload=entry.payload,
+        )
+        log.error("entry.dead_lettered", role=self.role, session=ctx.session, event_id=entry.id, reason=reason)
+        notice = events.Error(
+            content=f"event {entry.id} was moved to the dead-letter stream by the {self.role} role "
+            f"({reason}, {attempts} attempts); see `riverbed dlq list` (dead letter {letter})",
+            reason="dead_letter",
+            retryable=False,
+            source="system",
+            cause=entry.id if _answered_by(entry.event) == self.role else None,
+        )
+        if notice.cause is not None:
+            await ctx.answer(entry, notice)
+        else:
+            await ctx.append([notice])
+            await ctx.ack([entry.id])
+
+
+def _answered_by(event: events.Event) -> str | None:
+    if isinstance(event, events.Action):
+        return type(event).answered_by
+    return None
+
+
+def _entry(raw_id: bytes, fields: dict[bytes, bytes]) -> Entry:
+    event_id = entry_id(raw_id)
+    payload = fields.get(PAYLOAD_FIELD, b"")
+    return Entry(id=event_id, event=decode_entry(payload, event_id), payload=payload)
+
+
+def _with_cause(obs: events.Observation, cause: int) -> events.Observation:
+    return replace(obs, cause=cause)
+
+
+def _with_tenant(obs: events.Observation, tenant: str) -> events.Observation:
+    return replace(obs, tenant=tenant)
+
+
+async def _wait_until(done: Callable[[], bool], timeout: float) -> None:
+    """Poll ``done`` (cheap, in-process state) every 20 ms for at most ``timeout`` seconds."""
+    with anyio.move_on_after(timeout):
+        while not done():  # noqa: ASYNC110  (the state is plain attributes, not an Event)
+            await anyio.sleep(0.02)
+
+
+async def _retrying(fn: Callable[[], Awaitable[T]], stopping: anyio.Event) -> T:
+    """Call ``fn`` until Redis answers (backing off), unless the owner is stopping."""
+    backoff = 0.1
+    while True:
+        try:
+            return await fn()
+        except UnavailableError as exc:
+            if stopping.is_set():
+                raise
+            log.warning("redis.unavailable", error=str(exc), retry_in=backoff)
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)

@@ -1,0 +1,94 @@
+"""The dead-letter stream: entries a role could not handle, with the reason and attempts.
+
+``riverbed dlq list`` shows them; ``riverbed dlq requeue ID`` appends the event again to its
+session (a new id, so every role sees it afresh) and removes the dead letter.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from riverbed.bus.connection import Client, translate
+from riverbed.bus.keys import Keys
+from riverbed.errors import NotFoundError
+
+__all__ = ["DeadLetter", "DeadLetters"]
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    id: str
+    session: str
+    event_id: int
+    role: str
+    reason: str
+    attempts: int
+    ts: float
+    payload: bytes
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "session": self.session,
+            "event_id": self.event_id,
+            "role": self.role,
+            "reason": self.reason,
+            "attempts": self.attempts,
+            "ts": self.ts,
+            "size": len(self.payload),
+        }
+
+
+class DeadLetters:
+    def __init__(self, redis: Client, keys: Keys, url: str = "redis") -> None:
+        self.redis = redis
+        self.key = keys.dlq
+        self.url = url
+
+    async def add(self, *, session: str, event_id: int, role: str, reason: str, attempts: int, payload: bytes) -> str:
+        fields = {
+            "session": session,
+            "event_id": event_id,
+            "role": role,
+            "reason": reason[:2000],
+            "attempts": attempts,
+            "ts": time.time(),
+            "payload": payload,
+        }
+        with translate(self.url):
+            entry: bytes = await self.redis.xadd(self.key, fields)
+        return entry.decode()
+
+    async def list(self, count: int = 1000) -> list[DeadLetter]:
+        with translate(self.url):
+            entries = await self.redis.xrange(self.key, count=count)
+        return [_letter(entry_id, fields) for entry_id, fields in entries]
+
+    async def count(self) -> int:
+        with translate(self.url):
+            return int(await self.redis.xlen(self.key))
+
+    async def get(self, letter_id: str) -> DeadLetter:
+        with translate(self.url):
+            entries = await self.redis.xrange(self.key, letter_id, letter_id)
+        if not entries:
+            raise NotFoundError(f"no dead letter with id {letter_id!r} (see riverbed dlq list)")
+        return _letter(*entries[0])
+
+    async def remove(self, letter_id: str) -> None:
+        with translate(self.url):
+            await self.redis.xdel(self.key, letter_id)
+
+
+def _letter(entry_id: bytes, fields: dict[bytes, bytes]) -> DeadLetter:
+    return DeadLetter(
+        id=entry_id.decode(),
+        session=fields[b"session"].decode(),
+        event_id=int(fields[b"event_id"]),
+        role=fields[b"role"].decode(),
+        reason=fields[b"reason"].decode(errors="replace"),
+        attempts=int(fields[b"attempts"]),
+        ts=float(fields[b"ts"]),
+        payload=fields[b"payload"],
+    )

@@ -1,0 +1,159 @@
+"""Role ownership of sessions: a renewable lease with a fencing token.
+
+For each role there is a directory stream (``keys.directory(role)``) with one consumer
+group named after the role.  A session that needs an owner for a role has an entry there:
+
+- a free worker reads new entries (``XREADGROUP >``) and tries :meth:`Leases.acquire`;
+  on success the entry stays pending on that worker: the pending entry is the lease's
+  handle, renewed with ``XCLAIM`` to itself while the ``expires`` field in the
+  session's meta hash is pushed forward by the RENEW script;
+- when an owner dies its entries go idle; peers take them with ``XAUTOCLAIM`` after the
+  lease time and acquire the session, which bumps the fencing token so the dead (or
+  merely stalled) owner can no longer append;
+- an owner that stops gracefully releases the session and re-announces it (a fresh
+  entry), so a peer takes it at once; an owner whose session is idle *parks* it: it
+  releases it and marks it ``need:<role>``, and the next append announces it again.
+
+Duplicated entries (a crash between announce and acquire) are harmless: a worker whose
+acquire finds another live holder acknowledges and deletes the duplicate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.exceptions as rexc
+
+from riverbed.bus import scripts
+from riverbed.bus.connection import Client, translate
+from riverbed.bus.keys import Keys
+
+__all__ = ["Claim", "Leases"]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A directory entry naming a session, as read or reclaimed by a worker."""
+
+    session: str
+    entry: str
+
+
+@dataclass(frozen=True)
+class Acquired:
+    token: int  # 0: someone else holds it
+    holder: str
+    holder_entry: str
+
+
+class Leases:
+    """Lease operations for one role on behalf of one worker."""
+
+    def __init__(self, redis: Client, keys: Keys, role: str, *, worker: str, lease_ms: int, url: str = "redis") -> None:
+        self.redis = redis
+        self.keys = keys
+        self.role = role
+        self.worker = worker
+        self.lease_ms = lease_ms
+        self.url = url
+        self.directory = keys.directory(role)
+        self._acquire = redis.register_script(scripts.ACQUIRE)
+        self._renew = redis.register_script(scripts.RENEW)
+        self._release = redis.register_script(scripts.RELEASE)
+
+    async def ensure_group(self) -> None:
+        with translate(self.url):
+            try:
+                await self.redis.xgroup_create(self.directory, self.role, id="0", mkstream=True)
+            except rexc.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def read_new(self, count: int, block_ms: int) -> list[Claim]:
+        with translate(self.url):
+            reply = await self.redis.xreadgroup(
+                self.role, self.worker, {self.directory: ">"}, count=count, block=block_ms
+            )
+        return [_claim(entry_id, fields) for _stream, entries in reply or () for entry_id, fields in entries]
+
+    async def read_own_pending(self, count: int) -> list[Claim]:
+        """Entries this worker name held before a restart (they are its to re-acquire)."""
+        with translate(self.url):
+            reply = await self.redis.xreadgroup(self.role, self.worker, {self.directory: "0"}, count=count)
+        return [_claim(entry_id, fields) for _stream, entries in reply or () for entry_id, fields in entries if fields]
+
+    async def reclaim_stale(self, count: int) -> list[Claim]:
+        """Entries whose holder stopped renewing for a whole lease."""
+        with translate(self.url):
+            reply = await self.redis.xautoclaim(
+                self.directory, self.role, self.worker, min_idle_time=self.lease_ms, start_id="0-0", count=count
+            )
+        return [_claim(entry_id, fields) for entry_id, fields in reply[1] if fields]
+
+    async def acquire(self, claim: Claim) -> Acquired:
+        with translate(self.url):
+            reply = await self._acquire(
+                keys=[self.keys.meta(claim.session)], args=[self.role, self.worker, self.lease_ms, claim.entry]
+            )
+        return Acquired(int(reply[0]), _text(reply[1]), _text(reply[2]))
+
+    async def renew(self, owned: dict[str, tuple[str, int]]) -> set[str]:
+        """Renew every owned session (session -> (entry, token)); returns the sessions lost."""
+        if not owned:
+            return set()
+        items = list(owned.items())
+        with translate(self.url):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for session, (_entry, token) in items:
+                    await self._renew(
+                        keys=[self.keys.meta(session)], args=[self.role, self.worker, token, self.lease_ms], client=pipe
+                    )
+                pipe.xclaim(
+                    self.directory, self.role, self.worker, 0, [entry for entry, _ in owned.values()], justid=True
+                )
+                replies = await pipe.execute(raise_on_error=False)
+        return {session for (session, _), ok in zip(items, replies[:-1], strict=True) if ok != 1}
+
+    async def release(self, session: str, entry: str, token: int, *, park: bool = False, seen_last: int = 0) -> int:
+        """Give the session up.  Graceful release re-announces it so a peer takes it at once.
+
+        Returns 1 when released, 0 when this worker was not the owner any more, and -1 when a
+        park was refused because new events arrived (the caller keeps serving).
+        """
+        with translate(self.url):
+            result = int(
+                await self._release(
+                    keys=[self.keys.meta(session)],
+                    args=[self.role, self.worker, token, 1 if park else 0, seen_last],
+                )
+            )
+            if result == -1:
+                return result
+            async with self.redis.pipeline(transaction=False) as pipe:
+                if result == 1 and not park:
+                    pipe.xadd(self.directory, {"s": session})
+                pipe.xack(self.directory, self.role, entry)
+                pipe.xdel(self.directory, entry)
+                await pipe.execute()
+        return result
+
+    async def drop(self, claim: Claim) -> None:
+        """Acknowledge and delete a duplicate entry."""
+        with translate(self.url):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xack(self.directory, self.role, claim.entry)
+                pipe.xdel(self.directory, claim.entry)
+                await pipe.execute()
+
+    async def hand_back(self, claim: Claim, holder: str) -> None:
+        """A reclaimed entry whose holder is alive after all goes back to that holder."""
+        with translate(self.url):
+            await self.redis.xclaim(self.directory, self.role, holder, 0, [claim.entry], justid=True)
+
+
+def _text(value: bytes | str | int) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _claim(entry_id: bytes, fields: dict[bytes, bytes]) -> Claim:
+    return Claim(session=fields[b"s"].decode(), entry=entry_id.decode())

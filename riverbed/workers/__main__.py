@@ -1,0 +1,26 @@
+"""``python -m riverbed.workers ROLE… [--name N]``: a worker without the CLI's extras (used by tests)."""
+
+from __future__ import annotations
+
+import argparse
+
+import anyio
+
+from riverbed.logs import configure_logging
+from riverbed.settings import Settings
+from riverbed.workers.main import parse_roles, run_worker
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m riverbed.workers")
+    parser.add_argument("roles", nargs="+")
+    parser.add_argument("--name")
+    parser.add_argument("--park-after", type=float, default=60.0)
+    args = parser.parse_args()
+    configure_logging()
+    settings = Settings.from_env()
+    anyio.run(lambda: run_worker(parse_roles(args.roles), settings, name=args.name, park_after=args.park_after))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""A worker process: one :class:`Owner` per role, a heartbeat, signals, graceful drain.
+
+``riverbed worker runtime memory condenser`` (or ``all``) runs :func:`run_worker`.
+SIGTERM or SIGINT stops intake, lets in-flight work finish within ``drain_seconds``,
+then cancels and releases every session so peers take them over at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+
+from riverbed.bus.connection import Client, connect_redis, translate
+from riverbed.bus.consumer import Handler, Owner
+from riverbed.bus.keys import ROLES, Keys
+from riverbed.errors import ConfigError, UnavailableError
+from riverbed.settings import Settings
+
+__all__ = ["Worker", "default_name", "parse_roles", "run_worker"]
+
+log = structlog.get_logger("riverbed.worker")
+
+HEARTBEAT_SECONDS = 1.0
+
+
+def default_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def parse_roles(names: Sequence[str]) -> list[str]:
+    roles: list[str] = []
+    for name in names:
+        for raw in name.split(","):
+            part = raw.strip().lower()
+            if part == "all":
+                roles.extend(r for r in ROLES if r not in roles)
+            elif part in ROLES:
+                if part not in roles:
+                    roles.append(part)
+            elif part:
+                raise ConfigError(f"unknown role {part!r}: use runtime, memory, condenser or all")
+    if not roles:
+        raise ConfigError("name at least one role: runtime, memory, condenser or all")
+    return roles
+
+
+class Worker:
+    """Owners for several roles sharing one Redis client."""
+
+    def __init__(
+        self,
+        redis: Client,
+        settings: Settings,
+        roles: Sequence[str],
+        *,
+        name: str,
+        handlers: dict[str, Handler],
+        url: str = "redis",
+        park_after: float = 60.0,
+    ) -> None:
+        self.redis = redis
+        self.url = url
+        self.settings = settings
+        self.keys = Keys(settings.prefix)
+        self.name = name
+        self.roles = list(roles)
+        self.started = time.time()
+        self.owners = {
+            role: Owner(
+                redis,
+                self.keys,
+                handlers[role],
+                worker=name,
+                capacity=settings.concurrency,
+                lease_seconds=settings.lease_seconds,
+                park_after=park_after,
+                max_attempts=settings.max_attempts,
+                url=url,
+            )
+            for role in self.roles
+        }
+        self._stop = anyio.Event()
+
+    @property
+    def ready(self) -> bool:
+        return all(o.ready for o in self.owners.values())
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            for owner in self.owners.values():
+                await tg.start(owner.run)
+            tg.start_soon(self._heartbeat)
+            log.info("worker.ready", worker=self.name, roles=self.roles)
+            task_status.started()
+            await self._stop.wait()
+            log.info("worker.draining", worker=self.name, deadline=self.settings.drain_seconds)
+            with anyio.CancelScope(shield=True):
+                async with anyio.create_task_group() as drain:
+                    for owner in self.owners.values():
+                        drain.start_soon(owner.drain, self.settings.drain_seconds)
+                await self._deregister()
+            tg.cancel_scope.cancel()
+        log.info("worker.stopped", worker=self.name)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "roles": self.roles,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": self.started,
+            "owned": {role: sorted(o.owned) for role, o in self.owners.items()},
+            "stats": {
+                role: {
+                    "handled": o.stats.handled,
+                    "redeliveries": o.stats.redeliveries,
+                    "dead_letters": o.stats.dead_letters,
+                    "takeovers": o.stats.takeovers,
+                }
+                for role, o in self.owners.items()
+            },
+        }
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                with translate(self.url):
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        pipe.zadd(self.keys.workers, {self.name: time.time()})
+                        pipe.set(self.keys.worker(self.name), json.dumps(self.describe()), ex=30)
+                        await pipe.execute()
+            except UnavailableError as exc:
+                log.warning("heartbeat.unavailable", error=str(exc))
+            await anyio.sleep(HEARTBEAT_SECONDS)
+
+    async def _deregister(self) -> None:
+        try:
+            with translate(self.url):
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.zrem(self.keys.workers, self.name)
+                    pipe.delete(self.keys.worker(self.name))
+                    await pipe.execute()
+        except UnavailableError:
+            pass
+
+
+def build_handlers(roles: Sequence[str], settings: Settings) -> tuple[dict[str, Handler], list[Callable[[], Any]]]:
+    """Concrete handlers for ``roles`` (only the adapters a role needs are loaded)."""
+    handlers: dict[str, Handler] = {}
+    closers: list[Callable[[], Any]] = []
+    if "runtime" in roles:
+        from riverbed.runtime import Runtime  # noqa: PLC0415
+        from riverbed.workers.runtime_role import RuntimeHandler  # noqa: PLC0415
+
+        runtime = Runtime(workspace_root=Path(settings.workspace))
+        handlers["runtime"] = RuntimeHandler(runtime)
+        closers.append(runtime.aclose)
+    if "memory" in roles:
+        from riverbed.workers.memory_role import build_memory_handler  # noqa: PLC0415
+
+        handler, close = build_memory_handler(settings)
+        handlers["memory"] = handler
+        closers.append(close)
+    if "condenser" in roles:
+        from riverbed.workers.condenser_role import build_condenser_handler  # noqa: PLC0415
+
+        handlers["condenser"] = build_condenser_handler(settings)
+    return handlers, closers
+
+
+async def run_worker(
+    roles: Sequence[str],
+    settings: Settings,
+    *,
+    name: str | None = None,
+    park_after: float = 60.0,
+    on_ready: Callable[[Worker], None] | None = None,
+) -> None:
+    """Run a worker process until SIGTERM/SIGINT; then drain and release."""
+    from riverbed.agent.client import resolve_redis_url  # noqa: PLC0415
+
+    url = resolve_redis_url(settings)
+    redis = await connect_redis(url)
+    handlers, closers = build_handlers(roles, settings)
+    worker = Worker(
+        redis, settings, roles, name=name or default_name(), handlers=handlers, url=url, park_after=park_after
+    )
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(worker.run)
+            if on_ready is not None:
+                on_ready(worker)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _sig in signals:
+                    worker.stop()
+                    break
+    finally:
+        with anyio.CancelScope(shield=True):
+            for close in closers:
+                await close()
+            await redis.aclose()

@@ -1,0 +1,87 @@
+"""The runtime role: execute actions in the session's sandbox, answer each exactly once.
+
+In-flight actions found on takeover (delivered to a dead owner, never acknowledged) are
+answered by the new owner: already answered -> just acknowledged; safe to repeat (reads)
+-> run again; anything else -> ``error`` with reason ``runtime_lost`` and
+``retryable: true``, because its side effect may or may not have happened.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from riverbed import events
+from riverbed.bus.consumer import Entry, SessionContext
+from riverbed.bus.faults import crashpoint
+from riverbed.runtime import Runtime
+
+log = structlog.get_logger("riverbed.worker")
+
+
+def for_runtime(event: events.Event) -> bool:
+    """Whether the runtime role answers this event."""
+    if isinstance(event, events.Action):
+        return type(event).answered_by == "runtime"
+    return isinstance(event, events.Unknown) and event.source in ("agent", "user") and bool(event.original_kind)
+
+
+class RuntimeHandler:
+    role = "runtime"
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    async def open(self, ctx: SessionContext) -> None:
+        env: dict[str, str | None] = {}
+        async for event in ctx.log.read(ctx.session):
+            if isinstance(event, events.SessionConfig):
+                env.update(event.env)
+            if ctx.tenant is None and event.tenant is not None:
+                ctx.tenant = event.tenant
+        if env:
+            self.runtime.set_env(ctx.session, env)
+
+    async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
+        done: list[int] = []
+        for entry in entries:
+            event = entry.event
+            if for_runtime(event):
+                await ctx.ack(done)
+                done = []
+                await self._execute(ctx, entry)
+            else:
+                if isinstance(event, events.SessionConfig) and event.env:
+                    self.runtime.set_env(ctx.session, event.env)
+                done.append(entry.id)
+        await ctx.ack(done)
+
+    async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
+        for entry in entries:
+            event = entry.event
+            if not for_runtime(event):
+                await self.handle(ctx, [entry])
+            elif await ctx.is_answered(entry.id):
+                await ctx.ack([entry.id])
+            elif isinstance(event, events.Action) and type(event).repeatable:
+                await self._execute(ctx, entry)
+            else:
+                await ctx.answer(
+                    entry,
+                    events.Error(
+                        content=f"the runtime worker running action {entry.id} ({event.kind}) was lost; "
+                        "it may or may not have taken effect; check and retry if needed",
+                        reason="runtime_lost",
+                        retryable=True,
+                    ),
+                )
+
+    async def close(self, ctx: SessionContext) -> None:
+        await self.runtime.close_session(ctx.session)
+
+    async def _execute(self, ctx: SessionContext, entry: Entry) -> None:
+        event = entry.event
+        assert isinstance(event, events.Action | events.Unknown)
+        observation = await self.runtime.execute(ctx.session, event)
+        crashpoint("after_side_effect")
+        answer_id = await ctx.answer(entry, observation)
+        log.info("action.answered", session=ctx.session, event_id=entry.id, kind=event.kind, answer=answer_id)

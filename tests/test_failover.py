@@ -1,0 +1,162 @@
+"""Ownership and failover with real worker processes killed by SIGKILL.
+
+The invariant checked everywhere: every action in every log has exactly one observation
+whose ``cause`` is the action's id, and a non-repeatable action never runs twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+import riverbed
+from riverbed import events
+from riverbed.agent.client import Bus
+from tests.workerproc import WorkerProcess
+
+pytestmark = [pytest.mark.anyio]
+
+
+@pytest.fixture
+async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
+    async with riverbed.connect(redis_url, prefix=prefix) as bus:
+        yield bus
+
+
+@pytest.fixture
+def workers(redis_url: str, prefix: str, workspace: Path, tmp_path: Path) -> Iterator[list[WorkerProcess]]:
+    started: list[WorkerProcess] = []
+    yield started
+    for worker in started:
+        worker.close()
+
+
+def spawn(
+    started: list[WorkerProcess], name: str, redis_url: str, prefix: str, workspace: Path, **kw: object
+) -> WorkerProcess:
+    worker = WorkerProcess(["runtime"], name=name, redis_url=redis_url, prefix=prefix, workspace=workspace, **kw)  # type: ignore[arg-type]
+    started.append(worker)
+    return worker
+
+
+async def check_exactly_one_answer(bus: Bus, session_id: str) -> list[events.Event]:
+    """Every runtime action in the log has exactly one answering observation."""
+    log = await bus.session(session_id).events()
+    actions = {e.id for e in log if isinstance(e, events.Action) and type(e).answered_by == "runtime"}
+    answers: dict[int, int] = {}
+    for event in log:
+        if isinstance(event, events.Observation) and event.cause is not None:
+            answers[event.cause] = answers.get(event.cause, 0) + 1
+    assert {a: answers.get(a, 0) for a in actions} == dict.fromkeys(actions, 1), f"session {session_id}: {answers}"
+    return log
+
+
+async def test_new_session_is_picked_up_and_answered(
+    bus: Bus, workers: list[WorkerProcess], redis_url: str, prefix: str, workspace: Path
+) -> None:
+    spawn(workers, "w1", redis_url, prefix, workspace).wait_ready()
+    session = bus.session("pick-me")
+    obs = await session.act(events.CmdRun(command="echo hello"), timeout=20)
+    assert isinstance(obs, events.CmdOutput)
+    assert obs.content.strip() == "hello"
+    assert obs.exit_code == 0
+    started = time.monotonic()
+    obs = await bus.session("second").act(events.CmdRun(command="echo again"), timeout=20)
+    assert isinstance(obs, events.CmdOutput)
+    assert time.monotonic() - started < 5
+
+
+async def test_sigkill_half_way_every_action_answered_once(
+    bus: Bus, workers: list[WorkerProcess], redis_url: str, prefix: str, workspace: Path
+) -> None:
+    lease = 2.0
+    a = spawn(workers, "wa", redis_url, prefix, workspace, lease=lease)
+    b = spawn(workers, "wb", redis_url, prefix, workspace, lease=lease)
+    a.wait_ready()
+    b.wait_ready()
+    sessions = [f"s{i}" for i in range(50)]
+    done = 0
+    half = anyio.Event()
+    worst_gap = 0.0
+
+    async def drive(session_id: str) -> None:
+        nonlocal done, worst_gap
+        session = bus.session(session_id)
+        last = time.monotonic()
+        for i in range(10):
+            obs = await session.act(events.CmdRun(command=f"echo {session_id}-{i}"), timeout=60)
+            now = time.monotonic()
+            worst_gap = max(worst_gap, now - last)
+            last = now
+            assert isinstance(obs, events.CmdOutput | events.Error)
+            done += 1
+            if done >= 250:
+                half.set()
+
+    async with anyio.create_task_group() as tg:
+        for s in sessions:
+            tg.start_soon(drive, s)
+        await half.wait()
+        a.kill()
+    for s in sessions:
+        await check_exactly_one_answer(bus, s)
+    assert worst_gap < lease + 1.0 + 2.0  # lease + 1 s, plus the time one command takes on a loaded machine
+    lost = 0
+    for s in sessions:
+        for event in await bus.session(s).events():
+            if isinstance(event, events.Error):
+                assert event.reason == "runtime_lost"
+                assert event.retryable
+                lost += 1
+    assert lost <= 50
+
+
+@pytest.mark.parametrize("point", ["after_read", "after_side_effect", "after_append", "before_ack", "during_renew"])
+async def test_crash_at_named_point(
+    point: str, bus: Bus, workers: list[WorkerProcess], redis_url: str, prefix: str, workspace: Path
+) -> None:
+    doomed = spawn(workers, "doomed", redis_url, prefix, workspace, extra_env={"RIVERBED_CRASH_AT": point})
+    doomed.wait_ready()
+    session = bus.session("crashy")
+    await session.append(events.Think(thought="first, so before_ack has something to ack"))
+    (action,) = await session.append(events.CmdRun(command="echo ran >> counter.txt; echo done"))
+    (read,) = await session.append(events.FileRead(path="counter.txt"))
+    with anyio.fail_after(20):
+        while doomed.proc.poll() is None:
+            await anyio.sleep(0.05)
+    rescuer = spawn(workers, "rescuer", redis_url, prefix, workspace)
+    rescuer.wait_ready()
+    answer = await session.wait_for_answer(action, timeout=30)
+    await session.wait_for_answer(read, timeout=30)
+    log = await check_exactly_one_answer(bus, "crashy")
+    counter = next(p for p in workspace.rglob("counter.txt"))
+    runs = counter.read_text().count("ran")
+    assert runs <= 1, "a non-repeatable action ran twice"
+    if isinstance(answer, events.Error):
+        assert answer.reason == "runtime_lost"
+        assert answer.retryable
+    else:
+        assert isinstance(answer, events.CmdOutput)
+        assert runs == 1
+    file_answer = next(e for e in log if e.cause == read)
+    assert isinstance(file_answer, events.FileContent | events.Error)
+
+
+async def test_sigterm_hands_sessions_to_a_peer_at_once(
+    bus: Bus, workers: list[WorkerProcess], redis_url: str, prefix: str, workspace: Path
+) -> None:
+    first = spawn(workers, "first", redis_url, prefix, workspace, lease=30.0)
+    first.wait_ready()
+    session = bus.session("handover")
+    assert isinstance(await session.act(events.CmdRun(command="echo 1"), timeout=20), events.CmdOutput)
+    second = spawn(workers, "second", redis_url, prefix, workspace, lease=30.0)
+    second.wait_ready()
+    assert first.terminate() == 0
+    started = time.monotonic()
+    obs = await session.act(events.CmdRun(command="echo 2"), timeout=20)
+    assert isinstance(obs, events.CmdOutput)
+    assert time.monotonic() - started < 10  # far below the 30 s lease: handed over, not expired

@@ -1,0 +1,157 @@
+"""Ownership in-process: pickup, capacity, fencing after takeover, dead letters, parking."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import msgspec
+import pytest
+
+import riverbed
+from riverbed import events
+from riverbed.agent.client import Bus
+from riverbed.bus.consumer import Entry, Owner, SessionContext
+from riverbed.bus.dlq import DeadLetters
+from riverbed.bus.ownership import Claim, Leases
+
+pytestmark = pytest.mark.anyio
+
+
+class EchoHandler:
+    """Answers file_read with the path as content; raises on paths starting with 'boom'."""
+
+    role = "runtime"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    async def open(self, ctx: SessionContext) -> None:
+        return None
+
+    async def close(self, ctx: SessionContext) -> None:
+        return None
+
+    async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
+        await self.handle(ctx, entries)
+
+    async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
+        for entry in entries:
+            self.seen.append((ctx.session, entry.id))
+            if isinstance(entry.event, events.FileRead):
+                if entry.event.path.startswith("boom"):
+                    raise ValueError("handler bug")
+                await ctx.answer(entry, events.FileContent(path=entry.event.path, content=ctx.worker))
+            else:
+                await ctx.ack([entry.id])
+
+
+@pytest.fixture
+async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
+    async with riverbed.connect(redis_url, prefix=prefix) as bus:
+        yield bus
+
+
+def make_owner(bus: Bus, name: str, **kw: object) -> tuple[Owner, EchoHandler]:
+    handler = EchoHandler()
+    owner = Owner(bus.redis, bus.keys, handler, worker=name, url=bus.url, **kw)  # type: ignore[arg-type]
+    return owner, handler
+
+
+async def test_pickup_is_fast_and_capacity_is_respected(bus: Bus) -> None:
+    owner, _ = make_owner(bus, "w1", capacity=3, lease_seconds=2)
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        started = time.monotonic()
+        obs = await bus.session("a").act(events.FileRead(path="x"), timeout=5)
+        assert isinstance(obs, events.FileContent)
+        assert obs.content == "w1"
+        assert time.monotonic() - started < 1.0
+        for s in ("b", "c", "d", "e"):
+            await bus.session(s).append(events.FileRead(path="y"))
+        await anyio.sleep(0.5)
+        assert len(owner.owned) == 3
+        await owner.drain(2)
+    assert not owner.owned
+
+
+async def test_second_worker_takes_the_rest_and_a_drained_worker_hands_over(bus: Bus) -> None:
+    first, _ = make_owner(bus, "w1", capacity=2, lease_seconds=30)
+    second, _ = make_owner(bus, "w2", capacity=10, lease_seconds=30)
+    async with anyio.create_task_group() as tg:
+        await tg.start(first.run)
+        await tg.start(second.run)
+        answers = [await bus.session(f"s{i}").act(events.FileRead(path="p"), timeout=5) for i in range(4)]
+        owners = {a.content for a in answers if isinstance(a, events.FileContent)}
+        assert owners == {"w1", "w2"}
+        await first.drain(2)
+        started = time.monotonic()
+        for i in range(4):
+            obs = await bus.session(f"s{i}").act(events.FileRead(path="q"), timeout=5)
+            assert isinstance(obs, events.FileContent)
+            assert obs.content == "w2"
+        assert time.monotonic() - started < 5  # handed over, not waiting for the 30 s lease
+        await second.drain(2)
+
+
+async def test_takeover_bumps_the_fencing_token(bus: Bus) -> None:
+    await bus.session("t").append(events.Think(thought="x"))
+    claim = Claim(session="t", entry="0-1")
+    old = Leases(bus.redis, bus.keys, "runtime", worker="old", lease_ms=200, url=bus.url)
+    new = Leases(bus.redis, bus.keys, "runtime", worker="new", lease_ms=200, url=bus.url)
+    await old.ensure_group()
+    got_old = await old.acquire(claim)
+    assert got_old.token == 1
+    refused = await new.acquire(claim)
+    assert refused.token == 0
+    assert refused.holder == "old"
+    await anyio.sleep(0.3)
+    got_new = await new.acquire(claim)
+    assert got_new.token == 2
+    from riverbed.bus.log import Fence
+    from riverbed.errors import FencedError
+
+    with pytest.raises(FencedError):
+        await bus.log_store.append("t", [events.Think(thought="zombie")], fence=Fence("runtime", got_old.token))
+    assert await old.renew({"t": ("0-1", got_old.token)}) == {"t"}
+
+
+async def test_poison_entries_are_dead_lettered_and_the_worker_goes_on(bus: Bus) -> None:
+    owner, _ = make_owner(bus, "w1", lease_seconds=2, max_attempts=2)
+    session = bus.session("poison")
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        bad = await session.act(events.FileRead(path="boom"), timeout=10)
+        assert isinstance(bad, events.Error)
+        assert bad.reason == "dead_letter"
+        await bus.redis.xadd(bus.keys.log("poison"), {"e": b"\xc1not msgpack"}, id=f"{await session.last_id() + 1}-0")
+        await bus.redis.hincrby(bus.keys.meta("poison"), "last", 1)
+        good = await session.act(events.FileRead(path="fine"), timeout=10)
+        assert isinstance(good, events.FileContent)
+        await owner.drain(2)
+    letters = await DeadLetters(bus.redis, bus.keys).list()
+    reasons = sorted(letter.reason for letter in letters)
+    assert reasons == ["failed too many times", "undecodable payload"]
+    log = await session.events()
+    assert sum(isinstance(e, events.Error) and e.reason == "dead_letter" for e in log) == 2
+
+
+async def test_idle_sessions_are_parked_and_woken_by_the_next_append(bus: Bus) -> None:
+    owner, _ = make_owner(bus, "w1", lease_seconds=2, park_after=0.3)
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        await bus.session("sleepy").act(events.FileRead(path="a"), timeout=5)
+        with anyio.fail_after(5):
+            while owner.owned:
+                await anyio.sleep(0.05)
+        obs = await bus.session("sleepy").act(events.FileRead(path="b"), timeout=5)
+        assert isinstance(obs, events.FileContent)
+        await owner.drain(2)
+
+
+def test_unknown_payload_is_kept_raw() -> None:
+    raw = msgspec.msgpack.encode({"kind": "from_the_future", "x": 1, "source": "agent"})
+    event = events.decode(raw, 4)
+    assert isinstance(event, events.Unknown)
+    assert event.payload["x"] == 1
