@@ -72,6 +72,8 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """RLIMIT_NOFILE of each sandbox process"""
     edit_history: int = 20
     """``undo_edit`` steps kept per file"""
+    queue_timeout: float = 900.0
+    """how long an action may wait for the earlier actions of its session"""
 
     def rlimits(self) -> dict[str, int]:
         """The ``resource.RLIMIT_*`` names and values the launcher applies."""

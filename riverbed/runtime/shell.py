@@ -141,7 +141,7 @@ class Shell:
 
     # --- commands ------------------------------------------------------------------------------
 
-    async def run(self, action: events.CmdRun, env: Mapping[str, str | None], cwd: Path | None) -> events.Event:
+    async def run(self, action: events.CmdRun, env: Mapping[str, str | None], cwd: Path | None) -> events.Observation:
         """Run (or feed, or wait for) a command; returns a CmdOutput or an Error."""
         timeout = action.timeout if action.timeout is not None else self._limits.cmd_timeout
         notes: list[str] = []
@@ -189,7 +189,7 @@ class Shell:
         assert self._proc is not None
         return self._proc.pid
 
-    async def _collect(self, action: events.CmdRun, timeout: float, notes: list[str]) -> events.Event:
+    async def _collect(self, action: events.CmdRun, timeout: float, notes: list[str]) -> events.Observation:
         text = CappedText(self._limits.max_output_chars)
         loop_start = anyio.current_time()
         deadline = loop_start + timeout
@@ -316,9 +316,8 @@ class Shell:
     async def _hidden(self, line: str, *, first: bool = False) -> bool:
         """Run a line whose output nobody sees; True when the shell answered."""
         sink = CappedText(1000)
-        if first:
-            if not await self._wait_marker(sink, self._limits.start_timeout):
-                return False
+        if first and not await self._wait_marker(sink, self._limits.start_timeout):
+            return False
         self._scanner.reset()
         await write_all(self._master, line.encode() + b"\n")
         ok = await self._wait_marker(sink, self._limits.start_timeout)

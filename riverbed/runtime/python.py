@@ -1,0 +1,309 @@
+"""Persistent Python cells: one driver process per session.
+
+Why our own driver and not a Jupyter kernel: a kernel needs ``ipykernel`` and
+``jupyter_client`` (ZeroMQ, tornado, a connection file and five sockets) for what is here
+a single client and a single stream of cells.  ``_driver.py`` is about a hundred lines of
+stdlib run by the worker's own interpreter; it talks over two private pipes with
+length-prefixed JSON frames, and its stdout and stderr share one pipe, so output arrives
+interleaved exactly as written (subprocesses of the cell included).
+
+Lifecycle: the driver starts lazily on the first cell, in the session's workspace, with
+the session's environment and the sandbox limits (see :mod:`riverbed.runtime.limits`).
+Environment changes made with ``Runtime.set_env`` travel with the next cell and are
+applied to ``os.environ`` before it runs.  A cell past its timeout gets ``SIGINT``
+(KeyboardInterrupt, names survive); one that ignores it is killed after the grace period.
+A driver that dies (``os._exit``, a segfault, the kill above) is replaced on the next cell,
+whose observation says ``state_lost``.  Images (png, jpg, gif, svg) that a cell creates or
+rewrites in the workspace are listed in ``files``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import struct
+import subprocess
+import sys
+from collections.abc import Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from riverbed import events
+from riverbed.runtime.limits import DRIVER, Limits, kill_processes, launcher_argv, session_processes, spawn, wait_exit
+from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
+
+log = structlog.get_logger("riverbed.runtime.python")
+
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".gif", ".svg"})
+_SCAN_MAX_FILES = 20_000
+_WATCH_EVERY = 1.0
+
+
+class PythonUnavailable(Exception):
+    """The driver could not be started."""
+
+
+class _Frames:
+    """Length-prefixed JSON frames read from a non-blocking fd; survives cancellation."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._buf = b""
+
+    async def read(self) -> dict[str, Any] | None:
+        while True:
+            if len(self._buf) >= 4:
+                size = struct.unpack(">I", self._buf[:4])[0]
+                if len(self._buf) >= 4 + size:
+                    body, self._buf = self._buf[4 : 4 + size], self._buf[4 + size :]
+                    frame: dict[str, Any] = json.loads(body)
+                    return frame
+            data = await read_some(self.fd)
+            if not data:
+                return None
+            self._buf += data
+
+
+class _Cell:
+    """What one cell produced so far."""
+
+    def __init__(self, limit: int, marker: bytes) -> None:
+        self.text = CappedText(limit)
+        self.scanner = MarkerScanner(marker, b"")
+        self.reply: dict[str, Any] | None = None
+        self.output_done = False
+        self.reply_done = False
+        self.notes: list[str] = []
+
+    @property
+    def done(self) -> bool:
+        return self.output_done and self.reply_done
+
+
+class PythonProcess:
+    """The session's Python driver; not safe for concurrent use (the caller locks)."""
+
+    def __init__(self, workspace: Path, env: Mapping[str, str], limits: Limits) -> None:
+        self._workspace = workspace
+        self._env = dict(env)
+        self._limits = limits
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._fds: list[int] = []
+        self._to_driver = -1
+        self._frames: _Frames | None = None
+        self._out = -1
+        self._marker = b""
+        self._lost = False
+        self._before: set[int] = set()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    async def start(self) -> None:
+        to_r, to_w = os.pipe()
+        from_r, from_w = os.pipe()
+        out_r, out_w = os.pipe()
+        self._marker = f"\x1e__RB_CELL_{secrets.token_hex(8)}__\x1e".encode()
+        argv = launcher_argv(
+            self._limits, [sys.executable, "-u", str(DRIVER), str(to_r), str(from_w), self._marker.decode()]
+        )
+        env = {"MPLBACKEND": "Agg", **self._env}
+        try:
+            popen = partial(
+                spawn,
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=out_w,
+                pass_fds=(to_r, from_w),
+                cwd=self._workspace,
+                env=env,
+            )
+            self._proc = await anyio.to_thread.run_sync(popen)
+        except BaseException:
+            for fd in (to_w, from_r, out_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (to_r, from_w, out_w):
+                os.close(fd)
+        for fd in (to_w, from_r, out_r):
+            os.set_blocking(fd, False)
+        self._fds = [to_w, from_r, out_r]
+        self._to_driver, self._out = to_w, out_r
+        self._frames = _Frames(from_r)
+        ready = None
+        with anyio.move_on_after(self._limits.start_timeout):
+            ready = await self._frames.read()
+        if not ready or not ready.get("ready"):
+            await self.close()
+            raise PythonUnavailable("the Python driver did not start in time")
+        log.debug("python started", pid=self._proc.pid, workspace=str(self._workspace))
+
+    async def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            await anyio.to_thread.run_sync(partial(kill_processes, proc.pid))
+            await anyio.to_thread.run_sync(wait_exit, proc, 2.0)
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        self._frames = None
+
+    async def run(self, action: events.PythonRun, env: Mapping[str, str | None]) -> events.PythonOutput:
+        timeout = action.timeout if action.timeout is not None else self._limits.python_timeout
+        state_lost = self._lost
+        if self._proc is not None and not self.alive:
+            state_lost = True
+            await self.close()
+        if self._proc is None:
+            await self.start()
+        self._lost = False
+        assert self._proc is not None
+        images_before = await anyio.to_thread.run_sync(_images, self._workspace)
+        self._before = {pid for pid, _ in await anyio.to_thread.run_sync(session_processes, self._proc.pid)}
+        cell = _Cell(self._limits.max_output_chars, self._marker)
+        body = json.dumps({"code": action.code, "env": dict(env)}).encode()
+        await write_all(self._to_driver, struct.pack(">I", len(body)) + body)
+        timed_out = False
+        if not await self._wait(cell, timeout):
+            timed_out = True
+            await self._interrupt(cell, timeout)
+        exception = cell.reply.get("exception") if cell.reply else None
+        if not cell.reply_done or cell.reply is None:
+            exception = (exception or "") + self._death_note()
+        images_after = await anyio.to_thread.run_sync(_images, self._workspace)
+        files = sorted(path for path, stamp in images_after.items() if images_before.get(path) != stamp)
+        content = cell.text.render()
+        if cell.notes:
+            content = (content + "\n" if content and not content.endswith("\n") else content) + "\n".join(cell.notes)
+        result = cell.reply.get("result") if cell.reply else None
+        limit = self._limits.max_output_chars
+        truncated = cell.text.truncated
+        if result is not None and len(result) > limit:
+            result = _cut(result, limit)
+            truncated = True
+        if exception is not None and len(exception) > limit:
+            exception = _cut(exception, limit)
+            truncated = True
+        return events.PythonOutput(
+            content=content,
+            result=result,
+            exception=exception,
+            timed_out=timed_out,
+            truncated=truncated,
+            state_lost=state_lost,
+            files=files,
+            cause=action.id,
+        )
+
+    def _death_note(self) -> str:
+        self._lost = True
+        code = self._proc.poll() if self._proc is not None else None
+        if code is None:
+            how = "stopped answering"
+        elif code < 0:
+            how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        return f"the Python process {how} during this cell; the next cell starts a new one and earlier names are lost"
+
+    async def _wait(self, cell: _Cell, seconds: float) -> bool:
+        """Read output and the reply until both are done (True) or ``seconds`` pass (False)."""
+        with anyio.move_on_after(seconds):
+            async with anyio.create_task_group() as tg:
+
+                async def pump() -> None:
+                    while not cell.output_done:
+                        data = await read_some(self._out)
+                        if not data:
+                            cell.text.feed_bytes(cell.scanner.flush(), final=True)
+                            cell.output_done = True
+                            break
+                        cell.text.feed_bytes(cell.scanner.feed(data))
+                        if cell.scanner.found:
+                            cell.text.feed_bytes(b"", final=True)
+                            cell.output_done = True
+                    if cell.reply_done:
+                        tg.cancel_scope.cancel()
+
+                async def reply() -> None:
+                    if not cell.reply_done:
+                        assert self._frames is not None
+                        cell.reply = await self._frames.read()
+                        cell.reply_done = True
+                    if cell.output_done:
+                        tg.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    while True:
+                        await anyio.sleep(_WATCH_EVERY)
+                        await self._watch_processes(cell)
+
+                tg.start_soon(pump)
+                tg.start_soon(reply)
+                tg.start_soon(watch)
+        return cell.done
+
+    async def _watch_processes(self, cell: _Cell) -> None:
+        if self._proc is None:
+            return
+        sid = self._proc.pid
+        count = len(await anyio.to_thread.run_sync(session_processes, sid))
+        if count > self._limits.max_processes:
+            killed = await anyio.to_thread.run_sync(partial(kill_processes, sid, keep=frozenset({sid})))
+            cell.notes.append(
+                f"[the sandbox held {count} processes, over the limit of {self._limits.max_processes}: killed {killed}]"
+            )
+
+    async def _interrupt(self, cell: _Cell, timeout: float) -> None:
+        assert self._proc is not None
+        sid = self._proc.pid
+        cell.notes.append(f"[the cell timed out after {timeout:g} seconds and was interrupted]")
+        with contextlib.suppress(OSError):
+            os.killpg(sid, signal.SIGINT)
+        stopped = await self._wait(cell, self._limits.interrupt_grace)
+        await anyio.to_thread.run_sync(partial(kill_processes, sid, keep=frozenset({sid}), only_new_since=self._before))
+        if not stopped:
+            cell.notes.append("[the cell did not stop on KeyboardInterrupt; the Python process was killed]")
+            await anyio.to_thread.run_sync(partial(kill_processes, sid))
+            await self._wait(cell, self._limits.interrupt_grace)
+
+    async def enforce_limits(self) -> None:
+        """The process-count check, for a periodic watcher (between cells too)."""
+        if self.alive:
+            await self._watch_processes(_Cell(1000, b"-"))
+
+
+def _cut(text: str, limit: int) -> str:
+    capped = CappedText(limit)
+    capped.feed(text)
+    return capped.render()
+
+
+def _images(workspace: Path) -> dict[str, int]:
+    """Image files below ``workspace`` (relative path -> mtime_ns and size), skipping dot-dirs."""
+    found: dict[str, int] = {}
+    seen = 0
+    for top, dirs, files in os.walk(workspace):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in {"node_modules", "__pycache__"}]
+        for name in files:
+            seen += 1
+            if seen > _SCAN_MAX_FILES:
+                return found
+            if os.path.splitext(name)[1].lower() in IMAGE_SUFFIXES:
+                path = os.path.join(top, name)
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                found[os.path.relpath(path, workspace)] = st.st_mtime_ns ^ (st.st_size << 1)
+    return found

@@ -1,0 +1,339 @@
+"""The Runtime: executes actions for many sessions, each in its own sandbox.
+
+::
+
+    rt = Runtime(workspace_root=Path("/srv/ws"), limits=Limits(cmd_timeout=60))
+    obs = await rt.execute("s-42", CmdRun(id=7, command="ls"))   # never raises
+    rt.set_env("s-42", {"FOO": "1", "BAR": None})                  # None unsets
+    await rt.close_session("s-42")
+    await rt.aclose()
+
+A session's sandbox is its workspace directory (see :mod:`riverbed.runtime.paths`), a
+persistent bash (:mod:`~riverbed.runtime.shell`) and a persistent Python process
+(:mod:`~riverbed.runtime.python`), both started lazily and bounded as described in
+:mod:`~riverbed.runtime.limits`.  Actions of one session run one at a time, in arrival
+order; sessions run concurrently.
+
+:meth:`Runtime.execute` turns every failure into an ``error`` observation whose
+``reason`` names it and whose ``retryable`` says whether the same action may succeed
+later (a busy or unavailable sandbox) or never will (a bad path, an unknown kind).
+
+Custom action kinds: register the class with :func:`riverbed.events.register`, then its
+handler with :func:`handler` (for every Runtime) or :meth:`Runtime.handler` (for one)::
+
+    @runtime.handler(Deploy)
+    async def deploy(ctx: HandlerContext, action: Deploy) -> events.Observation:
+        ...
+
+A handler gets a :class:`HandlerContext` (session id, workspace, environment, limits and
+a path resolver confined to the workspace).  Its exceptions become ``error``
+observations; ``cause`` is set to the action's id for it.
+
+The sandbox environment starts from a small fixed base (``PATH``, ``HOME`` = the
+workspace, ``LANG``, ``TERM=dumb``, ``PAGER=cat``), not from the worker's environment, so
+the worker's secrets do not leak into sandboxes; ``set_env`` adds to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+from msgspec.structs import replace
+
+from riverbed import events
+from riverbed.errors import InputError, RiverbedError
+from riverbed.runtime import files
+from riverbed.runtime.limits import Limits
+from riverbed.runtime.paths import PathRefused, confine, workspace_name
+from riverbed.runtime.python import PythonProcess, PythonUnavailable
+from riverbed.runtime.shell import Shell, ShellUnavailable
+
+log = structlog.get_logger("riverbed.runtime")
+
+A = TypeVar("A", bound=events.Action)
+Handler = Callable[["HandlerContext", Any], Awaitable[events.Observation]]
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_handlers: dict[type[events.Action], Handler] = {}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HandlerContext:
+    """What a handler may use: its session's id, workspace, environment and limits."""
+
+    session_id: str
+    workspace: Path
+    env: Mapping[str, str]
+    limits: Limits
+
+    def resolve(self, path: str) -> Path:
+        """The real path ``path`` names inside the workspace; a path outside it raises
+        :class:`~riverbed.runtime.paths.PathRefused` (which becomes an ``error``)."""
+        return confine(self.workspace, path)
+
+
+def handler(kind: type[A]) -> Callable[[Callable[[HandlerContext, A], Awaitable[events.Observation]]], Any]:
+    """Register the handler of a custom action kind for every :class:`Runtime`."""
+    _check_kind(kind)
+
+    def deco(fn: Callable[[HandlerContext, A], Awaitable[events.Observation]]) -> Any:
+        _handlers[kind] = fn
+        return fn
+
+    return deco
+
+
+def _check_kind(kind: type[events.Action]) -> None:
+    if not (isinstance(kind, type) and issubclass(kind, events.Action)):
+        raise TypeError("a runtime handler is registered for an events.Action subclass")
+    if kind.answered_by != "runtime":
+        raise ValueError(f"{kind.__name__}.answered_by is {kind.answered_by!r}; the runtime only answers 'runtime'")
+    if events.kinds().get(events.kind_of(kind)) is not kind:
+        raise ValueError(f"register {kind.__name__} with riverbed.events.register first")
+
+
+def _error(reason: str, content: str, *, retryable: bool = False) -> events.Error:
+    return events.Error(content=content, reason=reason, retryable=retryable)
+
+
+class _Session:
+    def __init__(self, session_id: str, workspace: Path, base_env: Mapping[str, str], limits: Limits) -> None:
+        self.id = session_id
+        self.workspace = workspace
+        self.lock = anyio.Lock()
+        self.overrides: dict[str, str | None] = {}
+        self.shell = Shell(workspace, base_env, limits)
+        self.python = PythonProcess(workspace, base_env, limits)
+        self.history = files.EditHistory(limits.edit_history)
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            await self.shell.close()
+            await self.python.close()
+
+
+class Runtime:
+    """Executes runtime actions for many sessions; see the module docstring."""
+
+    def __init__(
+        self,
+        workspace_root: Path | str,
+        limits: Limits | None = None,
+        *,
+        base_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self._root = Path(workspace_root)
+        self._limits = limits or Limits()
+        self._sessions: dict[str, _Session] = {}
+        self._handlers: dict[type[events.Action], Handler] = {}
+        self._closed = False
+        self._base_env = dict(base_env) if base_env is not None else None
+        self._builtin: dict[type[events.Action], Callable[[_Session, Any], Awaitable[events.Observation]]] = {
+            events.CmdRun: self._cmd_run,
+            events.PythonRun: self._python_run,
+            events.FileRead: self._file_read,
+            events.FileWrite: self._file_write,
+            events.FileEdit: self._file_edit,
+        }
+
+    @property
+    def limits(self) -> Limits:
+        return self._limits
+
+    # --- registration ----------------------------------------------------------------------
+
+    def handler(self, kind: type[A]) -> Callable[[Callable[[HandlerContext, A], Awaitable[events.Observation]]], Any]:
+        """Register the handler of a custom action kind for this Runtime only."""
+        _check_kind(kind)
+
+        def deco(fn: Callable[[HandlerContext, A], Awaitable[events.Observation]]) -> Any:
+            self._handlers[kind] = fn
+            return fn
+
+        return deco
+
+    def handles(self, kind: type[events.Event]) -> bool:
+        """Whether :meth:`execute` has a handler for ``kind``."""
+        return kind in self._handlers or kind in _handlers or kind in self._builtin
+
+    # --- sessions ---------------------------------------------------------------------------
+
+    def workspace(self, session_id: str) -> Path:
+        """The workspace directory of a session (pure: nothing is created)."""
+        return self._root / workspace_name(session_id)
+
+    def sessions(self) -> list[str]:
+        return list(self._sessions)
+
+    def set_env(self, session_id: str, env: Mapping[str, str | None]) -> None:
+        """Set (``None``: unset) sandbox variables; the next command and cell see them.
+
+        Raises :class:`~riverbed.errors.InputError` for a name that is not a shell
+        identifier or a value containing a NUL byte.
+        """
+        for name, value in env.items():
+            if not _ENV_NAME.match(name):
+                raise InputError(f"{name!r} is not a valid environment variable name (letters, digits, _)")
+            if value is not None and "\x00" in value:
+                raise InputError(f"the value of {name} contains a NUL byte")
+        self._session(session_id).overrides.update(env)
+
+    def env(self, session_id: str) -> dict[str, str]:
+        """The environment a session's sandbox sees now."""
+        return self._effective_env(self._session(session_id))
+
+    def _base(self, workspace: Path) -> dict[str, str]:
+        if self._base_env is not None:
+            return {"HOME": str(workspace), **self._base_env}
+        return {
+            "PATH": os.environ.get("PATH", os.defpath),
+            "HOME": str(workspace),
+            "LANG": "C.UTF-8",
+            "TERM": "dumb",
+            "PAGER": "cat",
+            "GIT_PAGER": "cat",
+        }
+
+    def _effective_env(self, session: _Session) -> dict[str, str]:
+        env = self._base(session.workspace)
+        for name, value in session.overrides.items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
+        return env
+
+    def _session(self, session_id: str) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            ws = self.workspace(session_id)
+            session = _Session(session_id, ws, self._base(ws), self._limits)
+            self._sessions[session_id] = session
+        return session
+
+    async def close_session(self, session_id: str) -> None:
+        """Stop a session's shell and Python process (its workspace stays)."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            await session.close()
+
+    async def aclose(self) -> None:
+        """Stop every sandbox; later actions get a retryable ``runtime_closed`` error."""
+        self._closed = True
+        sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            await session.close()
+
+    async def watch(self, *, interval: float = 1.0, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Enforce the process limit of idle sandboxes too (a fork loop left in the
+        background); run it in the worker's task group with ``await tg.start(rt.watch)``."""
+        task_status.started()
+        while not self._closed:
+            await anyio.sleep(interval)
+            for session in list(self._sessions.values()):
+                with anyio.move_on_after(interval * 5):
+                    await session.shell.enforce_limits()
+                    await session.python.enforce_limits()
+
+    # --- execution --------------------------------------------------------------------------
+
+    async def execute(self, session_id: str, action: events.Event) -> events.Observation:
+        """Run one action; returns its observation or an ``error`` (``cause`` = the action's id)."""
+        started = anyio.current_time()
+        obs = await self._execute(session_id, action)
+        if obs.cause != action.id:
+            obs = replace(obs, cause=action.id)
+        log.info(
+            "action handled",
+            session=session_id,
+            event_id=action.id,
+            kind=action.kind,
+            result=obs.kind,
+            reason=obs.reason if isinstance(obs, events.Error) else None,
+            seconds=round(anyio.current_time() - started, 3),
+        )
+        return obs
+
+    async def _execute(self, session_id: str, action: events.Event) -> events.Observation:
+        if self._closed:
+            return _error("runtime_closed", "this runtime is shutting down", retryable=True)
+        if isinstance(action, events.Unknown) or not isinstance(action, events.Action):
+            name = action.original_kind if isinstance(action, events.Unknown) else action.kind
+            return _error("unknown_kind", f"the runtime cannot run a {name!r} event")
+        kind = type(action)
+        if kind.answered_by != "runtime":
+            return _error("unknown_kind", f"{action.kind!r} is not an action the runtime runs")
+        custom = self._handlers.get(kind) or _handlers.get(kind)
+        builtin = self._builtin.get(kind)
+        if custom is None and builtin is None:
+            return _error("unknown_kind", f"no runtime handler is registered for {action.kind!r}")
+        session = self._session(session_id)
+        try:
+            with anyio.fail_after(self._limits.queue_timeout):
+                await session.lock.acquire()
+        except TimeoutError:
+            return _error("busy", "the session's sandbox is busy with earlier actions; try again", retryable=True)
+        try:
+            await anyio.to_thread.run_sync(partial(session.workspace.mkdir, parents=True, exist_ok=True))
+            if custom is not None:
+                ctx = HandlerContext(
+                    session_id=session_id,
+                    workspace=session.workspace,
+                    env=MappingProxyType(self._effective_env(session)),
+                    limits=self._limits,
+                )
+                result = await custom(ctx, action)
+            else:
+                assert builtin is not None
+                result = await builtin(session, action)
+        except (PathRefused, files.FileActionError) as exc:
+            return _error(exc.reason, str(exc))
+        except (ShellUnavailable, PythonUnavailable) as exc:
+            return _error("sandbox_unavailable", str(exc), retryable=True)
+        except RiverbedError as exc:
+            return _error("handler_failed", str(exc), retryable=exc.retryable)
+        except OSError as exc:
+            log.warning("sandbox os error", session=session_id, kind=action.kind, error=str(exc))
+            return _error("io_error", f"the sandbox hit an OS error: {exc}", retryable=True)
+        except Exception as exc:
+            log.exception("handler failed", session=session_id, kind=action.kind)
+            return _error("handler_failed", f"the {action.kind} handler failed: {type(exc).__name__}: {exc}")
+        finally:
+            session.lock.release()
+        if not isinstance(result, events.Observation):
+            return _error(
+                "bad_handler_result", f"the {action.kind} handler returned {type(result).__name__}, not an observation"
+            )
+        return result
+
+    # --- built-in kinds ---------------------------------------------------------------------
+
+    async def _cmd_run(self, session: _Session, action: events.CmdRun) -> events.Observation:
+        cwd: Path | None = None
+        if action.cwd is not None and not action.is_input:
+            cwd = confine(session.workspace, action.cwd)
+            if not cwd.is_dir():
+                return _error("not_a_directory", f"cwd {action.cwd!r} is not a directory in the workspace")
+        return await session.shell.run(action, session.overrides, cwd)
+
+    async def _python_run(self, session: _Session, action: events.PythonRun) -> events.Observation:
+        return await session.python.run(action, session.overrides)
+
+    async def _file_read(self, session: _Session, action: events.FileRead) -> events.Observation:
+        return await anyio.to_thread.run_sync(files.read, session.workspace, action, self._limits)
+
+    async def _file_write(self, session: _Session, action: events.FileWrite) -> events.Observation:
+        return await anyio.to_thread.run_sync(files.write, session.workspace, action, self._limits, session.history)
+
+    async def _file_edit(self, session: _Session, action: events.FileEdit) -> events.Observation:
+        return await anyio.to_thread.run_sync(files.edit, session.workspace, action, self._limits, session.history)
