@@ -264,13 +264,15 @@ class Store:
                     await conn.execute("SET LOCAL hnsw.iterative_scan = relaxed_order")
                     await conn.execute("SELECT set_config('hnsw.ef_search', $1, true)", str(min(1000, max(40, k))))
                     rows = await conn.fetch(
-                        f"WITH c AS MATERIALIZED (SELECT {cols}, embedding::halfvec({dim}) <=> $1::halfvec({dim}) "
-                        f"AS distance FROM {self._s}.memory_chunks WHERE model = {quote_literal(model)} "
-                        "AND tenant = $2 ORDER BY distance LIMIT $3) SELECT * FROM c ORDER BY distance",
+                        f"SELECT {cols}, embedding::halfvec({dim}) <=> $1::halfvec({dim}) AS distance "
+                        f"FROM {self._s}.memory_chunks WHERE model = {quote_literal(model)} AND tenant = $2 "
+                        "ORDER BY distance LIMIT $3",
                         query,
                         _tenant(tenant),
                         k,
                     )
+            # relaxed_order may return rows slightly out of order (and PG elides a re-sort in SQL)
+            rows = sorted(rows, key=lambda r: float(r["distance"]))
         return [_candidate(r, 1.0 - float(r["distance"])) for r in rows]
 
     async def text_search(

@@ -1,0 +1,179 @@
+"""The memory store on a real embedded Postgres: migrations, exactly-once writes, exact
+per-session search among many sessions, tenant-scope search, failures."""
+
+from __future__ import annotations
+
+import datetime as dt
+import socket
+import time
+
+import anyio
+import asyncpg
+import numpy as np
+import pytest
+
+from riverbed.errors import ConfigError, UnavailableError
+from riverbed.memory import migrations
+from riverbed.memory.store import ChunkRow, Store, query_words
+
+pytestmark = pytest.mark.anyio
+
+DIM = 384
+MODEL = "random-test-model"
+
+
+def unit_rows(rng: np.random.Generator, n: int, dim: int = DIM) -> np.ndarray:
+    m = rng.standard_normal((n, dim)).astype(np.float32)
+    return m / np.linalg.norm(m, axis=1, keepdims=True)
+
+
+def rows_for(event_ids: list[int], text: str = "text") -> list[ChunkRow]:
+    ts = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+    return [ChunkRow(event_id=i, chunk=0, kind="message", source="user", ts=ts, text=f"{text} {i}") for i in event_ids]
+
+
+async def test_migrations_are_idempotent_and_safe_concurrently(database_url: str, prefix: str) -> None:
+    applied: list[list[int]] = []
+
+    async def migrate() -> None:
+        conn = await asyncpg.connect(database_url)
+        try:
+            applied.append(await migrations.apply(conn, prefix))
+        finally:
+            await conn.close()
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(5):
+            tg.start_soon(migrate)
+    latest = [v for v, _ in migrations.MIGRATIONS]
+    assert sorted(applied, key=len)[-1] == latest
+    assert sum(len(a) for a in applied) == len(latest)  # each version applied exactly once
+    await migrate()
+    assert applied[-1] == []
+
+    stores = [Store(database_url, schema=prefix) for _ in range(3)]
+    async with anyio.create_task_group() as tg:
+        for store in stores:
+            tg.start_soon(store.start)
+    for store in stores:
+        assert (await store.counts())["chunks"] == 0
+        await store.close()
+
+
+async def test_write_is_exactly_once(database_url: str, prefix: str) -> None:
+    rng = np.random.default_rng(1)
+    async with Store(database_url, schema=prefix) as store:
+        rows = rows_for([1, 2, 3])
+        vectors = unit_rows(rng, 3)
+        first = await store.write(
+            session="s1", tenant="acme", model=MODEL, event_ids=[1, 2, 3, 4], rows=rows, vectors=vectors
+        )
+        assert first == {1, 2, 3, 4}  # event 4 had nothing to index but is tracked
+        again = await store.write(
+            session="s1", tenant="acme", model=MODEL, event_ids=[1, 2, 3, 4], rows=rows, vectors=vectors
+        )
+        assert again == set()
+        assert await store.counts("s1") == {"chunks": 3, "indexed": 4, "cached": 0}
+        assert await store.indexed("s1", [1, 4, 5]) == {1, 4}
+
+        async def concurrent() -> None:
+            await store.write(
+                session="s2", tenant="acme", model=MODEL, event_ids=[1, 2, 3], rows=rows, vectors=vectors
+            )
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(concurrent)
+        assert await store.counts("s2") == {"chunks": 3, "indexed": 3, "cached": 0}
+
+
+async def test_session_scope_is_exact_among_many_sessions(database_url: str, prefix: str) -> None:
+    rng = np.random.default_rng(7)
+    sessions, per_session = 250, 20
+    async with Store(database_url, schema=prefix) as store:
+        vectors: dict[str, np.ndarray] = {}
+        for s in range(sessions):
+            name = f"s{s:03d}"
+            vectors[name] = unit_rows(rng, per_session)
+            tenant = "big" if s < 60 else f"t{s % 7}"
+            ids = list(range(1, per_session + 1))
+            await store.write(
+                session=name, tenant=tenant, model=MODEL, event_ids=ids, rows=rows_for(ids), vectors=vectors[name]
+            )
+        await store.ensure_model_index(MODEL, DIM)
+        conn = await asyncpg.connect(database_url)
+        try:
+            await conn.execute(f"ANALYZE {prefix}.memory_chunks")  # so the planner picks HNSW for the tenant
+        finally:
+            await conn.close()
+        query = unit_rows(rng, 1)[0]
+        for name in ("s000", "s150", "s249"):
+            tenant = "big" if int(name[1:]) < 60 else f"t{int(name[1:]) % 7}"
+            hits = await store.vector_search(query, model=MODEL, k=10, tenant=tenant, session=name)
+            assert len(hits) == 10
+            assert {h.session for h in hits} == {name}
+            exact = vectors[name].astype(np.float16).astype(np.float32) @ query
+            assert [h.event_id for h in hits] == [int(i) + 1 for i in np.argsort(-exact)[:10]]
+            assert hits[0].score == pytest.approx(float(exact.max()), abs=2e-3)
+
+        # tenant scope goes through HNSW with iterative scan: a 24% filter still yields k rows
+        hits = await store.vector_search(query, model=MODEL, k=30, tenant="big")
+        assert len(hits) == 30
+        assert all(int(h.session[1:]) < 60 for h in hits)
+        assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+        # a session named under the wrong tenant shows nothing
+        assert await store.vector_search(query, model=MODEL, k=5, tenant="t1", session="s000") == []
+        # another model's rows are invisible
+        assert await store.vector_search(query, model="other", k=5, tenant="big", session="s000") == []
+
+
+async def test_text_search_matches_any_word(database_url: str, prefix: str) -> None:
+    ts = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+    texts = ["docker build failed on the base image", "pytest ran 40 tests", "configure nginx upstream timeouts"]
+    rows = [ChunkRow(event_id=i + 1, chunk=0, kind="cmd_output", source="runtime", ts=ts, text=t) for i, t in enumerate(texts)]
+    async with Store(database_url, schema=prefix) as store:
+        vectors = unit_rows(np.random.default_rng(3), 3)
+        await store.write(session="s", tenant=None, model=MODEL, event_ids=[1, 2, 3], rows=rows, vectors=vectors)
+        hits = await store.text_search("why did the docker builds fail?", k=5, tenant=None, session="s")
+        assert [h.event_id for h in hits] == [1]
+        hits = await store.text_search("timeout or tests", k=5, tenant=None)
+        assert {h.event_id for h in hits} == {2, 3}
+        assert await store.text_search("the of and", k=5, tenant=None) == []
+        assert await store.text_search("docker", k=5, tenant="acme") == []
+
+
+def test_query_words() -> None:
+    assert query_words("Where's the config.yaml?  the CONFIG") == ["where", "s", "the", "config", "yaml"]
+    assert query_words("a_b -- !!") == ["a", "b"]
+    assert len(query_words(" ".join(f"w{i}" for i in range(100)))) == 32
+
+
+async def test_shared_cache_round_trip(database_url: str, prefix: str) -> None:
+    rng = np.random.default_rng(5)
+    async with Store(database_url, schema=prefix) as store:
+        vectors = unit_rows(rng, 2)
+        await store.cache_put(MODEL, [b"a" * 32, b"b" * 32], vectors)
+        await store.cache_put(MODEL, [b"a" * 32], vectors[:1])  # a second put is a no-op
+        got = await store.cache_get(MODEL, [b"a" * 32, b"c" * 32])
+        assert list(got) == [b"a" * 32]
+        np.testing.assert_allclose(got[b"a" * 32], vectors[0], atol=1e-3)
+        assert await store.cache_get("another-model", [b"a" * 32]) == {}
+
+
+async def test_unreachable_database_fails_fast() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    store = Store(f"postgresql://postgres@127.0.0.1:{port}/postgres", schema="rb", connect_timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(UnavailableError, match="cannot be reached") as info:
+        await store.start()
+    assert time.monotonic() - started < 3
+    assert isinstance(info.value.__cause__, OSError)
+    with pytest.raises(UnavailableError, match="not started"):
+        await store.counts()
+
+
+def test_bad_schema_name_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="schema"):
+        Store("postgresql://x/y", schema='rb"; drop table x; --')
