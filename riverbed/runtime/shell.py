@@ -228,6 +228,7 @@ class Shell:
                 notes.append(f"[the command timed out after {timeout:g} seconds and was interrupted]")
                 return self._output(action, text, code, notes, timed_out=True)
             if not action.blocking and now - last_output >= self._limits.soft_timeout:
+                text.feed_bytes(self._scanner.flush())
                 notes.append(
                     f"[no new output for {self._limits.soft_timeout:g} seconds; the command is still running: "
                     "send an empty command to wait for more, input with is_input=true, or 'C-c' to interrupt]"
