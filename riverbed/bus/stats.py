@@ -1,0 +1,325 @@
+"""Backlog statistics read straight from Redis: what ``riverbed status`` prints and metrics export.
+
+Everything here is a read; nothing is created or changed.  The numbers per role and session:
+
+==========================  ===================================================================
+number                      from
+==========================  ===================================================================
+lag                         meta ``last`` minus the id of the role's group ``last-delivered-id``
+                            on the session log (event ids are ``<n>-0``); no group yet: ``last``
+pending                     ``XPENDING`` summary of the role's group (delivered, not acknowledged)
+oldest pending age          idle time of the first pending entry (``XPENDING - + 1``)
+owner                       meta ``holder:<role>`` while ``expires:<role>`` is after Redis ``TIME``
+directory lag / pending     the role's directory stream: sessions waiting for an owner / held
+dead letters                ``XLEN`` of the dead-letter stream
+live workers                the worker registry, heartbeat newer than a window
+==========================  ===================================================================
+
+Only commands that Redis 6.2 has are used: the ``lag`` field of ``XINFO GROUPS`` (7.0+) is
+ignored, and the directory lag is counted with an exclusive ``XRANGE`` after the group's
+last-delivered id.  Per-session reads are pipelined in chunks, so a status over thousands
+of sessions is a handful of round trips.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.exceptions as rexc
+
+from riverbed.bus.connection import Client, translate
+from riverbed.bus.keys import ROLES, Keys
+
+__all__ = [
+    "DirectoryBacklog",
+    "RoleBacklog",
+    "SessionBacklog",
+    "Status",
+    "WorkerInfo",
+    "dead_letter_count",
+    "directory_backlog",
+    "list_sessions",
+    "live_workers",
+    "redis_time",
+    "role_backlog",
+    "session_backlogs",
+    "status",
+]
+
+CHUNK = 200
+DIRECTORY_SCAN_LIMIT = 100_000
+_MS_SCORES = 1e11  # heartbeat scores above this are milliseconds, below it seconds
+
+
+@dataclass(frozen=True)
+class SessionBacklog:
+    """How far one role is behind on one session."""
+
+    session: str
+    role: str
+    last: int
+    delivered: int
+    lag: int
+    pending: int
+    oldest_pending_seconds: float
+    holder: str | None
+    lease_seconds_left: float
+
+    @property
+    def owned(self) -> bool:
+        return self.holder is not None
+
+
+@dataclass(frozen=True)
+class DirectoryBacklog:
+    """A role's directory stream: ``lag`` sessions wait for an owner, ``pending`` are held."""
+
+    role: str
+    length: int
+    lag: int
+    pending: int
+    consumers: int
+
+
+@dataclass(frozen=True)
+class RoleBacklog:
+    role: str
+    directory: DirectoryBacklog
+    sessions: tuple[SessionBacklog, ...]
+
+    @property
+    def lag(self) -> int:
+        return sum(s.lag for s in self.sessions)
+
+    @property
+    def pending(self) -> int:
+        return sum(s.pending for s in self.sessions)
+
+    @property
+    def oldest_pending_seconds(self) -> float:
+        return max((s.oldest_pending_seconds for s in self.sessions), default=0.0)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    name: str
+    heartbeat: float
+    age_seconds: float
+    description: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Status:
+    roles: tuple[RoleBacklog, ...]
+    workers: tuple[WorkerInfo, ...]
+    dead_letters: int
+    sessions: int
+
+
+async def redis_time(redis: Client, url: str = "redis") -> float:
+    """The server's clock in seconds (leases are measured against it, not ours)."""
+    with translate(url):
+        reply = await redis.time()
+    if isinstance(reply, dict):  # a cluster client answers per node
+        reply = next(iter(reply.values()))
+    seconds, micros = reply
+    return int(seconds) + int(micros) / 1e6
+
+
+async def list_sessions(redis: Client, keys: Keys, *, limit: int | None = None, url: str = "redis") -> list[str]:
+    """Every session, oldest first (``ZRANGE keys.sessions``)."""
+    end = -1 if limit is None else max(limit, 1) - 1
+    with translate(url):
+        names = await redis.zrange(keys.sessions, 0, end)
+    return [_text(n) for n in names]
+
+
+async def session_backlogs(
+    redis: Client,
+    keys: Keys,
+    role: str,
+    sessions: Iterable[str],
+    *,
+    now: float | None = None,
+    url: str = "redis",
+) -> list[SessionBacklog]:
+    """Lag, pending, oldest pending age and owner of ``role`` on each of ``sessions``."""
+    names = list(sessions)
+    if not names:
+        return []
+    if now is None:
+        now = await redis_time(redis, url)
+    out: list[SessionBacklog] = []
+    for start in range(0, len(names), CHUNK):
+        chunk = names[start : start + CHUNK]
+        with translate(url):
+            async with redis.pipeline(transaction=False) as pipe:
+                for session in chunk:
+                    log_key = keys.log(session)
+                    pipe.hmget(keys.meta(session), ["last", f"holder:{role}", f"expires:{role}"])
+                    pipe.xinfo_groups(log_key)
+                    pipe.xpending(log_key, role)
+                    pipe.xpending_range(log_key, role, min="-", max="+", count=1)
+                replies = await pipe.execute(raise_on_error=False)
+        for i, session in enumerate(chunk):
+            out.append(_session_backlog(session, role, replies[4 * i : 4 * i + 4], now))
+    return out
+
+
+def _session_backlog(session: str, role: str, replies: list[Any], now: float) -> SessionBacklog:
+    """One session's replies: HMGET meta, XINFO GROUPS, XPENDING summary, first pending entry."""
+    _raise_unexpected(*replies)
+    meta, groups, summary, first = replies
+    last_raw, holder_raw, expires_raw = meta if isinstance(meta, list) else (None, None, None)
+    last = int(last_raw) if last_raw is not None else 0
+    delivered = 0
+    if isinstance(groups, list):
+        for group in groups:
+            if _text(group.get("name", b"")) == role:
+                delivered = _event_id(group.get("last-delivered-id", b"0-0"))
+                break
+    pending = int(summary.get("pending", 0)) if isinstance(summary, dict) else 0
+    oldest = 0.0
+    if isinstance(first, list) and first:
+        oldest = int(first[0].get("time_since_delivered", 0)) / 1000
+    holder = _text(holder_raw) if holder_raw else ""
+    expires_ms = float(expires_raw) if expires_raw else 0.0
+    left = expires_ms / 1000 - now
+    live = bool(holder) and left > 0
+    return SessionBacklog(
+        session=session,
+        role=role,
+        last=last,
+        delivered=delivered,
+        lag=max(0, last - delivered),
+        pending=pending,
+        oldest_pending_seconds=oldest,
+        holder=holder if live else None,
+        lease_seconds_left=left if live else 0.0,
+    )
+
+
+def _raise_unexpected(*replies: Any) -> None:
+    """Missing keys and groups read as zero; any other server error is a real error."""
+    for reply in replies:
+        if isinstance(reply, rexc.ResponseError):
+            text = str(reply)
+            if "NOGROUP" in text or "no such key" in text.lower():
+                continue
+            raise reply
+
+
+async def directory_backlog(redis: Client, keys: Keys, role: str, *, url: str = "redis") -> DirectoryBacklog:
+    """Sessions waiting for an owner of ``role`` (lag) and sessions held (pending)."""
+    key = keys.directory(role)
+    with translate(url):
+        length = int(await redis.xlen(key))
+        if length == 0:
+            return DirectoryBacklog(role=role, length=0, lag=0, pending=0, consumers=0)
+        try:
+            groups = await redis.xinfo_groups(key)
+        except rexc.ResponseError as exc:
+            if "no such key" not in str(exc).lower():
+                raise
+            groups = []
+        group = next((g for g in groups if _text(g.get("name", b"")) == role), None)
+        if group is None:
+            return DirectoryBacklog(role=role, length=length, lag=length, pending=0, consumers=0)
+        after = _text(group.get("last-delivered-id", b"0-0"))
+        waiting = await redis.xrange(key, min=f"({after}", max="+", count=DIRECTORY_SCAN_LIMIT)
+    return DirectoryBacklog(
+        role=role,
+        length=length,
+        lag=len(waiting),
+        pending=int(group.get("pending", 0)),
+        consumers=int(group.get("consumers", 0)),
+    )
+
+
+async def dead_letter_count(redis: Client, keys: Keys, *, url: str = "redis") -> int:
+    with translate(url):
+        return int(await redis.xlen(keys.dlq))
+
+
+async def live_workers(
+    redis: Client, keys: Keys, *, window: float = 10.0, now: float | None = None, url: str = "redis"
+) -> list[WorkerInfo]:
+    """Workers whose heartbeat is newer than ``window`` seconds, with their self-description."""
+    if now is None:
+        now = await redis_time(redis, url)
+    with translate(url):
+        scored = await redis.zrange(keys.workers, 0, -1, withscores=True)
+    beats = {_text(name): _seconds(score) for name, score in scored}
+    alive = sorted(name for name, beat in beats.items() if now - beat <= window)
+    if not alive:
+        return []
+    with translate(url):
+        async with redis.pipeline(transaction=False) as pipe:
+            for name in alive:
+                pipe.get(keys.worker(name))
+            raw = await pipe.execute(raise_on_error=False)
+    return [
+        WorkerInfo(name=name, heartbeat=beats[name], age_seconds=max(0.0, now - beats[name]), description=_json(blob))
+        for name, blob in zip(alive, raw, strict=True)
+    ]
+
+
+async def role_backlog(
+    redis: Client,
+    keys: Keys,
+    role: str,
+    sessions: Sequence[str],
+    *,
+    now: float | None = None,
+    url: str = "redis",
+) -> RoleBacklog:
+    return RoleBacklog(
+        role=role,
+        directory=await directory_backlog(redis, keys, role, url=url),
+        sessions=tuple(await session_backlogs(redis, keys, role, sessions, now=now, url=url)),
+    )
+
+
+async def status(
+    redis: Client,
+    keys: Keys,
+    *,
+    roles: Sequence[str] = ROLES,
+    worker_window: float = 10.0,
+    url: str = "redis",
+) -> Status:
+    """Everything ``riverbed status`` shows, in one snapshot."""
+    now = await redis_time(redis, url)
+    sessions = await list_sessions(redis, keys, url=url)
+    backlogs = [await role_backlog(redis, keys, role, sessions, now=now, url=url) for role in roles]
+    return Status(
+        roles=tuple(backlogs),
+        workers=tuple(await live_workers(redis, keys, window=worker_window, now=now, url=url)),
+        dead_letters=await dead_letter_count(redis, keys, url=url),
+        sessions=len(sessions),
+    )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _event_id(raw: bytes | str) -> int:
+    return int(_text(raw).split("-", 1)[0])
+
+
+def _seconds(score: float) -> float:
+    return score / 1000 if score > _MS_SCORES else score
+
+
+def _json(blob: Any) -> dict[str, Any]:
+    if not isinstance(blob, bytes | str):
+        return {}
+    try:
+        value = json.loads(blob)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

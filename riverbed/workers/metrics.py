@@ -1,0 +1,266 @@
+"""Prometheus metrics of one worker process, in a registry of its own.
+
+====================================  =========  ===============================================
+metric                                type       labels / meaning
+====================================  =========  ===============================================
+riverbed_lag_events                   gauge      role, worker: events not yet delivered, summed
+                                                 over the sessions this worker owns
+riverbed_pending_entries              gauge      role, worker: delivered, not yet acknowledged
+riverbed_oldest_pending_seconds       gauge      role, worker: idle time of the oldest of them
+riverbed_owned_sessions               gauge      role, worker: sessions held right now
+riverbed_handled_total                counter    role, worker: entries handled
+riverbed_redeliveries_total           counter    role, worker: entries recovered from a dead owner
+riverbed_dead_letters_total           counter    role, worker: entries moved to the dead letters
+riverbed_takeovers_total              counter    role, worker: sessions taken over from a peer
+riverbed_append_conflicts_total       counter    role, worker: appends refused by expected_last
+riverbed_handler_seconds              histogram  role, worker: one handler call (a batch)
+riverbed_embedding_cache_hit_ratio    gauge      role, worker, level (``lru`` | ``shared``)
+====================================  =========  ===============================================
+
+Counters and ``owned_sessions`` are read from each :class:`~riverbed.bus.consumer.OwnerStats`
+at scrape time, so they are never stale and cost nothing between scrapes.  The three backlog
+gauges need Redis reads; :meth:`WorkerMetrics.refresh` updates them (the HTTP server calls it
+every few seconds, see :mod:`riverbed.workers.http`).
+
+Handler latency reaches the histogram in one of two ways, whichever the owner's stats offer:
+a list of observer callbacks (``OwnerStats.observers``), called once per handler call; or,
+failing that, the ``handler_seconds`` list, which is drained into the histogram (and
+emptied, so it stays bounded) at every scrape and refresh.
+
+Embedding cache ratios: ``lru`` is the share of all lookups answered by the in-process LRU;
+``shared`` is the share of the lookups that reached the shared Postgres level and were
+answered there.  A cache is any object with ``lru_hits``, ``db_hits`` and ``misses``
+counters (:class:`~riverbed.memory.embedcache.CachedEmbedder`), given with
+:meth:`WorkerMetrics.watch_cache` or found as a handler's ``embedder`` or ``cache`` attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import anyio
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from riverbed.bus.connection import Client
+from riverbed.bus.consumer import Owner
+from riverbed.bus.keys import Keys
+from riverbed.bus.stats import redis_time, session_backlogs
+
+__all__ = ["CONTENT_TYPE", "METRIC_NAMES", "CacheCounters", "Observed", "WorkerMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+HANDLER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+LABELS = ("role", "worker")
+
+_COUNTERS = {
+    "riverbed_handled": ("handled", "Entries handled by a role's handler."),
+    "riverbed_redeliveries": ("redeliveries", "Entries recovered after their previous owner died."),
+    "riverbed_dead_letters": ("dead_letters", "Entries moved to the dead-letter stream."),
+    "riverbed_takeovers": ("takeovers", "Sessions taken over from an owner whose lease expired."),
+    "riverbed_append_conflicts": ("append_conflicts", "Appends refused because the log moved (expected_last)."),
+}
+
+#: Every series name a scrape can contain (histograms and counters with their suffixes).
+METRIC_NAMES = frozenset(
+    {
+        "riverbed_lag_events",
+        "riverbed_pending_entries",
+        "riverbed_oldest_pending_seconds",
+        "riverbed_owned_sessions",
+        "riverbed_embedding_cache_hit_ratio",
+        *(f"{name}_total" for name in _COUNTERS),
+        *(f"riverbed_handler_seconds{suffix}" for suffix in ("_bucket", "_sum", "_count")),
+    }
+)
+
+
+@runtime_checkable
+class CacheCounters(Protocol):
+    """Hit and miss counters of a two-level embedding cache."""
+
+    lru_hits: int
+    db_hits: int
+    misses: int
+
+
+class Observed(Protocol):
+    """What the metrics read from a worker (:class:`riverbed.workers.main.Worker` has it all)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def redis(self) -> Client: ...
+
+    @property
+    def keys(self) -> Keys: ...
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def owners(self) -> Mapping[str, Owner]: ...
+
+
+class WorkerMetrics:
+    """The registry of one worker; :meth:`bind` it to the worker, then scrape :meth:`render`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._worker: Observed | None = None
+        self._caches: dict[str, list[CacheCounters]] = {}
+        self._observing: set[int] = set()
+        self.registry.register(_ScrapeCollector(self))
+        self.lag = Gauge(
+            "riverbed_lag_events",
+            "Events appended but not yet delivered to the role, summed over the sessions this worker owns.",
+            LABELS,
+            registry=self.registry,
+        )
+        self.pending = Gauge(
+            "riverbed_pending_entries",
+            "Entries delivered to the role and not yet acknowledged, on the sessions this worker owns.",
+            LABELS,
+            registry=self.registry,
+        )
+        self.oldest_pending = Gauge(
+            "riverbed_oldest_pending_seconds",
+            "How long the oldest unacknowledged entry of an owned session has waited.",
+            LABELS,
+            registry=self.registry,
+        )
+        self.handler_seconds = Histogram(
+            "riverbed_handler_seconds",
+            "Duration of one handler call (one batch of entries of one session).",
+            LABELS,
+            buckets=HANDLER_BUCKETS,
+            registry=self.registry,
+        )
+
+    # --- wiring ----------------------------------------------------------------------------
+
+    def bind(self, worker: Observed) -> None:
+        """Read counters from ``worker``'s owners; hook handler timing where the owner allows it."""
+        self._worker = worker
+        for role, owner in worker.owners.items():
+            for cache in _discover_caches(owner.handler):
+                self.watch_cache(role, cache)
+            observers = getattr(owner.stats, "observers", None)
+            if isinstance(observers, list) and id(owner.stats) not in self._observing:
+                observers.append(self.handler_seconds.labels(role, worker.name).observe)
+                self._observing.add(id(owner.stats))
+        for label in self._label_sets():
+            for gauge in (self.lag, self.pending, self.oldest_pending):
+                gauge.labels(*label)
+            self.handler_seconds.labels(*label)
+
+    def watch_cache(self, role: str, cache: CacheCounters) -> None:
+        caches = self._caches.setdefault(role, [])
+        if all(c is not cache for c in caches):
+            caches.append(cache)
+
+    # --- reading ---------------------------------------------------------------------------
+
+    async def refresh(self, worker: Observed | None = None, *, timeout: float = 5.0) -> None:
+        """Update the backlog gauges from Redis; raises (UnavailableError, TimeoutError) on failure."""
+        if worker is not None and worker is not self._worker:
+            self.bind(worker)
+        bound = self._worker
+        if bound is None:
+            return
+        self.drain_timings()
+        with anyio.fail_after(timeout):
+            now = await redis_time(bound.redis, bound.url)  # also proves Redis answers when nothing is owned
+            for role, owner in list(bound.owners.items()):
+                sessions = list(owner.owned)
+                backlogs = await session_backlogs(bound.redis, bound.keys, role, sessions, now=now, url=bound.url)
+                self.lag.labels(role, bound.name).set(sum(b.lag for b in backlogs))
+                self.pending.labels(role, bound.name).set(sum(b.pending for b in backlogs))
+                self.oldest_pending.labels(role, bound.name).set(
+                    max((b.oldest_pending_seconds for b in backlogs), default=0.0)
+                )
+
+    def drain_timings(self) -> None:
+        """Move durations an owner kept in its ``handler_seconds`` list into the histogram."""
+        bound = self._worker
+        if bound is None:
+            return
+        for role, owner in bound.owners.items():
+            if id(owner.stats) in self._observing:
+                continue
+            samples = getattr(owner.stats, "handler_seconds", None)
+            if not isinstance(samples, list) or not samples:
+                continue
+            count = len(samples)
+            child = self.handler_seconds.labels(role, bound.name)
+            for seconds in samples[:count]:
+                child.observe(float(seconds))
+            del samples[:count]
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this worker."""
+        return generate_latest(self.registry)
+
+    # --- scrape-time families --------------------------------------------------------------
+
+    def _label_sets(self) -> list[tuple[str, str]]:
+        bound = self._worker
+        if bound is None:
+            return []
+        return [(role, bound.name) for role in bound.owners]
+
+    def scrape(self) -> Iterator[Metric]:
+        """The families read at scrape time (counters, owned sessions, cache ratios)."""
+        self.drain_timings()
+        bound = self._worker
+        owners = dict(bound.owners) if bound is not None else {}
+        worker = bound.name if bound is not None else ""
+        for name, (attr, doc) in _COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=LABELS)
+            for role, owner in owners.items():
+                family.add_metric([role, worker], float(getattr(owner.stats, attr, 0)))
+            yield family
+        owned = GaugeMetricFamily("riverbed_owned_sessions", "Sessions this worker owns for a role.", labels=LABELS)
+        for role, owner in owners.items():
+            owned.add_metric([role, worker], float(len(owner.owned)))
+        yield owned
+        ratio = GaugeMetricFamily(
+            "riverbed_embedding_cache_hit_ratio",
+            "Share of embedding lookups answered by a cache level (lru: of all lookups; "
+            "shared: of the lookups that reached the shared Postgres level).",
+            labels=(*LABELS, "level"),
+        )
+        for role, caches in self._caches.items():
+            lru, shared = _ratios(caches)
+            ratio.add_metric([role, worker, "lru"], lru)
+            ratio.add_metric([role, worker, "shared"], shared)
+        yield ratio
+
+
+class _ScrapeCollector(Collector):
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._metrics.scrape())
+
+
+def _ratios(caches: list[CacheCounters]) -> tuple[float, float]:
+    lru_hits = sum(c.lru_hits for c in caches)
+    db_hits = sum(c.db_hits for c in caches)
+    misses = sum(c.misses for c in caches)
+    lookups = lru_hits + db_hits + misses
+    reached_shared = db_hits + misses
+    return (lru_hits / lookups if lookups else 0.0, db_hits / reached_shared if reached_shared else 0.0)
+
+
+def _discover_caches(handler: Any) -> list[CacheCounters]:
+    found: list[CacheCounters] = []
+    for attr in ("embedder", "cache"):
+        candidate = getattr(handler, attr, None)
+        if isinstance(candidate, CacheCounters):
+            found.append(candidate)
+    return found
