@@ -68,7 +68,7 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(raw)
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002  (stdlib signature)
+    def log_message(self, format: str, *args: object) -> None:
         return
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 
 import pytest
 from hypothesis import given
@@ -99,7 +100,7 @@ def test_chunk_text_windows_overlap_and_cap() -> None:
     pieces = chunk_text(words, size=1000, overlap=150)
     assert all(len(p) <= 1000 for p in pieces)
     assert len(pieces) >= 9
-    for a, b in zip(pieces, pieces[1:], strict=False):
+    for a, b in itertools.pairwise(pieces):
         assert a.split()[-1] in b.split()[:30]  # consecutive windows overlap
         assert not b.startswith("ord")  # cuts fall on whitespace
     assert {w for p in pieces for w in p.split()} == set(words.split())
@@ -118,7 +119,8 @@ def test_chunk_text_never_exceeds_size(text: str, size: int) -> None:
 def test_event_chunks_per_kind() -> None:
     out = events.CmdOutput(command="pytest -q", content="2 failed, 10 passed", exit_code=1)
     assert event_chunks(out) == ["$ pytest -q (exit 1)\n2 failed, 10 passed"]
-    assert event_chunks(events.CmdRun(command="ls -la")) == ["$ ls -la"]
+    assert event_chunks(events.CmdRun(command="ls -la")) == []  # its output carries the command
+    assert event_chunks(events.CmdRun(command="ls -la"), ChunkPolicy(skip=())) == ["$ ls -la"]
     assert event_chunks(events.Message(content="deploy to staging", source="user")) == ["user:\ndeploy to staging"]
     edit = events.FileEdit(command="str_replace", path="app.py", old_str="retries = 3", new_str="retries = 5")
     assert event_chunks(edit) == ["edit (str_replace) app.py\nreplaced: retries = 3\nretries = 5"]
@@ -130,7 +132,9 @@ def test_event_chunks_per_kind() -> None:
     ]
     py = events.PythonOutput(content="hi", result="42", exception=None)
     assert event_chunks(py) == ["python output:\nhi\nresult: 42"]
-    result = events.RecallResult(recall_type="knowledge", knowledge=[events.Knowledge(name="git", trigger="git", content="use rebase")])
+    result = events.RecallResult(
+        recall_type="knowledge", knowledge=[events.Knowledge(name="git", trigger="git", content="use rebase")]
+    )
     assert event_chunks(result) == ["recalled:\ngit: use rebase"]
     # nothing to index
     assert event_chunks(events.Recall(query="where is the config?")) == []

@@ -77,9 +77,7 @@ async def test_write_is_exactly_once(database_url: str, prefix: str) -> None:
         assert await store.indexed("s1", [1, 4, 5]) == {1, 4}
 
         async def concurrent() -> None:
-            await store.write(
-                session="s2", tenant="acme", model=MODEL, event_ids=[1, 2, 3], rows=rows, vectors=vectors
-            )
+            await store.write(session="s2", tenant="acme", model=MODEL, event_ids=[1, 2, 3], rows=rows, vectors=vectors)
 
         async with anyio.create_task_group() as tg:
             for _ in range(4):
@@ -130,7 +128,10 @@ async def test_session_scope_is_exact_among_many_sessions(database_url: str, pre
 async def test_text_search_matches_any_word(database_url: str, prefix: str) -> None:
     ts = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
     texts = ["docker build failed on the base image", "pytest ran 40 tests", "configure nginx upstream timeouts"]
-    rows = [ChunkRow(event_id=i + 1, chunk=0, kind="cmd_output", source="runtime", ts=ts, text=t) for i, t in enumerate(texts)]
+    rows = [
+        ChunkRow(event_id=i + 1, chunk=0, kind="cmd_output", source="runtime", ts=ts, text=t)
+        for i, t in enumerate(texts)
+    ]
     async with Store(database_url, schema=prefix) as store:
         vectors = unit_rows(np.random.default_rng(3), 3)
         await store.write(session="s", tenant=None, model=MODEL, event_ids=[1, 2, 3], rows=rows, vectors=vectors)

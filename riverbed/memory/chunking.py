@@ -16,9 +16,10 @@ from riverbed import events
 
 __all__ = ["DEFAULT_SKIP", "ChunkPolicy", "chunk_text", "event_chunks", "event_text"]
 
-#: Kinds not indexed unless asked for: records of other records, configuration, raw model output.
+#: Kinds not indexed unless asked for: records of other records, configuration, raw model output,
+#: and ``cmd_run`` (its ``cmd_output`` starts with ``$ <command>``, so the pair would fill two of k hits).
 DEFAULT_SKIP: frozenset[str] = frozenset(
-    {"recall", "condensation_request", "session_config", "llm_response", "forked", "unknown", "file_read"}
+    {"recall", "condensation_request", "session_config", "llm_response", "forked", "unknown", "file_read", "cmd_run"}
 )
 
 

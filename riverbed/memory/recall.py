@@ -25,7 +25,7 @@ from riverbed.memory.embedcache import CachedEmbedder, embedding_pipeline
 from riverbed.memory.embedders import Embedder
 from riverbed.memory.microagents import load_microagents, match_knowledge, workspace_dirs
 from riverbed.memory.ranking import hybrid_rank
-from riverbed.memory.store import Candidate, ChunkRow, Store
+from riverbed.memory.store import ChunkRow, Store
 from riverbed.memory.workspace import workspace_context
 
 __all__ = ["Memory"]
@@ -176,22 +176,13 @@ class Memory:
         in_session = session if scope == "session" else None
         want = max(self.candidates, k * 2)
         vector = (await self.embedder.embed([query]))[0]
-        found: dict[str, list[Candidate]] = {}
-
-        async def vector_side() -> None:
-            found["vector"] = await self.store.vector_search(
-                vector, model=self.embedder.model, k=want, tenant=tenant, session=in_session
-            )
-
-        async def text_side() -> None:
-            found["text"] = await self.store.text_search(query, k=want, tenant=tenant, session=in_session)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(vector_side)
-            tg.start_soon(text_side)
+        by_vector = await self.store.vector_search(
+            vector, model=self.embedder.model, k=want, tenant=tenant, session=in_session
+        )
+        by_text = await self.store.text_search(query, k=want, tenant=tenant, session=in_session)
         return hybrid_rank(
-            found["vector"],
-            found["text"],
+            by_vector,
+            by_text,
             k=k,
             now=now or dt.datetime.now(dt.UTC),
             half_life_seconds=self.half_life_seconds,
