@@ -14,7 +14,9 @@ from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.bus.consumer import Entry, Owner, SessionContext
 from riverbed.bus.dlq import DeadLetters
+from riverbed.bus.log import Fence
 from riverbed.bus.ownership import Claim, Leases
+from riverbed.errors import FencedError
 
 pytestmark = pytest.mark.anyio
 
@@ -109,9 +111,6 @@ async def test_takeover_bumps_the_fencing_token(bus: Bus) -> None:
     await anyio.sleep(0.3)
     got_new = await new.acquire(claim)
     assert got_new.token == 2
-    from riverbed.bus.log import Fence
-    from riverbed.errors import FencedError
-
     with pytest.raises(FencedError):
         await bus.log_store.append("t", [events.Think(thought="zombie")], fence=Fence("runtime", got_old.token))
     assert await old.renew({"t": ("0-1", got_old.token)}) == {"t"}
