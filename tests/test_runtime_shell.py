@@ -6,6 +6,7 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 from riverbed import events
@@ -161,9 +162,15 @@ async def test_cwd_field_is_confined(rt: Runtime) -> None:
         assert not refused.retryable
 
 
+async def _until_count(needle: bytes, expected: int) -> None:
+    with anyio.fail_after(5):
+        while _count_cmdline(needle) != expected:
+            await anyio.sleep(0.05)
+
+
 async def test_background_server_survives_between_commands(rt: Runtime) -> None:
     await run(rt, "sleep 321 & echo started")
-    assert _count_cmdline(b"sleep\x00321\x00") == 1
+    await _until_count(b"sleep\x00321\x00", 1)
     await run(rt, "echo other")
     assert _count_cmdline(b"sleep\x00321\x00") == 1
     await rt.close_session("s")

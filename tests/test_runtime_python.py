@@ -1,0 +1,116 @@
+"""Persistent Python cells (a real driver process per session)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from riverbed import events
+from riverbed.runtime import Limits, Runtime
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def rt(workspace: Path) -> AsyncIterator[Runtime]:
+    runtime = Runtime(workspace_root=workspace, limits=Limits(interrupt_grace=1.0))
+    yield runtime
+    await runtime.aclose()
+
+
+async def cell(rt: Runtime, code: str, *, timeout: float | None = None, session: str = "s") -> events.PythonOutput:
+    obs = await rt.execute(session, events.PythonRun(id=5, code=code, timeout=timeout))
+    assert isinstance(obs, events.PythonOutput), obs
+    assert obs.cause == 5
+    return obs
+
+
+async def test_names_survive_cells_and_a_timeout(rt: Runtime) -> None:
+    defined = await cell(rt, "def double(x):\n    return 2 * x\ncounter = 1")
+    assert defined.exception is None
+    assert defined.result is None
+    called = await cell(rt, "counter += 1\ndouble(21)")
+    assert called.result == "42"
+    hung = await cell(rt, "import time\nwhile True:\n    time.sleep(0.05)", timeout=0.5)
+    assert hung.timed_out
+    assert hung.exception is not None
+    assert "KeyboardInterrupt" in hung.exception
+    after = await cell(rt, "double(counter)")
+    assert after.result == "4"
+    assert not after.state_lost
+    assert not after.timed_out
+
+
+async def test_output_is_interleaved_and_the_cell_runs_in_the_workspace(rt: Runtime) -> None:
+    out = await cell(
+        rt,
+        "import os, sys, subprocess\nprint('one')\nprint('two', file=sys.stderr)\n"
+        "subprocess.run(['echo', 'three'])\nprint('four')\nos.getcwd()",
+    )
+    assert out.content == "one\ntwo\nthree\nfour\n"
+    assert out.result == repr(str(rt.workspace("s")))
+
+
+async def test_exceptions_carry_a_traceback(rt: Runtime) -> None:
+    out = await cell(rt, "print('before')\ndef inner():\n    raise ValueError('bad value')\ninner()")
+    assert out.content == "before\n"
+    assert out.exception is not None
+    assert "Traceback" in out.exception
+    assert "ValueError: bad value" in out.exception
+    assert "raise ValueError('bad value')" in out.exception
+    assert "_driver.py" not in out.exception
+    syntax = await cell(rt, "def broken(:\n    pass")
+    assert syntax.exception is not None
+    assert "SyntaxError" in syntax.exception
+    exited = await cell(rt, "raise SystemExit(2)")
+    assert exited.exception is not None
+    assert "SystemExit" in exited.exception
+    assert (await cell(rt, "1 + 1")).result == "2"
+
+
+async def test_a_dead_process_restarts_with_state_lost(rt: Runtime) -> None:
+    await cell(rt, "kept = 'value'")
+    died = await cell(rt, "import os\nprint('bye', flush=True)\nos._exit(3)")
+    assert died.content == "bye\n"
+    assert died.exception is not None
+    assert "exited with code 3" in died.exception
+    fresh = await cell(rt, "'kept' in globals()")
+    assert fresh.state_lost
+    assert fresh.result == "False"
+    assert not (await cell(rt, "kept = 1")).state_lost
+
+
+async def test_a_cell_that_ignores_sigint_is_killed(rt: Runtime) -> None:
+    code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(30)"
+    stuck = await cell(rt, code, timeout=0.5)
+    assert stuck.timed_out
+    assert "killed" in stuck.content
+    assert (await cell(rt, "2 * 3")).state_lost
+
+
+async def test_new_images_are_listed(rt: Runtime) -> None:
+    out = await cell(
+        rt,
+        "import os\nos.makedirs('plots', exist_ok=True)\n"
+        "open('plots/chart.png', 'wb').write(b'png')\n"
+        "open('fig.svg', 'w').write('<svg/>')\n"
+        "open('notes.txt', 'w').write('x')",
+    )
+    assert out.files == ["fig.svg", "plots/chart.png"]
+    again = await cell(rt, "1")
+    assert again.files == []
+
+
+async def test_output_and_results_are_capped(workspace: Path) -> None:
+    rt = Runtime(workspace_root=workspace, limits=Limits(max_output_chars=1000))
+    try:
+        out = await cell(rt, "for i in range(20000):\n    print(i)\n'x' * 5000")
+    finally:
+        await rt.aclose()
+    assert out.truncated
+    assert out.content.startswith("0\n1\n2\n")
+    assert out.content.endswith("19999\n")
+    assert out.result is not None
+    assert len(out.result) < 1100
