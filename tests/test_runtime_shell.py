@@ -175,3 +175,21 @@ async def test_background_server_survives_between_commands(rt: Runtime) -> None:
     assert _count_cmdline(b"sleep\x00321\x00") == 1
     await rt.close_session("s")
     assert _count_cmdline(b"sleep\x00321\x00") == 0
+
+
+async def test_sandbox_processes_carry_the_rlimits(workspace: Path) -> None:
+    limits = Limits(file_size=1024 * 1024, address_space=2 * 1024**3, cpu_seconds=100, open_files=256)
+    rt = Runtime(workspace_root=workspace, limits=limits)
+    try:
+        out = await run(rt, "ulimit -f; ulimit -v; ulimit -t; ulimit -n; ulimit -c")
+        assert out.content.split() == ["1024", str(2 * 1024 * 1024), "100", "256", "0"]
+        big = await run(rt, "head -c 2000000 /dev/zero > big.bin; echo $?; stat -c %s big.bin")
+        assert big.content.split()[-1] == str(1024 * 1024)
+        assert big.content.split()[0] != "0"
+        py = await rt.execute(
+            "s", events.PythonRun(id=1, code="import resource\nresource.getrlimit(resource.RLIMIT_NOFILE)")
+        )
+        assert isinstance(py, events.PythonOutput)
+        assert py.result == "(256, 256)"
+    finally:
+        await rt.aclose()

@@ -18,7 +18,8 @@ its cwd and its variables survive.  A non-blocking command that prints nothing n
 the *soft* timeout returns what it has printed so far and keeps running; the next
 ``cmd_run`` may be input for it, ``C-c``, or an empty command to wait for more output.
 If the shell itself dies or stops answering, it is replaced by a fresh one and the
-observation says so.
+observation says so.  Output that arrives while no command runs (job notices, late
+output of background jobs) is discarded before the next command starts.
 """
 
 from __future__ import annotations
