@@ -83,9 +83,7 @@ class MicroBatcher:
             await self._lead(batch)
         else:
             await batch.done.wait()
-        if batch.error is not None:
-            if leader:
-                raise batch.error
+        if batch.error is not None:  # the leader re-raised its own error in _lead
             raise _relay(batch.error)
         assert batch.result is not None
         return batch.result[offset : offset + len(items)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -63,10 +64,10 @@ class Memory:
         self.candidates = candidates
 
     @classmethod
-    def cached(cls, store: Store, embedder: Embedder, *, lru_size: int = 10_000, **options: object) -> Memory:
-        """A Memory whose embedder sits behind the micro-batcher and the two-level cache."""
-        pipeline = embedding_pipeline(embedder, store, lru_size=lru_size)
-        return cls(store, pipeline, **options)  # type: ignore[arg-type]
+    def cached(cls, store: Store, embedder: Embedder, *, lru_size: int = 10_000, **options: Any) -> Memory:
+        """A Memory whose embedder sits behind the micro-batcher and the two-level cache
+        (``options`` are the constructor's keyword arguments)."""
+        return cls(store, embedding_pipeline(embedder, store, lru_size=lru_size), **options)
 
     @property
     def cache(self) -> CachedEmbedder | None:
