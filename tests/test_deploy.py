@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -385,3 +387,13 @@ def test_dashboard_uses_only_metrics_a_worker_exports() -> None:
 def test_directory_stream_names_follow_the_keys_module(role: str) -> None:
     text = (K8S / f"{role}.yaml").read_text()
     assert f'stream: "{Keys("rb").directory(role)}"' in text
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kustomize_renders_the_manifests() -> None:
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    objects = [d for d in yaml.safe_load_all(rendered) if d]
+    assert len(objects) == len(k8s_objects())
+    assert {o["metadata"].get("namespace") for o in objects if o["kind"] != "Namespace"} == {"riverbed"}

@@ -19,6 +19,7 @@ from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.bus import stats
 from riverbed.bus.consumer import Entry, SessionContext
+from riverbed.errors import ConfigError
 from riverbed.memory.embedcache import CachedEmbedder
 from riverbed.settings import Settings
 from riverbed.workers.http import Health, serve
@@ -274,3 +275,13 @@ def test_handler_timings_reach_the_histogram_and_the_list_stays_bounded(prefix: 
     assert value(scraped, "riverbed_handler_seconds_count", **labels) == 2
     assert value(scraped, "riverbed_handler_seconds_bucket", le="0.025", **labels) == 1
     assert not getattr(stats_, "handler_seconds", [])
+
+
+async def test_a_taken_port_is_a_clear_configuration_error(bus: Bus, prefix: str) -> None:
+    worker = Worker(bus.redis, Settings(prefix=prefix), ["runtime"], name="w-port", handlers={"runtime": EchoHandler()})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match="RIVERBED_METRICS_PORT"):
+            await serve(worker, port, host="127.0.0.1")

@@ -30,6 +30,7 @@ import anyio
 import structlog
 from anyio.abc import SocketAttribute, SocketStream, TaskStatus
 
+from riverbed.errors import ConfigError
 from riverbed.workers.metrics import CONTENT_TYPE, Observed, WorkerMetrics
 
 __all__ = ["Health", "Served", "serve"]
@@ -98,7 +99,13 @@ async def serve(
         refresh_seconds,
     )
     server.metrics.bind(worker)
-    listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    try:
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}); "
+            "set RIVERBED_METRICS_PORT to a free port, or 0 to turn the endpoints off"
+        ) from exc
     async with listener, anyio.create_task_group() as tg:
         bound = int(listener.extra(SocketAttribute.local_port))  # noqa: S610  (anyio typed attribute, not Django)
         tg.start_soon(server.tick)
