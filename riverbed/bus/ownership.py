@@ -145,6 +145,15 @@ class Leases:
                 pipe.xdel(self.directory, claim.entry)
                 await pipe.execute()
 
+    async def reannounce(self, claim: Claim) -> None:
+        """Put the session back in the directory as a new entry and drop ``claim``."""
+        with translate(self.url):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(self.directory, {"s": claim.session})
+                pipe.xack(self.directory, self.role, claim.entry)
+                pipe.xdel(self.directory, claim.entry)
+                await pipe.execute()
+
     async def hand_back(self, claim: Claim, holder: str) -> None:
         """A reclaimed entry whose holder is alive after all goes back to that holder."""
         with translate(self.url):

@@ -13,6 +13,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ from riverbed.bus.consumer import Handler, Owner
 from riverbed.bus.keys import ROLES, Keys
 from riverbed.errors import ConfigError, UnavailableError
 from riverbed.settings import Settings
+from riverbed.workers.http import serve as serve_http
+from riverbed.workers.metrics import WorkerMetrics
 
 __all__ = ["Worker", "default_name", "parse_roles", "run_worker"]
 
@@ -89,17 +92,26 @@ class Worker:
             )
             for role in self.roles
         }
+        self.metrics = WorkerMetrics()
+        self.last_heartbeat: float | None = None  # monotonic time of the last heartbeat Redis took
         self._stop = anyio.Event()
 
     @property
     def ready(self) -> bool:
         return all(o.ready for o in self.owners.values())
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     def stop(self) -> None:
         self._stop.set()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
+            if self.settings.metrics_port:
+                # first, so /healthz answers (and /readyz says why not) while the owners start
+                await tg.start(partial(serve_http, self, self.settings.metrics_port, metrics=self.metrics))
             for owner in self.owners.values():
                 await tg.start(owner.run)
             tg.start_soon(self._heartbeat)
@@ -142,6 +154,7 @@ class Worker:
                         pipe.zadd(self.keys.workers, {self.name: time.time()})
                         pipe.set(self.keys.worker(self.name), json.dumps(self.describe()), ex=30)
                         await pipe.execute()
+                self.last_heartbeat = time.monotonic()
             except UnavailableError as exc:
                 log.warning("heartbeat.unavailable", error=str(exc))
             await anyio.sleep(HEARTBEAT_SECONDS)
