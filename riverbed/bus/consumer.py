@@ -329,6 +329,11 @@ class Owner:
                 released = await self._loop(ctx, owned)
         except FencedError:
             bound.warning("session.fenced")
+        except Exception:
+            # A bug or a broken session must not take the worker down: give the session back
+            # after a pause (so a persistent failure does not spin) and go on with the others.
+            bound.exception("session.failed")
+            await anyio.sleep(1.0)
         finally:
             with anyio.CancelScope(shield=True):
                 await self._finish(ctx, owned, released)
