@@ -1,0 +1,385 @@
+"""The View fold against a deliberately naive reference, incremental vs full, time travel."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from riverbed.errors import InputError
+from riverbed.events import (
+    Action,
+    CmdOutput,
+    CmdRun,
+    Condensation,
+    CondensationRequest,
+    Error,
+    Event,
+    LlmResponse,
+    Message,
+    Observation,
+    Think,
+    with_id,
+)
+from riverbed.memory.view import Summary, View, ViewBuilder, view
+
+# --- the naive reference ----------------------------------------------------------------
+
+
+def naive_view(events: list[Event], until: int | None = None) -> list[tuple[Any, ...]]:
+    """Quadratic, obviously-correct restatement of the fold's rules."""
+    seen: list[Event] = []
+    by_id: dict[int, Event] = {}
+    hidden: set[int] = set()
+    forgotten: set[int] = set()
+    summary: tuple[int, str] | None = None
+    anchor = 0
+
+    def pair_action(obs: Event) -> int | None:
+        if not isinstance(obs, Observation) or isinstance(obs, Condensation) or obs.cause is None:
+            return None
+        cause = by_id.get(obs.cause)
+        if cause is None or cause.id >= obs.id or not isinstance(cause, Action) or cause.answered_by is None:
+            return None
+        return cause.id
+
+    for x in events:
+        if until is not None and x.id > until:
+            break
+        seen.append(x)
+        by_id[x.id] = x
+        if isinstance(x, Condensation | CondensationRequest):
+            hidden.add(x.id)
+        a = pair_action(x)
+        if a is not None and a in hidden:
+            hidden.add(x.id)
+        elif a is not None and a in forgotten:
+            forgotten.add(x.id)
+        if not isinstance(x, Condensation):
+            continue
+        before = set(forgotten)
+        for start, end in x.forgotten:
+            for y in seen:
+                if y.id < x.id and start <= y.id <= end and y.id not in hidden:
+                    forgotten.add(y.id)
+        changed = True
+        while changed:
+            changed = False
+            for y in seen:
+                a = pair_action(y)
+                if a is None or a in hidden or y.id in hidden:
+                    continue
+                if (a in forgotten) != (y.id in forgotten):
+                    forgotten.update((a, y.id))
+                    changed = True
+        if x.summary is None:
+            continue
+        if x.summary == "":
+            summary = None
+            continue
+        kept = [y for y in seen if y.id not in hidden and y.id not in forgotten]
+        if x.summary_offset is None:
+            new = forgotten - before
+            anchor = min(new) if new else x.id
+        else:
+            off = min(max(x.summary_offset, 0), len(kept))
+            anchor = kept[off].id if off < len(kept) else x.id
+        summary = (x.id, x.summary)
+    out: list[tuple[Any, ...]] = []
+    placed = summary is None
+    for y in seen:
+        if y.id in hidden or y.id in forgotten:
+            continue
+        if not placed and y.id >= anchor:
+            out.append(("summary", *summary))  # type: ignore[misc]
+            placed = True
+        out.append(key(y))
+    if not placed:
+        out.append(("summary", *summary))  # type: ignore[misc]
+    return out
+
+
+def key(e: Event) -> tuple[Any, ...]:
+    if isinstance(e, Summary):
+        return ("summary", e.cause, e.content)
+    return (e.kind, e.id)
+
+
+def keys(v: View) -> list[tuple[Any, ...]]:
+    return [key(e) for e in v]
+
+
+# --- generated logs ---------------------------------------------------------------------
+
+op = st.one_of(
+    st.tuples(st.just("msg"), st.sampled_from(["user", "agent"])),
+    st.tuples(st.just("act")),
+    st.tuples(st.just("act")),
+    st.tuples(st.just("obs"), st.integers(0, 4), st.booleans()),
+    st.tuples(st.just("obs"), st.integers(0, 10_000), st.booleans()),
+    st.tuples(
+        st.just("cond"),
+        st.lists(st.tuples(st.integers(-2, 60), st.integers(-3, 12)), max_size=3),
+        st.sampled_from([None, "", "s1", "s2"]),
+        st.one_of(st.none(), st.integers(-1, 30)),
+    ),
+    st.tuples(st.just("req")),
+    st.tuples(st.just("think")),
+    st.tuples(st.just("llm")),
+    st.tuples(st.just("err")),
+)
+
+
+@st.composite
+def logs(draw: st.DrawFn, max_size: int = 60) -> list[Event]:
+    size = draw(st.integers(0, max_size))
+    ops = draw(st.lists(op, min_size=size, max_size=size))
+    gaps = draw(st.lists(st.integers(1, 3), min_size=len(ops), max_size=len(ops)))
+    events: list[Event] = []
+    next_id = 0
+    for o, gap in zip(ops, gaps, strict=True):
+        next_id += gap
+        ev: Event
+        match o:
+            case ("msg", source):
+                ev = Message(content=f"m{next_id}", source=source)
+            case ("act",):
+                ev = CmdRun(command=f"c{next_id}")
+            case ("obs", pick, has_cause):
+                # Small picks answer one of the newest events, large ones any event.
+                back = pick if pick < 5 else pick % max(len(events), 1)
+                cause = events[-1 - back % len(events)].id if events and has_cause else None
+                ev = CmdOutput(content=f"o{next_id}", cause=cause)
+            case ("cond", ranges, summary, offset):
+                # (distance back from here, length); negative lengths make invalid ranges
+                spans = [(max(next_id - back, -1), max(next_id - back, -1) + length) for back, length in ranges]
+                ev = Condensation(forgotten=spans, summary=summary, summary_offset=offset)
+            case ("req",):
+                ev = CondensationRequest()
+            case ("think",):
+                ev = Think(thought="t")
+            case ("llm",):
+                ev = LlmResponse(model="m", content="x")
+            case _:
+                ev = Error(content="e")
+        events.append(with_id(ev, next_id))
+    return events
+
+
+FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FAST
+@given(logs())
+def test_fold_matches_naive_reference_at_every_point(events: list[Event]) -> None:
+    for e in events:
+        assert keys(view(events, until=e.id)) == naive_view(events, until=e.id)
+    assert keys(view(events)) == naive_view(events)
+
+
+@FAST
+@given(logs())
+def test_incremental_equals_full_fold(events: list[Event]) -> None:
+    builder = ViewBuilder()
+    for e in events:
+        builder.append(e)
+        snapshot = builder.view()
+        full = view(events, until=e.id)
+        assert snapshot == full
+        assert snapshot.last_id == e.id
+        assert len(builder) == len(full)
+
+
+@FAST
+@given(logs())
+def test_pairs_never_split_and_machinery_hidden(events: list[Event]) -> None:
+    v = view(events)
+    by_id = {e.id: e for e in events}
+    visible = set(v.ids())
+    assert sum(isinstance(e, Summary) for e in v) <= 1
+    for e in v:
+        assert not isinstance(e, Condensation | CondensationRequest)
+    for e in events:
+        if isinstance(e, Observation) and not isinstance(e, Condensation) and e.cause is not None:
+            cause = by_id.get(e.cause)
+            answerable = isinstance(cause, Action) and cause.answered_by is not None
+            if answerable and e.cause < e.id and not isinstance(cause, CondensationRequest):
+                assert (e.id in visible) == (e.cause in visible)
+            if isinstance(cause, CondensationRequest):
+                assert e.id not in visible
+
+
+@FAST
+@given(logs(), st.integers(0, 200))
+def test_until_is_a_prefix_fold(events: list[Event], until: int) -> None:
+    assert view(events, until=until) == view([e for e in events if e.id <= until])
+
+
+# --- worked examples --------------------------------------------------------------------
+
+
+def _log(*events: Event) -> list[Event]:
+    return [with_id(e, i) for i, e in enumerate(events, start=1)]
+
+
+def test_summary_inserted_at_offset_and_replaced_by_later_one() -> None:
+    events = _log(
+        Message(content="task", source="user"),  # 1
+        CmdRun(command="ls"),  # 2
+        CmdOutput(content="a b", cause=2),  # 3
+        CmdRun(command="cat a"),  # 4
+        CmdOutput(content="A", cause=4),  # 5
+        Condensation(forgotten=[(2, 3)], summary="listed files", summary_offset=1),  # 6
+        Message(content="next", source="user"),  # 7
+        Condensation(forgotten=[(4, 5)], summary="listed and read a", summary_offset=1),  # 8
+    )
+    first = view(events, until=7)
+    summary = ("summary", 6, "listed files")
+    assert keys(first) == [("message", 1), summary, ("cmd_run", 4), ("cmd_output", 5), ("message", 7)]
+    assert first.summary is not None
+    assert first.summary.content == "listed files"
+    assert first.summary_index == 1
+    second = view(events)
+    assert keys(second) == [("message", 1), ("summary", 8, "listed and read a"), ("message", 7)]
+    assert [e.id for e in second.real_events()] == [1, 7]
+
+
+def test_cut_through_a_pair_drops_both_members() -> None:
+    events = _log(
+        Message(content="task", source="user"),  # 1
+        CmdRun(command="ls"),  # 2
+        CmdOutput(content="x", cause=2),  # 3
+        CmdRun(command="pwd"),  # 4
+        CmdOutput(content="/", cause=4),  # 5
+        Condensation(forgotten=[(3, 4)]),  # 6: would keep 2 and 5
+    )
+    assert keys(view(events)) == [("message", 1)]
+
+
+def test_late_observation_of_forgotten_action_is_dropped() -> None:
+    events = _log(
+        CmdRun(command="sleep 5"),  # 1
+        Message(content="meanwhile", source="user"),  # 2
+        Condensation(forgotten=[(1, 1)]),  # 3
+        CmdOutput(content="done", cause=1),  # 4
+    )
+    assert keys(view(events)) == [("message", 2)]
+
+
+def test_condensation_request_and_its_answer_are_hidden() -> None:
+    events = _log(
+        Message(content="hi", source="user"),
+        CondensationRequest(),
+        Error(content="condenser down", cause=2),
+        Error(content="standalone"),
+    )
+    assert keys(view(events)) == [("message", 1), ("error", 4)]
+
+
+def test_observation_answering_a_message_is_not_a_pair() -> None:
+    events = _log(
+        Message(content="task", source="user"),
+        CmdOutput(content="context for the task", cause=1),
+        Condensation(forgotten=[(2, 2)]),
+    )
+    assert keys(view(events)) == [("message", 1)]
+
+
+def test_ranges_never_reach_events_after_the_condensation() -> None:
+    events = _log(Message(content="a"), Condensation(forgotten=[(1, 100)]), Message(content="b"))
+    assert keys(view(events)) == [("message", 3)]
+
+
+def test_summary_without_offset_goes_where_the_forgotten_events_were() -> None:
+    events = _log(
+        Message(content="a"),
+        Message(content="b"),
+        Message(content="c"),
+        Condensation(forgotten=[(2, 2)], summary="b was said"),
+    )
+    assert keys(view(events)) == [("message", 1), ("summary", 4, "b was said"), ("message", 3)]
+
+
+def test_empty_summary_removes_it_and_none_keeps_it() -> None:
+    events = _log(
+        Message(content="a"),
+        Message(content="b"),
+        Condensation(forgotten=[(1, 1)], summary="a", summary_offset=0),
+        Message(content="c"),
+        Condensation(forgotten=[(2, 2)]),
+    )
+    assert keys(view(events)) == [("summary", 3, "a"), ("message", 4)]
+    cleared = [*events, with_id(Condensation(summary=""), 6)]
+    assert keys(view(cleared)) == [("message", 4)]
+
+
+def test_events_must_carry_increasing_ids() -> None:
+    builder = ViewBuilder()
+    with pytest.raises(InputError, match="without an id"):
+        builder.append(Message(content="x"))
+    builder.append(with_id(Message(content="x"), 5))
+    with pytest.raises(InputError, match="increasing id order"):
+        builder.append(with_id(Message(content="y"), 5))
+
+
+def test_view_is_a_sequence() -> None:
+    v = view(_log(Message(content="a"), Message(content="b")))
+    assert len(v) == 2
+    assert v[0].id == 1
+    assert [e.id for e in v[1:]] == [2]
+    assert v.summary is None
+    assert v.last_id == 2
+    assert view([]) == View()
+
+
+# --- the benchmark ----------------------------------------------------------------------
+
+
+def big_log(n: int = 100_000, condensations: int = 100) -> list[Event]:
+    events: list[Event] = [with_id(Message(content="the task", source="user"), 1)]
+    every = n // condensations
+    eid = 1
+    forgotten_to = 1
+    while eid < n:
+        eid += 1
+        if eid % every == 0:
+            # Forget everything but the first event and the newest ~200 events.
+            end = eid - 200
+            events.append(
+                with_id(Condensation(forgotten=[(forgotten_to + 1, end)], summary=f"s{eid}", summary_offset=1), eid)
+            )
+            forgotten_to = end
+        elif eid % 2 == 0:
+            events.append(with_id(CmdRun(command="ls"), eid))
+        else:
+            events.append(with_id(CmdOutput(content="out", cause=eid - 1), eid))
+    return events
+
+
+def test_fold_of_100k_events_with_100_condensations_is_fast() -> None:
+    events = big_log()
+    best = min(_timed_fold(events) for _ in range(3))
+    assert best < 1.0, f"fold took {best:.3f} s"
+    v = view(events)
+    assert v[0].id == 1
+    assert isinstance(v[1], Summary)
+    assert len(v) < 1200
+
+
+def _timed_fold(events: list[Event]) -> float:
+    start = time.perf_counter()
+    builder = ViewBuilder()
+    for e in events:
+        builder.append(e)
+    builder.view()
+    return time.perf_counter() - start
+
+
+def test_fold_without_condensations_stays_linear() -> None:
+    events = [with_id(Message(content="x"), i) for i in range(1, 100_001)]
+    start = time.perf_counter()
+    assert len(view(events)) == 100_000
+    assert time.perf_counter() - start < 1.0
