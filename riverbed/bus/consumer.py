@@ -202,6 +202,7 @@ class Owner:
         self.ready = False
         self._stopping = anyio.Event()
         self._drained = anyio.Event()
+        self._taking: set[str] = set()
         self._slot_freed = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -271,10 +272,19 @@ class Owner:
             # Read while shutting down: pass it on to a peer at once.
             await self.leases.reannounce(claim)
             return
+        if claim.session in self._taking:
+            return  # the intake and the reclaimer met the same entry; one of them takes it
         if claim.session in self.owned:
             if claim.entry != self.owned[claim.session].entry:
                 await self.leases.drop(claim)
             return
+        self._taking.add(claim.session)
+        try:
+            await self._acquire(claim, reclaimed=reclaimed)
+        finally:
+            self._taking.discard(claim.session)
+
+    async def _acquire(self, claim: Claim, *, reclaimed: bool) -> None:
         try:
             got = await self.leases.acquire(claim)
         except UnavailableError as exc:
@@ -288,6 +298,7 @@ class Owner:
             return
         if reclaimed:
             self.stats.takeovers += 1
+        log.info("session.acquired", role=self.role, session=claim.session, token=got.token, reclaimed=reclaimed)
         scope = anyio.CancelScope()
         self.owned[claim.session] = _Owned(entry=claim.entry, token=got.token, scope=scope)
         assert self._tg is not None
@@ -381,7 +392,8 @@ class Owner:
             await self.handler.close(ctx)
         except Exception:
             log.exception("handler.close_failed", role=self.role, session=ctx.session)
-        self.owned.pop(ctx.session, None)
+        if self.owned.get(ctx.session) is owned:
+            del self.owned[ctx.session]
         if not parked:
             try:
                 await self.leases.release(ctx.session, owned.entry, owned.token)

@@ -127,10 +127,12 @@ class Leases:
                     args=[self.role, self.worker, token, 1 if park else 0, seen_last],
                 )
             )
-            if result == -1:
+            if result != 1:
+                # -1: not parked, keep serving.  0: someone else owns the session now, and the
+                # entry may be its lease handle (a reclaim moves it): leave it alone.
                 return result
             async with self.redis.pipeline(transaction=False) as pipe:
-                if result == 1 and not park:
+                if not park:
                     pipe.xadd(self.directory, {"s": session})
                 pipe.xack(self.directory, self.role, entry)
                 pipe.xdel(self.directory, entry)
