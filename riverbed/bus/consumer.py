@@ -455,8 +455,9 @@ class Owner:
                     await self.handler.handle(ctx, todo)
             except FencedError:
                 raise
-            except UnavailableError as exc:
-                log.warning("handler.unavailable", role=self.role, session=ctx.session, error=str(exc))
+            except (UnavailableError, AppendConflict) as exc:
+                # Not the entry's fault (a service is down, or the log moved): retry, uncounted.
+                log.warning("handler.retry", role=self.role, session=ctx.session, error=str(exc))
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 todo = await self._unacked(ctx, todo)

@@ -1,0 +1,140 @@
+"""The condenser role: keep each session's view within its budget by appending condensations.
+
+Per session the handler keeps an incremental :class:`ViewBuilder` and the session's
+:class:`CondenserConfig` (from its ``session_config`` events).  After each batch it asks
+the policy whether to condense; a ``condensation_request`` is always honoured and is
+answered by the condensation (``cause`` = the request).  The condensation is appended
+with the owner's fencing token and ``expected_last``, so two condensers can never both
+condense the same history: if the log moved meanwhile the batch is retried on the newer
+history.  An LLM failure leaves the log untouched apart from an ``error`` event, and the
+session goes on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import structlog
+from msgspec.structs import replace
+from openai import AsyncOpenAI
+
+from riverbed import events
+from riverbed.bus.consumer import Entry, SessionContext
+from riverbed.errors import AppendConflict, ConfigError, UnavailableError
+from riverbed.memory.condensers import CondenserConfig, condense, should_condense
+from riverbed.memory.view import ViewBuilder
+from riverbed.settings import Settings
+
+log = structlog.get_logger("riverbed.worker")
+
+
+@dataclass
+class _State:
+    builder: ViewBuilder = field(default_factory=ViewBuilder)
+    config: CondenserConfig = field(default_factory=CondenserConfig)
+
+
+class CondenserHandler:
+    role = "condenser"
+
+    def __init__(self, *, llm: AsyncOpenAI | None, model: str | None) -> None:
+        self.llm = llm
+        self.model = model
+        self.states: dict[str, _State] = {}
+
+    async def open(self, ctx: SessionContext) -> None:
+        state = _State()
+        self.states[ctx.session] = state
+        group_next = await _delivered_up_to(ctx)
+        async for event in ctx.log.read(ctx.session, 1, group_next):
+            self._fold(state, event)
+
+    async def close(self, ctx: SessionContext) -> None:
+        self.states.pop(ctx.session, None)
+
+    async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
+        await self.handle(ctx, entries)
+
+    async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
+        state = self.states[ctx.session]
+        requests: list[Entry] = []
+        bad_config: str | None = None
+        for entry in entries:
+            if entry.id > state.builder.last_id:
+                try:
+                    self._fold(state, entry.event)
+                except ConfigError as exc:
+                    bad_config = str(exc)
+            if isinstance(entry.event, events.CondensationRequest) and not await ctx.is_answered(entry.id):
+                requests.append(entry)
+        if bad_config is not None:
+            await ctx.append([events.Error(content=bad_config, reason="bad_condenser_config", source="condenser")])
+        others = [e.id for e in entries if e not in requests]
+        view = state.builder.view()
+        if not should_condense(view, state.config, requested=bool(requests)):
+            await ctx.ack(others)
+            return
+        try:
+            condensation = await condense(view, state.config, self.llm, requested=bool(requests), model=self.model)
+        except (UnavailableError, ConfigError) as exc:
+            log.warning("condense.failed", session=ctx.session, error=str(exc))
+            failure = events.Error(
+                content=f"condensation failed: {exc}", reason="condensation_failed", retryable=exc.retryable
+            )
+            for entry in requests:
+                await ctx.answer(entry, replace(failure, source="condenser"))
+            if not requests:
+                await ctx.append([replace(failure, source="condenser")])
+            await ctx.ack(others)
+            return
+        if condensation is not None:
+            try:
+                await self._publish(ctx, condensation, requests, state.builder.last_id)
+            except AppendConflict:
+                # The log moved: leave the entries unacknowledged; they are retried on the newer history.
+                ctx.owner.stats.append_conflicts += 1
+                raise
+        await ctx.ack(others)
+
+    async def _publish(
+        self, ctx: SessionContext, condensation: events.Condensation, requests: list[Entry], last: int
+    ) -> None:
+        first = requests[0] if requests else None
+        cond = replace(condensation, cause=first.id if first else None, source="condenser", tenant=ctx.tenant)
+        await ctx.append([cond], expected_last=last)
+        log.info(
+            "session.condensed",
+            session=ctx.session,
+            forgotten=cond.forgotten,
+            summary=cond.summary is not None,
+            requested=first is not None,
+        )
+        for entry in requests:
+            if entry is first:
+                await ctx.ack([entry.id])
+            else:  # one condensation answers the first request; later ones get an empty answer
+                await ctx.answer(entry, events.Condensation(source="condenser"))
+
+    @staticmethod
+    def _fold(state: _State, event: events.Event) -> None:
+        state.builder.append(event)
+        if isinstance(event, events.SessionConfig) and event.condenser is not None:
+            state.config = CondenserConfig.from_dict(event.condenser)
+
+
+async def _delivered_up_to(ctx: SessionContext) -> int:
+    """The last id already delivered to this role's group (its view is rebuilt up to there)."""
+    groups = await ctx.owner.redis.xinfo_groups(ctx.owner.keys.log(ctx.session))
+    for group in groups:
+        if group["name"] in (ctx.role, ctx.role.encode()):
+            raw = group["last-delivered-id"]
+            text = raw.decode() if isinstance(raw, bytes) else str(raw)
+            return int(text.partition("-")[0])
+    return 0
+
+
+def build_condenser_handler(settings: Settings) -> CondenserHandler:
+    llm = None
+    if settings.openai_api_key or settings.openai_base_url:
+        llm = AsyncOpenAI(api_key=settings.openai_api_key or "unused", base_url=settings.openai_base_url)
+    return CondenserHandler(llm=llm, model=settings.llm_model)

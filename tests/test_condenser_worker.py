@@ -1,0 +1,88 @@
+"""The condenser role in-process against real Redis: budgets held, requests answered, failures reported."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+import riverbed
+from riverbed import events
+from riverbed.agent.client import Bus
+from riverbed.bus.consumer import Owner
+from riverbed.memory.view import view as fold
+from riverbed.workers.condenser_role import CondenserHandler
+from tests.openai_server import OpenAIServer
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
+    async with riverbed.connect(redis_url, prefix=prefix) as bus:
+        yield bus
+
+
+async def wait_for(bus: Bus, session: str, predicate: object, timeout: float = 10) -> list[events.Event]:
+    with anyio.fail_after(timeout):
+        while True:
+            log = await bus.session(session).events()
+            if predicate(log):  # type: ignore[operator]
+                return log
+            await anyio.sleep(0.05)
+
+
+async def test_event_ceiling_holds_in_every_view_and_the_log_keeps_everything(bus: Bus) -> None:
+    owner = Owner(bus.redis, bus.keys, CondenserHandler(llm=None, model=None), worker="c1", url=bus.url)
+    session = bus.session("long")
+    await session.append(events.SessionConfig(condenser={"strategy": "recent", "max_events": 12, "keep_first": 1}))
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        for i in range(60):
+            await session.append(events.Message(content=f"message {i}", source="user"))
+            await anyio.sleep(0.01)
+        log = await wait_for(
+            bus, "long", lambda log: len(fold(log)) <= 12 and any(isinstance(e, events.Condensation) for e in log)
+        )
+        await owner.drain(2)
+    assert sum(isinstance(e, events.Message) for e in log) == 60  # nothing is ever deleted
+    for n in range(1, len(log) + 1):
+        # Between condensations a view may grow past the ceiling by what arrived in one batch.
+        assert len(fold(log, until=n)) <= 12 + 10
+
+
+async def test_a_condensation_request_is_always_answered(bus: Bus) -> None:
+    owner = Owner(bus.redis, bus.keys, CondenserHandler(llm=None, model=None), worker="c1", url=bus.url)
+    session = bus.session("asks")
+    await session.append(*[events.Message(content=f"m{i}", source="user") for i in range(8)])
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        answer = await session.act(events.CondensationRequest(), timeout=10)
+        await owner.drain(2)
+    assert isinstance(answer, events.Condensation)
+    assert answer.forgotten
+
+
+async def test_llm_failure_is_an_error_event_and_the_session_goes_on(bus: Bus) -> None:
+    with OpenAIServer() as server:
+        server.fail(500, times=1)
+        handler = CondenserHandler(llm=server.client(), model="test-model")
+        owner = Owner(bus.redis, bus.keys, handler, worker="c1", url=bus.url)
+        session = bus.session("llm")
+        await session.append(
+            events.SessionConfig(condenser={"strategy": "summarizing", "max_events": 40, "keep_first": 1}),
+            *[events.Message(content=f"m{i}", source="user") for i in range(10)],
+        )
+        async with anyio.create_task_group() as tg:
+            await tg.start(owner.run)
+            answer = await session.act(events.CondensationRequest(), timeout=10)
+            assert isinstance(answer, events.Error)
+            assert answer.reason == "condensation_failed"
+            server.reply("Task: count messages. Decisions: none. Files: none.")
+            answer = await session.act(events.CondensationRequest(), timeout=10)
+            await owner.drain(2)
+    assert isinstance(answer, events.Condensation)
+    assert answer.summary and "count messages" in answer.summary
+    log = await bus.session("llm").events()
+    assert not any(isinstance(e, events.Condensation) and e.cause is None for e in log)
