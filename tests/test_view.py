@@ -169,7 +169,7 @@ def logs(draw: st.DrawFn, max_size: int = 60) -> list[Event]:
     return events
 
 
-FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FAST

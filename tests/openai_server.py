@@ -1,0 +1,268 @@
+"""A small OpenAI-compatible HTTP server for tests, used through the real ``openai`` client.
+
+::
+
+    with OpenAIServer() as server:
+        server.reply("a summary")                                  # queue scripted answers
+        server.reply(tool_calls=[("cmd_run", {"command": "ls"})])  # ... with tool calls
+        server.fail(500, times=2)                                  # ... or HTTP errors
+        server.respond(lambda request: {"content": "computed"})    # ... or a function of the request
+        client = server.client()                                   # AsyncOpenAI, max_retries=0
+        ...
+        server.requests[-1]["messages"]                            # what was sent
+
+``POST /v1/chat/completions`` pops the next scripted answer (FIFO); when the queue is empty it
+answers 500 and counts the request in ``unexpected``.  ``POST /v1/embeddings`` answers with
+deterministic unit vectors (``dimensions`` from the request, else ``embedding_dim``).
+``GET /v1/models`` lists ``model``.  Every request body is recorded in ``requests`` (chat) or
+``embedding_requests``.  The server runs in a thread on 127.0.0.1 and a free port.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from openai import AsyncOpenAI
+
+ToolCall = tuple[str, Mapping[str, Any]] | Mapping[str, Any]
+Responder = Callable[[dict[str, Any]], Mapping[str, Any]]
+
+
+@dataclass
+class Scripted:
+    """One scripted answer: a completion, an HTTP error, or a function of the request."""
+
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    status: int = 200
+    error: str = "scripted failure"
+    delay: float = 0.0
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    responder: Responder | None = None
+
+
+def tool_call(name: str, arguments: Mapping[str, Any] | str, call_id: str | None = None) -> dict[str, Any]:
+    """A tool call in the OpenAI wire format (arguments JSON-encoded)."""
+    args = arguments if isinstance(arguments, str) else json.dumps(dict(arguments))
+    return {
+        "id": call_id or f"call_{hashlib.sha1(f'{name}{args}{time.monotonic_ns()}'.encode()).hexdigest()[:12]}",
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    }
+
+
+class OpenAIServer:
+    def __init__(self, *, model: str = "test-model", embedding_dim: int = 8) -> None:
+        self.model = model
+        self.embedding_dim = embedding_dim
+        self.requests: list[dict[str, Any]] = []
+        self.embedding_requests: list[dict[str, Any]] = []
+        self.unexpected = 0
+        self._queue: deque[Scripted] = deque()
+        self._lock = threading.Lock()
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- scripting ------------------------------------------------------------------------
+
+    def reply(
+        self,
+        content: str | None = None,
+        *,
+        tool_calls: Iterable[ToolCall] = (),
+        delay: float = 0.0,
+        finish_reason: str | None = None,
+        usage: dict[str, int] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Queue a completion; returns its tool calls in wire form (with their ids)."""
+        calls = [tool_call(c[0], c[1]) if isinstance(c, tuple) else dict(c) for c in tool_calls]
+        self._push(Scripted(content=content, tool_calls=calls, delay=delay, finish_reason=finish_reason, usage=usage))
+        return calls
+
+    def fail(self, status: int = 500, message: str = "scripted failure", *, times: int = 1) -> None:
+        """Queue ``times`` HTTP errors."""
+        for _ in range(times):
+            self._push(Scripted(status=status, error=message))
+
+    def respond(self, responder: Responder, *, times: int = 1) -> None:
+        """Queue answers computed from the request body: the function returns ``reply`` keywords."""
+        for _ in range(times):
+            self._push(Scripted(responder=responder))
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def _push(self, item: Scripted) -> None:
+        with self._lock:
+            self._queue.append(item)
+
+    def _pop(self) -> Scripted | None:
+        with self._lock:
+            return self._queue.popleft() if self._queue else None
+
+    # --- inspection -----------------------------------------------------------------------
+
+    @property
+    def last_request(self) -> dict[str, Any]:
+        return self.requests[-1]
+
+    def prompts(self) -> list[str]:
+        """Every message content of every chat request, joined per request."""
+        return ["\n".join(str(m.get("content") or "") for m in r.get("messages", [])) for r in self.requests]
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        assert self._httpd is not None, "the server is not started"
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host!s}:{port}/v1"
+
+    def client(self, **kwargs: Any) -> AsyncOpenAI:
+        """A real OpenAI client pointed at this server (no retries, short timeout)."""
+        options: dict[str, Any] = {"api_key": "test-key", "max_retries": 0, "timeout": 10.0}
+        options.update(kwargs)
+        return AsyncOpenAI(base_url=self.base_url, **options)
+
+    def start(self) -> OpenAIServer:
+        handler = type("Handler", (_Handler,), {"server_state": self})
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="openai-test-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def __enter__(self) -> OpenAIServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- answers --------------------------------------------------------------------------
+
+    def _chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            self.requests.append(body)
+        item = self._pop()
+        if item is None:
+            self.unexpected += 1
+            return 500, _error("no scripted response is queued for this request", "server_error")
+        if item.responder is not None:
+            item = Scripted(**_scripted_kwargs(item.responder(body)))
+        if item.delay:
+            time.sleep(item.delay)
+        if item.status != 200:
+            return item.status, _error(item.error, "server_error" if item.status >= 500 else "invalid_request_error")
+        message: dict[str, Any] = {"role": "assistant", "content": item.content}
+        if item.tool_calls:
+            message["tool_calls"] = item.tool_calls
+        finish = item.finish_reason or ("tool_calls" if item.tool_calls else "stop")
+        prompt_tokens = sum(len(str(m.get("content") or "")) // 4 for m in body.get("messages", []))
+        completion_tokens = len(item.content or "") // 4
+        usage = item.usage or {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        return 200, {
+            "id": f"chatcmpl-{len(self.requests)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", self.model),
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": usage,
+        }
+
+    def _embeddings(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            self.embedding_requests.append(body)
+        inputs = body.get("input", [])
+        texts = [inputs] if isinstance(inputs, str) else list(inputs)
+        dim = int(body.get("dimensions") or self.embedding_dim)
+        data = [{"object": "embedding", "index": i, "embedding": _vector(str(t), dim)} for i, t in enumerate(texts)]
+        tokens = sum(len(str(t)) // 4 for t in texts)
+        return 200, {
+            "object": "list",
+            "data": data,
+            "model": body.get("model", self.model),
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
+
+def _scripted_kwargs(raw: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(raw)
+    calls = out.get("tool_calls") or ()
+    out["tool_calls"] = [tool_call(c[0], c[1]) if isinstance(c, tuple) else dict(c) for c in calls]
+    return out
+
+
+def _error(message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def _vector(text: str, dim: int) -> list[float]:
+    digest = b""
+    counter = 0
+    while len(digest) < dim:
+        digest += hashlib.sha256(f"{counter}:{text}".encode()).digest()
+        counter += 1
+    raw = [b / 255.0 - 0.5 for b in digest[:dim]]
+    norm = sum(x * x for x in raw) ** 0.5 or 1.0
+    return [x / norm for x in raw]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_state: OpenAIServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: tests read ``requests`` instead."""
+
+    def do_GET(self) -> None:
+        if self.path.rstrip("/") == "/v1/models":
+            self._send(200, {"object": "list", "data": [{"id": self.server_state.model, "object": "model"}]})
+        else:
+            self._send(404, _error(f"no route {self.path}", "invalid_request_error"))
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+        except json.JSONDecodeError:
+            self._send(400, _error("the body is not JSON", "invalid_request_error"))
+            return
+        path = self.path.rstrip("/")
+        if path == "/v1/chat/completions" and body.get("stream"):
+            self._send(400, _error("this test server does not stream", "invalid_request_error"))
+        elif path == "/v1/chat/completions":
+            self._send(*self.server_state._chat(body))
+        elif path == "/v1/embeddings":
+            self._send(*self.server_state._embeddings(body))
+        else:
+            self._send(404, _error(f"no route {self.path}", "invalid_request_error"))
+
+    def _send(self, status: int, payload: Mapping[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
