@@ -1,0 +1,638 @@
+"""The ``riverbed`` command.
+
+Every command follows the same shape, so adding one is a few lines::
+
+    @app.command()
+    def thing(session: str, prefix: PrefixOption = None) -> None:
+        settings = _settings(prefix)
+
+        async def go() -> None:
+            async with _bus(settings) as bus:
+                ...
+
+        _run(go)
+
+- :func:`_settings` reads the configuration (environment + flags) once;
+- :func:`_bus` connects to Redis with a bound on the connection time;
+- :func:`_run` runs a coroutine function under anyio;
+- :func:`main` turns every error into one sentence on stderr and an exit code:
+  2 for bad input or configuration, 1 when a service is unavailable or timed out.
+  ``RIVERBED_DEBUG=1`` shows the traceback of an unexpected error.
+
+Machine-readable output goes to stdout (JSON lines); progress and errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, TypeVar
+
+import anyio
+import msgspec
+import typer
+from msgspec.structs import replace
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from riverbed import events, services
+from riverbed.agent.client import Bus, connect
+from riverbed.bus.connection import redact, translate
+from riverbed.bus.log import AlreadyAnswered, answered_cause
+from riverbed.errors import (
+    ActTimeout,
+    AppendConflict,
+    InputError,
+    NotFoundError,
+    RiverbedError,
+    ServiceError,
+    UnavailableError,
+)
+from riverbed.settings import Settings
+
+__all__ = ["app", "main"]
+
+T = TypeVar("T")
+
+CONNECT_TIMEOUT = 5.0
+"""Seconds a command waits for Redis before it gives up (no minute of retries)."""
+
+IMPORT_BATCH = 1000
+"""Events per append when importing (one Lua call each)."""
+
+app = typer.Typer(
+    name="riverbed",
+    help="riverbed: an event-sourced runtime for AI agents (Redis Streams log, workers, pgvector memory).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+services_app = typer.Typer(help="Embedded Redis + Postgres for development.", no_args_is_help=True)
+app.add_typer(services_app, name="services")
+
+err_console = Console(stderr=True, highlight=False)
+
+PrefixOption = Annotated[
+    str | None,
+    typer.Option("--prefix", envvar="RIVERBED_PREFIX", help="Key namespace in Redis (default rb).", show_default=False),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="One JSON object per line.")]
+DirOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--dir",
+        envvar="RIVERBED_SERVICES_DIR",
+        help="Where the embedded services keep their data.",
+        show_default=False,
+        file_okay=False,
+    ),
+]
+
+
+# --- shared helpers ------------------------------------------------------------------------
+
+
+def _settings(prefix: str | None = None, **overrides: object) -> Settings:
+    """The configuration: ``RIVERBED_*`` variables, overridden by the flags given."""
+    return Settings.from_env(os.environ, prefix=prefix, **overrides)
+
+
+def _progress(message: str) -> None:
+    err_console.print(message, style="dim")
+
+
+def _redis_url(settings: Settings) -> str:
+    """``RIVERBED_REDIS_URL``, or the embedded services (started now if they are not running)."""
+    if settings.redis_url:
+        return settings.redis_url
+    directory = Path(settings.services_dir)
+    running = services.load(directory)
+    if running is None:
+        _progress(f"RIVERBED_REDIS_URL is not set: starting the embedded services in {directory}")
+        running = services.up(directory)
+    return running.redis_url
+
+
+@contextlib.asynccontextmanager
+async def _bus(settings: Settings) -> AsyncIterator[Bus]:
+    """A connected bus; an unreachable Redis fails within :data:`CONNECT_TIMEOUT` seconds."""
+    url = _redis_url(settings)
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            with anyio.fail_after(CONNECT_TIMEOUT):
+                bus = await stack.enter_async_context(connect(url, settings=settings))
+        except TimeoutError as exc:
+            raise UnavailableError(
+                f"cannot reach Redis at {redact(url)}: no answer within {CONNECT_TIMEOUT:g}s"
+            ) from exc
+        yield bus
+
+
+def _run(fn: Callable[[], Awaitable[T]], *, interrupt_code: int | None = None) -> T:
+    """Run ``fn`` under anyio; SIGINT/SIGTERM cancel it and exit with ``interrupt_code``
+    (default 130 for Ctrl-C, 143 for SIGTERM).
+
+    Signals cancel through an anyio cancel scope, which re-delivers the cancellation until
+    the work stops (a plain task cancel can be swallowed inside the Redis client).
+    """
+    received: list[int] = []
+    results: list[T] = []
+
+    async def guarded() -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        received.append(signum)
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            try:
+                results.append(await fn())
+            finally:
+                tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(guarded)
+    except KeyboardInterrupt:
+        received.append(signal.SIGINT)
+    except BaseExceptionGroup as group:
+        raise _leaf(group) from None
+    if received:
+        raise typer.Exit(interrupt_code if interrupt_code is not None else 128 + received[0])
+    return results[0]
+
+
+def _stdout_lines(lines: Iterable[bytes], *, flush_each: bool = False) -> None:
+    out = sys.stdout.buffer
+    for line in lines:
+        out.write(line)
+        out.write(b"\n")
+        if flush_each:
+            out.flush()
+    out.flush()
+
+
+def exit_code(exc: BaseException) -> int:
+    """1 when a service is unavailable (or timed out), 2 for bad input or configuration."""
+    if isinstance(exc, UnavailableError | ServiceError | ActTimeout):
+        return 1
+    return 2
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The one real error inside (nested) exception groups, if there is exactly one."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    err_console.print(Text(f"riverbed: {message}", style="bold red"), soft_wrap=True)
+    raise SystemExit(code)
+
+
+def _hint(exc: RiverbedError) -> str:
+    if isinstance(exc, UnavailableError) and "Redis" in str(exc):
+        return ' (start one with: eval "$(riverbed services up)", or set RIVERBED_REDIS_URL)'
+    return ""
+
+
+def main() -> None:
+    """Entry point of the ``riverbed`` console script."""
+    try:
+        app()
+    except SystemExit:
+        raise
+    except BrokenPipeError:
+        # The reader (e.g. `| head`) went away: stop quietly.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0) from None
+    except BaseException as raw:
+        exc = _leaf(raw)
+        if isinstance(exc, KeyboardInterrupt):
+            raise SystemExit(130) from None
+        if isinstance(exc, SystemExit):
+            raise exc from None
+        if isinstance(exc, RiverbedError):
+            _fail(f"{exc}{_hint(exc)}", exit_code(exc))
+        if isinstance(exc, events.DecodeError):
+            _fail(str(exc), 2)
+        if os.environ.get("RIVERBED_DEBUG"):
+            raise
+        _fail(f"unexpected error ({type(exc).__name__}: {exc}); set RIVERBED_DEBUG=1 to see the traceback", 1)
+
+
+# --- services ------------------------------------------------------------------------------
+
+
+def _services_dir(directory: Path | None) -> Path:
+    return directory if directory is not None else Path(_settings().services_dir)
+
+
+@services_app.command("up")
+def services_up(directory: DirOption = None) -> None:
+    """Start embedded Redis + Postgres; prints `export …` lines, so `eval "$(riverbed services up)"` works."""
+    where = _services_dir(directory)
+    if services.load(where) is None:
+        _progress(f"starting Redis and Postgres in {where} …")
+    else:
+        _progress(f"services already running in {where}")
+    running = services.up(where)
+    sys.stdout.write(running.exports())
+    sys.stdout.flush()
+    _progress(f"ready: Redis at {running.redis_url}, Postgres at {running.database_url}")
+
+
+@services_app.command("down")
+def services_down(directory: DirOption = None) -> None:
+    """Stop the embedded services started by `services up` in the same directory."""
+    where = _services_dir(directory)
+    if services.down(where):
+        _progress(f"stopped the services in {where}")
+    else:
+        _progress(f"no services were running in {where}")
+
+
+# --- log, export -----------------------------------------------------------------------------
+
+_SOURCE_STYLE = {
+    "agent": "cyan",
+    "user": "green",
+    "runtime": "yellow",
+    "memory": "magenta",
+    "condenser": "blue",
+    "system": "dim",
+}
+_BASE_FIELDS = frozenset(events.Event.__struct_fields__)
+_TEXT_WIDTH = 160
+
+
+def _one_line(text: str, width: int = _TEXT_WIDTH) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def _specific(event: events.Event) -> dict[str, Any]:
+    """The fields that belong to the event's kind (not the envelope every event has)."""
+    raw = events.to_builtins(event)
+    return {k: v for k, v in raw.items() if k not in _BASE_FIELDS and k != "kind"}
+
+
+def _summary(event: events.Event) -> str:
+    """The main content of an event, as one short line."""
+    match event:
+        case events.CmdRun(command=command, is_input=is_input):
+            return f"(input) {command}" if is_input else f"$ {command}"
+        case events.CmdOutput(content=content, exit_code=code, timed_out=timed_out):
+            status = "timed out" if timed_out else f"exit {code}"
+            return f"[{status}] {content}"
+        case events.FileRead(path=path, start=start, end=end):
+            return f"{path}:{start}-{end}" if end is not None else f"{path}:{start}-"
+        case events.FileWrite(path=path, content=content):
+            return f"{path} ({len(content)} chars)"
+        case events.FileEdit(command=command, path=path):
+            return f"{command} {path}"
+        case events.FileContent(path=path, content=content):
+            return f"{path}: {content}"
+        case events.FileEdited(path=path, diff=diff):
+            return f"{path}: {diff}"
+        case events.Recall(recall_type=recall_type, query=query, k=k):
+            return f"{recall_type} k={k}: {query}"
+        case events.RecallResult(recall_type=recall_type, hits=hits, knowledge=knowledge):
+            return f"{recall_type}: {len(hits)} hits, {len(knowledge)} knowledge"
+        case events.Error(reason=reason, content=content, retryable=retryable):
+            return f"{reason}{' (retryable)' if retryable else ''}: {content}"
+        case events.Condensation(forgotten=forgotten, summary=summary):
+            ranges = ", ".join(f"{a}-{b}" for a, b in forgotten)
+            return f"forgot [{ranges}]" + (f": {summary}" if summary else "")
+        case events.Forked(source_session=source_session, at=at):
+            return f"forked from {source_session} at {at}"
+        case events.LlmResponse(model=model, content=content, tool_calls=tool_calls):
+            return f"{model}: {content or ''} ({len(tool_calls)} tool calls)"
+        case events.Unknown(original_kind=original_kind, payload=payload):
+            return f"{original_kind}: {json.dumps(payload, default=str)}"
+    fields = _specific(event)
+    for name in ("content", "thought", "final_thought", "query", "code", "path", "summary"):
+        value = fields.get(name)
+        if isinstance(value, str) and value:
+            return value
+    return json.dumps(fields, default=str) if fields else ""
+
+
+def _ts(ts: dt.datetime) -> str:
+    if ts.tzinfo is not None:
+        ts = ts.astimezone(dt.UTC)
+    return ts.strftime("%Y-%m-%d %H:%M:%S.") + f"{ts.microsecond // 1000:03d}"
+
+
+def render(event: events.Event) -> Text:
+    """One readable, coloured line for an event."""
+    kind = event.kind if not isinstance(event, events.Unknown) else f"?{event.original_kind}"
+    kind_style = "bold red" if isinstance(event, events.Error) else "bold" if isinstance(event, events.Action) else ""
+    line = Text()
+    line.append(f"{event.id or '':>6} ", style="bold")
+    line.append(f"{_ts(event.ts)} ", style="dim")
+    line.append(f"{event.source:<9} ", style=_SOURCE_STYLE.get(event.source, ""))
+    line.append(f"{kind:<20} ", style=kind_style)
+    if event.cause is not None:
+        line.append(f"←{event.cause} ", style="dim")
+    line.append(_one_line(_summary(event)))
+    return line
+
+
+def _check_range(start: int, until: int | None) -> None:
+    if start < 1:
+        raise InputError(f"--from must be 1 or more, not {start}")
+    if until is not None and until < start:
+        raise InputError(f"--until ({until}) must not be before --from ({start})")
+
+
+async def _require_events(bus: Bus, session: str) -> None:
+    if not await bus.session(session).last_id():
+        raise NotFoundError(f"session {session!r} has no events (`riverbed sessions` lists the sessions)")
+
+
+@app.command("log")
+def log_cmd(
+    session: Annotated[str, typer.Argument(help="Session id.")],
+    *,
+    start: Annotated[int, typer.Option("--from", help="First event id.")] = 1,
+    until: Annotated[int | None, typer.Option("--until", help="Last event id.", show_default=False)] = None,
+    as_json: JsonOption = False,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep tailing new events (Ctrl-C stops).")] = False,
+    prefix: PrefixOption = None,
+) -> None:
+    """The raw events of a session (readable, or JSON lines with --json)."""
+    settings = _settings(prefix)
+    _check_range(start, until)
+    console = Console(highlight=False, soft_wrap=True)
+
+    async def go() -> None:
+        async with _bus(settings) as bus:
+            handle = bus.session(session)
+            if not follow:
+                await _require_events(bus, session)
+            async for event in handle.log(start, until, follow=follow):
+                if as_json:
+                    _stdout_lines([events.encode_json(event)], flush_each=follow)
+                else:
+                    console.print(render(event))
+
+    _run(go, interrupt_code=0 if follow else None)
+
+
+@app.command("export")
+def export_cmd(
+    session: Annotated[str, typer.Argument(help="Session id.")],
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Write to this file instead of stdout.", show_default=False)
+    ] = None,
+    prefix: PrefixOption = None,
+) -> None:
+    """A whole session as JSON lines (the input of `riverbed import`)."""
+    settings = _settings(prefix)
+
+    async def go() -> int:
+        async with _bus(settings) as bus:
+            await _require_events(bus, session)
+            count = 0
+            with _output(out) as sink:
+                async for event in bus.session(session).log():
+                    sink.write(events.encode_json(event))
+                    sink.write(b"\n")
+                    count += 1
+            return count
+
+    count = _run(go)
+    if out is not None:
+        _progress(f"exported {count} events of {session!r} to {out}")
+
+
+@contextlib.contextmanager
+def _output(path: Path | None) -> Iterator[Any]:
+    if path is None:
+        yield sys.stdout.buffer
+        sys.stdout.buffer.flush()
+        return
+    try:
+        handle = path.open("wb")
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    with handle:
+        yield handle
+
+
+# --- import ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Row:
+    line: int
+    payload: bytes
+    cause: int
+    tenant: str | None
+
+
+def _normalise_ts(event: events.Event) -> events.Event:
+    """Timestamps are UTC; a naive one in a hand-written file is taken as UTC."""
+    ts = event.ts
+    if ts.tzinfo is None:
+        return replace(event, ts=ts.replace(tzinfo=dt.UTC))
+    if ts.utcoffset() != dt.timedelta(0):
+        return replace(event, ts=ts.astimezone(dt.UTC))
+    return event
+
+
+def parse_import(lines: Iterable[bytes], name: str, *, keep_unknown: bool = False) -> list[_Row]:
+    """Validate every line of an export and encode it; raises InputError naming the first bad line.
+
+    Ids, when present, must be 1, 2, 3… in file order; missing ids are assigned by position.
+    """
+    rows: list[_Row] = []
+    answered: dict[int, int] = {}
+    for number, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line:
+            continue
+        where = f"{name} line {number}"
+        try:
+            event = events.decode_json(line, keep_id=True)
+        except events.DecodeError as exc:
+            raise InputError(f"{where}: {exc}") from exc
+        expected_id = len(rows) + 1
+        if event.id is not None and event.id != expected_id:
+            raise InputError(
+                f"{where}: event id {event.id} out of order (expected {expected_id}; ids must be 1, 2, 3… or absent)"
+            )
+        if isinstance(event, events.Unknown):
+            payload = event.payload
+            if "kind" not in payload:
+                raise InputError(f"{where}: the object has no 'kind' field")
+            if not keep_unknown:
+                raise InputError(
+                    f"{where}: unknown event kind {event.original_kind!r} or version "
+                    "(`riverbed schema` lists the kinds; --keep-unknown imports it as it is)"
+                )
+            event = events.Unknown(payload={k: v for k, v in payload.items() if k != "id"})
+        else:
+            event = _normalise_ts(replace(event, id=None))
+        cause = answered_cause(event)
+        if cause:
+            if cause in answered:
+                raise InputError(
+                    f"{where}: action {cause} is already answered by event {answered[cause]} "
+                    "(an action gets exactly one observation)"
+                )
+            answered[cause] = expected_id
+        try:
+            payload_bytes = events.encode(event)
+        except (TypeError, ValueError, msgspec.EncodeError) as exc:
+            raise InputError(f"{where}: cannot encode the event: {exc}") from exc
+        rows.append(_Row(number, payload_bytes, cause, event.tenant))
+    if not rows:
+        raise InputError(f"{name} holds no events")
+    return rows
+
+
+def _read_input(file: str) -> list[bytes]:
+    if file == "-":
+        return sys.stdin.buffer.read().splitlines()
+    try:
+        return Path(file).read_bytes().splitlines()
+    except OSError as exc:
+        raise InputError(f"cannot read {file}: {exc.strerror or exc}") from exc
+
+
+@app.command("import")
+def import_cmd(
+    file: Annotated[str, typer.Argument(help="JSON lines file from `riverbed export` ('-' reads stdin).")],
+    into: Annotated[
+        str | None,
+        typer.Option(
+            "--into", help="New session id (default: the file name without its extension).", show_default=False
+        ),
+    ] = None,
+    keep_unknown: Annotated[
+        bool, typer.Option("--keep-unknown", help="Import kinds this version does not know, unchanged.")
+    ] = False,
+    prefix: PrefixOption = None,
+) -> None:
+    """Load an exported session into a new session id, with the same event ids.
+
+    Every line is validated before anything is written; the import refuses a session that
+    already has events.
+    """
+    settings = _settings(prefix)
+    if into is None:
+        if file == "-":
+            raise InputError("reading stdin needs --into SESSION to name the new session")
+        into = Path(file).name.split(".", 1)[0]
+    lines = _read_input(file)
+    rows = parse_import(lines, "stdin" if file == "-" else file, keep_unknown=keep_unknown)
+    session = into
+
+    async def go() -> None:
+        async with _bus(settings) as bus:
+            store = bus.log_store
+            store.check_session(session)
+            tenant = rows[0].tenant
+            last = 0
+            for begin in range(0, len(rows), IMPORT_BATCH):
+                batch = rows[begin : begin + IMPORT_BATCH]
+                try:
+                    result = await store.append_raw(
+                        session, [(r.payload, r.cause) for r in batch], expected_last=last, tenant=tenant
+                    )
+                except AppendConflict as exc:
+                    if last == 0:
+                        raise InputError(
+                            f"session {session!r} already has {exc.actual} events; import only into a new "
+                            "session (choose another --into)"
+                        ) from exc
+                    raise InputError(
+                        f"session {session!r} was written to by someone else during the import "
+                        f"(after event {last}); the import stopped there"
+                    ) from exc
+                if isinstance(result, AlreadyAnswered):
+                    raise InputError(f"action {result.cause} is already answered by event {result.existing}")
+                last = result[-1]
+
+    _run(go)
+    _progress(f"imported {len(rows)} events into {session!r}")
+
+
+# --- sessions, schema ------------------------------------------------------------------------
+
+
+def _iso_ms(value: str | None) -> str | None:
+    if not value:
+        return None
+    return dt.datetime.fromtimestamp(int(value) / 1000, dt.UTC).isoformat(timespec="milliseconds")
+
+
+@app.command("sessions")
+def sessions_cmd(as_json: JsonOption = False, prefix: PrefixOption = None) -> None:
+    """Every session: its last event id, tenant and creation time."""
+    settings = _settings(prefix)
+
+    async def go() -> list[dict[str, Any]]:
+        async with _bus(settings) as bus:
+            names = await bus.sessions()
+            rows: list[dict[str, Any]] = []
+            chunk = 500
+            for begin in range(0, len(names), chunk):
+                part = names[begin : begin + chunk]
+                metas = await _metas(bus, part)
+                for name, (last, tenant, created) in zip(part, metas, strict=True):
+                    rows.append(
+                        {
+                            "session": name,
+                            "last": int(last or 0),
+                            "tenant": tenant.decode() if tenant else None,
+                            "created": _iso_ms(created.decode() if created else None),
+                        }
+                    )
+            return rows
+
+    rows = _run(go)
+    if as_json:
+        _stdout_lines(msgspec.json.encode(row) for row in rows)
+        return
+    if not rows:
+        _progress("no sessions yet")
+        return
+    table = Table("session", "last id", "tenant", "created", box=None, header_style="bold")
+    for row in rows:
+        table.add_row(row["session"], str(row["last"]), row["tenant"] or "", row["created"] or "")
+    Console(highlight=False).print(table)
+
+
+async def _metas(bus: Bus, names: list[str]) -> list[list[bytes | None]]:
+    with translate(bus.url):
+        async with bus.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hmget(bus.keys.meta(name), "last", "tenant", "created")
+            result: list[list[bytes | None]] = await pipe.execute()
+    return result
+
+
+@app.command("schema")
+def schema_cmd() -> None:
+    """JSON Schema of every event kind (for agents written in other languages)."""
+    sys.stdout.write(json.dumps(events.json_schema(), indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
