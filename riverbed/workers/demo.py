@@ -1,0 +1,198 @@
+"""``riverbed demo``: the whole system in one process, in under a minute.
+
+Starts the embedded Redis and Postgres when no URLs are set, runs the three roles
+in-process, and drives a session that runs commands, writes and edits a file, runs a
+Python cell, recalls workspace context and an earlier event, gets condensed (and recalls
+an event the condensation dropped), and is then replayed and forked.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import anyio
+from msgspec.structs import replace
+from rich.console import Console
+
+from riverbed import events
+from riverbed.agent.client import Bus, Session
+from riverbed.bus.connection import connect_redis
+from riverbed.settings import Settings
+from riverbed.workers.main import Worker, build_handlers
+
+__all__ = ["DemoResult", "run_demo"]
+
+CONDENSER = {"strategy": "recent", "max_events": 16, "keep_first": 2}
+
+
+@dataclass
+class DemoResult:
+    session: str
+    fork: str
+    events: int
+    view_size: int
+    condensations: int
+    recall_found: bool
+    checks: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(self.checks.values())
+
+
+def _brief(event: events.Event, limit: int = 90) -> str:
+    text = ""
+    for name in ("command", "content", "code", "query", "path", "summary", "thought"):
+        value = getattr(event, name, None)
+        if isinstance(value, str) and value:
+            text = value
+            break
+    if isinstance(event, events.RecallResult):
+        if event.hits:
+            top = event.hits[0]
+            text = f"top hit: event {top.event_id} ({top.kind}) {top.text!r}"
+        elif event.repo_directory or event.date:
+            text = f"workspace {event.repo_directory}, date {event.date}"
+        else:
+            text = f"{len(event.knowledge)} knowledge items"
+    if isinstance(event, events.Condensation):
+        text = f"forgot {event.forgotten}"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class _Transcript:
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def step(self, title: str) -> None:
+        self.console.print(f"\n[bold cyan]▸ {title}[/]")
+
+    def pair(self, action: events.Event, answer: events.Event) -> None:
+        style = "red" if isinstance(answer, events.Error) else "green"
+        self.console.print(f"  [dim]#{action.id}[/] [yellow]{action.kind}[/] {_brief(action)}")
+        self.console.print(f"  [dim]#{answer.id}[/] [{style}]{answer.kind}[/] {_brief(answer)}")
+
+
+async def _act(session: Session, action: events.Action, out: _Transcript, timeout: float = 60) -> events.Event:
+    answer = await session.act(action, timeout=timeout)
+    action_with_id = replace(action, id=answer.cause)
+    out.pair(action_with_id, answer)
+    return answer
+
+
+async def run_demo(settings: Settings, console: Console, *, redis_url: str) -> DemoResult:
+    """Drive the demo session against ``redis_url`` with all roles running in this process."""
+    out = _Transcript(console)
+    sid = f"demo-{uuid.uuid4().hex[:8]}"
+    redis = await connect_redis(redis_url)
+    bus = Bus(redis, prefix=settings.prefix, url=redis_url)
+    roles = ["runtime", "memory", "condenser"]
+    console.print("[dim]loading the embedding model and starting runtime, memory and condenser roles…[/]")
+    handlers, closers = build_handlers(roles, settings)
+    worker = Worker(redis, settings, roles, name=f"demo-{uuid.uuid4().hex[:6]}", handlers=handlers, url=redis_url)
+    checks: dict[str, bool] = {}
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(worker.run)
+            result = await _script(bus, sid, out, checks)
+            worker.stop()
+    finally:
+        with anyio.CancelScope(shield=True):
+            for close in closers:
+                await close()
+            await redis.aclose()
+    result.checks = checks
+    return result
+
+
+async def _script(bus: Bus, sid: str, out: _Transcript, checks: dict[str, bool]) -> DemoResult:
+    session = bus.session(sid, tenant="demo", agent="demo-agent")
+    out.step(f"session {sid}: configure it and say what we want")
+    await session.append(
+        events.SessionConfig(env={"GREETING": "hello from riverbed"}, condenser=CONDENSER, source="user"),
+        events.Message(content="Write a tiny Python script that greets, run it, and remember how.", source="user"),
+    )
+    out.step("recall the workspace context (memory role)")
+    ctx = await _act(session, events.Recall(recall_type="workspace_context"), out)
+    checks["workspace context recalled"] = isinstance(ctx, events.RecallResult)
+
+    out.step("run commands in the session's persistent shell (runtime role)")
+    await _act(session, events.CmdRun(command="mkdir -p app && cd app && export STAGE=demo && pwd"), out)
+    shell = await _act(session, events.CmdRun(command='echo "$STAGE: $GREETING from $(basename $PWD)"'), out)
+    checks["shell keeps cwd and env"] = (
+        isinstance(shell, events.CmdOutput) and "demo: hello from riverbed from app" in shell.content
+    )
+
+    out.step("write, edit and run a file")
+    await _act(session, events.FileWrite(path="app/greet.py", content='print("hello, world")\n'), out)
+    await _act(
+        session,
+        events.FileEdit(command="str_replace", path="app/greet.py", old_str="hello, world", new_str="hello, riverbed"),
+        out,
+    )
+    run = await _act(session, events.CmdRun(command="python3 greet.py"), out)
+    checks["edited file runs"] = isinstance(run, events.CmdOutput) and "hello, riverbed" in run.content
+
+    out.step("a persistent Python cell")
+    await _act(session, events.PythonRun(code="def double(x):\n    return 2 * x"), out)
+    cell = await _act(session, events.PythonRun(code="double(21)"), out)
+    checks["python state persists"] = isinstance(cell, events.PythonOutput) and cell.result == "42"
+
+    out.step("more work, until the condenser steps in")
+    for i in range(8):
+        await _act(session, events.CmdRun(command=f"echo step {i}: checking the build && ls"), out)
+    condensations = await _wait_condensed(session)
+    log = [e async for e in session.log()]
+    view = await session.view()
+    out.console.print(
+        f"  log has [bold]{len(log)}[/] events; the agent's view has [bold]{len(view)}[/] "
+        f"after {condensations} condensation(s)"
+    )
+    checks["condensed"] = condensations > 0 and len(view) < len(log)
+
+    out.step("recall an event the condensation dropped, in plain words")
+    dropped = await _dropped_ids(session)
+    hit = await _act(session, events.Recall(query="which script prints the greeting?", k=3), out)
+    found = isinstance(hit, events.RecallResult) and any("greet" in h.text and h.event_id in dropped for h in hit.hits)
+    checks["recall finds a condensed-away event"] = found
+
+    out.step("replay: the view as it was right after event 8, then a fork")
+    early = await session.view(until=8)
+    out.console.print(f"  view(until=8) has {len(early)} events: " + ", ".join(e.kind for e in early))
+    fork_id = f"{sid}-fork"
+    from riverbed.agent.replay import fork  # noqa: PLC0415
+
+    await fork(bus, sid, 12, fork_id)
+    forked = bus.session(fork_id, tenant="demo", agent="demo-agent")
+    diverged = await _act(forked, events.CmdRun(command="echo this only happens in the fork"), out)
+    fork_log = [e async for e in forked.log()]
+    checks["fork diverges"] = isinstance(diverged, events.CmdOutput) and isinstance(fork_log[12], events.Forked)
+    return DemoResult(
+        session=sid,
+        fork=fork_id,
+        events=len(log),
+        view_size=len(view),
+        condensations=condensations,
+        recall_found=found,
+    )
+
+
+async def _wait_condensed(session: Session, timeout: float = 20) -> int:
+    with anyio.move_on_after(timeout):
+        while True:
+            count = len([e async for e in session.log() if isinstance(e, events.Condensation)])
+            if count:
+                return count
+            await anyio.sleep(0.1)
+    return 0
+
+
+async def _dropped_ids(session: Session) -> set[int]:
+    dropped: set[int] = set()
+    async for event in session.log():
+        if isinstance(event, events.Condensation):
+            for start, end in event.forgotten:
+                dropped.update(range(start, end + 1))
+    return dropped
