@@ -138,7 +138,9 @@ class OpenAIServer:
         handler = type("Handler", (_Handler,), {"server_state": self})
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="openai-test-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.02}, name="openai-test-server", daemon=True
+        )
         self._thread.start()
         return self
 

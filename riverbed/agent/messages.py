@@ -1,0 +1,181 @@
+"""A view as OpenAI chat messages: a pure function, so a prompt can be rebuilt from the log.
+
+Rules, in view order:
+
+- the ``system_prompt`` (if given) comes first;
+- the summary becomes a user message saying that earlier events were condensed;
+- a ``message`` from the agent is assistant content, from anyone else a user message;
+  ``think`` and ``finish`` are assistant content;
+- an action that expects an answer is an assistant tool call, immediately followed by its
+  observation(s) as the ``tool`` result (observations are pulled forward to their call, as
+  the API requires; several observations of one action are joined);
+- tool call ids and names: when an ``llm_response`` in the view recorded the model's tool
+  calls, its actions (those whose ``cause`` is the response, else the agent's actions that
+  follow it up to the next response or user message) take those calls in order, id, name
+  and arguments as the model wrote them, and the response's content goes with them;
+  any other action gets ``call_rb_<event id>``, its kind as the name and its fields as JSON
+  arguments;
+- a tool call without an observation in the view (still running, or forgotten) is left out,
+  and so is an observation whose action is not in the view, so the provider never sees an
+  unmatched call or result;
+- an observation with no cause, or answering something that is not a tool call (a
+  workspace recall answering the user's message), becomes a user message;
+- other events (``session_config``, ``forked``, ``unknown``) are not shown to the model.
+
+Apply ``riverbed.memory.condensers.prepare`` first when the session masks observations.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from riverbed.events import Action, Error, Event, Finish, LlmResponse, Message, Observation, Think
+from riverbed.memory.tokens import action_arguments, event_text
+from riverbed.memory.view import Summary
+
+__all__ = ["SUMMARY_PREFIX", "to_messages", "tool_call_id", "tool_name"]
+
+ChatMessage = dict[str, Any]
+
+SUMMARY_PREFIX = "Earlier events were condensed to save context. Summary of them:\n"
+
+_NAME_RE = re.compile(r"[^a-zA-Z0-9_-]")
+
+
+def tool_call_id(event_id: int) -> str:
+    """The tool call id of an action that no recorded model response names."""
+    return f"call_rb_{event_id}"
+
+
+def tool_name(kind: str) -> str:
+    """An event kind as a function name the API accepts."""
+    return _NAME_RE.sub("_", kind)[:64] or "action"
+
+
+def _answerable(event: Event) -> bool:
+    return isinstance(event, Action) and event.answered_by is not None and event.id is not None
+
+
+def _normalise_call(raw: Mapping[str, Any], fallback_id: str) -> dict[str, Any] | None:
+    """A recorded tool call in wire form, or None when it cannot be used."""
+    function = raw.get("function")
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        return None
+    arguments = function.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    call_id = raw.get("id")
+    return {
+        "id": call_id if isinstance(call_id, str) and call_id else fallback_id,
+        "type": "function",
+        "function": {"name": function["name"], "arguments": arguments},
+    }
+
+
+def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, list[int]]]:
+    """Recorded tool calls per action id, and the actions each llm_response claims."""
+    calls: dict[int, dict[str, Any]] = {}
+    claimed_by: dict[int, list[int]] = {}
+    responses = {e.id: e for e in events if isinstance(e, LlmResponse) and e.id is not None}
+    caused: dict[int, list[Event]] = {}
+    for e in events:
+        if _answerable(e) and e.cause is not None and e.cause in responses:
+            caused.setdefault(e.cause, []).append(e)
+    for position, response in enumerate(events):
+        if not isinstance(response, LlmResponse) or response.id is None:
+            continue
+        claimants = caused.get(response.id)
+        if claimants is None:
+            claimants = []
+            for e in events[position + 1 :]:
+                if isinstance(e, LlmResponse) or (isinstance(e, Message) and e.source != "agent"):
+                    break
+                if _answerable(e) and e.source == "agent" and e.cause is None:
+                    claimants.append(e)
+        ids = []
+        for action, raw in zip(claimants, response.tool_calls, strict=False):
+            assert action.id is not None
+            call = _normalise_call(raw, tool_call_id(action.id)) if isinstance(raw, Mapping) else None
+            if call is not None and action.id not in calls:
+                calls[action.id] = call
+                ids.append(action.id)
+        claimed_by[response.id] = ids
+    return calls, claimed_by
+
+
+def _synthesised_call(action: Event) -> dict[str, Any]:
+    assert action.id is not None
+    return {
+        "id": tool_call_id(action.id),
+        "type": "function",
+        "function": {"name": tool_name(action.kind), "arguments": json.dumps(action_arguments(action))},
+    }
+
+
+def _result_text(observations: list[Observation]) -> str:
+    parts = []
+    for obs in observations:
+        text = event_text(obs)
+        parts.append(f"error: {text}" if isinstance(obs, Error) else text)
+    return "\n".join(parts)
+
+
+def to_messages(view: Iterable[Event], *, system_prompt: str | None = None) -> list[ChatMessage]:
+    """OpenAI chat messages for a view (see the module docstring for the rules)."""
+    events = list(view)
+    by_id = {e.id: e for e in events if e.id is not None}
+    results: dict[int, list[Observation]] = {}
+    for e in events:
+        if isinstance(e, Observation) and e.cause is not None:
+            action = by_id.get(e.cause)
+            if action is not None and _answerable(action):
+                results.setdefault(e.cause, []).append(e)
+    calls, claimed_by = _claims(events)
+    spoken = {e.cause for e in events if isinstance(e, Message | Think | Finish) and e.source == "agent"}
+    claimed = {action_id for ids in claimed_by.values() for action_id in ids}
+
+    out: list[ChatMessage] = []
+    if system_prompt:
+        out.append({"role": "system", "content": system_prompt})
+    used_ids: set[str] = set()
+
+    def emit_calls(content: str | None, action_ids: list[int]) -> None:
+        answered = [a for a in action_ids if a in results]
+        tool_calls = []
+        for action_id in answered:
+            call = calls.get(action_id) or _synthesised_call(by_id[action_id])
+            if call["id"] in used_ids:
+                call = {**call, "id": tool_call_id(action_id)}
+            used_ids.add(call["id"])
+            tool_calls.append(call)
+        if not tool_calls:
+            if content:
+                out.append({"role": "assistant", "content": content})
+            return
+        out.append({"role": "assistant", "content": content or None, "tool_calls": tool_calls})
+        for action_id, call in zip(answered, tool_calls, strict=True):
+            out.append({"role": "tool", "tool_call_id": call["id"], "content": _result_text(results[action_id])})
+
+    for e in events:
+        match e:
+            case Summary():
+                out.append({"role": "user", "content": SUMMARY_PREFIX + e.content})
+            case Message():
+                out.append({"role": "assistant" if e.source == "agent" else "user", "content": e.content})
+            case Think() | Finish():
+                text = event_text(e)
+                if text:
+                    out.append({"role": "assistant" if e.source == "agent" else "user", "content": text})
+            case LlmResponse():
+                content = None if e.id in spoken else e.content
+                emit_calls(content, claimed_by.get(e.id, []) if e.id is not None else [])
+            case Action() if _answerable(e):
+                if e.id is not None and e.id not in claimed:
+                    emit_calls(None, [e.id])
+            case Observation():
+                if e.cause is None or (e.cause in by_id and not _answerable(by_id[e.cause])):
+                    out.append({"role": "user", "content": f"[{e.kind}]\n{_result_text([e])}"})
+    return out
