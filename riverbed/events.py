@@ -465,16 +465,31 @@ def to_builtins(event: Event) -> dict[str, Any]:
     return result
 
 
+_ENVELOPE = ("source", "cause", "ts", "agent", "tenant", "trace")
+
+
+def _unknown(raw: dict[str, Any], event_id: int | None) -> Unknown:
+    """Keep a payload whole (its ``id``, from a JSON line, is the entry id, never payload);
+    the envelope fields (ts, source, cause…) are lifted from it when they are valid."""
+    payload = {k: v for k, v in raw.items() if k != "id"} if "id" in raw else raw
+    fields: dict[str, Any] = {"id": event_id, "original_kind": str(raw.get("kind")), "payload": payload}
+    envelope = {k: raw[k] for k in _ENVELOPE if k in raw}
+    try:
+        return msgspec.convert({**envelope, **fields}, Unknown, strict=False)
+    except msgspec.ValidationError:
+        return Unknown(**fields)
+
+
 def _from_raw(raw: dict[str, Any], event_id: int | None) -> Event:
     """Slow path: upcast an old version, or keep an unknown kind as :class:`Unknown`."""
     kind = raw.get("kind")
     cls = _kinds.get(kind) if isinstance(kind, str) else None
     if cls is None or cls is Unknown:
-        return Unknown(id=event_id, original_kind=str(kind), payload=raw)
+        return _unknown(raw, event_id)
     version = raw.get("v", 1)
     if not isinstance(version, int) or version > cls.version:
         # Written by a newer riverbed: keep it whole rather than guess.
-        return Unknown(id=event_id, original_kind=str(kind), payload=raw)
+        return _unknown(raw, event_id)
     while version < cls.version:
         step = _upcasters.get((kind, version))  # type: ignore[arg-type]
         if step is None:
