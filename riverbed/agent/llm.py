@@ -1,0 +1,394 @@
+"""The reference LLM agent: an OpenAI tool-calling loop over the session log.
+
+::
+
+    async with riverbed.connect() as bus:
+        final = await run_llm_agent(bus, "s-42", "Fix the failing test", settings=Settings.from_env())
+
+One run, step by step:
+
+1. The task is appended as the user's ``message``.  On the session's first user message the
+   agent recalls the ``workspace_context`` (and the ``knowledge`` microagents the message
+   triggers); on a later user message, the ``knowledge`` it triggers.  These recalls carry
+   ``cause`` = the message, and they are shown to the model through the Jinja2 templates in
+   ``prompts/`` (``workspace_context.j2``, ``knowledge.j2``) as user messages where they
+   happened.  A user message that arrives while the agent works gets its knowledge recall too.
+2. The prompt is a pure function of the log (:func:`build_messages`): the condensed view
+   (the fold, then the session's masking), turned into chat messages by
+   :mod:`riverbed.agent.messages`, after the ``system.j2`` prompt.
+3. The model's response is recorded as an ``llm_response`` *before* anything it asks for is
+   published; its ``cause`` is the id of the last event the prompt was built from, so
+   ``build_messages(events up to that id)`` is exactly the prompt that was sent.
+4. Each tool call becomes its action (tools: :mod:`riverbed.agent.tools`), with ``cause`` =
+   the response; the i-th answered action caused by a response is its i-th tool call.  The
+   agent awaits each action's observation before the next one goes out.  A response with a
+   tool call that cannot be parsed runs none of its calls: one ``error`` (source agent,
+   ``cause`` = the response) tells the model what was wrong.
+5. The run ends on ``finish``, on a response without tool calls (recorded as the agent's
+   ``message`` waiting for the user), on an LLM failure (an ``error`` with reason
+   ``llm_error``) or at the step limit (an ``error`` with reason ``step_limit``); the event
+   that ended it is returned.
+
+Replaying a session needs no model: every prompt is rebuilt from the log, and every model
+decision is in its ``llm_response``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from typing import Any
+
+import anyio
+import jinja2
+import openai
+import structlog
+from msgspec.structs import replace
+from openai import AsyncOpenAI
+
+from riverbed import events
+from riverbed.agent import messages as chat
+from riverbed.agent.client import Bus, Session
+from riverbed.agent.tools import action_from_call, tools
+from riverbed.errors import ActTimeout, ConfigError, InputError, RiverbedError
+from riverbed.memory.condensers import CondenserConfig, config_from_log, prepare
+from riverbed.memory.view import view as fold
+from riverbed.settings import Settings
+
+__all__ = ["AgentOptions", "build_messages", "make_client", "render", "run_llm_agent"]
+
+log = structlog.get_logger("riverbed.agent")
+
+
+class AgentOptions:
+    """How the agent talks to the model and waits for answers."""
+
+    def __init__(
+        self,
+        *,
+        name: str = "llm",
+        instructions: str | None = None,
+        llm_timeout: float = 120.0,
+        action_timeout: float = 120.0,
+        recall_timeout: float = 15.0,
+        temperature: float | None = None,
+    ) -> None:
+        self.name = name
+        self.instructions = instructions
+        self.llm_timeout = llm_timeout
+        self.action_timeout = action_timeout
+        self.recall_timeout = recall_timeout
+        self.temperature = temperature
+
+
+# --- prompts -----------------------------------------------------------------------------
+
+
+@functools.cache
+def _templates() -> jinja2.Environment:
+    root = resources.files("riverbed.agent") / "prompts"
+    return jinja2.Environment(
+        loader=jinja2.FunctionLoader(lambda name: (root / name).read_text(encoding="utf-8")),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,  # noqa: S701  (plain-text prompts for a model, never HTML)
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=False,
+    )
+
+
+def render(template: str, **context: Any) -> str:
+    """Render one of the prompt templates (``system.j2``, ``workspace_context.j2``, ``knowledge.j2``)."""
+    return _templates().get_template(template).render(**context).strip()
+
+
+def _context_text(result: events.RecallResult) -> str:
+    if result.recall_type == "workspace_context":
+        return render("workspace_context.j2", ctx=result)
+    if result.recall_type == "knowledge" and result.knowledge:
+        return render("knowledge.j2", knowledge=result.knowledge)
+    return ""
+
+
+def _with_context(view: Iterable[events.Event]) -> list[events.Event]:
+    """The view with the agent's own context recalls (a ``recall`` caused by a user message)
+    replaced by their rendered text, as a user message where the result arrived."""
+    items = list(view)
+    by_id = {e.id: e for e in items if e.id is not None}
+    automatic: set[int] = set()
+    for e in items:
+        if isinstance(e, events.Recall) and e.id is not None and e.cause is not None:
+            asked_by = by_id.get(e.cause)
+            if isinstance(asked_by, events.Message) and asked_by.source == "user":
+                automatic.add(e.id)
+    out: list[events.Event] = []
+    for e in items:
+        if e.id in automatic:
+            continue
+        if isinstance(e, events.Observation) and e.cause in automatic:
+            text = _context_text(e) if isinstance(e, events.RecallResult) else ""
+            if text:
+                out.append(events.Message(id=e.id, source="user", content=text, ts=e.ts))
+            continue
+        out.append(e)
+    return out
+
+
+def _condenser_config(log_events: Sequence[events.Event]) -> CondenserConfig:
+    try:
+        return config_from_log(log_events)
+    except ConfigError as exc:
+        log.warning("agent.bad_condenser_config", error=str(exc))
+        return CondenserConfig()
+
+
+def build_messages(
+    log_events: Sequence[events.Event], *, agent: str = "llm", instructions: str | None = None
+) -> list[dict[str, Any]]:
+    """The chat messages the agent sends after these events (a log prefix, with ids).
+
+    Pure: the same events always give the same prompt, so any step of a recorded session
+    can be rebuilt without a model.
+    """
+    view = prepare(fold(log_events), _condenser_config(log_events))
+    system = render("system.j2", agent=agent, instructions=instructions)
+    return chat.to_messages(_with_context(view), system_prompt=system)
+
+
+# --- the model ---------------------------------------------------------------------------
+
+
+def make_client(settings: Settings) -> AsyncOpenAI:
+    """An OpenAI client from settings (``OPENAI_API_KEY``, ``OPENAI_BASE_URL``)."""
+    if not settings.openai_api_key and not settings.openai_base_url:
+        raise ConfigError("the LLM agent needs OPENAI_API_KEY (or OPENAI_BASE_URL for a local server) to be set")
+    return AsyncOpenAI(
+        api_key=settings.openai_api_key or "unused",
+        base_url=settings.openai_base_url or None,
+        max_retries=2,
+    )
+
+
+def _call_record(call: Any) -> dict[str, Any]:
+    """A tool call in the wire form it was received in (id, type, function name and arguments)."""
+    function = getattr(call, "function", None)
+    return {
+        "id": call.id,
+        "type": getattr(call, "type", "function"),
+        "function": {
+            "name": getattr(function, "name", "") if function is not None else "",
+            "arguments": getattr(function, "arguments", "") if function is not None else "",
+        },
+    }
+
+
+def _usage(response: Any) -> dict[str, Any]:
+    usage = getattr(response, "usage", None)
+    if usage is None:
+        return {}
+    dumped: dict[str, Any] = usage.model_dump(exclude_none=True)
+    return dumped
+
+
+def _llm_error(exc: BaseException, timeout: float) -> events.Error:
+    if isinstance(exc, TimeoutError):
+        return events.Error(
+            source="agent",
+            content=f"the model did not answer within {timeout:g}s",
+            reason="llm_error",
+            retryable=True,
+        )
+    status = getattr(exc, "status_code", None)
+    retryable = isinstance(exc, openai.APIConnectionError | openai.RateLimitError | openai.InternalServerError)
+    detail = f"HTTP {status}: " if status is not None else ""
+    message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    return events.Error(
+        source="agent", content=f"the model call failed ({detail}{message})", reason="llm_error", retryable=retryable
+    )
+
+
+# --- the loop ----------------------------------------------------------------------------
+
+
+class _Run:
+    def __init__(self, session: Session, client: AsyncOpenAI, model: str, options: AgentOptions) -> None:
+        self.session = session
+        self.client = client
+        self.model = model
+        self.options = options
+        self.events: list[events.Event] = []
+        self.recalled: set[int] = set()
+        self.tools = tools()
+
+    async def refresh(self) -> None:
+        start = (self.events[-1].id or 0) + 1 if self.events else 1
+        self.events.extend(await self.session.events(start))
+
+    async def append(self, event: events.Event) -> events.Event:
+        """Append one event; returns it as the log holds it (id, agent and tenant set)."""
+        session = self.session
+        changes = {
+            name: value
+            for name, value in (("agent", session.agent), ("tenant", session.tenant))
+            if value is not None and getattr(event, name) is None
+        }
+        stamped = replace(event, **changes) if changes else event
+        (event_id,) = await session.append(stamped)
+        return events.with_id(stamped, event_id)
+
+    async def recall_context(self, message_id: int, content: str, *, first: bool) -> None:
+        """Recall what a user message calls for; a memory that does not answer is not fatal."""
+        self.recalled.add(message_id)
+        asks = [events.Recall(recall_type="workspace_context", cause=message_id)] if first else []
+        asks.append(events.Recall(recall_type="knowledge", query=content, cause=message_id))
+        for action in asks:
+            try:
+                await self.session.act(action, timeout=self.options.recall_timeout)
+            except ActTimeout as exc:
+                log.warning(
+                    "agent.recall_unanswered", session=self.session.id, recall_type=action.recall_type, error=str(exc)
+                )
+
+    async def new_user_messages(self) -> None:
+        """Knowledge recalls for user messages that arrived while the agent was working."""
+        for event in list(self.events):
+            if isinstance(event, events.Message) and event.source == "user" and event.id not in self.recalled:
+                assert event.id is not None
+                await self.recall_context(event.id, event.content, first=False)
+
+    async def complete(self) -> Any:
+        until = self.events[-1].id if self.events else 0
+        request: dict[str, Any] = {
+            "model": self.model,
+            "messages": build_messages(self.events, agent=self.options.name, instructions=self.options.instructions),
+            "tools": self.tools,
+            "tool_choice": "auto",
+            "parallel_tool_calls": False,
+        }
+        if self.options.temperature is not None:
+            request["temperature"] = self.options.temperature
+        with anyio.fail_after(self.options.llm_timeout):
+            response = await self.client.chat.completions.create(**request)
+        log.info("agent.llm_response", session=self.session.id, until=until, usage=_usage(response))
+        return response
+
+    async def act(self, action: events.Action) -> events.Event:
+        """Publish an action and wait for its answer; give up with an ``error`` answer in time."""
+        appended = await self.append(action)
+        assert appended.id is not None
+        try:
+            return await self.session.wait_for_answer(appended.id, timeout=self.options.action_timeout)
+        except ActTimeout as exc:
+            try:
+                return await self.append(
+                    events.Error(source="agent", cause=appended.id, content=str(exc), reason="timeout", retryable=True)
+                )
+            except InputError:  # the answer came after all
+                return await self.session.wait_for_answer(appended.id, timeout=5)
+
+    async def step(self) -> events.Event | None:
+        """One model call and the actions it asks for; returns the event that ends the run, if any."""
+        await self.refresh()
+        await self.new_user_messages()
+        await self.refresh()
+        until = self.events[-1].id if self.events else None
+        try:
+            response = await self.complete()
+        except (openai.OpenAIError, TimeoutError) as exc:
+            log.warning("agent.llm_failed", session=self.session.id, error=str(exc))
+            return await self.append(_llm_error(exc, self.options.llm_timeout))
+        choices = getattr(response, "choices", None) or []
+        if not choices:
+            return await self.append(
+                events.Error(
+                    source="agent", content="the model returned no choices", reason="llm_error", retryable=True
+                )
+            )
+        message = choices[0].message
+        calls = list(message.tool_calls or [])
+        recorded = await self.append(
+            events.LlmResponse(
+                model=getattr(response, "model", None) or self.model,
+                content=message.content,
+                tool_calls=[_call_record(c) for c in calls],
+                usage=_usage(response),
+                cause=until,
+            )
+        )
+        response_id = recorded.id
+        if not calls:
+            return await self.append(
+                events.Message(content=message.content or "", wait_for_response=True, cause=response_id)
+            )
+        actions: list[events.Action] = []
+        problems: list[str] = []
+        for call in calls:
+            record = _call_record(call)
+            try:
+                action = action_from_call(record["function"]["name"], record["function"]["arguments"])
+            except InputError as exc:
+                problems.append(f"tool call {record['id']}: {exc}")
+                continue
+            actions.append(replace(action, cause=response_id))
+        if problems:
+            await self.reject(response_id, problems)
+            return None
+        for action in actions:
+            if isinstance(action, events.Finish):
+                return await self.append(action)
+            if type(action).answered_by is None:
+                await self.append(action)
+            else:
+                await self.act(action)
+        return None
+
+    async def reject(self, response_id: int | None, problems: list[str]) -> None:
+        text = "; ".join(problems) + ". None of the tool calls of that response were run; call the tools again."
+        await self.append(events.Error(source="agent", cause=response_id, content=text, reason="bad_tool_call"))
+
+
+async def run_llm_agent(
+    bus: Bus,
+    session_id: str,
+    task: str,
+    *,
+    settings: Settings,
+    client: AsyncOpenAI | None = None,
+    max_steps: int = 30,
+    options: AgentOptions | None = None,
+    tenant: str | None = None,
+) -> events.Event | None:
+    """Work on ``task`` in session ``session_id`` until ``finish``, a question for the user,
+    an LLM failure or ``max_steps`` model calls; returns the event that ended the run."""
+    if max_steps < 1:
+        raise InputError("max_steps must be at least 1")
+    options = options or AgentOptions()
+    session = bus.session(session_id, agent=options.name, tenant=tenant)
+    run = _Run(session, client or make_client(settings), settings.llm_model, options)
+    await run.refresh()
+    first = not any(isinstance(e, events.Message) and e.source == "user" for e in run.events)
+    run.recalled.update(e.id for e in run.events if isinstance(e, events.Message) and e.id is not None)
+    task_message = await run.append(events.Message(content=task, source="user"))
+    assert task_message.id is not None
+    bound = log.bind(session=session_id, agent=options.name)
+    try:
+        await run.recall_context(task_message.id, task, first=first)
+        for _ in range(max_steps):
+            ended = await run.step()
+            if ended is not None:
+                bound.info("agent.done", ended_by=ended.kind, event_id=ended.id)
+                return ended
+    except RiverbedError as exc:
+        bound.warning("agent.failed", error=str(exc))
+        raise
+    stopped = await run.append(
+        events.Error(
+            source="agent",
+            content=f"the agent stopped after {max_steps} model calls without finishing",
+            reason="step_limit",
+            retryable=True,
+        )
+    )
+    bound.info("agent.done", ended_by="step_limit", event_id=stopped.id)
+    return stopped
