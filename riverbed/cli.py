@@ -634,5 +634,279 @@ def schema_cmd() -> None:
     sys.stdout.write(json.dumps(events.json_schema(), indent=2, sort_keys=True) + "\n")
 
 
+# --- workers and actions -------------------------------------------------------------------
+
+
+@app.command("worker")
+def worker_command(
+    roles: Annotated[list[str], typer.Argument(help="runtime, memory, condenser, or all.")],
+    concurrency: Annotated[
+        int | None,
+        typer.Option("--concurrency", envvar="RIVERBED_CONCURRENCY", help="Sessions owned at most per role."),
+    ] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Worker name (default host-pid).")] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option("--metrics-port", envvar="RIVERBED_METRICS_PORT", help="Serve /metrics, /healthz, /readyz."),
+    ] = None,
+    prefix: PrefixOption = None,
+) -> None:
+    """Run a long-lived worker for the given roles until SIGTERM/SIGINT (then drain and hand over)."""
+    from riverbed.logs import configure_logging  # noqa: PLC0415
+    from riverbed.workers.main import parse_roles, run_worker  # noqa: PLC0415
+
+    settings = _settings(prefix, concurrency=concurrency, metrics_port=metrics_port)
+    chosen = parse_roles(roles)
+    if not settings.redis_url:
+        settings = _settings(prefix, concurrency=concurrency, metrics_port=metrics_port, redis_url=_redis_url(settings))
+    configure_logging(settings.log_format)
+    try:
+        anyio.run(lambda: run_worker(chosen, settings, name=name))
+    except BaseExceptionGroup as group:
+        raise _leaf(group) from None
+
+
+def _action_from_json(text: str) -> events.Action:
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"the action is not valid JSON ({exc.msg} at character {exc.pos})") from exc
+    if not isinstance(raw, dict):
+        raise InputError("the action must be a JSON object with a 'kind' field")
+    event = events.from_builtins(raw)
+    if not isinstance(event, events.Action):
+        raise InputError(f"{event.kind!r} is not an action (see `riverbed schema`)")
+    return event
+
+
+@app.command("act")
+def act_command(
+    session: Annotated[str, typer.Argument(help="Session id.")],
+    action: Annotated[str, typer.Argument(help='The action as JSON, e.g. \'{"kind": "cmd_run", "command": "ls"}\'.')],
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the observation.")] = 60.0,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Tenant of a new session.")] = None,
+    agent: Annotated[str | None, typer.Option("--agent", help="Agent name recorded on the action.")] = None,
+    prefix: PrefixOption = None,
+) -> None:
+    """Append one action, wait for its observation and print it as one JSON line."""
+    parsed = _action_from_json(action)
+    settings = _settings(prefix)
+
+    async def go() -> bytes:
+        async with _bus(settings) as bus:
+            answer = await bus.session(session, tenant=tenant, agent=agent).act(parsed, timeout=timeout)
+            return events.encode_json(answer)
+
+    _stdout_lines([_run(go)])
+
+
+@app.command("view")
+def view_command(
+    session: Annotated[str, typer.Argument(help="Session id.")],
+    until: Annotated[int | None, typer.Option("--until", help="The view right after this event.")] = None,
+    json_out: JsonOption = False,
+    prefix: PrefixOption = None,
+) -> None:
+    """The condensed view: the context exactly as the agent saw it after event N."""
+    settings = _settings(prefix)
+
+    async def go() -> list[events.Event]:
+        async with _bus(settings) as bus:
+            await _require_events(bus, session)
+            return list(await bus.session(session).view(until=until))
+
+    context = _run(go)
+    if json_out:
+        _stdout_lines(events.encode_json(e) for e in context)
+        return
+    console = Console(highlight=False)
+    for event in context:
+        console.print(render(event))
+
+
+@app.command("fork")
+def fork_command(
+    session: Annotated[str, typer.Argument(help="Source session id.")],
+    at: Annotated[int, typer.Option("--at", help="Copy events 1..N.")],
+    into: Annotated[str, typer.Option("--into", help="The new session id.")],
+    prefix: PrefixOption = None,
+) -> None:
+    """New session whose log is events 1..N of the source (same ids), then a `forked` event."""
+    from riverbed.agent.replay import fork  # noqa: PLC0415
+
+    settings = _settings(prefix)
+
+    async def go() -> int:
+        async with _bus(settings) as bus:
+            return await fork(bus, session, at, into)
+
+    last = _run(go)
+    err_console.print(f"forked {session} at event {at} into {into} (its last event is {last})")
+
+
+@app.command("rerun")
+def rerun_command(
+    session: Annotated[str, typer.Argument(help="The recorded session.")],
+    into: Annotated[str | None, typer.Option("--into", help="Also record the re-run as this new session.")] = None,
+    seed: Annotated[
+        Path | None, typer.Option("--seed", help="Directory copied into the fresh workspace first.")
+    ] = None,
+    json_out: JsonOption = False,
+    prefix: PrefixOption = None,
+) -> None:
+    """Re-execute the recorded runtime actions in a fresh workspace and report each difference."""
+    from riverbed.agent.replay import rerun  # noqa: PLC0415
+    from riverbed.runtime import Runtime  # noqa: PLC0415
+
+    settings = _settings(prefix)
+
+    async def go() -> list[Any]:
+        runtime = Runtime(workspace_root=Path(settings.workspace))
+        try:
+            async with _bus(settings) as bus:
+                await _require_events(bus, session)
+                return list(await rerun(bus, session, runtime, into=into, seed=seed))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await runtime.aclose()
+
+    differences = _run(go)
+    if json_out:
+        _stdout_lines(msgspec.json.encode(d) for d in differences)
+    elif not differences:
+        err_console.print("no differences: every observation matched the recording")
+    else:
+        for d in differences:
+            err_console.print(f"action {d.action_id} ({d.kind}): {d.field} was {d.recorded!r}, now {d.new!r}")
+    if differences:
+        raise typer.Exit(3)
+
+
+# --- operations ----------------------------------------------------------------------------
+
+
+@app.command("status")
+def status_command(json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
+    """Roles, workers, owners, lag, pending and dead letters."""
+    from riverbed.bus import stats  # noqa: PLC0415
+
+    settings = _settings(prefix)
+
+    async def go() -> Any:
+        async with _bus(settings) as bus:
+            return await stats.status(bus.redis, bus.keys, url=bus.url)
+
+    snapshot = _run(go)
+    if json_out:
+        import dataclasses  # noqa: PLC0415
+
+        sys.stdout.write(json.dumps(dataclasses.asdict(snapshot), default=str) + "\n")
+        return
+    console = Console(highlight=False)
+    table = Table("role", "lag", "pending", "oldest pending (s)", "owned sessions", "waiting for an owner")
+    for role in snapshot.roles:
+        owned = sum(1 for s in role.sessions if s.owner)
+        table.add_row(
+            role.role,
+            str(role.lag),
+            str(role.pending),
+            f"{role.oldest_pending_seconds:.1f}",
+            str(owned),
+            str(role.directory.lag),
+        )
+    console.print(table)
+    workers = Table("worker", "roles", "heartbeat age (s)", "owned")
+    for w in snapshot.workers:
+        owned_by_role = w.description.get("owned", {})
+        workers.add_row(
+            w.name,
+            ",".join(w.description.get("roles", [])),
+            f"{w.age_seconds:.1f}",
+            ", ".join(f"{r}:{len(s)}" for r, s in owned_by_role.items()),
+        )
+    console.print(workers)
+    console.print(f"sessions: {snapshot.sessions}   dead letters: {snapshot.dead_letters}")
+
+
+dlq_app = typer.Typer(help="Dead letters: entries a role could not handle.", no_args_is_help=True)
+app.add_typer(dlq_app, name="dlq")
+
+
+@dlq_app.command("list")
+def dlq_list(json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
+    """List dead letters (oldest first)."""
+    from riverbed.bus.dlq import DeadLetters  # noqa: PLC0415
+
+    settings = _settings(prefix)
+
+    async def go() -> list[Any]:
+        async with _bus(settings) as bus:
+            return list(await DeadLetters(bus.redis, bus.keys, bus.url).list())
+
+    letters = _run(go)
+    if json_out:
+        _stdout_lines(json.dumps(letter.as_dict()).encode() for letter in letters)
+        return
+    table = Table("id", "session", "event", "role", "attempts", "reason")
+    for letter in letters:
+        table.add_row(letter.id, letter.session, str(letter.event_id), letter.role, str(letter.attempts), letter.reason)
+    Console(highlight=False).print(table)
+
+
+@dlq_app.command("requeue")
+def dlq_requeue(
+    letter_id: Annotated[str, typer.Argument(help="Dead letter id (from `riverbed dlq list`).")],
+    prefix: PrefixOption = None,
+) -> None:
+    """Append the dead-lettered event to its session again (a new id) and remove the dead letter."""
+    from riverbed.bus.dlq import DeadLetters  # noqa: PLC0415
+
+    settings = _settings(prefix)
+
+    async def go() -> int:
+        async with _bus(settings) as bus:
+            letters = DeadLetters(bus.redis, bus.keys, bus.url)
+            letter = await letters.get(letter_id)
+            result = await bus.log_store.append_raw(letter.session, [(letter.payload, 0)])
+            if isinstance(result, AlreadyAnswered):
+                raise InputError(f"that event is already answered by event {result.existing}")
+            await letters.remove(letter_id)
+            return result[0]
+
+    new_id = _run(go)
+    err_console.print(f"requeued dead letter {letter_id} as event {new_id}")
+
+
+@app.command("demo")
+def demo_command(prefix: PrefixOption = None) -> None:
+    """Start embedded services if needed, run every role in-process and drive a demo session."""
+    from riverbed.logs import configure_logging  # noqa: PLC0415
+    from riverbed.workers.demo import run_demo  # noqa: PLC0415
+
+    started = dt.datetime.now(dt.UTC)
+    settings = _settings(prefix)
+    url = _redis_url(settings)
+    if not settings.database_url:
+        _progress("RIVERBED_DATABASE_URL is not set: using the embedded Postgres")
+    configure_logging(settings.log_format, level="warning")
+    console = Console(highlight=False)
+
+    async def go() -> Any:
+        return await run_demo(settings, console, redis_url=url)
+
+    result = _run(go)
+    console.print()
+    for check, passed in result.checks.items():
+        console.print(("[green]✔[/] " if passed else "[red]✘[/] ") + check)
+    seconds = (dt.datetime.now(dt.UTC) - started).total_seconds()
+    console.print(
+        f"\nsession [bold]{result.session}[/] ({result.events} events, view {result.view_size}), "
+        f"fork [bold]{result.fork}[/]; done in {seconds:.1f}s.\n"
+        f"Replay it: riverbed log {result.session}   riverbed view {result.session} --until 8"
+    )
+    if not result.ok:
+        raise typer.Exit(1)
+
+
 if __name__ == "__main__":
     main()
