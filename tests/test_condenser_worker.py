@@ -83,6 +83,7 @@ async def test_llm_failure_is_an_error_event_and_the_session_goes_on(bus: Bus) -
             answer = await session.act(events.CondensationRequest(), timeout=10)
             await owner.drain(2)
     assert isinstance(answer, events.Condensation)
-    assert answer.summary and "count messages" in answer.summary
+    assert answer.summary
+    assert "count messages" in answer.summary
     log = await bus.session("llm").events()
     assert not any(isinstance(e, events.Condensation) and e.cause is None for e in log)
