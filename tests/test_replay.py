@@ -209,3 +209,12 @@ async def test_rerun_into_writes_a_log_that_no_worker_runs_again(bus: Bus, works
         await rerun(bus, "rec", Runtime(workspace_root=tmp_path / "x"), into="rec-again")
     with pytest.raises(InputError, match="no events"):
         await rerun(bus, "never", Runtime(workspace_root=tmp_path / "x"))
+
+
+async def test_fork_refuses_a_source_whose_first_events_were_trimmed(bus: Bus) -> None:
+    session = bus.session("trimmed")
+    await session.append(*[events.Think(thought=f"t{i}") for i in range(5)])
+    await bus.redis.xtrim(bus.keys.log("trimmed"), minid="3-0", approximate=False)
+    with pytest.raises(InputError, match="event 1 is no longer in its stream"):
+        await fork(bus, "trimmed", 5, "from-trimmed")
+    assert not await bus.log_store.exists("from-trimmed")

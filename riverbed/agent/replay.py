@@ -89,6 +89,11 @@ async def fork(bus: Bus, source: str, at: int, into: str) -> int:
     copied = 0
     page: list[tuple[bytes, int]] = []
     async for event_id, payload in store.read_raw(source, 1, at):
+        if event_id != copied + len(page) + 1:
+            raise InputError(
+                f"cannot fork session {source!r}: event {copied + len(page) + 1} is no longer in its stream "
+                "(trimmed to the archive)"
+            )
         page.append((payload, answered_cause(decode_entry(payload, event_id))))
         if len(page) >= _PAGE:
             copied = await _append_page(bus, into, page, copied, tenant)
