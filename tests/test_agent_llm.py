@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import riverbed
@@ -337,3 +338,30 @@ async def test_the_step_limit_ends_the_run(bus: Bus, server: OpenAIServer, worke
     assert {e.agent for e in log if isinstance(e, events.Action)} == {"looper"}
     with pytest.raises(InputError, match="max_steps"):
         await run_llm_agent(bus, "llm-steps", "x", settings=SETTINGS, client=server.client(), max_steps=0)
+
+
+async def test_a_user_message_during_the_run_gets_its_knowledge_recall(
+    bus: Bus, server: OpenAIServer, workers: None, workspace: Path
+) -> None:
+    seed_workspace(workspace, "llm-live")
+    server.reply(tool_calls=[("think", {"thought": "planning"})], delay=0.3)
+    server.reply(tool_calls=[("finish", {})])
+    result: list[events.Event | None] = []
+
+    async def agent() -> None:
+        result.append(await run_llm_agent(bus, "llm-live", "Plan the work.", settings=SETTINGS, client=server.client()))
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(agent)
+            while not server.requests:
+                await anyio.sleep(0.01)
+            await bus.session("llm-live").append(events.Message(source="user", content="Also check docker."))
+    assert isinstance(result[0], events.Finish)
+    log = await bus.session("llm-live").events()
+    recalls = [(e.recall_type, e.query) for e in log if isinstance(e, events.Recall)]
+    assert recalls[-1] == ("knowledge", "Also check docker.")
+    late = server.requests[1]["messages"]
+    assert {"role": "user", "content": "Also check docker."} in late
+    assert late[-1]["role"] == "user"
+    assert '<knowledge name="docker"' in late[-1]["content"]
