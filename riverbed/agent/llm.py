@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -61,25 +62,16 @@ __all__ = ["AgentOptions", "build_messages", "make_client", "render", "run_llm_a
 log = structlog.get_logger("riverbed.agent")
 
 
+@dataclass(frozen=True, kw_only=True)
 class AgentOptions:
-    """How the agent talks to the model and waits for answers."""
+    """How the agent presents itself and how long it waits (seconds) for the model and answers."""
 
-    def __init__(
-        self,
-        *,
-        name: str = "llm",
-        instructions: str | None = None,
-        llm_timeout: float = 120.0,
-        action_timeout: float = 120.0,
-        recall_timeout: float = 15.0,
-        temperature: float | None = None,
-    ) -> None:
-        self.name = name
-        self.instructions = instructions
-        self.llm_timeout = llm_timeout
-        self.action_timeout = action_timeout
-        self.recall_timeout = recall_timeout
-        self.temperature = temperature
+    name: str = "llm"
+    instructions: str | None = None
+    llm_timeout: float = 120.0
+    action_timeout: float = 120.0
+    recall_timeout: float = 15.0
+    temperature: float | None = None
 
 
 # --- prompts -----------------------------------------------------------------------------
