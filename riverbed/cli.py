@@ -78,7 +78,7 @@ app = typer.Typer(
 services_app = typer.Typer(help="Embedded Redis + Postgres for development.", no_args_is_help=True)
 app.add_typer(services_app, name="services")
 
-err_console = Console(stderr=True, highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 PrefixOption = Annotated[
     str | None,

@@ -1,0 +1,373 @@
+"""The real ``riverbed`` command, run as a subprocess against the test Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+import redis
+
+import riverbed
+from riverbed import events
+
+GOLDEN = Path(__file__).parent / "golden" / "events.jsonl"
+
+
+def riverbed_command() -> list[str]:
+    script = Path(sys.executable).parent / "riverbed"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "riverbed.cli"]
+
+
+@pytest.fixture
+def cli_env(redis_url: str, prefix: str, tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RIVERBED_")}
+    env.update(
+        RIVERBED_REDIS_URL=redis_url,
+        RIVERBED_PREFIX=prefix,
+        RIVERBED_SERVICES_DIR=str(tmp_path / "services"),
+        COLUMNS="200",
+    )
+    return env
+
+
+def run(
+    env: dict[str, str], *args: str, stdin: bytes | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [*riverbed_command(), *args], env=env, input=stdin, capture_output=True, timeout=timeout, check=False
+    )
+
+
+def run_all(
+    jobs: list[tuple[dict[str, str], list[str]]], timeout: float = 60
+) -> list[subprocess.CompletedProcess[bytes]]:
+    """Run several commands at once (each one pays the interpreter start-up)."""
+    procs = [
+        subprocess.Popen([*riverbed_command(), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for env, args in jobs
+    ]
+    results = []
+    for proc, (_env, args) in zip(procs, jobs, strict=True):
+        with proc:
+            out, err = proc.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(args, proc.returncode, out, err))
+    return results
+
+
+def ok(env: dict[str, str], *args: str, stdin: bytes | None = None) -> bytes:
+    result = run(env, *args, stdin=stdin)
+    assert result.returncode == 0, result.stderr.decode()
+    return result.stdout
+
+
+def assert_one_sentence(result: subprocess.CompletedProcess[bytes], code: int, *fragments: str) -> str:
+    err = result.stderr.decode()
+    assert result.returncode == code, (result.returncode, err)
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+    return err
+
+
+def sample_events(count: int) -> list[events.Event]:
+    """A varied session: every action answered, unicode, multi-line output, tenants and traces."""
+    out: list[events.Event] = []
+    while len(out) < count:
+        n = len(out) + 1
+        step = n % 6
+        if step == 1:
+            out.append(events.Message(content=f"step {n}: héllo ✓\nsecond line", source="user", tenant="acme"))
+        elif step == 2:
+            out.append(events.CmdRun(command=f"echo {n}", timeout=5.5, agent="a1", trace=f"00-{n:032x}-{n:016x}-01"))
+        elif step == 3:
+            out.append(events.CmdOutput(content=f"{n}\n" * 5, exit_code=n % 3, cause=n - 1, command=f"echo {n - 1}"))
+        elif step == 4:
+            out.append(events.Recall(query=f"query {n}", k=3, scope="tenant"))
+        elif step == 5:
+            hit = events.Hit(session="s", event_id=n, kind="think", score=0.25 * (n % 4), text="t")
+            out.append(events.RecallResult(recall_type="semantic", hits=[hit], cause=n - 1))
+        else:
+            out.append(events.Finish(final_thought="done", outputs={"n": n, "ratio": n / 7, "list": [1, None, "x"]}))
+    return out[:count]
+
+
+def fill(redis_url: str, prefix: str, session: str, batch: list[events.Event]) -> None:
+    async def go() -> None:
+        async with riverbed.connect(redis_url, prefix=prefix) as bus:
+            handle = bus.session(session, tenant="acme")
+            for begin in range(0, len(batch), 500):
+                await handle.append(*batch[begin : begin + 500])
+
+    anyio.run(go)
+
+
+def last_id(redis_url: str, prefix: str, session: str) -> int:
+    async def go() -> int:
+        async with riverbed.connect(redis_url, prefix=prefix) as bus:
+            return await bus.session(session).last_id()
+
+    return anyio.run(go)
+
+
+# --- export / import / log --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_export_import_and_log_round_trip_10000_events_byte_for_byte(
+    cli_env: dict[str, str], redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    fill(redis_url, prefix, "orig", sample_events(10_000))
+    exported = ok(cli_env, "export", "orig")
+    lines = exported.splitlines()
+    assert len(lines) == 10_000
+    assert [json.loads(line)["id"] for line in lines] == list(range(1, 10_001))
+    assert ok(cli_env, "log", "orig", "--json") == exported
+
+    dump = tmp_path / "orig.jsonl"
+    assert run(cli_env, "export", "orig", "--out", str(dump)).returncode == 0
+    assert dump.read_bytes() == exported
+    result = run(cli_env, "import", str(dump), "--into", "copy")
+    assert result.returncode == 0, result.stderr.decode()
+    assert "imported 10000 events" in result.stderr.decode()
+    assert ok(cli_env, "export", "copy") == exported
+
+    window = ok(cli_env, "log", "copy", "--json", "--from", "10", "--until", "20").splitlines()
+    assert [json.loads(line)["id"] for line in window] == list(range(10, 21))
+    assert window == lines[9:20]
+
+
+def test_import_takes_the_session_from_the_file_name_and_reads_stdin(cli_env: dict[str, str], tmp_path: Path) -> None:
+    golden = GOLDEN.read_bytes()
+    named = tmp_path / "golden-1.jsonl"
+    named.write_bytes(golden)
+    needs_flag, from_name, no_into = run_all(
+        [(cli_env, ["import", str(named), "--into", "strict"]), (cli_env, ["import", str(named), "--keep-unknown"]),
+         (cli_env, ["import", "-"])]
+    )  # fmt: skip
+    assert_one_sentence(needs_flag, 2, "line 23", "unknown event kind 'teleport'", "--keep-unknown")
+    assert from_name.returncode == 0, from_name.stderr.decode()
+    assert_one_sentence(no_into, 2, "--into")
+    ok(cli_env, "import", "-", "--into", "piped", "--keep-unknown", stdin=golden)
+    for result in run_all([(cli_env, ["export", "golden-1"]), (cli_env, ["export", "piped"])]):
+        assert result.stdout == golden
+
+
+def test_import_refuses_a_session_that_has_events(cli_env: dict[str, str], redis_url: str, prefix: str) -> None:
+    fill(redis_url, prefix, "taken", sample_events(3))
+    result = run(cli_env, "import", "-", "--into", "taken", stdin=b'{"kind":"think","thought":"x"}\n')
+    assert_one_sentence(result, 2, "session 'taken' already has 3 events")
+    assert last_id(redis_url, prefix, "taken") == 3
+
+
+def test_import_assigns_missing_ids(cli_env: dict[str, str]) -> None:
+    body = b'{"kind":"message","content":"hi","source":"user"}\n\n{"kind":"think","thought":"hmm","id":2}\n'
+    ok(cli_env, "import", "-", "--into", "loose", stdin=body)
+    got = [json.loads(line) for line in ok(cli_env, "export", "loose").splitlines()]
+    assert [(e["id"], e["kind"]) for e in got] == [(1, "message"), (2, "think")]
+
+
+GOOD = b'{"kind":"think","thought":"fine"}'
+BAD_FILES = {
+    "not-json": (b'{"kind":"think","thought": oops}', "line 3", "JSON"),
+    "unknown-kind": (b'{"kind":"teleport","to":"mars"}', "line 3", "unknown event kind 'teleport'"),
+    "missing-field": (b'{"kind":"message","source":"user"}', "line 3", "missing required field `content`"),
+    "wrong-type": (b'{"kind":"cmd_run","command":["ls"]}', "line 3", "cmd_run"),
+    "no-kind": (b'{"thought":"x"}', "line 3", "no 'kind'"),
+    "id-out-of-order": (b'{"kind":"think","thought":"x","id":7}', "line 3", "id 7"),
+    "answered-twice": (b'{"kind":"error","content":"x","cause":1}', "line 3", "already answered"),
+}
+
+
+def test_a_bad_import_names_the_line_and_writes_nothing(
+    cli_env: dict[str, str], redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    first = b'{"kind":"cmd_run","command":"ls"}'
+    answer = b'{"kind":"cmd_output","content":"","cause":1}'
+    jobs = []
+    for case, (bad, *_fragments) in BAD_FILES.items():
+        path = tmp_path / f"{case}.jsonl"
+        path.write_bytes(b"\n".join([first, answer, bad, GOOD, GOOD]) + b"\n")
+        jobs.append((cli_env, ["import", str(path)]))
+    for (case, (_bad, *fragments)), result in zip(BAD_FILES.items(), run_all(jobs), strict=True):
+        assert_one_sentence(result, 2, f"{case}.jsonl", *fragments)
+        assert last_id(redis_url, prefix, case) == 0
+
+
+def test_import_of_a_missing_file_is_one_sentence(cli_env: dict[str, str], tmp_path: Path) -> None:
+    assert_one_sentence(run(cli_env, "import", str(tmp_path / "nope.jsonl")), 2, "cannot read", "nope.jsonl")
+
+
+def test_readable_log_shows_kinds_sources_and_content(cli_env: dict[str, str]) -> None:
+    ok(cli_env, "import", "-", "--into", "story", "--keep-unknown", stdin=GOLDEN.read_bytes())
+    text = ok(cli_env, "log", "story").decode()
+    lines = text.splitlines()
+    assert len(lines) == 23
+    assert "cmd_run" in lines[4]
+    assert "$ pytest -q" in lines[4]
+    assert "runtime_lost (retryable)" in lines[17]
+    assert "?teleport" in lines[22]
+    assert "2026-11-02 09:00:01.250" in lines[1]
+    missing, backwards = run_all(
+        [(cli_env, ["log", "nothing-here"]), (cli_env, ["log", "story", "--from", "5", "--until", "2"])]
+    )
+    assert_one_sentence(missing, 2, "no events")
+    assert_one_sentence(backwards, 2, "--until")
+
+
+def test_sessions_lists_last_id_and_tenant(cli_env: dict[str, str], redis_url: str, prefix: str) -> None:
+    assert ok(cli_env, "sessions", "--json") == b""
+    fill(redis_url, prefix, "s-1", sample_events(7))
+    fill(redis_url, prefix, "s-2", sample_events(3))
+    rows = [json.loads(line) for line in ok(cli_env, "sessions", "--json").splitlines()]
+    assert [(r["session"], r["last"], r["tenant"]) for r in rows] == [("s-1", 7, "acme"), ("s-2", 3, "acme")]
+    table = ok(cli_env, "sessions").decode()
+    assert "s-1" in table
+    assert "acme" in table
+
+
+# --- follow -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_log_follow_picks_up_new_events_and_stops_cleanly(
+    stop: signal.Signals, cli_env: dict[str, str], redis_url: str, prefix: str
+) -> None:
+    fill(redis_url, prefix, "live", sample_events(3))
+    with subprocess.Popen(
+        [*riverbed_command(), "log", "live", "--follow", "--json"],
+        env=cli_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            first = [json.loads(proc.stdout.readline())["id"] for _ in range(3)]
+            assert first == [1, 2, 3]
+            fill(redis_url, prefix, "live", [events.Think(thought=f"later {i}") for i in range(4)])
+            later = [json.loads(proc.stdout.readline()) for _ in range(4)]
+            assert [e["id"] for e in later] == [4, 5, 6, 7]
+            assert later[-1]["thought"] == "later 3"
+            proc.send_signal(stop)
+            _out, err = proc.communicate(timeout=10)
+            assert proc.returncode == 0, err.decode()
+            assert b"Traceback" not in err
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+# --- configuration errors ---------------------------------------------------------------------
+
+
+def test_unreachable_redis_fails_fast_in_one_sentence(cli_env: dict[str, str]) -> None:
+    env = {**cli_env, "RIVERBED_REDIS_URL": "redis://127.0.0.1:1"}
+    started = time.monotonic()
+    result = run(env, "log", "anything")
+    elapsed = time.monotonic() - started
+    assert_one_sentence(result, 1, "cannot reach Redis at redis://127.0.0.1:1")
+    assert elapsed < 5, elapsed
+
+
+BAD_CONFIG = [
+    ({"RIVERBED_PREFIX": "Bad-Prefix"}, ["sessions"], "RIVERBED_PREFIX='Bad-Prefix' is not valid"),
+    ({"RIVERBED_REDIS_URL": "http://localhost:6379"}, ["sessions"], "is not a valid URL: it must start with redis://"),
+    ({"RIVERBED_REDIS_URL": "redis://localhost:notaport"}, ["sessions"], "is not valid"),
+    ({"RIVERBED_LEASE_SECONDS": "soon"}, ["sessions"], "RIVERBED_LEASE_SECONDS"),
+    ({}, ["export", "x", "--prefix", "UPPER"], "RIVERBED_PREFIX='UPPER'"),
+    ({}, ["log", "has space"], "not a valid session id"),
+]
+
+
+def test_bad_configuration_is_one_sentence(cli_env: dict[str, str]) -> None:
+    results = run_all([({**cli_env, **extra}, args) for extra, args, _ in BAD_CONFIG])
+    for (_extra, _args, fragment), result in zip(BAD_CONFIG, results, strict=True):
+        assert_one_sentence(result, 2, fragment)
+
+
+# --- schema -----------------------------------------------------------------------------------
+
+
+def test_schema_is_json_covering_every_kind(cli_env: dict[str, str]) -> None:
+    schema = json.loads(ok(cli_env, "schema"))
+    tags = {
+        tag
+        for definition in schema["$defs"].values()
+        for tag in definition.get("properties", {}).get("kind", {}).get("enum", [])
+    }
+    assert set(events.kinds()) <= tags
+    assert schema["discriminator"]["propertyName"] == "kind"
+    # The golden samples (written for other languages) carry the fields the schema names.
+    message = schema["$defs"]["Message"]
+    assert "content" in message["required"]
+
+
+# --- embedded services ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def services_dir() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="rb-svc-", dir="/tmp"))
+    root.chmod(0o755)
+    yield root / "services"
+    subprocess.run([*riverbed_command(), "services", "down", "--dir", str(root / "services")], check=False, timeout=60)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_services_up_prints_working_exports_and_down_stops_them(cli_env: dict[str, str], services_dir: Path) -> None:
+    env = {k: v for k, v in cli_env.items() if k not in ("RIVERBED_REDIS_URL", "RIVERBED_DATABASE_URL")}
+    result = run(env, "services", "up", "--dir", str(services_dir), timeout=120)
+    assert result.returncode == 0, result.stderr.decode()
+    exports = dict(
+        line.removeprefix("export ").split("=", 1) for line in result.stdout.decode().splitlines() if line.strip()
+    )
+    assert set(exports) == {"RIVERBED_REDIS_URL", "RIVERBED_DATABASE_URL"}
+    redis_url = exports["RIVERBED_REDIS_URL"]
+    database_url = exports["RIVERBED_DATABASE_URL"].strip("'")
+    assert redis.Redis.from_url(redis_url).ping()
+
+    async def query() -> int:
+        import asyncpg  # noqa: PLC0415
+
+        conn = await asyncpg.connect(database_url)
+        try:
+            return int(await conn.fetchval("SELECT 1"))
+        finally:
+            await conn.close()
+
+    assert anyio.run(query) == 1
+    # `up` again adopts the running services.
+    again = run(env, "services", "up", "--dir", str(services_dir), timeout=60)
+    assert again.stdout == result.stdout
+    # The shell line works as documented.
+    shell = subprocess.run(
+        ["bash", "-c", f'eval "$({" ".join(riverbed_command())} services up --dir {services_dir})"; '
+         "echo $RIVERBED_REDIS_URL; echo $RIVERBED_DATABASE_URL"],
+        env=env, capture_output=True, check=True, timeout=60,
+    )  # fmt: skip
+    assert shell.stdout.decode().split() == [redis_url, database_url]
+
+    down = run(env, "services", "down", "--dir", str(services_dir), timeout=60)
+    assert down.returncode == 0, down.stderr.decode()
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(redis_url, socket_connect_timeout=1).ping()
+    assert "no services were running" in run(env, "services", "down", "--dir", str(services_dir)).stderr.decode()
+
+
+def test_help_lists_the_commands(cli_env: dict[str, str]) -> None:
+    text = ok(cli_env, "--help").decode()
+    for command in ("log", "export", "import", "sessions", "schema", "services"):
+        assert command in text
+    assert msgspec.json.decode(ok(cli_env, "schema"))  # stdout is the schema only
