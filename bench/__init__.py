@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): each module measures riverbed against a baseline in the same run."""
