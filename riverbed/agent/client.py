@@ -112,16 +112,17 @@ class Session:
             "is a worker for its role running? (riverbed worker all)"
         )
 
-    async def log(self, start: int = 1, end: int | None = None, *, follow: bool = False) -> AsyncIterator[events.Event]:
+    def log(self, start: int = 1, end: int | None = None, *, follow: bool = False) -> AsyncIterator[events.Event]:
         """Replay the log from ``start`` (to ``end``); ``follow=True`` keeps tailing."""
         if follow:
-            async for event in self.bus.log_store.follow(self.id, start):
-                if end is not None and (event.id or 0) > end:
-                    return
-                yield event
-        else:
-            async for event in self.bus.log_store.read(self.id, start, end):
-                yield event
+            return self._follow(start, end)
+        return self.bus.log_store.read(self.id, start, end)  # no extra generator layer on replays
+
+    async def _follow(self, start: int, end: int | None) -> AsyncIterator[events.Event]:
+        async for event in self.bus.log_store.follow(self.id, start):
+            if end is not None and (event.id or 0) > end:
+                return
+            yield event
 
     async def events(self, start: int = 1, end: int | None = None) -> list[events.Event]:
         return [e async for e in self.log(start, end)]
