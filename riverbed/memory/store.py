@@ -112,13 +112,21 @@ class Store:
         self._pool: asyncpg.Pool[asyncpg.Record] | None = None
         self._vector_schema = "public"
         self._indexed_models: set[str] = set()
+        self._start_lock = anyio.Lock()
 
     # --- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect, migrate (safe when several workers start at once) and open the pool."""
+        """Connect, migrate (safe when several workers start at once) and open the pool.
+
+        Concurrent calls (one per session a worker serves) share one pool."""
         if self._pool is not None:
             return
+        async with self._start_lock:
+            if self._pool is None:
+                await self._start()
+
+    async def _start(self) -> None:
         try:
             with anyio.fail_after(self._connect_timeout * 3):
                 conn = await asyncpg.connect(self.url, timeout=self._connect_timeout)

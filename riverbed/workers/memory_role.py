@@ -1,9 +1,11 @@
 """The memory role: index every event of a session and answer its ``recall`` actions.
 
 Indexing is exactly-once in effect (chunks and the tracking row commit together), so a
-redelivered batch is a no-op.  When Postgres or the embedder is down, every ``recall`` in
-the batch is answered at once with a retryable ``error`` and the batch is retried with
-backoff until indexing catches up; nothing is acknowledged before it is indexed.
+redelivered batch is a no-op.  When Postgres or the embedder is down, the batch is retried
+with backoff until indexing catches up, and nothing is acknowledged before it is indexed.
+The session reads nothing new while it retries, so each failed attempt answers with a
+retryable ``error`` every ``recall`` in the batch *and* every one queued behind it in the
+log: an agent never waits out an outage for its answer.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class MemoryHandler:
     def __init__(self, memory: Memory, *, workspace_root: Path | None = None) -> None:
         self.memory = memory
         self.workspace_root = workspace_root
+        self._scanned: dict[str, int] = {}  # session -> last id looked at for queued recalls
 
     @property
     def cache(self) -> object:
@@ -42,7 +45,7 @@ class MemoryHandler:
             ctx.tenant = (await ctx.log.meta(ctx.session)).get("tenant") or None
 
     async def close(self, ctx: SessionContext) -> None:
-        return None
+        self._scanned.pop(ctx.session, None)
 
     async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
         await self.handle(ctx, entries)
@@ -55,6 +58,7 @@ class MemoryHandler:
         except UnavailableError as exc:
             for entry in recalls:
                 await self._answer_error(ctx, entry, exc)
+            await self._answer_queued_recalls(ctx, entries[-1].id, exc)
             raise
         crashpoint("after_index")
         for entry in recalls:
@@ -76,6 +80,17 @@ class MemoryHandler:
             await self._answer_error(ctx, entry, exc)
             return
         await ctx.answer(entry, result)
+
+    async def _answer_queued_recalls(self, ctx: SessionContext, after: int, exc: UnavailableError) -> None:
+        """Answer with an error the recalls appended after ``after`` (not read yet: the session
+        loop retries the failed batch first).  Answered ones are only acknowledged later."""
+        start = max(after, self._scanned.get(ctx.session, 0)) + 1
+        async for event in ctx.log.read(ctx.session, start):
+            if event.id is None:
+                continue
+            if isinstance(event, events.Recall):
+                await self._answer_error(ctx, Entry(id=event.id, event=event, payload=b""), exc)
+            self._scanned[ctx.session] = event.id
 
     async def _answer_error(self, ctx: SessionContext, entry: Entry, exc: UnavailableError) -> None:
         await ctx.answer(

