@@ -306,7 +306,8 @@ def test_schema_is_json_covering_every_kind(cli_env: dict[str, str]) -> None:
         for definition in schema["$defs"].values()
         for tag in definition.get("properties", {}).get("kind", {}).get("enum", [])
     }
-    assert set(events.kinds()) <= tags
+    builtin = {kind for kind, cls in events.kinds().items() if cls.__module__.startswith("riverbed.")}
+    assert builtin <= tags  # other test modules register kinds in this process, not in the subprocess
     assert schema["discriminator"]["propertyName"] == "kind"
     # The golden samples (written for other languages) carry the fields the schema names.
     message = schema["$defs"]["Message"]
