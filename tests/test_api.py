@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,3 +149,24 @@ def test_every_declared_module_api_exists() -> None:
 def test_the_readme_api_names_are_public() -> None:
     for name in ("connect", "Bus", "Session", "RiverbedError", "AppendConflict", "ActTimeout"):
         assert name in riverbed.__all__
+
+
+def readme_tested_blocks() -> list[str]:
+    """The fenced python blocks of the README that follow a ``<!-- tested`` marker."""
+    text = (PACKAGE.parent / "README.md").read_text()
+    blocks = []
+    for part in text.split("<!-- tested")[1:]:
+        body = part.split("```python\n", 1)[1]
+        blocks.append(body.split("\n```", 1)[0])
+    return blocks
+
+
+def test_the_readme_program_runs(redis_url: str, prefix: str, tmp_path: Path) -> None:
+    (block,) = readme_tested_blocks()
+    program = tmp_path / "readme.py"
+    program.write_text(block)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RIVERBED_")}
+    env.update(RIVERBED_REDIS_URL=redis_url, RIVERBED_PREFIX=prefix)
+    result = subprocess.run([sys.executable, str(program)], env=env, capture_output=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode().splitlines() == ["1 message acme", "2 think acme"]
