@@ -361,6 +361,9 @@ _BUILTIN: tuple[type[Event], ...] = (
     Unknown,
 )
 
+RESERVED_KINDS = frozenset({"summary", "masked"})
+"""Tags used by view-only items (``riverbed.memory.view``); no logged kind may take them."""
+
 _kinds: dict[str, type[Event]] = {}
 _upcasters: dict[tuple[str, int], Callable[[dict[str, Any]], dict[str, Any]]] = {}
 _msgpack_encoder = msgspec.msgpack.Encoder()
@@ -395,6 +398,8 @@ def register(cls: type[Event]) -> type[Event]:
     if not (isinstance(cls, type) and issubclass(cls, Event)):
         raise TypeError("only Event subclasses can be registered")
     kind = kind_of(cls)
+    if kind in RESERVED_KINDS:
+        raise ValueError(f"the event kind {kind!r} is reserved (it names view-only items)")
     existing = _kinds.get(kind)
     if existing is cls:
         return cls

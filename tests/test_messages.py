@@ -316,3 +316,16 @@ async def test_server_failure_injection_and_embeddings(openai_server: OpenAIServ
     assert len(data[0]) == openai_server.embedding_dim
     assert data[0] == data[2] != data[1]
     assert len(openai_server.requests) == 2
+
+
+def test_think_calls_in_a_response_do_not_shift_the_pairing() -> None:
+    calls = [tool_call("think", {"thought": "first look"}, "call_t"), tool_call("cmd_run", {"command": "ls"}, "call_c")]
+    events = log(
+        LlmResponse(model="m", tool_calls=calls),
+        Think(thought="first look", cause=1),
+        CmdRun(command="ls", cause=1),
+        CmdOutput(content="a.txt", cause=3),
+    )
+    messages = to_messages(view(events))
+    assert_well_formed(messages)
+    assert [m["tool_call_id"] for m in messages if m["role"] == "tool"] == ["call_c"]

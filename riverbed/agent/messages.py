@@ -59,6 +59,15 @@ def _answerable(event: Event) -> bool:
     return isinstance(event, Action) and event.answered_by is not None and event.id is not None
 
 
+_UNANSWERED_TOOLS = frozenset(tool_name(kind) for kind in ("think", "finish", "message"))
+
+
+def _call_name(raw: Mapping[str, Any]) -> str | None:
+    function = raw.get("function")
+    name = function.get("name") if isinstance(function, Mapping) else None
+    return name if isinstance(name, str) else None
+
+
 def _normalise_call(raw: Mapping[str, Any], fallback_id: str) -> dict[str, Any] | None:
     """A recorded tool call in wire form, or None when it cannot be used."""
     function = raw.get("function")
@@ -95,10 +104,14 @@ def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, l
                     break
                 if _answerable(e) and e.source == "agent" and e.cause is None:
                     claimants.append(e)
+        # Calls that publish no answered action (think, finish) take no position among the claimants.
+        answered_calls = [
+            raw for raw in response.tool_calls if isinstance(raw, Mapping) and _call_name(raw) not in _UNANSWERED_TOOLS
+        ]
         ids = []
-        for action, raw in zip(claimants, response.tool_calls, strict=False):
+        for action, raw in zip(claimants, answered_calls, strict=False):
             assert action.id is not None
-            call = _normalise_call(raw, tool_call_id(action.id)) if isinstance(raw, Mapping) else None
+            call = _normalise_call(raw, tool_call_id(action.id))
             if call is not None and action.id not in calls:
                 calls[action.id] = call
                 ids.append(action.id)
