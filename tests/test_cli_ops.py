@@ -1,0 +1,113 @@
+"""The operator commands as a user runs them: worker, act, status, view, fork, dlq, demo."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+
+from riverbed.bus.keys import Keys
+from tests.test_cli import assert_one_sentence, cli_env, ok, riverbed_command, run
+
+__all__ = ["cli_env"]  # the fixture, shared with test_cli
+
+
+@pytest.fixture
+def worker(cli_env: dict[str, str], tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    env = {**cli_env, "RIVERBED_WORKSPACE": str(tmp_path / "ws"), "RIVERBED_LEASE_SECONDS": "2"}
+    log = (tmp_path / "worker.log").open("wb")
+    proc = subprocess.Popen(
+        [*riverbed_command(), "worker", "runtime", "--name", "cli-w1"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    yield proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+    log.close()
+
+
+def test_act_view_fork_and_status_through_a_cli_worker(
+    cli_env: dict[str, str], worker: subprocess.Popen[bytes], redis_url: str
+) -> None:
+    answer = json.loads(ok(cli_env, "act", "s1", '{"kind": "cmd_run", "command": "echo from-the-cli"}'))
+    assert answer["kind"] == "cmd_output"
+    assert answer["cause"] == 1
+    assert "from-the-cli" in answer["content"]
+    failed = json.loads(ok(cli_env, "act", "s1", '{"kind": "file_read", "path": "../../etc/passwd"}'))
+    assert failed["kind"] == "error"  # an error observation is still an answer: exit 0
+
+    view = [json.loads(line) for line in ok(cli_env, "view", "s1", "--json", "--until", "2").splitlines()]
+    assert [e["id"] for e in view] == [1, 2]
+
+    run(cli_env, "fork", "s1", "--at", "2", "--into", "s1-fork").check_returncode()
+    fork_log = [json.loads(line) for line in ok(cli_env, "log", "s1-fork", "--json").splitlines()]
+    assert [e["kind"] for e in fork_log] == ["cmd_run", "cmd_output", "forked"]
+    assert fork_log[2]["source_session"] == "s1"
+
+    status = json.loads(ok(cli_env, "status", "--json"))
+    runtime = next(r for r in status["roles"] if r["role"] == "runtime")
+    assert {s["session"] for s in runtime["sessions"]} >= {"s1", "s1-fork"}
+    assert any(w["name"] == "cli-w1" for w in status["workers"])
+    assert worker.poll() is None
+
+
+def test_act_refuses_bad_input_in_one_sentence(cli_env: dict[str, str]) -> None:
+    assert_one_sentence(run(cli_env, "act", "s1", "{not json"), 2, "not valid JSON")
+    assert_one_sentence(run(cli_env, "act", "s1", '{"kind": "cmd_output", "content": "x"}'), 2, "not an action")
+    assert_one_sentence(run(cli_env, "act", "s1", '{"kind": "nope"}'), 2, "unknown event kind")
+    timed_out = run(cli_env, "act", "nobody-home", '{"kind": "file_read", "path": "x"}', "--timeout", "0.5")
+    assert_one_sentence(timed_out, 1, "no observation answered action 1")
+
+
+def test_worker_with_an_unknown_role_fails_in_one_sentence(cli_env: dict[str, str]) -> None:
+    assert_one_sentence(run(cli_env, "worker", "janitor"), 2, "unknown role 'janitor'")
+
+
+def test_dlq_list_and_requeue(cli_env: dict[str, str], redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.xadd(
+            keys.dlq,
+            {
+                "session": "s9",
+                "event_id": 4,
+                "role": "runtime",
+                "reason": "failed too many times",
+                "attempts": 3,
+                "ts": 1.0,
+                "payload": b"\x81\xa4kind\xa5think",
+            },
+        )
+    finally:
+        client.close()
+    letters = [json.loads(line) for line in ok(cli_env, "dlq", "list", "--json").splitlines()]
+    assert [(letter["session"], letter["event_id"], letter["reason"]) for letter in letters] == [
+        ("s9", 4, "failed too many times")
+    ]
+    requeued = run(cli_env, "dlq", "requeue", letters[0]["id"])
+    assert requeued.returncode == 0, requeued.stderr.decode()
+    assert b"as event 1" in requeued.stderr
+    assert ok(cli_env, "dlq", "list", "--json") == b""
+    assert_one_sentence(run(cli_env, "dlq", "requeue", "1-1"), 2, "no dead letter")
+
+
+@pytest.mark.slow
+def test_demo_runs_on_embedded_services_and_exits_zero(cli_env: dict[str, str], tmp_path: Path) -> None:
+    env = {k: v for k, v in cli_env.items() if k not in ("RIVERBED_REDIS_URL",)}
+    env["RIVERBED_SERVICES_DIR"] = str(Path("/tmp") / f"rb-demo-{tmp_path.name}")
+    env["RIVERBED_WORKSPACE"] = str(tmp_path / "ws")
+    try:
+        result = run(env, "demo", timeout=120)
+        out = result.stdout.decode()
+        assert result.returncode == 0, out + result.stderr.decode()
+        assert "recall finds a condensed-away event" in out
+        assert "✘" not in out
+    finally:
+        run(env, "services", "down", "--dir", env["RIVERBED_SERVICES_DIR"])
