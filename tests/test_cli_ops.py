@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import redis
 
-
 from riverbed.bus.keys import Keys
 from tests.test_cli import assert_one_sentence, cli_env, ok, riverbed_command, run
 
