@@ -15,8 +15,8 @@ from urllib.parse import urlsplit, urlunsplit
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
 from riverbed.errors import ConfigError, UnavailableError
 
