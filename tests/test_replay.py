@@ -12,7 +12,7 @@ import riverbed
 from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.agent.replay import fork, rerun
-from riverbed.errors import InputError
+from riverbed.errors import ConfigError, InputError
 from riverbed.runtime import Runtime
 from tests.agentkit import runtime_worker
 
@@ -211,10 +211,11 @@ async def test_rerun_into_writes_a_log_that_no_worker_runs_again(bus: Bus, works
         await rerun(bus, "never", Runtime(workspace_root=tmp_path / "x"))
 
 
-async def test_fork_refuses_a_source_whose_first_events_were_trimmed(bus: Bus) -> None:
+async def test_fork_refuses_a_source_whose_first_events_cannot_be_read(bus: Bus) -> None:
     session = bus.session("trimmed")
     await session.append(*[events.Think(thought=f"t{i}") for i in range(5)])
     await bus.redis.xtrim(bus.keys.log("trimmed"), minid="3-0", approximate=False)
-    with pytest.raises(InputError, match="event 1 is no longer in its stream"):
+    bus.log_store.archive = None  # no database to read the trimmed events from
+    with pytest.raises(ConfigError, match=r"events 1\.\.2 of session 'trimmed' were moved to the Postgres archive"):
         await fork(bus, "trimmed", 5, "from-trimmed")
     assert not await bus.log_store.exists("from-trimmed")

@@ -15,7 +15,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from msgspec.structs import replace
@@ -26,6 +26,9 @@ from riverbed.bus.keys import PAYLOAD_FIELD, Keys
 from riverbed.bus.log import AlreadyAnswered, Log, decode_entry, entry_id
 from riverbed.errors import ActTimeout, InputError
 from riverbed.settings import Settings
+
+if TYPE_CHECKING:
+    from riverbed.bus.archive import Archive
 
 __all__ = ["Bus", "Session", "connect", "resolve_redis_url"]
 
@@ -104,7 +107,7 @@ class Session:
                 for _stream, entries in reply or ():
                     for raw_id, fields in entries:
                         cursor = entry_id(raw_id)
-                        event = decode_entry(fields[PAYLOAD_FIELD], cursor)
+                        event = decode_entry(fields.get(PAYLOAD_FIELD, b""), cursor)
                         if event.cause == action_id and not isinstance(event, events.Action):
                             return event
         raise ActTimeout(
@@ -138,13 +141,20 @@ class Session:
 
 
 class Bus:
-    """A connection to the event bus under one key prefix."""
+    """A connection to the event bus under one key prefix.
 
-    def __init__(self, redis: Client, *, prefix: str = "rb", url: str = "redis") -> None:
+    With an ``archive`` (Postgres), reads span the events retention moved out of Redis; it
+    connects only when a read needs it.
+    """
+
+    def __init__(
+        self, redis: Client, *, prefix: str = "rb", url: str = "redis", archive: Archive | None = None
+    ) -> None:
         self.redis = redis
         self.url = url
         self.keys = Keys(prefix)
-        self.log_store = Log(redis, self.keys, url)
+        self.archive = archive
+        self.log_store = Log(redis, self.keys, url, archive=archive)
 
     def session(self, session_id: str, *, tenant: str | None = None, agent: str | None = None) -> Session:
         return Session(self, session_id, tenant=tenant, agent=agent)
@@ -155,6 +165,8 @@ class Bus:
         return [s.decode() for s in raw]
 
     async def aclose(self) -> None:
+        if self.archive is not None:
+            await self.archive.close()
         await self.redis.aclose()
 
 
@@ -162,11 +174,20 @@ class Bus:
 async def connect(
     url: str | None = None, *, prefix: str | None = None, settings: Settings | None = None
 ) -> AsyncIterator[Bus]:
-    """Connect to the bus at ``url`` (default: ``RIVERBED_REDIS_URL``, else the embedded services)."""
+    """Connect to the bus at ``url`` (default: ``RIVERBED_REDIS_URL``, else the embedded services).
+
+    With ``RIVERBED_DATABASE_URL`` set, reads span the Postgres archive of trimmed events.
+    """
     settings = settings or Settings.from_env(os.environ)
     url = url or resolve_redis_url(settings)
+    prefix = prefix or settings.prefix
+    archive: Archive | None = None
+    if settings.database_url:
+        from riverbed.bus.archive import Archive  # noqa: PLC0415  (asyncpg only with a database)
+
+        archive = Archive(settings.database_url, schema=prefix)
     redis = await connect_redis(url)
-    bus = Bus(redis, prefix=prefix or settings.prefix, url=url)
+    bus = Bus(redis, prefix=prefix, url=url, archive=archive)
     try:
         yield bus
     finally:

@@ -2,10 +2,11 @@
 
 :func:`fork` copies events 1..``at`` of a session, byte for byte and with the same ids,
 into a new session and then records where it came from with a ``forked`` event; the two
-logs then diverge independently.  Only the log is copied: the fork's sandbox starts from
-an empty workspace, and the runtime role does not run the copied actions again (they are
-answered already; an action that was still waiting for its answer at ``at`` is run in the
-fork).
+logs then diverge independently.  Events that retention moved to the archive are read
+from there, so an old session forks like a new one.  Only the log is copied: the fork's
+sandbox starts from an empty workspace, and the runtime role does not run the copied
+actions again (they are answered already; an action that was still waiting for its answer
+at ``at`` is run in the fork).
 
 :func:`rerun` executes a session's recorded runtime actions again, in order, in a fresh
 workspace, and reports every way the new observations differ from the recorded ones:
@@ -90,10 +91,7 @@ async def fork(bus: Bus, source: str, at: int, into: str) -> int:
     page: list[tuple[bytes, int]] = []
     async for event_id, payload in store.read_raw(source, 1, at):
         if event_id != copied + len(page) + 1:
-            raise InputError(
-                f"cannot fork session {source!r}: event {copied + len(page) + 1} is no longer in its stream "
-                "(trimmed to the archive)"
-            )
+            raise InputError(f"cannot fork session {source!r}: event {copied + len(page) + 1} is missing from its log")
         page.append((payload, answered_cause(decode_entry(payload, event_id))))
         if len(page) >= _PAGE:
             copied = await _append_page(bus, into, page, copied, tenant)

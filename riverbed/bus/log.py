@@ -12,6 +12,12 @@ and enforces, atomically:
 Reads page through ``XRANGE``; :meth:`Log.follow` tails with a bounded blocking
 ``XREAD`` and resumes from the last id it yielded, so it never misses or repeats an
 event across reconnects.
+
+Retention (``bus/archive.py``) moves old events to a Postgres archive and trims them from
+the stream.  Every read notices when the stream does not start at the id it asked for
+(or is empty where ``archived_to`` in the meta hash says events were archived) and reads
+those ids from the log's :class:`ArchiveReader` first; a read whose first entry is the
+id it asked for costs nothing extra.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import structlog
@@ -28,9 +34,9 @@ from riverbed import events
 from riverbed.bus import scripts
 from riverbed.bus.connection import Client, translate
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys, valid_session
-from riverbed.errors import AppendConflict, FencedError, InputError, UnavailableError
+from riverbed.errors import AppendConflict, ConfigError, FencedError, InputError, NotFoundError, UnavailableError
 
-__all__ = ["AlreadyAnswered", "Fence", "Log", "entry_id"]
+__all__ = ["AlreadyAnswered", "ArchiveReader", "Fence", "Log", "entry_id"]
 
 log = structlog.get_logger("riverbed.bus")
 
@@ -54,6 +60,12 @@ class AlreadyAnswered:
     existing: int
 
 
+class ArchiveReader(Protocol):
+    """Where events trimmed from a stream are read from (``bus.archive.Archive``)."""
+
+    def read(self, session: str, start: int, end: int) -> AsyncIterator[tuple[int, bytes]]: ...
+
+
 def entry_id(raw: bytes | str) -> int:
     """Event id of a stream entry id (``b"12-0"`` -> 12)."""
     if isinstance(raw, bytes):
@@ -71,10 +83,11 @@ def answered_cause(event: events.Event) -> int:
 class Log:
     """Appends and reads of session logs under one key prefix."""
 
-    def __init__(self, redis: Client, keys: Keys, url: str = "redis") -> None:
+    def __init__(self, redis: Client, keys: Keys, url: str = "redis", *, archive: ArchiveReader | None = None) -> None:
         self.redis = redis
         self.keys = keys
         self.url = url
+        self.archive = archive
         self._append = redis.register_script(scripts.APPEND)
 
     def check_session(self, session: str) -> None:
@@ -189,34 +202,53 @@ class Log:
     async def read_raw(
         self, session: str, start: int = 1, end: int | None = None, *, page: int = PAGE
     ) -> AsyncIterator[tuple[int, bytes]]:
-        """(id, payload) pairs of events start..end (inclusive), page by page."""
+        """(id, payload) pairs of events start..end (inclusive), page by page, archive included."""
         key = self.keys.log(session)
-        lo = f"{max(start, 0)}-0"
+        want = max(start, 1)
         hi = "+" if end is None else f"{end}-0"
-        while True:
+        while end is None or want <= end:
             with translate(self.url):
-                entries = await self.redis.xrange(key, lo, hi, count=page)
+                entries = await self.redis.xrange(key, f"{want}-0", hi, count=page)
+            if not entries or entry_id(entries[0][0]) != want:
+                upto = await self._archived_upto(session, want, end, entries)
+                if upto < want:
+                    return
+                async for pair in self._read_archive(session, want, upto):
+                    yield pair
+                want = upto + 1
+                if not entries:
+                    continue
             for raw_id, fields in entries:
-                yield entry_id(raw_id), fields[PAYLOAD_FIELD]
+                yield entry_id(raw_id), fields.get(PAYLOAD_FIELD, b"")
             if len(entries) < page:
                 return
-            lo = f"{entry_id(entries[-1][0]) + 1}-0"
+            want = entry_id(entries[-1][0]) + 1
 
     async def read(self, session: str, start: int = 1, end: int | None = None) -> AsyncIterator[events.Event]:
-        """Events start..end; an entry that cannot be decoded at all is yielded as ``Unknown``.
+        """Events start..end, archive included; an entry that cannot be decoded at all is
+        yielded as ``Unknown``.
 
         (The same paging as :meth:`read_raw`, inlined: replays are the hot path.)
         """
         key = self.keys.log(session)
-        lo = f"{max(start, 0)}-0"
+        want = max(start, 1)
         hi = "+" if end is None else f"{end}-0"
         decode = events.decode
-        while True:
+        while end is None or want <= end:
             with translate(self.url):
-                entries = await self.redis.xrange(key, lo, hi, count=PAGE)
+                entries = await self.redis.xrange(key, f"{want}-0", hi, count=PAGE)
+            if not entries or int(entries[0][0].partition(b"-")[0]) != want:
+                upto = await self._archived_upto(session, want, end, entries)
+                if upto < want:
+                    return
+                async for event_id, payload in self._read_archive(session, want, upto):
+                    yield decode_entry(payload, event_id)
+                want = upto + 1
+                if not entries:
+                    continue
             for raw_id, fields in entries:
                 event_id = int(raw_id.partition(b"-")[0])
-                payload = fields[PAYLOAD_FIELD]
+                payload = fields.get(PAYLOAD_FIELD, b"")
                 try:
                     event = decode(payload, event_id)
                 except events.DecodeError:
@@ -224,7 +256,38 @@ class Log:
                 yield event
             if len(entries) < PAGE:
                 return
-            lo = f"{entry_id(entries[-1][0]) + 1}-0"
+            want = entry_id(entries[-1][0]) + 1
+
+    async def _archived_upto(self, session: str, want: int, end: int | None, entries: list[Any]) -> int:
+        """The last id of the run of archived events that starts at ``want`` (< ``want``: none).
+
+        The stream's first entry after ``want`` bounds the run; with no entry at all, the
+        ``archived_to`` mark of the meta hash does (one HGET, only on this slow path).
+        """
+        if entries:
+            return entry_id(entries[0][0]) - 1
+        with translate(self.url):
+            raw = await self.redis.hget(self.keys.meta(session), "archived_to")
+        upto = int(raw or 0)
+        return upto if end is None else min(upto, end)
+
+    async def _read_archive(self, session: str, start: int, end: int) -> AsyncIterator[tuple[int, bytes]]:
+        """Events start..end from the archive; every one of them must be there."""
+        if self.archive is None:
+            raise ConfigError(
+                f"events {start}..{end} of session {session!r} were moved to the Postgres archive: "
+                "set RIVERBED_DATABASE_URL to read them"
+            )
+        expected = start
+        async for event_id, payload in self.archive.read(session, start, end):
+            if event_id != expected:
+                break
+            yield event_id, payload
+            expected += 1
+        if expected != end + 1:
+            raise NotFoundError(
+                f"event {expected} of session {session!r} is neither in its Redis stream nor in the archive"
+            )
 
     async def follow(
         self, session: str, start: int = 1, *, block_ms: int = 1000, stop: anyio.Event | None = None
@@ -244,10 +307,14 @@ class Log:
                 continue
             backoff = 0.05
             for _stream, entries in reply or ():
+                if entries and entry_id(entries[0][0]) > next_id:
+                    async for event_id, payload in self._read_archive(session, next_id, entry_id(entries[0][0]) - 1):
+                        next_id = event_id + 1
+                        yield decode_entry(payload, event_id)
                 for raw_id, fields in entries:
                     event_id = entry_id(raw_id)
                     next_id = event_id + 1
-                    yield decode_entry(fields[PAYLOAD_FIELD], event_id)
+                    yield decode_entry(fields.get(PAYLOAD_FIELD, b""), event_id)
 
 
 def decode_entry(payload: bytes, event_id: int) -> events.Event:

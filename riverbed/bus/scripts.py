@@ -1,7 +1,7 @@
 """All of riverbed's Lua, in one place.  Every script touches the keys of one session only.
 
 Replies are arrays whose first element is a status word, decoded by the callers in
-``bus/log.py`` and ``bus/ownership.py``.
+``bus/log.py``, ``bus/ownership.py`` and ``bus/archive.py``.
 """
 
 from __future__ import annotations
@@ -114,4 +114,17 @@ if ARGV[4] == '1' then
 end
 redis.call('HSET', KEYS[1], 'holder:' .. ARGV[1], '', 'expires:' .. ARGV[1], 0)
 return 1
+"""
+
+# KEYS: log, meta.  ARGV: to (last archived event id).
+# Trims the log to events after ``to`` (exact MINID) and records ``archived_to`` (never lowered);
+# refuses to empty the stream (the last event always stays).  Reply: {'ok', trimmed} | {'last', last}
+TRIM = """
+local to = tonumber(ARGV[1])
+local last = tonumber(redis.call('HGET', KEYS[2], 'last') or '0')
+if to >= last then return {'last', last} end
+local trimmed = redis.call('XTRIM', KEYS[1], 'MINID', (to + 1) .. '-0')
+local archived = tonumber(redis.call('HGET', KEYS[2], 'archived_to') or '0')
+if to > archived then redis.call('HSET', KEYS[2], 'archived_to', to) end
+return {'ok', trimmed}
 """
