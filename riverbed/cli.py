@@ -37,12 +37,14 @@ from typing import Annotated, Any, NoReturn, TypeVar
 
 import anyio
 import msgspec
+import redis.asyncio as aioredis
 import typer
 from msgspec.structs import replace
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
-
 from riverbed import events, services
 from riverbed.agent.client import Bus, connect
 from riverbed.bus.connection import redact, translate
@@ -50,6 +52,7 @@ from riverbed.bus.log import AlreadyAnswered, answered_cause
 from riverbed.errors import (
     ActTimeout,
     AppendConflict,
+    ConfigError,
     InputError,
     NotFoundError,
     RiverbedError,
@@ -121,6 +124,22 @@ def _redis_url(settings: Settings) -> str:
     return running.redis_url
 
 
+async def _probe(url: str) -> None:
+    """One PING without retries, so an unreachable Redis fails at once with the real reason
+    (the bus client itself retries with backoff, which suits workers, not a command line)."""
+    try:
+        client = aioredis.Redis.from_url(
+            url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=CONNECT_TIMEOUT, retry=Retry(NoBackoff(), 0)
+        )
+    except ValueError as exc:
+        raise ConfigError(f"the Redis URL {redact(url)!r} is not valid: {exc}") from exc
+    try:
+        with translate(url):
+            await client.ping()
+    finally:
+        await client.aclose()
+
+
 @contextlib.asynccontextmanager
 async def _bus(settings: Settings) -> AsyncIterator[Bus]:
     """A connected bus; an unreachable Redis fails within :data:`CONNECT_TIMEOUT` seconds."""
@@ -128,6 +147,7 @@ async def _bus(settings: Settings) -> AsyncIterator[Bus]:
     async with contextlib.AsyncExitStack() as stack:
         try:
             with anyio.fail_after(CONNECT_TIMEOUT):
+                await _probe(url)
                 bus = await stack.enter_async_context(connect(url, settings=settings))
         except TimeoutError as exc:
             raise UnavailableError(
