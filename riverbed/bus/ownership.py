@@ -21,6 +21,7 @@ acquire finds another live holder acknowledges and deletes the duplicate.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import redis.exceptions as rexc
 
@@ -98,21 +99,34 @@ class Leases:
         return Acquired(int(reply[0]), _text(reply[1]), _text(reply[2]))
 
     async def renew(self, owned: dict[str, tuple[str, int]]) -> set[str]:
-        """Renew every owned session (session -> (entry, token)); returns the sessions lost."""
+        """Renew every owned session (session -> (entry, token)); returns the sessions lost.
+
+        One pipeline of RENEW calls, one round trip per Redis node (a cluster client splits it
+        by slot).  The calls are plain ``EVALSHA`` commands: a cluster pipeline cannot load a
+        script first, so a node that lost its script cache (restarted, failed over) answers
+        ``NOSCRIPT``; then the script is loaded on every primary and the round is repeated.
+        """
         if not owned:
             return set()
         items = list(owned.items())
+        replies = await self._renew_round(items)
+        if any(isinstance(reply, rexc.NoScriptError) for reply in replies):
+            with translate(self.url):
+                await self.redis.script_load(scripts.RENEW)
+            replies = await self._renew_round(items)
+        return {session for (session, _), ok in zip(items, replies[:-1], strict=True) if ok != 1}
+
+    async def _renew_round(self, items: list[tuple[str, tuple[str, int]]]) -> list[Any]:
+        sha = self._renew.sha
         with translate(self.url):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for session, (_entry, token) in items:
-                    await self._renew(
-                        keys=[self.keys.meta(session)], args=[self.role, self.worker, token, self.lease_ms], client=pipe
+                    pipe.execute_command(
+                        "EVALSHA", sha, 1, self.keys.meta(session), self.role, self.worker, token, self.lease_ms
                     )
-                pipe.xclaim(
-                    self.directory, self.role, self.worker, 0, [entry for entry, _ in owned.values()], justid=True
-                )
-                replies = await pipe.execute(raise_on_error=False)
-        return {session for (session, _), ok in zip(items, replies[:-1], strict=True) if ok != 1}
+                pipe.xclaim(self.directory, self.role, self.worker, 0, [entry for _, (entry, _t) in items], justid=True)
+                replies: list[Any] = await pipe.execute(raise_on_error=False)
+        return replies
 
     async def release(self, session: str, entry: str, token: int, *, park: bool = False, seen_last: int = 0) -> int:
         """Give the session up.  Graceful release re-announces it so a peer takes it at once.
