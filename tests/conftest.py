@@ -40,6 +40,32 @@ def redis_url(service_root: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def redis_cluster_url(service_root: Path) -> Iterator[str]:
+    """A private 3-master Redis Cluster for the whole run (or RIVERBED_TEST_REDIS_CLUSTER_URL)."""
+    given = os.environ.get("RIVERBED_TEST_REDIS_CLUSTER_URL")
+    if given:
+        yield given
+        return
+    url, pids = services.start_redis_cluster(service_root / "redis-cluster", masters=3)
+    yield url
+    services.stop_redis_cluster(pids)
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """The Redis deployment a contract test runs against."""
+    name: str = request.param
+    return name
+
+
+@pytest.fixture
+def bus_url(backend: str, request: pytest.FixtureRequest) -> str:
+    """The URL of the Redis of ``backend``: contract tests run once per backend."""
+    url: str = request.getfixturevalue("redis_url" if backend == "standalone" else "redis_cluster_url")
+    return url
+
+
+@pytest.fixture(scope="session")
 def database_url(service_root: Path) -> Iterator[str]:
     """A private embedded Postgres with pgvector for the whole run (or RIVERBED_TEST_DATABASE_URL)."""
     given = os.environ.get("RIVERBED_TEST_DATABASE_URL")

@@ -8,10 +8,13 @@ import anyio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
 import riverbed
 from riverbed import events
 from riverbed.agent.client import Bus
+from riverbed.bus.keys import Keys
 from riverbed.bus.log import AlreadyAnswered, Fence
 from riverbed.errors import AppendConflict, FencedError, InputError
 
@@ -19,8 +22,8 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(redis_url, prefix=prefix) as bus:
+async def bus(bus_url: str, prefix: str) -> AsyncIterator[Bus]:
+    async with riverbed.connect(bus_url, prefix=prefix) as bus:
         yield bus
 
 
@@ -111,6 +114,15 @@ async def test_act_waits_for_the_answer_and_times_out_clearly(bus: Bus) -> None:
         await session.act(events.FileRead(path="b"), timeout=0.3)
 
 
+def test_keys_of_a_session_share_one_cluster_slot() -> None:
+    keys = Keys("rb")
+    of_session = [keys.log("s-1"), keys.meta("s-1"), keys.answers("s-1"), keys.idem("s-1", "req{1}")]
+    assert len({key_slot(k.encode()) for k in of_session}) == 1
+    shared = [keys.dlq, keys.sessions, keys.workers, keys.directory("runtime"), keys.worker("w1")]
+    assert len({key_slot(k.encode()) for k in shared}) == 1
+    assert len({key_slot(keys.log(f"s-{i}").encode()) for i in range(20)}) > 1
+
+
 async def test_bad_session_ids_are_refused(bus: Bus) -> None:
     for bad in ["", "a{b}", "x" * 200, "has space", "-lead"]:
         with pytest.raises(InputError, match="not a valid session id"):
@@ -157,9 +169,18 @@ async def test_follow_yields_every_event_once_across_a_reconnect(bus: Bus) -> No
     async with anyio.create_task_group() as tg:
         tg.start_soon(consume)
         await session.append(*[events.Think(thought="x") for _ in range(5)])
-        await bus.redis.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        await kill_connections(bus)
         await session.append(*[events.Think(thought="y") for _ in range(5)])
     assert seen == list(range(1, 16))
+
+
+async def kill_connections(bus: Bus) -> None:
+    """Close every client connection except the caller's, on every node of the deployment."""
+    command = ("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    if isinstance(bus.redis, RedisCluster):
+        await bus.redis.execute_command(*command, target_nodes=bus.redis.get_nodes())
+    else:
+        await bus.redis.execute_command(*command)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -50,8 +50,8 @@ class EchoHandler:
 
 
 @pytest.fixture
-async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(redis_url, prefix=prefix) as bus:
+async def bus(bus_url: str, prefix: str) -> AsyncIterator[Bus]:
+    async with riverbed.connect(bus_url, prefix=prefix) as bus:
         yield bus
 
 
@@ -114,6 +114,28 @@ async def test_takeover_bumps_the_fencing_token(bus: Bus) -> None:
     with pytest.raises(FencedError):
         await bus.log_store.append("t", [events.Think(thought="zombie")], fence=Fence("runtime", got_old.token))
     assert await old.renew({"t": ("0-1", got_old.token)}) == {"t"}
+
+
+async def test_renewal_reloads_scripts_a_node_lost(bus: Bus) -> None:
+    """A restarted or failed-over node has no scripts; renewing still works (and finds no loss)."""
+    names = [f"r{i}" for i in range(6)]  # spread over the nodes of a cluster
+    for name in names:
+        await bus.session(name).append(events.Think(thought="x"))
+    leases = Leases(bus.redis, bus.keys, "runtime", worker="w", lease_ms=5000, url=bus.url)
+    await leases.ensure_group()
+    owned: dict[str, tuple[str, int]] = {}
+    for claim in await leases.read_new(20, 100):
+        got = await leases.acquire(claim)
+        owned[claim.session] = (claim.entry, got.token)
+    assert sorted(owned) == names
+    before = [int(await bus.redis.hget(bus.keys.meta(n), "expires:runtime")) for n in names]
+    await bus.redis.script_flush()
+    await anyio.sleep(0.01)
+    assert await leases.renew(owned) == set()
+    after = [int(await bus.redis.hget(bus.keys.meta(n), "expires:runtime")) for n in names]
+    assert all(a > b for a, b in zip(after, before, strict=True))
+    owned["r0"] = (owned["r0"][0], owned["r0"][1] + 1)  # a stale token is a lost lease
+    assert await leases.renew(owned) == {"r0"}
 
 
 async def test_poison_entries_are_dead_lettered_and_the_worker_goes_on(bus: Bus) -> None:

@@ -14,6 +14,19 @@ import redis
 from riverbed.bus.keys import Keys
 
 
+def sync_client(url: str) -> redis.Redis | redis.RedisCluster:
+    """A blocking client for ``url``: a cluster client when the server is a Redis Cluster node."""
+    client = redis.Redis.from_url(url)
+    try:
+        if not client.info("cluster").get("cluster_enabled"):
+            return client
+    except BaseException:
+        client.close()
+        raise
+    client.close()
+    return redis.RedisCluster.from_url(url)
+
+
 class WorkerProcess:
     def __init__(
         self,
@@ -51,7 +64,7 @@ class WorkerProcess:
         )
 
     def wait_ready(self, timeout: float = 20.0) -> None:
-        client = redis.Redis.from_url(self.redis_url)
+        client = sync_client(self.redis_url)
         try:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
