@@ -1,25 +1,28 @@
 """Settings: one frozen Struct loaded from the environment.
 
-=========================  =================================================================
-variable                   meaning
-=========================  =================================================================
-RIVERBED_REDIS_URL         Redis URL (``redis://``, ``rediss://``, ``unix://``); unset: the
-                           embedded services started by ``riverbed services up`` (or on demand)
-RIVERBED_DATABASE_URL      Postgres URL (pgvector needed); unset: the embedded Postgres
-RIVERBED_PREFIX            key namespace in Redis and schema prefix in Postgres (default ``rb``)
-RIVERBED_WORKSPACE         sandbox root; one directory per session below it
-RIVERBED_SERVICES_DIR      where ``riverbed services`` keeps embedded data
-RIVERBED_EMBEDDER          ``local`` (default, offline MiniLM) or ``openai:<model>``
-RIVERBED_LLM_MODEL         chat model for the LLM agent and LLM condensers
-RIVERBED_LEASE_SECONDS     ownership lease; a dead owner's sessions move after this
-RIVERBED_CONCURRENCY       sessions a worker owns at most (per role)
-RIVERBED_DRAIN_SECONDS     how long SIGTERM waits for in-flight work
-RIVERBED_MAX_ATTEMPTS      deliveries before an entry is dead-lettered
-RIVERBED_METRICS_PORT      port of a worker's /metrics, /healthz, /readyz (0: off)
-RIVERBED_LOG_FORMAT        ``json`` or ``console`` (default: console on a terminal)
-OPENAI_API_KEY             key for OpenAI or any compatible server
-OPENAI_BASE_URL            base URL of an OpenAI-compatible server
-=========================  =================================================================
+==============================  ===============================================================
+variable                        meaning
+==============================  ===============================================================
+RIVERBED_REDIS_URL              Redis URL (``redis://``, ``rediss://``, ``unix://``); unset: the
+                                embedded services started by ``riverbed services up`` (or on demand)
+RIVERBED_DATABASE_URL           Postgres URL (pgvector needed); unset: the embedded Postgres
+RIVERBED_PREFIX                 key namespace in Redis and schema prefix in Postgres (default ``rb``)
+RIVERBED_WORKSPACE              sandbox root; one directory per session below it
+RIVERBED_SERVICES_DIR           where ``riverbed services`` keeps embedded data
+RIVERBED_EMBEDDER               ``local`` (default, offline MiniLM) or ``openai:<model>``
+RIVERBED_LLM_MODEL              chat model for the LLM agent and LLM condensers
+RIVERBED_LEASE_SECONDS          ownership lease; a dead owner's sessions move after this
+RIVERBED_CONCURRENCY            sessions a worker owns at most (per role)
+RIVERBED_DRAIN_SECONDS          how long SIGTERM waits for in-flight work
+RIVERBED_MAX_ATTEMPTS           deliveries before an entry is dead-lettered
+RIVERBED_METRICS_PORT           port of a worker's /metrics, /healthz, /readyz (0: off)
+RIVERBED_RETENTION_SECONDS      memory workers archive events older than this to Postgres and trim
+                                them from Redis (0, the default: off; needs RIVERBED_DATABASE_URL)
+RIVERBED_RETENTION_KEEP_LAST    events retention always leaves in Redis per session (default 1000)
+RIVERBED_LOG_FORMAT             ``json`` or ``console`` (default: console on a terminal)
+OPENAI_API_KEY                  key for OpenAI or any compatible server
+OPENAI_BASE_URL                 base URL of an OpenAI-compatible server
+==============================  ===============================================================
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     drain_seconds: float = 10.0
     max_attempts: int = 3
     metrics_port: int = 0
+    retention_seconds: float = 0
+    retention_keep_last: int = 1000
     log_format: str | None = None
     openai_api_key: str | None = None
     openai_base_url: str | None = None
@@ -94,6 +99,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError("RIVERBED_CONCURRENCY must be at least 1")
         if self.max_attempts < 1:
             raise ConfigError("RIVERBED_MAX_ATTEMPTS must be at least 1")
+        if not self.retention_seconds >= 0:
+            raise ConfigError("RIVERBED_RETENTION_SECONDS must be 0 (off) or a number of seconds")
+        if self.retention_keep_last < 1:
+            raise ConfigError("RIVERBED_RETENTION_KEEP_LAST must be at least 1")
         if not (self.embedder == "local" or self.embedder.startswith("openai:")):
             raise ConfigError(f"RIVERBED_EMBEDDER={self.embedder!r} is not valid: use 'local' or 'openai:<model>'")
 

@@ -3,6 +3,10 @@
 ``riverbed worker runtime memory condenser`` (or ``all``) runs :func:`run_worker`.
 SIGTERM or SIGINT stops intake, lets in-flight work finish within ``drain_seconds``,
 then cancels and releases every session so peers take them over at once.
+
+With ``RIVERBED_DATABASE_URL`` set every role reads archived events through the Postgres
+archive, and with ``RIVERBED_RETENTION_SECONDS`` > 0 a memory worker also runs retention
+(``bus/archive.py``) over the sessions it owns.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
+from riverbed.bus.archive import Archive, Retention
 from riverbed.bus.connection import Client, connect_redis, translate
 from riverbed.bus.consumer import Handler, Owner
 from riverbed.bus.keys import ROLES, Keys
@@ -70,6 +75,7 @@ class Worker:
         handlers: dict[str, Handler],
         url: str = "redis",
         park_after: float = 60.0,
+        archive: Archive | None = None,
     ) -> None:
         self.redis = redis
         self.url = url
@@ -92,6 +98,18 @@ class Worker:
             )
             for role in self.roles
         }
+        for owner in self.owners.values():
+            owner.log.archive = archive
+        self.retention: Retention | None = None
+        if archive is not None and settings.retention_seconds > 0 and "memory" in self.owners:
+            self.retention = Retention(
+                redis,
+                self.keys,
+                archive,
+                older_than_seconds=settings.retention_seconds,
+                keep_last=settings.retention_keep_last,
+                url=url,
+            )
         self.metrics = WorkerMetrics()
         self.last_heartbeat: float | None = None  # monotonic time of the last heartbeat Redis took
         self._stop = anyio.Event()
@@ -115,6 +133,8 @@ class Worker:
             for owner in self.owners.values():
                 await tg.start(owner.run)
             tg.start_soon(self._heartbeat)
+            if self.retention is not None:
+                await tg.start(self.retention.run, lambda: list(self.owners["memory"].owned))
             log.info("worker.ready", worker=self.name, roles=self.roles)
             task_status.started()
             await self._stop.wait()
@@ -208,8 +228,18 @@ async def run_worker(
     url = resolve_redis_url(settings)
     redis = await connect_redis(url)
     handlers, closers = build_handlers(roles, settings)
+    archive = Archive(settings.database_url, schema=settings.prefix) if settings.database_url else None
+    if archive is not None:
+        closers.append(archive.close)
     worker = Worker(
-        redis, settings, roles, name=name or default_name(), handlers=handlers, url=url, park_after=park_after
+        redis,
+        settings,
+        roles,
+        name=name or default_name(),
+        handlers=handlers,
+        url=url,
+        park_after=park_after,
+        archive=archive,
     )
     try:
         async with anyio.create_task_group() as tg:
