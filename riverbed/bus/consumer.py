@@ -10,12 +10,15 @@ An :class:`Owner` runs four kinds of task in one task group:
 - one **session loop** per owned session: it creates the role's consumer group on the log,
   hands entries that were in flight on the previous owner to :meth:`Handler.recover`, then
   reads new entries (``XREADGROUP >``, bounded ``BLOCK``) and hands them, in order, to
-  :meth:`Handler.handle`.
+  :meth:`Handler.handle`.  Every second it also recovers entries left pending with nobody
+  working on them (a delivery whose reply was lost with a broken connection, or one that a
+  stale owner read after the takeover).
 
 Failures inside a handler never escape: an entry that keeps failing (or that crashed its
 worker) ``max_attempts`` times goes to the dead-letter stream, the session gets an
 ``error`` event, and the loop goes on.  :class:`UnavailableError` (Postgres or the embedder
-down) is not the entry's fault: the loop backs off and retries without counting attempts.
+down) is not the entry's fault: the loop backs off and retries without counting attempts;
+an answer whose append failed that way is appended again (never the action run again).
 
 Shutdown is two-phase: :meth:`Owner.stop` stops intake and lets each session loop finish
 its current batch; after the drain deadline the rest is cancelled; releases run shielded
@@ -28,9 +31,11 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol, TypeVar
 
 import anyio
+import msgspec
 import redis.exceptions as rexc
 import structlog
 from anyio.abc import TaskStatus
@@ -50,6 +55,8 @@ __all__ = ["Entry", "Handler", "Owner", "OwnerStats", "SessionContext"]
 log = structlog.get_logger("riverbed.worker")
 
 READ_COUNT = 100
+#: How often an owned session looks for entries pending with nobody working on them.
+STRAY_CHECK_SECONDS = 1.0
 T = TypeVar("T")
 
 
@@ -113,7 +120,10 @@ class SessionContext:
         obs = observation if observation.cause == entry.id else _with_cause(observation, entry.id)
         if obs.tenant is None and self.tenant is not None:
             obs = _with_tenant(obs, self.tenant)
-        result = await self.log.append(self.session, [obs], fence=self.fence, ack=(self.role, f"{entry.id}-0"))
+        # Retried until Redis answers: the one-answer guard makes a repeat of an append that did
+        # go through a no-op, and giving up here would make the loop run the action again.
+        append = partial(self.log.append, self.session, [obs], fence=self.fence, ack=(self.role, f"{entry.id}-0"))
+        result = await _retrying(append, self.owner._stopping)
         crashpoint("after_append")
         if isinstance(result, AlreadyAnswered):
             await self.ack([entry.id])
@@ -268,6 +278,13 @@ class Owner:
                 await self._take(claim, reclaimed=True)
 
     async def _take(self, claim: Claim, *, reclaimed: bool) -> None:
+        """Take ``claim`` if it is free; while Redis is unreachable it stays in the directory."""
+        try:
+            await self._try_take(claim, reclaimed=reclaimed)
+        except UnavailableError as exc:
+            log.warning("take.unavailable", role=self.role, session=claim.session, error=str(exc))
+
+    async def _try_take(self, claim: Claim, *, reclaimed: bool) -> None:
         if self._stopping.is_set():
             # Read while shutting down: pass it on to a peer at once.
             await self.leases.reannounce(claim)
@@ -351,41 +368,73 @@ class Owner:
 
     async def _loop(self, ctx: SessionContext, owned: _Owned) -> bool:
         """Serve until stopping or idle; returns True when the session was parked."""
-        key = self.keys.log(ctx.session)
         idle_since = time.monotonic()
+        stray_check = idle_since + STRAY_CHECK_SECONDS
+        backoff = 0.1
         while not self._stopping.is_set():
             try:
-                with translate(self.url):
-                    reply = await self.redis.xreadgroup(self.role, self.worker, {key: ">"}, count=READ_COUNT, block=500)
+                if time.monotonic() >= stray_check:
+                    stray_check = time.monotonic() + STRAY_CHECK_SECONDS
+                    if await self._recover_stray(ctx, owned):
+                        idle_since = time.monotonic()
+                        continue
+                if await self._read_and_dispatch(ctx, owned):
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > self.park_after:
+                    parked = await self.leases.release(
+                        ctx.session, owned.entry, owned.token, park=True, seen_last=ctx.last_seen
+                    )
+                    if parked == 1:
+                        log.info("session.parked", role=self.role, session=ctx.session)
+                        return True
+                    if parked == 0:
+                        raise FencedError(ctx.session, self.role, owned.token, -1)
+                    idle_since = time.monotonic()
             except UnavailableError as exc:
-                log.warning("read.unavailable", role=self.role, session=ctx.session, error=str(exc))
-                await anyio.sleep(0.5)
+                log.warning("read.unavailable", role=self.role, session=ctx.session, error=str(exc), retry_in=backoff)
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                stray_check = 0.0  # a reply lost with the connection may have left entries pending here
                 continue
-            except rexc.ResponseError as exc:
-                if "NOGROUP" in str(exc):
-                    await self._ensure_log_group(ctx.session)
-                    continue
-                raise
-            batch = [_entry(raw_id, fields) for _s, entries in reply or () for raw_id, fields in entries]
-            if batch:
-                crashpoint("after_read")
-                owned.busy = True
-                try:
-                    await self._dispatch(ctx, batch, recovering=False)
-                finally:
-                    owned.busy = False
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since > self.park_after:
-                parked = await self.leases.release(
-                    ctx.session, owned.entry, owned.token, park=True, seen_last=ctx.last_seen
-                )
-                if parked == 1:
-                    log.info("session.parked", role=self.role, session=ctx.session)
-                    return True
-                if parked == 0:
-                    raise FencedError(ctx.session, self.role, owned.token, -1)
-                idle_since = time.monotonic()
+            backoff = 0.1
         return False
+
+    async def _read_and_dispatch(self, ctx: SessionContext, owned: _Owned) -> bool:
+        """Read new entries (bounded block) and dispatch them; False when none came."""
+        key = self.keys.log(ctx.session)
+        try:
+            with translate(self.url):
+                reply = await self.redis.xreadgroup(self.role, self.worker, {key: ">"}, count=READ_COUNT, block=500)
+        except rexc.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                await self._ensure_log_group(ctx.session)
+                return False
+            raise
+        batch = [_entry(raw_id, fields) for _s, entries in reply or () for raw_id, fields in entries]
+        if not batch:
+            return False
+        crashpoint("after_read")
+        owned.busy = True
+        try:
+            await self._dispatch(ctx, batch, recovering=False)
+        finally:
+            owned.busy = False
+        return True
+
+    async def _recover_stray(self, ctx: SessionContext, owned: _Owned) -> bool:
+        """Recover entries pending while this loop works on nothing: a delivery whose reply was
+        lost with a broken connection, or an entry a stale owner read after this worker took
+        the session over.  Nobody is working on them, so they are handled as in flight."""
+        stray = await self._in_flight(ctx.session)
+        if not stray:
+            return False
+        log.warning("session.stray", role=self.role, session=ctx.session, entries=[e.id for e in stray])
+        owned.busy = True
+        try:
+            await self._dispatch(ctx, stray, recovering=True)
+        finally:
+            owned.busy = False
+        return True
 
     async def _finish(self, ctx: SessionContext, owned: _Owned, parked: bool) -> None:
         try:
@@ -439,9 +488,18 @@ class Owner:
         backoff = 0.1
         while todo:
             poison = [e for e in todo if e.undecodable or e.deliveries + attempts.get(e.id, 0) > self.max_attempts]
-            for entry in poison:
-                reason = "undecodable payload" if entry.undecodable else "failed too many times"
-                await self.dead_letter(ctx, entry, reason, entry.deliveries + attempts.get(entry.id, 0))
+            if poison:
+                await self.dead_letter(
+                    ctx,
+                    [
+                        (
+                            e,
+                            "undecodable payload" if e.undecodable else "failed too many times",
+                            e.deliveries + attempts.get(e.id, 0),
+                        )
+                        for e in poison
+                    ],
+                )
             todo = [e for e in todo if e not in poison]
             if not todo:
                 break
@@ -460,7 +518,7 @@ class Owner:
                 log.warning("handler.retry", role=self.role, session=ctx.session, error=str(exc))
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
-                todo = await self._unacked(ctx, todo)
+                todo = await _retrying(partial(self._unacked, ctx, todo), self._stopping)
                 continue
             except Exception as exc:
                 log.exception("handler.failed", role=self.role, session=ctx.session, error=str(exc))
@@ -468,7 +526,7 @@ class Owner:
                     attempts[entry.id] = attempts.get(entry.id, 0) + 1
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
-                todo = await self._unacked(ctx, todo)
+                todo = await _retrying(partial(self._unacked, ctx, todo), self._stopping)
                 continue
             finally:
                 self.stats.observe_handler(time.perf_counter() - started)
@@ -486,36 +544,52 @@ class Owner:
         still = {entry_id(p["message_id"]) for p in pending}
         return [e for e in entries if e.id in still]
 
-    async def dead_letter(self, ctx: SessionContext, entry: Entry, reason: str, attempts: int) -> None:
-        """Move ``entry`` to the dead-letter stream and tell the session (answering it if it is an action)."""
-        self.stats.dead_letters += 1
-        letter = await self.dlq.add(
-            session=ctx.session,
-            event_id=entry.id,
-            role=self.role,
-            reason=reason,
-            attempts=attempts,
-            payload=entry.payload,
-        )
-        log.error("entry.dead_lettered", role=self.role, session=ctx.session, event_id=entry.id, reason=reason)
-        notice = events.Error(
-            content=f"event {entry.id} was moved to the dead-letter stream by the {self.role} role "
-            f"({reason}, {attempts} attempts); see `riverbed dlq list` (dead letter {letter})",
-            reason="dead_letter",
-            retryable=False,
-            source="system",
-            cause=entry.id if _answered_by(entry.event) == self.role else None,
-        )
-        if notice.cause is not None:
-            await ctx.answer(entry, notice)
-        else:
-            await ctx.append([notice])
-            await ctx.ack([entry.id])
+    async def dead_letter(self, ctx: SessionContext, poison: Sequence[tuple[Entry, str, int]]) -> None:
+        """Move entries (with the reason and attempts) to the dead-letter stream and tell the
+        session: one ``error`` each, answering the entry if it is an action of this role.  A few
+        round trips per batch, however many entries: a flood of garbage cannot stall a session."""
+        self.stats.dead_letters += len(poison)
+        letters = await self.dlq.add_many(ctx.session, self.role, [(e.id, r, a, e.payload) for e, r, a in poison])
+        notices: list[events.Error] = []
+        for (entry, reason, attempts), letter in zip(poison, letters, strict=True):
+            log.error("entry.dead_lettered", role=self.role, session=ctx.session, event_id=entry.id, reason=reason)
+            notices.append(
+                events.Error(
+                    content=f"event {entry.id} was moved to the dead-letter stream by the {self.role} role "
+                    f"({reason}, {attempts} attempts); see `riverbed dlq list` (dead letter {letter})",
+                    reason="dead_letter",
+                    retryable=False,
+                    source="system",
+                    cause=entry.id if _answered_by(entry) == self.role else None,
+                    tenant=ctx.tenant,
+                )
+            )
+        if not await ctx.append(notices):
+            # One of them was answered already (a redelivery): the batch appended nothing; go one by one.
+            for (entry, _reason, _attempts), notice in zip(poison, notices, strict=True):
+                if notice.cause is not None:
+                    await ctx.answer(entry, notice)
+                else:
+                    await ctx.append([notice])
+        await ctx.ack([e.id for e, _reason, _attempts in poison])
 
 
-def _answered_by(event: events.Event) -> str | None:
+def _answered_by(entry: Entry) -> str | None:
+    """The role that answers ``entry``: its action kind's, also when the payload names an
+    action kind but does not decode (a field of the wrong type): its sender waits all the same."""
+    event = entry.event
     if isinstance(event, events.Action):
         return type(event).answered_by
+    if not entry.undecodable:
+        return None
+    try:
+        raw = msgspec.msgpack.decode(entry.payload)
+    except msgspec.DecodeError:
+        return None
+    kind = raw.get("kind") if isinstance(raw, dict) else None
+    cls = events.kinds().get(kind) if isinstance(kind, str) else None
+    if cls is not None and issubclass(cls, events.Action):
+        return cls.answered_by
     return None
 
 

@@ -7,6 +7,7 @@ session (a new id, so every role sees it afresh) and removes the dead letter.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from riverbed.bus.connection import Client, translate
@@ -47,18 +48,27 @@ class DeadLetters:
         self.url = url
 
     async def add(self, *, session: str, event_id: int, role: str, reason: str, attempts: int, payload: bytes) -> str:
-        fields = {
-            "session": session,
-            "event_id": event_id,
-            "role": role,
-            "reason": reason[:2000],
-            "attempts": attempts,
-            "ts": time.time(),
-            "payload": payload,
-        }
+        (letter,) = await self.add_many(session, role, [(event_id, reason, attempts, payload)])
+        return letter
+
+    async def add_many(self, session: str, role: str, letters: Sequence[tuple[int, str, int, bytes]]) -> list[str]:
+        """Dead letters (event id, reason, attempts, payload) of one session, in one round trip."""
+        now = time.time()
         with translate(self.url):
-            entry: bytes = await self.redis.xadd(self.key, fields)
-        return entry.decode()
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for event_id, reason, attempts, payload in letters:
+                    fields = {
+                        "session": session,
+                        "event_id": event_id,
+                        "role": role,
+                        "reason": reason[:2000],
+                        "attempts": attempts,
+                        "ts": now,
+                        "payload": payload,
+                    }
+                    pipe.xadd(self.key, fields)
+                entries: list[bytes] = await pipe.execute()
+        return [entry.decode() for entry in entries]
 
     async def list(self, count: int = 1000) -> list[DeadLetter]:
         with translate(self.url):
