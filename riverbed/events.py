@@ -482,7 +482,15 @@ def _unknown(raw: dict[str, Any], event_id: int | None) -> Unknown:
     try:
         return msgspec.convert({**envelope, **fields}, Unknown, strict=False)
     except msgspec.ValidationError:
-        return Unknown(**fields)
+        pass
+    valid: dict[str, Any] = {}  # one bad field (a ``ts`` that is not a time) must not cost the others
+    for name, value in envelope.items():
+        try:
+            msgspec.convert({name: value, **fields}, Unknown, strict=False)
+        except msgspec.ValidationError:
+            continue
+        valid[name] = value
+    return msgspec.convert({**valid, **fields}, Unknown, strict=False)
 
 
 def _from_raw(raw: dict[str, Any], event_id: int | None) -> Event:
