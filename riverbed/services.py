@@ -91,8 +91,14 @@ def _wait_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None =
     raise ServiceError(f"redis-server did not answer on port {port} within {timeout:.0f}s")
 
 
-def start_redis(directory: Path, *, port: int | None = None, appendonly: bool = True) -> tuple[str, int]:
-    """Start a daemonised redis-server bound to 127.0.0.1; returns (url, pid)."""
+def start_redis(
+    directory: Path, *, port: int | None = None, appendonly: bool = True, appendfsync: str = "everysec"
+) -> tuple[str, int]:
+    """Start a daemonised redis-server bound to 127.0.0.1; returns (url, pid).
+
+    ``appendfsync="always"`` syncs the AOF on every write (slower; nothing acknowledged is lost
+    even on a crash of the machine).
+    """
     directory.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     pidfile = directory / "redis.pid"
@@ -104,6 +110,7 @@ def start_redis(directory: Path, *, port: int | None = None, appendonly: bool = 
         "--dir", str(directory),
         "--save", "",
         "--appendonly", "yes" if appendonly else "no",
+        "--appendfsync", appendfsync,
         "--daemonize", "yes",
         "--pidfile", str(pidfile),
         "--logfile", str(directory / "redis.log"),
