@@ -53,7 +53,7 @@ from riverbed.agent import messages as chat
 from riverbed.agent.client import Bus, Session
 from riverbed.agent.tools import action_from_call, tools
 from riverbed.errors import ActTimeout, ConfigError, InputError, RiverbedError
-from riverbed.memory.condensers import CondenserConfig, config_from_log, prepare
+from riverbed.memory.condensers import CondenserConfig, config_from_log, prepare, should_condense
 from riverbed.memory.view import view as fold
 from riverbed.settings import Settings
 
@@ -72,6 +72,7 @@ class AgentOptions:
     action_timeout: float = 120.0
     recall_timeout: float = 15.0
     temperature: float | None = None
+    condense_timeout: float = 60.0
 
 
 # --- prompts -----------------------------------------------------------------------------
@@ -249,6 +250,18 @@ class _Run:
                 assert event.id is not None
                 await self.recall_context(event.id, event.content, first=False)
 
+    async def keep_within_budget(self) -> None:
+        """When the view is over the session's budget, ask the condenser and wait for its answer,
+        so the model is never sent a view the policy says is too large (the condenser role may
+        simply not have caught up yet)."""
+        if not should_condense(fold(self.events), _condenser_config(self.events)):
+            return
+        try:
+            await self.session.act(events.CondensationRequest(), timeout=self.options.condense_timeout)
+        except ActTimeout as exc:
+            log.warning("agent.condensation_unanswered", session=self.session.id, error=str(exc))
+        await self.refresh()
+
     async def complete(self) -> Any:
         until = self.events[-1].id if self.events else 0
         request: dict[str, Any] = {
@@ -284,6 +297,7 @@ class _Run:
         await self.refresh()
         await self.new_user_messages()
         await self.refresh()
+        await self.keep_within_budget()
         until = self.events[-1].id if self.events else None
         try:
             response = await self.complete()

@@ -1,0 +1,132 @@
+"""Acceptance: a session driven past its token budget.
+
+The LLM agent works a task whose commands print far more than the session's token budget.
+Every prompt the model received stays within the budget, the log still holds every event,
+`riverbed view --until N` equals the view the agent had at each model call, and a semantic
+recall in plain words finds an event the condenser dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+import riverbed
+from riverbed import events
+from riverbed.agent.client import Bus
+from riverbed.agent.llm import AgentOptions, build_messages, run_llm_agent
+from riverbed.bus.consumer import Entry, SessionContext
+from riverbed.memory.condensers import CondenserConfig
+from riverbed.memory.embedders import LocalEmbedder
+from riverbed.memory.recall import Memory
+from riverbed.memory.store import Store
+from riverbed.memory.tokens import TokenCounter
+from riverbed.memory.view import view as fold
+from riverbed.runtime import Runtime
+from riverbed.settings import Settings
+from riverbed.workers.condenser_role import CondenserHandler
+from riverbed.workers.memory_role import MemoryHandler
+from riverbed.workers.runtime_role import RuntimeHandler
+from tests.agentkit import owners
+from tests.openai_server import OpenAIServer
+
+pytestmark = pytest.mark.anyio
+
+BUDGET = 1500
+CONDENSER = {"strategy": "amortized", "budget_tokens": BUDGET, "headroom_tokens": 100, "max_events": None}
+_local = LocalEmbedder()
+
+
+@pytest.fixture
+async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
+    async with riverbed.connect(redis_url, prefix=prefix) as bus:
+        yield bus
+
+
+@pytest.fixture
+def server() -> Iterator[OpenAIServer]:
+    with OpenAIServer(model="test-model") as server:
+        yield server
+
+
+class LaggingCondenser(CondenserHandler):
+    """A condenser that is always a little behind, as one on a busy worker can be."""
+
+    async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
+        await anyio.sleep(0.5)
+        await super().handle(ctx, entries)
+
+
+def command(i: int) -> str:
+    if i == 0:
+        return "echo 'the deploy key lives in secrets/deploy.pem, rotated every 90 days'"
+    return f"seq 1 120 | sed 's/^/build step {i} line /'"
+
+
+async def test_the_budget_holds_in_every_prompt_and_nothing_is_lost(
+    bus: Bus, server: OpenAIServer, workspace: Path, database_url: str, prefix: str
+) -> None:
+    _local.load()
+    steps = 12
+    for i in range(steps):
+        server.reply(tool_calls=[("cmd_run", {"command": command(i)})])
+    server.reply(tool_calls=[("finish", {"final_thought": "done"})])
+    session = bus.session("budget")
+    await session.append(events.SessionConfig(condenser=CONDENSER, source="user"))
+
+    runtime = Runtime(workspace_root=workspace)
+    store = Store(database_url, schema=prefix)
+    handlers = [
+        RuntimeHandler(runtime),
+        MemoryHandler(Memory.cached(store, _local), workspace_root=workspace),
+        LaggingCondenser(llm=None, model=None),
+    ]
+    try:
+        async with owners(bus, handlers):
+            ended = await run_llm_agent(
+                bus,
+                "budget",
+                "Run the build steps one by one.",
+                settings=Settings(llm_model="test-model"),
+                client=server.client(),
+                max_steps=steps + 2,
+                options=AgentOptions(action_timeout=30, recall_timeout=15, condense_timeout=30),
+            )
+            assert isinstance(ended, events.Finish)
+            log = await session.events()
+
+            # The condenser dropped the first command's output; recall brings it back.
+            dropped = {
+                i for e in log if isinstance(e, events.Condensation) for a, b in e.forgotten for i in range(a, b + 1)
+            }
+            first_output = next(e for e in log if isinstance(e, events.CmdOutput) and "deploy key" in e.content)
+            assert first_output.id in dropped
+            hit = await session.act(events.Recall(query="where is the deploy key kept?", k=3), timeout=30)
+            assert isinstance(hit, events.RecallResult)
+            assert first_output.id in [h.event_id for h in hit.hits]
+    finally:
+        await runtime.aclose()
+        await store.close()
+
+    # Nothing is ever deleted: every command and every output is still in the log.
+    assert sum(isinstance(e, events.CmdRun) for e in log) == steps
+    assert sum(isinstance(e, events.CmdOutput) for e in log) == steps
+    assert any(isinstance(e, events.Condensation) for e in log)
+
+    # Every prompt the model got was within the budget, and is exactly the view at its point.
+    limit = CondenserConfig.from_dict(CONDENSER).token_limit
+    assert limit is not None
+    counter = TokenCounter()
+    responses = [e for e in log if isinstance(e, events.LlmResponse)]
+    assert len(responses) == len(server.requests) == steps + 1
+    for response, request in zip(responses, server.requests, strict=True):
+        assert response.cause is not None
+        prefix_events = [e for e in log if (e.id or 0) <= response.cause]
+        context = fold(prefix_events, until=response.cause)
+        assert counter.events(list(context)) <= limit
+        rebuilt = json.loads(json.dumps(build_messages(prefix_events)))
+        assert rebuilt == request["messages"]
