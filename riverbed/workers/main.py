@@ -131,6 +131,9 @@ class Worker:
                 # first, so /healthz answers (and /readyz says why not) while the owners start
                 await tg.start(partial(serve_http, self, self.settings.metrics_port, metrics=self.metrics))
             for owner in self.owners.values():
+                background = getattr(owner.handler, "background", None)
+                if background is not None:
+                    await tg.start(background)
                 await tg.start(owner.run)
             tg.start_soon(self._heartbeat)
             if self.retention is not None:
@@ -244,12 +247,18 @@ async def run_worker(
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(worker.run)
-            if on_ready is not None:
-                on_ready(worker)
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _sig in signals:
-                    worker.stop()
-                    break
+            async with anyio.create_task_group() as sandboxes:
+                runtime = getattr(handlers.get("runtime"), "runtime", None)
+                if runtime is not None:
+                    # the process limit of sandboxes between commands (a fork loop left in the background)
+                    await sandboxes.start(runtime.watch)
+                if on_ready is not None:
+                    on_ready(worker)
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for _sig in signals:
+                        worker.stop()
+                        break
+                sandboxes.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
             for close in closers:
