@@ -17,20 +17,46 @@ import riverbed
 PACKAGE = Path(riverbed.__file__).parent
 
 # Which of our layers each layer may import (a layer is a top-level module or subpackage).
-# errors is the shared leaf every layer may use; settings (configuration) and logs (logging
+# errors and tracing (W3C trace context helpers) are shared leaves every layer may use;
+# settings (configuration) and logs (logging
 # set-up at an entry point) are used only by the layers that compose the system.
 ALLOWED: dict[str, set[str]] = {
     "events": set(),
     "errors": set(),
     "logs": set(),
+    "tracing": set(),
     "settings": {"errors"},
     "services": {"errors"},
-    "bus": {"events", "errors", "bus"},
-    "runtime": {"events", "errors", "bus", "runtime"},
-    "memory": {"events", "errors", "bus", "memory"},
-    "agent": {"events", "errors", "settings", "logs", "bus", "runtime", "memory", "agent"},
-    "workers": {"events", "errors", "settings", "logs", "services", "bus", "runtime", "memory", "agent", "workers"},
-    "cli": {"events", "errors", "settings", "logs", "services", "bus", "runtime", "memory", "agent", "workers"},
+    "bus": {"events", "errors", "tracing", "bus"},
+    "runtime": {"events", "errors", "tracing", "bus", "runtime"},
+    "memory": {"events", "errors", "tracing", "bus", "memory"},
+    "agent": {"events", "errors", "tracing", "settings", "logs", "bus", "runtime", "memory", "agent"},
+    "workers": {
+        "events",
+        "errors",
+        "tracing",
+        "settings",
+        "logs",
+        "services",
+        "bus",
+        "runtime",
+        "memory",
+        "agent",
+        "workers",
+    },
+    "cli": {
+        "events",
+        "errors",
+        "tracing",
+        "settings",
+        "logs",
+        "services",
+        "bus",
+        "runtime",
+        "memory",
+        "agent",
+        "workers",
+    },
     "__init__": {"agent", "errors", "events"},
 }
 

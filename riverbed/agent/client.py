@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from msgspec.structs import replace
 
-from riverbed import events
+from riverbed import events, tracing
 from riverbed.bus.connection import Client, connect_redis, translate
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys
 from riverbed.bus.log import AlreadyAnswered, Log, decode_entry, entry_id
@@ -51,6 +51,8 @@ class Session:
         self.id = session_id
         self.tenant = tenant
         self.agent = agent
+        self.trace = tracing.new_trace()
+        """The handle's own trace, used when no OpenTelemetry span is active."""
 
     def _stamp(self, event: events.Event) -> events.Event:
         changes: dict[str, Any] = {}
@@ -58,6 +60,8 @@ class Session:
             changes["tenant"] = self.tenant
         if self.agent is not None and event.agent is None:
             changes["agent"] = self.agent
+        if event.trace is None:
+            changes["trace"] = tracing.child_of(tracing.current() or self.trace)
         return replace(event, **changes) if changes else event
 
     async def append(

@@ -41,7 +41,7 @@ import structlog
 from anyio.abc import TaskStatus
 from msgspec.structs import replace
 
-from riverbed import events
+from riverbed import events, tracing
 from riverbed.bus.connection import Client, translate
 from riverbed.bus.dlq import DeadLetters
 from riverbed.bus.faults import crashpoint
@@ -120,6 +120,8 @@ class SessionContext:
         obs = observation if observation.cause == entry.id else _with_cause(observation, entry.id)
         if obs.tenant is None and self.tenant is not None:
             obs = _with_tenant(obs, self.tenant)
+        if obs.trace is None and entry.event.trace is not None:
+            obs = replace(obs, trace=tracing.child_of(entry.event.trace))
         # Retried until Redis answers: the one-answer guard makes a repeat of an append that did
         # go through a no-op, and giving up here would make the loop run the action again.
         append = partial(self.log.append, self.session, [obs], fence=self.fence, ack=(self.role, f"{entry.id}-0"))

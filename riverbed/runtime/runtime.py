@@ -261,6 +261,7 @@ class Runtime:
             result=obs.kind,
             reason=obs.reason if isinstance(obs, events.Error) else None,
             seconds=round(anyio.current_time() - started, 3),
+            trace_id=action.trace.split("-")[1] if action.trace and action.trace.count("-") == 3 else None,
         )
         return obs
 

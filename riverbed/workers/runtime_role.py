@@ -8,7 +8,9 @@ answered by the new owner: already answered -> just acknowledged; safe to repeat
 
 from __future__ import annotations
 
+import anyio
 import structlog
+from anyio.abc import TaskStatus
 
 from riverbed import events
 from riverbed.bus.consumer import Entry, SessionContext
@@ -30,6 +32,10 @@ class RuntimeHandler:
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
+
+    async def background(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The sandbox watchdog (process limits between commands), for the worker's task group."""
+        await self.runtime.watch(task_status=task_status)
 
     async def open(self, ctx: SessionContext) -> None:
         env: dict[str, str | None] = {}
@@ -84,4 +90,4 @@ class RuntimeHandler:
         observation = await self.runtime.execute(ctx.session, event)
         crashpoint("after_side_effect")
         answer_id = await ctx.answer(entry, observation)
-        log.info("action.answered", session=ctx.session, event_id=entry.id, kind=event.kind, answer=answer_id)
+        log.debug("action.answered", session=ctx.session, event_id=entry.id, kind=event.kind, answer=answer_id)

@@ -1,0 +1,48 @@
+"""W3C trace context (``traceparent``) carried in every event.
+
+An agent's actions carry the trace of the code that published them (the current
+OpenTelemetry span when the optional ``opentelemetry-api`` package is installed, else a
+trace of the session handle's own); an observation carries a child span of its action's
+trace, so one trace runs agent -> bus -> worker -> memory.  Workers bind ``trace_id`` to
+their log lines.  Format: ``00-<32 hex trace id>-<16 hex span id>-<2 hex flags>``.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+__all__ = ["child_of", "current", "new_trace", "trace_id"]
+
+_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+def new_trace() -> str:
+    """A new trace with a new root span, sampled."""
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+
+
+def trace_id(traceparent: str | None) -> str | None:
+    """The trace id of a well-formed ``traceparent`` (None otherwise)."""
+    match = _TRACEPARENT.match(traceparent or "")
+    return match.group(1) if match else None
+
+
+def child_of(traceparent: str | None) -> str | None:
+    """A new span in the same trace (None when there is no well-formed parent)."""
+    match = _TRACEPARENT.match(traceparent or "")
+    if match is None:
+        return None
+    return f"00-{match.group(1)}-{secrets.token_hex(8)}-{match.group(3)}"
+
+
+def current() -> str | None:
+    """The active OpenTelemetry span as a ``traceparent``, when OpenTelemetry is installed and a span is active."""
+    try:
+        from opentelemetry import trace  # type: ignore[import-not-found]  # noqa: PLC0415  (optional extra)
+    except ImportError:
+        return None
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid:
+        return None
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
