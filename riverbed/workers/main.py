@@ -246,19 +246,13 @@ async def run_worker(
     )
     try:
         async with anyio.create_task_group() as tg:
-            await tg.start(worker.run)
-            async with anyio.create_task_group() as sandboxes:
-                runtime = getattr(handlers.get("runtime"), "runtime", None)
-                if runtime is not None:
-                    # the process limit of sandboxes between commands (a fork loop left in the background)
-                    await sandboxes.start(runtime.watch)
-                if on_ready is not None:
-                    on_ready(worker)
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for _sig in signals:
-                        worker.stop()
-                        break
-                sandboxes.cancel_scope.cancel()
+            await tg.start(worker.run)  # also starts each handler's background task (the sandbox watchdog)
+            if on_ready is not None:
+                on_ready(worker)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _sig in signals:
+                    worker.stop()
+                    break
     finally:
         with anyio.CancelScope(shield=True):
             for close in closers:
