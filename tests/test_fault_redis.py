@@ -156,6 +156,17 @@ def unavailable_warnings(worker: WorkerProcess) -> int:
     return count
 
 
+async def assert_in_log(session: Session, appended: dict[int, str]) -> list[events.Event]:
+    """Every event id an append returned holds the action that was appended; returns the log."""
+    log = await session.events()
+    by_id = {e.id: e for e in log}
+    for action_id, command in appended.items():
+        event = by_id.get(action_id)
+        assert isinstance(event, events.CmdRun), f"{session.id}: appended event {action_id} is lost: {event}"
+        assert event.command == command
+    return log
+
+
 async def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     with anyio.move_on_after(timeout):
         while not condition():
@@ -191,9 +202,12 @@ async def test_redis_restart_loses_nothing_and_workers_carry_on(
 
         await anyio.to_thread.run_sync(private_redis.stop)
         down_at = time.monotonic()
+        acknowledged = {d.session.id: dict(d.appended) for d in drivers}
         await anyio.sleep(OUTAGE_SECONDS)  # the outage itself: nothing to wait for but time
         await anyio.to_thread.run_sync(private_redis.start)
         up_at = time.monotonic()
+        for driver in drivers:
+            await assert_in_log(driver.session, acknowledged[driver.session.id])
 
         await wait_for(
             lambda: all(len(d.answered_since(up_at)) >= 3 for d in drivers),
@@ -216,12 +230,7 @@ async def test_redis_restart_loses_nothing_and_workers_carry_on(
         for line in path.read_text().split():
             runs[line] = runs.get(line, 0) + 1
     for driver in drivers:
-        log = await driver.session.events()
-        by_id = {e.id: e for e in log}
-        for action_id, command in driver.appended.items():
-            event = by_id.get(action_id)
-            assert isinstance(event, events.CmdRun), f"appended event {action_id} is missing: {event}"
-            assert event.command == command
+        log = await assert_in_log(driver.session, driver.appended)
         answers: dict[int, list[events.Event]] = {}
         for event in log:
             if isinstance(event, events.Observation) and event.cause is not None:
@@ -242,3 +251,46 @@ async def test_redis_restart_loses_nothing_and_workers_carry_on(
                 assert answer.reason == "runtime_lost", answer
                 assert answer.retryable
                 assert runs.get(marker, 0) <= 1, f"{marker} ran {runs[marker]} times"
+
+
+async def test_deliveries_nobody_works_on_are_answered(
+    bus: Bus, private_redis: PrivateRedis, workers: list[WorkerProcess], prefix: str, workspace: Path, tmp_path: Path
+) -> None:
+    """An entry delivered to the owner whose reply was lost with its connection, and one read by
+    a stale owner after the takeover, are pending with nobody working on them: both are answered
+    once (``runtime_lost``: whether they ran is unknown) within seconds, and neither runs."""
+    worker = WorkerProcess(
+        ["runtime"], name="owner", redis_url=private_redis.url, prefix=prefix, workspace=workspace, log_dir=tmp_path
+    )
+    workers.append(worker)
+    await anyio.to_thread.run_sync(worker.wait_ready)
+    session = bus.session("lost")
+    assert isinstance(await session.act(events.CmdRun(command="echo owned"), timeout=20), events.CmdOutput)
+    key, meta = bus.keys.log(session.id), bus.keys.meta(session.id)
+    lost: list[int] = []
+    for consumer in ("owner", "stale-owner"):
+        # Append and deliver in one transaction, so the owner's blocking read never sees the entry.
+        payload = events.encode(events.CmdRun(command="echo ran >> lost.txt"))
+        async with bus.redis.pipeline(transaction=True) as pipe:
+            await pipe.watch(meta)
+            action_id = int(await pipe.hget(meta, "last") or 0) + 1
+            pipe.multi()
+            pipe.xadd(key, {"e": payload}, id=f"{action_id}-0")
+            pipe.hset(meta, "last", action_id)
+            pipe.xreadgroup("runtime", consumer, {key: ">"}, count=1)
+            await pipe.execute()
+        lost.append(action_id)
+    for action_id in lost:
+        answer = await session.wait_for_answer(action_id, timeout=10)
+        assert isinstance(answer, events.Error), answer
+        assert answer.reason == "runtime_lost"
+        assert answer.retryable
+    after = await session.act(events.CmdRun(command="echo after"), timeout=20)
+    assert isinstance(after, events.CmdOutput), after
+    log = await session.events()
+    for action_id in lost:
+        assert sum(1 for e in log if isinstance(e, events.Observation) and e.cause == action_id) == 1
+    assert not list(workspace.rglob("lost.txt")), "an action nobody was known to run was run"
+    with anyio.fail_after(10):  # the owner also reads (and acknowledges) its own answers
+        while (await bus.redis.xpending(key, "runtime"))["pending"]:
+            await anyio.sleep(0.05)
