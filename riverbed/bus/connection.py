@@ -41,6 +41,8 @@ def translate(url: str) -> Iterator[None]:
         yield
     except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
         raise UnavailableError(f"cannot reach Redis at {redact(url)}: {exc}") from exc
+    except (rexc.ClusterDownError, rexc.TryAgainError, rexc.SlotNotCoveredError) as exc:
+        raise UnavailableError(f"the Redis Cluster at {redact(url)} is not serving every slot: {exc}") from exc
     except rexc.ResponseError as exc:
         if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
             raise ConfigError(f"Redis at {redact(url)} refused the credentials: {exc}") from exc

@@ -324,9 +324,16 @@ class Owner:
         self._tg.start_soon(self._serve, claim.session, scope)
 
     async def _renew(self) -> None:
-        period = self.lease_seconds / 3
+        # A fixed schedule, four rounds a lease: a round that runs late (a busy event loop) does
+        # not push the next one back, so a live owner keeps its lease under load.
+        period = self.lease_seconds / 4
+        due = anyio.current_time()
         while not self._stopping.is_set():
-            await anyio.sleep(period)
+            due += period
+            now = anyio.current_time()
+            if due < now - period:
+                due = now  # we fell more than a round behind: renew now, then keep the schedule
+            await anyio.sleep(max(0.0, due - now))
             snapshot = {s: (o.entry, o.token) for s, o in self.owned.items()}
             crashpoint("during_renew")
             try:
