@@ -7,8 +7,9 @@ worker usually runs as root):
   is started through util-linux's ``setsid`` + ``prlimit`` when installed (a few ms), else
   through ``_launch.py``, a stdlib-only script run with the worker's own interpreter; either
   way the sandbox becomes one POSIX session of its own, the pty becomes its controlling
-  terminal when asked, the rlimits are applied and then the real program is ``exec``\\ ed.  The limits: address space (``RLIMIT_AS``), file size
-  (``RLIMIT_FSIZE``), CPU seconds per process (``RLIMIT_CPU``), open files
+  terminal when asked, the rlimits are applied and then the real program is ``exec``\\ ed.
+  The limits: address space (``RLIMIT_AS``), file size (``RLIMIT_FSIZE``), CPU seconds per
+  process (``RLIMIT_CPU``), open files
   (``RLIMIT_NOFILE``), no core dumps, and ``RLIMIT_NPROC`` when the worker is *not* root
   (the kernel ignores it for root, and it counts every process of the user, not just ours).
   Using a launcher rather than ``preexec_fn`` keeps spawning safe in a threaded worker.
