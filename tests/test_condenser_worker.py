@@ -87,3 +87,21 @@ async def test_llm_failure_is_an_error_event_and_the_session_goes_on(bus: Bus) -
     assert "count messages" in answer.summary
     log = await bus.session("llm").events()
     assert not any(isinstance(e, events.Condensation) and e.cause is None for e in log)
+
+
+async def test_a_log_that_moved_past_the_batch_is_still_condensed(bus: Bus) -> None:
+    # The bad config makes the handler append an error before it condenses: the log has then
+    # moved past the batch, and the condensation must be made on the newer history.
+    owner = Owner(bus.redis, bus.keys, CondenserHandler(llm=None, model=None), worker="c1", url=bus.url)
+    session = bus.session("moved")
+    await session.append(
+        events.SessionConfig(condenser={"strategy": "recent", "max_events": 12, "keep_first": 1}),
+        *[events.Message(content=f"m{i}", source="user") for i in range(30)],
+        events.SessionConfig(condenser={"strategy": "no-such-strategy"}),
+    )
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        log = await wait_for(bus, "moved", lambda log: any(isinstance(e, events.Condensation) for e in log))
+        await owner.drain(2)
+    assert any(isinstance(e, events.Error) and e.reason == "bad_condenser_config" for e in log)
+    assert len(fold(log)) <= 12

@@ -67,6 +67,8 @@ class CondenserHandler:
                     bad_config = str(exc)
             if isinstance(entry.event, events.CondensationRequest) and not await ctx.is_answered(entry.id):
                 requests.append(entry)
+        if should_condense(state.builder.view(), state.config, requested=bool(requests)):
+            bad_config = await self._catch_up(ctx, state) or bad_config
         if bad_config is not None:
             await ctx.append([events.Error(content=bad_config, reason="bad_condenser_config", source="condenser")])
         others = [e.id for e in entries if e not in requests]
@@ -114,6 +116,23 @@ class CondenserHandler:
                 await ctx.ack([entry.id])
             else:  # one condensation answers the first request; later ones get an empty answer
                 await ctx.answer(entry, events.Condensation(source="condenser"))
+
+    async def _catch_up(self, ctx: SessionContext, state: _State) -> str | None:
+        """Fold the events appended after this batch (they are skipped when delivered later).
+
+        The condensation is appended with ``expected_last`` = the last event folded: folding
+        only the batch would make it conflict for as long as the log has moved past the
+        batch, and the batch is retried as it is, so the session would never be condensed
+        again.  Returns the error of a bad ``session_config`` met on the way, if any."""
+        bad_config: str | None = None
+        async for event in ctx.log.read(ctx.session, state.builder.last_id + 1):
+            if event.id is None or event.id <= state.builder.last_id:
+                continue
+            try:
+                self._fold(state, event)
+            except ConfigError as exc:
+                bad_config = str(exc)
+        return bad_config
 
     @staticmethod
     def _fold(state: _State, event: events.Event) -> None:
