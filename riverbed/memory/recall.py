@@ -26,7 +26,7 @@ from riverbed.memory.embedcache import CachedEmbedder, embedding_pipeline
 from riverbed.memory.embedders import Embedder
 from riverbed.memory.microagents import load_microagents, match_knowledge, workspace_dirs
 from riverbed.memory.ranking import hybrid_rank
-from riverbed.memory.store import ChunkRow, Store
+from riverbed.memory.store import Candidate, ChunkRow, Store
 from riverbed.memory.workspace import workspace_context
 
 __all__ = ["Memory"]
@@ -170,17 +170,36 @@ class Memory:
         scope: str = "session",
         now: dt.datetime | None = None,
     ) -> list[events.Hit]:
-        """Hybrid semantic search: vector and full-text candidates fused by RRF."""
+        """Hybrid semantic search: vector and full-text candidates fused by RRF.
+
+        The full-text search runs while the query is embedded and searched by vector."""
         if k < 1 or not query.strip():
             return []
         k = min(k, 100)
         in_session = session if scope == "session" else None
         want = max(self.candidates, k * 2)
-        vector = (await self.embedder.embed([query]))[0]
-        by_vector = await self.store.vector_search(
-            vector, model=self.embedder.model, k=want, tenant=tenant, session=in_session
-        )
-        by_text = await self.store.text_search(query, k=want, tenant=tenant, session=in_session)
+        by_text: list[Candidate] = []
+        by_vector: list[Candidate] = []
+        failures: list[Exception] = []
+
+        async def search_text() -> None:
+            try:
+                by_text.extend(await self.store.text_search(query, k=want, tenant=tenant, session=in_session))
+            except Exception as exc:  # re-raised below as itself, not wrapped in an ExceptionGroup
+                failures.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(search_text)
+            try:
+                vector = (await self.embedder.embed([query]))[0]
+                by_vector = await self.store.vector_search(
+                    vector, model=self.embedder.model, k=want, tenant=tenant, session=in_session
+                )
+            except Exception as exc:
+                failures.insert(0, exc)
+                tg.cancel_scope.cancel()
+        if failures:
+            raise failures[0]
         return hybrid_rank(
             by_vector,
             by_text,
