@@ -10,7 +10,8 @@
   background processes are killed by the process limit and the timeout and leave nothing
   behind; the session's shell keeps working.
 - **python_run in failover**: a cell in flight on a worker killed by SIGKILL is answered once,
-  by the new owner, with a retryable ``runtime_lost`` error, and never runs twice.
+  by the new owner, with a retryable ``runtime_lost`` error, and never runs twice; a worker's
+  late result for an action that was answered meanwhile is dropped (the one-answer guard).
 """
 
 from __future__ import annotations
