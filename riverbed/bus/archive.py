@@ -30,7 +30,7 @@ import contextlib
 import datetime as dt
 import math
 import re
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 import anyio
 import asyncpg
@@ -386,10 +386,19 @@ class Retention:
         self.trimmed += total
         return total
 
-    async def run(
-        self, sessions: Callable[[], Iterable[str]], *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
+    async def run(self, worker: str, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Every ``period``, the one worker that takes the pass lock runs a pass over every
+        session of the prefix, idle (parked) ones included; the others skip that round."""
         task_status.started()
+        lock_ms = int(self.period * 2000)
         while True:
             await anyio.sleep(self.period)
-            await self.once(list(sessions()))
+            try:
+                with translate(self.url):
+                    if not await self.redis.set(self.keys.retention, worker, nx=True, px=lock_ms):
+                        continue
+                    sessions = [s.decode() for s in await self.redis.zrange(self.keys.sessions, 0, -1)]
+            except UnavailableError as exc:
+                log.warning("retention.unavailable", error=str(exc))
+                continue
+            await self.once(sessions)

@@ -20,6 +20,7 @@ key                                    what
 ``{p}:{p}:workers``                    sorted set: worker name -> last heartbeat (unix seconds)
 ``{p}:{p}:worker:<name>``              hash: a worker's roles, owned sessions, start time
 ``{p}:{p}:dlq``                        stream: dead letters
+``{p}:{p}:retention``                  string: the worker running this round's retention pass
 =====================================  =======================================================
 """
 
@@ -44,6 +45,7 @@ class Keys:
         self.dlq = f"{prefix}:{{{prefix}}}:dlq"
         self.sessions = f"{prefix}:{{{prefix}}}:sessions"
         self.workers = f"{prefix}:{{{prefix}}}:workers"
+        self.retention = f"{prefix}:{{{prefix}}}:retention"
 
     def log(self, session: str) -> str:
         return f"{self.prefix}:{{{session}}}:log"

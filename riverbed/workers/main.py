@@ -137,7 +137,7 @@ class Worker:
                 await tg.start(owner.run)
             tg.start_soon(self._heartbeat)
             if self.retention is not None:
-                await tg.start(self.retention.run, lambda: list(self.owners["memory"].owned))
+                await tg.start(self.retention.run, self.name)
             log.info("worker.ready", worker=self.name, roles=self.roles)
             task_status.started()
             await self._stop.wait()
