@@ -1,7 +1,9 @@
-"""Shared benchmark machinery: a result type, medians, a private Redis, and one table printer.
+"""Shared benchmark machinery: a result type, medians, percentiles, private Redis and Postgres,
+and one table printer.
 
-A benchmark module exposes ``async def measure(options) -> list[Result]``; ``python -m bench``
-runs every module in :data:`MODULES` and prints one table.
+A benchmark module exposes ``async def measure(url, args) -> list[Result]`` (``url`` is the
+Redis it may use, ``args`` the parsed :func:`options`); ``python -m bench`` runs every module
+in :data:`MODULES` and prints one table.
 """
 
 from __future__ import annotations
@@ -9,23 +11,29 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from riverbed import services
 
-MODULES = ("bench.log",)
+MODULES = ("bench.log", "bench.roundtrip", "bench.view", "bench.memory", "bench.growth")
 
 
 @dataclass(frozen=True)
 class Result:
-    """One figure of riverbed against its baseline (medians); ``ratio`` is the median of the
-    per-round figure/baseline ratios (higher is better)."""
+    """One figure of riverbed against its baseline measured in the same run (medians).
+
+    ``ratio`` is figure/baseline (for throughputs, the median of the per-round ratios).
+    ``better`` says which way is good for both the figure and the ratio; ``target_on`` says
+    whether ``target`` bounds the ratio or the figure itself (an absolute goal such as
+    "under 1 s").  ``target`` None: reported for information, no goal.
+    """
 
     name: str
     unit: str
@@ -33,15 +41,41 @@ class Result:
     baseline: float
     baseline_name: str
     ratio: float
-    target: float
+    target: float | None
     samples: int
+    better: str = "higher"
+    target_on: str = "ratio"
+    baseline_unit: str | None = None
+    note: str = ""
 
     @property
-    def passed(self) -> bool:
-        return self.ratio >= self.target
+    def passed(self) -> bool | None:
+        if self.target is None:
+            return None
+        value = self.ratio if self.target_on == "ratio" else self.figure
+        return value >= self.target if self.better == "higher" else value <= self.target
+
+    def target_text(self) -> str:
+        if self.target is None:
+            return ""
+        sign = ">=" if self.better == "higher" else "<="
+        if self.target_on == "ratio":
+            return f"{sign} {self.target:.2f}x"
+        return f"{sign} {_number(self.target)} {self.unit}"
 
     def as_dict(self) -> dict[str, object]:
         return {**asdict(self), "passed": self.passed}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) by linear interpolation between order statistics."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    pos = (len(ordered) - 1) * q / 100
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 async def _rate(fn: Callable[[], Awaitable[int]]) -> float:
@@ -82,12 +116,39 @@ def private_redis(url: str | None) -> Iterator[str]:
             services.stop_redis(pid)
 
 
+@contextlib.contextmanager
+def private_postgres(url: str | None) -> Iterator[str]:
+    """``url`` if given, else a private embedded Postgres (with pgvector) for the duration."""
+    if url:
+        yield url
+        return
+    with tempfile.TemporaryDirectory(prefix="riverbed-bench-pg-") as tmp:
+        pgdata = Path(tmp) / "pg"
+        try:
+            yield services.start_postgres(pgdata)
+        finally:
+            services.stop_postgres(pgdata)
+
+
 def options(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--redis-url", help="use this Redis instead of a private redis-server")
+    parser.add_argument("--database-url", help="use this Postgres (with pgvector) instead of an embedded one")
     parser.add_argument("--repeats", type=int, default=5, help="runs per measurement (the median is reported)")
+    parser.add_argument("--quick", action="store_true", help="smaller runs (fewer sessions, events and rows)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     return parser
+
+
+def run_alone(module_measure: Callable[[str, argparse.Namespace], Awaitable[list[Result]]], description: str) -> int:
+    """``main()`` of a benchmark module run alone: a private Redis, one table."""
+    import anyio  # noqa: PLC0415
+
+    args = options(description).parse_args()
+    with private_redis(args.redis_url) as url:
+        results = anyio.run(module_measure, url, args)
+    print_results(results, as_json=args.json)
+    return 0
 
 
 def _number(value: float) -> str:
@@ -104,14 +165,17 @@ def print_results(results: list[Result], *, as_json: bool = False) -> None:
         (
             r.name,
             f"{_number(r.figure)} {r.unit}",
-            f"{_number(r.baseline)} {r.unit}",
+            f"{_number(r.baseline)} {r.baseline_unit or r.unit}",
             f"({r.baseline_name})",
             f"{r.ratio:.2f}",
-            f">= {r.target:.2f}",
-            "pass" if r.passed else "FAIL",
+            r.target_text(),
+            {True: "pass", False: "MISS", None: ""}[r.passed],
         )
         for r in results
     ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    for r in results:
+        if r.note:
+            print(f"* {r.name}: {r.note}")

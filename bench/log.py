@@ -6,7 +6,7 @@
 - read: riverbed reading a 100,000-event session (``Session.log``: XRANGE pages + typed
   decode + ids) vs raw ``XRANGE`` pages of 2000 + ``msgspec.msgpack.decode`` (target >= 0.75).
 
-Run: ``python -m bench.log [--redis-url URL] [--repeats N] [--json]``.
+Run alone: ``python -m bench.log [--redis-url URL] [--repeats N] [--json]``.
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import uuid
 
-import anyio
 import msgspec
 import redis.asyncio as aioredis
 
 import riverbed
-from bench.common import Result, options, paired_rates, print_results, private_redis
+from bench.common import Result, paired_rates, run_alone
 from riverbed import events
 
 BATCH = 100
@@ -124,11 +123,7 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
 
 
 def main() -> int:
-    args = options("Benchmark the session log against raw redis-py.").parse_args()
-    with private_redis(args.redis_url) as url:
-        results = anyio.run(measure, url, args)
-    print_results(results, as_json=args.json)
-    return 0 if all(r.passed for r in results) else 1
+    return run_alone(measure, "Benchmark the session log against raw redis-py.")
 
 
 if __name__ == "__main__":

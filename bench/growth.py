@@ -1,0 +1,162 @@
+"""Memory growth of a worker: RSS per 10,000 events through an in-process condenser role.
+
+A fresh child process runs an :class:`~riverbed.bus.consumer.Owner` with the condenser
+handler (the role that keeps per-session state: an incremental ``ViewBuilder`` per session;
+default config, so it condenses without an LLM whenever a view passes 100 events) over 10
+sessions.  After a warm-up of 1,000 events, 10,000 more (``cmd_run`` / ``cmd_output`` pairs
+and messages, ~300-byte outputs) are appended and the child waits until the role has
+handled all of them (and its own condensations); RSS growth over that stretch, after a
+garbage collection, is the figure.  Then it appends 10,000 more and reports the second
+stretch too (steady state).
+
+Baseline, in the same child: the RSS growth of holding the same 10,000 events decoded in a
+list (what an unbounded in-memory history would cost).  MiB per 10,000 events.
+
+Run alone: ``python -m bench.growth``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import time
+import uuid
+
+import anyio
+import psutil
+
+import riverbed
+from bench.common import Result, run_alone
+from riverbed import events
+from riverbed.bus.connection import connect_redis
+from riverbed.bus.consumer import Owner
+from riverbed.bus.keys import Keys
+from riverbed.workers.condenser_role import CondenserHandler
+
+SESSIONS = 10
+STRETCH = 10_000
+WARMUP = 1_000
+MIB = 1024 * 1024
+
+
+def _rss() -> float:
+    gc.collect()
+    return psutil.Process().memory_info().rss / MIB
+
+
+async def _feed(session: riverbed.Session, count: int, start: int) -> None:
+    """``count`` events: pairs of cmd_run and its cmd_output, and a message every fifth."""
+    sent = 0
+    while sent < count:
+        n = start + sent
+        if n % 5 == 4:
+            await session.append(events.Message(content=f"step {n}: the parser still drops the last line"))
+            sent += 1
+            continue
+        (action,) = await session.append(events.CmdRun(command=f"pytest tests/test_parser.py -k case_{n}"))
+        await session.append(
+            events.CmdOutput(
+                cause=action,
+                source="runtime",
+                command=f"pytest tests/test_parser.py -k case_{n}",
+                content=f"case_{n} FAILED\nAssertionError: expected 3 tokens\n" + "." * 200,
+                exit_code=1,
+            )
+        )
+        sent += 2
+
+
+async def _settled(bus: riverbed.Bus, sessions: list[str]) -> None:
+    """Wait until the condenser group has read and acknowledged every entry of every session."""
+    with anyio.fail_after(600):
+        while True:
+            done = 0
+            for sid in sessions:
+                key = bus.keys.log(sid)
+                last = await bus.redis.xinfo_stream(key)
+                for group in await bus.redis.xinfo_groups(key):
+                    if group["name"] in (b"condenser", "condenser"):
+                        delivered = group["last-delivered-id"]
+                        if delivered == last["last-generated-id"] and group["pending"] == 0:
+                            done += 1
+            if done == len(sessions):
+                return
+            await anyio.sleep(0.2)
+
+
+async def child(url: str) -> dict[str, float]:
+    prefix = "bg" + uuid.uuid4().hex[:8]
+    redis = await connect_redis(url)
+    owner = Owner(redis, Keys(prefix), CondenserHandler(llm=None, model=None), worker="bench-growth", capacity=100)
+    sessions = [f"g{i}" for i in range(SESSIONS)]
+    out: dict[str, float] = {}
+    async with riverbed.connect(url, prefix=prefix) as bus:
+        handles = [bus.session(sid) for sid in sessions]
+
+        async def stretch(count: int, start: int) -> float:
+            async with anyio.create_task_group() as feeders:
+                for handle in handles:
+                    feeders.start_soon(_feed, handle, count // SESSIONS, start)
+            await _settled(bus, sessions)
+            return _rss()
+
+        async with anyio.create_task_group() as tg:
+            await tg.start(owner.run)
+            await stretch(WARMUP, 0)
+            rss0 = _rss()
+            started = time.perf_counter()
+            rss1 = await stretch(STRETCH, WARMUP)
+            out["seconds"] = time.perf_counter() - started
+            rss2 = await stretch(STRETCH, WARMUP + STRETCH)
+            out["first"] = rss1 - rss0
+            out["second"] = rss2 - rss1
+            out["handled"] = owner.stats.handled
+            await owner.drain(5)
+        before = _rss()
+        first, last = WARMUP // SESSIONS + 1, (WARMUP + STRETCH) // SESSIONS
+        held = [e for handle in handles for e in await handle.events(first, last)]
+        out["baseline"] = _rss() - before
+        out["held"] = len(held)
+        keys = [k async for k in bus.redis.scan_iter(match=f"{prefix}:*", count=1000)]
+        for start in range(0, len(keys), 500):
+            await bus.redis.delete(*keys[start : start + 500])
+    await redis.aclose()
+    return out
+
+
+async def measure(url: str, args: argparse.Namespace) -> list[Result]:
+    proc = await anyio.run_process([sys.executable, "-m", "bench.growth", "--child", url], stderr=subprocess.DEVNULL)
+    got = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    base = got["baseline"]
+    note = (
+        f"condenser Owner in a fresh process, {SESSIONS} sessions; second 10,000 events: {got['second']:+.1f} MiB; "
+        f"baseline: {int(got['held']):,} decoded events held in a list"
+    )
+    return [
+        Result(
+            "worker RSS growth per 10k events (condenser)",
+            "MiB",
+            got["first"],
+            base,
+            "10k decoded events in a list",
+            got["first"] / base if base > 0 else float("nan"),
+            None,
+            1,
+            better="lower",
+            note=note,
+        )
+    ]
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--child"]:
+        print(json.dumps(anyio.run(child, sys.argv[2])))
+        return 0
+    return run_alone(measure, "RSS growth of a worker role per 10,000 events.")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
