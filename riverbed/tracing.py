@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from typing import Any
 
 __all__ = ["child_of", "current", "new_trace", "trace_id"]
 
@@ -38,11 +39,26 @@ def child_of(traceparent: str | None) -> str | None:
 
 def current() -> str | None:
     """The active OpenTelemetry span as a ``traceparent``, when OpenTelemetry is installed and a span is active."""
-    try:
-        from opentelemetry import trace  # type: ignore[import-not-found]  # noqa: PLC0415  (optional extra)
-    except ImportError:
+    trace = _opentelemetry_trace()
+    if trace is None:
         return None
     context = trace.get_current_span().get_span_context()
     if not context.is_valid:
         return None
     return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+
+
+_otel_trace: Any = None  # opentelemetry.trace once looked up; False when it is not installed
+
+
+def _opentelemetry_trace() -> Any:
+    """``opentelemetry.trace``, or None; looked up once (a failed import searches sys.path every time)."""
+    global _otel_trace
+    if _otel_trace is None:
+        try:
+            from opentelemetry import trace  # type: ignore[import-not-found]  # noqa: PLC0415  (optional extra)
+        except ImportError:
+            _otel_trace = False
+        else:
+            _otel_trace = trace
+    return _otel_trace or None
