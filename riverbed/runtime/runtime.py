@@ -102,6 +102,15 @@ def _check_kind(kind: type[events.Action]) -> None:
         raise ValueError(f"register {kind.__name__} with riverbed.events.register first")
 
 
+_FILE_KINDS: frozenset[type[events.Event]] = frozenset({events.FileRead, events.FileWrite, events.FileEdit})
+
+
+def _in_workspace(fn: Callable[..., events.Observation], workspace: Path, *args: Any) -> events.Observation:
+    """Create the workspace and run a file action in it, in one worker-thread hop."""
+    workspace.mkdir(parents=True, exist_ok=True)
+    return fn(workspace, *args)
+
+
 def _error(reason: str, content: str, *, retryable: bool = False) -> events.Error:
     return events.Error(content=content, reason=reason, retryable=retryable)
 
@@ -285,7 +294,8 @@ class Runtime:
         except TimeoutError:
             return _error("busy", "the session's sandbox is busy with earlier actions; try again", retryable=True)
         try:
-            await anyio.to_thread.run_sync(partial(session.workspace.mkdir, parents=True, exist_ok=True))
+            if custom is not None or kind not in _FILE_KINDS:  # file actions make it in their own thread
+                await anyio.to_thread.run_sync(partial(session.workspace.mkdir, parents=True, exist_ok=True))
             if custom is not None:
                 ctx = HandlerContext(
                     session_id=session_id,
@@ -331,10 +341,14 @@ class Runtime:
         return await session.python.run(action, session.overrides)
 
     async def _file_read(self, session: _Session, action: events.FileRead) -> events.Observation:
-        return await anyio.to_thread.run_sync(files.read, session.workspace, action, self._limits)
+        return await anyio.to_thread.run_sync(_in_workspace, files.read, session.workspace, action, self._limits)
 
     async def _file_write(self, session: _Session, action: events.FileWrite) -> events.Observation:
-        return await anyio.to_thread.run_sync(files.write, session.workspace, action, self._limits, session.history)
+        return await anyio.to_thread.run_sync(
+            _in_workspace, files.write, session.workspace, action, self._limits, session.history
+        )
 
     async def _file_edit(self, session: _Session, action: events.FileEdit) -> events.Observation:
-        return await anyio.to_thread.run_sync(files.edit, session.workspace, action, self._limits, session.history)
+        return await anyio.to_thread.run_sync(
+            _in_workspace, files.edit, session.workspace, action, self._limits, session.history
+        )
