@@ -91,20 +91,24 @@ class Session:
         if not isinstance(action, events.Action):
             raise InputError(f"act() takes an action, not a {type(action).__name__} event")
         (action_id,) = await self.append(action)
-        return await self.wait_for_answer(action_id, timeout=timeout)
+        # Its answer can only come after it, so tailing the log from it sees the answer: no lookup first.
+        return await self._answer(action_id, timeout, look_up=False)
 
     async def wait_for_answer(self, action_id: int, *, timeout: float = 30.0) -> events.Event:
         """The observation answering ``action_id``; :class:`ActTimeout` when none comes in time."""
+        return await self._answer(action_id, timeout, look_up=True)
+
+    async def _answer(self, action_id: int, timeout: float, *, look_up: bool) -> events.Event:
         bus = self.bus
         log_key = bus.keys.log(self.id)
-        answers_key = bus.keys.answers(self.id)
         cursor = action_id
         with anyio.move_on_after(timeout):
-            with translate(bus.url):
-                known = await bus.redis.hget(answers_key, str(action_id))
-            if known is not None:
-                async for event in bus.log_store.read(self.id, int(known), int(known)):
-                    return event
+            if look_up:
+                with translate(bus.url):
+                    known = await bus.redis.hget(bus.keys.answers(self.id), str(action_id))
+                if known is not None:
+                    async for event in bus.log_store.read(self.id, int(known), int(known)):
+                        return event
             while True:
                 with translate(bus.url):
                     reply = await bus.redis.xread({log_key: f"{cursor}-0"}, count=500, block=1000)
