@@ -1,0 +1,378 @@
+"""Action round trips through real runtime worker processes against a raw Redis ping-pong.
+
+The floor is what any Redis Streams RPC costs here: a client ``XADD``s a request to stream A
+and blocks (``XREAD``) on stream B; a responder process blocks on A with ``XREADGROUP`` and,
+for each request, ``XADD``s the reply to B and ``XACK``s A in one pipeline.  Requests and
+replies carry the msgpack payloads of the riverbed events below, so both move the same bytes.
+
+riverbed is ``Session.act(FileRead(path=<a 200-byte file>))`` answered by
+``python -m riverbed.workers runtime`` processes: the append script, the worker's session
+loop, the sandbox's file read (in a thread), the answering append (fenced, acknowledging)
+and the client's wait for the answer.
+
+- latency: one session, sequential round trips, rounds alternating floor/riverbed; p50
+  and p99 over every sample (target: riverbed p50 <= 2x the floor's; goal 1.5x).  Only
+  runtime workers run, so the sessions are marked as owned by the memory and condenser
+  roles, as in a full deployment; one more row shows a runtime-only deployment, where each
+  append also re-announces the session to those roles (an extra round trip per append);
+- throughput: 200 concurrent sessions (closed loop, one action in flight each) over 2
+  worker processes vs 200 ping-pong pairs over 2 responder processes: actions/s and p99;
+- scale: 1,000 concurrent sessions over 4 worker processes vs 1,000 pairs over 4
+  responders: p99 and the slowest round trip (nobody starved); ``--quick`` runs 250.
+
+Each session's first action (which makes a worker take the session) is a warm-up and is
+not measured.  Run alone: ``python -m bench.roundtrip [--quick] [--repeats N] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import anyio
+import redis.asyncio as aioredis
+
+import riverbed
+from bench.common import Result, percentile, run_alone
+from riverbed import events
+from riverbed.bus.keys import Keys
+from riverbed.runtime.paths import workspace_name
+
+FILE_NAME = "small.txt"
+FILE_TEXT = "riverbed benchmark file\n" + "0123456789abcdef" * 11 + "\n"
+GROUP = "responder"
+LATENCY_SAMPLES = 300  # per round
+
+
+# --- the raw floor ----------------------------------------------------------------------
+
+
+def _request_key(prefix: str, i: int) -> str:
+    return f"{prefix}:req:{i}"
+
+
+def _reply_key(prefix: str, i: int) -> str:
+    return f"{prefix}:rep:{i}"
+
+
+def _payloads() -> tuple[bytes, bytes]:
+    request = events.encode(events.FileRead(path=FILE_NAME, agent="bench", tenant="acme"))
+    reply = events.encode(events.FileContent(path=FILE_NAME, content=FILE_TEXT, cause=1, tenant="acme"))
+    return request, reply
+
+
+async def _respond(url: str, prefix: str, streams: list[int]) -> None:
+    """One task per request stream: XREADGROUP (blocking), then XADD the reply + XACK."""
+    client = aioredis.Redis.from_url(url, max_connections=len(streams) + 10)
+    _request, reply = _payloads()
+
+    async def serve(i: int) -> None:
+        key, out = _request_key(prefix, i), _reply_key(prefix, i)
+        while True:
+            got = await client.xreadgroup(GROUP, "r", {key: ">"}, count=100, block=1000)
+            for _stream, entries in got or ():
+                async with client.pipeline(transaction=False) as pipe:
+                    for entry_id, _fields in entries:
+                        pipe.xadd(out, {b"e": reply})
+                        pipe.xack(key, GROUP, entry_id)
+                    await pipe.execute()
+
+    async with anyio.create_task_group() as tg:
+        for i in streams:
+            tg.start_soon(serve, i)
+
+
+def responder_main(argv: list[str]) -> None:
+    """``python -m bench.roundtrip --responder URL PREFIX FIRST STEP COUNT``."""
+    url, prefix, first, step, count = argv[0], argv[1], int(argv[2]), int(argv[3]), int(argv[4])
+    anyio.run(_respond, url, prefix, list(range(first, count, step)))
+
+
+@contextmanager
+def responders(url: str, prefix: str, processes: int, streams: int) -> Iterator[None]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "bench.roundtrip", "--responder", url, prefix, str(n), str(processes), str(streams)]
+        )
+        for n in range(processes)
+    ]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+
+
+class PingPong:
+    """The client half of the floor: one request stream and one reply stream per pair."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str, i: int) -> None:
+        self.client = client
+        self.request_key = _request_key(prefix, i)
+        self.reply_key = _reply_key(prefix, i)
+        self.cursor = b"0-0"
+        self.request, _reply = _payloads()
+
+    async def prepare(self) -> None:
+        await self.client.xgroup_create(self.request_key, GROUP, id="0", mkstream=True)
+
+    async def __call__(self) -> None:
+        await self.client.xadd(self.request_key, {b"e": self.request})
+        while True:
+            got = await self.client.xread({self.reply_key: self.cursor}, count=1, block=1000)
+            for _stream, entries in got or ():
+                self.cursor = entries[-1][0]
+                return
+
+
+# --- riverbed ---------------------------------------------------------------------------
+
+
+class Workers:
+    """``python -m riverbed.workers runtime`` processes under one key prefix."""
+
+    def __init__(self, url: str, prefix: str, workspace: Path, count: int, capacity: int) -> None:
+        self.url = url
+        self.keys = Keys(prefix)
+        self.names = [f"bench-runtime-{uuid.uuid4().hex[:6]}" for _ in range(count)]
+        env = {
+            **os.environ,
+            "RIVERBED_REDIS_URL": url,
+            "RIVERBED_PREFIX": prefix,
+            "RIVERBED_WORKSPACE": str(workspace),
+            "RIVERBED_CONCURRENCY": str(capacity),
+            "RIVERBED_LOG_FORMAT": "json",
+        }
+        self.logs = [(workspace.parent / f"{name}.log").open("wb") for name in self.names]
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "riverbed.workers", "runtime", "--name", name],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            for name, log in zip(self.names, self.logs, strict=True)
+        ]
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        client = aioredis.Redis.from_url(self.url)
+        try:
+            with anyio.fail_after(timeout):
+                for name in self.names:
+                    while not await client.exists(self.keys.worker(name)):
+                        if any(p.poll() is not None for p in self.procs):
+                            raise RuntimeError("a runtime worker exited early; see its log in the workspace")
+                        await anyio.sleep(0.05)
+        finally:
+            await client.aclose()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        for log in self.logs:
+            log.close()
+
+
+def _prepare_workspace(root: Path, session: str) -> None:
+    ws = root / workspace_name(session)
+    ws.mkdir(parents=True, exist_ok=True)
+    (ws / FILE_NAME).write_text(FILE_TEXT)
+
+
+def _actor(session: riverbed.Session) -> Callable[[], Awaitable[None]]:
+    action = events.FileRead(path=FILE_NAME)
+
+    async def act() -> None:
+        obs = await session.act(action, timeout=60)
+        if not isinstance(obs, events.FileContent):
+            raise TypeError(f"the runtime answered {obs!r}")
+
+    return act
+
+
+# --- measuring --------------------------------------------------------------------------
+
+
+async def _timed(fn: Callable[[], Awaitable[None]], count: int, out: list[float]) -> None:
+    for _ in range(count):
+        started = time.perf_counter()
+        await fn()
+        out.append(time.perf_counter() - started)
+
+
+async def _concurrent(fns: list[Callable[[], Awaitable[None]]], per_session: int) -> tuple[float, list[float]]:
+    """Every fn runs ``per_session`` times in a closed loop, all at once; (actions/s, latencies)."""
+    latencies: list[float] = []
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for fn in fns:
+            tg.start_soon(_timed, fn, per_session, latencies)
+    return len(latencies) / (time.perf_counter() - started), latencies
+
+
+async def _warm(fns: list[Callable[[], Awaitable[None]]]) -> float:
+    """Run each fn once, all at once; the time until the last one returned."""
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for fn in fns:
+            tg.start_soon(fn)
+    return time.perf_counter() - started
+
+
+def _ms(values: list[float]) -> list[float]:
+    return [v * 1000 for v in values]
+
+
+async def _phase(
+    url: str, tmp: Path, sessions: int, processes: int, *, rounds: int, per_session: int, runtime_only: bool = False
+) -> tuple[list[float], list[float], list[float], list[float], float]:
+    """Floor and riverbed, ``rounds`` alternating rounds of ``sessions`` concurrent loops.
+
+    Unless ``runtime_only``, the sessions are then marked as owned by the memory and
+    condenser roles too, as in a full deployment (only runtime workers run here); otherwise
+    every append also re-announces the session to those roles' directories.
+    Returns (floor rates, riverbed rates, floor latencies, riverbed latencies, riverbed warm-up s).
+    """
+    tag = uuid.uuid4().hex[:8]
+    raw_prefix, rb_prefix = f"bpp{tag}", f"brt{tag}"
+    workspace = tmp / f"ws-{tag}"
+    session_ids = [f"s{i}" for i in range(sessions)]
+    for sid in session_ids:
+        _prepare_workspace(workspace, sid)
+    raw = aioredis.Redis.from_url(url, max_connections=sessions + 20)
+    pairs = [PingPong(raw, raw_prefix, i) for i in range(sessions)]
+    for pair in pairs:
+        await pair.prepare()
+    capacity = -(-sessions // processes)
+    workers = Workers(url, rb_prefix, workspace, processes, capacity)
+    raw_rates: list[float] = []
+    rb_rates: list[float] = []
+    raw_lat: list[float] = []
+    rb_lat: list[float] = []
+    try:
+        await workers.wait_ready()
+        async with riverbed.connect(url, prefix=rb_prefix) as bus:
+            actors = [_actor(bus.session(sid)) for sid in session_ids]
+            with responders(url, raw_prefix, processes, sessions):
+                await _warm(list(pairs))
+                warm = await _warm(actors)
+                if not runtime_only:
+                    async with raw.pipeline(transaction=False) as pipe:
+                        for sid in session_ids:
+                            pipe.hdel(bus.keys.meta(sid), "need:memory", "need:condenser")
+                        await pipe.execute()
+                for _ in range(rounds):
+                    rate, lat = await _concurrent(list(pairs), per_session)
+                    raw_rates.append(rate)
+                    raw_lat += lat
+                    rate, lat = await _concurrent(actors, per_session)
+                    rb_rates.append(rate)
+                    rb_lat += lat
+            keys = [k async for k in raw.scan_iter(match=f"{rb_prefix}:*", count=1000)]
+            keys += [k async for k in raw.scan_iter(match=f"{raw_prefix}:*", count=1000)]
+            for start in range(0, len(keys), 500):
+                await raw.delete(*keys[start : start + 500])
+    finally:
+        workers.stop()
+        await raw.aclose()
+    return raw_rates, rb_rates, raw_lat, rb_lat, warm
+
+
+async def measure(url: str, args: argparse.Namespace) -> list[Result]:
+    repeats = max(args.repeats, 1)
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="riverbed-bench-rt-") as tmp_name:
+        tmp = Path(tmp_name)
+
+        # Latency: one session, one worker; alternating rounds of sequential round trips.
+        per_round = LATENCY_SAMPLES // (2 if args.quick else 1)
+        _r, _b, raw_lat, rb_lat, _w = await _phase(url, tmp, 1, 1, rounds=repeats, per_session=per_round)
+        raw_ms, rb_ms = _ms(raw_lat), _ms(rb_lat)
+        samples = len(rb_ms)
+        floor = "XREADGROUP ping-pong"
+        p50_raw, p50_rb = percentile(raw_ms, 50), percentile(rb_ms, 50)
+        p99_raw, p99_rb = percentile(raw_ms, 99), percentile(rb_ms, 99)
+        results.append(
+            Result("act round trip p50 (1 session)", "ms", p50_rb, p50_raw, floor, p50_rb / p50_raw, 2.0, samples,
+                   better="lower")
+        )  # fmt: skip
+        results.append(
+            Result("act round trip p99 (1 session)", "ms", p99_rb, p99_raw, floor, p99_rb / p99_raw, None, samples,
+                   better="lower")
+        )  # fmt: skip
+        _r, _b, raw_lat, rb_lat, _w = await _phase(
+            url, tmp, 1, 1, rounds=max(repeats // 2, 1), per_session=per_round, runtime_only=True
+        )
+        p50_raw, p50_rb = percentile(_ms(raw_lat), 50), percentile(_ms(rb_lat), 50)
+        results.append(
+            Result("act round trip p50, runtime role only", "ms", p50_rb, p50_raw, floor, p50_rb / p50_raw, None,
+                   len(rb_lat), better="lower",
+                   note="no memory/condenser owner, so each append also re-announces the session to their "
+                   "directories (one more round trip for the client and for the worker)")
+        )  # fmt: skip
+
+        # Throughput: 200 sessions over 2 workers.
+        sessions = 100 if args.quick else 200
+        raw_rates, rb_rates, raw_lat, rb_lat, _w = await _phase(
+            url, tmp, sessions, 2, rounds=min(repeats, 3), per_session=10
+        )
+        ratios = [b / a for a, b in zip(raw_rates, rb_rates, strict=True)]
+        results.append(
+            Result(f"throughput, {sessions} sessions / 2 workers", "actions/s", statistics.median(rb_rates),
+                   statistics.median(raw_rates), f"{sessions} ping-pongs / 2 procs", statistics.median(ratios), None,
+                   len(rb_rates))
+        )  # fmt: skip
+        raw_ms, rb_ms = _ms(raw_lat), _ms(rb_lat)
+        results.append(
+            Result(f"round trip p99, {sessions} sessions / 2 workers", "ms", percentile(rb_ms, 99),
+                   percentile(raw_ms, 99), f"{sessions} ping-pongs / 2 procs",
+                   percentile(rb_ms, 99) / percentile(raw_ms, 99), None, len(rb_ms), better="lower")
+        )  # fmt: skip
+
+        # Scale: 1,000 sessions over 4 workers; nobody starved.
+        sessions = 250 if args.quick else 1000
+        _r, rb_rates, raw_lat, rb_lat, warm = await _phase(url, tmp, sessions, 4, rounds=1, per_session=5)
+        raw_ms, rb_ms = _ms(raw_lat), _ms(rb_lat)
+        label = f"{sessions} ping-pongs / 4 procs"
+        results.append(
+            Result(f"round trip p99, {sessions} sessions / 4 workers", "ms", percentile(rb_ms, 99),
+                   percentile(raw_ms, 99), label, percentile(rb_ms, 99) / percentile(raw_ms, 99), None, len(rb_ms),
+                   better="lower")
+        )  # fmt: skip
+        results.append(
+            Result(f"round trip max, {sessions} sessions / 4 workers", "ms", max(rb_ms), max(raw_ms), label,
+                   max(rb_ms) / max(raw_ms), None, len(rb_ms), better="lower")
+        )  # fmt: skip
+        results.append(
+            Result(f"first answer of all {sessions} sessions (takeover)", "ms", warm * 1000, max(raw_ms),
+                   label + " max", warm * 1000 / max(raw_ms), None, sessions, better="lower")
+        )  # fmt: skip
+    return results
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--responder"]:
+        responder_main(sys.argv[2:])
+        return 0
+    return run_alone(measure, "Action round trips through runtime workers against a Redis ping-pong.")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
