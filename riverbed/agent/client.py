@@ -54,7 +54,8 @@ class Session:
         self.trace = tracing.new_trace()
         """The handle's own trace, used when no OpenTelemetry span is active."""
 
-    def _stamp(self, event: events.Event) -> events.Event:
+    def stamp(self, event: events.Event) -> events.Event:
+        """The event with this handle's agent, tenant and trace filled in where it has none."""
         changes: dict[str, Any] = {}
         if self.tenant is not None and event.tenant is None:
             changes["tenant"] = self.tenant
@@ -77,7 +78,7 @@ class Session:
                 raise InputError(f"only events can be appended, not {type(event).__name__}")
         result = await self.bus.log_store.append(
             self.id,
-            [self._stamp(e) for e in batch],
+            [self.stamp(e) for e in batch],
             expected_last=expected_last,
             idempotency_key=idempotency_key,
             tenant=self.tenant,

@@ -219,15 +219,9 @@ class _Run:
         self.events.extend(await self.session.events(start))
 
     async def append(self, event: events.Event) -> events.Event:
-        """Append one event; returns it as the log holds it (id, agent and tenant set)."""
-        session = self.session
-        changes = {
-            name: value
-            for name, value in (("agent", session.agent), ("tenant", session.tenant))
-            if value is not None and getattr(event, name) is None
-        }
-        stamped = replace(event, **changes) if changes else event
-        (event_id,) = await session.append(stamped)
+        """Append one event; returns it as the log holds it (id, agent, tenant and trace set)."""
+        stamped = self.session.stamp(event)
+        (event_id,) = await self.session.append(stamped)
         return events.with_id(stamped, event_id)
 
     async def recall_context(self, message_id: int, content: str, *, first: bool) -> None:

@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 
 import msgspec
-from msgspec.structs import replace
 
 from riverbed import events
 from riverbed.agent.client import Bus, Session
@@ -92,7 +91,7 @@ async def run_script(
         if not isinstance(action, events.Action):
             raise InputError(f"a script holds actions, not {type(action).__name__} events")
     for action in actions:
-        stamped = _stamped(action, session)
+        stamped = session.stamp(action)
         (action_id,) = await session.append(stamped)
         appended = events.with_id(stamped, action_id)
         assert isinstance(appended, events.Action)
@@ -100,16 +99,6 @@ async def run_script(
         if type(action).answered_by is not None:
             observation = await session.wait_for_answer(action_id, timeout=timeout)
         yield Step(appended, observation)
-
-
-def _stamped(action: events.Action, session: Session) -> events.Action:
-    """The action as the session appends it (its agent and tenant filled in)."""
-    changes = {
-        name: value
-        for name, value in (("agent", session.agent), ("tenant", session.tenant))
-        if value is not None and getattr(action, name) is None
-    }
-    return replace(action, **changes) if changes else action
 
 
 async def run_scripted_agent(

@@ -323,11 +323,11 @@ async def retain(
         rows: list[tuple[int, bytes]] = []
         young = False
         for raw_id, fields in entries:
-            ts = _event_time(fields[PAYLOAD_FIELD])
+            ts = _event_time(fields.get(PAYLOAD_FIELD, b""))
             if ts is not None and ts > cutoff:
                 young = True
                 break
-            rows.append((entry_id(raw_id), fields[PAYLOAD_FIELD]))
+            rows.append((entry_id(raw_id), fields.get(PAYLOAD_FIELD, b"")))
         if not rows:
             break
         new = await archive.copy(session, rows)

@@ -22,6 +22,7 @@ id it asked for costs nothing extra.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ __all__ = ["AlreadyAnswered", "ArchiveReader", "Fence", "Log", "entry_id"]
 log = structlog.get_logger("riverbed.bus")
 
 IDEMPOTENCY_TTL_MS = 24 * 3600 * 1000
+AUTO_IDEMPOTENCY_TTL_MS = 120 * 1000
+"""How long the key of an append made without one guards against a transparent retry."""
 PAGE = 2000
 
 
@@ -135,10 +138,16 @@ class Log:
             return []
         if idempotency_key is not None and not (0 < len(idempotency_key) <= 200):
             raise InputError("an idempotency key must be 1 to 200 characters long")
+        ttl = IDEMPOTENCY_TTL_MS
+        if idempotency_key is None:
+            # Every call gets a key of its own, kept briefly: the client retries a command whose
+            # connection broke, and a retry of an append that did go through must not append twice.
+            idempotency_key = f"auto:{secrets.token_hex(12)}"
+            ttl = AUTO_IDEMPOTENCY_TTL_MS
         keys = self.keys
         args: list[Any] = [
             "" if expected_last is None else expected_last,
-            "" if idempotency_key is None else IDEMPOTENCY_TTL_MS,
+            ttl,
             "" if fence is None else fence.role,
             0 if fence is None else fence.token,
             "" if ack is None else ack[0],
@@ -153,7 +162,7 @@ class Log:
             keys.log(session),
             keys.meta(session),
             keys.answers(session),
-            keys.idem(session, idempotency_key or "-"),
+            keys.idem(session, idempotency_key),
         ]
         with translate(self.url):
             reply = await self._append(keys=script_keys, args=args)
