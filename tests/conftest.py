@@ -6,12 +6,14 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+import riverbed
 from riverbed import services
+from riverbed.agent.client import Bus
 
 
 @pytest.fixture(scope="session")
@@ -89,3 +91,10 @@ def workspace(tmp_path: Path) -> Path:
     root = tmp_path / "workspace"
     root.mkdir()
     return root
+
+
+@pytest.fixture
+async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
+    """A bus on the standalone test Redis under this test's own prefix (contract tests override it)."""
+    async with riverbed.connect(redis_url, prefix=prefix) as bus:
+        yield bus

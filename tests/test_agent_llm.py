@@ -42,12 +42,6 @@ def local() -> LocalEmbedder:
 
 
 @pytest.fixture
-async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(redis_url, prefix=prefix) as bus:
-        yield bus
-
-
-@pytest.fixture
 def server() -> Iterator[OpenAIServer]:
     with OpenAIServer(model="test-model") as server:
         yield server

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
 
-import riverbed
 from riverbed import events
 from riverbed.agent.client import Bus
 from tests.workerproc import WorkerProcess
@@ -16,12 +15,6 @@ from tests.workerproc import WorkerProcess
 pytestmark = pytest.mark.anyio
 
 ACTIONS = 20
-
-
-@pytest.fixture
-async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(redis_url, prefix=prefix) as bus:
-        yield bus
 
 
 @pytest.fixture

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-import riverbed
 from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.agent.scripted import load_script, parse_script, run_script, run_scripted_agent
@@ -17,12 +15,6 @@ from tests.agentkit import runtime_worker
 pytestmark = pytest.mark.anyio
 
 SCRIPTS = Path(__file__).with_name("scripts")
-
-
-@pytest.fixture
-async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(redis_url, prefix=prefix) as bus:
-        yield bus
 
 
 def test_a_script_is_parsed_into_actions() -> None:

@@ -17,7 +17,8 @@ import riverbed
 PACKAGE = Path(riverbed.__file__).parent
 
 # Which of our layers each layer may import (a layer is a top-level module or subpackage).
-# errors and tracing (W3C trace context helpers) are shared leaves every layer may use;
+# errors and tracing (W3C trace context helpers) are shared leaves every layer may use; pg
+# (Postgres plumbing) is shared by the two layers that own tables, bus (archive) and memory;
 # settings (configuration) and logs (logging
 # set-up at an entry point) are used only by the layers that compose the system.
 ALLOWED: dict[str, set[str]] = {
@@ -25,11 +26,12 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "logs": set(),
     "tracing": set(),
+    "pg": {"errors"},
     "settings": {"errors"},
     "services": {"errors"},
-    "bus": {"events", "errors", "tracing", "bus"},
+    "bus": {"events", "errors", "tracing", "pg", "bus"},
     "runtime": {"events", "errors", "tracing", "bus", "runtime"},
-    "memory": {"events", "errors", "tracing", "bus", "memory"},
+    "memory": {"events", "errors", "tracing", "pg", "bus", "memory"},
     "agent": {"events", "errors", "tracing", "settings", "logs", "bus", "runtime", "memory", "agent"},
     "workers": {
         "events",

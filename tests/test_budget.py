@@ -9,13 +9,12 @@ recall in plain words finds an event the condenser dropped.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
 
-import riverbed
 from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.agent.llm import AgentOptions, build_messages, run_llm_agent
@@ -39,12 +38,6 @@ pytestmark = pytest.mark.anyio
 BUDGET = 1500
 CONDENSER = {"strategy": "amortized", "budget_tokens": BUDGET, "headroom_tokens": 100, "max_events": None}
 _local = LocalEmbedder()
-
-
-@pytest.fixture
-async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(redis_url, prefix=prefix) as bus:
-        yield bus
 
 
 @pytest.fixture

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import anyio
 import pytest
 
-import riverbed
 from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.bus.consumer import Owner
@@ -16,12 +13,6 @@ from riverbed.workers.condenser_role import CondenserHandler
 from tests.openai_server import OpenAIServer
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(redis_url, prefix=prefix) as bus:
-        yield bus
 
 
 async def wait_for(bus: Bus, session: str, predicate: object, timeout: float = 10) -> list[events.Event]:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -25,7 +25,6 @@ import anyio
 import anyio.to_thread
 import pytest
 
-import riverbed
 from riverbed import events, services
 from riverbed.agent.client import Bus, Session
 from riverbed.memory.embedders import LocalEmbedder
@@ -51,12 +50,6 @@ _local = LocalEmbedder()
 def local() -> LocalEmbedder:
     _local.load()
     return _local
-
-
-@pytest.fixture
-async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(redis_url, prefix=prefix) as bus:
-        yield bus
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,6 @@ import msgspec
 import pytest
 import redis.exceptions as rexc
 
-import riverbed
 from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.bus.dlq import DeadLetters
@@ -38,12 +37,6 @@ from tests.workerproc import WorkerProcess
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]
 
 LEASE = 1.0
-
-
-@pytest.fixture
-async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(redis_url, prefix=prefix) as bus:
-        yield bus
 
 
 @pytest.fixture

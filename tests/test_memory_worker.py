@@ -18,7 +18,6 @@ import asyncpg
 import pytest
 from msgspec.structs import replace
 
-import riverbed
 from riverbed import events
 from riverbed.agent.client import Bus, Session
 from riverbed.bus.consumer import Owner
@@ -40,12 +39,6 @@ _local = LocalEmbedder()
 def local() -> LocalEmbedder:
     _local.load()
     return _local
-
-
-@pytest.fixture
-async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(redis_url, prefix=prefix) as bus:
-        yield bus
 
 
 @contextlib.asynccontextmanager

@@ -6,7 +6,6 @@ import json
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
 from functools import partial
 
 import anyio
@@ -14,7 +13,6 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import riverbed
 from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.bus import stats
@@ -27,12 +25,6 @@ from riverbed.workers.main import Worker
 from riverbed.workers.metrics import METRIC_NAMES, WorkerMetrics
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(redis_url, prefix=prefix) as bus:
-        yield bus
 
 
 # --- backlog statistics ------------------------------------------------------------------------

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-import riverbed
 from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.agent.replay import fork, rerun
@@ -17,12 +15,6 @@ from riverbed.runtime import Runtime
 from tests.agentkit import runtime_worker
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(redis_url, prefix=prefix) as bus:
-        yield bus
 
 
 async def raw_log(bus: Bus, session: str) -> list[tuple[int, bytes]]:

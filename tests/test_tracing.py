@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-import riverbed
 from riverbed import events, tracing
 from riverbed.agent.client import Bus
 from tests.agentkit import runtime_worker
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(redis_url, prefix=prefix) as bus:
-        yield bus
 
 
 def test_traceparent_helpers() -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import math
-import re
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 import anyio
@@ -44,7 +43,8 @@ from riverbed.bus import scripts
 from riverbed.bus.connection import Client, redact, translate
 from riverbed.bus.keys import PAYLOAD_FIELD, ROLES, Keys
 from riverbed.bus.log import PAGE, entry_id
-from riverbed.errors import ConfigError, InputError, RiverbedError, UnavailableError
+from riverbed.errors import InputError, RiverbedError, UnavailableError
+from riverbed.pg import LazyPool, check_schema, migrate
 
 __all__ = ["Archive", "Retention", "first_stream_id", "retain", "safe_point"]
 
@@ -52,10 +52,7 @@ log = structlog.get_logger("riverbed.retention")
 
 #: The advisory lock key of the memory store's migrations: both create the same schema, and
 #: two concurrent ``CREATE SCHEMA IF NOT EXISTS`` may otherwise fail on each other.
-LOCK_KEY = 0x72697665726264
 
-_SCHEMA_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
-_DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 
 MIGRATIONS: list[tuple[int, str]] = [
     (
@@ -73,10 +70,6 @@ MIGRATIONS: list[tuple[int, str]] = [
 ]
 
 
-def _quote_ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
-
-
 class Archive:
     """The archive table over a small asyncpg pool.  The constructor does no I/O; the pool
     is opened (and the table created) by the first call that needs it."""
@@ -90,78 +83,37 @@ class Archive:
         connect_timeout: float = 5.0,
         command_timeout: float = 60.0,
     ) -> None:
-        if not _SCHEMA_RE.match(schema):
-            raise ConfigError(f"schema {schema!r} is not valid: use lowercase letters, digits or underscores")
         self.url = url
         self.schema = schema
-        self._s = _quote_ident(schema)
-        self._max_size = max_size
-        self._connect_timeout = connect_timeout
-        self._command_timeout = command_timeout
-        self._pool: asyncpg.Pool[asyncpg.Record] | None = None
-        self._start_lock = anyio.Lock()
+        self._s = check_schema(schema)
+        self._pg = LazyPool(
+            url,
+            what=f"log archive in Postgres at {redact(url)}",
+            prepare=self._migrate,
+            max_size=max_size,
+            connect_timeout=connect_timeout,
+            command_timeout=command_timeout,
+        )
+
+    @property
+    def started(self) -> bool:
+        return self._pg.started
 
     async def start(self) -> None:
         """Connect and create the table if missing (safe when several processes start at once)."""
-        if self._pool is not None:
-            return
-        async with self._start_lock:
-            if self._pool is None:
-                await self._start()
+        await self._pg.start()
 
-    async def _start(self) -> None:
-        try:
-            with anyio.fail_after(self._connect_timeout * 3):
-                conn = await asyncpg.connect(self.url, timeout=self._connect_timeout)
-                try:
-                    await self._migrate(conn)
-                finally:
-                    await conn.close()
-                self._pool = await asyncpg.create_pool(
-                    self.url,
-                    min_size=1,
-                    max_size=self._max_size,
-                    timeout=self._connect_timeout,
-                    command_timeout=self._command_timeout,
-                )
-        except _DB_ERRORS as exc:
-            raise UnavailableError(
-                f"the log archive in Postgres at {redact(self.url)} cannot be reached or prepared: {exc}"
-            ) from exc
-
-    async def _migrate(self, conn: asyncpg.Connection[asyncpg.Record]) -> list[int]:
-        s = self._s
-        async with conn.transaction():
-            await conn.execute("SELECT pg_advisory_xact_lock($1)", LOCK_KEY)
-            await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {s}")
-            await conn.execute(
-                f"CREATE TABLE IF NOT EXISTS {s}.archive_migrations "
-                "(version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            done = {row["version"] for row in await conn.fetch(f"SELECT version FROM {s}.archive_migrations")}
-            applied: list[int] = []
-            for version, sql in MIGRATIONS:
-                if version not in done:
-                    await conn.execute(sql.format(s=s))
-                    await conn.execute(f"INSERT INTO {s}.archive_migrations (version) VALUES ($1)", version)
-                    applied.append(version)
-            return applied
+    async def _migrate(self, conn: asyncpg.Connection[asyncpg.Record]) -> None:
+        await migrate(conn, self.schema, table="archive_migrations", migrations=MIGRATIONS)
 
     async def close(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            with anyio.move_on_after(5, shield=True):
-                await pool.close()
+        await self._pg.close()
 
     @contextlib.asynccontextmanager
     async def _conn(self) -> AsyncIterator[PoolConnectionProxy[asyncpg.Record]]:
         await self.start()
-        assert self._pool is not None
-        try:
-            async with self._pool.acquire(timeout=self._connect_timeout) as conn:
-                yield conn
-        except _DB_ERRORS as exc:
-            raise UnavailableError(f"the log archive failed: {type(exc).__name__}: {exc}") from exc
+        async with self._pg.connection() as conn:
+            yield conn
 
     async def copy(self, session: str, rows: Sequence[tuple[int, bytes]]) -> int:
         """Store ``rows`` (event id, payload) in one transaction; rows already archived are kept.

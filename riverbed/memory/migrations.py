@@ -20,17 +20,16 @@ Tables (``<s>`` is the schema):
     ``model, hash`` → ``embedding``: the shared level of the embedding cache.
 """
 
-# ruff: noqa: S608  (SQL text only interpolates the validated, quoted schema name)
 from __future__ import annotations
 
 import hashlib
 
 import asyncpg
 
+from riverbed.pg import migrate, quote_ident
+
 __all__ = ["MIGRATIONS", "apply", "hnsw_index_name", "hnsw_index_sql", "quote_ident", "quote_literal"]
 
-#: Key of the advisory lock every migration run takes (one for all schemas: CREATE EXTENSION is global).
-LOCK_KEY = 0x72697665726264  # "riverbd"
 
 MIGRATIONS: list[tuple[int, str]] = [
     (
@@ -71,10 +70,6 @@ MIGRATIONS: list[tuple[int, str]] = [
 ]
 
 
-def quote_ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
-
-
 def quote_literal(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
@@ -91,23 +86,8 @@ def hnsw_index_sql(schema: str, model: str, dim: int) -> str:
     )
 
 
-async def apply(conn: asyncpg.Connection, schema: str) -> list[int]:
+async def apply(conn: asyncpg.Connection[asyncpg.Record], schema: str) -> list[int]:
     """Bring ``schema`` up to the latest version; returns the versions applied now."""
-    s = quote_ident(schema)
-    async with conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", LOCK_KEY)
-        await conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
-        await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {s}")
-        await conn.execute(
-            f"CREATE TABLE IF NOT EXISTS {s}.memory_migrations "
-            "(version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        done = {row["version"] for row in await conn.fetch(f"SELECT version FROM {s}.memory_migrations")}
-        applied: list[int] = []
-        for version, sql in MIGRATIONS:
-            if version in done:
-                continue
-            await conn.execute(sql.format(s=s))
-            await conn.execute(f"INSERT INTO {s}.memory_migrations (version) VALUES ($1)", version)
-            applied.append(version)
-        return applied
+    return await migrate(
+        conn, schema, table="memory_migrations", migrations=MIGRATIONS, before=["CREATE EXTENSION IF NOT EXISTS vector"]
+    )

@@ -16,27 +16,24 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import re
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
-import anyio
 import asyncpg
 import numpy as np
 from asyncpg.pool import PoolConnectionProxy
 from pgvector.asyncpg import register_vector
 
-from riverbed.errors import ConfigError, UnavailableError
 from riverbed.memory import migrations
 from riverbed.memory.embedders import Vectors
-from riverbed.memory.migrations import quote_ident, quote_literal
+from riverbed.memory.migrations import quote_literal
+from riverbed.pg import LOCK_KEY, LazyPool, check_schema
 
 __all__ = ["Candidate", "ChunkRow", "StaleRow", "Store", "query_words"]
 
-_SCHEMA_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 _WORD_RE = re.compile(r"[^\W_]+", re.UNICODE)
 _CHUNK_COLUMNS = ["session", "event_id", "chunk", "tenant", "kind", "source", "ts", "text", "model", "embedding"]
-_DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,19 +97,21 @@ class Store:
         connect_timeout: float = 5.0,
         command_timeout: float = 30.0,
     ) -> None:
-        if not _SCHEMA_RE.match(schema):
-            raise ConfigError(f"schema {schema!r} is not valid: use lowercase letters, digits or underscores")
         self.url = url
         self.schema = schema
-        self._s = quote_ident(schema)
-        self._min_size = min_size
-        self._max_size = max_size
-        self._connect_timeout = connect_timeout
-        self._command_timeout = command_timeout
-        self._pool: asyncpg.Pool[asyncpg.Record] | None = None
+        self._s = check_schema(schema)
         self._vector_schema = "public"
         self._indexed_models: set[str] = set()
-        self._start_lock = anyio.Lock()
+        self._pg = LazyPool(
+            url,
+            what="memory database",
+            prepare=self._prepare,
+            init=self._init_connection,
+            min_size=min_size,
+            max_size=max_size,
+            connect_timeout=connect_timeout,
+            command_timeout=command_timeout,
+        )
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -120,43 +119,20 @@ class Store:
         """Connect, migrate (safe when several workers start at once) and open the pool.
 
         Concurrent calls (one per session a worker serves) share one pool."""
-        if self._pool is not None:
-            return
-        async with self._start_lock:
-            if self._pool is None:
-                await self._start()
+        await self._pg.start()
 
-    async def _start(self) -> None:
-        try:
-            with anyio.fail_after(self._connect_timeout * 3):
-                conn = await asyncpg.connect(self.url, timeout=self._connect_timeout)
-                try:
-                    await migrations.apply(conn, self.schema)
-                    found = await conn.fetchval(
-                        "SELECT extnamespace::regnamespace::text FROM pg_extension WHERE extname = 'vector'"
-                    )
-                    self._vector_schema = str(found or "public")
-                finally:
-                    await conn.close()
-                self._pool = await asyncpg.create_pool(
-                    self.url,
-                    min_size=self._min_size,
-                    max_size=self._max_size,
-                    timeout=self._connect_timeout,
-                    command_timeout=self._command_timeout,
-                    init=self._init_connection,
-                )
-        except _DB_ERRORS as exc:
-            raise UnavailableError(f"the memory database cannot be reached or prepared: {exc}") from exc
+    async def _prepare(self, conn: asyncpg.Connection[asyncpg.Record]) -> None:
+        await migrations.apply(conn, self.schema)
+        found = await conn.fetchval(
+            "SELECT extnamespace::regnamespace::text FROM pg_extension WHERE extname = 'vector'"
+        )
+        self._vector_schema = str(found or "public")
 
     async def _init_connection(self, conn: asyncpg.Connection[asyncpg.Record]) -> None:
         await register_vector(conn, schema=self._vector_schema)
 
     async def close(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            with anyio.move_on_after(5, shield=True):
-                await pool.close()
+        await self._pg.close()
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -165,22 +141,15 @@ class Store:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    @contextlib.asynccontextmanager
-    async def _conn(self) -> AsyncIterator[PoolConnectionProxy[asyncpg.Record]]:
-        if self._pool is None:
-            raise UnavailableError("the memory store is not started (call Store.start first)")
-        try:
-            async with self._pool.acquire(timeout=self._connect_timeout) as conn:
-                yield conn
-        except _DB_ERRORS as exc:
-            raise UnavailableError(f"the memory database failed: {type(exc).__name__}: {exc}") from exc
+    def _conn(self) -> contextlib.AbstractAsyncContextManager[PoolConnectionProxy[asyncpg.Record]]:
+        return self._pg.connection()
 
     async def ensure_model_index(self, model: str, dim: int) -> None:
         """Create the HNSW index for ``model`` rows if missing (once per store)."""
         if model in self._indexed_models:
             return
         async with self._conn() as conn, conn.transaction():
-            await conn.execute("SELECT pg_advisory_xact_lock($1)", migrations.LOCK_KEY)
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", LOCK_KEY)
             await conn.execute(migrations.hnsw_index_sql(self.schema, model, dim))
         self._indexed_models.add(model)
 
