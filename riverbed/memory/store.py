@@ -69,6 +69,12 @@ class StaleRow:
     text: str
 
 
+TEXT_CANDIDATES = 2000
+"""Matching rows a full-text query ranks at most."""
+EF_SEARCH = 100
+"""HNSW candidate list for tenant-scope search (pgvector's default of 40 loses recall on large indexes)."""
+
+
 def query_words(query: str, limit: int = 32) -> list[str]:
     """Distinct lowercase words of a query, for an OR-ed full-text query."""
     seen: dict[str, None] = {}
@@ -239,7 +245,8 @@ class Store:
                 dim = int(query.shape[0])
                 async with conn.transaction():
                     await conn.execute("SET LOCAL hnsw.iterative_scan = relaxed_order")
-                    await conn.execute("SELECT set_config('hnsw.ef_search', $1, true)", str(min(1000, max(40, k))))
+                    ef_search = str(min(1000, max(EF_SEARCH, 4 * k)))
+                    await conn.execute("SELECT set_config('hnsw.ef_search', $1, true)", ef_search)
                     rows = await conn.fetch(
                         f"SELECT {cols}, embedding::halfvec({dim}) <=> $1::halfvec({dim}) AS distance "
                         f"FROM {self._s}.memory_chunks WHERE model = {quote_literal(model)} AND tenant = $2 "
@@ -260,22 +267,36 @@ class Store:
         tenant: str | None,
         session: str | None = None,
     ) -> list[Candidate]:
-        """Chunks matching any word of ``query`` (English stemming), best ``ts_rank_cd`` first."""
+        """Chunks matching the words of ``query`` (English stemming), best ``ts_rank_cd`` first.
+
+        Chunks with every word come first; when they are fewer than ``k``, chunks with any word
+        fill up.  Each query ranks at most :data:`TEXT_CANDIDATES` matching rows, so a common
+        word in a large index costs a bounded amount (the vector half of a recall does not
+        depend on it).
+        """
         words = query_words(query)
         if not words:
             return []
         where = "tenant = $2" + (" AND session = $4" if session is not None else "")
-        args: list[Any] = [" | ".join(words), _tenant(tenant), k]
-        if session is not None:
-            args.append(session)
+        sql = (
+            "SELECT session, event_id, chunk, kind, ts, text, ts_rank_cd(tsv, q) AS rank "
+            f"FROM (SELECT session, event_id, chunk, kind, ts, text, tsv FROM {self._s}.memory_chunks "
+            f"WHERE tsv @@ to_tsquery('english', $1) AND {where} LIMIT {TEXT_CANDIDATES}) AS m, "
+            "to_tsquery('english', $1) AS q ORDER BY rank DESC LIMIT $3"
+        )
+        found: dict[tuple[str, int, int], Candidate] = {}
         async with self._conn() as conn:
-            rows = await conn.fetch(
-                "SELECT session, event_id, chunk, kind, ts, text, ts_rank_cd(tsv, q) AS rank "
-                f"FROM {self._s}.memory_chunks, to_tsquery('english', $1) AS q "
-                f"WHERE tsv @@ q AND {where} ORDER BY rank DESC LIMIT $3",
-                *args,
-            )
-        return [_candidate(r, float(r["rank"])) for r in rows]
+            for joiner in (" & ", " | ") if len(words) > 1 else (" | ",):
+                args: list[Any] = [joiner.join(words), _tenant(tenant), k]
+                if session is not None:
+                    args.append(session)
+                for row in await conn.fetch(sql, *args):
+                    found.setdefault(
+                        (row["session"], row["event_id"], row["chunk"]), _candidate(row, float(row["rank"]))
+                    )
+                if len(found) >= k:
+                    break
+        return list(found.values())[:k]
 
     # --- embedding cache (shared level) ------------------------------------------------
 
