@@ -11,7 +11,7 @@ key                                    what
 ``{p}:{s}:log``                        the session log (stream; entry id ``<n>-0`` is event n)
 ``{p}:{s}:meta``                       hash: ``last`` id, ``tenant``, ``created``, per role
                                        ``fence:<role>``, ``holder:<role>``, ``expires:<role>``,
-                                       ``need:<role>`` (announce the session again),
+                                       ``need:<role>`` (no owner yet: when it was last announced),
                                        ``archived_to`` (events up to it are in the archive)
 ``{p}:{s}:answers``                    hash: action id -> id of its one answering observation
 ``{p}:{s}:idem:<key>``                 string ``first:count`` for a retried append (with TTL)

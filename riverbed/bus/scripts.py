@@ -17,8 +17,12 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 #       token, ack_group ('' = none), ack_id, tenant, n, then n pairs (payload, answered cause or 0)
 # Replies: {'ok', first, count, created, need...} | {'dup', first, count} | {'conflict', last}
 #          | {'fenced', current} | {'answered', cause, existing id}
+ANNOUNCE_MS = 2000
+"""While a role has no owner for a session, appends re-announce it at most this often."""
+
 APPEND = (
     _NOW
+    + f"local ANNOUNCE_MS = {ANNOUNCE_MS}\n"
     + """
 if ARGV[2] ~= '' then
   local seen = redis.call('GET', KEYS[4])
@@ -48,7 +52,7 @@ end
 local created = 0
 if last == 0 then
   created = 1
-  redis.call('HSET', KEYS[2], 'created', now, 'need:runtime', 1, 'need:memory', 1, 'need:condenser', 1)
+  redis.call('HSET', KEYS[2], 'created', now, 'need:runtime', 0, 'need:memory', 0, 'need:condenser', 0)
   if ARGV[7] ~= '' then redis.call('HSET', KEYS[2], 'tenant', ARGV[7]) end
 end
 local first = last + 1
@@ -67,7 +71,13 @@ if ARGV[5] ~= '' then
 end
 local reply = {'ok', first, n, created}
 for _, role in ipairs({'runtime', 'memory', 'condenser'}) do
-  if redis.call('HEXISTS', KEYS[2], 'need:' .. role) == 1 then table.insert(reply, role) end
+  -- need:<role> holds when the session was last announced to that role (0: never); announce
+  -- again at most every ANNOUNCE_MS while no owner has taken it (an announce may be lost).
+  local announced = redis.call('HGET', KEYS[2], 'need:' .. role)
+  if announced and now - tonumber(announced) >= ANNOUNCE_MS then
+    redis.call('HSET', KEYS[2], 'need:' .. role, now)
+    table.insert(reply, role)
+  end
 end
 return reply
 """
@@ -110,7 +120,7 @@ if redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) ~= ARGV[3] then return 0 end
 if ARGV[4] == '1' then
   local last = tonumber(redis.call('HGET', KEYS[1], 'last') or '0')
   if last > tonumber(ARGV[5]) then return -1 end
-  redis.call('HSET', KEYS[1], 'need:' .. ARGV[1], 1)
+  redis.call('HSET', KEYS[1], 'need:' .. ARGV[1], 0)
 end
 redis.call('HSET', KEYS[1], 'holder:' .. ARGV[1], '', 'expires:' .. ARGV[1], 0)
 return 1
