@@ -79,6 +79,29 @@ async def test_fencing_refuses_a_stale_token(bus: Bus) -> None:
     assert await session.last_id() == 2
 
 
+async def test_an_answer_passes_its_own_role_but_reaches_the_others(bus: Bus) -> None:
+    session = bus.session("own")
+    (action,) = await session.append(events.CmdRun(command="true"))
+    key = bus.keys.log("own")
+    for group in ("runtime", "memory"):
+        await bus.redis.xgroup_create(key, group, id="0")
+    assert len((await bus.redis.xreadgroup("runtime", "w", {key: ">"}))[0][1]) == 1
+    answer = events.CmdOutput(content="", exit_code=0, cause=action)
+    await bus.log_store.append("own", [answer], ack=("runtime", f"{action}-0"), pass_own=True)
+    assert await bus.redis.xreadgroup("runtime", "w", {key: ">"}, block=50) == []  # skipped, and acked
+    assert (await bus.redis.xpending(key, "runtime"))["pending"] == 0
+    memory = await bus.redis.xreadgroup("memory", "m", {key: ">"})
+    assert [entry_id for entry_id, _ in memory[0][1]] == [b"1-0", b"2-0"]
+    # When something arrived in between, nothing is skipped.
+    (second,) = await session.append(events.CmdRun(command="true"))
+    await bus.redis.xreadgroup("runtime", "w", {key: ">"})
+    (third,) = await session.append(events.CmdRun(command="true"))
+    late = events.CmdOutput(content="", exit_code=0, cause=second)
+    (late_id,) = await bus.log_store.append("own", [late], ack=("runtime", f"{second}-0"), pass_own=True)  # type: ignore[misc]
+    delivered = await bus.redis.xreadgroup("runtime", "w", {key: ">"})
+    assert [entry_id for entry_id, _ in delivered[0][1]] == [f"{third}-0".encode(), f"{late_id}-0".encode()]
+
+
 async def test_an_action_is_answered_at_most_once(bus: Bus) -> None:
     session = bus.session("s1")
     (action,) = await session.append(events.CmdRun(command="true"))

@@ -124,7 +124,14 @@ class SessionContext:
             obs = replace(obs, trace=tracing.child_of(entry.event.trace))
         # Retried until Redis answers: the one-answer guard makes a repeat of an append that did
         # go through a no-op, and giving up here would make the loop run the action again.
-        append = partial(self.log.append, self.session, [obs], fence=self.fence, ack=(self.role, f"{entry.id}-0"))
+        append = partial(
+            self.log.append,
+            self.session,
+            [obs],
+            fence=self.fence,
+            ack=(self.role, f"{entry.id}-0"),
+            pass_own=self.owner.passes_own_answers,
+        )
         result = await _retrying(append, self.owner._stopping)
         crashpoint("after_append")
         if isinstance(result, AlreadyAnswered):
@@ -207,6 +214,8 @@ class Owner:
         self.max_attempts = max_attempts
         self.url = url
         self.log = Log(redis, keys, url)
+        self.passes_own_answers = bool(getattr(handler, "ignores_own_answers", False))
+        """The handler never needs its own answers delivered back (the runtime: it handles actions)."""
         self.leases = Leases(redis, keys, self.role, worker=worker, lease_ms=math.ceil(lease_seconds * 1000), url=url)
         self.dlq = DeadLetters(redis, keys, url)
         self.owned: dict[str, _Owned] = {}

@@ -110,8 +110,13 @@ class Log:
         fence: Fence | None = None,
         ack: tuple[str, bytes | str] | None = None,
         tenant: str | None = None,
+        pass_own: bool = False,
     ) -> list[int] | AlreadyAnswered:
-        """Append ``batch`` in one round trip; returns the new ids (or the first ids on a retry)."""
+        """Append ``batch`` in one round trip; returns the new ids (or the first ids on a retry).
+
+        ``ack`` (group, entry id) acknowledges the entry being answered in the same script;
+        ``pass_own`` also moves that group past the answer when nothing arrived in between
+        (for a role that never needs to see its own answers)."""
         return await self.append_raw(
             session,
             [(events.encode(e), answered_cause(e)) for e in batch],
@@ -120,6 +125,7 @@ class Log:
             fence=fence,
             ack=ack,
             tenant=tenant,
+            pass_own=pass_own,
         )
 
     async def append_raw(
@@ -132,6 +138,7 @@ class Log:
         fence: Fence | None = None,
         ack: tuple[str, bytes | str] | None = None,
         tenant: str | None = None,
+        pass_own: bool = False,
     ) -> list[int] | AlreadyAnswered:
         self.check_session(session)
         if not batch:
@@ -154,6 +161,7 @@ class Log:
             "" if ack is None else ack[1],
             tenant or "",
             len(batch),
+            "1" if pass_own else "",
         ]
         for payload, cause in batch:
             args.append(payload)

@@ -29,6 +29,7 @@ def for_runtime(event: events.Event) -> bool:
 
 class RuntimeHandler:
     role = "runtime"
+    ignores_own_answers = True  # it handles actions and session settings, never observations
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
