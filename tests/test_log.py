@@ -97,7 +97,7 @@ async def test_an_answer_passes_its_own_role_but_reaches_the_others(bus: Bus) ->
     await bus.redis.xreadgroup("runtime", "w", {key: ">"})
     (third,) = await session.append(events.CmdRun(command="true"))
     late = events.CmdOutput(content="", exit_code=0, cause=second)
-    (late_id,) = await bus.log_store.append("own", [late], ack=("runtime", f"{second}-0"), pass_own=True)  # type: ignore[misc]
+    (late_id,) = await bus.log_store.append("own", [late], ack=("runtime", f"{second}-0"), pass_own=True)
     delivered = await bus.redis.xreadgroup("runtime", "w", {key: ">"})
     assert [entry_id for entry_id, _ in delivered[0][1]] == [f"{third}-0".encode(), f"{late_id}-0".encode()]
 
