@@ -60,6 +60,7 @@ from riverbed.errors import (
     ServiceError,
     UnavailableError,
 )
+from riverbed.logs import configure_logging
 from riverbed.settings import Settings
 
 __all__ = ["app", "main"]
@@ -231,6 +232,8 @@ def _hint(exc: RiverbedError) -> str:
 
 def main() -> None:
     """Entry point of the ``riverbed`` console script."""
+    # Commands log warnings only (to stderr); `worker` reconfigures for its own service logs.
+    configure_logging(level=os.environ.get("RIVERBED_LOG_LEVEL") or "warning")
     try:
         app()
     except SystemExit:
@@ -673,7 +676,6 @@ def worker_command(
     prefix: PrefixOption = None,
 ) -> None:
     """Run a long-lived worker for the given roles until SIGTERM/SIGINT (then drain and hand over)."""
-    from riverbed.logs import configure_logging  # noqa: PLC0415
     from riverbed.workers.main import parse_roles, run_worker  # noqa: PLC0415
 
     settings = _settings(prefix, concurrency=concurrency, metrics_port=metrics_port)
@@ -901,7 +903,6 @@ def dlq_requeue(
 @app.command("demo")
 def demo_command(prefix: PrefixOption = None) -> None:
     """Start embedded services if needed, run every role in-process and drive a demo session."""
-    from riverbed.logs import configure_logging  # noqa: PLC0415
     from riverbed.workers.demo import run_demo  # noqa: PLC0415
 
     started = dt.datetime.now(dt.UTC)

@@ -9,7 +9,7 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.client import Bus
-from riverbed.agent.replay import fork, rerun
+from riverbed.agent.replay import compare, fork, rerun
 from riverbed.errors import ConfigError, InputError
 from riverbed.runtime import Runtime
 from tests.agentkit import runtime_worker
@@ -211,3 +211,13 @@ async def test_fork_refuses_a_source_whose_first_events_cannot_be_read(bus: Bus)
     with pytest.raises(ConfigError, match=r"events 1\.\.2 of session 'trimmed' were moved to the Postgres archive"):
         await fork(bus, "trimmed", 5, "from-trimmed")
     assert not await bus.log_store.exists("from-trimmed")
+
+
+def test_paths_that_differ_only_by_workspace_are_not_differences() -> None:
+    action = events.CmdRun(id=3, command="pwd")
+    recorded = events.CmdOutput(content="/ws/a/app\n", exit_code=0, cause=3)
+    same = events.CmdOutput(content="/ws/b/app\n", exit_code=0, cause=3)
+    moved = events.CmdOutput(content="/ws/b/elsewhere\n", exit_code=0, cause=3)
+    assert compare(action, recorded, same, workspaces=("/ws/a", "/ws/b")) == []
+    assert [d.field for d in compare(action, recorded, moved, workspaces=("/ws/a", "/ws/b"))] == ["content"]
+    assert [d.field for d in compare(action, recorded, same)] == ["content"]

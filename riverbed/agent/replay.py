@@ -152,13 +152,31 @@ def observation_fields(event: events.Event) -> dict[str, Any]:
     return {k: v for k, v in events.to_builtins(event).items() if k not in _ENVELOPE}
 
 
-def compare(action: events.Event, recorded: events.Event | None, new: events.Event) -> list[Difference]:
-    """The differences between a recorded observation and a new one for ``action``."""
+def _neutral(fields: dict[str, Any], workspace: str | None) -> dict[str, Any]:
+    """``fields`` with the workspace's absolute path replaced by ``<workspace>``."""
+    if not workspace:
+        return fields
+    return {k: v.replace(workspace, "<workspace>") if isinstance(v, str) else v for k, v in fields.items()}
+
+
+def compare(
+    action: events.Event,
+    recorded: events.Event | None,
+    new: events.Event,
+    *,
+    workspaces: tuple[str | None, str | None] = (None, None),
+) -> list[Difference]:
+    """The differences between a recorded observation and a new one for ``action``.
+
+    ``workspaces`` (recorded, new) are the two sandboxes' absolute paths: a path that differs
+    only by the workspace it lives in is not a difference.
+    """
     action_id = action.id or 0
     if recorded is None or recorded.kind != new.kind:
         old_kind = None if recorded is None else recorded.kind
         return [Difference(action_id=action_id, kind=action.kind, field="kind", recorded=old_kind, new=new.kind)]
-    old_fields, new_fields = observation_fields(recorded), observation_fields(new)
+    old_fields = _neutral(observation_fields(recorded), workspaces[0])
+    new_fields = _neutral(observation_fields(new), workspaces[1])
     return [
         Difference(action_id=action_id, kind=action.kind, field=name, recorded=old_fields.get(name), new=value)
         for name, value in new_fields.items()
@@ -197,6 +215,7 @@ async def rerun(
             raise InputError(f"cannot rerun into {into!r}: that session exists already; choose a new session id")
     workspace_id = into or await _fresh_id(bus, session, runtime)
     workspace = runtime.workspace(workspace_id)
+    paths = (str(runtime.workspace(session)), str(workspace))
     if await anyio.to_thread.run_sync(_has_files, workspace):
         raise InputError(f"the rerun workspace {str(workspace)!r} is not empty; choose another session id")
     if seed is not None:
@@ -220,7 +239,7 @@ async def rerun(
                 continue
             new = await runtime.execute(workspace_id, event)
             assert event.id is not None
-            differences.extend(compare(event, recorded.get(event.id), new))
+            differences.extend(compare(event, recorded.get(event.id), new, workspaces=paths))
             written.extend([_fresh(event), _fresh(new)])
     finally:
         with anyio.CancelScope(shield=True):
