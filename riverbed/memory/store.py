@@ -69,7 +69,7 @@ class StaleRow:
     text: str
 
 
-TEXT_CANDIDATES = 2000
+TEXT_CANDIDATES = 300
 """Matching rows a full-text query ranks at most."""
 EF_SEARCH = 100
 """HNSW candidate list for tenant-scope search (pgvector's default of 40 loses recall on large indexes)."""
