@@ -174,6 +174,24 @@ class CachedEmbedder:
         return np.stack([found[h] for h in hashes])
 
 
+    async def embed_query(self, text: str) -> Vectors:
+        """One recall query's vector: from the LRU, else straight from the model.
+
+        A recall is latency-bound and a query is seldom asked twice across workers, so this
+        skips the micro-batcher's wait and the shared level's two round trips.
+        """
+        key = content_hash(text)
+        vector = self._lru.get(key)
+        if vector is not None:
+            self.lru_hits += 1
+            return vector
+        model = self.inner.inner if isinstance(self.inner, MicroBatcher) else self.inner
+        computed: Vectors = (await model.embed([text]))[0].astype(np.float16).astype(np.float32)
+        self.misses += 1
+        self._lru[key] = computed
+        return computed
+
+
 def embedding_pipeline(
     embedder: Embedder,
     store: Store | None,

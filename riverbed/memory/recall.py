@@ -191,7 +191,10 @@ class Memory:
         async with anyio.create_task_group() as tg:
             tg.start_soon(search_text)
             try:
-                vector = (await self.embedder.embed([query]))[0]
+                if isinstance(self.embedder, CachedEmbedder):
+                    vector = await self.embedder.embed_query(query)
+                else:
+                    vector = (await self.embedder.embed([query]))[0]
                 by_vector = await self.store.vector_search(
                     vector, model=self.embedder.model, k=want, tenant=tenant, session=in_session
                 )

@@ -277,15 +277,26 @@ class Store:
         words = query_words(query)
         if not words:
             return []
-        where = "tenant = $2" + (" AND session = $4" if session is not None else "")
+        if session is not None:
+            # One session is small: take its rows first, then match (no index-wide bitmap).
+            source = (
+                f"(SELECT session, event_id, chunk, kind, ts, text, tsv FROM {self._s}.memory_chunks "
+                "WHERE session = $4 AND tenant = $2 OFFSET 0) AS c"
+            )
+            where = "TRUE"
+        else:
+            source = f"{self._s}.memory_chunks"
+            where = "tenant = $2"
         sql = (
             "SELECT session, event_id, chunk, kind, ts, text, ts_rank_cd(tsv, q) AS rank "
-            f"FROM (SELECT session, event_id, chunk, kind, ts, text, tsv FROM {self._s}.memory_chunks "
+            f"FROM (SELECT session, event_id, chunk, kind, ts, text, tsv FROM {source} "
             f"WHERE tsv @@ to_tsquery('english', $1) AND {where} LIMIT {TEXT_CANDIDATES}) AS m, "
             "to_tsquery('english', $1) AS q ORDER BY rank DESC LIMIT $3"
         )
         found: dict[tuple[str, int, int], Candidate] = {}
-        async with self._conn() as conn:
+        async with self._conn() as conn, conn.transaction():
+            # Across a tenant, a common word matches most rows: let the GIN index stop early.
+            await conn.execute(f"SET LOCAL gin_fuzzy_search_limit = {TEXT_CANDIDATES * 10}")
             for joiner in (" & ", " | ") if len(words) > 1 else (" | ",):
                 args: list[Any] = [joiner.join(words), _tenant(tenant), k]
                 if session is not None:
