@@ -47,7 +47,7 @@ from rich.table import Table
 from rich.text import Text
 
 from riverbed import events, services
-from riverbed.agent.client import Bus, connect
+from riverbed.agent.client import Bus, connect, resolve_redis_url
 from riverbed.bus.connection import redact, translate
 from riverbed.bus.log import AlreadyAnswered, answered_cause
 from riverbed.errors import (
@@ -116,14 +116,7 @@ def _progress(message: str) -> None:
 
 def _redis_url(settings: Settings) -> str:
     """``RIVERBED_REDIS_URL``, or the embedded services (started now if they are not running)."""
-    if settings.redis_url:
-        return settings.redis_url
-    directory = Path(settings.services_dir)
-    running = services.load(directory)
-    if running is None:
-        _progress(f"RIVERBED_REDIS_URL is not set: starting the embedded services in {directory}")
-        running = services.up(directory)
-    return running.redis_url
+    return resolve_redis_url(settings, progress=_progress)
 
 
 async def _probe(url: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,13 +33,20 @@ if TYPE_CHECKING:
 __all__ = ["Bus", "Session", "connect", "resolve_redis_url"]
 
 
-def resolve_redis_url(settings: Settings) -> str:
-    """The Redis URL from settings, or the embedded services (started on demand)."""
+def resolve_redis_url(settings: Settings, *, progress: Callable[[str], None] | None = None) -> str:
+    """The Redis URL from settings, or the embedded services (started on demand; ``progress``
+    hears about it when they have to be started)."""
     if settings.redis_url:
         return settings.redis_url
     from riverbed import services  # noqa: PLC0415  (embedded services only when no URL is set)
 
-    return services.up(Path(settings.services_dir)).redis_url
+    directory = Path(settings.services_dir)
+    running = services.load(directory)
+    if running is None:
+        if progress is not None:
+            progress(f"RIVERBED_REDIS_URL is not set: starting the embedded services in {directory}")
+        running = services.up(directory)
+    return running.redis_url
 
 
 class Session:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -117,11 +117,14 @@ class SessionContext:
 
         Returns its id, or None when the action was answered already (then only acks).
         """
-        obs = observation if observation.cause == entry.id else _with_cause(observation, entry.id)
-        if obs.tenant is None and self.tenant is not None:
-            obs = _with_tenant(obs, self.tenant)
-        if obs.trace is None and entry.event.trace is not None:
-            obs = replace(obs, trace=tracing.child_of(entry.event.trace))
+        changes: dict[str, Any] = {}
+        if observation.cause != entry.id:
+            changes["cause"] = entry.id
+        if observation.tenant is None and self.tenant is not None:
+            changes["tenant"] = self.tenant
+        if observation.trace is None and entry.event.trace is not None:
+            changes["trace"] = tracing.child_of(entry.event.trace)
+        obs = replace(observation, **changes) if changes else observation
         # Retried until Redis answers: the one-answer guard makes a repeat of an append that did
         # go through a no-op, and giving up here would make the loop run the action again.
         append = partial(
@@ -615,14 +618,6 @@ def _entry(raw_id: bytes, fields: dict[bytes, bytes]) -> Entry:
     event_id = entry_id(raw_id)
     payload = fields.get(PAYLOAD_FIELD, b"")
     return Entry(id=event_id, event=decode_entry(payload, event_id), payload=payload)
-
-
-def _with_cause(obs: events.Observation, cause: int) -> events.Observation:
-    return replace(obs, cause=cause)
-
-
-def _with_tenant(obs: events.Observation, tenant: str) -> events.Observation:
-    return replace(obs, tenant=tenant)
 
 
 async def _wait_until(done: Callable[[], bool], timeout: float) -> None:

@@ -173,7 +173,6 @@ class CachedEmbedder:
                 await self.store.cache_put(self.model, missing, computed)
         return np.stack([found[h] for h in hashes])
 
-
     async def embed_query(self, text: str) -> Vectors:
         """One recall query's vector: from the LRU, else straight from the model.
 

@@ -50,7 +50,7 @@ import structlog
 from anyio.abc import TaskStatus
 from msgspec.structs import replace
 
-from riverbed import events
+from riverbed import events, tracing
 from riverbed.errors import InputError, RiverbedError
 from riverbed.runtime import files
 from riverbed.runtime.limits import Limits
@@ -270,7 +270,7 @@ class Runtime:
             result=obs.kind,
             reason=obs.reason if isinstance(obs, events.Error) else None,
             seconds=round(anyio.current_time() - started, 3),
-            trace_id=action.trace.split("-")[1] if action.trace and action.trace.count("-") == 3 else None,
+            trace_id=tracing.trace_id(action.trace),
         )
         return obs
 
