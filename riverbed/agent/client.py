@@ -98,9 +98,18 @@ class Session:
         """Append ``action`` and wait for the event that answers it (``cause`` = its id)."""
         if not isinstance(action, events.Action):
             raise InputError(f"act() takes an action, not a {type(action).__name__} event")
-        (action_id,) = await self.append(action)
+        started = anyio.current_time()
+        ids, after = await self.bus.log_store.append_then_read(
+            self.id, [self.stamp(action)], block_ms=max(1, min(int(timeout * 1000), 1000)), tenant=self.tenant
+        )
+        action_id = ids[0]
+        for event_id, payload in after:
+            event = decode_entry(payload, event_id)
+            if event.cause == action_id and not isinstance(event, events.Action):
+                return event
         # Its answer can only come after it, so tailing the log from it sees the answer: no lookup first.
-        return await self._answer(action_id, timeout, look_up=False)
+        remaining = timeout - (anyio.current_time() - started)
+        return await self._answer(action_id, max(remaining, 0.0), look_up=False)
 
     async def wait_for_answer(self, action_id: int, *, timeout: float = 30.0) -> events.Event:
         """The observation answering ``action_id``; :class:`ActTimeout` when none comes in time."""

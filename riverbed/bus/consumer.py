@@ -44,9 +44,10 @@ from msgspec.structs import replace
 from riverbed import events, tracing
 from riverbed.bus.connection import Client, translate
 from riverbed.bus.dlq import DeadLetters
+from riverbed.bus.exchange import exchange, stream_entries
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys
-from riverbed.bus.log import AlreadyAnswered, Fence, Log, decode_entry, entry_id
+from riverbed.bus.log import AlreadyAnswered, Fence, Log, PreparedAppend, decode_entry, entry_id
 from riverbed.bus.ownership import Claim, Leases
 from riverbed.errors import AppendConflict, FencedError, UnavailableError
 
@@ -111,12 +112,46 @@ class SessionContext:
         self.log = owner.log
         self.last_seen = 0
         self.tenant: str | None = None
+        self._soon: tuple[Entry, events.Observation] | None = None
 
     async def answer(self, entry: Entry, observation: events.Observation) -> int | None:
         """Append the one observation answering ``entry`` and acknowledge the entry atomically.
 
         Returns its id, or None when the action was answered already (then only acks).
         """
+        await self.flush()
+        # Retried until Redis answers: the one-answer guard makes a repeat of an append that did
+        # go through a no-op, and giving up here would make the loop run the action again.
+        result = await _retrying(self.prepare_answer(entry, observation).run, self.owner._stopping)
+        return await self.answered(entry, result)
+
+    def answer_soon(self, entry: Entry, observation: events.Observation) -> None:
+        """Answer ``entry`` with the owner's next read of the log: one round trip for both.
+
+        For the last entry of a batch (the loop reads next).  Any other write for the session
+        sends the answer first, and so does the loop before it waits, parks or lets go.
+        """
+        if self._soon is not None:
+            raise RuntimeError("answer_soon() holds one answer at a time; the first one is not sent yet")
+        self._soon = (entry, observation)
+
+    @property
+    def holds_answer(self) -> bool:
+        return self._soon is not None
+
+    def take_answer(self) -> tuple[Entry, events.Observation] | None:
+        """The answer held by :meth:`answer_soon`, for the owner to send (it is no longer held)."""
+        held, self._soon = self._soon, None
+        return held
+
+    async def flush(self) -> None:
+        """Send an answer held by :meth:`answer_soon` now."""
+        held = self.take_answer()
+        if held is not None:
+            await self.answer(*held)
+
+    def prepare_answer(self, entry: Entry, observation: events.Observation) -> PreparedAppend:
+        """The fenced, acknowledging append of ``observation`` as the answer to ``entry``."""
         changes: dict[str, Any] = {}
         if observation.cause != entry.id:
             changes["cause"] = entry.id
@@ -125,17 +160,16 @@ class SessionContext:
         if observation.trace is None and entry.event.trace is not None:
             changes["trace"] = tracing.child_of(entry.event.trace)
         obs = replace(observation, **changes) if changes else observation
-        # Retried until Redis answers: the one-answer guard makes a repeat of an append that did
-        # go through a no-op, and giving up here would make the loop run the action again.
-        append = partial(
-            self.log.append,
+        return self.log.prepare(
             self.session,
-            [obs],
+            [(events.encode(obs), entry.id)],
             fence=self.fence,
             ack=(self.role, f"{entry.id}-0"),
             pass_own=self.owner.passes_own_answers,
         )
-        result = await _retrying(append, self.owner._stopping)
+
+    async def answered(self, entry: Entry, result: list[int] | AlreadyAnswered) -> int | None:
+        """Finish an answer's append: the answer's id, or None (acknowledged) when one existed."""
         crashpoint("after_append")
         if isinstance(result, AlreadyAnswered):
             await self.ack([entry.id])
@@ -143,6 +177,7 @@ class SessionContext:
         return result[0]
 
     async def append(self, batch: Sequence[events.Event], *, expected_last: int | None = None) -> list[int]:
+        await self.flush()
         try:
             result = await self.log.append(self.session, batch, fence=self.fence, expected_last=expected_last)
         except AppendConflict:
@@ -155,11 +190,13 @@ class SessionContext:
     async def ack(self, ids: Sequence[int]) -> None:
         if not ids:
             return
+        await self.flush()
         crashpoint("before_ack")
         with translate(self.owner.url):
             await self.owner.redis.xack(self.owner.keys.log(self.session), self.role, *[f"{i}-0" for i in ids])
 
     async def is_answered(self, action_id: int) -> bool:
+        await self.flush()
         with translate(self.owner.url):
             return bool(await self.owner.redis.hexists(self.owner.keys.answers(self.session), str(action_id)))
 
@@ -385,6 +422,7 @@ class Owner:
             await anyio.sleep(1.0)
         finally:
             with anyio.CancelScope(shield=True):
+                await self._send_held_answer(ctx, bound)
                 await self._finish(ctx, owned, released)
 
     async def _loop(self, ctx: SessionContext, owned: _Owned) -> bool:
@@ -396,12 +434,14 @@ class Owner:
             try:
                 if time.monotonic() >= stray_check:
                     stray_check = time.monotonic() + STRAY_CHECK_SECONDS
+                    await ctx.flush()
                     if await self._recover_stray(ctx, owned):
                         idle_since = time.monotonic()
                         continue
                 if await self._read_and_dispatch(ctx, owned):
                     idle_since = time.monotonic()
                 elif time.monotonic() - idle_since > self.park_after:
+                    await ctx.flush()
                     parked = await self.leases.release(
                         ctx.session, owned.entry, owned.token, park=True, seen_last=ctx.last_seen
                     )
@@ -422,16 +462,14 @@ class Owner:
 
     async def _read_and_dispatch(self, ctx: SessionContext, owned: _Owned) -> bool:
         """Read new entries (bounded block) and dispatch them; False when none came."""
-        key = self.keys.log(ctx.session)
         try:
-            with translate(self.url):
-                reply = await self.redis.xreadgroup(self.role, self.worker, {key: ">"}, count=READ_COUNT, block=500)
+            entries = await self._read(ctx, owned)
         except rexc.ResponseError as exc:
             if "NOGROUP" in str(exc):
                 await self._ensure_log_group(ctx.session)
                 return False
             raise
-        batch = [_entry(raw_id, fields) for _s, entries in reply or () for raw_id, fields in entries]
+        batch = [_entry(raw_id, fields) for raw_id, fields in entries]
         if not batch:
             return False
         crashpoint("after_read")
@@ -439,8 +477,48 @@ class Owner:
         try:
             await self._dispatch(ctx, batch, recovering=False)
         finally:
-            owned.busy = False
+            owned.busy = ctx.holds_answer  # busy until that answer is out (a drain waits for it)
         return True
+
+    async def _read(self, ctx: SessionContext, owned: _Owned) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """New entries (bounded block); an answer held by ``answer_soon`` goes out in the same
+        round trip, and its outcome is handled before the read returns."""
+        key = self.keys.log(ctx.session)
+        held = ctx.take_answer()
+        if held is not None:
+            entry, observation = held
+            prepared = ctx.prepare_answer(entry, observation)
+            read = (
+                "XREADGROUP",
+                "GROUP",
+                self.role,
+                self.worker,
+                "COUNT",
+                READ_COUNT,
+                "BLOCK",
+                500,
+                "STREAMS",
+                key,
+                ">",
+            )
+            answered = False
+            try:
+                with translate(self.url):
+                    async with exchange(self.redis, prepared.command, read) as replies:
+                        if replies is not None:
+                            await ctx.answered(entry, await prepared.outcome(await replies.read()))
+                            answered = True
+                            owned.busy = False
+                            return stream_entries(await replies.read())
+            except (rexc.NoScriptError, UnavailableError):
+                if answered:
+                    raise  # the loop backs off; entries this read may have taken are recovered as strays
+            if not answered:
+                await ctx.answer(entry, observation)
+                owned.busy = False
+        with translate(self.url):
+            reply = await self.redis.xreadgroup(self.role, self.worker, {key: ">"}, count=READ_COUNT, block=500)
+        return [(raw_id, fields) for _s, entries in reply or () for raw_id, fields in entries]
 
     async def _recover_stray(self, ctx: SessionContext, owned: _Owned) -> bool:
         """Recover entries pending while this loop works on nothing: a delivery whose reply was
@@ -456,6 +534,17 @@ class Owner:
         finally:
             owned.busy = False
         return True
+
+    async def _send_held_answer(self, ctx: SessionContext, bound: Any) -> None:
+        """Send an answer still held when the loop ends (stopping, cancelled, failed)."""
+        if not ctx.holds_answer:
+            return
+        try:
+            with anyio.move_on_after(self.lease_seconds):
+                await ctx.flush()
+        except (FencedError, UnavailableError) as exc:
+            # Left unanswered and pending: the next owner recovers it like any in-flight action.
+            bound.warning("session.answer_unsent", error=str(exc))
 
     async def _finish(self, ctx: SessionContext, owned: _Owned, parked: bool) -> None:
         try:
@@ -557,6 +646,7 @@ class Owner:
 
     async def _unacked(self, ctx: SessionContext, entries: list[Entry]) -> list[Entry]:
         """The entries of ``entries`` that are still pending (a failed batch may be half done)."""
+        await ctx.flush()
         key = self.keys.log(ctx.session)
         with translate(self.url):
             pending = await self.redis.xpending_range(

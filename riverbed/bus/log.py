@@ -29,15 +29,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
+import redis.exceptions as rexc
 import structlog
 
 from riverbed import events
 from riverbed.bus import scripts
 from riverbed.bus.connection import Client, translate
+from riverbed.bus.exchange import exchange, stream_entries
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys, valid_session
 from riverbed.errors import AppendConflict, ConfigError, FencedError, InputError, NotFoundError, UnavailableError
 
-__all__ = ["AlreadyAnswered", "ArchiveReader", "Fence", "Log", "entry_id"]
+__all__ = ["AlreadyAnswered", "ArchiveReader", "Fence", "Log", "PreparedAppend", "entry_id"]
 
 log = structlog.get_logger("riverbed.bus")
 
@@ -83,6 +85,58 @@ def answered_cause(event: events.Event) -> int:
     return 0
 
 
+class PreparedAppend:
+    """One APPEND script call, built once: run it alone (:meth:`run`) or send :attr:`command`
+    in an :func:`~riverbed.bus.exchange.exchange` and hand the reply to :meth:`outcome`.
+
+    Running it again after a broken connection is safe: its idempotency key makes a repeat of
+    an append that went through return the same ids.
+    """
+
+    def __init__(
+        self, log: Log, session: str, keys: list[str], args: list[Any], expected_last: int | None, fence: Fence | None
+    ) -> None:
+        self.log = log
+        self.session = session
+        self.keys = keys
+        self.args = args
+        self.expected_last = expected_last
+        self.fence = fence
+        self.appended = False
+        """Whether a reply said this call appended (not a repeat, a conflict or a refusal)."""
+
+    @property
+    def command(self) -> tuple[Any, ...]:
+        return ("EVALSHA", self.log.append_script.sha, len(self.keys), *self.keys, *self.args)
+
+    async def run(self) -> list[int] | AlreadyAnswered:
+        with translate(self.log.url):
+            reply = await self.log.append_script(keys=self.keys, args=self.args)
+        return await self.outcome(reply)
+
+    async def outcome(self, reply: list[Any]) -> list[int] | AlreadyAnswered:
+        """The ids a reply names (announcing the session where the script says so)."""
+        status = reply[0]
+        if status == b"ok":
+            self.appended = True
+            first, count, created = int(reply[1]), int(reply[2]), int(reply[3])
+            need = [r.decode() for r in reply[4:]]
+            if need or created:
+                await self.log.announce(self.session, need, created=bool(created))
+            return list(range(first, first + count))
+        if status == b"dup":
+            first, count = int(reply[1]), int(reply[2])
+            return list(range(first, first + count))
+        if status == b"conflict":
+            raise AppendConflict(self.session, self.expected_last or 0, int(reply[1]))
+        if status == b"fenced":
+            assert self.fence is not None
+            raise FencedError(self.session, self.fence.role, self.fence.token, int(reply[1]))
+        if status == b"answered":
+            return AlreadyAnswered(cause=int(reply[1]), existing=int(reply[2]))
+        raise RuntimeError(f"unexpected append reply {reply!r}")
+
+
 class Log:
     """Appends and reads of session logs under one key prefix."""
 
@@ -91,7 +145,7 @@ class Log:
         self.keys = keys
         self.url = url
         self.archive = archive
-        self._append = redis.register_script(scripts.APPEND)
+        self.append_script = redis.register_script(scripts.APPEND)
 
     def check_session(self, session: str) -> None:
         if not valid_session(session):
@@ -140,9 +194,35 @@ class Log:
         tenant: str | None = None,
         pass_own: bool = False,
     ) -> list[int] | AlreadyAnswered:
-        self.check_session(session)
         if not batch:
+            self.check_session(session)
             return []
+        prepared = self.prepare(
+            session,
+            batch,
+            expected_last=expected_last,
+            idempotency_key=idempotency_key,
+            fence=fence,
+            ack=ack,
+            tenant=tenant,
+            pass_own=pass_own,
+        )
+        return await prepared.run()
+
+    def prepare(
+        self,
+        session: str,
+        batch: Sequence[tuple[bytes, int]],
+        *,
+        expected_last: int | None = None,
+        idempotency_key: str | None = None,
+        fence: Fence | None = None,
+        ack: tuple[str, bytes | str] | None = None,
+        tenant: str | None = None,
+        pass_own: bool = False,
+    ) -> PreparedAppend:
+        """An append of (payload, answered cause) pairs, ready to run alone or in an exchange."""
+        self.check_session(session)
         if idempotency_key is not None and not (0 < len(idempotency_key) <= 200):
             raise InputError("an idempotency key must be 1 to 200 characters long")
         ttl = IDEMPOTENCY_TTL_MS
@@ -151,7 +231,6 @@ class Log:
             # connection broke, and a retry of an append that did go through must not append twice.
             idempotency_key = f"auto:{secrets.token_hex(12)}"
             ttl = AUTO_IDEMPOTENCY_TTL_MS
-        keys = self.keys
         args: list[Any] = [
             "" if expected_last is None else expected_last,
             ttl,
@@ -166,34 +245,43 @@ class Log:
         for payload, cause in batch:
             args.append(payload)
             args.append(cause)
+        keys = self.keys
         script_keys = [
             keys.log(session),
             keys.meta(session),
             keys.answers(session),
             keys.idem(session, idempotency_key),
         ]
-        with translate(self.url):
-            reply = await self._append(keys=script_keys, args=args)
-        status = reply[0]
-        if status == b"ok":
-            first, count, created = int(reply[1]), int(reply[2]), int(reply[3])
-            need = [r.decode() for r in reply[4:]]
-            if need or created:
-                await self._announce(session, need, created=bool(created))
-            return list(range(first, first + count))
-        if status == b"dup":
-            first, count = int(reply[1]), int(reply[2])
-            return list(range(first, first + count))
-        if status == b"conflict":
-            raise AppendConflict(session, expected_last or 0, int(reply[1]))
-        if status == b"fenced":
-            assert fence is not None
-            raise FencedError(session, fence.role, fence.token, int(reply[1]))
-        if status == b"answered":
-            return AlreadyAnswered(cause=int(reply[1]), existing=int(reply[2]))
-        raise RuntimeError(f"unexpected append reply {reply!r}")
+        return PreparedAppend(self, session, script_keys, args, expected_last, fence)
 
-    async def _announce(self, session: str, roles: Sequence[str], *, created: bool) -> None:
+    async def append_then_read(
+        self, session: str, batch: Sequence[events.Event], *, block_ms: int, tenant: str | None = None
+    ) -> tuple[list[int], list[tuple[int, bytes]]]:
+        """Append ``batch`` and, in the same round trip, wait up to ``block_ms`` for the first
+        entries after it: (new ids, (id, payload) pairs).
+
+        The pairs can miss entries that follow the append (after a broken connection, or on a
+        cluster, where the two commands go one by one): callers tail from the ids to be sure.
+        """
+        prepared = self.prepare(session, [(events.encode(e), answered_cause(e)) for e in batch], tenant=tenant)
+        read = ("XREAD", "COUNT", PAGE, "BLOCK", block_ms, "STREAMS", self.keys.log(session), "$")
+        try:
+            with translate(self.url):
+                async with exchange(self.redis, prepared.command, read) as replies:
+                    if replies is not None:
+                        ids = await prepared.outcome(await replies.read())
+                        assert not isinstance(ids, AlreadyAnswered)  # an action answers nothing
+                        if not prepared.appended:
+                            return ids, []
+                        entries = stream_entries(await replies.read())
+                        return ids, [(entry_id(i), fields.get(PAYLOAD_FIELD, b"")) for i, fields in entries]
+        except (rexc.NoScriptError, UnavailableError):
+            pass  # run alone below: that loads the script, or retries under the same idempotency key
+        ids = await prepared.run()
+        assert not isinstance(ids, AlreadyAnswered)
+        return ids, []
+
+    async def announce(self, session: str, roles: Sequence[str], *, created: bool) -> None:
         """Tell role workers that ``session`` needs an owner (the ownership scripts clear the flag)."""
         with translate(self.url):
             async with self.redis.pipeline(transaction=False) as pipe:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import difflib
 import os
+import stat
 from pathlib import Path
 
 from riverbed import events
@@ -49,13 +50,15 @@ class EditHistory:
 
 
 def _read_text(path: Path, limits: Limits) -> str:
-    if not path.exists():
-        raise FileActionError("not_found", f"{path.name} does not exist")
-    if path.is_dir():
+    try:
+        st = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileActionError("not_found", f"{path.name} does not exist") from None
+    if stat.S_ISDIR(st.st_mode):
         raise FileActionError("is_directory", f"{path.name} is a directory")
-    if not path.is_file():
+    if not stat.S_ISREG(st.st_mode):
         raise FileActionError("not_a_file", f"{path.name} is not a regular file")
-    size = path.stat().st_size
+    size = st.st_size
     if size > limits.max_read_bytes:
         raise FileActionError(
             "file_too_large",

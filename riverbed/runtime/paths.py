@@ -14,6 +14,7 @@ symlink at the same instant is outside what a path check can stop.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -41,6 +42,13 @@ def workspace_name(session_id: str) -> str:
     return f"{slug}-{digest}"
 
 
+@functools.lru_cache(maxsize=4096)
+def _real_root(workspace: str) -> str:
+    """The real path of a workspace root.  Cached: if the root is later swapped for a symlink,
+    paths resolve outside the cached root and are refused, never let through."""
+    return os.path.realpath(workspace)
+
+
 def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
@@ -60,7 +68,7 @@ def confine(workspace: Path, raw: str) -> Path:
     for part in raw.split("/"):
         if len(part.encode("utf-8")) > _NAME_MAX:
             raise PathRefused("bad_path", f"a path component is longer than {_NAME_MAX} bytes")
-    root = os.path.realpath(workspace)
+    root = _real_root(str(workspace))
     joined = raw if os.path.isabs(raw) else os.path.join(root, raw)
     if not _within(os.path.normpath(joined), root) and not _within(os.path.normpath(joined), str(workspace)):
         raise PathRefused("path_outside_workspace", f"{raw!r} is outside the workspace")
@@ -75,6 +83,5 @@ def confine(workspace: Path, raw: str) -> Path:
 
 def display(workspace: Path, path: Path) -> str:
     """``path`` relative to the workspace, as shown to agents."""
-    root = os.path.realpath(workspace)
-    rel = os.path.relpath(path, root)
+    rel = os.path.relpath(path, _real_root(str(workspace)))
     return "." if rel == "." else rel

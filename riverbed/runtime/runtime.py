@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import stat
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -102,13 +103,17 @@ def _check_kind(kind: type[events.Action]) -> None:
         raise ValueError(f"register {kind.__name__} with riverbed.events.register first")
 
 
-_FILE_KINDS: frozenset[type[events.Event]] = frozenset({events.FileRead, events.FileWrite, events.FileEdit})
+#: A ``file_read`` of a regular file up to this size runs on the event loop, not in a thread.
+INLINE_READ_BYTES = 64 * 1024
 
 
-def _in_workspace(fn: Callable[..., events.Observation], workspace: Path, *args: Any) -> events.Observation:
-    """Create the workspace and run a file action in it, in one worker-thread hop."""
-    workspace.mkdir(parents=True, exist_ok=True)
-    return fn(workspace, *args)
+def _small_file(workspace: Path, raw: str) -> bool:
+    """Whether ``raw`` names a small regular file (a size probe only: ``files.read`` confines)."""
+    try:
+        st = os.stat(os.path.join(workspace, raw))
+    except (OSError, ValueError, TypeError):
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size <= INLINE_READ_BYTES
 
 
 def _error(reason: str, content: str, *, retryable: bool = False) -> events.Error:
@@ -124,6 +129,7 @@ class _Session:
         self.shell = Shell(workspace, base_env, limits)
         self.python = PythonProcess(workspace, base_env, limits)
         self.history = files.EditHistory(limits.edit_history)
+        self.workspace_made = False
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
@@ -289,13 +295,17 @@ class Runtime:
             return _error("unknown_kind", f"no runtime handler is registered for {action.kind!r}")
         session = self._session(session_id)
         try:
-            with anyio.fail_after(self._limits.queue_timeout):
-                await session.lock.acquire()
-        except TimeoutError:
-            return _error("busy", "the session's sandbox is busy with earlier actions; try again", retryable=True)
+            session.lock.acquire_nowait()
+        except anyio.WouldBlock:
+            try:
+                with anyio.fail_after(self._limits.queue_timeout):
+                    await session.lock.acquire()
+            except TimeoutError:
+                return _error("busy", "the session's sandbox is busy with earlier actions; try again", retryable=True)
         try:
-            if custom is not None or kind not in _FILE_KINDS:  # file actions make it in their own thread
+            if not session.workspace_made:
                 await anyio.to_thread.run_sync(partial(session.workspace.mkdir, parents=True, exist_ok=True))
+                session.workspace_made = True
             if custom is not None:
                 ctx = HandlerContext(
                     session_id=session_id,
@@ -341,14 +351,13 @@ class Runtime:
         return await session.python.run(action, session.overrides)
 
     async def _file_read(self, session: _Session, action: events.FileRead) -> events.Observation:
-        return await anyio.to_thread.run_sync(_in_workspace, files.read, session.workspace, action, self._limits)
+        if _small_file(session.workspace, action.path):
+            # Reading a few KiB of a local file takes microseconds: less than the hop to a thread.
+            return files.read(session.workspace, action, self._limits)
+        return await anyio.to_thread.run_sync(files.read, session.workspace, action, self._limits)
 
     async def _file_write(self, session: _Session, action: events.FileWrite) -> events.Observation:
-        return await anyio.to_thread.run_sync(
-            _in_workspace, files.write, session.workspace, action, self._limits, session.history
-        )
+        return await anyio.to_thread.run_sync(files.write, session.workspace, action, self._limits, session.history)
 
     async def _file_edit(self, session: _Session, action: events.FileEdit) -> events.Observation:
-        return await anyio.to_thread.run_sync(
-            _in_workspace, files.edit, session.workspace, action, self._limits, session.history
-        )
+        return await anyio.to_thread.run_sync(files.edit, session.workspace, action, self._limits, session.history)

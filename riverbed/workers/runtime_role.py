@@ -50,12 +50,13 @@ class RuntimeHandler:
 
     async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
         done: list[int] = []
+        last = entries[-1]
         for entry in entries:
             event = entry.event
             if for_runtime(event):
                 await ctx.ack(done)
                 done = []
-                await self._execute(ctx, entry)
+                await self._execute(ctx, entry, soon=entry is last)
             else:
                 if isinstance(event, events.SessionConfig) and event.env:
                     self.runtime.set_env(ctx.session, event.env)
@@ -85,10 +86,13 @@ class RuntimeHandler:
     async def close(self, ctx: SessionContext) -> None:
         await self.runtime.close_session(ctx.session)
 
-    async def _execute(self, ctx: SessionContext, entry: Entry) -> None:
+    async def _execute(self, ctx: SessionContext, entry: Entry, *, soon: bool = False) -> None:
+        """Run the action and answer it; ``soon``: with the loop's next read (the batch's last)."""
         event = entry.event
         assert isinstance(event, events.Action | events.Unknown)
         observation = await self.runtime.execute(ctx.session, event)
         crashpoint("after_side_effect")
-        answer_id = await ctx.answer(entry, observation)
-        log.debug("action.answered", session=ctx.session, event_id=entry.id, kind=event.kind, answer=answer_id)
+        if soon:
+            ctx.answer_soon(entry, observation)
+        else:
+            await ctx.answer(entry, observation)

@@ -1,0 +1,80 @@
+"""Two commands in one round trip, replies read one at a time: an append and the read after it.
+
+An action's round trip is an append followed by a blocking read (the agent waits for the
+answer; the worker waits for the next action).  Sent separately, that is two trips to Redis
+and two wake-ups of each process per action.  :func:`exchange` writes both commands in one
+send on a pooled connection of its own and hands the replies back one by one, so the caller
+acts on the append's outcome (announce the session, acknowledge, notice a fence) while the
+blocking read is still waiting on the server.
+
+Only a standalone client offers this; on a cluster :func:`exchange` yields ``None`` and the
+caller sends the commands one by one.  A connection whose replies were not all read (an
+error, a cancellation, a caller that stopped early) is closed rather than reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+import hiredis
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+
+from riverbed.bus.connection import Client
+
+__all__ = ["Exchange", "exchange", "stream_entries"]
+
+
+class Exchange:
+    """The replies of commands sent together, in order."""
+
+    def __init__(self, connection: Any, commands: int) -> None:
+        self._connection = connection
+        self.unread = commands
+
+    async def read(self) -> Any:
+        """The next reply; an error reply raises (and counts as read)."""
+        try:
+            reply = await self._connection.read_response()
+        except rexc.ResponseError:
+            self.unread -= 1
+            raise
+        self.unread -= 1
+        return reply
+
+
+@contextlib.asynccontextmanager
+async def exchange(client: Client, *commands: Sequence[Any]) -> AsyncIterator[Exchange | None]:
+    """Send ``commands`` in one write; yields their :class:`Exchange` (``None`` on a cluster)."""
+    if not isinstance(client, aioredis.Redis) or client.single_connection_client:
+        yield None
+        return
+    pool = client.connection_pool
+    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+    replies = Exchange(connection, len(commands))
+    try:
+        await connection.send_packed_command(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
+        yield replies
+    finally:
+        with anyio.CancelScope(shield=True):
+            if replies.unread:
+                await connection.disconnect(nowait=True)
+            await pool.release(connection)
+
+
+def stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The (entry id, fields) pairs of a raw ``XREAD``/``XREADGROUP`` reply (RESP2 or RESP3)."""
+    if not reply:
+        return []
+    streams = reply.values() if isinstance(reply, dict) else (entries for _key, entries in reply)
+    out: list[tuple[bytes, dict[bytes, bytes]]] = []
+    for entries in streams:
+        for raw_id, flat in entries:
+            if flat is None:  # an entry deleted while pending
+                out.append((raw_id, {}))
+            else:
+                out.append((raw_id, dict(zip(flat[::2], flat[1::2], strict=True))))
+    return out
