@@ -49,6 +49,7 @@ from rich.text import Text
 from riverbed import events, services
 from riverbed.agent.client import Bus, connect, resolve_redis_url
 from riverbed.bus.connection import redact, translate
+from riverbed.bus.keys import require_session
 from riverbed.bus.log import AlreadyAnswered, answered_cause
 from riverbed.errors import (
     ActTimeout,
@@ -89,6 +90,7 @@ PrefixOption = Annotated[
     str | None,
     typer.Option("--prefix", envvar="RIVERBED_PREFIX", help="Key namespace in Redis (default rb).", show_default=False),
 ]
+SessionArg = Annotated[str, typer.Argument(help="Session id.", callback=require_session)]
 JsonOption = Annotated[bool, typer.Option("--json", help="One JSON object per line.")]
 DirOption = Annotated[
     Path | None,
@@ -383,7 +385,7 @@ async def _require_events(bus: Bus, session: str) -> None:
 
 @app.command("log")
 def log_cmd(
-    session: Annotated[str, typer.Argument(help="Session id.")],
+    session: SessionArg,
     *,
     start: Annotated[int, typer.Option("--from", help="First event id.")] = 1,
     until: Annotated[int | None, typer.Option("--until", help="Last event id.", show_default=False)] = None,
@@ -412,7 +414,7 @@ def log_cmd(
 
 @app.command("export")
 def export_cmd(
-    session: Annotated[str, typer.Argument(help="Session id.")],
+    session: SessionArg,
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Write to this file instead of stdout.", show_default=False)
     ] = None,
@@ -697,7 +699,7 @@ def _action_from_json(text: str) -> events.Action:
 
 @app.command("act")
 def act_command(
-    session: Annotated[str, typer.Argument(help="Session id.")],
+    session: SessionArg,
     action: Annotated[str, typer.Argument(help='The action as JSON, e.g. \'{"kind": "cmd_run", "command": "ls"}\'.')],
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the observation.")] = 60.0,
     tenant: Annotated[str | None, typer.Option("--tenant", help="Tenant of a new session.")] = None,
@@ -718,7 +720,7 @@ def act_command(
 
 @app.command("view")
 def view_command(
-    session: Annotated[str, typer.Argument(help="Session id.")],
+    session: SessionArg,
     until: Annotated[int | None, typer.Option("--until", help="The view right after this event.")] = None,
     json_out: JsonOption = False,
     prefix: PrefixOption = None,
@@ -742,7 +744,7 @@ def view_command(
 
 @app.command("fork")
 def fork_command(
-    session: Annotated[str, typer.Argument(help="Source session id.")],
+    session: Annotated[str, typer.Argument(help="Source session id.", callback=require_session)],
     at: Annotated[int, typer.Option("--at", help="Copy events 1..N.")],
     into: Annotated[str, typer.Option("--into", help="The new session id.")],
     prefix: PrefixOption = None,
@@ -762,7 +764,7 @@ def fork_command(
 
 @app.command("rerun")
 def rerun_command(
-    session: Annotated[str, typer.Argument(help="The recorded session.")],
+    session: Annotated[str, typer.Argument(help="The recorded session.", callback=require_session)],
     into: Annotated[str | None, typer.Option("--into", help="Also record the re-run as this new session.")] = None,
     seed: Annotated[
         Path | None, typer.Option("--seed", help="Directory copied into the fresh workspace first.")
@@ -925,7 +927,7 @@ def demo_command(prefix: PrefixOption = None) -> None:
 
 @app.command("archive")
 def archive_command(
-    session: Annotated[str, typer.Argument(help="Session id.")],
+    session: SessionArg,
     older_than: Annotated[
         float | None,
         typer.Option(

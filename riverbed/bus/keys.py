@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import re
 
+from riverbed.errors import InputError
+
 ROLES = ("runtime", "memory", "condenser")
 _SESSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@=+-]{0,127}$")
 PAYLOAD_FIELD = b"e"
@@ -35,6 +37,20 @@ PAYLOAD_FIELD = b"e"
 
 def valid_session(session: str) -> bool:
     return bool(_SESSION_RE.match(session))
+
+
+def require_session(session: str) -> str:
+    """``session`` when it is a valid session id, else :class:`InputError` in one sentence.
+
+    The id is the key's hash tag, so it may not contain braces: a brace would move the
+    session's keys to another Redis Cluster slot than its siblings'.
+    """
+    if not valid_session(session):
+        raise InputError(
+            f"{session!r} is not a valid session id: use up to 128 letters, digits and . _ : @ = + - "
+            "(starting with a letter or digit)"
+        )
+    return session
 
 
 class Keys:
