@@ -15,6 +15,35 @@ import riverbed
 from riverbed import services
 from riverbed.agent.client import Bus
 
+BACKENDS = ("standalone", "cluster")
+_SERVER_FIXTURES = {"standalone": "standalone_redis_url", "cluster": "redis_cluster_url"}
+_BACKENDS_ENV = "RIVERBED_TEST_REDIS"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--redis",
+        choices=[*BACKENDS, "both"],
+        default=None,
+        help=f"the Redis deployment(s) the tests run against (default: ${_BACKENDS_ENV}, else both)",
+    )
+
+
+def selected_backends(config: pytest.Config) -> list[str]:
+    """The backends of this run: ``--redis``, else ``$RIVERBED_TEST_REDIS``, else both."""
+    chosen = config.getoption("--redis") or os.environ.get(_BACKENDS_ENV) or "both"
+    if chosen == "both":
+        return list(BACKENDS)
+    if chosen not in BACKENDS:
+        raise pytest.UsageError(f"{_BACKENDS_ENV}={chosen!r}: expected standalone, cluster or both")
+    return [chosen]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run every test that uses Redis (through ``redis_url``) once per selected backend."""
+    if "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", selected_backends(metafunc.config), indirect=True, scope="session")
+
 
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
@@ -30,8 +59,12 @@ def service_root() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="session")
-def redis_url(service_root: Path) -> Iterator[str]:
-    """A private redis-server for the whole run (or RIVERBED_TEST_REDIS_URL)."""
+def standalone_redis_url(service_root: Path) -> Iterator[str]:
+    """A private standalone redis-server for the whole run (or RIVERBED_TEST_REDIS_URL).
+
+    Ask for it by name only in a test that is about a standalone deployment; every other test
+    takes ``redis_url`` and runs on both backends.
+    """
     given = os.environ.get("RIVERBED_TEST_REDIS_URL")
     if given:
         yield given
@@ -43,7 +76,11 @@ def redis_url(service_root: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def redis_cluster_url(service_root: Path) -> Iterator[str]:
-    """A private 3-master Redis Cluster for the whole run (or RIVERBED_TEST_REDIS_CLUSTER_URL)."""
+    """A private 3-master Redis Cluster for the whole run (or RIVERBED_TEST_REDIS_CLUSTER_URL).
+
+    Ask for it by name only in a test that is about a cluster deployment; every other test
+    takes ``redis_url`` and runs on both backends.
+    """
     given = os.environ.get("RIVERBED_TEST_REDIS_CLUSTER_URL")
     if given:
         yield given
@@ -53,17 +90,21 @@ def redis_cluster_url(service_root: Path) -> Iterator[str]:
     services.stop_redis_cluster(pids)
 
 
-@pytest.fixture(params=["standalone", "cluster"])
+@pytest.fixture(scope="session")
 def backend(request: pytest.FixtureRequest) -> str:
-    """The Redis deployment a contract test runs against."""
+    """The Redis deployment this test runs against: ``standalone`` or ``cluster``.
+
+    Parametrized in :func:`pytest_generate_tests` for every test that uses Redis, at session
+    scope, so pytest runs all tests of one backend together and starts each deployment once.
+    """
     name: str = request.param
     return name
 
 
-@pytest.fixture
-def bus_url(backend: str, request: pytest.FixtureRequest) -> str:
-    """The URL of the Redis of ``backend``: contract tests run once per backend."""
-    url: str = request.getfixturevalue("redis_url" if backend == "standalone" else "redis_cluster_url")
+@pytest.fixture(scope="session")
+def redis_url(backend: str, request: pytest.FixtureRequest) -> str:
+    """The URL of the Redis of ``backend``: every test that takes it runs once per backend."""
+    url: str = request.getfixturevalue(_SERVER_FIXTURES[backend])
     return url
 
 
@@ -95,6 +136,29 @@ def workspace(tmp_path: Path) -> Path:
 
 @pytest.fixture
 async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
-    """A bus on the standalone test Redis under this test's own prefix (contract tests override it)."""
+    """A bus on the test Redis of ``backend`` under this test's own prefix."""
     async with riverbed.connect(redis_url, prefix=prefix) as bus:
         yield bus
+
+
+#: Nothing listens there: a command that must not need Redis fails loudly if it tries.
+NO_REDIS = "redis://127.0.0.1:1"
+
+
+@pytest.fixture
+def offline_env(prefix: str, tmp_path: Path) -> dict[str, str]:
+    """The environment of a command that needs no test Redis (so the test runs once, not per backend)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RIVERBED_")}
+    env.update(
+        RIVERBED_REDIS_URL=NO_REDIS,
+        RIVERBED_PREFIX=prefix,
+        RIVERBED_SERVICES_DIR=str(tmp_path / "services"),
+        COLUMNS="200",
+    )
+    return env
+
+
+@pytest.fixture
+def cli_env(offline_env: dict[str, str], redis_url: str) -> dict[str, str]:
+    """The environment of a command against the test Redis of this backend."""
+    return {**offline_env, "RIVERBED_REDIS_URL": redis_url}

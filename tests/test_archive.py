@@ -19,9 +19,7 @@ from riverbed.bus.keys import ROLES
 from riverbed.errors import ConfigError, InputError, RiverbedError
 from riverbed.settings import Settings
 from riverbed.workers.main import Worker
-from tests.test_cli import assert_one_sentence, cli_env, ok, run, sample_events
-
-__all__ = ["cli_env"]  # the fixture, imported for the CLI tests here
+from tests.test_cli import assert_one_sentence, ok, run, sample_events
 
 pytestmark = pytest.mark.anyio
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -27,18 +26,6 @@ GOLDEN = Path(__file__).parent / "golden" / "events.jsonl"
 def riverbed_command() -> list[str]:
     script = Path(sys.executable).parent / "riverbed"
     return [str(script)] if script.exists() else [sys.executable, "-m", "riverbed.cli"]
-
-
-@pytest.fixture
-def cli_env(redis_url: str, prefix: str, tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RIVERBED_")}
-    env.update(
-        RIVERBED_REDIS_URL=redis_url,
-        RIVERBED_PREFIX=prefix,
-        RIVERBED_SERVICES_DIR=str(tmp_path / "services"),
-        COLUMNS="200",
-    )
-    return env
 
 
 def run(
@@ -205,8 +192,8 @@ def test_a_bad_import_names_the_line_and_writes_nothing(
         assert last_id(redis_url, prefix, case) == 0
 
 
-def test_import_of_a_missing_file_is_one_sentence(cli_env: dict[str, str], tmp_path: Path) -> None:
-    assert_one_sentence(run(cli_env, "import", str(tmp_path / "nope.jsonl")), 2, "cannot read", "nope.jsonl")
+def test_import_of_a_missing_file_is_one_sentence(offline_env: dict[str, str], tmp_path: Path) -> None:
+    assert_one_sentence(run(offline_env, "import", str(tmp_path / "nope.jsonl")), 2, "cannot read", "nope.jsonl")
 
 
 def test_readable_log_shows_kinds_sources_and_content(cli_env: dict[str, str]) -> None:
@@ -271,12 +258,12 @@ def test_log_follow_picks_up_new_events_and_stops_cleanly(
 # --- configuration errors ---------------------------------------------------------------------
 
 
-def test_unreachable_redis_fails_fast_in_one_sentence(cli_env: dict[str, str]) -> None:
-    env = {**cli_env, "RIVERBED_REDIS_URL": "redis://127.0.0.1:1"}
+def test_unreachable_redis_fails_fast_in_one_sentence(offline_env: dict[str, str]) -> None:
+    env = offline_env
     started = time.monotonic()
     result = run(env, "log", "anything")
     elapsed = time.monotonic() - started
-    assert_one_sentence(result, 1, "cannot reach Redis at redis://127.0.0.1:1")
+    assert_one_sentence(result, 1, f"cannot reach Redis at {env['RIVERBED_REDIS_URL']}")
     assert elapsed < 5, elapsed
 
 
@@ -290,8 +277,8 @@ BAD_CONFIG = [
 ]
 
 
-def test_bad_configuration_is_one_sentence(cli_env: dict[str, str]) -> None:
-    results = run_all([({**cli_env, **extra}, args) for extra, args, _ in BAD_CONFIG])
+def test_bad_configuration_is_one_sentence(offline_env: dict[str, str]) -> None:
+    results = run_all([({**offline_env, **extra}, args) for extra, args, _ in BAD_CONFIG])
     for (_extra, _args, fragment), result in zip(BAD_CONFIG, results, strict=True):
         assert_one_sentence(result, 2, fragment)
 
@@ -299,8 +286,8 @@ def test_bad_configuration_is_one_sentence(cli_env: dict[str, str]) -> None:
 # --- schema -----------------------------------------------------------------------------------
 
 
-def test_schema_is_json_covering_every_kind(cli_env: dict[str, str]) -> None:
-    schema = json.loads(ok(cli_env, "schema"))
+def test_schema_is_json_covering_every_kind(offline_env: dict[str, str]) -> None:
+    schema = json.loads(ok(offline_env, "schema"))
     tags = {
         tag
         for definition in schema["$defs"].values()
@@ -327,8 +314,10 @@ def services_dir() -> Iterator[Path]:
 
 
 @pytest.mark.slow
-def test_services_up_prints_working_exports_and_down_stops_them(cli_env: dict[str, str], services_dir: Path) -> None:
-    env = {k: v for k, v in cli_env.items() if k not in ("RIVERBED_REDIS_URL", "RIVERBED_DATABASE_URL")}
+def test_services_up_prints_working_exports_and_down_stops_them(
+    offline_env: dict[str, str], services_dir: Path
+) -> None:
+    env = {k: v for k, v in offline_env.items() if k not in ("RIVERBED_REDIS_URL", "RIVERBED_DATABASE_URL")}
     result = run(env, "services", "up", "--dir", str(services_dir), timeout=120)
     assert result.returncode == 0, result.stderr.decode()
     exports = dict(
@@ -367,8 +356,8 @@ def test_services_up_prints_working_exports_and_down_stops_them(cli_env: dict[st
     assert "no services were running" in run(env, "services", "down", "--dir", str(services_dir)).stderr.decode()
 
 
-def test_help_lists_the_commands(cli_env: dict[str, str]) -> None:
-    text = ok(cli_env, "--help").decode()
+def test_help_lists_the_commands(offline_env: dict[str, str]) -> None:
+    text = ok(offline_env, "--help").decode()
     for command in ("log", "export", "import", "sessions", "schema", "services"):
         assert command in text
-    assert msgspec.json.decode(ok(cli_env, "schema"))  # stdout is the schema only
+    assert msgspec.json.decode(ok(offline_env, "schema"))  # stdout is the schema only

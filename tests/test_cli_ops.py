@@ -9,12 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from riverbed.bus.keys import Keys
-from tests.test_cli import assert_one_sentence, cli_env, ok, riverbed_command, run
-
-__all__ = ["cli_env"]  # the fixture, shared with test_cli
+from tests.test_cli import assert_one_sentence, ok, riverbed_command, run
+from tests.workerproc import sync_client
 
 
 @pytest.fixture
@@ -64,13 +62,13 @@ def test_act_refuses_bad_input_in_one_sentence(cli_env: dict[str, str]) -> None:
     assert_one_sentence(timed_out, 1, "no observation answered action 1")
 
 
-def test_worker_with_an_unknown_role_fails_in_one_sentence(cli_env: dict[str, str]) -> None:
-    assert_one_sentence(run(cli_env, "worker", "janitor"), 2, "unknown role 'janitor'")
+def test_worker_with_an_unknown_role_fails_in_one_sentence(offline_env: dict[str, str]) -> None:
+    assert_one_sentence(run(offline_env, "worker", "janitor"), 2, "unknown role 'janitor'")
 
 
 def test_dlq_list_and_requeue(cli_env: dict[str, str], redis_url: str, prefix: str) -> None:
     keys = Keys(prefix)
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     try:
         client.xadd(
             keys.dlq,
@@ -98,8 +96,8 @@ def test_dlq_list_and_requeue(cli_env: dict[str, str], redis_url: str, prefix: s
 
 
 @pytest.mark.slow
-def test_demo_runs_on_embedded_services_and_exits_zero(cli_env: dict[str, str], tmp_path: Path) -> None:
-    env = {k: v for k, v in cli_env.items() if k not in ("RIVERBED_REDIS_URL",)}
+def test_demo_runs_on_embedded_services_and_exits_zero(offline_env: dict[str, str], tmp_path: Path) -> None:
+    env = {k: v for k, v in offline_env.items() if k not in ("RIVERBED_REDIS_URL",)}
     env["RIVERBED_SERVICES_DIR"] = str(Path("/tmp") / f"rb-demo-{tmp_path.name}")
     env["RIVERBED_WORKSPACE"] = str(tmp_path / "ws")
     try:

@@ -7,13 +7,12 @@ whose ``cause`` is the action's id, and a non-repeatable action never runs twice
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
 
-import riverbed
 from riverbed import events
 from riverbed.agent.client import Bus
 from tests.workerproc import WorkerProcess
@@ -22,13 +21,7 @@ pytestmark = [pytest.mark.anyio]
 
 
 @pytest.fixture
-async def bus(bus_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(bus_url, prefix=prefix) as bus:
-        yield bus
-
-
-@pytest.fixture
-def workers(bus_url: str, prefix: str, workspace: Path, tmp_path: Path) -> Iterator[list[WorkerProcess]]:
+def workers(redis_url: str, prefix: str, workspace: Path, tmp_path: Path) -> Iterator[list[WorkerProcess]]:
     started: list[WorkerProcess] = []
     yield started
     for worker in started:
@@ -36,9 +29,9 @@ def workers(bus_url: str, prefix: str, workspace: Path, tmp_path: Path) -> Itera
 
 
 def spawn(
-    started: list[WorkerProcess], name: str, bus_url: str, prefix: str, workspace: Path, **kw: object
+    started: list[WorkerProcess], name: str, redis_url: str, prefix: str, workspace: Path, **kw: object
 ) -> WorkerProcess:
-    worker = WorkerProcess(["runtime"], name=name, redis_url=bus_url, prefix=prefix, workspace=workspace, **kw)  # type: ignore[arg-type]
+    worker = WorkerProcess(["runtime"], name=name, redis_url=redis_url, prefix=prefix, workspace=workspace, **kw)  # type: ignore[arg-type]
     started.append(worker)
     return worker
 
@@ -56,9 +49,9 @@ async def check_exactly_one_answer(bus: Bus, session_id: str) -> list[events.Eve
 
 
 async def test_new_session_is_picked_up_and_answered(
-    bus: Bus, workers: list[WorkerProcess], bus_url: str, prefix: str, workspace: Path
+    bus: Bus, workers: list[WorkerProcess], redis_url: str, prefix: str, workspace: Path
 ) -> None:
-    spawn(workers, "w1", bus_url, prefix, workspace).wait_ready()
+    spawn(workers, "w1", redis_url, prefix, workspace).wait_ready()
     session = bus.session("pick-me")
     obs = await session.act(events.CmdRun(command="echo hello"), timeout=20)
     assert isinstance(obs, events.CmdOutput)
@@ -71,13 +64,13 @@ async def test_new_session_is_picked_up_and_answered(
 
 
 async def test_sigkill_half_way_every_action_answered_once(
-    bus: Bus, workers: list[WorkerProcess], bus_url: str, backend: str, prefix: str, workspace: Path
+    bus: Bus, workers: list[WorkerProcess], redis_url: str, backend: str, prefix: str, workspace: Path
 ) -> None:
     lease = 2.0
     # The cluster variant drives fewer sessions to keep the suite's run time in bounds.
     count = 50 if backend == "standalone" else 20
-    a = spawn(workers, "wa", bus_url, prefix, workspace, lease=lease)
-    b = spawn(workers, "wb", bus_url, prefix, workspace, lease=lease)
+    a = spawn(workers, "wa", redis_url, prefix, workspace, lease=lease)
+    b = spawn(workers, "wb", redis_url, prefix, workspace, lease=lease)
     a.wait_ready()
     b.wait_ready()
     sessions = [f"s{i}" for i in range(count)]
@@ -120,9 +113,9 @@ async def test_sigkill_half_way_every_action_answered_once(
 
 @pytest.mark.parametrize("point", ["after_read", "after_side_effect", "after_append", "before_ack", "during_renew"])
 async def test_crash_at_named_point(
-    point: str, bus: Bus, workers: list[WorkerProcess], bus_url: str, prefix: str, workspace: Path
+    point: str, bus: Bus, workers: list[WorkerProcess], redis_url: str, prefix: str, workspace: Path
 ) -> None:
-    doomed = spawn(workers, "doomed", bus_url, prefix, workspace, extra_env={"RIVERBED_CRASH_AT": point})
+    doomed = spawn(workers, "doomed", redis_url, prefix, workspace, extra_env={"RIVERBED_CRASH_AT": point})
     doomed.wait_ready()
     session = bus.session("crashy")
     await session.append(events.Think(thought="first, so before_ack has something to ack"))
@@ -131,7 +124,7 @@ async def test_crash_at_named_point(
     with anyio.fail_after(20):
         while doomed.proc.poll() is None:
             await anyio.sleep(0.05)
-    rescuer = spawn(workers, "rescuer", bus_url, prefix, workspace)
+    rescuer = spawn(workers, "rescuer", redis_url, prefix, workspace)
     rescuer.wait_ready()
     answer = await session.wait_for_answer(action, timeout=30)
     await session.wait_for_answer(read, timeout=30)
@@ -149,13 +142,13 @@ async def test_crash_at_named_point(
 
 
 async def test_sigterm_hands_sessions_to_a_peer_at_once(
-    bus: Bus, workers: list[WorkerProcess], bus_url: str, prefix: str, workspace: Path
+    bus: Bus, workers: list[WorkerProcess], redis_url: str, prefix: str, workspace: Path
 ) -> None:
-    first = spawn(workers, "first", bus_url, prefix, workspace, lease=30.0)
+    first = spawn(workers, "first", redis_url, prefix, workspace, lease=30.0)
     first.wait_ready()
     session = bus.session("handover")
     assert isinstance(await session.act(events.CmdRun(command="echo 1"), timeout=20), events.CmdOutput)
-    second = spawn(workers, "second", bus_url, prefix, workspace, lease=30.0)
+    second = spawn(workers, "second", redis_url, prefix, workspace, lease=30.0)
     second.wait_ready()
     assert first.terminate() == 0
     started = time.monotonic()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import anyio
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,12 +17,6 @@ from riverbed.bus.log import AlreadyAnswered, Fence
 from riverbed.errors import AppendConflict, FencedError, InputError
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-async def bus(bus_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(bus_url, prefix=prefix) as bus:
-        yield bus
 
 
 async def test_ids_are_consecutive_integers_and_entry_ids(bus: Bus) -> None:

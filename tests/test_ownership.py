@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
 import anyio
 import msgspec
 import pytest
 
-import riverbed
 from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.bus.consumer import Entry, Owner, SessionContext
@@ -47,12 +45,6 @@ class EchoHandler:
                 await ctx.answer(entry, events.FileContent(path=entry.event.path, content=ctx.worker))
             else:
                 await ctx.ack([entry.id])
-
-
-@pytest.fixture
-async def bus(bus_url: str, prefix: str) -> AsyncIterator[Bus]:
-    async with riverbed.connect(bus_url, prefix=prefix) as bus:
-        yield bus
 
 
 def make_owner(bus: Bus, name: str, **kw: object) -> tuple[Owner, EchoHandler]:
