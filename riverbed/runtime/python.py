@@ -80,6 +80,8 @@ class _Cell:
         self.reply: dict[str, Any] | None = None
         self.output_done = False
         self.reply_done = False
+        self.eof = False
+        """The process closed its output: it is exiting."""
         self.notes: list[str] = []
 
     @property
@@ -179,7 +181,7 @@ class PythonProcess:
             await self._interrupt(cell, timeout)
         exception = cell.reply.get("exception") if cell.reply else None
         if not cell.reply_done or cell.reply is None:
-            exception = (exception or "") + self._death_note()
+            exception = (exception or "") + await self._death_note(exiting=cell.eof)
         images_after = await anyio.to_thread.run_sync(_images, self._workspace)
         files = sorted(path for path, stamp in images_after.items() if images_before.get(path) != stamp)
         content = cell.text.render()
@@ -205,9 +207,14 @@ class PythonProcess:
             cause=action.id,
         )
 
-    def _death_note(self) -> str:
+    async def _death_note(self, *, exiting: bool) -> str:
         self._lost = True
         code = self._proc.poll() if self._proc is not None else None
+        if self._proc is not None and exiting:
+            # Its pipes close a moment before its exit status can be collected: wait a little.
+            with anyio.move_on_after(1.0):
+                while (code := self._proc.poll()) is None:  # noqa: ASYNC110  (a child's status, no event to await)
+                    await anyio.sleep(0.01)
         if code is None:
             how = "stopped answering"
         elif code < 0:
@@ -226,7 +233,7 @@ class PythonProcess:
                         data = await read_some(self._out)
                         if not data:
                             cell.text.feed_bytes(cell.scanner.flush(), final=True)
-                            cell.output_done = True
+                            cell.output_done = cell.eof = True
                             break
                         cell.text.feed_bytes(cell.scanner.feed(data))
                         if cell.scanner.found:
