@@ -7,8 +7,11 @@ replies carry the msgpack payloads of the riverbed events below, so both move th
 
 riverbed is ``Session.act(FileRead(path=<a 200-byte file>))`` answered by
 ``python -m riverbed.workers runtime`` processes: the append script, the worker's session
-loop, the sandbox's file read (in a thread), the answering append (fenced, acknowledging)
-and the client's wait for the answer.
+loop, the sandbox's file read (confined to the workspace), the answering append (fenced,
+acknowledging) and the client's wait for the answer.  riverbed sends its append and its wait
+in one write (the client: the append script and ``XREAD`` from ``$``; the worker: the answer
+and its next ``XREADGROUP``), so it makes two trips to Redis per action where the floor, one
+command at a time, makes four; the floor's responder does pipeline its ``XADD`` + ``XACK``.
 
 - latency: one session, sequential round trips, rounds alternating floor/riverbed; p50
   and p99 over every sample (target: riverbed p50 <= 2x the floor's; goal 1.5x).  Only
