@@ -38,7 +38,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import anyio
@@ -73,15 +73,28 @@ def _payloads() -> tuple[bytes, bytes]:
     return request, reply
 
 
-async def _respond(url: str, prefix: str, streams: list[int]) -> None:
-    """One task per request stream: XREADGROUP (blocking), then XADD the reply + XACK."""
+async def _respond(url: str, prefix: str, streams: list[int], one_write: bool) -> None:
+    """One task per request stream: XREADGROUP (blocking), then XADD the reply + XACK; with
+    ``one_write`` the reply and the ack go in one write with the next XREADGROUP."""
     client = aioredis.Redis.from_url(url, max_connections=len(streams) + 10)
     _request, reply = _payloads()
 
     async def serve(i: int) -> None:
         key, out = _request_key(prefix, i), _reply_key(prefix, i)
+        got = None
         while True:
+            if one_write and got:
+                async with client.pipeline(transaction=False) as pipe:
+                    for _stream, entries in got:
+                        for entry_id, _fields in entries:
+                            pipe.xadd(out, {b"e": reply})
+                            pipe.xack(key, GROUP, entry_id)
+                    pipe.xreadgroup(GROUP, "r", {key: ">"}, count=100, block=1000)
+                    got = (await pipe.execute())[-1]
+                continue
             got = await client.xreadgroup(GROUP, "r", {key: ">"}, count=100, block=1000)
+            if one_write:
+                continue
             for _stream, entries in got or ():
                 async with client.pipeline(transaction=False) as pipe:
                     for entry_id, _fields in entries:
@@ -95,16 +108,28 @@ async def _respond(url: str, prefix: str, streams: list[int]) -> None:
 
 
 def responder_main(argv: list[str]) -> None:
-    """``python -m bench.roundtrip --responder URL PREFIX FIRST STEP COUNT``."""
+    """``python -m bench.roundtrip --responder URL PREFIX FIRST STEP COUNT [one-write]``."""
     url, prefix, first, step, count = argv[0], argv[1], int(argv[2]), int(argv[3]), int(argv[4])
-    anyio.run(_respond, url, prefix, list(range(first, count, step)))
+    anyio.run(_respond, url, prefix, list(range(first, count, step)), argv[5:6] == ["one-write"])
 
 
 @contextmanager
-def responders(url: str, prefix: str, processes: int, streams: int) -> Iterator[None]:
+def responders(url: str, prefix: str, processes: int, streams: int, *, one_write: bool = False) -> Iterator[None]:
+    extra = ["one-write"] if one_write else []
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "bench.roundtrip", "--responder", url, prefix, str(n), str(processes), str(streams)]
+            [
+                sys.executable,
+                "-m",
+                "bench.roundtrip",
+                "--responder",
+                url,
+                prefix,
+                str(n),
+                str(processes),
+                str(streams),
+                *extra,
+            ]
         )
         for n in range(processes)
     ]
@@ -120,18 +145,28 @@ def responders(url: str, prefix: str, processes: int, streams: int) -> Iterator[
 class PingPong:
     """The client half of the floor: one request stream and one reply stream per pair."""
 
-    def __init__(self, client: aioredis.Redis, prefix: str, i: int) -> None:
+    def __init__(self, client: aioredis.Redis, prefix: str, i: int, *, one_write: bool = False) -> None:
         self.client = client
         self.request_key = _request_key(prefix, i)
         self.reply_key = _reply_key(prefix, i)
         self.cursor = b"0-0"
         self.request, _reply = _payloads()
+        self.one_write = one_write
 
     async def prepare(self) -> None:
         await self.client.xgroup_create(self.request_key, GROUP, id="0", mkstream=True)
 
     async def __call__(self) -> None:
-        await self.client.xadd(self.request_key, {b"e": self.request})
+        if self.one_write:  # the request and the wait for the reply in one write
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.xadd(self.request_key, {b"e": self.request})
+                pipe.xread({self.reply_key: "$"}, count=1, block=1000)
+                _added, got = await pipe.execute()
+            for _stream, entries in got or ():
+                self.cursor = entries[-1][0]
+                return
+        else:
+            await self.client.xadd(self.request_key, {b"e": self.request})
         while True:
             got = await self.client.xread({self.reply_key: self.cursor}, count=1, block=1000)
             for _stream, entries in got or ():
@@ -244,14 +279,24 @@ def _ms(values: list[float]) -> list[float]:
 
 
 async def _phase(
-    url: str, tmp: Path, sessions: int, processes: int, *, rounds: int, per_session: int, runtime_only: bool = False
+    url: str,
+    tmp: Path,
+    sessions: int,
+    processes: int,
+    *,
+    rounds: int,
+    per_session: int,
+    runtime_only: bool = False,
+    one_write_lat: list[float] | None = None,
 ) -> tuple[list[float], list[float], list[float], list[float], float]:
     """Floor and riverbed, ``rounds`` alternating rounds of ``sessions`` concurrent loops.
 
     Unless ``runtime_only``, the sessions are then marked as owned by the memory and
     condenser roles too, as in a full deployment (only runtime workers run here); otherwise
     the session stays announced to those roles (re-announced at most every 2 s).
-    Returns (floor rates, riverbed rates, floor latencies, riverbed latencies, riverbed warm-up s).
+    Returns (floor rates, riverbed rates, floor latencies, riverbed latencies, riverbed warm-up s);
+    with ``one_write_lat``, a third contender alternates too (a floor sending each request and its
+    wait in one write, as riverbed does) and its latencies go there.
     """
     tag = uuid.uuid4().hex[:8]
     raw_prefix, rb_prefix = f"bpp{tag}", f"brt{tag}"
@@ -261,7 +306,11 @@ async def _phase(
         _prepare_workspace(workspace, sid)
     raw = aioredis.Redis.from_url(url, max_connections=sessions + 20)
     pairs = [PingPong(raw, raw_prefix, i) for i in range(sessions)]
-    for pair in pairs:
+    ow_prefix = f"bow{tag}"
+    ow_pairs = (
+        [PingPong(raw, ow_prefix, i, one_write=True) for i in range(sessions)] if one_write_lat is not None else []
+    )
+    for pair in pairs + ow_pairs:
         await pair.prepare()
     capacity = -(-sessions // processes)
     workers = Workers(url, rb_prefix, workspace, processes, capacity)
@@ -273,7 +322,11 @@ async def _phase(
         await workers.wait_ready()
         async with riverbed.connect(url, prefix=rb_prefix) as bus:
             actors = [_actor(bus.session(sid)) for sid in session_ids]
-            with responders(url, raw_prefix, processes, sessions):
+            with ExitStack() as stack:
+                stack.enter_context(responders(url, raw_prefix, processes, sessions))
+                if ow_pairs:
+                    stack.enter_context(responders(url, ow_prefix, processes, sessions, one_write=True))
+                    await _warm(list(ow_pairs))
                 await _warm(list(pairs))
                 warm = await _warm(actors)
                 if not runtime_only:
@@ -288,8 +341,12 @@ async def _phase(
                     rate, lat = await _concurrent(actors, per_session)
                     rb_rates.append(rate)
                     rb_lat += lat
+                    if one_write_lat is not None:
+                        _rate, lat = await _concurrent(list(ow_pairs), per_session)
+                        one_write_lat += lat
             keys = [k async for k in raw.scan_iter(match=f"{rb_prefix}:*", count=1000)]
             keys += [k async for k in raw.scan_iter(match=f"{raw_prefix}:*", count=1000)]
+            keys += [k async for k in raw.scan_iter(match=f"{ow_prefix}:*", count=1000)]
             for start in range(0, len(keys), 500):
                 await raw.delete(*keys[start : start + 500])
     finally:
@@ -306,7 +363,10 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
 
         # Latency: one session, one worker; alternating rounds of sequential round trips.
         per_round = LATENCY_SAMPLES // (2 if args.quick else 1)
-        _r, _b, raw_lat, rb_lat, _w = await _phase(url, tmp, 1, 1, rounds=repeats, per_session=per_round)
+        one_write: list[float] = []
+        _r, _b, raw_lat, rb_lat, _w = await _phase(
+            url, tmp, 1, 1, rounds=repeats, per_session=per_round, one_write_lat=one_write
+        )
         raw_ms, rb_ms = _ms(raw_lat), _ms(rb_lat)
         samples = len(rb_ms)
         floor = "XREADGROUP ping-pong"
@@ -319,6 +379,13 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
         results.append(
             Result("act round trip p99 (1 session)", "ms", p99_rb, p99_raw, floor, p99_rb / p99_raw, None, samples,
                    better="lower")
+        )  # fmt: skip
+        p50_ow = percentile(_ms(one_write), 50)
+        results.append(
+            Result("act round trip p50 vs a one-write floor", "ms", p50_rb, p50_ow, "one-write ping-pong",
+                   p50_rb / p50_ow, None, samples, better="lower",
+                   note="a floor that sends each request with its wait, and each reply with the next read, in one "
+                   "write (two trips to Redis per round trip, as riverbed makes)")
         )  # fmt: skip
         _r, _b, raw_lat, rb_lat, _w = await _phase(
             url, tmp, 1, 1, rounds=max(repeats // 2, 1), per_session=per_round, runtime_only=True
