@@ -3,6 +3,11 @@
 A URL whose server reports ``cluster_enabled:1`` gets a ``RedisCluster`` client; every
 other URL a plain client.  Both retry a failed command with exponential backoff, and
 :func:`translate` turns redis-py's connection errors into :class:`UnavailableError`.
+
+The cluster client finds the keys of ``XREAD`` and ``XREADGROUP`` (the blocking reads of every
+worker and client) itself.  redis-py asks one fixed node with ``COMMAND GETKEYS`` before each of
+them: a round trip more per read, all on that node, and every read fails while that node is
+down, even when its slot moved to a live replica long ago.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from riverbed.errors import ConfigError, UnavailableError
 
 Client: TypeAlias = Any  # redis.asyncio.Redis | RedisCluster: the commands we use exist on both
 
-__all__ = ["Client", "connect_redis", "redact", "translate"]
+__all__ = ["Client", "Cluster", "connect_redis", "redact", "stream_read_keys", "translate"]
 
 
 def redact(url: str) -> str:
@@ -47,6 +52,52 @@ def translate(url: str) -> Iterator[None]:
         if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
             raise ConfigError(f"Redis at {redact(url)} refused the credentials: {exc}") from exc
         raise
+
+
+def stream_read_keys(command: str, args: tuple[Any, ...]) -> list[Any] | None:
+    """The keys of an ``XREAD``/``XREADGROUP`` command line (``args`` after the command name),
+    parsed as Redis does; None for any other command or a line it would refuse."""
+    name = command.upper()
+    if name not in ("XREAD", "XREADGROUP"):
+        return None
+    i = 0
+    if name == "XREADGROUP":
+        if not args or _word(args[0]) != "GROUP":
+            return None
+        i = 3
+    while i < len(args):
+        word = _word(args[i])
+        if word in ("COUNT", "BLOCK"):
+            i += 2
+        elif word == "NOACK":
+            i += 1
+        elif word == "STREAMS":
+            rest = args[i + 1 :]
+            if not rest or len(rest) % 2:
+                return None
+            return list(rest[: len(rest) // 2])
+        else:
+            return None
+    return None
+
+
+def _word(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode(errors="replace").upper()
+    return str(value).upper()
+
+
+class Cluster(RedisCluster):
+    """``RedisCluster`` that routes stream reads by their keys without asking a server."""
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        keys = stream_read_keys(command, args)
+        if not keys:
+            return await super()._determine_slot(command, *args)
+        slots = {self.keyslot(key) for key in keys}
+        if len(slots) != 1:
+            raise rexc.RedisClusterException(f"{command} - all keys must map to the same key slot")
+        return slots.pop()
 
 
 def _retry() -> Retry:
@@ -74,7 +125,7 @@ async def connect_redis(url: str, *, max_connections: int = 2000) -> Client:
     if not info.get("cluster_enabled"):
         return client
     await client.aclose()
-    cluster = RedisCluster.from_url(url, max_connections=max_connections, **common)
+    cluster = Cluster.from_url(url, max_connections=max_connections, **common)
     with translate(url):
         await cluster.initialize()
     return cluster
