@@ -184,13 +184,14 @@ def _cluster_state(port: int) -> str:
     return ""
 
 
-def _start_cluster_node(directory: Path, port: int) -> int:
+def _start_cluster_node(directory: Path, port: int, node_timeout_ms: int) -> int:
     pidfile = directory / f"redis-{port}.pid"
     pidfile.unlink(missing_ok=True)
     args = [
         redis_binary(),
         "--cluster-enabled", "yes",
         "--cluster-config-file", str(directory / f"nodes-{port}.conf"),
+        "--cluster-node-timeout", str(node_timeout_ms),
         "--port", str(port),
         "--bind", "127.0.0.1",
         "--dir", str(directory),
@@ -209,12 +210,12 @@ def _start_cluster_node(directory: Path, port: int) -> int:
     return int(pidfile.read_text().strip()) if pidfile.exists() else 0
 
 
-def _create_cluster(ports: list[int], timeout: float) -> None:
+def _create_cluster(ports: list[int], replicas: int, timeout: float) -> None:
     redis_cli = shutil.which("redis-cli")
     if redis_cli is None:
         raise ServiceError("no redis-cli found: install it (apt-get install redis-server)")
     create = [redis_cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports]]
-    create += ["--cluster-replicas", "0", "--cluster-yes"]
+    create += ["--cluster-replicas", str(replicas), "--cluster-yes"]
     try:
         done = subprocess.run(create, capture_output=True, timeout=timeout, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -222,29 +223,74 @@ def _create_cluster(ports: list[int], timeout: float) -> None:
     if done.returncode != 0:
         raise ServiceError(f"redis-cli --cluster create failed: {done.stdout.decode(errors='replace')[-500:]}")
     deadline = time.monotonic() + timeout
-    while any(_cluster_state(p) != "ok" for p in ports):
+    while any(_cluster_state(p) != "ok" for p in ports) or not _replicas_in_sync(ports, replicas):
         if time.monotonic() > deadline:
             raise ServiceError(f"the Redis Cluster on ports {ports} did not reach cluster_state:ok")
         time.sleep(0.05)
 
 
-def start_redis_cluster(directory: Path, *, masters: int = 3, timeout: float = 20.0) -> tuple[str, list[int]]:
-    """Start a Redis Cluster of ``masters`` primaries (no replicas) on 127.0.0.1; returns (url, pids).
+def _info(port: int, section: str) -> dict[str, str]:
+    """``INFO <section>`` of the node on ``port`` as a dict (empty when it does not answer)."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+        sock.sendall(f"INFO {section}\r\n".encode())
+        header = b""
+        while not header.endswith(b"\r\n"):
+            chunk = sock.recv(1)
+            if not chunk:
+                return fields
+            header += chunk
+        size = int(header[1:-2])  # a bulk string: $<size>\r\n<body>\r\n
+        body = b""
+        while len(body) < size:
+            chunk = sock.recv(size - len(body))
+            if not chunk:
+                break
+            body += chunk
+        for line in body.decode(errors="replace").splitlines():
+            key, sep, value = line.partition(":")
+            if sep:
+                fields[key] = value.strip()
+    return fields
+
+
+def _replicas_in_sync(ports: list[int], replicas: int) -> bool:
+    """Every replica has finished its first sync with its master (so a failover can promote it)."""
+    if replicas == 0:
+        return True
+    roles = [_info(port, "replication") for port in ports]
+    synced = [r for r in roles if r.get("role") == "slave" and r.get("master_link_status") == "up"]
+    return len(synced) == len(ports) - len(ports) // (replicas + 1)
+
+
+def start_redis_cluster(
+    directory: Path,
+    *,
+    masters: int = 3,
+    replicas: int = 0,
+    node_timeout_ms: int = 15_000,
+    timeout: float = 20.0,
+) -> tuple[str, list[int]]:
+    """Start a Redis Cluster of ``masters`` primaries with ``replicas`` replicas each on 127.0.0.1;
+    returns (url, pids).
 
     Each node is a daemonised ``redis-server --cluster-enabled yes``; ``redis-cli --cluster create``
-    assigns the slots.  Returns once every node reports ``cluster_state:ok``.  The URL names the
-    first node; a cluster client discovers the others from it.
+    assigns the slots and the replicas.  Returns once every node reports ``cluster_state:ok`` and
+    every replica has synced with its master.  A master that stops answering for
+    ``node_timeout_ms`` is failed over to one of its replicas.  The URL names the first node;
+    a cluster client discovers the others from it.  Replication is asynchronous:
+    a write a master acknowledged but had not yet sent to its replica is lost when it fails over.
     """
     directory.mkdir(parents=True, exist_ok=True)
     ports: list[int] = []
     pids: list[int] = []
     try:
-        while len(ports) < masters:
+        while len(ports) < masters * (1 + replicas):
             port = _free_cluster_port()
             if port not in ports:
                 ports.append(port)
-                pids.append(_start_cluster_node(directory, port))
-        _create_cluster(ports, timeout)
+                pids.append(_start_cluster_node(directory, port, node_timeout_ms))
+        _create_cluster(ports, replicas, timeout)
     except ServiceError:
         stop_redis_cluster(pids)
         raise

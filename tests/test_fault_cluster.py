@@ -1,0 +1,264 @@
+"""A Redis Cluster master killed under a running system: its replica takes over, nobody acts.
+
+A private cluster of 3 masters with one replica each (``cluster-node-timeout`` 1 s) serves two
+runtime worker processes and a client driving several sessions.  The killed master (SIGKILL)
+holds the prefix's shared keys (directories, session index, worker registry) and some of the
+sessions, the others live on the surviving masters.
+
+Redis replicates asynchronously and riverbed does not ``WAIT`` for a replica after an append:
+an append that the master acknowledged in the last moment before it died, and had not yet sent
+to its replica, is lost with it, and its id goes to the next append.  So the test pauses the
+client between actions, waits until the replica holds every write the master acknowledged,
+and only then kills the master; the client resumes at once, while the cluster fails over.
+The workers are not paused: their lease renewals and heartbeats race the kill.  Afterwards:
+
+- every event id an append returned (before the kill, and on the new master after it) holds
+  the action that was appended;
+- every action has exactly one answering observation (its output, or ``runtime_lost`` when the
+  owner changed while it was in flight), and no command ran twice;
+- every session answers again within a bound after the failover;
+- the workers and the client reconnected by themselves, and no worker exited.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import pytest
+import redis
+from redis.crc import key_slot
+
+import riverbed
+from riverbed import events, services
+from riverbed.agent.client import Bus
+from riverbed.bus.keys import Keys
+from tests.test_fault_redis import Driver, assert_in_log, wait_for
+from tests.workerproc import WorkerProcess
+
+pytestmark = [pytest.mark.anyio, pytest.mark.fault]
+
+NODE_TIMEOUT_MS = 1000
+LEASE = 2.0
+SESSIONS_ON_VICTIM = 2
+SESSIONS_ELSEWHERE = 3
+#: The guarantee: every session answers again within this long after the replica took over.
+RECOVERY_SECONDS = 10.0
+
+
+@dataclass
+class Node:
+    port: int
+    pid: int
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=2)
+
+    def replication(self) -> dict[str, object]:
+        with self.client() as client:
+            info: dict[str, object] = client.info("replication")
+            return info
+
+
+@dataclass
+class ReplicatedCluster:
+    """A private cluster (3 masters, 1 replica each) of this test's own: it loses a master."""
+
+    url: str
+    pids: list[int]
+    sync: redis.RedisCluster = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sync = redis.RedisCluster.from_url(self.url)
+
+    def port_of(self, key: str) -> int:
+        """The port of the master serving ``key``'s slot."""
+        node = self.sync.nodes_manager.get_node_from_slot(key_slot(key.encode()))
+        assert node is not None
+        assert node.port is not None
+        return int(node.port)
+
+    def master_of(self, key: str) -> Node:
+        port = self.port_of(key)
+        with redis.Redis(port=port) as client:
+            return Node(port, int(client.info("server")["process_id"]))
+
+    def replica_of(self, master: Node) -> Node:
+        info = master.replication()
+        replica = info["slave0"]
+        assert isinstance(replica, dict), info
+        port = int(replica["port"])
+        with redis.Redis(port=port) as client:
+            return Node(port, int(client.info("server")["process_id"]))
+
+    def close(self) -> None:
+        self.sync.close()
+        services.stop_redis_cluster(self.pids)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[ReplicatedCluster]:
+    # Its own cluster, not the suite's: the test kills one of its masters.
+    url, pids = services.start_redis_cluster(
+        tmp_path / "cluster", masters=3, replicas=1, node_timeout_ms=NODE_TIMEOUT_MS
+    )
+    replicated = ReplicatedCluster(url, pids)
+    try:
+        yield replicated
+    finally:
+        replicated.close()
+
+
+@pytest.fixture
+async def bus(cluster: ReplicatedCluster, prefix: str) -> AsyncIterator[Bus]:
+    async with riverbed.connect(cluster.url, prefix=prefix) as bus:
+        yield bus
+
+
+@pytest.fixture
+def workers() -> Iterator[list[WorkerProcess]]:
+    started: list[WorkerProcess] = []
+    yield started
+    for worker in started:
+        worker.close()
+
+
+@dataclass
+class GatedDriver(Driver):
+    """A driver that starts its next action only while ``gate`` is open (``idle`` meanwhile)."""
+
+    gate: anyio.Event = field(default_factory=anyio.Event)
+    idle: bool = False
+
+    async def run(self, stop: anyio.Event) -> None:
+        i = 0
+        while not stop.is_set():
+            if not self.gate.is_set():
+                self.idle = True
+                await self.gate.wait()
+                self.idle = False
+            marker = f"{self.session.id}-{i}"
+            command = f"echo {marker} >> runs.txt; echo {marker}"
+            action_id = await self.append(events.CmdRun(command=command), key=marker)
+            self.appended[action_id] = command
+            self.appended_at[action_id] = time.monotonic()
+            self.answers[action_id] = await self.answer(action_id)
+            self.answered_at[action_id] = time.monotonic()
+            i += 1
+
+
+def session_names(cluster: ReplicatedCluster, keys: Keys, victim: Node) -> list[str]:
+    """Sessions on the victim's slots and sessions on the surviving masters."""
+    on_victim: list[str] = []
+    elsewhere: list[str] = []
+    for i in range(1000):
+        name = f"c{i}"
+        group = on_victim if cluster.port_of(keys.log(name)) == victim.port else elsewhere
+        group.append(name)
+        if len(on_victim) >= SESSIONS_ON_VICTIM and len(elsewhere) >= SESSIONS_ELSEWHERE:
+            break
+    return on_victim[:SESSIONS_ON_VICTIM] + elsewhere[:SESSIONS_ELSEWHERE]
+
+
+async def wait_until_replicated(master: Node, replica: Node) -> None:
+    """The replica has applied every write the master had acknowledged when this was called."""
+    target = int(str(master.replication()["master_repl_offset"]))
+    with anyio.fail_after(10):
+        while int(str(replica.replication().get("slave_repl_offset", 0))) < target:
+            await anyio.sleep(0.01)
+
+
+async def wait_until_promoted(replica: Node) -> None:
+    with anyio.fail_after(30):
+        while replica.replication().get("role") != "master":
+            await anyio.sleep(0.05)
+        with replica.client() as client:
+            while client.cluster("info")["cluster_state"] != "ok":
+                await anyio.sleep(0.05)
+
+
+async def test_a_master_failover_loses_no_replicated_append_and_everyone_reconnects(
+    bus: Bus, cluster: ReplicatedCluster, workers: list[WorkerProcess], prefix: str, workspace: Path, tmp_path: Path
+) -> None:
+    victim = cluster.master_of(bus.keys.directory("runtime"))
+    replica = cluster.replica_of(victim)
+    for name in ("wa", "wb"):
+        worker = WorkerProcess(
+            ["runtime"],
+            name=name,
+            redis_url=cluster.url,
+            prefix=prefix,
+            workspace=workspace,
+            lease=LEASE,
+            log_dir=tmp_path,
+        )
+        workers.append(worker)
+    for worker in workers:
+        await anyio.to_thread.run_sync(worker.wait_ready)
+    gate = anyio.Event()
+    gate.set()
+    drivers = [GatedDriver(bus.session(name), gate=gate) for name in session_names(cluster, bus.keys, victim)]
+    stop = anyio.Event()
+
+    async with anyio.create_task_group() as tg:
+        for driver in drivers:
+            tg.start_soon(driver.run, stop)
+        await wait_for(lambda: all(len(d.answers) >= 3 for d in drivers), 30, "every session answered three actions")
+
+        paused = anyio.Event()  # a fresh gate: drivers wait on it after their current action
+        for driver in drivers:
+            driver.gate = paused
+        await wait_for(lambda: all(d.idle for d in drivers), 30, "every driver finished its action")
+        acknowledged = {d.session.id: dict(d.appended) for d in drivers}
+        await wait_until_replicated(victim, replica)
+        os.kill(victim.pid, signal.SIGKILL)
+        paused.set()
+        killed_at = time.monotonic()
+        await wait_until_promoted(replica)
+        failed_over_at = time.monotonic()
+        promoted_after = failed_over_at - killed_at
+
+        for driver in drivers:
+            await assert_in_log(driver.session, acknowledged[driver.session.id])
+        await wait_for(
+            lambda: all(len(d.answered_since(failed_over_at)) >= 3 for d in drivers),
+            60,
+            "every session answered three actions appended after the failover",
+        )
+        stop.set()
+
+    recovery = {d.session.id: d.answered_since(failed_over_at)[0] - failed_over_at for d in drivers}
+    print(f"failover: promoted {promoted_after:.1f}s after the kill; sessions answered again after {recovery}")
+    assert max(recovery.values()) < RECOVERY_SECONDS, f"sessions answered again only after {recovery}"
+    assert all(w.proc.poll() is None for w in workers), "a worker exited during the failover"
+
+    runs: dict[str, int] = {}
+    for path in workspace.rglob("runs.txt"):
+        for line in path.read_text().split():
+            runs[line] = runs.get(line, 0) + 1
+    for driver in drivers:
+        log = await assert_in_log(driver.session, driver.appended)
+        answers: dict[int, list[events.Event]] = {}
+        for event in log:
+            if isinstance(event, events.Observation) and event.cause is not None:
+                answers.setdefault(event.cause, []).append(event)
+        actions = [e.id for e in log if isinstance(e, events.CmdRun)]
+        assert actions == sorted(driver.appended), "the log holds actions nobody appended (a duplicated append?)"
+        for action_id in actions:
+            assert action_id is not None
+            got = answers.get(action_id, [])
+            assert len(got) == 1, f"{driver.session.id}: action {action_id} has {len(got)} answers: {got}"
+            (answer,) = got
+            marker = driver.appended[action_id].split()[1]
+            if isinstance(answer, events.CmdOutput):
+                assert answer.content.strip() == marker
+                assert runs.get(marker) == 1, f"{marker} ran {runs.get(marker, 0)} times"
+            else:
+                assert isinstance(answer, events.Error), answer
+                assert answer.reason == "runtime_lost", answer
+                assert runs.get(marker, 0) <= 1, f"{marker} ran {runs[marker]} times"
