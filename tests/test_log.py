@@ -12,7 +12,7 @@ from redis.crc import key_slot
 import riverbed
 from riverbed import events
 from riverbed.agent.client import Bus
-from riverbed.bus.keys import Keys
+from riverbed.bus.keys import ROLES, Keys
 from riverbed.bus.log import AlreadyAnswered, Fence
 from riverbed.errors import AppendConflict, FencedError, InputError
 
@@ -57,6 +57,23 @@ async def test_idempotent_retry_returns_first_ids_and_appends_nothing(bus: Bus) 
     assert first == again == [1, 2]
     assert await session.last_id() == 2
     assert await session.append(events.Think(thought="c"), idempotency_key="req-2") == [3]
+
+
+async def test_a_retry_announces_again_what_its_first_try_could_not(bus: Bus) -> None:
+    """The announce follows the append script and writes shared keys, which a cluster keeps on
+    another node than the session's: when it fails, the append went through but nobody heard of
+    the session.  The client's retry (same idempotency key) must announce it again."""
+    session = bus.session("unheard")
+    assert await session.append(events.CmdRun(command="true"), idempotency_key="req-1") == [1]
+    # What a lost announce leaves behind: no directory entries, no index entry.
+    for role in ROLES:
+        await bus.redis.delete(bus.keys.directory(role))
+    await bus.redis.zrem(bus.keys.sessions, session.id)
+    assert await session.append(events.CmdRun(command="true"), idempotency_key="req-1") == [1]
+    for role in ROLES:
+        entries = await bus.redis.xrange(bus.keys.directory(role))
+        assert [fields[b"s"] for _id, fields in entries] == [b"unheard"], role
+    assert await bus.sessions() == ["unheard"]
 
 
 async def test_fencing_refuses_a_stale_token(bus: Bus) -> None:

@@ -117,15 +117,12 @@ class PreparedAppend:
     async def outcome(self, reply: list[Any]) -> list[int] | AlreadyAnswered:
         """The ids a reply names (announcing the session where the script says so)."""
         status = reply[0]
-        if status == b"ok":
-            self.appended = True
+        if status in (b"ok", b"dup"):
+            self.appended = status == b"ok"
             first, count, created = int(reply[1]), int(reply[2]), int(reply[3])
             need = [r.decode() for r in reply[4:]]
             if need or created:
                 await self.log.announce(self.session, need, created=bool(created))
-            return list(range(first, first + count))
-        if status == b"dup":
-            first, count = int(reply[1]), int(reply[2])
             return list(range(first, first + count))
         if status == b"conflict":
             raise AppendConflict(self.session, self.expected_last or 0, int(reply[1]))

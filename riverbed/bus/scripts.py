@@ -16,7 +16,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # ARGV: expected_last ('' = any), idem_ttl_ms ('' = no idempotency key), role ('' = not an owner),
 #       token, ack_group ('' = none), ack_id, tenant, n, pass_own ('1': the acking group need not
 #       see this answer), then n pairs (payload, answered cause or 0)
-# Replies: {'ok', first, count, created, need...} | {'dup', first, count} | {'conflict', last}
+# Replies: {'ok', first, count, created, need...} | {'dup', first, count, created, need...} | {'conflict', last}
 #          | {'fenced', current} | {'answered', cause, existing id}
 ANNOUNCE_MS = 2000
 """While a role has no owner for a session, appends re-announce it at most this often."""
@@ -29,7 +29,14 @@ if ARGV[2] ~= '' then
   local seen = redis.call('GET', KEYS[4])
   if seen then
     local sep = string.find(seen, ':')
-    return {'dup', tonumber(string.sub(seen, 1, sep - 1)), tonumber(string.sub(seen, sep + 1))}
+    local first = tonumber(string.sub(seen, 1, sep - 1))
+    -- The first try's announce (shared keys: another node on a cluster) may have failed: announce
+    -- again to every role still without an owner, and index the session again if it created it.
+    local reply = {'dup', first, tonumber(string.sub(seen, sep + 1)), first == 1 and 1 or 0}
+    for _, role in ipairs({'runtime', 'memory', 'condenser'}) do
+      if redis.call('HGET', KEYS[2], 'need:' .. role) then table.insert(reply, role) end
+    end
+    return reply
   end
 end
 local last = tonumber(redis.call('HGET', KEYS[2], 'last') or '0')
