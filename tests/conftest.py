@@ -141,6 +141,13 @@ async def bus(redis_url: str, prefix: str) -> AsyncIterator[Bus]:
         yield bus
 
 
+@pytest.fixture
+async def standalone_bus(standalone_redis_url: str, prefix: str) -> AsyncIterator[Bus]:
+    """A bus on the standalone test Redis, for a test that is about that deployment only."""
+    async with riverbed.connect(standalone_redis_url, prefix=prefix) as bus:
+        yield bus
+
+
 #: Nothing listens there: a command that must not need Redis fails loudly if it tries.
 NO_REDIS = "redis://127.0.0.1:1"
 
