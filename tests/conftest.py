@@ -39,6 +39,10 @@ def selected_backends(config: pytest.Config) -> list[str]:
     return [chosen]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    selected_backends(config)  # a bad RIVERBED_TEST_REDIS is one usage error, before collection
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Run every test that uses Redis (through ``redis_url``) once per selected backend."""
     if "backend" in metafunc.fixturenames:
@@ -58,8 +62,24 @@ def service_root() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def _only_when_selected(request: pytest.FixtureRequest, name: str) -> None:
+    """Skip a test that asks for a deployment by name when this run leaves that deployment out."""
+    if name not in selected_backends(request.config):
+        pytest.skip(f"about the {name} deployment, left out of this run (--redis / ${_BACKENDS_ENV})")
+
+
 @pytest.fixture(scope="session")
-def standalone_redis_url(service_root: Path) -> Iterator[str]:
+def standalone_selected(request: pytest.FixtureRequest) -> None:
+    _only_when_selected(request, "standalone")
+
+
+@pytest.fixture(scope="session")
+def cluster_selected(request: pytest.FixtureRequest) -> None:
+    _only_when_selected(request, "cluster")
+
+
+@pytest.fixture(scope="session")
+def standalone_redis_url(service_root: Path, standalone_selected: None) -> Iterator[str]:
     """A private standalone redis-server for the whole run (or RIVERBED_TEST_REDIS_URL).
 
     Ask for it by name only in a test that is about a standalone deployment; every other test
@@ -75,7 +95,7 @@ def standalone_redis_url(service_root: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def redis_cluster_url(service_root: Path) -> Iterator[str]:
+def redis_cluster_url(service_root: Path, cluster_selected: None) -> Iterator[str]:
     """A private 3-master Redis Cluster for the whole run (or RIVERBED_TEST_REDIS_CLUSTER_URL).
 
     Ask for it by name only in a test that is about a cluster deployment; every other test

@@ -102,7 +102,7 @@ class ReplicatedCluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[ReplicatedCluster]:
+def cluster(tmp_path: Path, cluster_selected: None) -> Iterator[ReplicatedCluster]:
     # Its own cluster, not the suite's: the test kills one of its masters.
     url, pids = services.start_redis_cluster(
         tmp_path / "cluster", masters=3, replicas=1, node_timeout_ms=NODE_TIMEOUT_MS

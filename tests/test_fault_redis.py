@@ -75,7 +75,7 @@ class PrivateRedis:
 
 
 @pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+def private_redis(tmp_path: Path, standalone_selected: None) -> Iterator[PrivateRedis]:
     server = PrivateRedis(tmp_path / "redis")
     server.start()
     try:
