@@ -44,7 +44,7 @@ from msgspec.structs import replace
 from riverbed import events, tracing
 from riverbed.bus.connection import Client, translate
 from riverbed.bus.dlq import DeadLetters
-from riverbed.bus.exchange import exchange, stream_entries
+from riverbed.bus.exchange import exchange, held_connection, stream_entries
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys
 from riverbed.bus.log import AlreadyAnswered, Fence, Log, PreparedAppend, decode_entry, entry_id
@@ -113,6 +113,8 @@ class SessionContext:
         self.last_seen = 0
         self.tenant: str | None = None
         self._soon: tuple[Entry, events.Observation] | None = None
+        self.line: Any = None
+        """The connection the session loop reads on (standalone Redis; None on a cluster)."""
 
     async def answer(self, entry: Entry, observation: events.Observation) -> int | None:
         """Append the one observation answering ``entry`` and acknowledge the entry atomically.
@@ -412,7 +414,12 @@ class Owner:
                 if in_flight:
                     bound.info("session.recover", entries=len(in_flight))
                     await self._dispatch(ctx, in_flight, recovering=True)
-                released = await self._loop(ctx, owned)
+                async with held_connection(self.redis) as line:
+                    ctx.line = line
+                    try:
+                        released = await self._loop(ctx, owned)
+                    finally:
+                        ctx.line = None
         except FencedError:
             bound.warning("session.fenced")
         except Exception:
@@ -484,27 +491,15 @@ class Owner:
         """New entries (bounded block); an answer held by ``answer_soon`` goes out in the same
         round trip, and its outcome is handled before the read returns."""
         key = self.keys.log(ctx.session)
+        read = ("XREADGROUP", "GROUP", self.role, self.worker, "COUNT", READ_COUNT, "BLOCK", 500, "STREAMS", key, ">")
         held = ctx.take_answer()
         if held is not None:
             entry, observation = held
             prepared = ctx.prepare_answer(entry, observation)
-            read = (
-                "XREADGROUP",
-                "GROUP",
-                self.role,
-                self.worker,
-                "COUNT",
-                READ_COUNT,
-                "BLOCK",
-                500,
-                "STREAMS",
-                key,
-                ">",
-            )
             answered = False
             try:
                 with translate(self.url):
-                    async with exchange(self.redis, prepared.command, read) as replies:
+                    async with exchange(self.redis, prepared.command, read, connection=ctx.line) as replies:
                         if replies is not None:
                             await ctx.answered(entry, await prepared.outcome(await replies.read()))
                             answered = True
@@ -516,6 +511,11 @@ class Owner:
             if not answered:
                 await ctx.answer(entry, observation)
                 owned.busy = False
+        if ctx.line is not None:
+            with translate(self.url):
+                async with exchange(self.redis, read, connection=ctx.line) as replies:
+                    assert replies is not None
+                    return stream_entries(await replies.read())
         with translate(self.url):
             reply = await self.redis.xreadgroup(self.role, self.worker, {key: ">"}, count=READ_COUNT, block=500)
         return [(raw_id, fields) for _s, entries in reply or () for raw_id, fields in entries]

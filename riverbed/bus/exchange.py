@@ -25,7 +25,7 @@ import redis.exceptions as rexc
 
 from riverbed.bus.connection import Client
 
-__all__ = ["Exchange", "exchange", "stream_entries"]
+__all__ = ["Exchange", "exchange", "held_connection", "stream_entries"]
 
 
 class Exchange:
@@ -47,22 +47,51 @@ class Exchange:
 
 
 @contextlib.asynccontextmanager
-async def exchange(client: Client, *commands: Sequence[Any]) -> AsyncIterator[Exchange | None]:
-    """Send ``commands`` in one write; yields their :class:`Exchange` (``None`` on a cluster)."""
+async def held_connection(client: Client) -> AsyncIterator[Any | None]:
+    """A connection of the client's pool kept for as long as the block runs, for a reader that
+    sends one exchange after another (``None`` on a cluster).  Taken from and returned to the
+    pool once, not per exchange; after an error it reconnects on its next use."""
     if not isinstance(client, aioredis.Redis) or client.single_connection_client:
         yield None
         return
     pool = client.connection_pool
     connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+    try:
+        yield connection
+    finally:
+        with anyio.CancelScope(shield=True):
+            await pool.release(connection)
+
+
+@contextlib.asynccontextmanager
+async def exchange(client: Client, *commands: Sequence[Any], connection: Any = None) -> AsyncIterator[Exchange | None]:
+    """Send ``commands`` in one write; yields their :class:`Exchange` (``None`` on a cluster).
+
+    On ``connection`` (from :func:`held_connection`) if given, else on one taken from the pool
+    for the exchange.
+    """
+    if connection is not None:
+        async with _exchange(connection, commands) as replies:
+            yield replies
+        return
+    async with held_connection(client) as pooled:
+        if pooled is None:
+            yield None
+            return
+        async with _exchange(pooled, commands) as replies:
+            yield replies
+
+
+@contextlib.asynccontextmanager
+async def _exchange(connection: Any, commands: Sequence[Sequence[Any]]) -> AsyncIterator[Exchange]:
     replies = Exchange(connection, len(commands))
     try:
         await connection.send_packed_command(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
         yield replies
     finally:
-        with anyio.CancelScope(shield=True):
-            if replies.unread:
+        if replies.unread:
+            with anyio.CancelScope(shield=True):
                 await connection.disconnect(nowait=True)
-            await pool.release(connection)
 
 
 def stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
