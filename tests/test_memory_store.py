@@ -50,6 +50,14 @@ async def test_migrations_are_idempotent_and_safe_concurrently(database_url: str
     assert sum(len(a) for a in applied) == len(latest)  # each version applied exactly once
     await migrate()
     assert applied[-1] == []
+    conn = await asyncpg.connect(database_url)
+    try:  # full-text searches never read a GIN pending list
+        options = await conn.fetchval(
+            f"SELECT reloptions FROM pg_class WHERE oid = '{prefix}.memory_chunks_tsv'::regclass"
+        )
+    finally:
+        await conn.close()
+    assert "fastupdate=off" in options
 
     stores = [Store(database_url, schema=prefix) for _ in range(3)]
     async with anyio.create_task_group() as tg:
@@ -141,6 +149,35 @@ async def test_text_search_matches_any_word(database_url: str, prefix: str) -> N
         assert {h.event_id for h in hits} == {2, 3}
         assert await store.text_search("the of and", k=5, tenant=None) == []
         assert await store.text_search("docker", k=5, tenant="acme") == []
+
+
+async def test_common_words_rank_text_candidates_but_do_not_pick_them(database_url: str, prefix: str) -> None:
+    ts = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+    texts = [f"deploy step {i} done" for i in range(1200)]
+    texts[10] = texts[500] = "deploy step failed: ticket zebra42 reopened"
+    texts[900] = "notes on zebra42"
+    rows = [
+        ChunkRow(event_id=i + 1, chunk=0, kind="message", source="agent", ts=ts, text=t) for i, t in enumerate(texts)
+    ]
+    async with Store(database_url, schema=prefix) as store:
+        vectors = unit_rows(np.random.default_rng(5), len(rows))
+        ids = [r.event_id for r in rows]
+        await store.write(session="s", tenant="acme", model=MODEL, event_ids=ids, rows=rows, vectors=vectors)
+        conn = await asyncpg.connect(database_url)
+        try:
+            await conn.execute(f"ANALYZE {prefix}.memory_chunks")  # "deploy" is in every row, "zebra42" in 3
+        finally:
+            await conn.close()
+        hits = await store.text_search("deploy zebra42", k=10, tenant="acme")
+        assert [h.event_id for h in hits][:2] in ([11, 501], [501, 11])  # every word first
+        assert [h.event_id for h in hits][2:] == [901]
+        assert await store.text_search("deploy", k=10, tenant="acme") == []  # too common to pick rows
+        hits = await store.text_search("zebra42 deploy", k=10, tenant="acme", session="s")
+        assert {h.event_id for h in hits} == {11, 501, 901}
+        # one statement answers both searches
+        by_vector, by_text = await store.search(vectors[900], "zebra42", model=MODEL, k=3, tenant="acme", session=None)
+        assert by_vector[0].event_id == 901
+        assert {h.event_id for h in by_text} == {11, 501, 901}
 
 
 def test_query_words() -> None:

@@ -26,7 +26,7 @@ from riverbed.memory.embedcache import CachedEmbedder, embedding_pipeline
 from riverbed.memory.embedders import Embedder
 from riverbed.memory.microagents import load_microagents, match_knowledge, workspace_dirs
 from riverbed.memory.ranking import hybrid_rank
-from riverbed.memory.store import Candidate, ChunkRow, Store
+from riverbed.memory.store import ChunkRow, Store
 from riverbed.memory.workspace import workspace_context
 
 __all__ = ["Memory"]
@@ -172,37 +172,22 @@ class Memory:
     ) -> list[events.Hit]:
         """Hybrid semantic search: vector and full-text candidates fused by RRF.
 
-        The full-text search runs while the query is embedded and searched by vector."""
+        The query is embedded first; both searches then run in one statement."""
         if k < 1 or not query.strip():
             return []
         k = min(k, 100)
-        in_session = session if scope == "session" else None
-        want = max(self.candidates, k * 2)
-        by_text: list[Candidate] = []
-        by_vector: list[Candidate] = []
-        failures: list[Exception] = []
-
-        async def search_text() -> None:
-            try:
-                by_text.extend(await self.store.text_search(query, k=want, tenant=tenant, session=in_session))
-            except Exception as exc:  # re-raised below as itself, not wrapped in an ExceptionGroup
-                failures.append(exc)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(search_text)
-            try:
-                if isinstance(self.embedder, CachedEmbedder):
-                    vector = await self.embedder.embed_query(query)
-                else:
-                    vector = (await self.embedder.embed([query]))[0]
-                by_vector = await self.store.vector_search(
-                    vector, model=self.embedder.model, k=want, tenant=tenant, session=in_session
-                )
-            except Exception as exc:
-                failures.insert(0, exc)
-                tg.cancel_scope.cancel()
-        if failures:
-            raise failures[0]
+        if isinstance(self.embedder, CachedEmbedder):
+            vector = await self.embedder.embed_query(query)
+        else:
+            vector = (await self.embedder.embed([query]))[0]
+        by_vector, by_text = await self.store.search(
+            vector,
+            query,
+            model=self.embedder.model,
+            k=max(self.candidates, k * 2),
+            tenant=tenant,
+            session=session if scope == "session" else None,
+        )
         return hybrid_rank(
             by_vector,
             by_text,

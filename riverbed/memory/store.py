@@ -1,13 +1,22 @@
 """The memory store: indexed chunks, the indexing tracker and the shared embedding cache
 in Postgres + pgvector (layout in :mod:`riverbed.memory.migrations`).
 
-A thin adapter: it writes rows and runs the two kinds of search the recall needs, and
-translates every asyncpg/OSError failure into :class:`~riverbed.errors.UnavailableError`.
+A thin adapter: it writes rows and runs the two kinds of search the recall needs (both in
+one statement, :meth:`Store.search`), and translates every asyncpg/OSError failure into
+:class:`~riverbed.errors.UnavailableError`.
 
-- Session scope is an exact scan (B-tree on ``session``, distance computed on every row
-  of the session): HNSW with such a selective filter returns too few rows.
-- Tenant scope uses the per-model partial HNSW index with ``hnsw.iterative_scan``
-  (pgvector 0.8), so a filter on the tenant still yields ``k`` rows.
+- Vector, session scope: an exact scan (B-tree on ``session``, distance computed on every
+  row of the session): HNSW with such a selective filter returns too few rows.
+- Vector, tenant scope: the per-model partial HNSW index with ``hnsw.iterative_scan``
+  (pgvector 0.8), so a filter on the tenant still yields ``k`` rows; the function
+  ``memory_nearest`` (see :mod:`~riverbed.memory.migrations`) carries those settings, so a
+  search needs no transaction around it.
+- Full text: a GIN index costs time in proportion to the rows a word matches, and a
+  bounded sample of a common word's thousands of rows would be noise, not a ranking.  So
+  only *selective* words pick candidates: words that the planner's own statistics
+  (``pg_stats`` of the ``tsv`` column) put in at most :data:`SELECTIVE_ROWS` rows, or do
+  not list at all.  Every word of the query ranks them (``ts_rank_cd``), rows with all the
+  words first.  A table never analysed has no statistics: every word is selective.
 """
 
 # ruff: noqa: S608  (SQL text only interpolates the validated, quoted schema name and model literal)
@@ -16,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import re
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
@@ -27,7 +37,6 @@ from pgvector.asyncpg import register_vector
 
 from riverbed.memory import migrations
 from riverbed.memory.embedders import Vectors
-from riverbed.memory.migrations import quote_literal
 from riverbed.pg import LOCK_KEY, LazyPool, check_schema
 
 __all__ = ["Candidate", "ChunkRow", "StaleRow", "Store", "query_words"]
@@ -71,8 +80,13 @@ class StaleRow:
 
 TEXT_CANDIDATES = 300
 """Matching rows a full-text query ranks at most."""
-EF_SEARCH = 100
-"""HNSW candidate list for tenant-scope search (pgvector's default of 40 loses recall on large indexes)."""
+SELECTIVE_ROWS = 1000
+"""A word estimated in more rows than this ranks full-text candidates but does not pick them."""
+WORD_STATS_TTL = 60.0
+"""Seconds the store keeps the table's common words before it reads ``pg_stats`` again."""
+EF_SEARCH = 64
+"""HNSW candidate list for tenant-scope search, at least ``k`` (pgvector's default of 40
+loses recall on large indexes; see :data:`~riverbed.memory.migrations.HNSW_EF_CONSTRUCTION`)."""
 
 
 def query_words(query: str, limit: int = 32) -> list[str]:
@@ -87,6 +101,17 @@ def query_words(query: str, limit: int = 32) -> list[str]:
 
 def _tenant(tenant: str | None) -> str:
     return tenant or ""
+
+
+class _Params:
+    """Positional parameters of one statement: ``add`` returns the placeholder of a value."""
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+
+    def add(self, value: Any) -> str:
+        self.values.append(value)
+        return f"${len(self.values)}"
 
 
 class Store:
@@ -108,6 +133,8 @@ class Store:
         self._s = check_schema(schema)
         self._vector_schema = "public"
         self._indexed_models: set[str] = set()
+        self._common_words: list[str] = []
+        self._common_words_at = -WORD_STATS_TTL
         self._pg = LazyPool(
             url,
             what="memory database",
@@ -228,36 +255,8 @@ class Store:
     ) -> list[Candidate]:
         """Nearest chunks of ``model`` by cosine similarity: exact within a session,
         HNSW (iterative scan) across the tenant when ``session`` is None."""
-        query = np.asarray(vector, dtype=np.float32).reshape(-1)
-        cols = "session, event_id, chunk, kind, ts, text"
-        async with self._conn() as conn:
-            if session is not None:
-                rows = await conn.fetch(
-                    f"SELECT {cols}, embedding <=> $1::halfvec AS distance FROM {self._s}.memory_chunks "
-                    "WHERE session = $2 AND tenant = $3 AND model = $4 ORDER BY distance LIMIT $5",
-                    query,
-                    session,
-                    _tenant(tenant),
-                    model,
-                    k,
-                )
-            else:
-                dim = int(query.shape[0])
-                async with conn.transaction():
-                    await conn.execute("SET LOCAL hnsw.iterative_scan = relaxed_order")
-                    ef_search = str(min(1000, max(EF_SEARCH, 4 * k)))
-                    await conn.execute("SELECT set_config('hnsw.ef_search', $1, true)", ef_search)
-                    rows = await conn.fetch(
-                        f"SELECT {cols}, embedding::halfvec({dim}) <=> $1::halfvec({dim}) AS distance "
-                        f"FROM {self._s}.memory_chunks WHERE model = {quote_literal(model)} AND tenant = $2 "
-                        "ORDER BY distance LIMIT $3",
-                        query,
-                        _tenant(tenant),
-                        k,
-                    )
-            # relaxed_order may return rows slightly out of order (and PG elides a re-sort in SQL)
-            rows = sorted(rows, key=lambda r: float(r["distance"]))
-        return [_candidate(r, 1.0 - float(r["distance"])) for r in rows]
+        by_vector, _ = await self.search(vector, None, model=model, k=k, tenant=tenant, session=session)
+        return by_vector
 
     async def text_search(
         self,
@@ -267,47 +266,98 @@ class Store:
         tenant: str | None,
         session: str | None = None,
     ) -> list[Candidate]:
-        """Chunks matching the words of ``query`` (English stemming), best ``ts_rank_cd`` first.
+        """Chunks matching the selective words of ``query`` (English stemming), rows with
+        every word first, then by ``ts_rank_cd`` over all the words; at most
+        :data:`TEXT_CANDIDATES` matching rows are ranked."""
+        _, by_text = await self.search(None, query, model="", k=k, tenant=tenant, session=session)
+        return by_text
 
-        Chunks with every word come first; when they are fewer than ``k``, chunks with any word
-        fill up.  Each query ranks at most :data:`TEXT_CANDIDATES` matching rows, so a common
-        word in a large index costs a bounded amount (the vector half of a recall does not
-        depend on it).
+    async def search(
+        self,
+        vector: Vectors | None,
+        query: str | None,
+        *,
+        model: str,
+        k: int,
+        tenant: str | None,
+        session: str | None = None,
+    ) -> tuple[list[Candidate], list[Candidate]]:
+        """Up to ``k`` vector candidates (nearest first; none without ``vector``) and up to
+        ``k`` full-text candidates (best first; none without ``query``), in one statement.
+
+        ``session`` narrows both to one session (an exact vector scan); without it they span
+        the tenant (HNSW).  The vector score is cosine similarity, the text score ts_rank_cd.
         """
-        words = query_words(query)
-        if not words:
-            return []
-        if session is not None:
-            # One session is small: take its rows first, then match (no index-wide bitmap).
-            source = (
-                f"(SELECT session, event_id, chunk, kind, ts, text, tsv FROM {self._s}.memory_chunks "
-                "WHERE session = $4 AND tenant = $2 OFFSET 0) AS c"
-            )
-            where = "TRUE"
-        else:
-            source = f"{self._s}.memory_chunks"
-            where = "tenant = $2"
-        sql = (
-            "SELECT session, event_id, chunk, kind, ts, text, ts_rank_cd(tsv, q) AS rank "
-            f"FROM (SELECT session, event_id, chunk, kind, ts, text, tsv FROM {source} "
-            f"WHERE tsv @@ to_tsquery('english', $1) AND {where} LIMIT {TEXT_CANDIDATES}) AS m, "
-            "to_tsquery('english', $1) AS q ORDER BY rank DESC LIMIT $3"
+        words = query_words(query) if query is not None else []
+        if (vector is None and not words) or k < 1:
+            return [], []
+        params = _Params()
+        tenant_ = params.add(_tenant(tenant))
+        session_ = params.add(session) if session is not None else None
+        limit = params.add(k)
+        ctes: list[str] = []
+        parts: list[str] = []
+        if vector is not None:
+            parts.append(self._vector_sql(np.asarray(vector, dtype=np.float32).reshape(-1), model, params,
+                                          k=k, tenant_=tenant_, session_=session_, limit=limit))  # fmt: skip
+        async with self._conn() as conn:
+            if words:
+                common = params.add(await self._common(conn))
+                ctes.append(_QUERY_TERMS_SQL.format(query=params.add(" ".join(words)), common=common))
+                parts.append(self._text_sql(tenant_=tenant_, session_=session_, limit=limit))
+            sql = ("WITH " + ", ".join(ctes) + " " if ctes else "") + " UNION ALL ".join(parts)
+            rows = await conn.fetch(sql, *params.values)
+        # relaxed_order may return rows slightly out of order (and PG elides a re-sort in SQL)
+        by_vector = sorted((r for r in rows if r["distance"] is not None), key=lambda r: float(r["distance"]))
+        return (
+            [_candidate(r, 1.0 - float(r["distance"])) for r in by_vector],
+            [_candidate(r, float(r["rank"])) for r in rows if r["distance"] is None],
         )
-        found: dict[tuple[str, int, int], Candidate] = {}
-        async with self._conn() as conn, conn.transaction():
-            # Across a tenant, a common word matches most rows: let the GIN index stop early.
-            await conn.execute(f"SET LOCAL gin_fuzzy_search_limit = {TEXT_CANDIDATES * 10}")
-            for joiner in (" & ", " | ") if len(words) > 1 else (" | ",):
-                args: list[Any] = [joiner.join(words), _tenant(tenant), k]
-                if session is not None:
-                    args.append(session)
-                for row in await conn.fetch(sql, *args):
-                    found.setdefault(
-                        (row["session"], row["event_id"], row["chunk"]), _candidate(row, float(row["rank"]))
-                    )
-                if len(found) >= k:
-                    break
-        return list(found.values())[:k]
+
+    def _vector_sql(
+        self, query: Vectors, model: str, params: _Params, *, k: int, tenant_: str, session_: str | None, limit: str
+    ) -> str:
+        cols = "session, event_id, chunk, kind, ts, text"
+        vector = params.add(query)
+        model_ = params.add(model)
+        if session_ is None:  # HNSW, with its settings, in one call (migrations: memory_nearest)
+            ef_search = params.add(min(1000, max(EF_SEARCH, k)))
+            source = f"{self._s}.memory_nearest({vector}::halfvec, {tenant_}, {model_}, {limit}, {ef_search})"
+            return f"(SELECT {cols}, distance, NULL::real AS rank FROM {source})"
+        return (
+            f"(SELECT {cols}, embedding <=> {vector}::halfvec AS distance, NULL::real AS rank "
+            f"FROM {self._s}.memory_chunks WHERE session = {session_} AND tenant = {tenant_} AND model = {model_} "
+            f"ORDER BY distance LIMIT {limit})"
+        )
+
+    def _text_sql(self, *, tenant_: str, session_: str | None, limit: str) -> str:
+        where = f"c.tenant = {tenant_}" + (f" AND c.session = {session_}" if session_ is not None else "")
+        return (
+            "(SELECT session, event_id, chunk, kind, ts, text, NULL::float8 AS distance, rank FROM "
+            "(SELECT m.*, ts_rank_cd(m.tsv, q.any_word) AS rank, m.tsv @@ q.every_word AS every FROM q, "
+            f"LATERAL (SELECT session, event_id, chunk, kind, ts, text, tsv FROM {self._s}.memory_chunks AS c "
+            f"WHERE c.tsv @@ q.selective AND {where} LIMIT {TEXT_CANDIDATES}) AS m) AS t "
+            f"ORDER BY every DESC, rank DESC LIMIT {limit})"
+        )
+
+    async def _common(self, conn: PoolConnectionProxy[asyncpg.Record]) -> list[str]:
+        """Words (lexemes) the planner's statistics put in more than :data:`SELECTIVE_ROWS`
+        rows; read again after :data:`WORD_STATS_TTL` seconds."""
+        now = time.monotonic()
+        if now - self._common_words_at < WORD_STATS_TTL:
+            return self._common_words
+        row = await conn.fetchrow(
+            "SELECT most_common_elems::text::text[] AS words, most_common_elem_freqs AS freqs, "
+            f"(SELECT reltuples FROM pg_class WHERE oid = '{self._s}.memory_chunks'::regclass) AS tuples "
+            "FROM pg_stats WHERE schemaname = $1 AND tablename = 'memory_chunks' AND attname = 'tsv'",
+            self.schema,
+        )
+        common: list[str] = []
+        if row is not None and row["words"] is not None:
+            tuples = max(float(row["tuples"]), 0.0)
+            common = [w for w, f in zip(row["words"], row["freqs"], strict=False) if f * tuples > SELECTIVE_ROWS]
+        self._common_words, self._common_words_at = common, now
+        return common
 
     # --- embedding cache (shared level) ------------------------------------------------
 
@@ -370,6 +420,20 @@ class Store:
         async with self._conn() as conn:
             rows = await conn.fetch(f"SELECT model, count(*) AS n FROM {self._s}.memory_chunks GROUP BY model")
         return {r["model"]: int(r["n"]) for r in rows}
+
+
+_QUERY_TERMS_SQL = """
+words AS (
+    SELECT w.lexeme, w.lexeme = ANY({common}::text[]) AS common
+    FROM unnest(tsvector_to_array(to_tsvector('english', {query}))) AS w(lexeme)
+), q AS (
+    SELECT string_agg(term, ' | ')::tsquery AS any_word,
+           string_agg(term, ' & ')::tsquery AS every_word,
+           string_agg(term, ' | ') FILTER (WHERE NOT common)::tsquery AS selective
+    FROM (SELECT '''' || lexeme || '''' AS term, common FROM words) AS quoted
+)"""
+"""The query's lexemes as three tsqueries: any word, every word, any selective word.  The
+words are letters and digits (:func:`query_words`), so a lexeme needs no escaping."""
 
 
 def _candidate(row: asyncpg.Record, score: float) -> Candidate:
