@@ -19,7 +19,7 @@ one statement, :meth:`Store.search`), and translates every asyncpg/OSError failu
   words first.  A table never analysed has no statistics: every word is selective.
 """
 
-# ruff: noqa: S608  (SQL text only interpolates the validated, quoted schema name and model literal)
+# ruff: noqa: S608  (SQL text only interpolates the validated, quoted schema name, placeholders and constants)
 from __future__ import annotations
 
 import contextlib
@@ -87,6 +87,8 @@ WORD_STATS_TTL = 60.0
 EF_SEARCH = 64
 """HNSW candidate list for tenant-scope search, at least ``k`` (pgvector's default of 40
 loses recall on large indexes; see :data:`~riverbed.memory.migrations.HNSW_EF_CONSTRUCTION`)."""
+EF_SEARCH_OLD_INDEX = 100
+"""The same for an index built before with pgvector's default ``ef_construction`` (64)."""
 
 
 def query_words(query: str, limit: int = 32) -> list[str]:
@@ -133,6 +135,7 @@ class Store:
         self._s = check_schema(schema)
         self._vector_schema = "public"
         self._indexed_models: set[str] = set()
+        self._ef_search: dict[str, int] = {}
         self._common_words: list[str] = []
         self._common_words_at = -WORD_STATS_TTL
         self._pg = LazyPool(
@@ -297,10 +300,18 @@ class Store:
         limit = params.add(k)
         ctes: list[str] = []
         parts: list[str] = []
-        if vector is not None:
-            parts.append(self._vector_sql(np.asarray(vector, dtype=np.float32).reshape(-1), model, params,
-                                          k=k, tenant_=tenant_, session_=session_, limit=limit))  # fmt: skip
         async with self._conn() as conn:
+            if vector is not None:
+                query_vector = np.asarray(vector, dtype=np.float32).reshape(-1)
+                if session_ is None:
+                    ef_search = min(1000, max(await self._ef_search_for(conn, model), k))
+                    parts.append(
+                        self._nearest_sql(query_vector, model, params, ef_search, tenant_=tenant_, limit=limit)
+                    )
+                else:
+                    parts.append(
+                        self._exact_sql(query_vector, model, params, tenant_=tenant_, session_=session_, limit=limit)
+                    )
             if words:
                 common = params.add(await self._common(conn))
                 ctes.append(_QUERY_TERMS_SQL.format(query=params.add(" ".join(words)), common=common))
@@ -314,21 +325,43 @@ class Store:
             [_candidate(r, float(r["rank"])) for r in rows if r["distance"] is None],
         )
 
-    def _vector_sql(
-        self, query: Vectors, model: str, params: _Params, *, k: int, tenant_: str, session_: str | None, limit: str
+    def _nearest_sql(
+        self, query: Vectors, model: str, params: _Params, ef_search: int, *, tenant_: str, limit: str
     ) -> str:
-        cols = "session, event_id, chunk, kind, ts, text"
-        vector = params.add(query)
-        model_ = params.add(model)
-        if session_ is None:  # HNSW, with its settings, in one call (migrations: memory_nearest)
-            ef_search = params.add(min(1000, max(EF_SEARCH, k)))
-            source = f"{self._s}.memory_nearest({vector}::halfvec, {tenant_}, {model_}, {limit}, {ef_search})"
-            return f"(SELECT {cols}, distance, NULL::real AS rank FROM {source})"
+        """HNSW across the tenant, with its settings, in one call (migrations: memory_nearest)."""
+        args = f"{params.add(query)}::halfvec, {tenant_}, {params.add(model)}, {limit}, {params.add(ef_search)}"
         return (
-            f"(SELECT {cols}, embedding <=> {vector}::halfvec AS distance, NULL::real AS rank "
-            f"FROM {self._s}.memory_chunks WHERE session = {session_} AND tenant = {tenant_} AND model = {model_} "
+            f"(SELECT session, event_id, chunk, kind, ts, text, distance, NULL::real AS rank "
+            f"FROM {self._s}.memory_nearest({args}))"
+        )
+
+    def _exact_sql(
+        self, query: Vectors, model: str, params: _Params, *, tenant_: str, session_: str, limit: str
+    ) -> str:
+        """Every row of one session, nearest first."""
+        return (
+            f"(SELECT session, event_id, chunk, kind, ts, text, embedding <=> {params.add(query)}::halfvec "
+            f"AS distance, NULL::real AS rank FROM {self._s}.memory_chunks "
+            f"WHERE session = {session_} AND tenant = {tenant_} AND model = {params.add(model)} "
             f"ORDER BY distance LIMIT {limit})"
         )
+
+    async def _ef_search_for(self, conn: PoolConnectionProxy[asyncpg.Record], model: str) -> int:
+        """:data:`EF_SEARCH`, or :data:`EF_SEARCH_OLD_INDEX` when the model's HNSW index was
+        built with a shorter candidate list than ``HNSW_EF_CONSTRUCTION`` (read once)."""
+        known = self._ef_search.get(model)
+        if known is not None:
+            return known
+        options = await conn.fetchval(
+            "SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = to_regclass($1)",
+            f"{self._s}.{migrations.quote_ident(migrations.hnsw_index_name(model))}",
+        )
+        if options is None:  # no index yet: nothing to search with HNSW (asked again next time)
+            return EF_SEARCH
+        built = dict(option.split("=", 1) for option in options)
+        old = int(built.get("ef_construction", 64)) < migrations.HNSW_EF_CONSTRUCTION
+        self._ef_search[model] = EF_SEARCH_OLD_INDEX if old else EF_SEARCH
+        return self._ef_search[model]
 
     def _text_sql(self, *, tenant_: str, session_: str | None, limit: str) -> str:
         where = f"c.tenant = {tenant_}" + (f" AND c.session = {session_}" if session_ is not None else "")
@@ -355,6 +388,7 @@ class Store:
         common: list[str] = []
         if row is not None and row["words"] is not None:
             tuples = max(float(row["tuples"]), 0.0)
+            # the frequencies end with three summary figures (min, max, null fraction)
             common = [w for w, f in zip(row["words"], row["freqs"], strict=False) if f * tuples > SELECTIVE_ROWS]
         self._common_words, self._common_words_at = common, now
         return common
