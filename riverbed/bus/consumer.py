@@ -362,7 +362,7 @@ class Owner:
             return
         if got.token == 0:
             if reclaimed and got.holder_entry == claim.entry:
-                await self.leases.hand_back(claim, got.holder)
+                await self.leases.hand_back(claim, got.holder, got.left_ms)
             else:
                 await self.leases.drop(claim)
             return

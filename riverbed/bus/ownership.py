@@ -45,6 +45,8 @@ class Acquired:
     token: int  # 0: someone else holds it
     holder: str
     holder_entry: str
+    left_ms: int = 0
+    """With token 0: how long the holder's lease still runs."""
 
 
 class Leases:
@@ -96,7 +98,7 @@ class Leases:
             reply = await self._acquire(
                 keys=[self.keys.meta(claim.session)], args=[self.role, self.worker, self.lease_ms, claim.entry]
             )
-        return Acquired(int(reply[0]), _text(reply[1]), _text(reply[2]))
+        return Acquired(int(reply[0]), _text(reply[1]), _text(reply[2]), int(reply[3]) if len(reply) > 3 else 0)
 
     async def renew(self, owned: dict[str, tuple[str, int]]) -> set[str]:
         """Renew every owned session (session -> (entry, token)); returns the sessions lost.
@@ -170,10 +172,15 @@ class Leases:
                 pipe.xdel(self.directory, claim.entry)
                 await pipe.execute()
 
-    async def hand_back(self, claim: Claim, holder: str) -> None:
-        """A reclaimed entry whose holder is alive after all goes back to that holder."""
+    async def hand_back(self, claim: Claim, holder: str, left_ms: int) -> None:
+        """A reclaimed entry whose holder's lease still runs ``left_ms`` goes back to the holder,
+        idle for as long as that lease has run: peers can reclaim it again the moment the lease
+        ends (a renewal resets it), not a whole lease later.  (An entry is reclaimable a little
+        before its lease ends when the renewal's two writes land in that order, as they may on a
+        cluster, where they go to different nodes.)"""
+        idle = max(0, self.lease_ms - left_ms)
         with translate(self.url):
-            await self.redis.xclaim(self.directory, self.role, holder, 0, [claim.entry], justid=True)
+            await self.redis.xclaim(self.directory, self.role, holder, 0, [claim.entry], idle=idle, justid=True)
 
 
 def _text(value: bytes | str | int) -> str:

@@ -106,14 +106,15 @@ return reply
 )
 
 # KEYS: meta.  ARGV: role, worker, lease_ms, directory entry id.
-# Replies: {token, holder, holder's directory entry}; token 0 when another live worker holds it.
+# Replies: {token, holder, holder's directory entry, ms left of the holder's lease}; token 0 when
+# another live worker holds it.
 ACQUIRE = (
     _NOW
     + """
 local holder = redis.call('HGET', KEYS[1], 'holder:' .. ARGV[1])
 local expires = tonumber(redis.call('HGET', KEYS[1], 'expires:' .. ARGV[1]) or '0')
 if holder and holder ~= '' and holder ~= ARGV[2] and expires > now then
-  return {0, holder, redis.call('HGET', KEYS[1], 'entry:' .. ARGV[1]) or ''}
+  return {0, holder, redis.call('HGET', KEYS[1], 'entry:' .. ARGV[1]) or '', expires - now}
 end
 local token = redis.call('HINCRBY', KEYS[1], 'fence:' .. ARGV[1], 1)
 redis.call('HSET', KEYS[1], 'holder:' .. ARGV[1], ARGV[2], 'expires:' .. ARGV[1], now + tonumber(ARGV[3]),
