@@ -5,14 +5,16 @@ An :class:`Owner` runs four kinds of task in one task group:
 - **intake** reads new directory entries (bounded ``BLOCK``) while it owns fewer than
   ``capacity`` sessions and acquires them;
 - **reclaim** takes over sessions whose owner stopped renewing (``XAUTOCLAIM`` after a lease);
-- **renew** pushes every owned lease forward every third of a lease; a session whose
+- **renew** pushes every owned lease forward every quarter of a lease; a session whose
   renewal fails is abandoned at once (its fencing token is stale anyway);
 - one **session loop** per owned session: it creates the role's consumer group on the log,
   hands entries that were in flight on the previous owner to :meth:`Handler.recover`, then
   reads new entries (``XREADGROUP >``, bounded ``BLOCK``) and hands them, in order, to
   :meth:`Handler.handle`.  Every second it also recovers entries left pending with nobody
   working on them (a delivery whose reply was lost with a broken connection, or one that a
-  stale owner read after the takeover).
+  stale owner read after the takeover).  A handler may hold the answer to a batch's last
+  entry (:meth:`SessionContext.answer_soon`): the loop sends it in one write with its next
+  read (``bus/exchange.py``), on a connection it keeps for the session.
 
 Failures inside a handler never escape: an entry that keeps failing (or that crashed its
 worker) ``max_attempts`` times goes to the dead-letter stream, the session gets an
