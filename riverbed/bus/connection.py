@@ -22,9 +22,11 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
+from redis._parsers.commands import AsyncCommandsParser
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.cluster import PRIMARY
 
 from riverbed.errors import ConfigError, UnavailableError
 
@@ -90,8 +92,41 @@ def _word(value: Any) -> str:
     return str(value).upper()
 
 
+class _CommandTable(AsyncCommandsParser):
+    """redis-py's command table, loaded from any live primary.
+
+    redis-py loads it from the cluster's default node whenever it re-reads the topology.  Right
+    after a master fails over, a node that has not heard yet can still name the dead master as
+    that default; the load then fails, redis-py closes every connection (also those in use by
+    other commands) and fails the caller's command, although the cluster is whole again.
+    """
+
+    def __init__(self, cluster: RedisCluster) -> None:
+        super().__init__()
+        self._cluster = cluster
+
+    async def initialize(self, node: Any = None) -> None:
+        primaries = self._cluster.nodes_manager.get_nodes_by_server_type(PRIMARY)
+        candidates = [node, *(n for n in primaries if n is not node)] if node is not None else primaries
+        failure: Exception | None = None
+        for candidate in candidates:
+            try:
+                await super().initialize(candidate)
+                return
+            except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+                failure = exc
+        if failure is not None:
+            raise failure
+        await super().initialize(node)
+
+
 class Cluster(RedisCluster):
-    """``RedisCluster`` that routes stream reads by their keys without asking a server."""
+    """``RedisCluster`` that routes stream reads by their keys without asking a server, and
+    loads its command table from a live primary (:class:`_CommandTable`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands_parser = _CommandTable(self)
 
     async def _determine_slot(self, command: str, *args: Any) -> int:
         keys = stream_read_keys(command, args)

@@ -315,6 +315,12 @@ class Owner:
                 log.warning("intake.unavailable", role=self.role, error=str(exc))
                 await anyio.sleep(0.5)
                 continue
+            except Exception:
+                # The worker's own loops outlive a client-library failure (seen in redis-py's
+                # cluster client while a failover closes connections under a running command).
+                log.exception("intake.failed", role=self.role)
+                await anyio.sleep(0.5)
+                continue
             for claim in claims:
                 await self._take(claim, reclaimed=False)
 
@@ -329,6 +335,9 @@ class Owner:
             except (UnavailableError, rexc.ResponseError) as exc:
                 log.warning("reclaim.failed", role=self.role, error=str(exc))
                 continue
+            except Exception:
+                log.exception("reclaim.failed", role=self.role)
+                continue
             for claim in claims:
                 await self._take(claim, reclaimed=True)
 
@@ -338,6 +347,8 @@ class Owner:
             await self._try_take(claim, reclaimed=reclaimed)
         except UnavailableError as exc:
             log.warning("take.unavailable", role=self.role, session=claim.session, error=str(exc))
+        except Exception:
+            log.exception("take.failed", role=self.role, session=claim.session)
 
     async def _try_take(self, claim: Claim, *, reclaimed: bool) -> None:
         if self._stopping.is_set():
@@ -393,6 +404,9 @@ class Owner:
                 lost = await self.leases.renew(snapshot)
             except UnavailableError as exc:
                 log.warning("renew.unavailable", role=self.role, error=str(exc))
+                continue
+            except Exception:
+                log.exception("renew.failed", role=self.role)
                 continue
             for session in lost:
                 owned = self.owned.get(session)
