@@ -15,6 +15,7 @@ from riverbed.agent.client import Bus
 from riverbed.bus import scripts
 from riverbed.bus.consumer import Entry, Owner, SessionContext
 from riverbed.bus.exchange import exchange
+from riverbed.errors import ActTimeout
 from tests.agentkit import runtime_worker
 
 pytestmark = pytest.mark.anyio
@@ -163,3 +164,9 @@ async def test_held_answers_go_out_with_the_next_read_and_on_drain(bus: Bus) -> 
     assert set(batch) <= set(answers)
     pending = await bus.redis.xpending(bus.keys.log("s1"), "runtime")
     assert pending["pending"] == 0
+
+
+async def test_an_act_nobody_answers_times_out_naming_its_whole_timeout(bus: Bus) -> None:
+    with pytest.raises(ActTimeout, match=r"within 1\.5s"):
+        await bus.session("s1").act(events.FileRead(path="x"), timeout=1.5)
+    assert [e.kind for e in await bus.session("s1").events()] == ["file_read"]

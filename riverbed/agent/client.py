@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,23 +103,28 @@ class Session:
             self.id, [self.stamp(action)], block_ms=max(1, min(int(timeout * 1000), 1000)), tenant=self.tenant
         )
         action_id = ids[0]
-        for event_id, payload in after:
-            event = decode_entry(payload, event_id)
-            if event.cause == action_id and not isinstance(event, events.Action):
-                return event
-        # Its answer can only come after it, so tailing the log from it sees the answer: no lookup first.
-        remaining = timeout - (anyio.current_time() - started)
-        return await self._answer(action_id, max(remaining, 0.0), look_up=False)
+        answer = _answer_among(after, action_id)
+        if answer is not None:
+            return answer
+        # Its answer can only come after it, so tailing the log from what was read sees the
+        # answer: no lookup first.
+        cursor = after[-1][0] if after else action_id
+        waited = anyio.current_time() - started
+        return await self._answer(action_id, timeout, look_up=False, cursor=cursor, waited=waited)
 
     async def wait_for_answer(self, action_id: int, *, timeout: float = 30.0) -> events.Event:
         """The observation answering ``action_id``; :class:`ActTimeout` when none comes in time."""
         return await self._answer(action_id, timeout, look_up=True)
 
-    async def _answer(self, action_id: int, timeout: float, *, look_up: bool) -> events.Event:
+    async def _answer(
+        self, action_id: int, timeout: float, *, look_up: bool, cursor: int | None = None, waited: float = 0.0
+    ) -> events.Event:
+        """Wait what is left of ``timeout`` (``waited`` of it is gone) for the answer, tailing the
+        log after ``cursor`` (default: the action)."""
         bus = self.bus
         log_key = bus.keys.log(self.id)
-        cursor = action_id
-        with anyio.move_on_after(timeout):
+        cursor = action_id if cursor is None else cursor
+        with anyio.move_on_after(max(timeout - waited, 0.0)):
             if look_up:
                 with translate(bus.url):
                     known = await bus.redis.hget(bus.keys.answers(self.id), str(action_id))
@@ -130,11 +135,12 @@ class Session:
                 with translate(bus.url):
                     reply = await bus.redis.xread({log_key: f"{cursor}-0"}, count=500, block=1000)
                 for _stream, entries in reply or ():
-                    for raw_id, fields in entries:
-                        cursor = entry_id(raw_id)
-                        event = decode_entry(fields.get(PAYLOAD_FIELD, b""), cursor)
-                        if event.cause == action_id and not isinstance(event, events.Action):
-                            return event
+                    pairs = [(entry_id(raw_id), fields.get(PAYLOAD_FIELD, b"")) for raw_id, fields in entries]
+                    answer = _answer_among(pairs, action_id)
+                    if answer is not None:
+                        return answer
+                    if pairs:
+                        cursor = pairs[-1][0]
         raise ActTimeout(
             f"no observation answered action {action_id} in session {self.id!r} within {timeout:g}s; "
             "is a worker for its role running? (riverbed worker all)"
@@ -163,6 +169,15 @@ class Session:
         from riverbed.memory.view import view as fold  # noqa: PLC0415  (memory is optional for clients)
 
         return list(fold(await self.events(1, until), until=until))
+
+
+def _answer_among(entries: Sequence[tuple[int, bytes]], action_id: int) -> events.Event | None:
+    """The first of (id, payload) ``entries`` that answers ``action_id``, if any."""
+    for event_id, payload in entries:
+        event = decode_entry(payload, event_id)
+        if event.cause == action_id and not isinstance(event, events.Action):
+            return event
+    return None
 
 
 class Bus:
