@@ -38,7 +38,7 @@ import riverbed
 from riverbed import events, services
 from riverbed.agent.client import Bus
 from riverbed.bus.keys import Keys
-from tests.test_fault_redis import Driver, assert_in_log, wait_for
+from tests.test_fault_redis import Driver, assert_each_action_answered_once, assert_in_log, wait_for
 from tests.workerproc import WorkerProcess
 
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]
@@ -237,28 +237,4 @@ async def test_a_master_failover_loses_no_replicated_append_and_everyone_reconne
     assert max(recovery.values()) < RECOVERY_SECONDS, f"sessions answered again only after {recovery}"
     assert all(w.proc.poll() is None for w in workers), "a worker exited during the failover"
 
-    runs: dict[str, int] = {}
-    for path in workspace.rglob("runs.txt"):
-        for line in path.read_text().split():
-            runs[line] = runs.get(line, 0) + 1
-    for driver in drivers:
-        log = await assert_in_log(driver.session, driver.appended)
-        answers: dict[int, list[events.Event]] = {}
-        for event in log:
-            if isinstance(event, events.Observation) and event.cause is not None:
-                answers.setdefault(event.cause, []).append(event)
-        actions = [e.id for e in log if isinstance(e, events.CmdRun)]
-        assert actions == sorted(driver.appended), "the log holds actions nobody appended (a duplicated append?)"
-        for action_id in actions:
-            assert action_id is not None
-            got = answers.get(action_id, [])
-            assert len(got) == 1, f"{driver.session.id}: action {action_id} has {len(got)} answers: {got}"
-            (answer,) = got
-            marker = driver.appended[action_id].split()[1]
-            if isinstance(answer, events.CmdOutput):
-                assert answer.content.strip() == marker
-                assert runs.get(marker) == 1, f"{marker} ran {runs.get(marker, 0)} times"
-            else:
-                assert isinstance(answer, events.Error), answer
-                assert answer.reason == "runtime_lost", answer
-                assert runs.get(marker, 0) <= 1, f"{marker} ran {runs[marker]} times"
+    await assert_each_action_answered_once(drivers, workspace)

@@ -20,7 +20,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,6 +170,37 @@ async def assert_in_log(session: Session, appended: dict[int, str]) -> list[even
     return log
 
 
+async def assert_each_action_answered_once(drivers: Sequence[Driver], workspace: Path) -> None:
+    """Every driver's log holds exactly the actions it appended, each with one answer: its own
+    output (and the command ran once) or a retryable ``runtime_lost`` (and it ran at most once)."""
+    runs: dict[str, int] = {}
+    for path in workspace.rglob("runs.txt"):
+        for line in path.read_text().split():
+            runs[line] = runs.get(line, 0) + 1
+    for driver in drivers:
+        log = await assert_in_log(driver.session, driver.appended)
+        answers: dict[int, list[events.Event]] = {}
+        for event in log:
+            if isinstance(event, events.Observation) and event.cause is not None:
+                answers.setdefault(event.cause, []).append(event)
+        actions = [e.id for e in log if isinstance(e, events.CmdRun)]
+        assert actions == sorted(driver.appended), "the log holds actions nobody appended (a duplicated append?)"
+        for action_id in actions:
+            assert action_id is not None
+            got = answers.get(action_id, [])
+            assert len(got) == 1, f"{driver.session.id}: action {action_id} has {len(got)} answers: {got}"
+            (answer,) = got
+            marker = driver.appended[action_id].split()[1]
+            if isinstance(answer, events.CmdOutput):
+                assert answer.content.strip() == marker
+                assert runs.get(marker) == 1, f"{marker} ran {runs.get(marker, 0)} times"
+            else:
+                assert isinstance(answer, events.Error), answer
+                assert answer.reason == "runtime_lost", answer
+                assert answer.retryable
+                assert runs.get(marker, 0) <= 1, f"{marker} ran {runs[marker]} times"
+
+
 async def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     with anyio.move_on_after(timeout):
         while not condition():
@@ -236,32 +267,7 @@ async def test_redis_restart_loses_nothing_and_workers_carry_on(
         f"{warnings} 'unavailable' warnings in a {outage:.1f}s outage: retrying without backoff?"
     )
 
-    runs: dict[str, int] = {}
-    for path in workspace.rglob("runs.txt"):
-        for line in path.read_text().split():
-            runs[line] = runs.get(line, 0) + 1
-    for driver in drivers:
-        log = await assert_in_log(driver.session, driver.appended)
-        answers: dict[int, list[events.Event]] = {}
-        for event in log:
-            if isinstance(event, events.Observation) and event.cause is not None:
-                answers.setdefault(event.cause, []).append(event)
-        actions = [e.id for e in log if isinstance(e, events.CmdRun)]
-        assert actions == sorted(driver.appended), "the log holds actions nobody appended (a duplicated append?)"
-        for action_id in actions:
-            assert action_id is not None
-            got = answers.get(action_id, [])
-            assert len(got) == 1, f"{driver.session.id}: action {action_id} has {len(got)} answers: {got}"
-            (answer,) = got
-            marker = driver.appended[action_id].split()[1]
-            if isinstance(answer, events.CmdOutput):
-                assert answer.content.strip() == marker
-                assert runs.get(marker) == 1, f"{marker} ran {runs.get(marker, 0)} times"
-            else:
-                assert isinstance(answer, events.Error), answer
-                assert answer.reason == "runtime_lost", answer
-                assert answer.retryable
-                assert runs.get(marker, 0) <= 1, f"{marker} ran {runs[marker]} times"
+    await assert_each_action_answered_once(drivers, workspace)
 
 
 async def test_deliveries_nobody_works_on_are_answered(
