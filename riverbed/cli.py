@@ -775,11 +775,12 @@ def rerun_command(
     """Re-execute the recorded runtime actions in a fresh workspace and report each difference."""
     from riverbed.agent.replay import rerun  # noqa: PLC0415
     from riverbed.runtime import Runtime  # noqa: PLC0415
+    from riverbed.workers.runtime_role import checked_sandbox  # noqa: PLC0415
 
     settings = _settings(prefix)
 
     async def go() -> list[Any]:
-        runtime = Runtime(workspace_root=Path(settings.workspace))
+        runtime = Runtime(workspace_root=Path(settings.workspace), sandbox=checked_sandbox(settings))
         try:
             async with _bus(settings) as bus:
                 await _require_events(bus, session)

@@ -8,6 +8,10 @@ RIVERBED_REDIS_URL              Redis URL (``redis://``, ``rediss://``, ``unix:/
 RIVERBED_DATABASE_URL           Postgres URL (pgvector needed); unset: the embedded Postgres
 RIVERBED_PREFIX                 key namespace in Redis and schema prefix in Postgres (default ``rb``)
 RIVERBED_WORKSPACE              sandbox root; one directory per session below it
+RIVERBED_SANDBOX                ``namespaces`` (default: bubblewrap, see the README's security model)
+                                or ``process`` (no isolation, for machines without user namespaces)
+RIVERBED_SANDBOX_NETWORK        ``none`` (default), ``outbound`` (internet, not this host) or ``host``
+                                (the worker's own network: unsafe)
 RIVERBED_SERVICES_DIR           where ``riverbed services`` keeps embedded data
 RIVERBED_EMBEDDER               ``local`` (default, offline MiniLM) or ``openai:<model>``
 RIVERBED_LLM_MODEL              chat model for the LLM agent and LLM condensers
@@ -50,6 +54,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     prefix: str = "rb"
     workspace: str = str(Path(tempfile.gettempdir()) / f"riverbed-{os.getuid()}" / "workspace")
     services_dir: str = str(default_services_dir())
+    sandbox: str = "namespaces"
+    sandbox_network: str = "none"
     embedder: str = "local"
     llm_model: str = "gpt-4o-mini"
     lease_seconds: float = 5.0
@@ -103,6 +109,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError("RIVERBED_RETENTION_SECONDS must be 0 (off) or a number of seconds")
         if self.retention_keep_last < 1:
             raise ConfigError("RIVERBED_RETENTION_KEEP_LAST must be at least 1")
+        if self.sandbox not in ("namespaces", "process"):
+            raise ConfigError(f"RIVERBED_SANDBOX={self.sandbox!r} is not valid: use 'namespaces' or 'process'")
+        if self.sandbox_network not in ("none", "outbound", "host"):
+            raise ConfigError(
+                f"RIVERBED_SANDBOX_NETWORK={self.sandbox_network!r} is not valid: use 'none', 'outbound' or 'host'"
+            )
         if not (self.embedder == "local" or self.embedder.startswith("openai:")):
             raise ConfigError(f"RIVERBED_EMBEDDER={self.embedder!r} is not valid: use 'local' or 'openai:<model>'")
 

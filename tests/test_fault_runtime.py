@@ -67,7 +67,10 @@ def kill_orphans(workspace: Path) -> None:
 def start(
     workers: list[WorkerProcess], redis_url: str, prefix: str, workspace: Path, tmp_path: Path
 ) -> Callable[..., WorkerProcess]:
-    def start(name: str, crash_at: str | None = None) -> WorkerProcess:
+    def start(name: str, crash_at: str | None = None, sandbox: str | None = None) -> WorkerProcess:
+        extra = {"RIVERBED_CRASH_AT": crash_at} if crash_at else {}
+        if sandbox:
+            extra["RIVERBED_SANDBOX"] = sandbox
         worker = WorkerProcess(
             ["runtime"],
             name=name,
@@ -75,7 +78,7 @@ def start(
             prefix=prefix,
             workspace=workspace,
             lease=LEASE,
-            extra_env={"RIVERBED_CRASH_AT": crash_at} if crash_at else None,
+            extra_env=extra,
             log_dir=tmp_path,
         )
         workers.append(worker)
@@ -241,7 +244,9 @@ async def until(condition: Callable[[], bool], timeout: float, message: str) -> 
 async def test_sandbox_bounds_hold_through_a_worker(
     bus: Bus, start: Callable[..., WorkerProcess], workers: list[WorkerProcess], tmp_path: Path
 ) -> None:
-    await ready(start("sandbox"))
+    # Process mode: its bounds are the process-count watcher's (a namespaces sandbox's are the
+    # kernel's: RLIMIT_NPROC on its own uid, a PID namespace; see test_security_sandbox.py).
+    await ready(start("sandbox", sandbox="process"))
     session = bus.session("sandbox")
 
     async def run(action: events.Action, timeout: float = 30) -> events.Event:

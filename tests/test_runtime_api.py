@@ -13,7 +13,7 @@ import structlog
 
 from riverbed import events
 from riverbed.errors import InputError, UnavailableError
-from riverbed.runtime import HandlerContext, Limits, Runtime, handler
+from riverbed.runtime import HandlerContext, Limits, Runtime, Sandbox, handler
 
 pytestmark = pytest.mark.anyio
 
@@ -215,7 +215,9 @@ async def test_one_log_line_per_action_and_closing(workspace: Path) -> None:
 
 
 async def test_watch_enforces_the_process_limit_between_commands(workspace: Path) -> None:
-    rt = Runtime(workspace_root=workspace, limits=Limits(max_processes=10))
+    # The process-count watcher bounds process-mode sandboxes (a namespaces sandbox of a root
+    # worker has RLIMIT_NPROC on a uid of its own instead: see test_security_sandbox.py).
+    rt = Runtime(workspace_root=workspace, limits=Limits(max_processes=10), sandbox=Sandbox(mode="process"))
     try:
         out = await rt.execute("s", events.CmdRun(id=1, command="for i in $(seq 20); do sleep 323 & done"))
         assert isinstance(out, events.CmdOutput)

@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from riverbed import events
-from riverbed.runtime import Limits, Runtime
+from riverbed.runtime import Limits, Runtime, Sandbox
 
 pytestmark = pytest.mark.anyio
 
@@ -141,7 +141,7 @@ async def test_children_and_loops_are_bounded_by_the_timeout(rt: Runtime) -> Non
 
 
 async def test_too_many_processes_are_killed(workspace: Path) -> None:
-    rt = Runtime(workspace_root=workspace, limits=Limits(max_processes=15))
+    rt = Runtime(workspace_root=workspace, limits=Limits(max_processes=15), sandbox=Sandbox(mode="process"))
     try:
         out = await run(rt, "for i in $(seq 30); do sleep 319 & done; wait", timeout=8, blocking=True)
         assert not out.timed_out

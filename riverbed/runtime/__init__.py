@@ -8,6 +8,7 @@ from riverbed.runtime.files import FileActionError
 from riverbed.runtime.limits import Limits
 from riverbed.runtime.paths import PathRefused, workspace_name
 from riverbed.runtime.runtime import Handler, HandlerContext, Runtime, handler
+from riverbed.runtime.sandbox import Sandbox, SandboxUnavailable
 
 __all__ = [
     "FileActionError",
@@ -16,6 +17,8 @@ __all__ = [
     "Limits",
     "PathRefused",
     "Runtime",
+    "Sandbox",
+    "SandboxUnavailable",
     "handler",
     "workspace_name",
 ]

@@ -79,8 +79,11 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     queue_timeout: float = 900.0
     """how long an action may wait for the earlier actions of its session"""
 
-    def rlimits(self) -> dict[str, int]:
-        """The ``resource.RLIMIT_*`` names and values the launcher applies."""
+    def rlimits(self, *, own_uid: bool = False) -> dict[str, int]:
+        """The ``resource.RLIMIT_*`` names and values the launcher applies.
+
+        ``own_uid``: the sandbox runs as a uid of its own, so ``RLIMIT_NPROC`` is exactly
+        its process limit (enforced by the kernel at ``fork``)."""
         out: dict[str, int] = {"RLIMIT_CORE": 0}
         for name, value in (
             ("RLIMIT_AS", self.address_space),
@@ -90,7 +93,9 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         ):
             if value is not None:
                 out[name] = int(value)
-        if os.geteuid() != 0:
+        if own_uid:
+            out["RLIMIT_NPROC"] = self.max_processes
+        elif os.geteuid() != 0:
             out["RLIMIT_NPROC"] = _user_process_count() + self.max_processes
         return out
 
@@ -112,7 +117,7 @@ def _util_linux() -> tuple[str, str] | None:
     return (setsid, prlimit) if setsid and prlimit else None
 
 
-def launcher_argv(limits: Limits, argv: list[str], *, ctty: bool = False) -> list[str]:
+def launcher_argv(limits: Limits, argv: list[str], *, ctty: bool = False, own_uid: bool = False) -> list[str]:
     """The command line that runs ``argv`` as a new limited sandbox session.
 
     With util-linux's ``setsid`` and ``prlimit`` (two small execs, a few ms) when present,
@@ -122,10 +127,11 @@ def launcher_argv(limits: Limits, argv: list[str], *, ctty: bool = False) -> lis
     tools = _util_linux()
     if tools is None:
         flags = ["--ctty"] if ctty else []
-        return [sys.executable, "-I", "-S", str(LAUNCHER), json.dumps(limits.rlimits()), *flags, "--", *argv]
+        rlimits = json.dumps(limits.rlimits(own_uid=own_uid))
+        return [sys.executable, "-I", "-S", str(LAUNCHER), rlimits, *flags, "--", *argv]
     setsid, prlimit = tools
     bounds = []
-    for name, wanted in limits.rlimits().items():
+    for name, wanted in limits.rlimits(own_uid=own_uid).items():
         _soft, hard = resource.getrlimit(getattr(resource, name))
         value = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
         bounds.append(f"{_PRLIMIT_FLAGS[name]}={value}")

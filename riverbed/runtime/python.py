@@ -38,6 +38,7 @@ import structlog
 from riverbed import events
 from riverbed.runtime.limits import DRIVER, Limits, kill_processes, launcher_argv, session_processes, spawn, wait_exit
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
+from riverbed.runtime.sandbox import DRIVER_INSIDE, Sandbox
 
 log = structlog.get_logger("riverbed.runtime.python")
 
@@ -92,10 +93,15 @@ class _Cell:
 class PythonProcess:
     """The session's Python driver; not safe for concurrent use (the caller locks)."""
 
-    def __init__(self, workspace: Path, env: Mapping[str, str], limits: Limits) -> None:
+    def __init__(self, workspace: Path, env: Mapping[str, str], limits: Limits, sandbox: Sandbox) -> None:
         self._workspace = workspace
         self._env = dict(env)
         self._limits = limits
+        self._sandbox = sandbox
+        self._own_uid = sandbox.owner(workspace) is not None
+        self._core: frozenset[int] = frozenset()
+        """the sandbox's own processes (bubblewrap's and the driver), never killed as strays"""
+        self._driver_pid = -1
         self._proc: subprocess.Popen[bytes] | None = None
         self._fds: list[int] = []
         self._to_driver = -1
@@ -114,9 +120,18 @@ class PythonProcess:
         from_r, from_w = os.pipe()
         out_r, out_w = os.pipe()
         self._marker = f"\x1e__RB_CELL_{secrets.token_hex(8)}__\x1e".encode()
-        argv = launcher_argv(
-            self._limits, [sys.executable, "-u", str(DRIVER), str(to_r), str(from_w), self._marker.decode()]
-        )
+        driver = DRIVER_INSIDE if self._sandbox.confined else str(DRIVER)
+        try:
+            inner = self._sandbox.wrap(
+                [sys.executable, "-u", driver, str(to_r), str(from_w), self._marker.decode()],
+                workspace=self._workspace,
+                readonly=[(str(DRIVER), DRIVER_INSIDE)],
+            )
+        except BaseException:
+            for fd in (to_r, to_w, from_r, from_w, out_r, out_w):
+                os.close(fd)
+            raise
+        argv = launcher_argv(self._limits, inner, own_uid=self._own_uid)
         env = {"MPLBACKEND": "Agg", **self._env}
         try:
             popen = partial(
@@ -148,6 +163,8 @@ class PythonProcess:
         if not ready or not ready.get("ready"):
             await self.close()
             raise PythonUnavailable("the Python driver did not start in time")
+        self._core = frozenset(pid for pid, _ in await anyio.to_thread.run_sync(session_processes, self._proc.pid))
+        self._driver_pid = _driver_pid(self._proc.pid, self._core)
         log.debug("python started", pid=self._proc.pid, workspace=str(self._workspace))
 
     async def close(self) -> None:
@@ -261,12 +278,12 @@ class PythonProcess:
         return cell.done
 
     async def _watch_processes(self, cell: _Cell) -> None:
-        if self._proc is None:
-            return
+        if self._proc is None or self._own_uid:
+            return  # with a uid of its own, RLIMIT_NPROC makes the kernel refuse the fork
         sid = self._proc.pid
         count = len(await anyio.to_thread.run_sync(session_processes, sid))
         if count > self._limits.max_processes:
-            killed = await anyio.to_thread.run_sync(partial(kill_processes, sid, keep=frozenset({sid})))
+            killed = await anyio.to_thread.run_sync(partial(kill_processes, sid, keep=self._core))
             cell.notes.append(
                 f"[the sandbox held {count} processes, over the limit of {self._limits.max_processes}: killed {killed}]"
             )
@@ -276,7 +293,10 @@ class PythonProcess:
         sid = self._proc.pid
         cell.notes.append(f"[the cell timed out after {timeout:g} seconds and was interrupted]")
         with contextlib.suppress(OSError):
-            os.killpg(sid, signal.SIGINT)
+            if self._driver_pid == sid:
+                os.killpg(sid, signal.SIGINT)  # the driver leads the session: its whole group
+            else:
+                os.kill(self._driver_pid, signal.SIGINT)  # not bubblewrap's processes: only the driver
         stopped = await self._wait(cell, self._limits.interrupt_grace)
         await anyio.to_thread.run_sync(partial(kill_processes, sid, keep=frozenset({sid}), only_new_since=self._before))
         if not stopped:
@@ -288,6 +308,18 @@ class PythonProcess:
         """The process-count check, for a periodic watcher (between cells too)."""
         if self.alive:
             await self._watch_processes(_Cell(1000, b"-"))
+
+
+def _driver_pid(sid: int, core: frozenset[int]) -> int:
+    """The driver's pid among a new sandbox's processes (bubblewrap's own come first)."""
+    for pid in sorted(core):
+        try:
+            with open(f"/proc/{pid}/comm", encoding="utf-8") as fh:
+                if fh.read().strip() != "bwrap":
+                    return pid
+        except OSError:
+            continue
+    return sid
 
 
 def _cut(text: str, limit: int) -> str:

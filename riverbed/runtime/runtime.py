@@ -41,7 +41,6 @@ import os
 import re
 import stat
 from collections.abc import Awaitable, Callable, Mapping
-from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -57,6 +56,7 @@ from riverbed.runtime import files
 from riverbed.runtime.limits import Limits
 from riverbed.runtime.paths import PathRefused, confine, workspace_name
 from riverbed.runtime.python import PythonProcess, PythonUnavailable
+from riverbed.runtime.sandbox import Sandbox, SandboxUnavailable
 from riverbed.runtime.shell import Shell, ShellUnavailable
 
 log = structlog.get_logger("riverbed.runtime")
@@ -121,13 +121,15 @@ def _error(reason: str, content: str, *, retryable: bool = False) -> events.Erro
 
 
 class _Session:
-    def __init__(self, session_id: str, workspace: Path, base_env: Mapping[str, str], limits: Limits) -> None:
+    def __init__(
+        self, session_id: str, workspace: Path, base_env: Mapping[str, str], limits: Limits, sandbox: Sandbox
+    ) -> None:
         self.id = session_id
         self.workspace = workspace
         self.lock = anyio.Lock()
         self.overrides: dict[str, str | None] = {}
-        self.shell = Shell(workspace, base_env, limits)
-        self.python = PythonProcess(workspace, base_env, limits)
+        self.shell = Shell(workspace, base_env, limits, sandbox)
+        self.python = PythonProcess(workspace, base_env, limits, sandbox)
         self.history = files.EditHistory(limits.edit_history)
         self.workspace_made = False
 
@@ -146,9 +148,11 @@ class Runtime:
         limits: Limits | None = None,
         *,
         base_env: Mapping[str, str] | None = None,
+        sandbox: Sandbox | None = None,
     ) -> None:
         self._root = Path(workspace_root)
         self._limits = limits or Limits()
+        self._sandbox = sandbox or Sandbox()
         self._sessions: dict[str, _Session] = {}
         self._handlers: dict[type[events.Action], Handler] = {}
         self._closed = False
@@ -164,6 +168,10 @@ class Runtime:
     @property
     def limits(self) -> Limits:
         return self._limits
+
+    @property
+    def sandbox(self) -> Sandbox:
+        return self._sandbox
 
     # --- registration ----------------------------------------------------------------------
 
@@ -232,7 +240,7 @@ class Runtime:
         session = self._sessions.get(session_id)
         if session is None:
             ws = self.workspace(session_id)
-            session = _Session(session_id, ws, self._base(ws), self._limits)
+            session = _Session(session_id, ws, self._base(ws), self._limits, self._sandbox)
             self._sessions[session_id] = session
         return session
 
@@ -304,7 +312,7 @@ class Runtime:
                 return _error("busy", "the session's sandbox is busy with earlier actions; try again", retryable=True)
         try:
             if not session.workspace_made:
-                await anyio.to_thread.run_sync(partial(session.workspace.mkdir, parents=True, exist_ok=True))
+                await anyio.to_thread.run_sync(self._sandbox.prepare, session.workspace)
                 session.workspace_made = True
             if custom is not None:
                 ctx = HandlerContext(
@@ -319,7 +327,7 @@ class Runtime:
                 result = await builtin(session, action)
         except (PathRefused, files.FileActionError) as exc:
             return _error(exc.reason, str(exc))
-        except (ShellUnavailable, PythonUnavailable) as exc:
+        except (ShellUnavailable, PythonUnavailable, SandboxUnavailable) as exc:
             return _error("sandbox_unavailable", str(exc), retryable=True)
         except RiverbedError as exc:
             return _error("handler_failed", str(exc), retryable=exc.retryable)

@@ -53,6 +53,7 @@ from riverbed.runtime.limits import (
     wait_exit,
 )
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
+from riverbed.runtime.sandbox import Sandbox
 
 log = structlog.get_logger("riverbed.runtime.shell")
 
@@ -67,15 +68,20 @@ class ShellUnavailable(Exception):
 class Shell:
     """A persistent bash in ``workspace``; not safe for concurrent use (the caller locks)."""
 
-    def __init__(self, workspace: Path, env: Mapping[str, str], limits: Limits) -> None:
+    def __init__(self, workspace: Path, env: Mapping[str, str], limits: Limits, sandbox: Sandbox) -> None:
         self._workspace = workspace
         self._env = dict(env)
         self._limits = limits
+        self._sandbox = sandbox
+        self._own_uid = sandbox.owner(workspace) is not None
         self._nonce = secrets.token_hex(8)
         self._scanner = MarkerScanner(f"\n__RB_{self._nonce}_".encode(), b"__\n")
         self._proc: subprocess.Popen[bytes] | None = None
         self._master = -1
         self._ctl_dir: str | None = None
+        self._core: frozenset[int] = frozenset()
+        """the sandbox's own processes (bubblewrap's and the shell), never killed as strays"""
+        self._shell_pgrp = -1
         self._applied: dict[str, str | None] = {}
         self._running = False
         self._before: set[int] = set()
@@ -92,6 +98,7 @@ class Shell:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._ctl_dir = await anyio.to_thread.run_sync(self._make_ctl_dir)
         master, slave = os.openpty()
         try:
             attrs = termios.tcgetattr(slave)
@@ -106,17 +113,19 @@ class Shell:
                 PROMPT_COMMAND=f"printf '\\n__RB_{self._nonce}_%s__\\n' \"$?\"",
                 HISTFILE="",
             )
-            argv = launcher_argv(self._limits, ["bash", "--norc", "--noprofile", "--noediting", "-i"], ctty=True)
+            bash = ["bash", "--norc", "--noprofile", "--noediting", "-i"]
+            inner = self._sandbox.wrap(bash, workspace=self._workspace, readonly=[(self._ctl_dir, self._ctl_dir)])
+            argv = launcher_argv(self._limits, inner, ctty=True, own_uid=self._own_uid)
             popen = partial(spawn, argv, stdin=slave, stdout=slave, stderr=slave, cwd=self._workspace, env=env)
             self._proc = await anyio.to_thread.run_sync(popen)
         except BaseException:
             os.close(master)
+            self._remove_ctl_dir()
             raise
         finally:
             os.close(slave)
         os.set_blocking(master, False)
         self._master = master
-        self._ctl_dir = tempfile.mkdtemp(prefix="riverbed-sh-")
         self._applied = {}
         self._running = False
         self._scanner.reset()
@@ -124,6 +133,9 @@ class Shell:
         if not ok:
             await self.close()
             raise ShellUnavailable("bash did not start in time")
+        with contextlib.suppress(OSError):
+            self._shell_pgrp = os.tcgetpgrp(master)
+        self._core = frozenset(pid for pid, _ in await anyio.to_thread.run_sync(session_processes, self._sid()))
         log.debug("shell started", pid=self.pid, workspace=str(self._workspace))
 
     async def close(self) -> None:
@@ -135,10 +147,23 @@ class Shell:
         if self._master >= 0:
             os.close(self._master)
             self._master = -1
+        self._remove_ctl_dir()
+        self._running = False
+
+    def _make_ctl_dir(self) -> str:
+        """A directory for the command scripts, outside the workspace; readable (not writable)
+        from inside the sandbox, where it is mounted read-only at the same path."""
+        if not self._sandbox.confined:
+            return tempfile.mkdtemp(prefix="riverbed-sh-")
+        self._sandbox.prepare(self._workspace)
+        path = tempfile.mkdtemp(prefix="sh-", dir=self._sandbox.state_dir(self._workspace))
+        os.chmod(path, 0o755)  # noqa: S103  (the sandbox user reads its command scripts; nobody else sees them)
+        return path
+
+    def _remove_ctl_dir(self) -> None:
         if self._ctl_dir is not None:
             shutil.rmtree(self._ctl_dir, ignore_errors=True)
             self._ctl_dir = None
-        self._running = False
 
     # --- commands ------------------------------------------------------------------------------
 
@@ -176,6 +201,7 @@ class Shell:
         assert self._ctl_dir is not None
         script = Path(self._ctl_dir) / "command.sh"
         script.write_text(action.command + "\n", encoding="utf-8")
+        script.chmod(0o644)
         line = f"source {shlex.quote(str(script))}"
         if cwd is not None:
             line = f"builtin cd -- {shlex.quote(str(cwd))} && {line}"
@@ -271,7 +297,7 @@ class Shell:
         found = await self._wait_marker(text, self._limits.interrupt_grace)
         with contextlib.suppress(OSError):
             fg = os.tcgetpgrp(self._master)
-            if not found and fg != sid:
+            if not found and fg != self._shell_pgrp:
                 signal_group(fg, signal.SIGKILL)
         killed = await anyio.to_thread.run_sync(
             partial(kill_processes, sid, keep=frozenset({sid}), only_new_since=self._before)
@@ -300,11 +326,13 @@ class Shell:
 
     async def _watch_processes(self) -> str | None:
         """Kill everything but the shell when the sandbox holds too many processes."""
+        if self._own_uid:
+            return None  # RLIMIT_NPROC of the sandbox's own uid: the kernel refuses the fork
         sid = self._sid()
         count = len(await anyio.to_thread.run_sync(session_processes, sid))
         if count <= self._limits.max_processes:
             return None
-        killed = await anyio.to_thread.run_sync(partial(kill_processes, sid, keep=frozenset({sid})))
+        killed = await anyio.to_thread.run_sync(partial(kill_processes, sid, keep=self._core))
         log.warning("sandbox process limit", pid=sid, processes=count, killed=killed)
         return f"[the sandbox held {count} processes, over the limit of {self._limits.max_processes}: killed {killed}]"
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import anyio
 
+from riverbed.errors import RiverbedError
 from riverbed.logs import configure_logging
 from riverbed.settings import Settings
 from riverbed.workers.main import parse_roles, run_worker
@@ -18,8 +20,11 @@ def main() -> None:
     parser.add_argument("--park-after", type=float, default=60.0)
     args = parser.parse_args()
     configure_logging()
-    settings = Settings.from_env()
-    anyio.run(lambda: run_worker(parse_roles(args.roles), settings, name=args.name, park_after=args.park_after))
+    try:
+        settings = Settings.from_env()
+        anyio.run(lambda: run_worker(parse_roles(args.roles), settings, name=args.name, park_after=args.park_after))
+    except RiverbedError as exc:
+        sys.exit(f"riverbed worker: {exc}")
 
 
 if __name__ == "__main__":

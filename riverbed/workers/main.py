@@ -158,6 +158,7 @@ class Worker:
             "host": socket.gethostname(),
             "started": self.started,
             "owned": {role: sorted(o.owned) for role, o in self.owners.items()},
+            "sandbox": self._sandbox(),
             "stats": {
                 role: {
                     "handled": o.stats.handled,
@@ -168,6 +169,12 @@ class Worker:
                 for role, o in self.owners.items()
             },
         }
+
+    def _sandbox(self) -> str | None:
+        """``mode/network`` of the runtime role's sandboxes (``riverbed status`` shows it)."""
+        owner = self.owners.get("runtime")
+        runtime = getattr(owner.handler, "runtime", None) if owner is not None else None
+        return f"{runtime.sandbox.mode}/{runtime.sandbox.network}" if runtime is not None else None
 
     async def _heartbeat(self) -> None:
         while True:
@@ -199,9 +206,9 @@ def build_handlers(roles: Sequence[str], settings: Settings) -> tuple[dict[str, 
     closers: list[Callable[[], Any]] = []
     if "runtime" in roles:
         from riverbed.runtime import Runtime  # noqa: PLC0415
-        from riverbed.workers.runtime_role import RuntimeHandler  # noqa: PLC0415
+        from riverbed.workers.runtime_role import RuntimeHandler, checked_sandbox  # noqa: PLC0415
 
-        runtime = Runtime(workspace_root=Path(settings.workspace))
+        runtime = Runtime(workspace_root=Path(settings.workspace), sandbox=checked_sandbox(settings))
         handlers["runtime"] = RuntimeHandler(runtime)
         closers.append(runtime.aclose)
     if "memory" in roles:

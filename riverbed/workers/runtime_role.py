@@ -8,6 +8,8 @@ answered by the new owner: already answered -> just acknowledged; safe to repeat
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import anyio
 import structlog
 from anyio.abc import TaskStatus
@@ -15,9 +17,31 @@ from anyio.abc import TaskStatus
 from riverbed import events
 from riverbed.bus.consumer import Entry, SessionContext
 from riverbed.bus.faults import crashpoint
-from riverbed.runtime import Runtime
+from riverbed.runtime import Runtime, Sandbox
+from riverbed.runtime.sandbox import probe
+from riverbed.settings import Settings
 
 log = structlog.get_logger("riverbed.worker")
+
+
+def checked_sandbox(settings: Settings) -> Sandbox:
+    """The configured sandbox, once a real one was built; an unconfined one says so.
+
+    Raises :class:`~riverbed.runtime.SandboxUnavailable` (a ``ConfigError``) when namespaces
+    are asked for and cannot be built: a worker refuses to start rather than run commands
+    without the isolation it was configured for.
+    """
+    sandbox = Sandbox(mode=settings.sandbox, network=settings.sandbox_network)  # type: ignore[arg-type]
+    probe(sandbox, Path(settings.workspace))
+    if not sandbox.confined:
+        log.warning(
+            "sandbox.unconfined",
+            mode=sandbox.mode,
+            detail="RIVERBED_SANDBOX=process: commands run as the worker's user with its filesystem and network",
+        )
+    elif sandbox.network == "host":
+        log.warning("sandbox.host_network", detail="commands can reach every service the worker host can")
+    return sandbox
 
 
 def for_runtime(event: events.Event) -> bool:

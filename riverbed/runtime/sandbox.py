@@ -1,0 +1,274 @@
+"""How a session's processes are confined: Linux namespaces through bubblewrap, or nothing.
+
+Every ``cmd_run`` and ``python_run`` is written by a model that may have been
+prompt-injected, so in ``namespaces`` mode (the default) each sandbox process (the
+session's bash, its Python driver) is started inside ``bwrap`` with:
+
+- **its own mount namespace**: a read-only ``/usr`` (and the ``/bin``, ``/lib`` links), a
+  few read-only files of ``/etc`` (certificates, ``ld.so.cache``, alternatives, time zone)
+  plus a ``passwd``/``group`` naming the sandbox user, a private ``/proc`` and ``/dev``, a
+  private size-bounded ``/tmp``, the interpreter the Python driver needs (read-only), and
+  the session's workspace as the one writable host directory, mounted at its own path so
+  paths mean the same inside and out.  No other workspace, no worker file, no service
+  socket or data directory exists in there;
+- **its own PID namespace**: the worker and other sessions' processes do not exist, and
+  when the sandbox's first process dies (``--die-with-parent`` ties it to the worker, so a
+  SIGKILLed worker counts) the kernel kills every process left in it, ``nohup`` jobs too;
+- **its own network namespace** unless ``network`` says otherwise: ``none`` has only a
+  private loopback (the worker's Redis and Postgres on 127.0.0.1 are not there);
+  ``outbound`` adds a user-mode network stack (``slirp4netns`` with the host's loopback
+  disabled) that reaches the internet but not this host's services; ``host`` shares the
+  worker's network and is unsafe: a command can then reach everything the worker can;
+- **an unprivileged user**.  A root worker runs bubblewrap in its privileged mode and drops
+  the sandbox to a uid of its own per session (``uid_base`` + a hash of the workspace
+  name), with no capabilities and ``no_new_privs``; the workspace belongs to that uid.
+  Being a distinct uid is what makes ``RLIMIT_NPROC`` a per-session process limit enforced
+  by the kernel.  A non-root worker uses an unprivileged user namespace, mapped to itself.
+
+``process`` mode is the old behaviour (a POSIX session with rlimits, the worker's user,
+the host's filesystem and network) for machines without user namespaces; it has to be
+chosen explicitly and the worker warns about it.
+
+:func:`probe` builds a real sandbox once; a worker calls it at start and refuses to run
+in ``namespaces`` mode when it fails, instead of silently running commands unconfined.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from riverbed.errors import ConfigError
+
+Mode = Literal["namespaces", "process"]
+Network = Literal["none", "outbound", "host"]
+MODES: tuple[Mode, ...] = ("namespaces", "process")
+NETWORKS: tuple[Network, ...] = ("none", "outbound", "host")
+
+#: Where the Python driver script appears inside a sandbox.
+DRIVER_INSIDE = "/run/riverbed/driver.py"
+
+_ETC = (
+    "alternatives",
+    "ca-certificates",
+    "ca-certificates.conf",
+    "ssl",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "timezone",
+    "nsswitch.conf",
+    "protocols",
+    "services",
+    "mime.types",
+    "debian_version",
+    "os-release",
+    "inputrc",
+    "magic",
+)
+_UID_SPAN = 1 << 20
+_TMP = "/tmp"  # noqa: S108  (the sandbox's own private tmpfs, not the host's)
+_SYSTEM_DIRS = ("/usr", _TMP, "/proc", "/dev")
+
+
+class SandboxUnavailable(ConfigError):
+    """A namespaces sandbox cannot be built on this machine."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sandbox:
+    """The confinement of every sandbox process a :class:`~riverbed.runtime.Runtime` starts."""
+
+    mode: Mode = "namespaces"
+    network: Network = "none"
+    uid_base: int = 2_000_000
+    """first host uid of the per-session users of a root worker"""
+    tmp_bytes: int = 512 * 1024 * 1024
+    """size of each sandbox process's private ``/tmp`` (memory-backed)"""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"RIVERBED_SANDBOX={self.mode!r} is not valid: use {' or '.join(MODES)}")
+        if self.network not in NETWORKS:
+            raise ConfigError(f"RIVERBED_SANDBOX_NETWORK={self.network!r} is not valid: use {', '.join(NETWORKS)}")
+        if self.mode == "process":
+            # no network namespace in process mode: a command shares the worker's network
+            object.__setattr__(self, "network", "host")
+
+    @property
+    def confined(self) -> bool:
+        return self.mode == "namespaces"
+
+    def owner(self, workspace: Path) -> tuple[int, int] | None:
+        """The uid/gid that owns a workspace's files, when it is not the worker's own."""
+        if not self.confined or os.geteuid() != 0:
+            return None
+        uid = self.uid_base + int(hashlib.sha256(workspace.name.encode()).hexdigest()[:8], 16) % _UID_SPAN
+        return uid, uid
+
+    def state_dir(self, workspace: Path) -> Path:
+        """Per-session files the sandbox needs but must not write (its passwd, shell scripts)."""
+        return workspace.parent / ".sandbox" / workspace.name
+
+    def prepare(self, workspace: Path) -> Path:
+        """Create the workspace (owned by the sandbox user) and its state dir; return the latter."""
+        workspace.mkdir(parents=True, exist_ok=True)
+        owner = self.owner(workspace)
+        if owner is not None:
+            st = workspace.stat()
+            if (st.st_uid, st.st_gid) != owner:
+                _chown_tree(workspace, owner)
+        state = self.state_dir(workspace)
+        state.mkdir(parents=True, exist_ok=True)
+        state.chmod(0o755)
+        if self.confined:
+            uid, gid = owner if owner is not None else (1000, 1000)
+            (state / "passwd").write_text(
+                f"root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:{uid}:{gid}:sandbox:{workspace}:/bin/bash\n"
+                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+                encoding="utf-8",
+            )
+            (state / "group").write_text(f"root:x:0:\nsandbox:x:{gid}:\nnogroup:x:65534:\n", encoding="utf-8")
+            (state / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n", encoding="utf-8")
+            for name in ("passwd", "group", "hosts"):
+                (state / name).chmod(0o644)
+        return state
+
+    def wrap(
+        self,
+        argv: Sequence[str],
+        *,
+        workspace: Path,
+        readonly: Sequence[tuple[str, str]] = (),
+    ) -> list[str]:
+        """The command line that runs ``argv`` in this sandbox (``argv`` itself in process mode).
+
+        ``readonly`` lists extra ``(host path, path inside)`` pairs to mount read-only.
+        """
+        if not self.confined:
+            return list(argv)
+        bwrap = _which("bwrap")
+        if bwrap is None:
+            raise SandboxUnavailable(_MISSING_BWRAP)
+        state = self.state_dir(workspace)
+        root = os.geteuid() == 0
+        args = [bwrap, "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        if self.network != "host":
+            args.append("--unshare-net")
+        if not root:
+            args += ["--unshare-user", "--uid", str(os.geteuid()), "--gid", str(os.getegid())]
+        args += ["--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+        for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            path = Path("/") / name
+            if path.is_symlink():
+                args += ["--symlink", os.readlink(path), str(path)]
+            elif path.is_dir():
+                args += ["--ro-bind", str(path), str(path)]
+        args += ["--perms", "0755", "--dir", "/etc"]
+        for name in _ETC:
+            args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+        for name in ("passwd", "group", "hosts"):
+            args += ["--ro-bind", str(state / name), f"/etc/{name}"]
+        if self.network == "outbound":
+            args += ["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        args += ["--size", str(self.tmp_bytes), "--perms", "1777", "--tmpfs", _TMP]
+        for host, inside in (*_python_mounts(), *readonly):
+            args += _dirs_for(inside)
+            args += ["--ro-bind", host, inside]
+        args += _dirs_for(str(workspace))
+        args += ["--bind", str(workspace), str(workspace), "--chdir", str(workspace)]
+        if root:
+            owner = self.owner(workspace)
+            assert owner is not None
+            setpriv = _which("setpriv")
+            if setpriv is None:
+                raise SandboxUnavailable("setpriv (util-linux) is missing; it is needed to drop the sandbox's root")
+            args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--"]
+            args += [
+                setpriv,
+                f"--reuid={owner[0]}",
+                f"--regid={owner[1]}",
+                "--clear-groups",
+                "--no-new-privs",
+                "--bounding-set=-all",
+                "--inh-caps=-all",
+                "--",
+            ]
+        else:
+            args.append("--")
+        return [*args, *argv]
+
+
+_MISSING_BWRAP = (
+    "bubblewrap (bwrap) is not installed: install it (Debian: apt-get install bubblewrap) or set "
+    "RIVERBED_SANDBOX=process to run commands without isolation"
+)
+
+
+@functools.cache
+def _which(name: str) -> str | None:
+    return shutil.which(name)
+
+
+@functools.cache
+def _python_mounts() -> tuple[tuple[str, str], ...]:
+    """The interpreter the driver runs with (its virtual environment and base installation),
+    mounted read-only at the paths it knows itself by, unless they are under ``/usr``."""
+    return tuple(
+        (os.path.realpath(path), inside)
+        for path in dict.fromkeys((sys.prefix, sys.base_prefix))
+        for inside in dict.fromkeys((path, os.path.realpath(path)))
+        if inside != "/usr" and not inside.startswith("/usr/")
+    )
+
+
+def _dirs_for(path: str) -> list[str]:
+    """``--dir`` entries (mode 0755) for the ancestors bwrap would otherwise create private."""
+    out: list[str] = []
+    parts = Path(path).parts[1:-1]
+    for i in range(len(parts)):
+        ancestor = "/" + "/".join(parts[: i + 1])
+        if ancestor in _SYSTEM_DIRS or ancestor.startswith(("/usr/", "/proc/", "/dev/")):
+            continue
+        out += ["--perms", "0755", "--dir", ancestor]
+    return out
+
+
+def _chown_tree(path: Path, owner: tuple[int, int]) -> None:
+    for top, dirs, files in os.walk(path):
+        for name in (*dirs, *files):
+            os.chown(os.path.join(top, name), *owner, follow_symlinks=False)
+    os.chown(path, *owner, follow_symlinks=False)
+
+
+def probe(sandbox: Sandbox, workspace_root: Path) -> None:
+    """Build one real sandbox and run a command in it; :class:`SandboxUnavailable` if that fails."""
+    if not sandbox.confined:
+        return
+    workspace = workspace_root / ".probe"
+    try:
+        sandbox.prepare(workspace)
+        argv = sandbox.wrap(["/bin/sh", "-c", "test -w . && echo ok"], workspace=workspace)
+        done = subprocess.run(argv, capture_output=True, timeout=15, check=False, stdin=subprocess.DEVNULL)
+    except SandboxUnavailable:
+        raise
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise SandboxUnavailable(f"a namespaces sandbox could not be started: {exc}") from exc
+    if done.returncode != 0 or done.stdout.strip() != b"ok":
+        reason = done.stderr.decode(errors="replace").strip().splitlines()
+        raise SandboxUnavailable(
+            "a namespaces sandbox could not be started"
+            + (f" ({reason[-1]})" if reason else "")
+            + ": user namespaces may be disabled here, or a container's seccomp/AppArmor profile blocks them "
+            "(see the README's security model); set RIVERBED_SANDBOX=process to run without isolation"
+        )

@@ -1,0 +1,341 @@
+"""Attacks on the sandbox boundary, made the way a prompt-injected model would make them.
+
+Each test runs commands through a real runtime worker process (``riverbed.workers
+runtime``, default settings: namespaces, no network) and asserts that the attack fails and
+that ordinary work in the same session still works.  Protections broken once to watch
+these tests fail: ``--unshare-pid`` (the worker's environ and pid appear, the nohup job
+survives a SIGKILLed worker), ``--unshare-net`` (Redis answers), the workspace-only mount
+(another session's file is read), the uid drop (``id -u`` is 0), ``RLIMIT_NPROC`` (the
+fork loop passes the limit).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import anyio
+import pytest
+
+from riverbed import events
+from riverbed.agent.client import Bus
+from riverbed.runtime import Limits, Runtime, Sandbox, SandboxUnavailable
+from riverbed.runtime.paths import workspace_name
+from riverbed.runtime.sandbox import probe
+from tests.workerproc import WorkerProcess
+
+pytestmark = [pytest.mark.anyio, pytest.mark.security]
+
+CANARY = "canary-" + os.urandom(6).hex()
+
+
+@pytest.fixture
+def worker(standalone_redis_url: str, prefix: str, workspace: Path, tmp_path: Path) -> Iterator[WorkerProcess]:
+    """A default runtime worker whose environment holds secrets a sandbox must not see."""
+    proc = WorkerProcess(
+        ["runtime"],
+        name="guarded",
+        redis_url=standalone_redis_url,
+        prefix=prefix,
+        workspace=workspace,
+        lease=2.0,
+        extra_env={"OPENAI_API_KEY": CANARY, "RIVERBED_DATABASE_URL": f"postgresql://u:{CANARY}@127.0.0.1/x"},
+        log_dir=tmp_path,
+    )
+    proc.wait_ready()
+    yield proc
+    proc.close()
+
+
+async def sh(bus: Bus, session: str, command: str, timeout: float = 20) -> events.CmdOutput:
+    action = events.CmdRun(command=command, timeout=timeout, blocking=True)
+    out = await bus.session(session).act(action, timeout=timeout + 15)
+    assert isinstance(out, events.CmdOutput), out
+    return out
+
+
+async def py(bus: Bus, session: str, code: str) -> events.PythonOutput:
+    out = await bus.session(session).act(events.PythonRun(code=code), timeout=40)
+    assert isinstance(out, events.PythonOutput), out
+    return out
+
+
+async def test_another_sessions_workspace_is_not_there(
+    standalone_bus: Bus, worker: WorkerProcess, workspace: Path
+) -> None:
+    bus = standalone_bus
+    await sh(bus, "victim", "echo top-secret > secret.txt")
+    victim = workspace / workspace_name("victim")
+    assert (victim / "secret.txt").read_text() == "top-secret\n"
+    attack = await sh(
+        bus,
+        "attacker",
+        f"cat ../{victim.name}/secret.txt {victim}/secret.txt; echo LISTING $(ls -a ..) END; "
+        f"echo pwned > {victim}/secret.txt; ln -sf /etc/passwd {victim}/secret.txt; "
+        "grep -rs top-secre[t] / --exclude-dir=proc --exclude-dir=sys --exclude-dir=usr; echo done",
+        timeout=60,
+    )
+    assert "top-secret" not in attack.content
+    listing = attack.content.split("LISTING", 1)[1].split("END", 1)[0].split()
+    assert victim.name not in listing
+    assert (victim / "secret.txt").read_text() == "top-secret\n"
+    assert not (victim / "secret.txt").is_symlink()
+    # the victim's own work goes on
+    assert (await sh(bus, "victim", "cat secret.txt")).content == "top-secret\n"
+
+
+async def test_the_worker_its_environment_and_its_services_are_out_of_reach(
+    standalone_bus: Bus, worker: WorkerProcess, standalone_redis_url: str
+) -> None:
+    bus = standalone_bus
+    port = urlparse(standalone_redis_url).port
+    snoop = await sh(
+        bus,
+        "snoop",
+        "cat /proc/$PPID/environ /proc/1/environ /proc/*/environ 2>/dev/null | tr '\\0' '\\n'; "
+        "ps -eo pid,user,args; env; ls / /run /tmp; cat /etc/shadow",
+    )
+    assert CANARY not in snoop.content
+    assert "riverbed.workers" not in snoop.content
+    assert str(worker.proc.pid) not in snoop.content.split()
+    probe_redis = await sh(
+        bus, "snoop", f"(exec 3<>/dev/tcp/127.0.0.1/{port} && echo REDIS-REACHED) 2>&1; echo exit=$?"
+    )
+    assert "REDIS-REACHED" not in probe_redis.content
+    cell = await py(
+        bus,
+        "snoop",
+        "import os, socket\n"
+        "hits = []\n"
+        f"for host in ('127.0.0.1', 'localhost'):\n"
+        "    s = socket.socket()\n"
+        "    s.settimeout(2)\n"
+        f"    hits.append(s.connect_ex((host, {port})))\n"
+        "    s.close()\n"
+        f"print('env', {CANARY!r} in repr(dict(os.environ)), 'hits', hits)",
+    )
+    assert "env False" in cell.content
+    hits = cell.content.split("hits", 1)[1]
+    assert " 0" not in hits.replace(",", " ").replace("[", " ")  # connect_ex() == 0: connected
+
+
+async def test_a_session_cannot_stop_or_kill_its_worker(standalone_bus: Bus, worker: WorkerProcess) -> None:
+    bus = standalone_bus
+    pid = worker.proc.pid
+    await sh(bus, "bully", f"kill -STOP {pid}; kill -9 {pid}; kill -STOP $PPID; kill -9 -1; echo tried", timeout=10)
+    assert worker.proc.poll() is None
+    # the worker is not stopped: other sessions (and this one, in a new shell) are answered
+    with anyio.fail_after(20):
+        assert (await sh(bus, "bystander", "echo alive")).content == "alive\n"
+        again = await sh(bus, "bully", "echo back")
+    assert "back" in again.content
+
+
+def _cmdline_count(needle: bytes) -> int:
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    count += needle in fh.read()
+            except OSError:
+                pass
+    return count
+
+
+async def test_nothing_outlives_a_sigkilled_worker(standalone_bus: Bus, worker: WorkerProcess) -> None:
+    bus = standalone_bus
+    marks = [str(40_000 + int.from_bytes(os.urandom(2)) + i) for i in range(3)]  # this run's own sleeps
+    needles = [f"sleep\x00{mark}\x00".encode() for mark in marks]
+    await sh(bus, "leaver", f"nohup sleep {marks[0]} >/dev/null 2>&1 & setsid sleep {marks[1]} & disown; echo ok")
+    await py(bus, "leaver", f"import subprocess; p = subprocess.Popen(['sleep', '{marks[2]}'], start_new_session=True)")
+    assert [_cmdline_count(n) for n in needles] == [1, 1, 1]
+    worker.proc.send_signal(signal.SIGKILL)
+    worker.proc.wait(10)
+    with anyio.fail_after(10):
+        while any(_cmdline_count(n) for n in needles):
+            await anyio.sleep(0.05)
+
+
+async def test_the_sandbox_user_is_unprivileged_and_bounded(standalone_bus: Bus, worker: WorkerProcess) -> None:
+    bus = standalone_bus
+    who = await sh(bus, "who", "id -u; grep Cap /proc/self/status; cat /proc/self/status | grep NoNewPrivs")
+    uid = int(who.content.split()[0])
+    if os.geteuid() == 0:
+        assert uid != 0
+    assert "CapEff:\t0000000000000000" in who.content
+    assert "NoNewPrivs:\t1" in who.content
+
+
+async def test_ordinary_work_still_works(standalone_bus: Bus, worker: WorkerProcess, workspace: Path) -> None:
+    bus = standalone_bus
+    session = bus.session("dev")
+    assert (await sh(bus, "dev", "mkdir -p src && cd src && export GREETING=hi && pwd")).exit_code == 0
+    assert (await sh(bus, "dev", "echo $GREETING from $(basename $PWD)")).content == "hi from src\n"
+    written = await session.act(events.FileWrite(path="src/app.py", content="print('app ran')\n"), timeout=20)
+    assert isinstance(written, events.FileWritten)
+    assert (await sh(bus, "dev", "python3 app.py && echo data > out.txt")).content == "app ran\n"
+    read = await session.act(events.FileRead(path="src/out.txt"), timeout=20)
+    assert isinstance(read, events.FileContent)
+    assert read.content == "data\n"
+    edited = await session.act(
+        events.FileEdit(command="str_replace", path="src/out.txt", old_str="data", new_str="more"), timeout=20
+    )
+    assert isinstance(edited, events.FileEdited)
+    assert (await sh(bus, "dev", "cat out.txt; echo tmp > /tmp/t && cat /tmp/t")).content == "more\ntmp\n"
+    # background jobs inside the session
+    await sh(bus, "dev", "(sleep 1; echo later > bg.txt) & echo queued")
+    with anyio.fail_after(15):
+        while "later" not in (await sh(bus, "dev", "cat bg.txt 2>/dev/null; true")).content:
+            await anyio.sleep(0.2)
+    # a package installed into the workspace (no network: a local wheel) and imported by a cell
+    wheel = base64.b64encode(_wheel()).decode()
+    install = await sh(
+        bus,
+        "dev",
+        f"cd /; cd ~ && echo {wheel} | base64 -d > tinypkg-1.0-py3-none-any.whl && "
+        "python3 -m pip install -q --no-index --no-cache-dir --disable-pip-version-check --target site "
+        "tinypkg-1.0-py3-none-any.whl && echo installed",
+        timeout=90,
+    )
+    assert "installed" in install.content, install.content
+    cell = await py(bus, "dev", "import sys; sys.path.insert(0, 'site'); import tinypkg; tinypkg.VALUE")
+    assert cell.result == "42", cell
+    x = await py(bus, "dev", "x = 7")
+    assert x.exception is None
+    assert (await py(bus, "dev", "x * 6")).result == "42"
+
+
+def _wheel() -> bytes:
+    """A minimal pure-Python wheel, built in memory."""
+    files = {
+        "tinypkg/__init__.py": "VALUE = 42\n",
+        "tinypkg-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
+        "tinypkg-1.0.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = "".join(f"{name},,\n" for name in files) + "tinypkg-1.0.dist-info/RECORD,,\n"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, text in files.items():
+            zf.writestr(name, text)
+        zf.writestr("tinypkg-1.0.dist-info/RECORD", record)
+    return buf.getvalue()
+
+
+# --- without a worker: the kernel's limits and the refusal to run unconfined ---------------------
+
+
+async def test_the_kernel_refuses_forks_past_the_process_limit(workspace: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the per-session uid (and so RLIMIT_NPROC per session) is a root worker's")
+    rt = Runtime(workspace_root=workspace, limits=Limits(max_processes=12))
+    try:
+        spawner = (
+            "import subprocess\nstarted = refused = 0\nfor _ in range(40):\n    try:\n"
+            "        subprocess.Popen(['sleep', '331'])\n        started += 1\n"
+            "    except OSError:\n        refused += 1\nprint(started, refused)"
+        )
+        out = await rt.execute("s", events.PythonRun(id=1, code=spawner, timeout=60))
+        assert isinstance(out, events.PythonOutput)
+        started, refused = map(int, out.content.split())
+        assert refused > 0
+        assert started < 12
+        assert 0 < _cmdline_count(b"sleep\x00331") < 12
+    finally:
+        await rt.aclose()
+    assert _cmdline_count(b"sleep\x00331") == 0
+
+
+def test_a_sandbox_that_cannot_be_built_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to creating new namespace' >&2\nexit 1\n")
+    (fake / "bwrap").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    from riverbed.runtime import sandbox as module  # noqa: PLC0415
+
+    module._which.cache_clear()
+    try:
+        with pytest.raises(SandboxUnavailable, match="could not be started"):
+            probe(Sandbox(), tmp_path / "ws")
+    finally:
+        monkeypatch.undo()
+        module._which.cache_clear()
+    probe(Sandbox(), tmp_path / "ws")  # the real one works
+
+
+def test_a_worker_refuses_to_start_without_its_sandbox(
+    standalone_redis_url: str, prefix: str, workspace: Path, tmp_path: Path
+) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "bwrap").write_text("#!/bin/sh\nexit 1\n")
+    (fake / "bwrap").chmod(0o755)
+    proc = WorkerProcess(
+        ["runtime"],
+        name="refuser",
+        redis_url=standalone_redis_url,
+        prefix=prefix,
+        workspace=workspace,
+        extra_env={"PATH": f"{fake}:{os.environ['PATH']}"},
+        log_dir=tmp_path,
+    )
+    try:
+        assert proc.proc.wait(30) != 0
+    finally:
+        proc.close()
+    text = proc.log_path.read_text()
+    assert "RIVERBED_SANDBOX=process" in text
+    assert "Traceback" not in text
+
+
+@pytest.fixture
+def cli_status(standalone_redis_url: str, prefix: str) -> Callable[[], str]:
+    def status() -> str:
+        env = {**os.environ, "RIVERBED_REDIS_URL": standalone_redis_url, "RIVERBED_PREFIX": prefix}
+        done = subprocess.run(
+            [sys.executable, "-m", "riverbed.cli", "status", "--json"],
+            env=env,
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.decode()
+
+    return status
+
+
+@pytest.fixture
+def process_worker(standalone_redis_url: str, prefix: str, workspace: Path, tmp_path: Path) -> Iterator[WorkerProcess]:
+    proc = WorkerProcess(
+        ["runtime"],
+        name="unconfined",
+        redis_url=standalone_redis_url,
+        prefix=prefix,
+        workspace=workspace,
+        extra_env={"RIVERBED_SANDBOX": "process"},
+        log_dir=tmp_path,
+    )
+    proc.wait_ready()
+    yield proc
+    proc.close()
+
+
+async def test_process_mode_is_explicit_warned_and_shown(
+    standalone_bus: Bus, process_worker: WorkerProcess, cli_status: Callable[[], str]
+) -> None:
+    assert (await sh(standalone_bus, "p", "echo ok")).content == "ok\n"
+    assert "sandbox.unconfined" in process_worker.log_path.read_text()
+    status = cli_status()
+    assert "process/host" in status, status
