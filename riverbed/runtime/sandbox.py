@@ -131,7 +131,7 @@ class Sandbox:
         state.mkdir(parents=True, exist_ok=True)
         state.chmod(0o755)
         if self.confined:
-            uid, gid = owner if owner is not None else (1000, 1000)
+            uid, gid = owner if owner is not None else (os.geteuid(), os.getegid())
             (state / "passwd").write_text(
                 f"root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:{uid}:{gid}:sandbox:{workspace}:/bin/bash\n"
                 "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
