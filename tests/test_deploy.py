@@ -260,6 +260,23 @@ def test_a_deployment_per_role_with_probes_resources_and_config() -> None:
         assert mounts <= {v["name"] for v in pod["spec"].get("volumes", [])}
 
 
+def test_the_runtime_may_build_namespace_sandboxes_and_only_it() -> None:
+    """bubblewrap needs user namespaces and mounts; the default container profiles forbid them."""
+    for deployment in of_kind("Deployment"):
+        [container] = deployment["spec"]["template"]["spec"]["containers"]
+        context = container.get("securityContext", {})
+        unconfined = context.get("seccompProfile", {}).get("type") == "Unconfined"
+        assert unconfined == (role_of(deployment) == "runtime")
+        if unconfined:
+            assert context["appArmorProfile"]["type"] == "Unconfined"
+            assert context["capabilities"]["drop"] == ["ALL"]
+    services = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+    assert set(services["runtime"]["security_opt"]) == {"seccomp=unconfined", "apparmor=unconfined"}
+    assert not [name for name, svc in services.items() if name != "runtime" and "security_opt" in svc]
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "bubblewrap" in dockerfile
+
+
 def test_grace_period_is_longer_than_the_drain() -> None:
     for deployment in of_kind("Deployment"):
         [container] = deployment["spec"]["template"]["spec"]["containers"]
