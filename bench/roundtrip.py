@@ -21,7 +21,10 @@ command at a time, makes four; the floor's responder does pipeline its ``XADD`` 
 - throughput: 200 concurrent sessions (closed loop, one action in flight each) over 2
   worker processes vs 200 ping-pong pairs over 2 responder processes: actions/s and p99;
 - scale: 1,000 concurrent sessions over 4 worker processes vs 1,000 pairs over 4
-  responders: p99 and the slowest round trip (nobody starved); ``--quick`` runs 250.
+  responders: p99 and the slowest round trip (nobody starved); ``--quick`` runs 250;
+- sandbox: ``act(CmdRun("true"))`` through a worker whose sandboxes are bubblewrap
+  namespaces against one whose sandboxes are plain processes, rounds alternating (target:
+  namespaces p50 within 10% of process).
 
 Each session's first action (which makes a worker take the session) is a warm-up and is
 not measured.  Run alone: ``python -m bench.roundtrip [--quick] [--repeats N] [--json]``.
@@ -180,7 +183,9 @@ class PingPong:
 class Workers:
     """``python -m riverbed.workers runtime`` processes under one key prefix."""
 
-    def __init__(self, url: str, prefix: str, workspace: Path, count: int, capacity: int) -> None:
+    def __init__(
+        self, url: str, prefix: str, workspace: Path, count: int, capacity: int, sandbox: str = "namespaces"
+    ) -> None:
         self.url = url
         self.keys = Keys(prefix)
         self.names = [f"bench-runtime-{uuid.uuid4().hex[:6]}" for _ in range(count)]
@@ -191,6 +196,7 @@ class Workers:
             "RIVERBED_WORKSPACE": str(workspace),
             "RIVERBED_CONCURRENCY": str(capacity),
             "RIVERBED_LOG_FORMAT": "json",
+            "RIVERBED_SANDBOX": sandbox,
         }
         self.logs = [(workspace.parent / f"{name}.log").open("wb") for name in self.names]
         self.procs = [
@@ -234,12 +240,13 @@ def _prepare_workspace(root: Path, session: str) -> None:
     (ws / FILE_NAME).write_text(FILE_TEXT)
 
 
-def _actor(session: riverbed.Session) -> Callable[[], Awaitable[None]]:
-    action = events.FileRead(path=FILE_NAME)
+def _actor(session: riverbed.Session, action: events.Action | None = None) -> Callable[[], Awaitable[None]]:
+    action = action or events.FileRead(path=FILE_NAME)
+    answer = events.CmdOutput if isinstance(action, events.CmdRun) else events.FileContent
 
     async def act() -> None:
         obs = await session.act(action, timeout=60)
-        if not isinstance(obs, events.FileContent):
+        if not isinstance(obs, answer):
             raise TypeError(f"the runtime answered {obs!r}")
 
     return act
@@ -355,6 +362,35 @@ async def _phase(
     return raw_rates, rb_rates, raw_lat, rb_lat, warm
 
 
+async def _sandboxes(url: str, tmp: Path, *, rounds: int, per_round: int) -> tuple[list[float], list[float]]:
+    """``cmd_run`` round trips through a process-sandbox worker and a namespaces-sandbox worker,
+    rounds alternating; (process latencies, namespaces latencies)."""
+    tag = uuid.uuid4().hex[:8]
+    sets = {mode: Workers(url, f"bsb{mode[0]}{tag}", tmp / f"ws-{mode}-{tag}", 1, 4, mode) for mode in ("process",
+            "namespaces")}  # fmt: skip
+    out: dict[str, list[float]] = {mode: [] for mode in sets}
+    try:
+        for workers in sets.values():
+            await workers.wait_ready()
+        async with (
+            riverbed.connect(url, prefix=sets["process"].keys.prefix) as p_bus,
+            riverbed.connect(url, prefix=sets["namespaces"].keys.prefix) as n_bus,
+        ):
+            actors = {
+                mode: _actor(bus.session("s0"), events.CmdRun(command="true"))
+                for mode, bus in (("process", p_bus), ("namespaces", n_bus))
+            }
+            for fn in actors.values():
+                await fn()  # the take-over and the sandbox's start are not measured
+            for _ in range(rounds):
+                for mode, fn in actors.items():
+                    await _timed(fn, per_round, out[mode])
+    finally:
+        for workers in sets.values():
+            workers.stop()
+    return out["process"], out["namespaces"]
+
+
 async def measure(url: str, args: argparse.Namespace) -> list[Result]:
     repeats = max(args.repeats, 1)
     results: list[Result] = []
@@ -433,6 +469,14 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
         results.append(
             Result(f"first answer of all {sessions} sessions (takeover)", "ms", warm * 1000, max(raw_ms),
                    label + " max", warm * 1000 / max(raw_ms), None, sessions, better="lower")
+        )  # fmt: skip
+
+        # Sandbox: cmd_run through namespaces against through plain processes.
+        process_lat, ns_lat = await _sandboxes(url, tmp, rounds=repeats, per_round=per_round // 2)
+        p50_p, p50_n = percentile(_ms(process_lat), 50), percentile(_ms(ns_lat), 50)
+        results.append(
+            Result("cmd_run round trip p50, namespaces sandbox", "ms", p50_n, p50_p, "process sandbox",
+                   p50_n / p50_p, 1.1, len(ns_lat), better="lower")
         )  # fmt: skip
     return results
 
