@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -339,3 +340,42 @@ async def test_process_mode_is_explicit_warned_and_shown(
     assert "sandbox.unconfined" in process_worker.log_path.read_text()
     status = cli_status()
     assert "process/host" in status, status
+
+
+async def test_outbound_network_reaches_out_but_not_this_hosts_services(
+    workspace: Path, standalone_redis_url: str
+) -> None:
+    if shutil.which("slirp4netns") is None:
+        pytest.skip("slirp4netns is not installed (.ci/run installs it)")
+    port = urlparse(standalone_redis_url).port
+    rt = Runtime(workspace_root=workspace, sandbox=Sandbox(network="outbound"))
+    try:
+        out = await rt.execute(
+            "s",
+            events.CmdRun(
+                id=1,
+                command="cat /proc/net/route; "
+                f"for host in 127.0.0.1 10.0.2.2; do (exec 3<>/dev/tcp/$host/{port} && echo REACHED $host) 2>&1; done",
+                timeout=20,
+                blocking=True,
+            ),
+        )
+        assert isinstance(out, events.CmdOutput)
+        assert "tap0\t00000000\t0202000A" in out.content  # a default route through slirp4netns's gateway
+        assert "REACHED" not in out.content
+        cell = await rt.execute(
+            "s", events.PythonRun(id=2, code=f"import socket\nsocket.socket().connect_ex(('10.0.2.2', {port}))")
+        )
+        assert isinstance(cell, events.PythonOutput)
+        assert cell.result not in (None, "0")
+    finally:
+        await rt.aclose()
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "slirp4netns"]
+
+
+def _comm(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""

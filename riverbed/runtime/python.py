@@ -38,7 +38,7 @@ import structlog
 from riverbed import events
 from riverbed.runtime.limits import DRIVER, Limits, kill_processes, launcher_argv, session_processes, spawn, wait_exit
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
-from riverbed.runtime.sandbox import DRIVER_INSIDE, Sandbox
+from riverbed.runtime.sandbox import DRIVER_INSIDE, Outbound, Sandbox
 
 log = structlog.get_logger("riverbed.runtime.python")
 
@@ -102,6 +102,7 @@ class PythonProcess:
         self._core: frozenset[int] = frozenset()
         """the sandbox's own processes (bubblewrap's and the driver), never killed as strays"""
         self._driver_pid = -1
+        self._link: Outbound | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._fds: list[int] = []
         self._to_driver = -1
@@ -121,15 +122,18 @@ class PythonProcess:
         out_r, out_w = os.pipe()
         self._marker = f"\x1e__RB_CELL_{secrets.token_hex(8)}__\x1e".encode()
         driver = DRIVER_INSIDE if self._sandbox.confined else str(DRIVER)
+        self._link = link = self._sandbox.link()
         try:
             inner = self._sandbox.wrap(
                 [sys.executable, "-u", driver, str(to_r), str(from_w), self._marker.decode()],
                 workspace=self._workspace,
                 readonly=[(str(DRIVER), DRIVER_INSIDE)],
+                link=link,
             )
         except BaseException:
             for fd in (to_r, to_w, from_r, from_w, out_r, out_w):
                 os.close(fd)
+            await self._drop_link()
             raise
         argv = launcher_argv(self._limits, inner, own_uid=self._own_uid)
         env = {"MPLBACKEND": "Agg", **self._env}
@@ -140,14 +144,17 @@ class PythonProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=out_w,
                 stderr=out_w,
-                pass_fds=(to_r, from_w),
+                pass_fds=(to_r, from_w, *(link.child_fds if link is not None else ())),
                 cwd=self._workspace,
                 env=env,
             )
             self._proc = await anyio.to_thread.run_sync(popen)
+            if link is not None:
+                await anyio.to_thread.run_sync(link.attach)
         except BaseException:
             for fd in (to_w, from_r, out_r):
                 os.close(fd)
+            await self.close()
             raise
         finally:
             for fd in (to_r, from_w, out_w):
@@ -176,6 +183,12 @@ class PythonProcess:
             os.close(fd)
         self._fds = []
         self._frames = None
+        await self._drop_link()
+
+    async def _drop_link(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            await anyio.to_thread.run_sync(link.close)
 
     async def run(self, action: events.PythonRun, env: Mapping[str, str | None]) -> events.PythonOutput:
         timeout = action.timeout if action.timeout is not None else self._limits.python_timeout

@@ -35,10 +35,14 @@ in ``namespaces`` mode when it fails, instead of silently running commands uncon
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
+import io
+import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -139,9 +143,15 @@ class Sandbox:
             )
             (state / "group").write_text(f"root:x:0:\nsandbox:x:{gid}:\nnogroup:x:65534:\n", encoding="utf-8")
             (state / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n", encoding="utf-8")
-            for name in ("passwd", "group", "hosts"):
+            # slirp4netns answers DNS on 10.0.2.3 and forwards it to this host's resolver
+            (state / "resolv.conf").write_text("nameserver 10.0.2.3\n", encoding="utf-8")
+            for name in ("passwd", "group", "hosts", "resolv.conf"):
                 (state / name).chmod(0o644)
         return state
+
+    def link(self) -> Outbound | None:
+        """What connects a new sandbox to the outside, for ``network == "outbound"`` (else None)."""
+        return Outbound() if self.confined and self.network == "outbound" else None
 
     def wrap(
         self,
@@ -149,10 +159,12 @@ class Sandbox:
         *,
         workspace: Path,
         readonly: Sequence[tuple[str, str]] = (),
+        link: Outbound | None = None,
     ) -> list[str]:
         """The command line that runs ``argv`` in this sandbox (``argv`` itself in process mode).
 
-        ``readonly`` lists extra ``(host path, path inside)`` pairs to mount read-only.
+        ``readonly`` lists extra ``(host path, path inside)`` pairs to mount read-only; ``link``
+        (from :meth:`link`) makes the sandbox wait until its outbound network is up.
         """
         if not self.confined:
             return list(argv)
@@ -178,8 +190,8 @@ class Sandbox:
             args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
         for name in ("passwd", "group", "hosts"):
             args += ["--ro-bind", str(state / name), f"/etc/{name}"]
-        if self.network == "outbound":
-            args += ["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
+        if link is not None:
+            args += ["--ro-bind", str(state / "resolv.conf"), "/etc/resolv.conf", *link.bwrap_args()]
         args += ["--proc", "/proc", "--dev", "/dev"]
         args += ["--size", str(self.tmp_bytes), "--perms", "1777", "--tmpfs", _TMP]
         for host, inside in (*_python_mounts(), *readonly):
@@ -207,6 +219,98 @@ class Sandbox:
         else:
             args.append("--")
         return [*args, *argv]
+
+
+class Outbound:
+    """A sandbox's outbound network: ``slirp4netns`` attached to its network namespace.
+
+    bubblewrap reports the sandbox's pid on an info fd and holds the command on a block fd
+    until ``slirp4netns`` has configured ``tap0`` (10.0.2.100, gateway 10.0.2.2, DNS
+    10.0.2.3), so the first command already has the network.  ``--disable-host-loopback``
+    keeps the host's 127.0.0.1 (Redis, Postgres, the embedded services) out of reach.
+    ``slirp4netns`` exits when the sandbox's namespace goes, or when its exit fd closes.
+    """
+
+    def __init__(self) -> None:
+        self._info_r, self._info_w = os.pipe()
+        self._block_r, self._block_w = os.pipe()
+        self._exit_r, self._exit_w = os.pipe()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def bwrap_args(self) -> list[str]:
+        return ["--info-fd", str(self._info_w), "--block-fd", str(self._block_r)]
+
+    @property
+    def child_fds(self) -> tuple[int, int]:
+        """The fds the sandbox process must inherit (``pass_fds``)."""
+        return self._info_w, self._block_r
+
+    def attach(self, timeout: float = 10.0) -> None:
+        """Once the sandbox process is spawned: bring its network up and let it run (blocking)."""
+        os.close(self._info_w)
+        os.close(self._block_r)
+        self._info_w = self._block_r = -1
+        slirp = _which("slirp4netns")
+        if slirp is None:
+            raise SandboxUnavailable(
+                "RIVERBED_SANDBOX_NETWORK=outbound needs slirp4netns (Debian: apt-get install slirp4netns)"
+            )
+        with os.fdopen(self._info_r, "rb") as info:
+            self._info_r = -1
+            pid = int(json.loads(_read_json_object(info))["child-pid"])
+        ready_r, ready_w = os.pipe()
+        try:
+            self._proc = subprocess.Popen(
+                [slirp, "--configure", "--mtu=65520", "--disable-host-loopback", f"--exit-fd={self._exit_r}",
+                 f"--ready-fd={ready_w}", str(pid), "tap0"],
+                pass_fds=(self._exit_r, ready_w),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            os.close(ready_w)
+            ready_w = -1
+            done = _read_with_timeout(ready_r, timeout)
+        finally:
+            os.close(ready_r)
+            if ready_w >= 0:
+                os.close(ready_w)
+        if not done:
+            raise SandboxUnavailable("slirp4netns did not bring the sandbox's network up")
+        os.write(self._block_w, b"1")
+
+    def close(self) -> None:
+        for fd in (self._info_r, self._info_w, self._block_r, self._block_w, self._exit_r, self._exit_w):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._info_r = self._info_w = self._block_r = self._block_w = self._exit_r = self._exit_w = -1
+        if self._proc is not None:
+            try:
+                self._proc.wait(2)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(2)
+            self._proc = None
+
+
+def _read_json_object(fh: io.BufferedReader) -> bytes:
+    """One JSON object from bubblewrap's info fd (it stays open while the sandbox runs)."""
+    data = b""
+    depth = 0
+    while True:
+        byte = fh.read(1)
+        if not byte:
+            return data
+        data += byte
+        depth += {b"{": 1, b"}": -1}.get(byte, 0)
+        if depth == 0 and data.strip():
+            return data
+
+
+def _read_with_timeout(fd: int, timeout: float) -> bool:
+    ready, _, _ = select.select([fd], [], [], timeout)
+    return bool(ready) and os.read(fd, 1) == b"1"
 
 
 _MISSING_BWRAP = (

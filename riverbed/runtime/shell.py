@@ -53,7 +53,7 @@ from riverbed.runtime.limits import (
     wait_exit,
 )
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
-from riverbed.runtime.sandbox import Sandbox
+from riverbed.runtime.sandbox import Outbound, Sandbox
 
 log = structlog.get_logger("riverbed.runtime.shell")
 
@@ -79,6 +79,7 @@ class Shell:
         self._proc: subprocess.Popen[bytes] | None = None
         self._master = -1
         self._ctl_dir: str | None = None
+        self._link: Outbound | None = None
         self._core: frozenset[int] = frozenset()
         """the sandbox's own processes (bubblewrap's and the shell), never killed as strays"""
         self._shell_pgrp = -1
@@ -114,13 +115,26 @@ class Shell:
                 HISTFILE="",
             )
             bash = ["bash", "--norc", "--noprofile", "--noediting", "-i"]
-            inner = self._sandbox.wrap(bash, workspace=self._workspace, readonly=[(self._ctl_dir, self._ctl_dir)])
+            self._link = link = self._sandbox.link()
+            readonly = [(self._ctl_dir, self._ctl_dir)]
+            inner = self._sandbox.wrap(bash, workspace=self._workspace, readonly=readonly, link=link)
             argv = launcher_argv(self._limits, inner, ctty=True, own_uid=self._own_uid)
-            popen = partial(spawn, argv, stdin=slave, stdout=slave, stderr=slave, cwd=self._workspace, env=env)
+            popen = partial(
+                spawn,
+                argv,
+                stdin=slave,
+                stdout=slave,
+                stderr=slave,
+                cwd=self._workspace,
+                env=env,
+                pass_fds=link.child_fds if link is not None else (),
+            )
             self._proc = await anyio.to_thread.run_sync(popen)
+            if link is not None:
+                await anyio.to_thread.run_sync(link.attach)
         except BaseException:
             os.close(master)
-            self._remove_ctl_dir()
+            await self._release()
             raise
         finally:
             os.close(slave)
@@ -140,15 +154,22 @@ class Shell:
 
     async def close(self) -> None:
         """Kill the shell and everything in its sandbox session (bounded)."""
+        await self._release()
+        if self._master >= 0:
+            os.close(self._master)
+            self._master = -1
+        self._running = False
+
+    async def _release(self) -> None:
+        """Kill the shell and its sandbox; drop its network link and its command scripts."""
         proc, self._proc = self._proc, None
         if proc is not None:
             await anyio.to_thread.run_sync(partial(kill_processes, proc.pid))
             await anyio.to_thread.run_sync(wait_exit, proc, 2.0)
-        if self._master >= 0:
-            os.close(self._master)
-            self._master = -1
+        link, self._link = self._link, None
+        if link is not None:
+            await anyio.to_thread.run_sync(link.close)
         self._remove_ctl_dir()
-        self._running = False
 
     def _make_ctl_dir(self) -> str:
         """A directory for the command scripts, outside the workspace; readable (not writable)
