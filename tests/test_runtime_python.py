@@ -114,3 +114,20 @@ async def test_output_and_results_are_capped(workspace: Path) -> None:
     assert out.content.endswith("19999\n")
     assert out.result is not None
     assert len(out.result) < 1100
+
+
+async def test_a_late_answer_of_another_cell_is_never_taken_for_this_one(rt: Runtime) -> None:
+    """Cells are keyed by id: an answer (and an end-of-output marker) that belongs to another
+    cell, such as one left over from a cell whose wait was cut short, does not end this cell."""
+    import json  # noqa: PLC0415
+    import struct  # noqa: PLC0415
+
+    from riverbed.runtime.output import write_all  # noqa: PLC0415
+
+    assert (await cell(rt, "x = 1")).exception is None
+    python = rt._session("s").python  # the session's driver, as the runtime holds it
+    stale = json.dumps({"cell": 10_000, "code": "'stale answer'", "env": {}}).encode()
+    await write_all(python._to_driver, struct.pack(">I", len(stale)) + stale)
+    fresh = await cell(rt, "import time\ntime.sleep(0.3)\n'fresh answer'")
+    assert fresh.result == "'fresh answer'"
+    assert (await cell(rt, "x + 1")).result == "2"

@@ -4,10 +4,12 @@ Run as ``python -u _driver.py IN_FD OUT_FD MARKER`` with the worker's own interp
 Stdlib only and no imports from riverbed (it runs inside the sandbox).
 
 Protocol: frames of a 4-byte big-endian length and a UTF-8 JSON object.
-The runtime sends ``{"code": str, "env": {name: value or null}}``; the driver applies
-the environment changes to ``os.environ``, runs the cell with fds 1 and 2 going to the
-runtime's output pipe (so stdout and stderr stay in the order they were written), writes
-MARKER to fd 1, and answers ``{"result": repr or null, "exception": traceback or null}``.
+The runtime sends ``{"cell": id, "code": str, "env": {name: value or null}}``; the driver
+applies the environment changes to ``os.environ``, runs the cell with fds 1 and 2 going to
+the runtime's output pipe (so stdout and stderr stay in the order they were written), writes
+MARKER + ``<id>__\x1e`` to fd 1, and answers ``{"cell": id, "result": repr or null,
+"exception": traceback or null}``.  Both carry the cell's id, so a late answer of an
+earlier cell can never be taken for a later one's.
 The first frame it sends is ``{"ready": true}``.  SIGINT during a cell raises
 KeyboardInterrupt in the cell; between cells it is ignored.
 """
@@ -118,12 +120,13 @@ def main(argv: list[str]) -> None:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+            cell = request.get("cell")
             result, exception = cells.run(request.get("code", ""))
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):  # a cell may have replaced or closed a stream
                     stream.flush()
-            os.write(1, marker)
-            _write_frame(out_fd, {"result": result, "exception": exception})
+            os.write(1, marker + f"{cell}__\x1e".encode())
+            _write_frame(out_fd, {"cell": cell, "result": result, "exception": exception})
         except KeyboardInterrupt:
             continue
 

@@ -109,6 +109,8 @@ class PythonProcess:
         self._frames: _Frames | None = None
         self._out = -1
         self._marker = b""
+        """the start of every cell's end-of-output marker; the cell's id and ``__\x1e`` follow"""
+        self._cell_id = 0
         self._lost = False
         self._before: set[int] = set()
 
@@ -120,7 +122,7 @@ class PythonProcess:
         to_r, to_w = os.pipe()
         from_r, from_w = os.pipe()
         out_r, out_w = os.pipe()
-        self._marker = f"\x1e__RB_CELL_{secrets.token_hex(8)}__\x1e".encode()
+        self._marker = f"\x1e__RB_CELL_{secrets.token_hex(8)}_".encode()
         driver = DRIVER_INSIDE if self._sandbox.confined else str(DRIVER)
         self._link = link = self._sandbox.link()
         try:
@@ -202,8 +204,9 @@ class PythonProcess:
         assert self._proc is not None
         images_before = await anyio.to_thread.run_sync(_images, self._workspace)
         self._before = {pid for pid, _ in await anyio.to_thread.run_sync(session_processes, self._proc.pid)}
-        cell = _Cell(self._limits.max_output_chars, self._marker)
-        body = json.dumps({"code": action.code, "env": dict(env)}).encode()
+        self._cell_id += 1
+        cell = _Cell(self._limits.max_output_chars, self._marker + f"{self._cell_id}__\x1e".encode())
+        body = json.dumps({"cell": self._cell_id, "code": action.code, "env": dict(env)}).encode()
         await write_all(self._to_driver, struct.pack(">I", len(body)) + body)
         timed_out = False
         if not await self._wait(cell, timeout):
@@ -273,10 +276,13 @@ class PythonProcess:
                         tg.cancel_scope.cancel()
 
                 async def reply() -> None:
-                    if not cell.reply_done:
+                    while not cell.reply_done:
                         assert self._frames is not None
-                        cell.reply = await self._frames.read()
-                        cell.reply_done = True
+                        frame = await self._frames.read()
+                        # a late reply of an earlier cell is never taken for this cell's
+                        if frame is None or frame.get("cell") == self._cell_id:
+                            cell.reply = frame
+                            cell.reply_done = True
                     if cell.output_done:
                         tg.cancel_scope.cancel()
 
