@@ -436,7 +436,7 @@ _msgpack_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
 _raw_msgpack = msgspec.msgpack.Decoder(dict[str, Any])
 _raw_json = msgspec.json.Decoder(dict[str, Any])
-_any_json = msgspec.json.Decoder()
+_any_json = msgspec.json.Decoder(float_hook=float)  # 1e999 is inf, refused by the bound that names it
 
 
 class _Codecs:
