@@ -3,8 +3,10 @@
 from riverbed.agent.client import Bus, Session, connect
 from riverbed.errors import (
     ActTimeout,
+    AlreadyAnswered,
     AppendConflict,
     ConfigError,
+    DecodeError,
     FencedError,
     InputError,
     NotFoundError,
@@ -14,9 +16,11 @@ from riverbed.errors import (
 
 __all__ = [
     "ActTimeout",
+    "AlreadyAnswered",
     "AppendConflict",
     "Bus",
     "ConfigError",
+    "DecodeError",
     "FencedError",
     "InputError",
     "NotFoundError",

@@ -28,6 +28,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -50,9 +51,10 @@ from riverbed import events, services
 from riverbed.agent.client import Bus, connect, resolve_redis_url
 from riverbed.bus.connection import redact, translate
 from riverbed.bus.keys import require_session
-from riverbed.bus.log import AlreadyAnswered, answered_cause
+from riverbed.bus.log import answered_cause
 from riverbed.errors import (
     ActTimeout,
+    AlreadyAnswered,
     AppendConflict,
     ConfigError,
     InputError,
@@ -215,7 +217,7 @@ def _leaf(exc: BaseException) -> BaseException:
 
 
 def _fail(message: str, code: int) -> NoReturn:
-    err_console.print(Text(f"riverbed: {message}", style="bold red"), soft_wrap=True)
+    err_console.print(Text(f"riverbed: {visible(message)}", style="bold red"), soft_wrap=True)
     raise SystemExit(code)
 
 
@@ -246,8 +248,6 @@ def main() -> None:
             raise exc from None
         if isinstance(exc, RiverbedError):
             _fail(f"{exc}{_hint(exc)}", exit_code(exc))
-        if isinstance(exc, events.DecodeError):
-            _fail(str(exc), 2)
         if os.environ.get("RIVERBED_DEBUG"):
             raise
         _fail(f"unexpected error ({type(exc).__name__}: {exc}); set RIVERBED_DEBUG=1 to see the traceback", 1)
@@ -298,8 +298,30 @@ _BASE_FIELDS = frozenset(events.Event.__struct_fields__)
 _TEXT_WIDTH = 160
 
 
+# C0 controls but tab and newline, DEL, C1 controls, and the bidirectional overrides that
+# reorder what a terminal shows ("Trojan Source").
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def visible(text: str) -> str:
+    """``text`` with every control character a program could use to drive the terminal
+    (ESC of a CSI or OSC sequence, BEL, a C1 control, a bidi override) shown as an escape
+    such as ``\\x1b``: output of commands is printed, never obeyed.  Tab and newline stay."""
+    return _UNSAFE.sub(_escape, text)
+
+
+def _cell(text: str) -> Text:
+    """A table cell of text from the data: escaped, and never read as rich markup."""
+    return Text(visible(text))
+
+
 def _one_line(text: str, width: int = _TEXT_WIDTH) -> str:
-    flat = " ".join(text.split())
+    flat = " ".join(visible(text).split())
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
@@ -358,12 +380,12 @@ def _ts(ts: dt.datetime) -> str:
 
 def render(event: events.Event) -> Text:
     """One readable, coloured line for an event."""
-    kind = event.kind if not isinstance(event, events.Unknown) else f"?{event.original_kind}"
+    kind = event.kind if not isinstance(event, events.Unknown) else f"?{visible(event.original_kind)}"
     kind_style = "bold red" if isinstance(event, events.Error) else "bold" if isinstance(event, events.Action) else ""
     line = Text()
     line.append(f"{event.id or '':>6} ", style="bold")
     line.append(f"{_ts(event.ts)} ", style="dim")
-    line.append(f"{event.source:<9} ", style=_SOURCE_STYLE.get(event.source, ""))
+    line.append(f"{visible(str(event.source)):<9} ", style=_SOURCE_STYLE.get(event.source, ""))
     line.append(f"{kind:<20} ", style=kind_style)
     if event.cause is not None:
         line.append(f"←{event.cause} ", style="dim")
@@ -462,6 +484,7 @@ class _Row:
     payload: bytes
     cause: int
     tenant: str | None
+    event: events.Event
 
 
 def _normalise_ts(event: events.Event) -> events.Event:
@@ -474,10 +497,15 @@ def _normalise_ts(event: events.Event) -> events.Event:
     return event
 
 
-def parse_import(lines: Iterable[bytes], name: str, *, keep_unknown: bool = False) -> list[_Row]:
+def parse_import(
+    lines: Iterable[bytes], name: str, *, keep_unknown: bool = False, max_bytes: int | None = None
+) -> list[_Row]:
     """Validate every line of an export and encode it; raises InputError naming the first bad line.
 
     Ids, when present, must be 1, 2, 3… in file order; missing ids are assigned by position.
+    A line is read as the log reads it (fields a newer version wrote are ignored), then
+    checked like any appended event: the schema's bounds, nesting, ``max_bytes``, reserved
+    environment names.
     """
     rows: list[_Row] = []
     answered: dict[int, int] = {}
@@ -516,10 +544,10 @@ def parse_import(lines: Iterable[bytes], name: str, *, keep_unknown: bool = Fals
                 )
             answered[cause] = expected_id
         try:
-            payload_bytes = events.encode(event)
-        except (TypeError, ValueError, msgspec.EncodeError) as exc:
-            raise InputError(f"{where}: cannot encode the event: {exc}") from exc
-        rows.append(_Row(number, payload_bytes, cause, event.tenant))
+            payload_bytes = events.check(event, max_bytes=max_bytes)
+        except InputError as exc:
+            raise InputError(f"{where}: {exc}") from exc
+        rows.append(_Row(number, payload_bytes, cause, event.tenant, events.with_id(event, expected_id)))
     if not rows:
         raise InputError(f"{name} holds no events")
     return rows
@@ -553,19 +581,35 @@ def import_cmd(
     Every line is validated before anything is written; the import refuses a session that
     already has events.
     """
+    from riverbed.agent.replay import RuntimeStart, start_runtime_after  # noqa: PLC0415
+
     settings = _settings(prefix)
     if into is None:
         if file == "-":
             raise InputError("reading stdin needs --into SESSION to name the new session")
         into = Path(file).name.split(".", 1)[0]
     lines = _read_input(file)
-    rows = parse_import(lines, "stdin" if file == "-" else file, keep_unknown=keep_unknown)
+    rows = parse_import(
+        lines, "stdin" if file == "-" else file, keep_unknown=keep_unknown, max_bytes=settings.max_event_bytes
+    )
     session = into
+    start = RuntimeStart()
+    for row in rows:
+        start.see(row.event)
 
     async def go() -> None:
         async with _bus(settings) as bus:
             store = bus.log_store
             store.check_session(session)
+            existing = await store.last_id(session)
+            if existing:
+                raise InputError(
+                    f"session {session!r} already has {existing} events; import only into a new "
+                    "session (choose another --into)"
+                )
+            # Imported actions are answered already: a running runtime worker must not run them
+            # again (as for a fork); one still unanswered in the file runs in the new session.
+            await start_runtime_after(bus, session, start.after(len(rows)))
             tenant = rows[0].tenant
             last = 0
             for begin in range(0, len(rows), IMPORT_BATCH):
@@ -585,7 +629,7 @@ def import_cmd(
                         f"(after event {last}); the import stopped there"
                     ) from exc
                 if isinstance(result, AlreadyAnswered):
-                    raise InputError(f"action {result.cause} is already answered by event {result.existing}")
+                    raise result
                 last = result[-1]
 
     _run(go)
@@ -634,7 +678,7 @@ def sessions_cmd(as_json: JsonOption = False, prefix: PrefixOption = None) -> No
         return
     table = Table("session", "last id", "tenant", "created", box=None, header_style="bold")
     for row in rows:
-        table.add_row(row["session"], str(row["last"]), row["tenant"] or "", row["created"] or "")
+        table.add_row(row["session"], str(row["last"]), _cell(row["tenant"] or ""), row["created"] or "")
     Console(highlight=False).print(table)
 
 
@@ -684,29 +728,52 @@ def worker_command(
         raise _leaf(group) from None
 
 
+def _json_argument(text: str) -> bytes:
+    """The JSON an argument gives: the text itself, ``@FILE`` (a file's contents) or ``-`` (stdin)."""
+    if text == "-":
+        return sys.stdin.buffer.read()
+    if text.startswith("@"):
+        path = Path(text[1:])
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise InputError(f"cannot read {text[1:]}: {exc.strerror or exc}") from exc
+    return text.encode("utf-8", "surrogateescape")
+
+
 def _action_from_json(text: str) -> events.Action:
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"the action is not valid JSON ({exc.msg} at character {exc.pos})") from exc
-    if not isinstance(raw, dict):
-        raise InputError("the action must be a JSON object with a 'kind' field")
-    event = events.from_builtins(raw)
+    event = events.from_json(_json_argument(text))
     if not isinstance(event, events.Action):
-        raise InputError(f"{event.kind!r} is not an action (see `riverbed schema`)")
+        raise InputError(
+            f"{event.kind!r} is not an action (see `riverbed schema`); `riverbed append` appends any event"
+        )
     return event
+
+
+EventArg = Annotated[
+    str,
+    typer.Argument(
+        help='JSON, e.g. \'{"kind": "cmd_run", "command": "ls"}\'; @FILE reads it from a file, - from stdin.',
+        show_default=False,
+    ),
+]
+TenantOption = Annotated[str | None, typer.Option("--tenant", help="Tenant of a new session.")]
+AgentOption = Annotated[str | None, typer.Option("--agent", help="Agent name recorded on the events.")]
 
 
 @app.command("act")
 def act_command(
     session: SessionArg,
-    action: Annotated[str, typer.Argument(help='The action as JSON, e.g. \'{"kind": "cmd_run", "command": "ls"}\'.')],
+    action: EventArg,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the observation.")] = 60.0,
-    tenant: Annotated[str | None, typer.Option("--tenant", help="Tenant of a new session.")] = None,
-    agent: Annotated[str | None, typer.Option("--agent", help="Agent name recorded on the action.")] = None,
+    tenant: TenantOption = None,
+    agent: AgentOption = None,
     prefix: PrefixOption = None,
 ) -> None:
-    """Append one action, wait for its observation and print it as one JSON line."""
+    """Append one action, wait for its observation and print it as one JSON line.
+
+    A kind nothing answers (message, think, finish) prints the appended action at once.
+    """
     parsed = _action_from_json(action)
     settings = _settings(prefix)
 
@@ -716,6 +783,45 @@ def act_command(
             return events.encode_json(answer)
 
     _stdout_lines([_run(go)])
+
+
+@app.command("append")
+def append_command(
+    session: SessionArg,
+    event: Annotated[
+        str,
+        typer.Argument(
+            help="An event as JSON, or an array of events appended together; @FILE reads a file, - stdin.",
+            show_default=False,
+        ),
+    ],
+    expected_last: Annotated[
+        int | None,
+        typer.Option("--expected-last", help="Refuse unless the session's last event id is this.", show_default=False),
+    ] = None,
+    idempotency_key: Annotated[
+        str | None,
+        typer.Option("--idempotency-key", help="A retry with the same key appends nothing.", show_default=False),
+    ] = None,
+    tenant: TenantOption = None,
+    agent: AgentOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help='Print {"session": …, "ids": […]}.')] = False,
+    prefix: PrefixOption = None,
+) -> None:
+    """Append any event(s) without waiting for an answer; prints the new id(s), one a line."""
+    batch = events.events_from_json(_json_argument(event))
+    settings = _settings(prefix)
+
+    async def go() -> list[int]:
+        async with _bus(settings) as bus:
+            handle = bus.session(session, tenant=tenant, agent=agent)
+            return await handle.append(*batch, expected_last=expected_last, idempotency_key=idempotency_key)
+
+    ids = _run(go)
+    if as_json:
+        _stdout_lines([msgspec.json.encode({"session": session, "ids": ids})])
+    else:
+        _stdout_lines(str(i).encode() for i in ids)
 
 
 @app.command("view")
@@ -824,7 +930,7 @@ def status_command(json_out: JsonOption = False, prefix: PrefixOption = None) ->
     console = Console(highlight=False)
     table = Table("role", "lag", "pending", "oldest pending (s)", "owned sessions", "waiting for an owner")
     for role in snapshot.roles:
-        owned = sum(1 for s in role.sessions if s.owner)
+        owned = sum(1 for s in role.sessions if s.owned)
         table.add_row(
             role.role,
             str(role.lag),
@@ -838,7 +944,7 @@ def status_command(json_out: JsonOption = False, prefix: PrefixOption = None) ->
     for w in snapshot.workers:
         owned_by_role = w.description.get("owned", {})
         workers.add_row(
-            w.name,
+            _cell(w.name),
             ",".join(w.description.get("roles", [])),
             f"{w.age_seconds:.1f}",
             ", ".join(f"{r}:{len(s)}" for r, s in owned_by_role.items()),
@@ -868,7 +974,9 @@ def dlq_list(json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
         return
     table = Table("id", "session", "event", "role", "attempts", "reason")
     for letter in letters:
-        table.add_row(letter.id, letter.session, str(letter.event_id), letter.role, str(letter.attempts), letter.reason)
+        table.add_row(
+            letter.id, letter.session, str(letter.event_id), letter.role, str(letter.attempts), _cell(letter.reason)
+        )
     Console(highlight=False).print(table)
 
 
@@ -888,7 +996,9 @@ def dlq_requeue(
             letter = await letters.get(letter_id)
             result = await bus.log_store.append_raw(letter.session, [(letter.payload, 0)])
             if isinstance(result, AlreadyAnswered):
-                raise InputError(f"that event is already answered by event {result.existing}")
+                raise AlreadyAnswered(
+                    result.cause, result.existing, f"that event is already answered by event {result.existing}"
+                )
             await letters.remove(letter_id)
             return result[0]
 

@@ -5,6 +5,8 @@
     RiverbedError                     base; ``retryable`` says whether trying again may help
     ├── ConfigError                   bad configuration (an env var, a flag, a URL)
     ├── InputError                    bad input from a user or agent (JSON, kind, field)
+    │   ├── DecodeError               a payload is not a valid event (bytes, JSON, a field's value)
+    │   └── AlreadyAnswered           an answer to an action that already has its one answer
     ├── UnavailableError  (retryable) Redis, Postgres or the embedder cannot be reached
     ├── AppendConflict                ``expected_last`` did not match the log's last id
     ├── FencedError                   a stale owner tried to append (its lease was taken)
@@ -30,6 +32,32 @@ class ConfigError(RiverbedError):
 
 class InputError(RiverbedError):
     """An input (JSON, event kind, field, path) is not acceptable."""
+
+
+class DecodeError(InputError, ValueError):
+    """A payload is not a valid event: bad bytes, bad JSON, an unknown field, a value out of
+    the bounds the schema states (also a ``ValueError``, as it was before it joined the tree)."""
+
+
+class AlreadyAnswered(InputError):
+    """An answer to action ``cause`` was refused: event ``existing`` already answers it.
+
+    ``Log.append`` *returns* it (a worker whose answer lost a race just acknowledges the
+    entry, without an exception on its hot path); the client API raises it.
+    """
+
+    def __init__(self, cause: int, existing: int, message: str | None = None) -> None:
+        super().__init__(message or f"action {cause} is already answered by event {existing}")
+        self.cause = cause
+        self.existing = existing
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, AlreadyAnswered):
+            return NotImplemented
+        return (self.cause, self.existing) == (other.cause, other.existing)
+
+    def __hash__(self) -> int:
+        return hash((self.cause, self.existing))
 
 
 class UnavailableError(RiverbedError):

@@ -14,19 +14,41 @@ Schema evolution:
   the raw payload, so nothing is ever dropped.
 
 Users add their own action kinds with :func:`register`.  This module imports
-nothing else from riverbed.
+nothing else from riverbed but the exception tree (``riverbed.errors``, a leaf).
+
+Input from users and agents is checked at the boundary, before anything is appended:
+
+- numeric bounds live in the schema itself (``riverbed schema`` shows them): a timeout
+  is a finite number of seconds in (0, :data:`MAX_TIMEOUT`], ``k`` is 1 to :data:`MAX_K`,
+  line numbers start at 1;
+- :func:`from_json` and :func:`from_builtins` refuse a field the kind does not have, with
+  a "did you mean" hint; the log's own decoders (:func:`decode`, :func:`decode_json`)
+  still ignore fields a newer version wrote, so old workers read new logs;
+- :func:`check` refuses nesting deeper than :data:`MAX_DEPTH`, a payload over a size
+  limit, and a ``session_config`` that sets a name in :data:`RESERVED_ENV`.
+
+An event written before a bound existed and outside it reads back as ``unknown`` (its raw
+payload kept): it is never dropped, and never executed with the bad value.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, Literal, TypeAlias, Union
+import difflib
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Annotated, Any, ClassVar, Literal, TypeAlias, Union
 
 import msgspec
 from msgspec.structs import force_setattr, replace
 
+from riverbed.errors import DecodeError, InputError
+
 __all__ = [
+    "MAX_DEPTH",
+    "MAX_K",
+    "MAX_TIMEOUT",
+    "RESERVED_ENV",
     "Action",
     "CmdOutput",
     "CmdRun",
@@ -56,11 +78,15 @@ __all__ = [
     "Source",
     "Think",
     "Unknown",
+    "check",
+    "check_env",
     "decode",
     "decode_json",
     "encode",
     "encode_json",
+    "events_from_json",
     "from_builtins",
+    "from_json",
     "json_schema",
     "kind_of",
     "kinds",
@@ -73,9 +99,49 @@ __all__ = [
 Source: TypeAlias = Literal["agent", "user", "runtime", "memory", "condenser", "system"]
 Role: TypeAlias = Literal["runtime", "memory", "condenser"]
 
+MAX_TIMEOUT = 86_400.0
+"""The longest timeout an action may ask for, in seconds (a day)."""
+MAX_K = 100
+"""The most hits one recall may ask for."""
+MAX_DEPTH = 64
+"""How deeply lists and objects may nest inside an event given by a user."""
 
-class DecodeError(ValueError):
-    """A payload is not a valid event (bad bytes, bad JSON, or a field of the wrong type)."""
+Timeout: TypeAlias = Annotated[
+    float,
+    msgspec.Meta(gt=0, le=MAX_TIMEOUT, description="seconds: a finite number greater than 0, at most a day"),
+]
+LineNumber: TypeAlias = Annotated[int, msgspec.Meta(ge=1, description="1-based line number")]
+EventId: TypeAlias = Annotated[int, msgspec.Meta(ge=1, description="an event id of this session")]
+TopK: TypeAlias = Annotated[int, msgspec.Meta(ge=1, le=MAX_K, description="how many hits, 1 to 100")]
+
+RESERVED_ENV = frozenset(
+    {
+        # The runtime's shell protocol: its prompt carries the end-of-command marker.
+        "PROMPT_COMMAND",
+        "PS0",
+        "PS1",
+        "PS2",
+        "PS4",
+        "HISTFILE",
+        # What bash reads at start-up or on every command: they change how the runtime's
+        # own hidden commands are parsed and run, or end the shell (TMOUT).
+        "BASH_ENV",
+        "ENV",
+        "IFS",
+        "SHELLOPTS",
+        "BASHOPTS",
+        "BASH_XTRACEFD",
+        "TMOUT",
+        # Loaded into every process of the sandbox, its launcher included.
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+        "LD_AUDIT",
+    }
+)
+"""Environment names a ``session_config`` may not set or unset: the sandbox's shell and
+launcher depend on them.  ``PATH``, ``HOME`` and the rest may be set."""
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _now() -> dt.datetime:
@@ -139,7 +205,7 @@ class CmdRun(Action, frozen=True, kw_only=True, tag="cmd_run"):
     """
 
     command: str
-    timeout: float | None = None
+    timeout: Timeout | None = None
     is_input: bool = False
     blocking: bool = False
     cwd: str | None = None
@@ -151,8 +217,8 @@ class FileRead(Action, frozen=True, kw_only=True, tag="file_read"):
     repeatable: ClassVar[bool] = True
 
     path: str
-    start: int = 1
-    end: int | None = None
+    start: LineNumber = 1
+    end: LineNumber | None = None
 
 
 class FileWrite(Action, frozen=True, kw_only=True, tag="file_write"):
@@ -166,14 +232,14 @@ class FileEdit(Action, frozen=True, kw_only=True, tag="file_edit"):
     file_text: str | None = None
     old_str: str | None = None
     new_str: str | None = None
-    insert_line: int | None = None
+    insert_line: Annotated[int, msgspec.Meta(ge=0, description="insert after this line (0: at the top)")] | None = None
 
 
 class PythonRun(Action, frozen=True, kw_only=True, tag="python_run"):
     """Run a cell in the session's persistent Python process."""
 
     code: str
-    timeout: float | None = None
+    timeout: Timeout | None = None
 
 
 class Recall(Action, frozen=True, kw_only=True, tag="recall"):
@@ -183,7 +249,7 @@ class Recall(Action, frozen=True, kw_only=True, tag="recall"):
     query: str = ""
     recall_type: Literal["workspace_context", "knowledge", "semantic"] = "semantic"
     scope: Literal["session", "tenant"] = "session"
-    k: int = 5
+    k: TopK = 5
 
 
 class CondensationRequest(Action, frozen=True, kw_only=True, tag="condensation_request"):
@@ -288,9 +354,9 @@ class Condensation(Observation, frozen=True, kw_only=True, tag="condensation"):
 
     source: Source = "condenser"
 
-    forgotten: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    forgotten: list[tuple[EventId, EventId]] = msgspec.field(default_factory=list)
     summary: str | None = None
-    summary_offset: int | None = None
+    summary_offset: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 # --- system ------------------------------------------------------------------------------
@@ -305,7 +371,7 @@ class Forked(Event, frozen=True, kw_only=True, tag="forked"):
     source: Source = "system"
 
     source_session: str
-    at: int
+    at: EventId
 
 
 class SessionConfig(Event, frozen=True, kw_only=True, tag="session_config"):
@@ -370,6 +436,7 @@ _msgpack_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
 _raw_msgpack = msgspec.msgpack.Decoder(dict[str, Any])
 _raw_json = msgspec.json.Decoder(dict[str, Any])
+_any_json = msgspec.json.Decoder(float_hook=float)  # 1e999 is inf, refused by the bound that names it
 
 
 class _Codecs:
@@ -514,7 +581,7 @@ def _from_raw(raw: dict[str, Any], event_id: int | None) -> Event:
     try:
         event = msgspec.convert(raw, cls)
     except msgspec.ValidationError as exc:
-        raise DecodeError(f"invalid {kind} event: {exc}") from exc
+        raise DecodeError(_invalid(kind, exc)) from exc
     return event if event_id is None else with_id(event, event_id)
 
 
@@ -552,19 +619,164 @@ def decode_json(data: bytes | str, *, keep_id: bool = True) -> Event:
     return event if keep_id else _strip_id(event)
 
 
-def from_builtins(obj: dict[str, Any]) -> Event:
-    """Build an event from a dict (``kind`` names the class); unknown kinds are refused."""
+def from_builtins(obj: Mapping[str, Any]) -> Event:
+    """Build an event given by a user from a dict (``kind`` names the class).
+
+    Stricter than the log's decoders: an unknown kind, a field the kind does not have
+    (with a "did you mean" hint), nesting deeper than :data:`MAX_DEPTH` and a value out of
+    the schema's bounds are all refused with :class:`DecodeError`.
+    """
     kind = obj.get("kind")
     if not isinstance(kind, str):
         raise DecodeError("an event needs a string 'kind' field")
     cls = _kinds.get(kind)
     if cls is None or cls is Unknown:
-        raise DecodeError(f"unknown event kind {kind!r} (known: {', '.join(sorted(_kinds))})")
+        known = sorted(k for k in _kinds if k != "unknown")
+        raise DecodeError(f"unknown event kind {kind!r}{_did_you_mean(kind, known)} (known: {', '.join(known)})")
+    fields = set(cls.__struct_fields__)
+    for name in obj:
+        if name != "kind" and name not in fields:
+            raise DecodeError(
+                f"{kind} has no field {name!r}{_did_you_mean(name, sorted(fields))} "
+                "(`riverbed schema` lists its fields)"
+            )
+    _check_depth(obj, kind)
     try:
         event: Event = msgspec.convert(obj, cls, strict=False)
     except msgspec.ValidationError as exc:
-        raise DecodeError(f"invalid {kind} event: {exc}") from exc
+        raise DecodeError(_invalid(kind, exc)) from exc
     return event
+
+
+def from_json(data: bytes | str) -> Event:
+    """Build an event given by a user from one JSON object, as strictly as :func:`from_builtins`."""
+    raw = _user_json(data)
+    if not isinstance(raw, dict):
+        raise DecodeError(f"an event is a JSON object with a 'kind' field, not a JSON {_json_type(raw)}")
+    return from_builtins(raw)
+
+
+def events_from_json(data: bytes | str) -> list[Event]:
+    """Events given by a user as one JSON object or an array of them (see :func:`from_json`)."""
+    raw = _user_json(data)
+    items = raw if isinstance(raw, list) else [raw]
+    if not items:
+        raise DecodeError("the JSON array holds no events")
+    out: list[Event] = []
+    for number, item in enumerate(items, start=1):
+        if not isinstance(item, dict):
+            where = f" (item {number} of the array)" if isinstance(raw, list) else ""
+            raise DecodeError(f"an event is a JSON object with a 'kind' field, not a JSON {_json_type(item)}{where}")
+        try:
+            out.append(from_builtins(item))
+        except DecodeError as exc:
+            if not isinstance(raw, list):
+                raise
+            raise DecodeError(f"item {number} of the array: {exc}") from exc
+    return out
+
+
+def _user_json(data: bytes | str) -> Any:
+    try:
+        return _any_json.decode(data)
+    except RecursionError:
+        raise DecodeError(f"the JSON is nested too deeply (events nest at most {MAX_DEPTH} levels)") from None
+    except msgspec.DecodeError as exc:
+        raise DecodeError(f"not valid JSON ({exc})") from exc
+
+
+def check(event: Event, *, max_bytes: int | None = None) -> bytes:
+    """The payload of an event given by a user, once it is known to be acceptable.
+
+    Refuses (:class:`DecodeError`, or :class:`~riverbed.errors.InputError` for the size)
+    nesting deeper than :data:`MAX_DEPTH`, a value out of the schema's bounds (Python
+    constructors do not check them), a payload over ``max_bytes`` and a ``session_config``
+    that sets an invalid or reserved environment name.
+    """
+    if not isinstance(event, Event):
+        raise InputError(f"only events can be appended, not {type(event).__name__}")
+    kind = event.original_kind if isinstance(event, Unknown) else event.kind
+    _check_depth(event, kind)
+    try:
+        payload = encode(event)
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+        try:  # a value out of bounds (an int over 64 bits) says so better than the encoder
+            msgspec.convert(msgspec.to_builtins(event), type(event), strict=False)
+        except (msgspec.ValidationError, TypeError) as invalid:
+            if isinstance(invalid, msgspec.ValidationError):
+                raise DecodeError(_invalid(kind, invalid)) from exc
+        raise DecodeError(f"the {kind} event cannot be encoded: {exc}") from exc
+    if max_bytes is not None and len(payload) > max_bytes:
+        raise InputError(
+            f"the {kind} event is {len(payload):,} bytes encoded, over the limit of {max_bytes:,} "
+            "(RIVERBED_MAX_EVENT_BYTES); store large data in a file and refer to it"
+        )
+    if not isinstance(event, Unknown):
+        decoded = decode(payload)  # the schema's bounds are checked on decoding
+        if isinstance(decoded, Unknown):
+            raise DecodeError(f"the {kind} event cannot be read back: {decoded.payload.get('error', 'unknown kind')}")
+    if isinstance(event, SessionConfig):
+        check_env(event.env)
+    return payload
+
+
+def check_env(env: Mapping[str, str | None]) -> None:
+    """Refuse (:class:`DecodeError`) a name that is not a shell identifier or is in
+    :data:`RESERVED_ENV`, and a value with a NUL byte."""
+    for name, value in env.items():
+        if not _ENV_NAME.fullmatch(name):
+            raise DecodeError(f"{name!r} is not a valid environment variable name (letters, digits, _)")
+        if name in RESERVED_ENV:
+            raise DecodeError(
+                f"the environment variable {name} is reserved: the sandbox's shell depends on it "
+                f"(reserved: {', '.join(sorted(RESERVED_ENV))})"
+            )
+        if value is not None and "\x00" in value:
+            raise DecodeError(f"the value of {name} contains a NUL byte")
+
+
+_BOUNDS = {
+    "timeout": f"a timeout is a finite number of seconds greater than 0 and at most {MAX_TIMEOUT:g}",
+    "k": f"k is 1 to {MAX_K}",
+    "start": "line numbers start at 1",
+    "end": "line numbers start at 1",
+    "insert_line": "insert_line is 0 (the top) or a line number",
+}
+
+
+def _invalid(kind: object, exc: msgspec.ValidationError) -> str:
+    """One sentence for a field of the wrong type or out of bounds, naming the bound."""
+    text = str(exc)
+    match = re.search(r"- at `\$\.(\w+)`$", text)
+    bound = _BOUNDS.get(match.group(1)) if match and (" > " in text or " >= " in text or " <= " in text) else None
+    return f"invalid {kind} event: {text}" + (f" ({bound})" if bound else "")
+
+
+def _did_you_mean(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _json_type(value: Any) -> str:
+    return {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
+
+
+def _check_depth(value: Any, kind: str) -> None:
+    """Refuse lists and objects nested deeper than :data:`MAX_DEPTH` (without recursing)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, msgspec.Struct):
+            children: Iterable[Any] = msgspec.structs.astuple(item)
+        elif isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list | tuple | set | frozenset):
+            children = item
+        else:
+            continue
+        if depth >= MAX_DEPTH:
+            raise DecodeError(f"the {kind} event nests lists or objects more than {MAX_DEPTH} levels deep")
+        stack.extend((child, depth + 1) for child in children)
 
 
 def _codecs_union() -> Any:

@@ -37,7 +37,7 @@ def quote_ident(name: str) -> str:
 
 def check_schema(schema: str) -> str:
     """``schema`` quoted for SQL; :class:`ConfigError` when it is not a valid schema name."""
-    if not _SCHEMA_RE.match(schema):
+    if not _SCHEMA_RE.fullmatch(schema):
         raise ConfigError(f"schema {schema!r} is not valid: use lowercase letters, digits or underscores")
     return quote_ident(schema)
 

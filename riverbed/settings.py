@@ -24,6 +24,9 @@ RIVERBED_RETENTION_SECONDS      memory workers archive events older than this to
                                 them from Redis (0, the default: off; needs RIVERBED_DATABASE_URL)
 RIVERBED_RETENTION_KEEP_LAST    events retention always leaves in Redis per session (default 1000)
 RIVERBED_LOG_FORMAT             ``json`` or ``console`` (default: console on a terminal)
+RIVERBED_MAX_EVENT_BYTES        the largest event a user or agent may append, in bytes of its
+                                msgpack payload (default 4 MiB; at least 1 KiB); a larger one is
+                                refused before anything is written
 OPENAI_API_KEY                  key for OpenAI or any compatible server
 OPENAI_BASE_URL                 base URL of an OpenAI-compatible server
 ==============================  ===============================================================
@@ -42,6 +45,9 @@ import msgspec
 from riverbed.errors import ConfigError
 
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
+
+
+DEFAULT_MAX_EVENT_BYTES = 4 * 1024 * 1024
 
 
 def default_services_dir() -> Path:
@@ -66,6 +72,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     retention_seconds: float = 0
     retention_keep_last: int = 1000
     log_format: str | None = None
+    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES
     openai_api_key: str | None = None
     openai_base_url: str | None = None
 
@@ -88,7 +95,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         return settings
 
     def validate(self) -> None:
-        if not _PREFIX_RE.match(self.prefix):
+        if not _PREFIX_RE.fullmatch(self.prefix):
             raise ConfigError(
                 f"RIVERBED_PREFIX={self.prefix!r} is not valid: use 1-31 lowercase letters, "
                 "digits or underscores, starting with a letter"
@@ -107,6 +114,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError("RIVERBED_MAX_ATTEMPTS must be at least 1")
         if not self.retention_seconds >= 0:
             raise ConfigError("RIVERBED_RETENTION_SECONDS must be 0 (off) or a number of seconds")
+        if self.max_event_bytes < 1024:
+            raise ConfigError("RIVERBED_MAX_EVENT_BYTES must be at least 1024 (bytes)")
         if self.retention_keep_last < 1:
             raise ConfigError("RIVERBED_RETENTION_KEEP_LAST must be at least 1")
         if self.sandbox not in ("namespaces", "process"):

@@ -22,7 +22,7 @@ PACKAGE = Path(riverbed.__file__).parent
 # settings (configuration) and logs (logging
 # set-up at an entry point) are used only by the layers that compose the system.
 ALLOWED: dict[str, set[str]] = {
-    "events": set(),
+    "events": {"errors"},
     "errors": set(),
     "logs": set(),
     "tracing": set(),

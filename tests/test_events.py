@@ -119,6 +119,8 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
         return _TEXT
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if origin is typing.Annotated:
+        return bounded(args[0], *[m for m in args[1:] if isinstance(m, msgspec.Meta)])
     if origin in (typing.Union, types.UnionType):
         return st.one_of(*[strategy_for(a) for a in args])
     if origin is Literal:
@@ -132,6 +134,19 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
         return struct_strategy(tp)
     return st.from_type(tp)
+
+
+def bounded(tp: Any, *metas: msgspec.Meta) -> st.SearchStrategy[Any]:
+    """Values of a number type within the bounds its schema states (``msgspec.Meta``)."""
+    low = max([m.ge for m in metas if m.ge is not None] + [m.gt for m in metas if m.gt is not None], default=None)
+    high = min([m.le for m in metas if m.le is not None], default=None)
+    exclude_low = any(m.gt is not None for m in metas)
+    if tp is float:
+        return st.floats(low, high, allow_nan=False, allow_infinity=False, exclude_min=exclude_low)
+    if tp is int:
+        low = -(2**63) if low is None else int(low) + (1 if exclude_low else 0)
+        return st.integers(low, 2**63 - 1 if high is None else int(high))
+    return strategy_for(tp)
 
 
 def struct_strategy(cls: type[msgspec.Struct]) -> st.SearchStrategy[Any]:

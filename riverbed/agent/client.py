@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -23,9 +24,9 @@ from msgspec.structs import replace
 from riverbed import events, tracing
 from riverbed.bus.connection import Client, connect_redis, translate
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys
-from riverbed.bus.log import AlreadyAnswered, Log, decode_entry, entry_id
-from riverbed.errors import ActTimeout, InputError
-from riverbed.settings import Settings
+from riverbed.bus.log import Log, answered_cause, decode_entry, entry_id
+from riverbed.errors import ActTimeout, AlreadyAnswered, InputError
+from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
 
 if TYPE_CHECKING:
     from riverbed.bus.archive import Archive
@@ -79,28 +80,41 @@ class Session:
 
         ``expected_last``: refuse (:class:`AppendConflict`) unless the log's last id is this;
         ``idempotency_key``: a retry with the same key returns the first ids and appends nothing.
+        Every event is checked first (:func:`riverbed.events.check`: the schema's bounds,
+        nesting, size, reserved environment names): a bad one appends nothing of the batch
+        and raises :class:`InputError`; a second answer to an action raises :class:`AlreadyAnswered`.
         """
-        for event in batch:
-            if not isinstance(event, events.Event):
-                raise InputError(f"only events can be appended, not {type(event).__name__}")
-        result = await self.bus.log_store.append(
+        stamped = [self.stamp(e) if isinstance(e, events.Event) else e for e in batch]
+        payloads = [(self.bus.check(e), answered_cause(e)) for e in stamped]
+        result = await self.bus.log_store.append_raw(
             self.id,
-            [self.stamp(e) for e in batch],
+            payloads,
             expected_last=expected_last,
             idempotency_key=idempotency_key,
             tenant=self.tenant,
         )
         if isinstance(result, AlreadyAnswered):
-            raise InputError(f"action {result.cause} is already answered by event {result.existing}")
+            raise result
         return result
 
     async def act(self, action: events.Action, *, timeout: float = 30.0) -> events.Event:
-        """Append ``action`` and wait for the event that answers it (``cause`` = its id)."""
+        """Append ``action`` and wait for the event that answers it (``cause`` = its id).
+
+        A kind nothing answers (``message``, ``think``, ``finish``) returns at once: the
+        action itself, carrying its new id.
+        """
         if not isinstance(action, events.Action):
             raise InputError(f"act() takes an action, not a {type(action).__name__} event")
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise InputError(f"the act timeout must be a finite number of seconds greater than 0, not {timeout}")
+        stamped = self.stamp(action)
+        self.bus.check(stamped)
+        if type(action).answered_by is None:
+            (action_id,) = await self.append(stamped)
+            return events.with_id(stamped, action_id)
         started = anyio.current_time()
         ids, after = await self.bus.log_store.append_then_read(
-            self.id, [self.stamp(action)], block_ms=max(1, min(int(timeout * 1000), 1000)), tenant=self.tenant
+            self.id, [stamped], block_ms=max(1, min(int(timeout * 1000), 1000)), tenant=self.tenant
         )
         action_id = ids[0]
         answer = _answer_among(after, action_id)
@@ -188,13 +202,25 @@ class Bus:
     """
 
     def __init__(
-        self, redis: Client, *, prefix: str = "rb", url: str = "redis", archive: Archive | None = None
+        self,
+        redis: Client,
+        *,
+        prefix: str = "rb",
+        url: str = "redis",
+        archive: Archive | None = None,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
         self.redis = redis
         self.url = url
         self.keys = Keys(prefix)
         self.archive = archive
+        self.max_event_bytes = max_event_bytes
         self.log_store = Log(redis, self.keys, url, archive=archive)
+
+    def check(self, event: events.Event) -> bytes:
+        """The payload of an event given by a user, once :func:`riverbed.events.check` (with
+        this bus's ``RIVERBED_MAX_EVENT_BYTES``) accepts it."""
+        return events.check(event, max_bytes=self.max_event_bytes)
 
     def session(self, session_id: str, *, tenant: str | None = None, agent: str | None = None) -> Session:
         return Session(self, session_id, tenant=tenant, agent=agent)
@@ -227,7 +253,7 @@ async def connect(
 
         archive = Archive(settings.database_url, schema=prefix)
     redis = await connect_redis(url)
-    bus = Bus(redis, prefix=prefix, url=url, archive=archive)
+    bus = Bus(redis, prefix=prefix, url=url, archive=archive, max_event_bytes=settings.max_event_bytes)
     try:
         yield bus
     finally:

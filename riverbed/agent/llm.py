@@ -52,7 +52,7 @@ from riverbed import events
 from riverbed.agent import messages as chat
 from riverbed.agent.client import Bus, Session
 from riverbed.agent.tools import action_from_call, tools
-from riverbed.errors import ActTimeout, ConfigError, InputError, RiverbedError
+from riverbed.errors import ActTimeout, AlreadyAnswered, ConfigError, InputError, RiverbedError
 from riverbed.memory.condensers import CondenserConfig, config_from_log, prepare, should_condense
 from riverbed.memory.view import view as fold
 from riverbed.settings import Settings
@@ -283,7 +283,7 @@ class _Run:
                 return await self.append(
                     events.Error(source="agent", cause=appended.id, content=str(exc), reason="timeout", retryable=True)
                 )
-            except InputError:  # the answer came after all
+            except AlreadyAnswered:  # the answer came after all
                 return await self.session.wait_for_answer(appended.id, timeout=5)
 
     async def step(self) -> events.Event | None:

@@ -32,10 +32,10 @@ from redis import exceptions as rexc
 from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.bus.connection import translate
-from riverbed.bus.log import AlreadyAnswered, answered_cause, decode_entry
-from riverbed.errors import InputError
+from riverbed.bus.log import answered_cause, decode_entry
+from riverbed.errors import AlreadyAnswered, InputError
 
-__all__ = ["Difference", "Executor", "fork", "observation_fields", "rerun"]
+__all__ = ["Difference", "Executor", "RuntimeStart", "fork", "observation_fields", "rerun", "start_runtime_after"]
 
 #: Fields every event has; they say where and when, not what happened.
 _ENVELOPE = frozenset(("id", "kind", "source", "cause", "ts", "agent", "tenant", "trace", "v"))
@@ -86,7 +86,7 @@ async def fork(bus: Bus, source: str, at: int, into: str) -> int:
     if source == into or await store.exists(into):
         raise InputError(f"cannot fork into {into!r}: that session exists already; choose a new session id")
     tenant = (await store.meta(source)).get("tenant") or None
-    await _start_runtime_after(bus, into, await _runtime_start(bus, source, at))
+    await start_runtime_after(bus, into, await _runtime_start(bus, source, at))
     copied = 0
     page: list[tuple[bytes, int]] = []
     async for event_id, payload in store.read_raw(source, 1, at):
@@ -105,27 +105,50 @@ async def fork(bus: Bus, source: str, at: int, into: str) -> int:
     return forked_id
 
 
-async def _runtime_start(bus: Bus, source: str, at: int) -> int:
-    """The id after which the fork's runtime role starts reading: ``at``, or just before the
-    first runtime action in 1..``at`` whose answer came only after ``at``."""
-    actions: set[int] = set()
-    async for event in bus.log_store.read(source, 1, at):
+class RuntimeStart:
+    """Where a copied session's runtime role starts reading, so that it never runs a copied
+    action again: after the last copied event, or just before the first copied runtime
+    action whose answer is not among the copied events (that one still needs to run).
+
+    :func:`fork` and ``riverbed import`` feed it every copied event with :meth:`see`.
+    """
+
+    def __init__(self) -> None:
+        self._unanswered: set[int] = set()
+
+    def see(self, event: events.Event) -> None:
         if isinstance(event, events.Action) and type(event).answered_by == "runtime" and event.id is not None:
-            actions.add(event.id)
+            self._unanswered.add(event.id)
         elif isinstance(event, events.Observation) and event.cause is not None:
-            actions.discard(event.cause)
-    return min(actions) - 1 if actions else at
+            self._unanswered.discard(event.cause)
+
+    def after(self, last: int) -> int:
+        """The id after which the runtime role starts, given ``last`` copied events."""
+        return min(self._unanswered) - 1 if self._unanswered else last
 
 
-async def _start_runtime_after(bus: Bus, session: str, after: int) -> None:
-    """Create the runtime role's group on the (still empty) log so that it begins after
-    ``after``: copied actions are answered already and must not run a second time."""
+async def _runtime_start(bus: Bus, source: str, at: int) -> int:
+    start = RuntimeStart()
+    async for event in bus.log_store.read(source, 1, at):
+        start.see(event)
+    return start.after(at)
+
+
+async def start_runtime_after(bus: Bus, session: str, after: int) -> None:
+    """Make the runtime role of the new (still empty) ``session`` begin after event ``after``:
+    the copied actions up to there are answered already and must not run a second time.
+
+    The caller has made sure the session has no events yet (workers hear of it only at its
+    first append), so a group left by an earlier attempt is moved, not trusted.
+    """
+    key = bus.keys.log(session)
     with translate(bus.url):
         try:
-            await bus.redis.xgroup_create(bus.keys.log(session), "runtime", id=f"{after}-0", mkstream=True)
+            await bus.redis.xgroup_create(key, "runtime", id=f"{after}-0", mkstream=True)
         except rexc.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+            await bus.redis.xgroup_setid(key, "runtime", id=f"{after}-0")
 
 
 async def _append_page(bus: Bus, into: str, page: list[tuple[bytes, int]], copied: int, tenant: str | None) -> int:
@@ -138,8 +161,10 @@ async def _append(
 ) -> list[int]:
     result = await bus.log_store.append_raw(session, batch, expected_last=expected_last, tenant=tenant)
     if isinstance(result, AlreadyAnswered):
-        raise InputError(
-            f"cannot write session {session!r}: action {result.cause} is answered twice in the copied events"
+        raise AlreadyAnswered(
+            result.cause,
+            result.existing,
+            f"cannot write session {session!r}: action {result.cause} is answered twice in the copied events",
         )
     return result
 
@@ -285,7 +310,7 @@ async def _write_log(bus: Bus, into: str, written: list[events.Event], *, tenant
     its action's new id; the runtime role starts after them (they are answered already)."""
     if not written:
         return
-    await _start_runtime_after(bus, into, len(written))
+    await start_runtime_after(bus, into, len(written))
     batch: list[tuple[bytes, int]] = []
     last_action = 0
     for position, original in enumerate(written, start=1):

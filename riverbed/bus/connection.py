@@ -28,11 +28,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.cluster import PRIMARY
 
-from riverbed.errors import ConfigError, UnavailableError
+from riverbed.errors import ConfigError, InputError, UnavailableError
 
 Client: TypeAlias = Any  # redis.asyncio.Redis | RedisCluster: the commands we use exist on both
 
-__all__ = ["Client", "Cluster", "connect_redis", "redact", "stream_read_keys", "translate"]
+__all__ = ["Client", "Cluster", "connect_redis", "redact", "stream_read_keys", "too_large", "translate"]
 
 
 def redact(url: str) -> str:
@@ -56,7 +56,22 @@ def translate(url: str) -> Iterator[None]:
     except rexc.ResponseError as exc:
         if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
             raise ConfigError(f"Redis at {redact(url)} refused the credentials: {exc}") from exc
+        if too_large(exc):
+            raise InputError(
+                f"Redis at {redact(url)} refused a value as too large ({exc}); keep RIVERBED_MAX_EVENT_BYTES "
+                "below its proto-max-bulk-len"
+            ) from exc
         raise
+
+
+_TOO_LARGE = ("invalid bulk length", "exceeds maximum allowed size", "too large", "proto-max-bulk-len")
+
+
+def too_large(exc: rexc.ResponseError) -> bool:
+    """Whether Redis refused a command because a value is over its size limit: the data's
+    fault, so an :class:`InputError` (a retry cannot help), never "cannot reach Redis"."""
+    text = str(exc).lower()
+    return any(marker in text for marker in _TOO_LARGE)
 
 
 def stream_read_keys(command: str, args: tuple[Any, ...]) -> list[Any] | None:

@@ -31,12 +31,13 @@ import re
 from riverbed.errors import InputError
 
 ROLES = ("runtime", "memory", "condenser")
-_SESSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@=+-]{0,127}$")
+_SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@=+-]{0,127}")
 PAYLOAD_FIELD = b"e"
 
 
 def valid_session(session: str) -> bool:
-    return bool(_SESSION_RE.match(session))
+    """Whether ``session`` is a valid id, matched whole (``$`` would let a trailing newline in)."""
+    return isinstance(session, str) and _SESSION_RE.fullmatch(session) is not None
 
 
 def require_session(session: str) -> str:

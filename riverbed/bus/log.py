@@ -36,8 +36,16 @@ from riverbed import events
 from riverbed.bus import scripts
 from riverbed.bus.connection import Client, translate
 from riverbed.bus.exchange import exchange, stream_entries
-from riverbed.bus.keys import PAYLOAD_FIELD, Keys, valid_session
-from riverbed.errors import AppendConflict, ConfigError, FencedError, InputError, NotFoundError, UnavailableError
+from riverbed.bus.keys import PAYLOAD_FIELD, Keys, require_session
+from riverbed.errors import (
+    AlreadyAnswered,
+    AppendConflict,
+    ConfigError,
+    FencedError,
+    InputError,
+    NotFoundError,
+    UnavailableError,
+)
 
 __all__ = ["AlreadyAnswered", "ArchiveReader", "Fence", "Log", "PreparedAppend", "entry_id"]
 
@@ -55,14 +63,6 @@ class Fence:
 
     role: str
     token: int
-
-
-@dataclass(frozen=True)
-class AlreadyAnswered:
-    """An append of an answer was refused: ``existing`` already answers ``cause``."""
-
-    cause: int
-    existing: int
 
 
 class ArchiveReader(Protocol):
@@ -145,11 +145,7 @@ class Log:
         self.append_script = redis.register_script(scripts.APPEND)
 
     def check_session(self, session: str) -> None:
-        if not valid_session(session):
-            raise InputError(
-                f"{session!r} is not a valid session id: use up to 128 letters, digits and . _ : @ = + - "
-                "(starting with a letter or digit)"
-            )
+        require_session(session)
 
     async def append(
         self,

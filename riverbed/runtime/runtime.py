@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import stat
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -51,7 +50,7 @@ from anyio.abc import TaskStatus
 from msgspec.structs import replace
 
 from riverbed import events, tracing
-from riverbed.errors import InputError, RiverbedError
+from riverbed.errors import RiverbedError
 from riverbed.runtime import files
 from riverbed.runtime.limits import Limits
 from riverbed.runtime.paths import PathRefused, confine, workspace_name
@@ -64,7 +63,6 @@ log = structlog.get_logger("riverbed.runtime")
 A = TypeVar("A", bound=events.Action)
 Handler = Callable[["HandlerContext", Any], Awaitable[events.Observation]]
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _handlers: dict[type[events.Action], Handler] = {}
 
 
@@ -202,13 +200,10 @@ class Runtime:
         """Set (``None``: unset) sandbox variables; the next command and cell see them.
 
         Raises :class:`~riverbed.errors.InputError` for a name that is not a shell
-        identifier or a value containing a NUL byte.
+        identifier or is one the shell depends on (``events.RESERVED_ENV``: ``PS1``,
+        ``PROMPT_COMMAND``, ``IFS``…), or a value containing a NUL byte.
         """
-        for name, value in env.items():
-            if not _ENV_NAME.match(name):
-                raise InputError(f"{name!r} is not a valid environment variable name (letters, digits, _)")
-            if value is not None and "\x00" in value:
-                raise InputError(f"the value of {name} contains a NUL byte")
+        events.check_env(env)
         self._session(session_id).overrides.update(env)
 
     def env(self, session_id: str) -> dict[str, str]:

@@ -17,6 +17,7 @@ from anyio.abc import TaskStatus
 from riverbed import events
 from riverbed.bus.consumer import Entry, SessionContext
 from riverbed.bus.faults import crashpoint
+from riverbed.errors import InputError
 from riverbed.runtime import Runtime, Sandbox
 from riverbed.runtime.sandbox import probe
 from riverbed.settings import Settings
@@ -70,7 +71,7 @@ class RuntimeHandler:
             if ctx.tenant is None and event.tenant is not None:
                 ctx.tenant = event.tenant
         if env:
-            self.runtime.set_env(ctx.session, env)
+            self._set_env(ctx.session, env)
 
     async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
         done: list[int] = []
@@ -83,9 +84,22 @@ class RuntimeHandler:
                 await self._execute(ctx, entry, soon=entry is last)
             else:
                 if isinstance(event, events.SessionConfig) and event.env:
-                    self.runtime.set_env(ctx.session, event.env)
+                    self._set_env(ctx.session, event.env)
                 done.append(entry.id)
         await ctx.ack(done)
+
+    def _set_env(self, session: str, env: dict[str, str | None]) -> None:
+        """Apply a session's environment; a name the boundary would refuse (a log written
+        before a name was reserved, or by hand) is skipped with a warning, never fatal."""
+        good: dict[str, str | None] = {}
+        for name, value in env.items():
+            try:
+                events.check_env({name: value})
+            except InputError as exc:
+                log.warning("session_config.env_skipped", session=session, name=name, error=str(exc))
+                continue
+            good[name] = value
+        self.runtime.set_env(session, good)
 
     async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
         for entry in entries:
