@@ -6,7 +6,8 @@
     ├── ConfigError                   bad configuration (an env var, a flag, a URL)
     ├── InputError                    bad input from a user or agent (JSON, kind, field)
     │   ├── DecodeError               a payload is not a valid event (bytes, JSON, a field's value)
-    │   └── AlreadyAnswered           an answer to an action that already has its one answer
+    │   ├── AlreadyAnswered           an answer to an action that already has its one answer
+    │   └── PathRefused               a path leads out of a workspace or is not usable (``reason``)
     ├── UnavailableError  (retryable) Redis, Postgres or the embedder cannot be reached
     ├── AppendConflict                ``expected_last`` did not match the log's last id
     ├── FencedError                   a stale owner tried to append (its lease was taken)
@@ -101,6 +102,19 @@ class ActTimeout(RiverbedError):
 
 class NotFoundError(RiverbedError):
     """The thing asked for does not exist."""
+
+
+class PathRefused(InputError):
+    """A path names something outside the workspace, or is not a usable path.
+
+    ``reason`` is the ``error`` observation's reason (``path_outside_workspace``,
+    ``symlink_refused``, ``hard_link_refused``, ``bad_path``, ``not_found`` …): an agent
+    can act on it, and none of them goes away by trying again.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class ServiceError(RiverbedError):

@@ -17,7 +17,8 @@ import riverbed
 PACKAGE = Path(riverbed.__file__).parent
 
 # Which of our layers each layer may import (a layer is a top-level module or subpackage).
-# errors and tracing (W3C trace context helpers) are shared leaves every layer may use; pg
+# errors and tracing (W3C trace context helpers) are shared leaves every layer may use;
+# confine (file access confined to a workspace) is shared by runtime and memory; pg
 # (Postgres plumbing) is shared by the two layers that own tables, bus (archive) and memory;
 # settings (configuration) and logs (logging
 # set-up at an entry point) are used only by the layers that compose the system.
@@ -26,12 +27,13 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "logs": set(),
     "tracing": set(),
+    "confine": {"errors"},
     "pg": {"errors"},
     "settings": {"errors"},
     "services": {"errors"},
     "bus": {"events", "errors", "tracing", "pg", "bus"},
-    "runtime": {"events", "errors", "tracing", "bus", "runtime"},
-    "memory": {"events", "errors", "tracing", "pg", "bus", "memory"},
+    "runtime": {"events", "errors", "tracing", "confine", "bus", "runtime"},
+    "memory": {"events", "errors", "tracing", "confine", "pg", "bus", "memory"},
     "agent": {"events", "errors", "tracing", "settings", "logs", "bus", "runtime", "memory", "agent"},
     "workers": {
         "events",

@@ -261,7 +261,7 @@ async def test_workspace_context_from_a_git_repo(workspace: Path, database_url: 
             events.Recall(id=3, recall_type="workspace_context"),
             session="s",
             tenant="acme",
-            workspace=sub,
+            workspace=workspace,
             conversation_instructions="Answer in French.",
         )
     assert result.recall_type == "workspace_context"
@@ -271,16 +271,17 @@ async def test_workspace_context_from_a_git_repo(workspace: Path, database_url: 
     assert result.repo_directory == str(workspace)
     assert result.repo_instructions is not None
     assert "make test" in result.repo_instructions
-    assert "frontend lives in web/" not in result.repo_instructions  # microagents of the workspace root only
+    assert "frontend lives in web/" in result.repo_instructions
     assert result.conversation_instructions == "Answer in French."
     assert set(result.runtime_info) >= {"hostname", "platform", "python"}
     assert result.date == dt.datetime.now(dt.UTC).date().isoformat()
 
-    at_root = await Memory(Store(database_url, schema=prefix), _shared_cache).recall(
-        events.Recall(recall_type="workspace_context"), session="s", tenant=None, workspace=workspace
+    # nothing above the workspace is read: a workspace inside a repository reports itself only
+    inner = await Memory(Store(database_url, schema=prefix), _shared_cache).recall(
+        events.Recall(recall_type="workspace_context"), session="s", tenant=None, workspace=sub
     )
-    assert at_root.repo_instructions is not None
-    assert "frontend lives in web/" in at_root.repo_instructions
+    assert (inner.repo_name, inner.repo_branch, inner.repo_instructions) == ("src", None, None)
+    assert inner.repo_directory == str(sub)
     # detached HEAD, no remote, no repository at all
     (workspace / ".git" / "HEAD").write_text("0123456789abcdef0123456789abcdef01234567\n")
     git(workspace, "remote", "remove", "origin")

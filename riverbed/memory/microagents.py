@@ -15,23 +15,32 @@ microagents (and a ``repo.md`` without front matter) are repository instructions
 returned by ``workspace_context``.  Directories are searched in order (global, user,
 workspace); a later file with the same name replaces an earlier one.  A file that cannot
 be read or parsed is skipped with a warning; it never fails a recall.
+
+A workspace's own microagents (:func:`workspace_dirs`) are written by its sandbox, which
+may be hostile: they are listed and read through :mod:`riverbed.confine`, so a symlinked
+directory or file that leads out of the workspace (to ``/proc/self/environ``, another
+session) and a hard-linked file give nothing.  The global and user directories are the
+operator's and are read as plain paths.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import yaml
 
+from riverbed import confine
 from riverbed.events import Knowledge
 
 __all__ = [
     "WORKSPACE_DIRS",
     "Microagent",
+    "WorkspaceDir",
     "load_microagents",
     "match_knowledge",
     "parse_microagent",
@@ -44,6 +53,8 @@ log = structlog.get_logger("riverbed.memory.microagents")
 #: Where a workspace keeps its microagents (relative to the workspace root).
 WORKSPACE_DIRS = (Path(".openhands/microagents"), Path(".riverbed/microagents"))
 MAX_FILE_BYTES = 256 * 1024
+#: At most this many files are looked at in one workspace directory.
+MAX_WORKSPACE_FILES = 1000
 TYPES = ("knowledge", "repo", "task")
 
 
@@ -98,23 +109,31 @@ def parse_microagent(text: str, path: Path) -> Microagent:
     return Microagent(name=str(name), type=str(kind), triggers=clean, content=content, path=path)
 
 
-def workspace_dirs(workspace: Path | None) -> list[Path]:
+@dataclass(frozen=True)
+class WorkspaceDir:
+    """A microagent directory inside a workspace (``rel`` below ``workspace``): read
+    confined to the workspace, unlike the operator's directories given as paths."""
+
+    workspace: Path
+    rel: str
+
+
+def workspace_dirs(workspace: Path | None) -> list[WorkspaceDir]:
     if workspace is None:
         return []
-    return [workspace / d for d in WORKSPACE_DIRS]
+    return [WorkspaceDir(workspace, str(d)) for d in WORKSPACE_DIRS]
 
 
-def load_microagents(dirs: Iterable[Path | None]) -> list[Microagent]:
+def load_microagents(dirs: Iterable[Path | WorkspaceDir | None]) -> list[Microagent]:
     """Every microagent under ``dirs`` (recursively, ``*.md`` except README.md), later dirs winning."""
     by_name: dict[str, Microagent] = {}
     for directory in dirs:
-        if directory is None or not directory.is_dir():
+        if directory is None:
             continue
-        for path in sorted(directory.rglob("*.md")):
-            if path.name.lower() == "readme.md" or not path.is_file():
-                continue
+        found = _workspace_files(directory) if isinstance(directory, WorkspaceDir) else _files(directory)
+        for path, read in found:
             try:
-                agent = _load_file(path)
+                agent = parse_microagent(read(), path)
             except (OSError, UnicodeDecodeError, ValueError) as exc:
                 log.warning("microagent_skipped", path=str(path), reason=str(exc))
                 continue
@@ -122,10 +141,43 @@ def load_microagents(dirs: Iterable[Path | None]) -> list[Microagent]:
     return list(by_name.values())
 
 
-def _load_file(path: Path) -> Microagent:
+def _wanted(name: str) -> bool:
+    return name.endswith(".md") and name.lower() != "readme.md"
+
+
+def _files(directory: Path) -> list[tuple[Path, Callable[[], str]]]:
+    if not directory.is_dir():
+        return []
+    return [
+        (p, functools.partial(_load_file, p))
+        for p in sorted(directory.rglob("*.md"))
+        if _wanted(p.name) and p.is_file()
+    ]
+
+
+def _workspace_files(directory: WorkspaceDir) -> list[tuple[Path, Callable[[], str]]]:
+    rels = confine.list_files(directory.workspace, directory.rel, limit=MAX_WORKSPACE_FILES)
+    return [
+        (directory.workspace / rel, functools.partial(_load_confined, directory.workspace, rel))
+        for rel in rels
+        if _wanted(rel.rsplit("/", 1)[-1])
+    ]
+
+
+def _load_file(path: Path) -> str:
     if path.stat().st_size > MAX_FILE_BYTES:
         raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
-    return parse_microagent(path.read_text(encoding="utf-8"), path)
+    return path.read_text(encoding="utf-8")
+
+
+def _load_confined(workspace: Path, rel: str) -> str:
+    text = confine.read_text(workspace, rel, limit=MAX_FILE_BYTES)
+    if text is None:
+        raise ValueError(
+            f"not read: larger than {MAX_FILE_BYTES} bytes, not UTF-8, or not a single-link regular file "
+            "inside the workspace"
+        )
+    return text
 
 
 def _trigger_pattern(trigger: str) -> re.Pattern[str]:

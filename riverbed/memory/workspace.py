@@ -3,6 +3,13 @@
 Repository facts come from the files under ``.git`` (HEAD, config), never from running
 git or touching the network; instructions come from ``AGENTS.md`` and the workspace's
 ``repo`` microagents (``.openhands/microagents/repo.md`` …).
+
+Everything here is read from a workspace a sandbox may have arranged against the memory
+worker (``AGENTS.md`` as a symlink to ``/proc/self/environ``, a ``.git`` file whose
+``gitdir:`` names another session's repository, a hard link to a worker file), so every
+read goes through :func:`riverbed.confine.read_text`: confined to the workspace by an fd
+walk, single-link regular files only, each capped in size.  Nothing above the workspace
+is read either: a workspace inside a larger repository reports only itself.
 """
 
 from __future__ import annotations
@@ -15,12 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from riverbed import confine
+from riverbed.errors import PathRefused
 from riverbed.memory.microagents import load_microagents, workspace_dirs
 
 __all__ = ["GitInfo", "WorkspaceContext", "find_git", "read_git", "runtime_info", "workspace_context"]
 
 INSTRUCTION_FILES = ("AGENTS.md",)
 MAX_INSTRUCTIONS = 20_000
+_SMALL_FILE = 4096  # .git pointer files, HEAD, commondir
+_MAX_CONFIG = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -42,25 +53,32 @@ class WorkspaceContext:
     conversation_instructions: str | None = None
 
 
-def find_git(start: Path) -> tuple[Path, Path] | None:
-    """``(work tree root, git dir)`` of the repository containing ``start``, if any.
+def _git_dir(workspace: Path) -> str | None:
+    """The git dir of a repository at the workspace's root, relative to the workspace.
 
-    Handles a ``.git`` directory and a ``.git`` file (worktrees, submodules: ``gitdir: …``).
-    """
-    for directory in (start, *start.parents):
-        dot_git = directory / ".git"
-        if dot_git.is_dir():
-            return directory, dot_git
-        if dot_git.is_file():
-            try:
-                line = dot_git.read_text(encoding="utf-8").strip()
-            except OSError:
-                return None
-            if line.startswith("gitdir:"):
-                target = Path(line.removeprefix("gitdir:").strip())
-                return directory, target if target.is_absolute() else (directory / target).resolve()
-            return None
-    return None
+    A ``.git`` directory, or a ``.git`` file (worktrees, submodules: ``gitdir: …``) whose
+    target lies inside the workspace; one that points elsewhere is not followed."""
+    pointer = confine.read_text(workspace, ".git", limit=_SMALL_FILE)
+    if pointer is None:
+        return ".git"  # a directory, or nothing: the reads under it tell
+    if not pointer.startswith("gitdir:"):
+        return None
+    return _inside(workspace, pointer.removeprefix("gitdir:").strip())
+
+
+def _inside(workspace: Path, path: str) -> str | None:
+    try:
+        return "/".join(confine.parts(workspace, path)) or "."
+    except PathRefused:
+        return None
+
+
+def find_git(workspace: Path) -> tuple[Path, Path] | None:
+    """``(work tree root, git dir)`` of the repository at ``workspace``'s root, if any."""
+    git_dir = _git_dir(workspace)
+    if git_dir is None or confine.read_text(workspace, f"{git_dir}/HEAD", limit=_SMALL_FILE) is None:
+        return None
+    return workspace, workspace / git_dir
 
 
 def _origin_url(config: str) -> str | None:
@@ -87,33 +105,29 @@ def _name_from_url(url: str) -> str:
     return parts[-1] if parts else url
 
 
-def read_git(start: Path) -> GitInfo | None:
-    """Name, branch and origin of the repository at or above ``start`` (None outside one)."""
-    found = find_git(start)
-    if found is None:
+def read_git(workspace: Path) -> GitInfo | None:
+    """Name, branch and origin of the repository at ``workspace``'s root (None without one)."""
+    git_dir = _git_dir(workspace)
+    if git_dir is None:
         return None
-    root, git_dir = found
+    head = confine.read_text(workspace, f"{git_dir}/HEAD", limit=_SMALL_FILE)
+    if head is None:
+        return None
+    head = head.strip()
     branch: str | None = None
-    try:
-        head = (git_dir / "HEAD").read_text(encoding="utf-8").strip()
-    except OSError:
-        head = ""
     if head.startswith("ref:"):
         branch = head.removeprefix("ref:").strip().removeprefix("refs/heads/")
     elif head:
         branch = head[:12]  # detached HEAD: the commit
-    common = git_dir
-    try:
-        pointer = (git_dir / "commondir").read_text(encoding="utf-8").strip()
-        common = (git_dir / pointer).resolve()
-    except OSError:
-        pass
-    try:
-        remote = _origin_url((common / "config").read_text(encoding="utf-8"))
-    except OSError:
-        remote = None
-    name = _name_from_url(remote) if remote else root.name
-    return GitInfo(root=root, name=name, branch=branch, remote=remote)
+    common: str | None = git_dir
+    pointer = confine.read_text(workspace, f"{git_dir}/commondir", limit=_SMALL_FILE)
+    if pointer is not None and pointer.strip():
+        target = pointer.strip()
+        common = _inside(workspace, target if target.startswith("/") else f"{git_dir}/{target}")
+    config = confine.read_text(workspace, f"{common}/config", limit=_MAX_CONFIG, truncate=True) if common else None
+    remote = _origin_url(config) if config is not None else None
+    name = _name_from_url(remote) if remote else workspace.name
+    return GitInfo(root=workspace, name=name, branch=branch, remote=remote)
 
 
 def runtime_info(workspace: Path | None = None) -> dict[str, Any]:
@@ -127,18 +141,12 @@ def runtime_info(workspace: Path | None = None) -> dict[str, Any]:
     return info
 
 
-def _instructions(workspace: Path, repo_root: Path | None) -> str | None:
+def _instructions(workspace: Path) -> str | None:
     parts: list[str] = []
-    roots = [workspace] + ([repo_root] if repo_root is not None and repo_root != workspace else [])
-    for root in roots:
-        for name in INSTRUCTION_FILES:
-            path = root / name
-            try:
-                text = path.read_text(encoding="utf-8").strip()
-            except (OSError, UnicodeDecodeError):
-                continue
-            if text:
-                parts.append(text)
+    for name in INSTRUCTION_FILES:
+        text = confine.read_text(workspace, name, limit=4 * MAX_INSTRUCTIONS, truncate=True)
+        if text is not None and text.strip():
+            parts.append(text.strip())
     parts.extend(a.content for a in load_microagents(workspace_dirs(workspace)) if a.type == "repo" and a.content)
     joined = "\n\n".join(dict.fromkeys(parts))
     return joined[:MAX_INSTRUCTIONS] or None
@@ -160,8 +168,8 @@ def workspace_context(
     return WorkspaceContext(
         repo_name=git.name if git else workspace.name,
         repo_branch=git.branch if git else None,
-        repo_directory=str(git.root if git else workspace),
-        repo_instructions=_instructions(workspace, git.root if git else None),
+        repo_directory=str(workspace),
+        repo_instructions=_instructions(workspace),
         runtime_info=runtime_info(workspace),
         date=today,
         conversation_instructions=conversation_instructions,

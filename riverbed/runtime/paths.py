@@ -8,8 +8,13 @@ safe on any filesystem, and two ids never share a directory in practice.
 Every path an action names is confined to its session's workspace: relative paths resolve
 from the workspace; absolute paths must lie inside it; ``..`` and symlinks are resolved
 first, so neither can lead out.  NUL bytes, over-long names and non-paths are refused.
-The check is made when the action runs; a sandbox process that swaps a directory for a
-symlink at the same instant is outside what a path check can stop.
+
+The file actions do not use :func:`confine`: they open what they touch with the fd walk of
+:mod:`riverbed.confine`, which no swap between check and use can lead out.  :func:`confine`
+is a path check made when the action runs, for what needs a path rather than an open file
+(a command's ``cwd``, which then exists only inside the session's own sandbox, and custom
+handlers); a sandbox process that swaps a directory for a symlink at the same instant is
+outside what a path check can stop.
 """
 
 from __future__ import annotations
@@ -20,19 +25,13 @@ import os
 import re
 from pathlib import Path
 
-from riverbed.errors import InputError
+from riverbed.errors import PathRefused
+
+__all__ = ["PathRefused", "confine", "display", "workspace_name"]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _NAME_MAX = 255
 _PATH_MAX = 4096
-
-
-class PathRefused(InputError):
-    """A path names something outside the workspace, or is not a usable path."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 def workspace_name(session_id: str) -> str:

@@ -40,6 +40,7 @@ import dataclasses
 import os
 import stat
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -360,7 +361,10 @@ class Runtime:
         return await anyio.to_thread.run_sync(files.read, session.workspace, action, self._limits)
 
     async def _file_write(self, session: _Session, action: events.FileWrite) -> events.Observation:
-        return await anyio.to_thread.run_sync(files.write, session.workspace, action, self._limits, session.history)
+        owner = self._sandbox.owner(session.workspace)  # what the agent writes, its sandbox user can change
+        write = partial(files.write, owner=owner)
+        return await anyio.to_thread.run_sync(write, session.workspace, action, self._limits, session.history)
 
     async def _file_edit(self, session: _Session, action: events.FileEdit) -> events.Observation:
-        return await anyio.to_thread.run_sync(files.edit, session.workspace, action, self._limits, session.history)
+        edit = partial(files.edit, owner=self._sandbox.owner(session.workspace))
+        return await anyio.to_thread.run_sync(edit, session.workspace, action, self._limits, session.history)
