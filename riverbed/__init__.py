@@ -9,6 +9,7 @@ from riverbed.errors import (
     InputError,
     NotFoundError,
     RiverbedError,
+    TenantMismatch,
     UnavailableError,
 )
 
@@ -22,6 +23,7 @@ __all__ = [
     "NotFoundError",
     "RiverbedError",
     "Session",
+    "TenantMismatch",
     "UnavailableError",
     "connect",
 ]

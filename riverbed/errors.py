@@ -5,6 +5,7 @@
     RiverbedError                     base; ``retryable`` says whether trying again may help
     ├── ConfigError                   bad configuration (an env var, a flag, a URL)
     ├── InputError                    bad input from a user or agent (JSON, kind, field)
+    │   └── TenantMismatch            an append names another tenant than the session's own
     ├── UnavailableError  (retryable) Redis, Postgres or the embedder cannot be reached
     ├── AppendConflict                ``expected_last`` did not match the log's last id
     ├── FencedError                   a stale owner tried to append (its lease was taken)
@@ -30,6 +31,24 @@ class ConfigError(RiverbedError):
 
 class InputError(RiverbedError):
     """An input (JSON, event kind, field, path) is not acceptable."""
+
+
+class TenantMismatch(InputError):
+    """An append named another tenant than the one the session's first append fixed.
+
+    A session without a tenant is pinned too: an append naming any tenant is refused, and so
+    is an append naming none onto a tenant's session.  Nothing of the refused batch is appended.
+    """
+
+    def __init__(self, session: str, tenant: str | None, pinned: str | None) -> None:
+        super().__init__(
+            f"append to session {session!r} refused: the session belongs to "
+            f"{'tenant ' + repr(pinned) if pinned else 'no tenant'}, this handle names "
+            f"{'tenant ' + repr(tenant) if tenant else 'none'}; open the session with its own tenant"
+        )
+        self.session = session
+        self.tenant = tenant
+        self.pinned = pinned
 
 
 class UnavailableError(RiverbedError):
