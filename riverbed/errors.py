@@ -40,15 +40,15 @@ class TenantMismatch(InputError):
     is an append naming none onto a tenant's session.  Nothing of the refused batch is appended.
     """
 
-    def __init__(self, session: str, tenant: str | None, pinned: str | None) -> None:
+    def __init__(self, session: str, tenant: str | None) -> None:
+        # The message does not name the session's tenant: the caller may be a stranger.
         super().__init__(
-            f"append to session {session!r} refused: the session belongs to "
-            f"{'tenant ' + repr(pinned) if pinned else 'no tenant'}, this handle names "
-            f"{'tenant ' + repr(tenant) if tenant else 'none'}; open the session with its own tenant"
+            f"append to session {session!r} refused: it does not belong to "
+            f"{'tenant ' + repr(tenant) if tenant else 'sessions without a tenant'}; "
+            "open the session with the tenant it was created with"
         )
         self.session = session
         self.tenant = tenant
-        self.pinned = pinned
 
 
 class UnavailableError(RiverbedError):

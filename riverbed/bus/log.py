@@ -150,7 +150,7 @@ class PreparedAppend:
         if status == b"answered":
             return AlreadyAnswered(cause=int(reply[1]), existing=int(reply[2]))
         if status == b"tenant":
-            raise TenantMismatch(self.session, self.tenant, reply[1].decode() or None)
+            raise TenantMismatch(self.session, self.tenant)
         raise RuntimeError(f"unexpected append reply {reply!r}")
 
 

@@ -19,7 +19,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # Replies: {'ok', first, count, created, need...} | {'dup', first, count, created, need...} | {'conflict', last}
 #          | {'fenced', current} | {'answered', cause, existing id} | {'tenant', the session's tenant ('' none)}
 # The first append pins the session's tenant (none is a tenant too); any later append that is not
-# a role owner's must name the same one, checked before anything else (a retry included).
+# a role owner's must name the same one, checked before anything else (a retry included; only a
+# conflict with expected_last is told first).
 ANNOUNCE_MS = 2000
 """While a role has no owner for a session, appends re-announce it at most this often."""
 
@@ -27,9 +28,14 @@ APPEND = (
     _NOW
     + f"local ANNOUNCE_MS = {ANNOUNCE_MS}\n"
     + """
-if ARGV[3] == '' and tonumber(redis.call('HGET', KEYS[2], 'last') or '0') > 0 then
+local pinned_last = tonumber(redis.call('HGET', KEYS[2], 'last') or '0')
+if ARGV[3] == '' and pinned_last > 0 then
   local pinned = redis.call('HGET', KEYS[2], 'tenant') or ''
-  if pinned ~= ARGV[7] then return {'tenant', pinned} end
+  if pinned ~= ARGV[7] then
+    -- A writer that expected another last id hears that first (it says nothing more).
+    if ARGV[1] ~= '' and tonumber(ARGV[1]) ~= pinned_last then return {'conflict', pinned_last} end
+    return {'tenant', pinned}
+  end
 end
 if ARGV[2] ~= '' then
   local seen = redis.call('GET', KEYS[4])
