@@ -11,6 +11,7 @@ from riverbed.errors import (
     InputError,
     NotFoundError,
     RiverbedError,
+    TenantMismatch,
     UnavailableError,
 )
 
@@ -26,6 +27,7 @@ __all__ = [
     "NotFoundError",
     "RiverbedError",
     "Session",
+    "TenantMismatch",
     "UnavailableError",
     "connect",
 ]

@@ -7,6 +7,7 @@
     ├── InputError                    bad input from a user or agent (JSON, kind, field)
     │   ├── DecodeError               a payload is not a valid event (bytes, JSON, a field's value)
     │   ├── AlreadyAnswered           an answer to an action that already has its one answer
+    │   ├── TenantMismatch            an append names another tenant than the session's own
     │   └── PathRefused               a path leads out of a workspace or is not usable (``reason``)
     ├── UnavailableError  (retryable) Redis, Postgres or the embedder cannot be reached
     ├── AppendConflict                ``expected_last`` did not match the log's last id
@@ -59,6 +60,24 @@ class AlreadyAnswered(InputError):
 
     def __hash__(self) -> int:
         return hash((self.cause, self.existing))
+
+
+class TenantMismatch(InputError):
+    """An append named another tenant than the one the session's first append fixed.
+
+    A session without a tenant is pinned too: an append naming any tenant is refused, and so
+    is an append naming none onto a tenant's session.  Nothing of the refused batch is appended.
+    """
+
+    def __init__(self, session: str, tenant: str | None) -> None:
+        # The message does not name the session's tenant: the caller may be a stranger.
+        super().__init__(
+            f"append to session {session!r} refused: it does not belong to "
+            f"{'tenant ' + repr(tenant) if tenant else 'sessions without a tenant'}; "
+            "open the session with the tenant it was created with"
+        )
+        self.session = session
+        self.tenant = tenant
 
 
 class UnavailableError(RiverbedError):

@@ -9,9 +9,14 @@
   output flood is capped; a command that never ends is stopped by its timeout; hundreds of
   background processes are killed by the process limit and the timeout and leave nothing
   behind; the session's shell keeps working.
+- **Paused owners** (SIGSTOP past the lease, then SIGCONT) while agents keep acting and retry
+  every ``runtime_lost``: nothing a peer answered starts afterwards, no command runs twice,
+  every action has exactly one answer; an owner paused right after its claim runs nothing
+  once resumed.
 - **python_run in failover**: a cell in flight on a worker killed by SIGKILL is answered once,
-  by the new owner, with a retryable ``runtime_lost`` error, and never runs twice; a worker's
-  late result for an action that was answered meanwhile is dropped (the one-answer guard).
+  by the new owner: run there when the lost owner never claimed it, else with a retryable
+  ``runtime_lost`` error; it never runs twice; a worker's late result for an action that was
+  answered meanwhile is dropped (the one-answer guard).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.bus.dlq import DeadLetters
 from riverbed.runtime.limits import session_processes
+from tests.test_failover import check_exactly_one_answer
 from tests.workerproc import WorkerProcess
 
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]
@@ -67,10 +73,14 @@ def kill_orphans(workspace: Path) -> None:
 def start(
     workers: list[WorkerProcess], redis_url: str, prefix: str, workspace: Path, tmp_path: Path
 ) -> Callable[..., WorkerProcess]:
-    def start(name: str, crash_at: str | None = None, sandbox: str | None = None) -> WorkerProcess:
-        extra = {"RIVERBED_CRASH_AT": crash_at} if crash_at else {}
+    def start(
+        name: str, crash_at: str | None = None, pause_at: str | None = None, sandbox: str | None = None
+    ) -> WorkerProcess:
+        env = {"RIVERBED_CRASH_AT": crash_at} if crash_at else {}
+        if pause_at:
+            env["RIVERBED_PAUSE_AT"] = pause_at
         if sandbox:
-            extra["RIVERBED_SANDBOX"] = sandbox
+            env["RIVERBED_SANDBOX"] = sandbox
         worker = WorkerProcess(
             ["runtime"],
             name=name,
@@ -78,7 +88,7 @@ def start(
             prefix=prefix,
             workspace=workspace,
             lease=LEASE,
-            extra_env=extra,
+            extra_env=env,
             log_dir=tmp_path,
         )
         workers.append(worker)
@@ -357,6 +367,149 @@ async def test_sandbox_bounds_hold_through_a_worker(
     assert all(w.proc.poll() is None for w in workers)
 
 
+# --- paused owners ---------------------------------------------------------------------------
+
+PAUSED_SESSIONS = 6
+ACTIONS_EACH = 12
+
+
+def stopped(worker: WorkerProcess) -> bool:
+    """Whether the worker process is stopped (SIGSTOP): state ``T`` in /proc."""
+    stat = Path(f"/proc/{worker.proc.pid}/stat").read_text()
+    return stat.rpartition(")")[2].split()[0] in ("T", "t")
+
+
+def runs_by_marker(workspace: Path) -> dict[str, list[float]]:
+    """When each command's marker was written to its session's ``runs.txt`` (unix seconds)."""
+    runs: dict[str, list[float]] = {}
+    for path in workspace.rglob("runs.txt"):
+        for line in path.read_text().splitlines():
+            marker, started = line.split()
+            runs.setdefault(marker, []).append(int(started) / 1e9)
+    return runs
+
+
+def marked(marker: str) -> events.CmdRun:
+    """A command that records its marker and start time, then prints the marker."""
+    return events.CmdRun(command=f'echo "{marker} $(date +%s%N)" >> runs.txt; echo {marker}')
+
+
+def assert_ran_before_answered(
+    markers: dict[tuple[str, int], str], log: dict[str, list[events.Event]], runs: dict[str, list[float]]
+) -> None:
+    """Each action ran at most once, and only before its answer; its own output means it ran."""
+    for session_id, session_log in log.items():
+        for answer in session_log:
+            if not isinstance(answer, events.Observation) or answer.cause is None:
+                continue
+            marker = markers[(session_id, answer.cause)]
+            started = runs.get(marker, [])
+            assert len(started) <= 1, f"{marker} ran {len(started)} times"
+            if isinstance(answer, events.CmdOutput):
+                assert answer.content.strip() == marker
+                assert len(started) == 1
+            else:
+                assert isinstance(answer, events.Error), answer
+                assert answer.reason == "runtime_lost", answer
+                assert answer.retryable
+            for at in started:
+                late = at - answer.ts.timestamp()
+                assert late < 0, f"{marker} started {late:.3f}s after it was answered ({answer.kind})"
+
+
+async def test_an_owner_paused_past_its_lease_runs_nothing_a_peer_answered(
+    bus: Bus, start: Callable[..., WorkerProcess], workspace: Path
+) -> None:
+    first, second = start("pa"), start("pb")
+    await ready(first, second)
+    markers: dict[tuple[str, int], str] = {}  # (session, action id) -> marker
+    progress = dict.fromkeys((f"paused-{i}" for i in range(PAUSED_SESSIONS)), 0)
+
+    async def agent(session_id: str) -> None:
+        session = bus.session(session_id)
+        for i in range(ACTIONS_EACH):
+            for attempt in range(20):
+                marker = f"{session_id}-{i}-{attempt}"
+                (action_id,) = await session.append(marked(marker))
+                markers[(session_id, action_id)] = marker
+                answer = await session.wait_for_answer(action_id, timeout=60)
+                progress[session_id] += 1
+                if not (isinstance(answer, events.Error) and answer.reason == "runtime_lost" and answer.retryable):
+                    assert isinstance(answer, events.CmdOutput), answer
+                    break
+            else:
+                raise AssertionError(f"{session_id}: action {i} was lost 20 times")
+
+    async def holders() -> dict[str, bytes | None]:
+        return {s: await bus.redis.hget(bus.keys.meta(s), "holder:runtime") for s in progress}
+
+    async with anyio.create_task_group() as tg:
+        for session_id in progress:
+            tg.start_soon(agent, session_id)
+        with anyio.fail_after(60):  # a third of the way, with both workers known to hold sessions
+            while min(progress.values()) < ACTIONS_EACH // 3:
+                await anyio.sleep(0.02)
+        held = await holders()
+        victim, peer = (
+            (first, second) if list(held.values()).count(b"pa") >= list(held.values()).count(b"pb") else (second, first)
+        )
+        paused = [s for s, h in held.items() if h == victim.name.encode()]
+        assert paused
+        victim.proc.send_signal(signal.SIGSTOP)
+        at_stop = dict(progress)
+        # Resume only once the peer has taken every paused session over and answered there.
+        with anyio.fail_after(60):
+            while True:
+                now_held = await holders()
+                if all(
+                    now_held[s] == peer.name.encode() and progress[s] >= min(at_stop[s] + 2, ACTIONS_EACH)
+                    for s in paused
+                ):
+                    break
+                await anyio.sleep(0.05)
+        assert stopped(victim)
+        victim.proc.send_signal(signal.SIGCONT)
+    assert victim.proc.poll() is None, "the paused worker exited"
+    assert peer.proc.poll() is None, "the peer exited"
+
+    log = {s: await check_exactly_one_answer(bus, s) for s in progress}
+    assert_ran_before_answered(markers, log, runs_by_marker(workspace))
+    assert set(markers.values()) >= set(runs_by_marker(workspace)), "a command nobody appended ran"
+
+
+# after_claim: on the claim's reply; start_gate:4: at the shell's own check right before it
+# starts the command (the runtime checks once, the shell once, per command).
+@pytest.mark.parametrize("pause_at", ["after_claim:2", "start_gate:4"])
+async def test_an_owner_paused_right_after_its_claim_does_not_run_the_action(
+    pause_at: str, bus: Bus, start: Callable[..., WorkerProcess], workspace: Path
+) -> None:
+    """The narrowest windows: the owner claimed the action and then froze for longer than its
+    lease, before it started the command.  The peer that took over answers it ``runtime_lost``
+    (it was claimed: it may have started); the resumed owner sees its claim is too old to
+    trust, is fenced, and runs nothing."""
+    frozen = start("frozen", pause_at=pause_at)  # the first action goes through
+    await ready(frozen)
+    session = bus.session("frozen")
+    warm = await session.act(marked("warm"), timeout=30)
+    assert isinstance(warm, events.CmdOutput), warm
+    peer = start("peer")
+    await ready(peer)
+    (action_id,) = await session.append(marked("claimed-then-frozen"))
+    await until(lambda: stopped(frozen), 20, "the owner did not pause after its claim")
+    answer = await session.wait_for_answer(action_id, timeout=30)
+    assert isinstance(answer, events.Error), answer
+    assert (answer.reason, answer.retryable) == ("runtime_lost", True)
+    frozen.proc.send_signal(signal.SIGCONT)
+    await until(lambda: "session.fenced" in frozen.log_path.read_text(), 20, "the resumed owner was not fenced")
+    retried = await session.act(marked("retried"), timeout=30)
+    assert isinstance(retried, events.CmdOutput), retried
+    log = await check_exactly_one_answer(bus, "frozen")
+    markers = {("frozen", e.id): e.command.split()[1].strip('"') for e in log if isinstance(e, events.CmdRun) and e.id}
+    assert_ran_before_answered(markers, {"frozen": log}, runs_by_marker(workspace))
+    assert "claimed-then-frozen" not in runs_by_marker(workspace), "the stale owner ran the action once resumed"
+    assert frozen.proc.poll() is None
+
+
 # --- python_run in failover ------------------------------------------------------------------
 
 
@@ -390,6 +543,10 @@ async def test_python_cell_in_flight_on_a_killed_worker_is_answered_once_and_nev
     if crash == "after_append":  # answered before the crash; the new owner only acknowledges
         assert isinstance(answer, events.PythonOutput), answer
         assert answer.result == "42"
+    elif crash == "after_read":  # never claimed, so never started: the new owner runs it (no x there)
+        assert isinstance(answer, events.PythonOutput), answer
+        assert answer.exception is not None
+        assert "NameError" in answer.exception
     else:
         assert isinstance(answer, events.Error), answer
         assert answer.reason == "runtime_lost"
@@ -406,7 +563,7 @@ async def test_python_cell_in_flight_on_a_killed_worker_is_answered_once_and_nev
             answers[event.cause] = answers.get(event.cause, 0) + 1
     cells = [e.id for e in log if isinstance(e, events.PythonRun)]
     assert {c: answers.get(c, 0) for c in cells} == dict.fromkeys(cells, 1)
-    assert cell_runs(workspace) == (0 if crash == "after_read" else 1), "the cell ran twice (or never)"
+    assert cell_runs(workspace) == 1, "the cell ran twice (or never)"
 
 
 async def test_an_action_answered_while_it_runs_gets_no_second_answer(

@@ -44,11 +44,11 @@ async def test_fork_copies_the_same_ids_and_bytes_then_diverges(bus: Bus, worksp
         # The one-answer guard holds in the fork: copied actions are answered already.
         action_id = next(e.id for e in await bus.session("copy").events() if isinstance(e, events.CmdRun))
         assert action_id is not None
+        fork_session = bus.session("copy", tenant="acme")  # the fork keeps the source's tenant
         with pytest.raises(InputError, match="already answered"):
-            await bus.session("copy").append(events.CmdOutput(content="again", cause=action_id))
+            await fork_session.append(events.CmdOutput(content="again", cause=action_id))
 
         # The copied actions are not run again: the fork's workspace starts empty.
-        fork_session = bus.session("copy")
         obs = await fork_session.act(events.CmdRun(command="echo y >> count.txt && wc -l < count.txt"), timeout=20)
         assert isinstance(obs, events.CmdOutput)
         assert obs.content.strip() == "1"

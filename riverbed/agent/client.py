@@ -51,7 +51,12 @@ def resolve_redis_url(settings: Settings, *, progress: Callable[[str], None] | N
 
 
 class Session:
-    """A handle on one session's log; the log is created by the first append."""
+    """A handle on one session's log; the log is created by the first append.
+
+    The first append fixes the session's tenant (the handle's, or none): every later append
+    must come from a handle with the same tenant, else :class:`TenantMismatch` and nothing is
+    appended.  An event may carry a tenant itself only when it is the handle's.
+    """
 
     def __init__(self, bus: Bus, session_id: str, *, tenant: str | None = None, agent: str | None = None) -> None:
         bus.log_store.check_session(session_id)
@@ -91,7 +96,7 @@ class Session:
             payloads,
             expected_last=expected_last,
             idempotency_key=idempotency_key,
-            tenant=self.tenant,
+            tenant=self._tenant_of(stamped),
         )
         if isinstance(result, AlreadyAnswered):
             raise result
@@ -113,8 +118,9 @@ class Session:
             (action_id,) = await self.append(stamped)
             return events.with_id(stamped, action_id)
         started = anyio.current_time()
+        stamped = self.stamp(action)
         ids, after = await self.bus.log_store.append_then_read(
-            self.id, [stamped], block_ms=max(1, min(int(timeout * 1000), 1000)), tenant=self.tenant
+            self.id, [stamped], block_ms=max(1, min(int(timeout * 1000), 1000)), tenant=self._tenant_of([stamped])
         )
         action_id = ids[0]
         answer = _answer_among(after, action_id)
@@ -125,6 +131,22 @@ class Session:
         cursor = after[-1][0] if after else action_id
         waited = anyio.current_time() - started
         return await self._answer(action_id, timeout, look_up=False, cursor=cursor, waited=waited)
+
+    def _tenant_of(self, batch: Sequence[events.Event]) -> str | None:
+        """The tenant a batch of stamped events is appended as: the handle's, else the one the
+        events name (they may not name two, nor another than the handle's)."""
+        named = {e.tenant for e in batch if e.tenant is not None}
+        if self.tenant is not None:
+            named.discard(self.tenant)
+            if named:
+                raise InputError(
+                    f"an event names tenant {named.pop()!r} but this handle on session {self.id!r} is "
+                    f"tenant {self.tenant!r}'s; leave the event's tenant unset"
+                )
+            return self.tenant
+        if len(named) > 1:
+            raise InputError(f"one append names several tenants ({', '.join(sorted(named))}); a session has one")
+        return named.pop() if named else None
 
     async def wait_for_answer(self, action_id: int, *, timeout: float = 30.0) -> events.Event:
         """The observation answering ``action_id``; :class:`ActTimeout` when none comes in time."""

@@ -44,6 +44,7 @@ from anyio.abc import TaskStatus
 from msgspec.structs import replace
 
 from riverbed import events, tracing
+from riverbed.bus.claims import Claimed, Claims
 from riverbed.bus.connection import Client, translate
 from riverbed.bus.dlq import DeadLetters
 from riverbed.bus.exchange import exchange, held_connection, stream_entries
@@ -199,6 +200,15 @@ class SessionContext:
         with translate(self.owner.url):
             await self.owner.redis.xack(self.owner.keys.log(self.session), self.role, *[f"{i}-0" for i in ids])
 
+    async def claim(self, entry: Entry, *, force: bool = False, again: Claimed | None = None) -> Claimed:
+        """Claim ``entry`` with the owner's fencing token before running it (``bus/claims.py``);
+        :class:`FencedError` when this owner's lease was taken over."""
+        await self.flush()
+        claims = self.owner.claims
+        return await claims.claim(
+            self.session, entry.id, self.fence, force=force, again=again, stopping=self.owner._stopping
+        )
+
     async def is_answered(self, action_id: int) -> bool:
         await self.flush()
         with translate(self.owner.url):
@@ -262,6 +272,7 @@ class Owner:
         """The handler never needs its own answers delivered back (the runtime: it handles actions)."""
         self.leases = Leases(redis, keys, self.role, worker=worker, lease_ms=math.ceil(lease_seconds * 1000), url=url)
         self.dlq = DeadLetters(redis, keys, url)
+        self.claims = Claims(redis, keys, worker=worker, lease_seconds=lease_seconds, url=url)
         self.owned: dict[str, _Owned] = {}
         self.stats = OwnerStats()
         self.ready = False

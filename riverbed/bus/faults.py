@@ -1,9 +1,11 @@
-"""Named crash points for the fault suite.
+"""Named crash (and pause) points for the fault suite.
 
 ``RIVERBED_CRASH_AT=<point>[:<n>]`` makes the process SIGKILL itself the n-th time (default
-the first) it passes ``crashpoint(<point>)``.  Unset (always, in production) the check is
-one dictionary lookup.  Points: ``after_read``, ``after_side_effect``, ``after_append``,
-``before_ack``, ``during_renew``, ``after_index``.
+the first) it passes ``crashpoint(<point>)``; ``RIVERBED_PAUSE_AT=<point>[:<n>]`` makes it
+SIGSTOP itself there instead (a GC stall, a frozen VM: the test sends SIGCONT).  Unset
+(always, in production) the check is one comparison.  Points: ``after_read``,
+``after_claim``, ``start_gate`` (each check before a start), ``after_side_effect``,
+``after_append``, ``before_ack``, ``during_renew``, ``after_index``.
 """
 
 from __future__ import annotations
@@ -11,15 +13,25 @@ from __future__ import annotations
 import os
 import signal
 
-_spec = os.environ.get("RIVERBED_CRASH_AT", "")
-_point, _, _nth = _spec.partition(":")
-_remaining = int(_nth or 1) if _point else 0
+
+def _parse(spec: str) -> tuple[str, int]:
+    point, _, nth = spec.partition(":")
+    return point, int(nth or 1) if point else 0
+
+
+_points: dict[str, list[int]] = {}
+for _variable, _signal in (("RIVERBED_CRASH_AT", signal.SIGKILL), ("RIVERBED_PAUSE_AT", signal.SIGSTOP)):
+    _point, _remaining = _parse(os.environ.get(_variable, ""))
+    if _point:
+        _points[_point] = [_remaining, _signal]
 
 
 def crashpoint(name: str) -> None:
-    global _remaining
-    if _point != name:
+    if not _points:
         return
-    _remaining -= 1
-    if _remaining <= 0:
-        os.kill(os.getpid(), signal.SIGKILL)
+    armed = _points.get(name)
+    if armed is None:
+        return
+    armed[0] -= 1
+    if armed[0] == 0:
+        os.kill(os.getpid(), armed[1])

@@ -14,6 +14,8 @@ key                                    what
                                        ``need:<role>`` (no owner yet: when it was last announced),
                                        ``archived_to`` (events up to it are in the archive)
 ``{p}:{s}:answers``                    hash: action id -> id of its one answering observation
+``{p}:{s}:claims``                     hash: action id -> ``worker:token:nonce`` of the runtime owner
+                                       that started it (removed when the action is answered)
 ``{p}:{s}:idem:<key>``                 string ``first:count`` for a retried append (with TTL)
 ``{p}:{p}:dir:<role>``                 stream: sessions waiting for / held by a role owner
 ``{p}:{p}:sessions``                   sorted set: every session, scored by creation time
@@ -72,6 +74,9 @@ class Keys:
 
     def answers(self, session: str) -> str:
         return f"{self.prefix}:{{{session}}}:answers"
+
+    def claims(self, session: str) -> str:
+        return f"{self.prefix}:{{{session}}}:claims"
 
     def idem(self, session: str, key: str) -> str:
         return f"{self.prefix}:{{{session}}}:idem:{key}"

@@ -7,7 +7,9 @@ and enforces, atomically:
 - an idempotency key: a retried append returns the first ids and appends nothing;
 - a fencing token: a role owner whose lease was taken over cannot append (:class:`FencedError`);
 - one answer per action: a second observation for the same ``cause`` is refused
-  (the reply names the existing answer), so no action is ever answered twice.
+  (the reply names the existing answer), so no action is ever answered twice;
+- the session's tenant: the first append fixes it (no tenant is one too), and an append
+  that is not a role owner's must name the same tenant (:class:`TenantMismatch`).
 
 Reads page through ``XRANGE``; :meth:`Log.follow` tails with a bounded blocking
 ``XREAD`` and resumes from the last id it yielded, so it never misses or repeats an
@@ -44,6 +46,7 @@ from riverbed.errors import (
     FencedError,
     InputError,
     NotFoundError,
+    TenantMismatch,
     UnavailableError,
 )
 
@@ -94,10 +97,18 @@ class PreparedAppend:
     """
 
     def __init__(
-        self, log: Log, session: str, keys: list[str], args: list[Any], expected_last: int | None, fence: Fence | None
+        self,
+        log: Log,
+        session: str,
+        keys: list[str],
+        args: list[Any],
+        expected_last: int | None,
+        fence: Fence | None,
+        tenant: str | None = None,
     ) -> None:
         self.log = log
         self.session = session
+        self.tenant = tenant
         self.keys = keys
         self.args = args
         self.expected_last = expected_last
@@ -131,6 +142,8 @@ class PreparedAppend:
             raise FencedError(self.session, self.fence.role, self.fence.token, int(reply[1]))
         if status == b"answered":
             return AlreadyAnswered(cause=int(reply[1]), existing=int(reply[2]))
+        if status == b"tenant":
+            raise TenantMismatch(self.session, self.tenant)
         raise RuntimeError(f"unexpected append reply {reply!r}")
 
 
@@ -244,8 +257,9 @@ class Log:
             keys.meta(session),
             keys.answers(session),
             keys.idem(session, idempotency_key),
+            keys.claims(session),
         ]
-        return PreparedAppend(self, session, script_keys, args, expected_last, fence)
+        return PreparedAppend(self, session, script_keys, args, expected_last, fence, tenant)
 
     async def append_then_read(
         self, session: str, batch: Sequence[events.Event], *, block_ms: int, tenant: str | None = None

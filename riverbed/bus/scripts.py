@@ -1,7 +1,7 @@
 """All of riverbed's Lua, in one place.  Every script touches the keys of one session only.
 
 Replies are arrays whose first element is a status word, decoded by the callers in
-``bus/log.py``, ``bus/ownership.py`` and ``bus/archive.py``.
+``bus/log.py``, ``bus/claims.py``, ``bus/ownership.py`` and ``bus/archive.py``.
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: log, meta, answers, idem
+# KEYS: log, meta, answers, idem, claims
 # ARGV: expected_last ('' = any), idem_ttl_ms ('' = no idempotency key), role ('' = not an owner),
 #       token, ack_group ('' = none), ack_id, tenant, n, pass_own ('1': the acking group need not
 #       see this answer), then n pairs (payload, answered cause or 0)
 # Replies: {'ok', first, count, created, need...} | {'dup', first, count, created, need...} | {'conflict', last}
-#          | {'fenced', current} | {'answered', cause, existing id}
+#          | {'fenced', current} | {'answered', cause, existing id} | {'tenant', the session's tenant ('' none)}
+# The first append pins the session's tenant (none is a tenant too); any later append that is not
+# a role owner's must name the same one, checked before anything else (a retry included; only a
+# conflict with expected_last is told first).
 ANNOUNCE_MS = 2000
 """While a role has no owner for a session, appends re-announce it at most this often."""
 
@@ -25,6 +28,15 @@ APPEND = (
     _NOW
     + f"local ANNOUNCE_MS = {ANNOUNCE_MS}\n"
     + """
+local pinned_last = tonumber(redis.call('HGET', KEYS[2], 'last') or '0')
+if ARGV[3] == '' and pinned_last > 0 then
+  local pinned = redis.call('HGET', KEYS[2], 'tenant') or ''
+  if pinned ~= ARGV[7] then
+    -- A writer that expected another last id hears that first (it says nothing more).
+    if ARGV[1] ~= '' and tonumber(ARGV[1]) ~= pinned_last then return {'conflict', pinned_last} end
+    return {'tenant', pinned}
+  end
+end
 if ARGV[2] ~= '' then
   local seen = redis.call('GET', KEYS[4])
   if seen then
@@ -68,7 +80,10 @@ for i = 0, n - 1 do
   last = last + 1
   redis.call('XADD', KEYS[1], last .. '-0', 'e', ARGV[10 + 2 * i])
   local cause = ARGV[11 + 2 * i]
-  if cause ~= '0' then redis.call('HSET', KEYS[3], cause, last) end
+  if cause ~= '0' then
+    redis.call('HSET', KEYS[3], cause, last)
+    redis.call('HDEL', KEYS[5], cause)  -- answered: its claim has done its job
+  end
 end
 redis.call('HSET', KEYS[2], 'last', last)
 if ARGV[2] ~= '' then
@@ -132,6 +147,29 @@ if redis.call('HGET', KEYS[1], 'holder:' .. ARGV[1]) ~= ARGV[2] then return 0 en
 if redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) ~= ARGV[3] then return 0 end
 redis.call('HSET', KEYS[1], 'expires:' .. ARGV[1], now + tonumber(ARGV[4]))
 return 1
+"""
+)
+
+# KEYS: meta, claims, answers.  ARGV: role, worker, token, lease_ms, action id, claim, force ('1': claim
+# even over another claim, for actions safe to repeat).
+# Replies: {'ok'} | {'fenced', current token} | {'answered', existing id} | {'claimed', the other claim}
+# The owner's "I start this action now": only the holder with the current token may, only once per
+# action and never after an answer.  It pushes the lease forward too, so a peer cannot take the
+# session over within a lease of a successful claim (the caller starts the action well before).
+CLAIM = (
+    _NOW
+    + """
+local current = redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) or '0'
+if current ~= ARGV[3] or redis.call('HGET', KEYS[1], 'holder:' .. ARGV[1]) ~= ARGV[2] then
+  return {'fenced', tonumber(current)}
+end
+local existing = redis.call('HGET', KEYS[3], ARGV[5])
+if existing then return {'answered', tonumber(existing)} end
+local held = redis.call('HGET', KEYS[2], ARGV[5])
+if held and held ~= ARGV[6] and ARGV[7] ~= '1' then return {'claimed', held} end
+redis.call('HSET', KEYS[2], ARGV[5], ARGV[6])
+redis.call('HSET', KEYS[1], 'expires:' .. ARGV[1], now + tonumber(ARGV[4]))
+return {'ok'}
 """
 )
 

@@ -172,7 +172,9 @@ class Memory:
     ) -> list[events.Hit]:
         """Hybrid semantic search: vector and full-text candidates fused by RRF.
 
-        The query is embedded first; both searches then run in one statement."""
+        ``scope="tenant"`` spans the tenant's sessions; sessions without a tenant share nothing,
+        so for them it is the session alone.  The query is embedded first; both searches then
+        run in one statement."""
         if k < 1 or not query.strip():
             return []
         k = min(k, 100)
@@ -186,7 +188,7 @@ class Memory:
             model=self.embedder.model,
             k=max(self.candidates, k * 2),
             tenant=tenant,
-            session=session if scope == "session" else None,
+            session=None if scope == "tenant" and tenant is not None else session,
         )
         return hybrid_rank(
             by_vector,

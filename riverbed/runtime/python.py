@@ -36,6 +36,7 @@ import anyio
 import structlog
 
 from riverbed import events
+from riverbed.runtime.gate import before_start
 from riverbed.runtime.limits import DRIVER, Limits, kill_processes, launcher_argv, session_processes, spawn, wait_exit
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
 from riverbed.runtime.sandbox import DRIVER_INSIDE, Outbound, Sandbox
@@ -207,6 +208,7 @@ class PythonProcess:
         self._cell_id += 1
         cell = _Cell(self._limits.max_output_chars, self._marker + f"{self._cell_id}__\x1e".encode())
         body = json.dumps({"cell": self._cell_id, "code": action.code, "env": dict(env)}).encode()
+        await before_start()  # nothing awaited from here to the write that starts the cell
         await write_all(self._to_driver, struct.pack(">I", len(body)) + body)
         timed_out = False
         if not await self._wait(cell, timeout):

@@ -53,6 +53,7 @@ from msgspec.structs import replace
 from riverbed import events, tracing
 from riverbed.errors import RiverbedError
 from riverbed.runtime import files
+from riverbed.runtime.gate import before_start
 from riverbed.runtime.limits import Limits
 from riverbed.runtime.paths import PathRefused, confine, workspace_name
 from riverbed.runtime.python import PythonProcess, PythonUnavailable
@@ -307,6 +308,7 @@ class Runtime:
             except TimeoutError:
                 return _error("busy", "the session's sandbox is busy with earlier actions; try again", retryable=True)
         try:
+            await before_start()  # the sandboxes check again right before they start a process
             if not session.workspace_made:
                 await anyio.to_thread.run_sync(self._sandbox.prepare, session.workspace)
                 session.workspace_made = True

@@ -43,6 +43,7 @@ import anyio
 import structlog
 
 from riverbed import events
+from riverbed.runtime.gate import before_start
 from riverbed.runtime.limits import (
     Limits,
     kill_processes,
@@ -227,6 +228,7 @@ class Shell:
         if cwd is not None:
             line = f"builtin cd -- {shlex.quote(str(cwd))} && {line}"
         self._before = {pid for pid, _ in await anyio.to_thread.run_sync(session_processes, self._sid())}
+        await before_start()  # nothing awaited from here to the write that starts the command
         self._command = action.command
         self._running = True
         self._scanner.reset()

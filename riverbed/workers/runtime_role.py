@@ -1,9 +1,12 @@
 """The runtime role: execute actions in the session's sandbox, answer each exactly once.
 
-In-flight actions found on takeover (delivered to a dead owner, never acknowledged) are
-answered by the new owner: already answered -> just acknowledged; safe to repeat (reads)
--> run again; anything else -> ``error`` with reason ``runtime_lost`` and
-``retryable: true``, because its side effect may or may not have happened.
+Every action is claimed with the owner's fencing token right before it runs
+(``bus/claims.py``): a stale owner's claim is refused and it runs nothing.  The claim also
+decides what an action found in flight on takeover (delivered to a lost owner, never
+acknowledged) gets: already answered -> just acknowledged; never claimed -> run (it never
+started); safe to repeat (reads) -> run again; claimed by the lost owner -> ``error`` with
+reason ``runtime_lost`` and ``retryable: true``, because its side effect may or may not
+have happened.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from anyio.abc import TaskStatus
 from riverbed import events
 from riverbed.bus.consumer import Entry, SessionContext
 from riverbed.bus.faults import crashpoint
-from riverbed.errors import InputError
+from riverbed.errors import InputError, RiverbedError
 from riverbed.runtime import Runtime, Sandbox
+from riverbed.runtime.gate import gated
 from riverbed.runtime.sandbox import probe
 from riverbed.settings import Settings
 
@@ -65,11 +69,11 @@ class RuntimeHandler:
 
     async def open(self, ctx: SessionContext) -> None:
         env: dict[str, str | None] = {}
+        # The tenant the first append fixed: every answer carries it.
+        ctx.tenant = (await ctx.log.meta(ctx.session)).get("tenant") or None
         async for event in ctx.log.read(ctx.session):
             if isinstance(event, events.SessionConfig):
                 env.update(event.env)
-            if ctx.tenant is None and event.tenant is not None:
-                ctx.tenant = event.tenant
         if env:
             self._set_env(ctx.session, env)
 
@@ -81,7 +85,7 @@ class RuntimeHandler:
             if for_runtime(event):
                 await ctx.ack(done)
                 done = []
-                await self._execute(ctx, entry, soon=entry is last)
+                await self._claim_and_run(ctx, entry, soon=entry is last)
             else:
                 if isinstance(event, events.SessionConfig) and event.env:
                     self._set_env(ctx.session, event.env)
@@ -103,26 +107,48 @@ class RuntimeHandler:
 
     async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
         for entry in entries:
-            event = entry.event
-            if not for_runtime(event):
-                await self.handle(ctx, [entry])
-            elif await ctx.is_answered(entry.id):
-                await ctx.ack([entry.id])
-            elif isinstance(event, events.Action) and type(event).repeatable:
-                await self._execute(ctx, entry)
+            if for_runtime(entry.event):
+                await self._claim_and_run(ctx, entry)
             else:
-                await ctx.answer(
-                    entry,
-                    events.Error(
-                        content=f"the runtime worker running action {entry.id} ({event.kind}) was lost; "
-                        "it may or may not have taken effect; check and retry if needed",
-                        reason="runtime_lost",
-                        retryable=True,
-                    ),
-                )
+                await self.handle(ctx, [entry])
 
     async def close(self, ctx: SessionContext) -> None:
         await self.runtime.close_session(ctx.session)
+
+    async def _claim_and_run(self, ctx: SessionContext, entry: Entry, *, soon: bool = False) -> None:
+        """Claim the action, then run it, acknowledge it (answered already) or answer it
+        ``runtime_lost`` (another owner started it).  A stale owner's claim raises
+        :class:`FencedError`, which ends its session loop before anything runs."""
+        event = entry.event
+        force = isinstance(event, events.Action) and type(event).repeatable
+        claimed = await ctx.claim(entry, force=force)
+        if claimed.status == "ok":
+
+            async def still_ours() -> None:
+                """The start gate: start only on a fresh claim (a stall since? claim again)."""
+                nonlocal claimed
+                crashpoint("start_gate")
+                if claimed.fresh:
+                    return
+                claimed = await ctx.claim(entry, force=force, again=claimed)
+                if claimed.status != "ok":
+                    raise RiverbedError(f"action {entry.id} was {claimed.status} elsewhere while this worker stalled")
+
+            with gated(still_ours):
+                await self._execute(ctx, entry, soon=soon)
+        elif claimed.status == "answered":
+            await ctx.ack([entry.id])
+        else:
+            log.warning("action.lost", session=ctx.session, event_id=entry.id, claimed_by=claimed.detail)
+            await ctx.answer(
+                entry,
+                events.Error(
+                    content=f"the runtime worker running action {entry.id} ({event.kind}) was lost; "
+                    "it may or may not have taken effect; check and retry if needed",
+                    reason="runtime_lost",
+                    retryable=True,
+                ),
+            )
 
     async def _execute(self, ctx: SessionContext, entry: Entry, *, soon: bool = False) -> None:
         """Run the action and answer it; ``soon``: with the loop's next read (the batch's last)."""

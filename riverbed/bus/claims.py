@@ -1,0 +1,122 @@
+"""Claims: a runtime owner's atomic "I start this action now", fenced by its token.
+
+Before it runs an action, the owner calls the CLAIM script (``scripts.CLAIM``), which in one
+step checks that the caller still holds the session with the current fencing token, that the
+action is not answered, and that nobody claimed it before; then records the claim in the
+session's ``claims`` hash (``keys.claims``) and pushes the owner's lease forward by a whole
+lease.  So:
+
+- a stale owner (paused past its lease, then resumed) is refused (:class:`FencedError`) and
+  does not run the action: only the current owner executes;
+- a new owner runs again every in-flight action that was never claimed: it never started;
+- an action claimed by a lost owner had started, so only it is answered ``runtime_lost``.
+
+A claim is only as good as the time between it and the start of the action: the claim
+guarantees a whole lease before a peer can take over, and the owner starts the action only
+while less than half a lease has passed since it sent the claim (:attr:`Claimed.fresh`,
+checked by the sandbox right before it starts the side effect, through
+``riverbed.runtime.gate``).  Later (the worker was paused, the network stalled) it claims
+again under the same claim value, which succeeds only while it is still the owner.  What no
+claim can cover is a pause between that last check and the start itself: a few statements
+with nothing awaited in between.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import anyio
+import structlog
+
+from riverbed.bus import scripts
+from riverbed.bus.connection import Client, translate
+from riverbed.bus.faults import crashpoint
+from riverbed.bus.keys import Keys
+from riverbed.bus.log import Fence
+from riverbed.errors import FencedError, UnavailableError
+
+__all__ = ["Claimed", "Claims"]
+
+log = structlog.get_logger("riverbed.worker")
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """The outcome of a claim: ``ok`` (run it), ``answered`` (``detail``: the answer's id) or
+    ``claimed`` (``detail``: the claim of the owner that started it before).
+
+    ``value`` is this claim's own value; ``start_by`` (``time.monotonic()``) is how long it
+    stays fresh: half a lease after its round trip began.  No peer can have taken the session
+    over before then (the claim pushed the lease a whole lease forward)."""
+
+    status: Literal["ok", "answered", "claimed"]
+    detail: str = ""
+    value: str = ""
+    start_by: float = 0.0
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the action may start now on the strength of this claim."""
+        return time.monotonic() < self.start_by
+
+
+class Claims:
+    """CLAIM calls for one worker."""
+
+    def __init__(self, redis: Client, keys: Keys, *, worker: str, lease_seconds: float, url: str = "redis") -> None:
+        self.redis = redis
+        self.keys = keys
+        self.worker = worker
+        self.lease_seconds = lease_seconds
+        self.url = url
+        self._claim = redis.register_script(scripts.CLAIM)
+
+    async def claim(
+        self,
+        session: str,
+        action_id: int,
+        fence: Fence,
+        *,
+        force: bool = False,
+        again: Claimed | None = None,
+        stopping: anyio.Event | None = None,
+    ) -> Claimed:
+        """Claim ``action_id`` for ``fence``'s owner; :class:`FencedError` when it is stale.
+
+        ``force`` claims over another owner's claim (actions that are safe to repeat);
+        ``again`` renews an earlier claim of this owner (same value: not a second start).
+        Retried under the same value while Redis is unreachable (unless ``stopping`` is set).
+        """
+        value = again.value if again is not None else f"{self.worker}:{fence.token}:{secrets.token_hex(4)}"
+        keys = [self.keys.meta(session), self.keys.claims(session), self.keys.answers(session)]
+        args = [fence.role, self.worker, fence.token, math.ceil(self.lease_seconds * 1000), action_id, value]
+        args.append("1" if force else "")
+        backoff = 0.1
+        while True:
+            sent = time.monotonic()
+            try:
+                with translate(self.url):
+                    reply = await self._claim(keys=keys, args=args)
+            except UnavailableError as exc:
+                if stopping is not None and stopping.is_set():
+                    raise
+                log.warning("claim.unavailable", session=session, event_id=action_id, error=str(exc))
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            crashpoint("after_claim")
+            status = reply[0]
+            if status == b"fenced":
+                raise FencedError(session, fence.role, fence.token, int(reply[1]))
+            if status == b"answered":
+                return Claimed("answered", str(int(reply[1])))
+            if status == b"claimed":
+                held = reply[1]
+                return Claimed("claimed", held.decode() if isinstance(held, bytes) else str(held))
+            if status != b"ok":
+                raise RuntimeError(f"unexpected claim reply {reply!r}")
+            return Claimed("ok", value=value, start_by=sent + self.lease_seconds / 2)
