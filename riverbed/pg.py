@@ -45,7 +45,7 @@ _DATA_CLASSES = ("22", "54")
 def translate_error(exc: BaseException, what: str) -> RiverbedError:
     """The riverbed error for a driver error of ``what`` (a database), by its SQLSTATE."""
     state = str(getattr(exc, "sqlstate", "") or "")
-    detail = f"{type(exc).__name__}: {exc}"
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else "no answer in time"
     if isinstance(exc, OSError | TimeoutError) or (state and state.startswith(_TRANSIENT_STATES)):
         return UnavailableError(f"the {what} failed: {detail}")
     if (state and state.startswith(_DATA_CLASSES)) or isinstance(exc, UnicodeError):

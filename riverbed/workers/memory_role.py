@@ -11,7 +11,8 @@ went through indexing like any other.
 - **Postgres slow or hanging**: every recall is answered within ``Memory.recall_timeout`` of
   the start of its batch: a watcher answers with a retryable ``error`` the recalls of the
   batch, and those queued behind it, that are still waiting at that deadline, while the
-  indexing goes on (bounded by its own timeouts).
+  indexing goes on (bounded by its own timeouts).  When the batch is a retry after memory
+  was found unavailable, the watcher answers queued recalls at once.
 - **A value Postgres cannot hold** (:class:`DataError`, after the texts were cleaned): the
   rest of the batch is indexed and acknowledged; the guilty events fail, are counted by the
   consumer loop, and are dead-lettered with the reason after its attempts.
@@ -48,6 +49,7 @@ class MemoryHandler:
         self.memory = memory
         self.workspace_root = workspace_root
         self._scanned: dict[str, int] = {}  # session -> last id looked at for queued recalls
+        self._failing: set[str] = set()  # sessions whose last indexing attempt found memory unavailable
 
     @property
     def cache(self) -> object:
@@ -59,15 +61,18 @@ class MemoryHandler:
 
     async def close(self, ctx: SessionContext) -> None:
         self._scanned.pop(ctx.session, None)
+        self._failing.discard(ctx.session)
 
     async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
         await self.handle(ctx, entries)
 
     async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
-        deadline = anyio.current_time() + self.memory.recall_timeout
+        now = anyio.current_time()
+        deadline = now + self.memory.recall_timeout
         failure: Exception | None = None
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._answer_late, ctx, entries, deadline)
+            # while a retried batch waits on memory, recalls queued behind it are answered at once
+            tg.start_soon(self._answer_late, ctx, entries, now if ctx.session in self._failing else deadline)
             try:
                 await self._index_and_answer(ctx, entries, deadline)
             except Exception as exc:  # re-raised below, outside the task group (no ExceptionGroup)
@@ -84,6 +89,7 @@ class MemoryHandler:
             await self.memory.store.start()  # idempotent; raises UnavailableError while Postgres is down
             await self.memory.index(ctx.session, [e.event for e in entries], tenant=ctx.tenant)
         except UnavailableError as exc:
+            self._failing.add(ctx.session)
             for entry in recalls:
                 await self._answer_error(ctx, entry, exc)
             await self._answer_queued_recalls(ctx, entries[-1].id, exc)
@@ -93,6 +99,7 @@ class MemoryHandler:
                 raise
             log.warning("memory.unindexable", session=ctx.session, event_ids=sorted(exc.event_ids), error=str(exc))
             unindexable = exc
+        self._failing.discard(ctx.session)
         guilty = unindexable.event_ids if unindexable is not None else frozenset()
         crashpoint("after_index")
         for entry in recalls:
@@ -128,8 +135,8 @@ class MemoryHandler:
         and those queued behind it, until the batch is done (then this task is cancelled)."""
         await anyio.sleep_until(deadline)
         late = UnavailableError(
-            f"memory did not answer within {self.memory.recall_timeout:g}s: Postgres or the embedder is "
-            "slow or not answering, or indexing is behind; try again"
+            f"memory cannot answer within {self.memory.recall_timeout:g}s: Postgres or the embedder is "
+            "slow, hanging or down, or indexing is behind; try again"
         )
         try:
             for entry in entries:
