@@ -52,7 +52,7 @@ class Memory:
         *,
         policy: ChunkPolicy | None = None,
         microagent_dirs: Sequence[Path] = (),
-        recall_timeout: float = 10.0,
+        recall_timeout: float = 8.0,
         index_timeout: float = 120.0,
         half_life_seconds: float | None = None,
         candidates: int = 40,
