@@ -4,6 +4,7 @@
 
     RiverbedError                     base; ``retryable`` says whether trying again may help
     ├── ConfigError                   bad configuration (an env var, a flag, a URL)
+    │   └── SandboxUnavailable        namespaces sandboxes cannot be built here (runtime.sandbox)
     ├── InputError                    bad input from a user or agent (JSON, kind, field)
     │   ├── DecodeError               a payload is not a valid event (bytes, JSON, a field's value)
     │   ├── AlreadyAnswered           an answer to an action that already has its one answer
@@ -14,7 +15,9 @@
     ├── FencedError                   a stale owner tried to append (its lease was taken)
     ├── ActTimeout        (retryable) no observation arrived within the timeout
     ├── NotFoundError                 a session or a dead letter does not exist
-    └── ServiceError                  an embedded service failed to start or stop
+    ├── ServiceError                  an embedded service failed to start or stop
+    └── StorageError                  the database refused a statement (not its connection)
+        └── DataError                 a value it cannot hold (SQLSTATE class 22 or 54)
 
 Third-party exceptions are translated at the adapter boundary with ``raise … from exc``.
 """
@@ -138,3 +141,21 @@ class PathRefused(InputError):
 
 class ServiceError(RiverbedError):
     """An embedded service (redis-server, Postgres) failed to start or stop."""
+
+
+class StorageError(RiverbedError):
+    """The database refused a statement for a reason other than its connection: a schema or
+    permission problem an operator has to look at.  Trying the same statement again does
+    not help, so a worker counts it against the entry (and dead-letters after the attempts)."""
+
+
+class DataError(StorageError):
+    """A value the database cannot hold (Postgres SQLSTATE class 22 ``data_exception``, such
+    as a NUL byte in text, or class 54 ``program_limit_exceeded``): the entry's fault.
+
+    ``event_ids`` names the events whose values they are, when the writer knows them.
+    """
+
+    def __init__(self, message: str, *, event_ids: frozenset[int] = frozenset()) -> None:
+        super().__init__(message)
+        self.event_ids = event_ids

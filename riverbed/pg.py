@@ -5,8 +5,12 @@
 - schema names (one per riverbed prefix) and identifier quoting;
 - versioned migrations applied under one advisory lock, so several workers starting at
   once apply each version exactly once;
-- :class:`LazyPool`: an asyncpg pool opened on first use, whose driver errors become
-  :class:`~riverbed.errors.UnavailableError` at this boundary.
+- :class:`LazyPool`: an asyncpg pool opened on first use, whose driver errors are translated
+  at this boundary, once, by :func:`translate_error`: a connection that failed, timed out or
+  was refused (SQLSTATE classes 08, 53, 57P0x, a statement timeout, OSError) is
+  :class:`~riverbed.errors.UnavailableError` (retry later); a value Postgres cannot hold
+  (classes 22 and 54, e.g. a NUL byte in text) is :class:`~riverbed.errors.DataError` (the
+  entry's fault); any other refusal is :class:`~riverbed.errors.StorageError`.
 """
 
 from __future__ import annotations
@@ -20,15 +24,36 @@ import anyio
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-from riverbed.errors import ConfigError, UnavailableError
+from riverbed.errors import ConfigError, DataError, RiverbedError, StorageError, UnavailableError
 
-__all__ = ["DB_ERRORS", "LOCK_KEY", "LazyPool", "check_schema", "migrate", "quote_ident"]
+__all__ = ["DB_ERRORS", "LOCK_KEY", "LazyPool", "check_schema", "migrate", "quote_ident", "translate_error"]
 
 LOCK_KEY = 0x72697665726264  # "riverbd": every riverbed migration takes this advisory lock
 DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 _SCHEMA_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 
 Connection: TypeAlias = "asyncpg.Connection[asyncpg.Record]"
+
+
+#: SQLSTATEs (or their two-character classes) of a server that is unreachable, overloaded,
+#: shutting down or too slow, and of a transaction that lost a race: trying again may succeed.
+_TRANSIENT_STATES = ("08", "53", "57P01", "57P02", "57P03", "57014", "55P03", "40001", "40P01")
+#: Classes of a value the server cannot hold: data_exception, program_limit_exceeded.
+_DATA_CLASSES = ("22", "54")
+
+
+def translate_error(exc: BaseException, what: str) -> RiverbedError:
+    """The riverbed error for a driver error of ``what`` (a database), by its SQLSTATE."""
+    state = str(getattr(exc, "sqlstate", "") or "")
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else "no answer in time"
+    if isinstance(exc, OSError | TimeoutError) or (state and state.startswith(_TRANSIENT_STATES)):
+        return UnavailableError(f"the {what} failed: {detail}")
+    if (state and state.startswith(_DATA_CLASSES)) or isinstance(exc, UnicodeError):
+        return DataError(f"the {what} cannot store a value: {detail}")
+    if isinstance(exc, asyncpg.PostgresError):
+        return StorageError(f"the {what} refused a statement: {detail}")
+    # InterfaceError: the driver's state (a closed connection, a closing pool)
+    return UnavailableError(f"the {what} failed: {detail}")
 
 
 def quote_ident(name: str) -> str:
@@ -139,12 +164,15 @@ class LazyPool:
                 await pool.close()
 
     @contextlib.asynccontextmanager
-    async def connection(self) -> AsyncIterator[PoolConnectionProxy[asyncpg.Record]]:
-        """A pooled connection (the pool must be started); driver errors become UnavailableError."""
+    async def connection(self, *, timeout: float | None = None) -> AsyncIterator[PoolConnectionProxy[asyncpg.Record]]:
+        """A pooled connection (the pool must be started), waited for at most ``timeout``
+        seconds (default: the connect timeout); driver errors are translated by
+        :func:`translate_error`."""
         if self._pool is None:
             raise UnavailableError(f"the {self.what} is not started (call start() first)")
+        wait = self._connect_timeout if timeout is None else min(timeout, self._connect_timeout)
         try:
-            async with self._pool.acquire(timeout=self._connect_timeout) as conn:
+            async with self._pool.acquire(timeout=wait) as conn:
                 yield conn
-        except DB_ERRORS as exc:
-            raise UnavailableError(f"the {self.what} failed: {type(exc).__name__}: {exc}") from exc
+        except (*DB_ERRORS, UnicodeError) as exc:
+            raise translate_error(exc, self.what) from exc

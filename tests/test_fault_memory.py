@@ -7,10 +7,15 @@
 - Postgres stopped mid-run: every ``recall`` during the outage gets a retryable
   ``memory_unavailable`` error within its timeout, and the events appended meanwhile are all
   indexed, once, after Postgres is back.
+- Postgres hanging (every server process SIGSTOPped, then SIGCONTed in a ``finally``): every
+  ``recall`` still gets a retryable ``memory_unavailable`` error within its timeout, and the
+  whole log, recall actions included, is indexed once Postgres runs again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -350,3 +355,79 @@ async def test_postgres_outage_recalls_fail_fast_and_indexing_catches_up(
     await settled(bus, session)
     every_recall_answered_once(await session.events())
     await assert_indexed_exactly_once(session, url, prefix, database_url, f"{prefix}_clean", local)
+
+
+def postgres_processes(pgdata: Path) -> list[int]:
+    """The postmaster of ``pgdata`` and every process it started."""
+    postmaster = int((pgdata / "postmaster.pid").read_text().split()[0])
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [postmaster]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+async def test_postgres_hanging_recalls_answer_within_their_timeout(
+    bus: Bus,
+    workers: list[WorkerProcess],
+    redis_url: str,
+    database_url: str,
+    prefix: str,
+    workspace: Path,
+    tmp_path: Path,
+    local: LocalEmbedder,
+    private_pgdata: Path,
+) -> None:
+    """Every process of a private Postgres stopped (SIGSTOP): it accepts connections and
+    answers nothing.  Recalls get a retryable ``memory_unavailable`` error within their
+    timeout, the worker lives, and once Postgres runs again everything is indexed."""
+    url = await anyio.to_thread.run_sync(start_private_postgres, private_pgdata)
+    worker = spawn(
+        workers, "memory", redis_url=redis_url, database_url=url, prefix=prefix, workspace=workspace, log_dir=tmp_path
+    )
+    worker.wait_ready()
+    session = bus.session("hanging", tenant="acme")
+    await session.append(*work_script())
+    warm = await session.act(events.Recall(query="which pods are running?"), timeout=RECALL_TIMEOUT)
+    assert isinstance(warm, events.RecallResult), warm
+    await wait_indexed(url, prefix, session)
+
+    stopped = postgres_processes(private_pgdata)
+    signal_all(stopped, signal.SIGSTOP)
+    try:
+        during = await session.append(
+            events.Message(source="user", content="the VPN gateway flaps while the database hangs")
+        )
+        for round_no in range(3):
+            started = time.monotonic()
+            answer = await session.act(events.Recall(query="is the VPN gateway stable?"), timeout=RECALL_TIMEOUT)
+            assert isinstance(answer, events.Error), f"round {round_no}: {answer}"
+            assert answer.reason == "memory_unavailable"
+            assert answer.retryable
+            assert time.monotonic() - started < RECALL_TIMEOUT
+        assert worker.proc.poll() is None, "the worker died while Postgres hung"
+    finally:
+        signal_all(stopped, signal.SIGCONT)
+
+    await settled(bus, session, deadline=60)
+    assert set(during) <= set(await tracked(url, prefix, session.id))
+    after = await session.act(events.Recall(query="what about the VPN gateway?", k=3), timeout=RECALL_TIMEOUT)
+    assert isinstance(after, events.RecallResult), after
+    await settled(bus, session)
+    log = await session.events()
+    every_recall_answered_once(log)
+    assert {e.id for e in log} <= set(await tracked(url, prefix, session.id))

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from riverbed import events
-from riverbed.memory.chunking import ChunkPolicy, chunk_text, event_chunks
+from riverbed.memory.chunking import ChunkPolicy, chunk_text, event_chunks, searchable
 from riverbed.memory.ranking import best_per_event, hybrid_rank, recency_factor, rrf
 from riverbed.memory.store import Candidate
 
@@ -135,11 +135,34 @@ def test_event_chunks_per_kind() -> None:
     result = events.RecallResult(
         recall_type="knowledge", knowledge=[events.Knowledge(name="git", trigger="git", content="use rebase")]
     )
-    assert event_chunks(result) == ["recalled:\ngit: use rebase"]
+    # a recall result is a copy of what it found: not indexed, and by reference only when asked to
+    assert event_chunks(result) == []
+    assert event_chunks(result, ChunkPolicy(skip=())) == ["recalled:\nknowledge: git"]
+    hits = events.RecallResult(
+        recall_type="semantic",
+        hits=[events.Hit(session="s", event_id=4, kind="message", score=0.9, text="deploy to staging")],
+    )
+    assert event_chunks(hits, ChunkPolicy(skip=())) == ["recalled:\nmessage 4 of s"]
     # nothing to index
     assert event_chunks(events.Recall(query="where is the config?")) == []
     assert event_chunks(events.CmdOutput(command="true", content="")) == []
     assert event_chunks(events.SessionConfig(env={"A": "1"})) == []
+
+
+def test_chunks_hold_no_nul_and_no_lone_surrogate() -> None:
+    """Postgres text holds no NUL and UTF-8 no lone surrogate: both are cleaned from the
+    searchable text (the event itself is not changed)."""
+    every_char = "".join(chr(i) for i in range(256))
+    out = events.CmdOutput(command="find . -print0", content=f"a\x00b{every_char}\ud800 tail", exit_code=0)
+    (chunk,) = event_chunks(out)
+    assert "\x00" not in chunk
+    assert "\ud800" not in chunk
+    assert "ab" in chunk
+    assert "\ufffd tail" in chunk
+    assert "\x00" in out.content
+    (path,) = event_chunks(events.FileWrite(path="dir\x00/f\udcff", content="x"))
+    assert path == "wrote file dir/f\ufffd\nx"
+    assert searchable("plain") == "plain"
 
 
 def test_event_chunks_long_output_and_skip_policy() -> None:

@@ -12,7 +12,7 @@ import asyncpg
 import numpy as np
 import pytest
 
-from riverbed.errors import ConfigError, UnavailableError
+from riverbed.errors import ConfigError, DataError, StorageError, UnavailableError
 from riverbed.memory import migrations
 from riverbed.memory.store import ChunkRow, Store, query_words
 
@@ -210,6 +210,71 @@ async def test_unreachable_database_fails_fast() -> None:
     assert isinstance(info.value.__cause__, OSError)
     with pytest.raises(UnavailableError, match="not started"):
         await store.counts()
+
+
+async def test_a_value_postgres_cannot_hold_is_a_data_error_not_an_outage(database_url: str, prefix: str) -> None:
+    """Postgres class 22 (a NUL in text, a NaN in a vector) is the value's fault: DataError,
+    never UnavailableError, and the transaction writes nothing; the store keeps working."""
+    rng = np.random.default_rng(3)
+    async with Store(database_url, schema=prefix) as store:
+        nul = [ChunkRow(event_id=1, chunk=0, kind="message", source="user", ts=dt.datetime.now(dt.UTC), text="a\x00b")]
+        with pytest.raises(DataError) as info:
+            await store.write(session="s", tenant=None, model=MODEL, event_ids=[1], rows=nul, vectors=unit_rows(rng, 1))
+        assert not isinstance(info.value, UnavailableError)
+        assert getattr(info.value.__cause__, "sqlstate", "").startswith("22")
+        nan = unit_rows(rng, 1)
+        nan[0, 0] = np.nan
+        with pytest.raises(DataError, match="NaN"):
+            await store.write(session="s", tenant=None, model=MODEL, event_ids=[2], rows=rows_for([2]), vectors=nan)
+        surrogate = [
+            ChunkRow(event_id=3, chunk=0, kind="message", source="user", ts=dt.datetime.now(dt.UTC), text="\ud800")
+        ]
+        with pytest.raises(DataError):
+            await store.write(
+                session="s", tenant=None, model=MODEL, event_ids=[3], rows=surrogate, vectors=unit_rows(rng, 1)
+            )
+        assert await store.counts("s") == {"chunks": 0, "indexed": 0, "cached": 0}
+        assert await store.write(
+            session="s", tenant=None, model=MODEL, event_ids=[4], rows=rows_for([4]), vectors=unit_rows(rng, 1)
+        ) == {4}
+
+
+async def test_a_refused_statement_is_a_storage_error(database_url: str, prefix: str) -> None:
+    """Neither the data nor the connection (here: the tables were dropped): StorageError."""
+    async with Store(database_url, schema=prefix) as store:
+        conn = await asyncpg.connect(database_url)
+        try:
+            await conn.execute(f'DROP TABLE "{prefix}".memory_indexed')
+        finally:
+            await conn.close()
+        with pytest.raises(StorageError) as info:
+            await store.indexed("s", [1])
+        assert not isinstance(info.value, DataError | UnavailableError)
+
+
+async def test_a_search_answers_within_its_timeout_while_a_lock_holds_its_table(database_url: str, prefix: str) -> None:
+    """A statement that waits on Postgres (here: for a lock) is cancelled at its timeout."""
+    async with Store(database_url, schema=prefix) as store:
+        await store.counts()
+        conn = await asyncpg.connect(database_url)
+        try:
+            async with conn.transaction():
+                await conn.execute(f'LOCK TABLE "{prefix}".memory_chunks IN ACCESS EXCLUSIVE MODE')
+                started = time.monotonic()
+                with pytest.raises(UnavailableError):
+                    await store.search(
+                        unit_rows(np.random.default_rng(0), 1)[0],
+                        "hello",
+                        model=MODEL,
+                        k=3,
+                        tenant=None,
+                        session="s",
+                        timeout=1.0,
+                    )
+                assert time.monotonic() - started < 2.0
+        finally:
+            await conn.close()
+        assert await store.search(None, "hello", model=MODEL, k=3, tenant=None, session="s", timeout=1.0) == ([], [])
 
 
 def test_bad_schema_name_is_a_config_error() -> None:

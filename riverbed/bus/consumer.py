@@ -119,15 +119,18 @@ class SessionContext:
         self.line: Any = None
         """The connection the session loop reads on (standalone Redis; None on a cluster)."""
 
-    async def answer(self, entry: Entry, observation: events.Observation) -> int | None:
+    async def answer(self, entry: Entry, observation: events.Observation, *, ack: bool = True) -> int | None:
         """Append the one observation answering ``entry`` and acknowledge the entry atomically.
 
         Returns its id, or None when the action was answered already (then only acks).
+        ``ack=False`` leaves the entry pending: the handler is not done with it yet.
         """
         await self.flush()
         # Retried until Redis answers: the one-answer guard makes a repeat of an append that did
         # go through a no-op, and giving up here would make the loop run the action again.
-        result = await _retrying(self.prepare_answer(entry, observation).run, self.owner._stopping)
+        result = await _retrying(self.prepare_answer(entry, observation, ack=ack).run, self.owner._stopping)
+        if not ack:
+            return None if isinstance(result, AlreadyAnswered) else result[0]
         return await self.answered(entry, result)
 
     def answer_soon(self, entry: Entry, observation: events.Observation) -> None:
@@ -155,8 +158,8 @@ class SessionContext:
         if held is not None:
             await self.answer(*held)
 
-    def prepare_answer(self, entry: Entry, observation: events.Observation) -> PreparedAppend:
-        """The fenced, acknowledging append of ``observation`` as the answer to ``entry``."""
+    def prepare_answer(self, entry: Entry, observation: events.Observation, *, ack: bool = True) -> PreparedAppend:
+        """The fenced (and, with ``ack``, acknowledging) append of ``observation`` as the answer to ``entry``."""
         changes: dict[str, Any] = {}
         if observation.cause != entry.id:
             changes["cause"] = entry.id
@@ -169,7 +172,7 @@ class SessionContext:
             self.session,
             [(events.encode(obs), entry.id)],
             fence=self.fence,
-            ack=(self.role, f"{entry.id}-0"),
+            ack=(self.role, f"{entry.id}-0") if ack else None,
             pass_own=self.owner.passes_own_answers,
         )
 
@@ -621,6 +624,7 @@ class Owner:
     async def _dispatch(self, ctx: SessionContext, batch: list[Entry], *, recovering: bool) -> None:
         """Hand a batch to the handler; count failures, dead-letter poison, retry the rest."""
         attempts: dict[int, int] = {}
+        failures: dict[int, str] = {}  # an entry's last error, for its dead letter
         todo = batch
         backoff = 0.1
         while todo:
@@ -631,7 +635,9 @@ class Owner:
                     [
                         (
                             e,
-                            "undecodable payload" if e.undecodable else "failed too many times",
+                            "undecodable payload"
+                            if e.undecodable
+                            else "failed too many times" + (f": {failures[e.id]}" if e.id in failures else ""),
                             e.deliveries + attempts.get(e.id, 0),
                         )
                         for e in poison
@@ -661,6 +667,7 @@ class Owner:
                 log.exception("handler.failed", role=self.role, session=ctx.session, error=str(exc))
                 for entry in todo:
                     attempts[entry.id] = attempts.get(entry.id, 0) + 1
+                    failures[entry.id] = f"{type(exc).__name__}: {exc}"
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 todo = await _retrying(partial(self._unacked, ctx, todo), self._stopping)

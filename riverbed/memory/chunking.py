@@ -5,22 +5,49 @@ Each chunk starts with a short header naming what the text is (``$ <command>``,
 it came from.  Long texts are cut into overlapping windows at whitespace; very long
 ones keep their head and tail windows (``max_chunks``).  Events with nothing worth
 indexing give ``[]`` (they are still tracked as indexed).
+
+Chunks are text for search, not a copy of the event (the log keeps that untouched): they
+hold no NUL character and no lone surrogate (:func:`searchable`), which Postgres text and
+UTF-8 cannot carry.  A ``recall_result`` is not indexed: its hits are copies of other
+events, and indexing them would fill later recalls with copies.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from riverbed import events
 
-__all__ = ["DEFAULT_SKIP", "ChunkPolicy", "chunk_text", "event_chunks", "event_text"]
+__all__ = ["DEFAULT_SKIP", "ChunkPolicy", "chunk_text", "event_chunks", "event_text", "searchable"]
 
-#: Kinds not indexed unless asked for: records of other records, configuration, raw model output,
-#: and ``cmd_run`` (its ``cmd_output`` starts with ``$ <command>``, so the pair would fill two of k hits).
+#: Kinds not indexed unless asked for: records of other records (``recall_result`` quotes the
+#: events it found), configuration, raw model output, and ``cmd_run`` (its ``cmd_output``
+#: starts with ``$ <command>``, so the pair would fill two of k hits).
 DEFAULT_SKIP: frozenset[str] = frozenset(
-    {"recall", "condensation_request", "session_config", "llm_response", "forked", "unknown", "file_read", "cmd_run"}
+    {
+        "recall",
+        "recall_result",
+        "condensation_request",
+        "session_config",
+        "llm_response",
+        "forked",
+        "unknown",
+        "file_read",
+        "cmd_run",
+    }
 )
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def searchable(text: str) -> str:
+    """``text`` without what Postgres text cannot hold: a NUL is dropped, a lone surrogate
+    becomes U+FFFD (a Python str holds no surrogate pairs, so every surrogate is lone)."""
+    if not _UNSTORABLE.search(text):
+        return text
+    return _UNSTORABLE.sub(lambda m: "" if m.group() == "\x00" else "\ufffd", text)
 
 
 @dataclass(frozen=True)
@@ -116,10 +143,11 @@ def event_text(event: events.Event) -> tuple[str, str]:
 
 
 def _recall_text(result: events.RecallResult) -> str:
-    parts = [f"{k.name}: {k.content}" for k in result.knowledge]
-    parts += [h.text for h in result.hits]
-    if result.repo_instructions:
-        parts.append(result.repo_instructions)
+    """What a recall found, by reference only: quoting its hits would make copies of them."""
+    parts = [f"knowledge: {k.name}" for k in result.knowledge]
+    parts += [f"{h.kind} {h.event_id} of {h.session}" for h in result.hits]
+    if result.repo_directory:
+        parts.append(f"workspace {result.repo_directory}")
     return "\n".join(parts)
 
 
@@ -129,6 +157,7 @@ def event_chunks(event: events.Event, policy: ChunkPolicy | None = None) -> list
     if event.kind in policy.skip:
         return []
     header, body = event_text(event)
+    header, body = searchable(header), searchable(body)
     if not body.strip():
         return []
     room = max(policy.size - len(header) - 1, policy.size // 2)

@@ -5,7 +5,10 @@
 microagent directories.  The memory worker calls :meth:`Memory.index` for every event of
 a session it owns and :meth:`Memory.recall` for every ``recall`` action; both raise
 :class:`~riverbed.errors.UnavailableError` (bounded by a timeout) when Postgres or the
-embedder fails, so the worker can answer with an ``error`` observation or retry later.
+embedder fails or hangs, so the worker can answer with an ``error`` observation or retry
+later.  :meth:`Memory.index` raises :class:`~riverbed.errors.DataError` naming the events
+Postgres cannot hold (the others of the batch are indexed), so the worker can dead-letter
+those alone.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ import anyio.to_thread
 import structlog
 
 from riverbed import events
-from riverbed.errors import InputError, UnavailableError
-from riverbed.memory.chunking import ChunkPolicy, event_chunks
+from riverbed.errors import DataError, InputError, UnavailableError
+from riverbed.memory.chunking import ChunkPolicy, event_chunks, searchable
 from riverbed.memory.embedcache import CachedEmbedder, embedding_pipeline
 from riverbed.memory.embedders import Embedder
 from riverbed.memory.microagents import load_microagents, match_knowledge, workspace_dirs
@@ -49,7 +52,7 @@ class Memory:
         *,
         policy: ChunkPolicy | None = None,
         microagent_dirs: Sequence[Path] = (),
-        recall_timeout: float = 10.0,
+        recall_timeout: float = 8.0,
         index_timeout: float = 120.0,
         half_life_seconds: float | None = None,
         candidates: int = 40,
@@ -80,7 +83,9 @@ class Memory:
         """Index events of one session (each must carry its id); returns how many were new.
 
         Chunks and tracking rows of the batch commit together, so indexing the same events
-        again (a redelivery, a catch-up after a crash) changes nothing.
+        again (a redelivery, a catch-up after a crash) changes nothing.  When Postgres cannot
+        hold a value of the batch, its events are indexed one by one and the
+        :class:`DataError` raised at the end names the events that failed (``event_ids``).
         """
         if not batch:
             return 0
@@ -91,29 +96,66 @@ class Memory:
             with anyio.fail_after(self.index_timeout):
                 done = await self.store.indexed(session, by_id)
                 todo = [e for i, e in by_id.items() if i not in done]
-                if not todo:
-                    return 0
-                rows = [
-                    ChunkRow(event_id=int(e.id or 0), chunk=n, kind=e.kind, source=e.source, ts=e.ts, text=text)
-                    for e in todo
-                    for n, text in enumerate(event_chunks(e, self.policy))
-                ]
-                vectors = await self.embedder.embed([r.text for r in rows])
-                if rows:
-                    await self.store.ensure_model_index(self.embedder.model, int(vectors.shape[1]))
-                fresh = await self.store.write(
-                    session=session,
-                    tenant=tenant,
-                    model=self.embedder.model,
-                    event_ids=[int(e.id or 0) for e in todo],
-                    rows=rows,
-                    vectors=vectors,
-                )
+                try:
+                    return await self._write(session, todo, tenant=tenant)
+                except DataError:
+                    if len(todo) > 1:
+                        return await self._write_one_by_one(session, todo, tenant=tenant)
+                    raise
         except TimeoutError as exc:
             raise UnavailableError(
                 f"indexing {len(batch)} events of {session!r} took over {self.index_timeout}s"
             ) from exc
+
+    async def _write(self, session: str, todo: Sequence[events.Event], *, tenant: str | None) -> int:
+        """Embed and write the chunks of ``todo`` (events not indexed yet) in one transaction;
+        a :class:`DataError` names the events when there is only one."""
+        if not todo:
+            return 0
+        try:
+            return await self._embed_and_write(session, todo, tenant=tenant)
+        except DataError as exc:
+            if len(todo) > 1 or exc.event_ids:
+                raise
+            guilty = int(todo[0].id or 0)
+            raise DataError(
+                f"event {guilty} of {session!r} cannot be indexed: {exc}", event_ids=frozenset({guilty})
+            ) from exc
+
+    async def _embed_and_write(self, session: str, todo: Sequence[events.Event], *, tenant: str | None) -> int:
+        rows = [
+            ChunkRow(event_id=int(e.id or 0), chunk=n, kind=e.kind, source=e.source, ts=e.ts, text=text)
+            for e in todo
+            for n, text in enumerate(event_chunks(e, self.policy))
+        ]
+        vectors = await self.embedder.embed([r.text for r in rows])
+        if rows:
+            await self.store.ensure_model_index(self.embedder.model, int(vectors.shape[1]))
+        fresh = await self.store.write(
+            session=session,
+            tenant=tenant,
+            model=self.embedder.model,
+            event_ids=[int(e.id or 0) for e in todo],
+            rows=rows,
+            vectors=vectors,
+        )
         return len(fresh)
+
+    async def _write_one_by_one(self, session: str, todo: Sequence[events.Event], *, tenant: str | None) -> int:
+        """After a batch failed on a value: each event alone, so only the guilty ones fail."""
+        written = 0
+        failed: dict[int, DataError] = {}
+        for event in todo:
+            try:
+                written += await self._write(session, [event], tenant=tenant)
+            except DataError as exc:
+                failed[int(event.id or 0)] = exc
+        if failed:
+            first = next(iter(failed.values()))
+            raise DataError(
+                f"{len(failed)} of {len(todo)} events cannot be indexed; {first}", event_ids=frozenset(failed)
+            ) from first
+        return written
 
     # --- recall ------------------------------------------------------------------------
 
@@ -125,10 +167,13 @@ class Memory:
         tenant: str | None,
         workspace: Path | None,
         conversation_instructions: str | None = None,
+        timeout: float | None = None,
     ) -> events.RecallResult:
-        """Answer a ``recall`` action (``cause`` is the action's id)."""
+        """Answer a ``recall`` action (``cause`` is the action's id) within ``timeout``
+        seconds (default :attr:`recall_timeout`), or raise UnavailableError."""
+        timeout = self.recall_timeout if timeout is None else timeout
         try:
-            with anyio.fail_after(self.recall_timeout):
+            with anyio.fail_after(timeout):
                 if action.recall_type == "workspace_context":
                     ctx = await anyio.to_thread.run_sync(
                         lambda: workspace_context(workspace, conversation_instructions=conversation_instructions)
@@ -150,10 +195,18 @@ class Memory:
                     return events.RecallResult(
                         cause=action.id, tenant=tenant, recall_type="knowledge", knowledge=knowledge
                     )
-                hits = await self.search(action.query, session=session, tenant=tenant, k=action.k, scope=action.scope)
+                # the statement gets most of what is left, so Postgres cancels it before the deadline
+                hits = await self.search(
+                    action.query,
+                    session=session,
+                    tenant=tenant,
+                    k=action.k,
+                    scope=action.scope,
+                    timeout=timeout * 0.8,
+                )
                 return events.RecallResult(cause=action.id, tenant=tenant, recall_type="semantic", hits=hits)
         except TimeoutError as exc:
-            raise UnavailableError(f"recall did not finish within {self.recall_timeout}s; try again") from exc
+            raise UnavailableError(f"recall did not finish within {timeout:g}s; try again") from exc
 
     def knowledge(self, query: str, workspace: Path | None) -> list[events.Knowledge]:
         """Knowledge microagents triggered by ``query`` (blocking file reads)."""
@@ -169,12 +222,14 @@ class Memory:
         k: int = 5,
         scope: str = "session",
         now: dt.datetime | None = None,
+        timeout: float | None = None,
     ) -> list[events.Hit]:
         """Hybrid semantic search: vector and full-text candidates fused by RRF.
 
         ``scope="tenant"`` spans the tenant's sessions; sessions without a tenant share nothing,
         so for them it is the session alone.  The query is embedded first; both searches then
-        run in one statement."""
+        run in one statement, which ``timeout`` bounds (with the wait for its connection)."""
+        query = searchable(query)
         if k < 1 or not query.strip():
             return []
         k = min(k, 100)
@@ -189,6 +244,7 @@ class Memory:
             k=max(self.candidates, k * 2),
             tenant=tenant,
             session=None if scope == "tenant" and tenant is not None else session,
+            timeout=timeout,
         )
         return hybrid_rank(
             by_vector,

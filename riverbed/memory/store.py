@@ -2,8 +2,11 @@
 in Postgres + pgvector (layout in :mod:`riverbed.memory.migrations`).
 
 A thin adapter: it writes rows and runs the two kinds of search the recall needs (both in
-one statement, :meth:`Store.search`), and translates every asyncpg/OSError failure into
-:class:`~riverbed.errors.UnavailableError`.
+one statement, :meth:`Store.search`).  Driver errors are translated once, by the pool
+(:func:`riverbed.pg.translate_error`): :class:`~riverbed.errors.UnavailableError` when
+Postgres cannot be reached or does not answer in time, :class:`~riverbed.errors.DataError`
+when it cannot hold a value.  A search takes a ``timeout`` that bounds both the wait for a
+connection and the statement (asyncpg cancels it on the server when it runs out).
 
 - Vector, session scope: an exact scan (B-tree on ``session``, distance computed on every
   row of the session): HNSW with such a selective filter returns too few rows.
@@ -177,8 +180,10 @@ class Store:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _conn(self) -> contextlib.AbstractAsyncContextManager[PoolConnectionProxy[asyncpg.Record]]:
-        return self._pg.connection()
+    def _conn(
+        self, timeout: float | None = None
+    ) -> contextlib.AbstractAsyncContextManager[PoolConnectionProxy[asyncpg.Record]]:
+        return self._pg.connection(timeout=timeout)
 
     async def ensure_model_index(self, model: str, dim: int) -> None:
         """Create the HNSW index for ``model`` rows if missing (once per store)."""
@@ -284,27 +289,35 @@ class Store:
         k: int,
         tenant: str | None,
         session: str | None = None,
+        timeout: float | None = None,
     ) -> tuple[list[Candidate], list[Candidate]]:
         """Up to ``k`` vector candidates (nearest first; none without ``vector``) and up to
         ``k`` full-text candidates (best first; none without ``query``), in one statement.
 
         ``session`` narrows both to one session (an exact vector scan); without it they span
         the tenant (HNSW).  The vector score is cosine similarity, the text score ts_rank_cd.
+        ``timeout`` (seconds) bounds the wait for a connection and each statement; past it
+        the statement is cancelled on the server and UnavailableError raised.
         """
         words = query_words(query) if query is not None else []
         if (vector is None and not words) or k < 1:
             return [], []
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.001, deadline - time.monotonic())
+
         params = _Params()
         tenant_ = params.add(_tenant(tenant))
         session_ = params.add(session) if session is not None else None
         limit = params.add(k)
         ctes: list[str] = []
         parts: list[str] = []
-        async with self._conn() as conn:
+        async with self._conn(timeout) as conn:
             if vector is not None:
                 query_vector = np.asarray(vector, dtype=np.float32).reshape(-1)
                 if session_ is None:
-                    ef_search = min(1000, max(await self._ef_search_for(conn, model), k))
+                    ef_search = min(1000, max(await self._ef_search_for(conn, model, left()), k))
                     parts.append(
                         self._nearest_sql(query_vector, model, params, ef_search, tenant_=tenant_, limit=limit)
                     )
@@ -313,11 +326,11 @@ class Store:
                         self._exact_sql(query_vector, model, params, tenant_=tenant_, session_=session_, limit=limit)
                     )
             if words:
-                common = params.add(await self._common(conn))
+                common = params.add(await self._common(conn, left()))
                 ctes.append(_QUERY_TERMS_SQL.format(query=params.add(" ".join(words)), common=common))
                 parts.append(self._text_sql(tenant_=tenant_, session_=session_, limit=limit))
             sql = ("WITH " + ", ".join(ctes) + " " if ctes else "") + " UNION ALL ".join(parts)
-            rows = await conn.fetch(sql, *params.values)
+            rows = await conn.fetch(sql, *params.values, timeout=left())
         # relaxed_order may return rows slightly out of order (and PG elides a re-sort in SQL)
         by_vector = sorted((r for r in rows if r["distance"] is not None), key=lambda r: float(r["distance"]))
         return (
@@ -346,7 +359,9 @@ class Store:
             f"ORDER BY distance LIMIT {limit})"
         )
 
-    async def _ef_search_for(self, conn: PoolConnectionProxy[asyncpg.Record], model: str) -> int:
+    async def _ef_search_for(
+        self, conn: PoolConnectionProxy[asyncpg.Record], model: str, timeout: float | None = None
+    ) -> int:
         """:data:`EF_SEARCH`, or :data:`EF_SEARCH_OLD_INDEX` when the model's HNSW index was
         built with a shorter candidate list than ``HNSW_EF_CONSTRUCTION`` (read once)."""
         known = self._ef_search.get(model)
@@ -355,6 +370,7 @@ class Store:
         options = await conn.fetchval(
             "SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = to_regclass($1)",
             f"{self._s}.{migrations.quote_ident(migrations.hnsw_index_name(model))}",
+            timeout=timeout,
         )
         if options is None:  # no index yet: nothing to search with HNSW (asked again next time)
             return EF_SEARCH
@@ -373,7 +389,7 @@ class Store:
             f"ORDER BY every DESC, rank DESC LIMIT {limit})"
         )
 
-    async def _common(self, conn: PoolConnectionProxy[asyncpg.Record]) -> list[str]:
+    async def _common(self, conn: PoolConnectionProxy[asyncpg.Record], timeout: float | None = None) -> list[str]:
         """Words (lexemes) the planner's statistics put in more than :data:`SELECTIVE_ROWS`
         rows; read again after :data:`WORD_STATS_TTL` seconds."""
         now = time.monotonic()
@@ -384,6 +400,7 @@ class Store:
             f"(SELECT reltuples FROM pg_class WHERE oid = '{self._s}.memory_chunks'::regclass) AS tuples "
             "FROM pg_stats WHERE schemaname = $1 AND tablename = 'memory_chunks' AND attname = 'tsv'",
             self.schema,
+            timeout=timeout,
         )
         common: list[str] = []
         if row is not None and row["words"] is not None:

@@ -1,24 +1,35 @@
 """The memory role: index every event of a session and answer its ``recall`` actions.
 
 Indexing is exactly-once in effect (chunks and the tracking row commit together), so a
-redelivered batch is a no-op.  When Postgres or the embedder is down, the batch is retried
-with backoff until indexing catches up, and nothing is acknowledged before it is indexed.
-The session reads nothing new while it retries, so each failed attempt answers with a
-retryable ``error`` every ``recall`` in the batch *and* every one queued behind it in the
-log: an agent never waits out an outage for its answer.
+redelivered batch is a no-op.  Nothing is acknowledged before it is indexed, recall actions
+included: a recall is answered as soon as it can be, but stays pending until its own event
+went through indexing like any other.
+
+- **Postgres or the embedder down** (:class:`UnavailableError`): the batch is retried with
+  backoff until indexing catches up; each failed attempt answers with a retryable ``error``
+  every ``recall`` in the batch *and* every one queued behind it in the log.
+- **Postgres slow or hanging**: every recall is answered within ``Memory.recall_timeout`` of
+  the start of its batch: a watcher answers with a retryable ``error`` the recalls of the
+  batch, and those queued behind it, that are still waiting at that deadline, while the
+  indexing goes on (bounded by its own timeouts).  When the batch is a retry after memory
+  was found unavailable, the watcher answers queued recalls at once.
+- **A value Postgres cannot hold** (:class:`DataError`, after the texts were cleaned): the
+  rest of the batch is indexed and acknowledged; the guilty events fail, are counted by the
+  consumer loop, and are dead-lettered with the reason after its attempts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
+import anyio
 import structlog
 
 from riverbed import events
 from riverbed.bus.consumer import Entry, SessionContext
 from riverbed.bus.faults import crashpoint
-from riverbed.errors import UnavailableError
+from riverbed.errors import DataError, RiverbedError, UnavailableError
 from riverbed.memory.embedders import make_embedder
 from riverbed.memory.recall import Memory
 from riverbed.memory.store import Store
@@ -26,6 +37,9 @@ from riverbed.runtime.paths import workspace_name
 from riverbed.settings import Settings
 
 log = structlog.get_logger("riverbed.worker")
+
+#: After a batch's recall deadline, how often the watcher looks for recalls queued behind it.
+LATE_CHECK_SECONDS = 0.5
 
 
 class MemoryHandler:
@@ -35,6 +49,7 @@ class MemoryHandler:
         self.memory = memory
         self.workspace_root = workspace_root
         self._scanned: dict[str, int] = {}  # session -> last id looked at for queued recalls
+        self._failing: set[str] = set()  # sessions whose last indexing attempt found memory unavailable
 
     @property
     def cache(self) -> object:
@@ -46,26 +61,55 @@ class MemoryHandler:
 
     async def close(self, ctx: SessionContext) -> None:
         self._scanned.pop(ctx.session, None)
+        self._failing.discard(ctx.session)
 
     async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
         await self.handle(ctx, entries)
 
     async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
+        now = anyio.current_time()
+        deadline = now + self.memory.recall_timeout
+        failure: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            # while a retried batch waits on memory, recalls queued behind it are answered at once
+            tg.start_soon(self._answer_late, ctx, entries, now if ctx.session in self._failing else deadline)
+            try:
+                await self._index_and_answer(ctx, entries, deadline)
+            except Exception as exc:  # re-raised below, outside the task group (no ExceptionGroup)
+                failure = exc
+            finally:
+                tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    async def _index_and_answer(self, ctx: SessionContext, entries: list[Entry], deadline: float) -> None:
         recalls = [e for e in entries if isinstance(e.event, events.Recall)]
+        unindexable: DataError | None = None
         try:
             await self.memory.store.start()  # idempotent; raises UnavailableError while Postgres is down
             await self.memory.index(ctx.session, [e.event for e in entries], tenant=ctx.tenant)
         except UnavailableError as exc:
+            self._failing.add(ctx.session)
             for entry in recalls:
                 await self._answer_error(ctx, entry, exc)
             await self._answer_queued_recalls(ctx, entries[-1].id, exc)
             raise
+        except DataError as exc:
+            if not exc.event_ids:
+                raise
+            log.warning("memory.unindexable", session=ctx.session, event_ids=sorted(exc.event_ids), error=str(exc))
+            unindexable = exc
+        self._failing.discard(ctx.session)
+        guilty = unindexable.event_ids if unindexable is not None else frozenset()
         crashpoint("after_index")
         for entry in recalls:
-            await self._recall(ctx, entry)
-        await ctx.ack([e.id for e in entries if e not in recalls])
+            if entry.id not in guilty:
+                await self._recall(ctx, entry, deadline)
+        await ctx.ack([e.id for e in entries if e not in recalls and e.id not in guilty])
+        if unindexable is not None:
+            raise unindexable  # the consumer counts it against the guilty entries (still pending)
 
-    async def _recall(self, ctx: SessionContext, entry: Entry) -> None:
+    async def _recall(self, ctx: SessionContext, entry: Entry, deadline: float) -> None:
         if await ctx.is_answered(entry.id):
             await ctx.ack([entry.id])
             return
@@ -74,16 +118,39 @@ class MemoryHandler:
         workspace = self.workspace_root / workspace_name(ctx.session) if self.workspace_root else None
         try:
             result: events.Observation = await self.memory.recall(
-                action, session=ctx.session, tenant=ctx.tenant, workspace=workspace
+                action,
+                session=ctx.session,
+                tenant=ctx.tenant,
+                workspace=workspace,
+                timeout=max(0.1, deadline - anyio.current_time()),
             )
         except UnavailableError as exc:
             await self._answer_error(ctx, entry, exc)
+            await ctx.ack([entry.id])
             return
         await ctx.answer(entry, result)
 
+    async def _answer_late(self, ctx: SessionContext, entries: Sequence[Entry], deadline: float) -> None:
+        """From ``deadline`` on, answer with an error the recalls of the batch still waiting,
+        and those queued behind it, until the batch is done (then this task is cancelled)."""
+        await anyio.sleep_until(deadline)
+        late = UnavailableError(
+            f"memory cannot answer within {self.memory.recall_timeout:g}s: Postgres or the embedder is "
+            "slow, hanging or down, or indexing is behind; try again"
+        )
+        try:
+            for entry in entries:
+                if isinstance(entry.event, events.Recall) and not await ctx.is_answered(entry.id):
+                    await self._answer_error(ctx, entry, late)
+            while True:
+                await self._answer_queued_recalls(ctx, entries[-1].id, late)
+                await anyio.sleep(LATE_CHECK_SECONDS)
+        except RiverbedError as exc:  # Redis down or the session lost: the loop finds out too
+            log.warning("memory.late_answers_failed", session=ctx.session, error=str(exc))
+
     async def _answer_queued_recalls(self, ctx: SessionContext, after: int, exc: UnavailableError) -> None:
         """Answer with an error the recalls appended after ``after`` (not read yet: the session
-        loop retries the failed batch first).  Answered ones are only acknowledged later."""
+        loop is still on the batch).  They are acknowledged once they are read and indexed."""
         start = max(after, self._scanned.get(ctx.session, 0)) + 1
         async for event in ctx.log.read(ctx.session, start):
             if event.id is None:
@@ -93,9 +160,11 @@ class MemoryHandler:
             self._scanned[ctx.session] = event.id
 
     async def _answer_error(self, ctx: SessionContext, entry: Entry, exc: UnavailableError) -> None:
+        """Answer ``entry`` with a retryable error, leaving it pending until it is indexed."""
         await ctx.answer(
             entry,
             events.Error(content=f"recall failed: {exc}", reason="memory_unavailable", retryable=True, source="memory"),
+            ack=False,
         )
 
 
