@@ -79,11 +79,12 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     queue_timeout: float = 900.0
     """how long an action may wait for the earlier actions of its session"""
 
-    def rlimits(self, *, own_uid: bool = False) -> dict[str, int]:
+    def rlimits(self, *, confined: bool = False) -> dict[str, int]:
         """The ``resource.RLIMIT_*`` names and values the launcher applies.
 
-        ``own_uid``: the sandbox runs as a uid of its own, so ``RLIMIT_NPROC`` is exactly
-        its process limit (enforced by the kernel at ``fork``)."""
+        ``confined``: a namespaces sandbox sets its own ``RLIMIT_NPROC`` inside (on its own
+        uid or user namespace, where it is exactly the sandbox's process limit), so the
+        launcher leaves it alone."""
         out: dict[str, int] = {"RLIMIT_CORE": 0}
         for name, value in (
             ("RLIMIT_AS", self.address_space),
@@ -93,9 +94,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         ):
             if value is not None:
                 out[name] = int(value)
-        if own_uid:
-            out["RLIMIT_NPROC"] = self.max_processes
-        elif os.geteuid() != 0:
+        if not confined and os.geteuid() != 0:
             out["RLIMIT_NPROC"] = _user_process_count() + self.max_processes
         return out
 
@@ -117,7 +116,7 @@ def _util_linux() -> tuple[str, str] | None:
     return (setsid, prlimit) if setsid and prlimit else None
 
 
-def launcher_argv(limits: Limits, argv: list[str], *, ctty: bool = False, own_uid: bool = False) -> list[str]:
+def launcher_argv(limits: Limits, argv: list[str], *, ctty: bool = False, confined: bool = False) -> list[str]:
     """The command line that runs ``argv`` as a new limited sandbox session.
 
     With util-linux's ``setsid`` and ``prlimit`` (two small execs, a few ms) when present,
@@ -127,11 +126,11 @@ def launcher_argv(limits: Limits, argv: list[str], *, ctty: bool = False, own_ui
     tools = _util_linux()
     if tools is None:
         flags = ["--ctty"] if ctty else []
-        rlimits = json.dumps(limits.rlimits(own_uid=own_uid))
+        rlimits = json.dumps(limits.rlimits(confined=confined))
         return [sys.executable, "-I", "-S", str(LAUNCHER), rlimits, *flags, "--", *argv]
     setsid, prlimit = tools
     bounds = []
-    for name, wanted in limits.rlimits(own_uid=own_uid).items():
+    for name, wanted in limits.rlimits(confined=confined).items():
         _soft, hard = resource.getrlimit(getattr(resource, name))
         value = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
         bounds.append(f"{_PRLIMIT_FLAGS[name]}={value}")

@@ -99,7 +99,7 @@ class PythonProcess:
         self._env = dict(env)
         self._limits = limits
         self._sandbox = sandbox
-        self._own_uid = sandbox.owner(workspace) is not None
+        self._kernel_nproc = sandbox.confined
         self._core: frozenset[int] = frozenset()
         """the sandbox's own processes (bubblewrap's and the driver), never killed as strays"""
         self._driver_pid = -1
@@ -132,13 +132,14 @@ class PythonProcess:
                 workspace=self._workspace,
                 readonly=[(str(DRIVER), DRIVER_INSIDE)],
                 link=link,
+                nproc=self._limits.max_processes,
             )
         except BaseException:
             for fd in (to_r, to_w, from_r, from_w, out_r, out_w):
                 os.close(fd)
             await self._drop_link()
             raise
-        argv = launcher_argv(self._limits, inner, own_uid=self._own_uid)
+        argv = launcher_argv(self._limits, inner, confined=self._sandbox.confined)
         env = {"MPLBACKEND": "Agg", **self._env}
         try:
             popen = partial(
@@ -299,8 +300,8 @@ class PythonProcess:
         return cell.done
 
     async def _watch_processes(self, cell: _Cell) -> None:
-        if self._proc is None or self._own_uid:
-            return  # with a uid of its own, RLIMIT_NPROC makes the kernel refuse the fork
+        if self._proc is None or self._kernel_nproc:
+            return  # the sandbox's own RLIMIT_NPROC: the kernel refuses the fork
         sid = self._proc.pid
         count = len(await anyio.to_thread.run_sync(session_processes, sid))
         if count > self._limits.max_processes:

@@ -20,10 +20,11 @@ session's bash, its Python driver) is started inside ``bwrap`` with:
   disabled) that reaches the internet but not this host's services; ``host`` shares the
   worker's network and is unsafe: a command can then reach everything the worker can;
 - **an unprivileged user**.  A root worker runs bubblewrap in its privileged mode and drops
-  the sandbox to a uid of its own per session (``uid_base`` + a hash of the workspace
-  name), with no capabilities and ``no_new_privs``; the workspace belongs to that uid.
-  Being a distinct uid is what makes ``RLIMIT_NPROC`` a per-session process limit enforced
-  by the kernel.  A non-root worker uses an unprivileged user namespace, mapped to itself.
+  the sandbox to a uid of its own per session (``uid_base`` + a hash of the workspace's
+  path), with no capabilities and ``no_new_privs``; the workspace belongs to that uid.
+  A non-root worker uses an unprivileged user namespace, mapped to itself.  Either way the
+  kernel counts ``RLIMIT_NPROC`` per uid and user namespace, so the limit the sandbox sets
+  on itself is a per-session process limit, enforced at ``fork`` with no polling.
 
 ``process`` mode is the old behaviour (a POSIX session with rlimits, the worker's user,
 the host's filesystem and network) for machines without user namespaces; it has to be
@@ -116,7 +117,8 @@ class Sandbox:
         """The uid/gid that owns a workspace's files, when it is not the worker's own."""
         if not self.confined or os.geteuid() != 0:
             return None
-        uid = self.uid_base + int(hashlib.sha256(workspace.name.encode()).hexdigest()[:8], 16) % _UID_SPAN
+        digest = hashlib.sha256(os.fsencode(os.path.abspath(workspace))).hexdigest()
+        uid = self.uid_base + int(digest[:8], 16) % _UID_SPAN
         return uid, uid
 
     def state_dir(self, workspace: Path) -> Path:
@@ -160,11 +162,14 @@ class Sandbox:
         workspace: Path,
         readonly: Sequence[tuple[str, str]] = (),
         link: Outbound | None = None,
+        nproc: int | None = None,
     ) -> list[str]:
         """The command line that runs ``argv`` in this sandbox (``argv`` itself in process mode).
 
         ``readonly`` lists extra ``(host path, path inside)`` pairs to mount read-only; ``link``
-        (from :meth:`link`) makes the sandbox wait until its outbound network is up.
+        (from :meth:`link`) makes the sandbox wait until its outbound network is up; ``nproc``
+        is the sandbox's process limit, set inside as ``RLIMIT_NPROC``: the kernel counts it
+        per uid and user namespace, so there it counts this sandbox's processes only.
         """
         if not self.confined:
             return list(argv)
@@ -218,6 +223,11 @@ class Sandbox:
             ]
         else:
             args.append("--")
+        if nproc is not None:
+            prlimit = _which("prlimit")
+            if prlimit is None:
+                raise SandboxUnavailable("prlimit (util-linux) is missing; it sets the sandbox's process limit")
+            args += [prlimit, f"--nproc={nproc}", "--"]
         return [*args, *argv]
 
 

@@ -74,7 +74,7 @@ class Shell:
         self._env = dict(env)
         self._limits = limits
         self._sandbox = sandbox
-        self._own_uid = sandbox.owner(workspace) is not None
+        self._kernel_nproc = sandbox.confined
         self._nonce = secrets.token_hex(8)
         self._scanner = MarkerScanner(f"\n__RB_{self._nonce}_".encode(), b"__\n")
         self._proc: subprocess.Popen[bytes] | None = None
@@ -118,8 +118,10 @@ class Shell:
             bash = ["bash", "--norc", "--noprofile", "--noediting", "-i"]
             self._link = link = self._sandbox.link()
             readonly = [(self._ctl_dir, self._ctl_dir)]
-            inner = self._sandbox.wrap(bash, workspace=self._workspace, readonly=readonly, link=link)
-            argv = launcher_argv(self._limits, inner, ctty=True, own_uid=self._own_uid)
+            inner = self._sandbox.wrap(
+                bash, workspace=self._workspace, readonly=readonly, link=link, nproc=self._limits.max_processes
+            )
+            argv = launcher_argv(self._limits, inner, ctty=True, confined=self._sandbox.confined)
             popen = partial(
                 spawn,
                 argv,
@@ -349,8 +351,8 @@ class Shell:
 
     async def _watch_processes(self) -> str | None:
         """Kill everything but the shell when the sandbox holds too many processes."""
-        if self._own_uid:
-            return None  # RLIMIT_NPROC of the sandbox's own uid: the kernel refuses the fork
+        if self._kernel_nproc:
+            return None  # the sandbox's own RLIMIT_NPROC: the kernel refuses the fork
         sid = self._sid()
         count = len(await anyio.to_thread.run_sync(session_processes, sid))
         if count <= self._limits.max_processes:
