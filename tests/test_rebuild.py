@@ -45,7 +45,11 @@ async def wait_owned(owner: object, session: str, token: int) -> None:
             await anyio.sleep(0.02)
 
 
-async def test_a_session_whose_keys_vanish_is_let_go_and_served_again_from_id_1(bus: Bus) -> None:
+@pytest.mark.parametrize("append_at_once", [False, True], ids=["owner-notices-first", "announced-while-held"])
+async def test_a_session_whose_keys_vanish_is_let_go_and_served_again_from_id_1(bus: Bus, append_at_once: bool) -> None:
+    """The owner notices on its own (its log group is gone, its lease with it) and lets the
+    session go without creating its log again; or the session is announced anew while the
+    owner still holds it, and the owner ends the stale loop and takes it as new."""
     owner, handler = make_owner(bus, "w1", lease_seconds=LEASE)
     session = bus.session("gone")
     async with anyio.create_task_group() as tg:
@@ -54,6 +58,11 @@ async def test_a_session_whose_keys_vanish_is_let_go_and_served_again_from_id_1(
             assert isinstance(await session.act(events.FileRead(path="p"), timeout=5), events.FileContent)
         await wait_owned(owner, "gone", 1)
         await bus.redis.delete(bus.keys.log("gone"), bus.keys.meta("gone"), bus.keys.answers("gone"))
+        if not append_at_once:
+            with anyio.fail_after(5):
+                while "gone" in owner.owned:
+                    await anyio.sleep(0.02)
+            assert not await bus.redis.exists(bus.keys.log("gone")), "the stale owner created the log again"
 
         answer = await session.act(events.FileRead(path="again"), timeout=5)
         assert isinstance(answer, events.FileContent)
