@@ -950,6 +950,14 @@ def status_command(json_out: JsonOption = False, prefix: PrefixOption = None) ->
             ", ".join(f"{r}:{len(s)}" for r, s in owned_by_role.items()),
         )
     console.print(workers)
+    for failure in snapshot.failing:  # a loop that keeps failing says so (and /readyz is red)
+        since = dt.datetime.fromtimestamp(failure.since, dt.UTC).isoformat(timespec="seconds")
+        line = Text("failing: ", style="bold red")
+        line.append(
+            f"worker {failure.worker}, {failure.role} {failure.loop} loop, since {since} "
+            f"({failure.attempts} attempts): {failure.error}"
+        )
+        console.print(line)
     console.print(f"sessions: {snapshot.sessions}   dead letters: {snapshot.dead_letters}")
 
 

@@ -47,19 +47,25 @@ WARNINGS_PER_SECOND_PER_SESSION = 10
 
 
 class PrivateRedis:
-    """A redis-server of this test's own that can be stopped and started on the same port."""
+    """A redis-server of this test's own that can be stopped and started on the same port.
 
-    def __init__(self, directory: Path) -> None:
+    ``persistent=False``: no AOF and no snapshot, so a restart comes back empty.
+    """
+
+    def __init__(self, directory: Path, *, persistent: bool = True) -> None:
         self.directory = directory
+        self.persistent = persistent
         self.port = services.free_port()
         self.pid = 0
         self.url = ""
 
     def start(self) -> None:
-        self.url, self.pid = services.start_redis(self.directory, port=self.port, appendonly=True, appendfsync="always")
+        self.url, self.pid = services.start_redis(
+            self.directory, port=self.port, appendonly=self.persistent, appendfsync="always"
+        )
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM (Redis writes and syncs its AOF and exits), then wait until it is gone."""
+        """SIGTERM (Redis syncs its AOF, if it keeps one, and exits), then wait until it is gone."""
         os.kill(self.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

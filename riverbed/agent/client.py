@@ -25,7 +25,7 @@ from riverbed import events, tracing
 from riverbed.bus.connection import Client, connect_redis, translate
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys
 from riverbed.bus.log import Log, answered_cause, decode_entry, entry_id
-from riverbed.errors import ActTimeout, AlreadyAnswered, InputError
+from riverbed.errors import ActTimeout, AlreadyAnswered, InputError, NotFoundError
 from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
 
 if TYPE_CHECKING:
@@ -149,7 +149,8 @@ class Session:
         return named.pop() if named else None
 
     async def wait_for_answer(self, action_id: int, *, timeout: float = 30.0) -> events.Event:
-        """The observation answering ``action_id``; :class:`ActTimeout` when none comes in time."""
+        """The observation answering ``action_id``; :class:`ActTimeout` when none comes in time,
+        :class:`NotFoundError` as soon as the log no longer holds the action (Redis lost its data)."""
         return await self._answer(action_id, timeout, look_up=True)
 
     async def _answer(
@@ -170,6 +171,13 @@ class Session:
             while True:
                 with translate(bus.url):
                     reply = await bus.redis.xread({log_key: f"{cursor}-0"}, count=500, block=1000)
+                if not reply and await bus.log_store.last_id(self.id) < action_id:
+                    # The log is shorter than the action: Redis lost its data (a restart without
+                    # persistence, a failover to an empty replica, FLUSHALL); no answer can come.
+                    raise NotFoundError(
+                        f"action {action_id} of session {self.id!r} is no longer in its log: Redis lost "
+                        "the session's data; append the action again"
+                    )
                 for _stream, entries in reply or ():
                     pairs = [(entry_id(raw_id), fields.get(PAYLOAD_FIELD, b"")) for raw_id, fields in entries]
                     answer = _answer_among(pairs, action_id)

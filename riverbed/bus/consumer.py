@@ -25,6 +25,22 @@ an answer whose append failed that way is appended again (never the action run a
 Shutdown is two-phase: :meth:`Owner.stop` stops intake and lets each session loop finish
 its current batch; after the drain deadline the rest is cancelled; releases run shielded
 and re-announce each session so a peer takes it at once.
+
+Redis may lose its data under a running owner (a restart without persistence, a failover to
+an empty replica, FLUSHALL).  The owner notices and rebuilds, with no restart:
+
+- the directory group is gone (``NOGROUP``): intake or reclaim creates it again and lets go
+  of every session it holds, whose lease handles went with it;
+- a lease is gone (renewal fails, or the session is announced anew while held): the session
+  loop ends, and with it everything the worker kept for the session (fencing token, last
+  seen id, the handler's state); the next append announces the session and an owner takes
+  it as new;
+- the group on a session log is gone, or the log delivers ids at or before the last one this
+  loop handled (the log started over): the loop checks its lease and ends as above, never
+  re-creating a group that would hand a stale owner the new log's actions.
+
+A role loop that keeps failing records it in :attr:`Owner.failures`: ``/readyz`` turns red
+with the loop, its error and since when, until a round succeeds.
 """
 
 from __future__ import annotations
@@ -48,6 +64,7 @@ from riverbed.bus.claims import Claimed, Claims
 from riverbed.bus.connection import Client, translate
 from riverbed.bus.dlq import DeadLetters
 from riverbed.bus.exchange import exchange, held_connection, stream_entries
+from riverbed.bus.failures import Failures
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys
 from riverbed.bus.log import AlreadyAnswered, Fence, Log, PreparedAppend, decode_entry, entry_id
@@ -278,6 +295,8 @@ class Owner:
         self.claims = Claims(redis, keys, worker=worker, lease_seconds=lease_seconds, url=url)
         self.owned: dict[str, _Owned] = {}
         self.stats = OwnerStats()
+        self.failures = Failures()
+        """The role loops failing right now (shown by ``/readyz`` and ``riverbed status``)."""
         self.ready = False
         self._stopping = anyio.Event()
         self._drained = anyio.Event()
@@ -319,22 +338,19 @@ class Owner:
             await self._take(claim, reclaimed=True)
         while not self._stopping.is_set():
             if self._free() <= 0:
+                self.failures.clear("intake")  # not reading is not failing
                 self._slot_freed = anyio.Event()
                 with anyio.move_on_after(1.0):
                     await self._slot_freed.wait()
                 continue
             try:
                 claims = await self.leases.read_new(self._free(), block_ms=1000)
-            except UnavailableError as exc:
-                log.warning("intake.unavailable", role=self.role, error=str(exc))
-                await anyio.sleep(0.5)
+            except Exception as exc:
+                # The worker's own loops outlive any failure, a client library's included (seen
+                # in redis-py's cluster client while a failover closes connections under a command).
+                await self._round_failed("intake", exc)
                 continue
-            except Exception:
-                # The worker's own loops outlive a client-library failure (seen in redis-py's
-                # cluster client while a failover closes connections under a running command).
-                log.exception("intake.failed", role=self.role)
-                await anyio.sleep(0.5)
-                continue
+            self.failures.clear("intake")
             for claim in claims:
                 await self._take(claim, reclaimed=False)
 
@@ -343,15 +359,14 @@ class Owner:
         while not self._stopping.is_set():
             await anyio.sleep(period)
             if self._free() <= 0:
+                self.failures.clear("reclaim")
                 continue
             try:
                 claims = await self.leases.reclaim_stale(self._free())
-            except (UnavailableError, rexc.ResponseError) as exc:
-                log.warning("reclaim.failed", role=self.role, error=str(exc))
+            except Exception as exc:
+                await self._round_failed("reclaim", exc)
                 continue
-            except Exception:
-                log.exception("reclaim.failed", role=self.role)
-                continue
+            self.failures.clear("reclaim")
             for claim in claims:
                 await self._take(claim, reclaimed=True)
 
@@ -371,10 +386,20 @@ class Owner:
             return
         if claim.session in self._taking:
             return  # the intake and the reclaimer met the same entry; one of them takes it
-        if claim.session in self.owned:
-            if claim.entry != self.owned[claim.session].entry:
-                await self.leases.drop(claim)
-            return
+        owned = self.owned.get(claim.session)
+        if owned is not None:
+            if claim.entry == owned.entry:
+                return
+            if await self.leases.holds(claim.session, owned.token):
+                await self.leases.drop(claim)  # a duplicate announce
+                return
+            # Announced anew while held here: the lease is gone (Redis lost its data), so is
+            # everything this worker kept for the session.  End that loop; take the session as new.
+            log.warning("session.state_lost", role=self.role, session=claim.session)
+            owned.scope.cancel()
+            await _wait_until(lambda: self.owned.get(claim.session) is not owned, self.lease_seconds)
+            if claim.session in self.owned:
+                return  # still closing: the entry stays pending here and is reclaimed after a lease
         self._taking.add(claim.session)
         try:
             await self._acquire(claim, reclaimed=reclaimed)
@@ -416,12 +441,10 @@ class Owner:
             crashpoint("during_renew")
             try:
                 lost = await self.leases.renew(snapshot)
-            except UnavailableError as exc:
-                log.warning("renew.unavailable", role=self.role, error=str(exc))
+            except Exception as exc:
+                await self._round_failed("renew", exc, pause=False)  # the schedule paces it
                 continue
-            except Exception:
-                log.exception("renew.failed", role=self.role)
-                continue
+            self.failures.clear("renew")
             for session in lost:
                 owned = self.owned.get(session)
                 if owned is not None:
@@ -494,21 +517,24 @@ class Owner:
                 backoff = min(backoff * 2, 2.0)
                 stray_check = 0.0  # a reply lost with the connection may have left entries pending here
                 continue
+            except rexc.ResponseError as exc:
+                if not _group_lost(exc):
+                    raise
+                await self._check_lease(ctx, owned, "its log group is gone")
+                await self._ensure_log_group(ctx.session, after=ctx.last_seen)
+                continue
             backoff = 0.1
         return False
 
     async def _read_and_dispatch(self, ctx: SessionContext, owned: _Owned) -> bool:
         """Read new entries (bounded block) and dispatch them; False when none came."""
-        try:
-            entries = await self._read(ctx, owned)
-        except rexc.ResponseError as exc:
-            if "NOGROUP" in str(exc):
-                await self._ensure_log_group(ctx.session)
-                return False
-            raise
+        entries = await self._read(ctx, owned)
         batch = [_entry(raw_id, fields) for raw_id, fields in entries]
         if not batch:
             return False
+        if batch[0].id <= ctx.last_seen:
+            # A group delivers only ids after the ones it delivered: the log started over.
+            await self._check_lease(ctx, owned, f"its log delivered {batch[0].id} after {ctx.last_seen}")
         crashpoint("after_read")
         owned.busy = True
         try:
@@ -590,10 +616,52 @@ class Owner:
                 log.warning("release.unavailable", role=self.role, session=ctx.session, error=str(exc))
         self._slot_freed.set()
 
-    async def _ensure_log_group(self, session: str) -> None:
+    async def _check_lease(self, ctx: SessionContext, owned: _Owned, what: str) -> None:
+        """Raise :class:`FencedError` (the session loop ends) unless this worker still holds the
+        session: a lost lease means Redis lost the session, and what this loop knows is stale."""
+        if not await self.leases.holds(ctx.session, owned.token):
+            log.warning("session.state_lost", role=self.role, session=ctx.session, found=what)
+            raise FencedError(ctx.session, self.role, owned.token, 0)
+
+    async def _rebuild_directory(self) -> None:
+        """The role's directory group is gone: create it again and let go of every session held
+        (their lease handles went with it; a release re-announces a session whose lease stands)."""
+        await self.leases.ensure_group()
+        held = list(self.owned.items())
+        log.warning("directory.rebuilt", role=self.role, released=sorted(self.owned))
+        for _session, owned in held:
+            owned.scope.cancel()
+        await _wait_until(lambda: all(self.owned.get(s) is not o for s, o in held), self.lease_seconds)
+
+    async def _round_failed(self, loop: str, exc: Exception, *, pause: bool = True) -> None:
+        """A round of a role loop failed: rebuild the directory group when it is gone, else
+        record the failure (``/readyz`` shows it until a round succeeds) and back off."""
+        if _group_lost(exc):
+            try:
+                await self._rebuild_directory()
+            except Exception as again:  # recorded and retried like the round itself
+                exc = again
+            else:
+                return
+        failure = self.failures.record(loop, exc)
+        if isinstance(exc, UnavailableError):
+            log.warning(f"{loop}.unavailable", role=self.role, error=str(exc), retry_in=failure.retry_in)
+        else:
+            log.warning(
+                f"{loop}.failed",
+                role=self.role,
+                error=failure.error,
+                attempts=failure.attempts,
+                exc_info=exc if failure.attempts == 1 else False,
+            )
+        if pause:
+            await anyio.sleep(failure.retry_in)
+
+    async def _ensure_log_group(self, session: str, *, after: int = 0) -> None:
+        """The role's group on the log, delivering the ids after ``after`` (created when missing)."""
         with translate(self.url):
             try:
-                await self.redis.xgroup_create(self.keys.log(session), self.role, id="0", mkstream=True)
+                await self.redis.xgroup_create(self.keys.log(session), self.role, id=f"{after}-0", mkstream=True)
             except rexc.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
@@ -736,6 +804,11 @@ def _answered_by(entry: Entry) -> str | None:
     if cls is not None and issubclass(cls, events.Action):
         return cls.answered_by
     return None
+
+
+def _group_lost(exc: Exception) -> bool:
+    """Whether Redis answered that a consumer group (or its stream) does not exist (any more)."""
+    return isinstance(exc, rexc.ResponseError) and str(exc).startswith(("NOGROUP", "UNBLOCKED"))
 
 
 def _entry(raw_id: bytes, fields: dict[bytes, bytes]) -> Entry:

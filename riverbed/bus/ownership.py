@@ -16,6 +16,11 @@ group named after the role.  A session that needs an owner for a role has an ent
 
 Duplicated entries (a crash between announce and acquire) are harmless: a worker whose
 acquire finds another live holder acknowledges and deletes the duplicate.
+
+When Redis loses its data (a restart without persistence, a failover to an empty replica,
+FLUSHALL) the directory, its group and every lease go with it.  Renewals then fail (the
+owners let their sessions go), reads answer ``NOGROUP`` (the owner creates the group again,
+:meth:`Leases.ensure_group`), and the next append to a session announces it anew.
 """
 
 from __future__ import annotations
@@ -99,6 +104,14 @@ class Leases:
                 keys=[self.keys.meta(claim.session)], args=[self.role, self.worker, self.lease_ms, claim.entry]
             )
         return Acquired(int(reply[0]), _text(reply[1]), _text(reply[2]), int(reply[3]) if len(reply) > 3 else 0)
+
+    async def holds(self, session: str, token: int) -> bool:
+        """Whether this worker still holds ``session`` with fencing token ``token``.  False also
+        when the session's meta hash is gone (Redis lost its data): the lease went with it."""
+        with translate(self.url):
+            fields = [f"holder:{self.role}", f"fence:{self.role}"]
+            holder, fence = await self.redis.hmget(self.keys.meta(session), fields)
+        return holder is not None and _text(holder) == self.worker and fence is not None and int(fence) == token
 
     async def renew(self, owned: dict[str, tuple[str, int]]) -> set[str]:
         """Renew every owned session (session -> (entry, token)); returns the sessions lost.

@@ -13,6 +13,7 @@ owner                       meta ``holder:<role>`` while ``expires:<role>`` is a
 directory lag / pending     the role's directory stream: sessions waiting for an owner / held
 dead letters                ``XLEN`` of the dead-letter stream
 live workers                the worker registry, heartbeat newer than a window
+failing loops               each live worker's published record of role loops failing right now
 ==========================  ===================================================================
 
 Only commands that Redis 6.2 has are used: the ``lag`` field of ``XINFO GROUPS`` (7.0+) is
@@ -35,12 +36,14 @@ from riverbed.bus.keys import ROLES, Keys
 
 __all__ = [
     "DirectoryBacklog",
+    "LoopFailure",
     "RoleBacklog",
     "SessionBacklog",
     "Status",
     "WorkerInfo",
     "dead_letter_count",
     "directory_backlog",
+    "failing_loops",
     "list_sessions",
     "live_workers",
     "redis_time",
@@ -112,11 +115,24 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class LoopFailure:
+    """A worker's role loop that keeps failing: its last error, since when, how many rounds."""
+
+    worker: str
+    role: str
+    loop: str
+    error: str
+    since: float
+    attempts: int
+
+
+@dataclass(frozen=True)
 class Status:
     roles: tuple[RoleBacklog, ...]
     workers: tuple[WorkerInfo, ...]
     dead_letters: int
     sessions: int
+    failing: tuple[LoopFailure, ...] = ()
 
 
 async def redis_time(redis: Client, url: str = "redis") -> float:
@@ -295,12 +311,40 @@ async def status(
     now = await redis_time(redis, url)
     sessions = await list_sessions(redis, keys, url=url)
     backlogs = [await role_backlog(redis, keys, role, sessions, now=now, url=url) for role in roles]
+    workers = tuple(await live_workers(redis, keys, window=worker_window, now=now, url=url))
     return Status(
         roles=tuple(backlogs),
-        workers=tuple(await live_workers(redis, keys, window=worker_window, now=now, url=url)),
+        workers=workers,
         dead_letters=await dead_letter_count(redis, keys, url=url),
         sessions=len(sessions),
+        failing=tuple(failing_loops(workers)),
     )
+
+
+def failing_loops(workers: Iterable[WorkerInfo]) -> list[LoopFailure]:
+    """The role loops that the workers' last heartbeats say keep failing."""
+    out: list[LoopFailure] = []
+    for worker in workers:
+        by_role = worker.description.get("failing")
+        if not isinstance(by_role, dict):
+            continue
+        for role, loops in sorted(by_role.items()):
+            if not isinstance(loops, dict):
+                continue
+            for loop, record in sorted(loops.items()):
+                if not isinstance(record, dict):
+                    continue
+                out.append(
+                    LoopFailure(
+                        worker=worker.name,
+                        role=str(role),
+                        loop=str(loop),
+                        error=str(record.get("error", "")),
+                        since=float(record.get("since", 0.0)),
+                        attempts=int(record.get("attempts", 0)),
+                    )
+                )
+    return out
 
 
 def _text(value: bytes | str) -> str:

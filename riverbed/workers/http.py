@@ -6,9 +6,10 @@ path      answers
 metrics   the Prometheus text exposition of the worker's own registry
 healthz   200 while the event loop runs: a ticker on the loop stamps the time every second, and
           a stamp older than ``stale_after`` means the loop was starved (503)
-readyz    200 when every owner is ready, the worker is not draining, and Redis answered
-          recently (the worker's heartbeat or the metrics refresh); 503 otherwise.  The body
-          is a short JSON object saying why.
+readyz    200 when every owner is ready, no role loop keeps failing (intake, reclaim, renew:
+          each failing one is named with its last error and since when), the worker is not
+          draining, and Redis answered recently (the worker's heartbeat or the metrics
+          refresh); 503 otherwise.  The body is a short JSON object saying why.
 ========  =====================================================================================
 
 The server is a small HTTP/1.1 responder on an anyio TCP listener, running in the worker's
@@ -69,6 +70,8 @@ class Health:
     def readiness(self, worker: Served) -> tuple[bool, dict[str, object]]:
         owners = {role: bool(owner.ready) for role, owner in worker.owners.items()}
         reasons: list[str] = [f"{role} owner is not ready" for role, ok in owners.items() if not ok]
+        for role, owner in worker.owners.items():
+            reasons.extend(failure.reason(role, loop) for loop, failure in owner.failures.current().items())
         if bool(getattr(worker, "stopping", False)):
             reasons.append("draining")
         if not self.redis_recent(worker):

@@ -168,6 +168,8 @@ class Worker:
                 }
                 for role, o in self.owners.items()
             },
+            # Role loops failing right now, for `riverbed status` (a loop that keeps failing).
+            "failing": {role: o.failures.as_json() for role, o in self.owners.items() if o.failures.current()},
         }
 
     def _sandbox(self) -> str | None:
