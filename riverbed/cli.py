@@ -1119,8 +1119,14 @@ def serve_command(
             shown = f"[{host}]" if ":" in host else host
             err_console.print(f"riverbed: serving http://{shown}:{bound} (console at /, API at /v1)")
 
+    try:  # uvloop, where installed, takes a tenth to a quarter off every request
+        import uvloop  # noqa: F401, PLC0415
+
+        options = {"use_uvloop": True}
+    except ImportError:
+        options = {}
     try:
-        anyio.run(go)
+        anyio.run(go, backend_options=options)
     except BaseExceptionGroup as group:
         raise _leaf(group) from None
 
