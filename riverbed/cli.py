@@ -1108,14 +1108,16 @@ def serve_command(
     prefix: PrefixOption = None,
 ) -> None:
     """Serve the HTTP API (/v1, /openapi.json) and the web console (/) until SIGINT/SIGTERM."""
-    from riverbed.serve import Api, serve  # noqa: PLC0415
+    from riverbed.serve import Api, ServeConfig, serve  # noqa: PLC0415
 
     settings = _settings(prefix)
     configure_logging(settings.log_format)
+    # A body holds at least one event of RIVERBED_MAX_EVENT_BYTES (JSON is larger than msgpack).
+    config = ServeConfig(max_body_bytes=max(ServeConfig.max_body_bytes, 2 * settings.max_event_bytes))
 
     async def go() -> None:
         async with _bus(settings) as bus, anyio.create_task_group() as tg:
-            bound = await tg.start(serve, Api(bus), host, port)
+            bound = await tg.start(serve, Api(bus, config), host, port)
             shown = f"[{host}]" if ":" in host else host
             err_console.print(f"riverbed: serving http://{shown}:{bound} (console at /, API at /v1)")
 

@@ -345,12 +345,12 @@ class SessionView {
   }
 
   shade(scroll = false) {
+    const node = this.nodes.get(this.selected); // an observation's node is its action's card
     for (const li of $("timeline").children) {
       const id = Number(li.dataset.id);
-      li.classList.toggle("selected", id === this.selected);
+      li.classList.toggle("selected", li === node);
       li.classList.toggle("after", this.selected != null && id > this.selected);
     }
-    const node = this.nodes.get(this.selected);
     if (scroll && node) node.scrollIntoView({ block: "nearest" });
   }
 
