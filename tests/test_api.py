@@ -48,7 +48,10 @@ ALLOWED: dict[str, set[str]] = {
         "agent",
         "workers",
     },
+    # The HTTP API composes the client API (agent) over the bus and the View fold (memory).
+    "serve": {"events", "errors", "tracing", "settings", "logs", "bus", "memory", "agent", "serve"},
     "cli": {
+        "serve",
         "events",
         "errors",
         "tracing",

@@ -23,6 +23,8 @@ key                                    what
 ``{p}:{p}:worker:<name>``              hash: a worker's roles, owned sessions, start time
 ``{p}:{p}:dlq``                        stream: dead letters
 ``{p}:{p}:retention``                  string: the worker running this round's retention pass
+``{p}:{p}:apikeys``                    hash: HTTP API key id -> JSON record (tenant, admin, the
+                                       key's sha256, created, revoked); the key itself is never kept
 =====================================  =======================================================
 """
 
@@ -65,6 +67,7 @@ class Keys:
         self.sessions = f"{prefix}:{{{prefix}}}:sessions"
         self.workers = f"{prefix}:{{{prefix}}}:workers"
         self.retention = f"{prefix}:{{{prefix}}}:retention"
+        self.api_keys = f"{prefix}:{{{prefix}}}:apikeys"
 
     def log(self, session: str) -> str:
         return f"{self.prefix}:{{{session}}}:log"

@@ -1,0 +1,349 @@
+"""The ``/v1`` routes: each checks the key, then the session's tenant, then does one thing.
+
+Handlers are thin: the log, the View fold, fork and the backlog statistics live in the
+packages that own them.  Every route that names a session answers 404 alike for a session
+that does not exist and for one of another tenant, so a key learns nothing about other
+tenants' sessions.  Appends through the API set ``tenant`` on every event to the session's
+tenant (for a new session: the key's), whatever the client sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import msgspec
+from msgspec.structs import replace
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from riverbed import events
+from riverbed.agent.client import Bus
+from riverbed.agent.replay import fork
+from riverbed.bus import stats
+from riverbed.bus.keys import ROLES, require_session
+from riverbed.errors import InputError, NotFoundError
+from riverbed.serve.auth import KeyStore, Principal
+from riverbed.serve.sessions import Tenants, session_infos
+from riverbed.serve.sse import EventStream
+
+__all__ = ["Api", "ServeConfig", "handlers"]
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Bounds of the HTTP API."""
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    """The largest request body accepted (413 above it)."""
+    request_timeout: float = 30.0
+    """A request other than ``act`` and an event stream must be answered within this (504)."""
+    act_timeout: float = 30.0
+    """The ``act`` timeout when the request names none."""
+    max_act_timeout: float = 300.0
+    """The longest ``act`` wait a request may ask for."""
+    heartbeat_seconds: float = 15.0
+    """An event stream sends a comment line after this long without an event."""
+
+
+class Api:
+    """What the handlers share: the bus, the key store, the tenants of sessions."""
+
+    def __init__(self, bus: Bus, config: ServeConfig | None = None) -> None:
+        self.bus = bus
+        self.config = config or ServeConfig()
+        self.keys = KeyStore(bus.redis, bus.keys, bus.url)
+        self.tenants = Tenants(bus)
+        self.stopping = anyio.Event()
+        """Set when the server starts shutting down: event streams end then."""
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _api(request: Request) -> Api:
+    api: Api = request.app.state.api
+    return api
+
+
+def _json(value: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(value), status_code=status, media_type="application/json")
+
+
+async def principal(request: Request) -> Principal:
+    """The key's principal; 401 when the key is missing, malformed, unknown or revoked."""
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise HTTPException(
+            401,
+            "this API needs a key: send 'Authorization: Bearer <key>' (riverbed keys create --tenant T)",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    who = await _api(request).keys.check(key.strip())
+    if who is None:
+        raise HTTPException(
+            401, "the API key is not valid or was revoked; ask for a new one", headers={"WWW-Authenticate": "Bearer"}
+        )
+    return who
+
+
+async def _session_tenant(api: Api, who: Principal, session: str, *, create: bool = False) -> str | None:
+    """The tenant of ``session`` when the key may use it (404 otherwise); with ``create``, a
+    session that does not exist yet is the key's tenant's."""
+    require_session(session)
+    exists, tenant = await api.tenants.of(session)
+    if exists and who.may_see(tenant):
+        return tenant
+    if not exists and create:
+        if who.tenant is None:
+            raise InputError(f"an admin key without a tenant cannot create session {session!r}; use a tenant's key")
+        return who.tenant
+    raise NotFoundError(f"no session {session!r} is visible to this key")
+
+
+def _int_param(request: Request, name: str, *, minimum: int = 1) -> int | None:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InputError(f"the {name} parameter must be a whole number, not {raw!r}") from None
+    if value < minimum:
+        raise InputError(f"the {name} parameter must be at least {minimum}, not {value}")
+    return value
+
+
+async def _body(request: Request) -> bytes:
+    """The request body, refused (413) above the configured size."""
+    limit = _api(request).config.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HTTPException(413, f"the request body is {int(declared):,} bytes, over the limit of {limit:,}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"the request body is over the limit of {limit:,} bytes")
+        chunks.append(chunk)
+    if not size:
+        raise InputError("the request needs a JSON body")
+    return b"".join(chunks)
+
+
+def bounded(handler: Handler) -> Handler:
+    """Answer within the configured request timeout (504 otherwise)."""
+
+    async def run(request: Request) -> Response:
+        seconds = _api(request).config.request_timeout
+        with anyio.move_on_after(seconds) as scope:
+            return await handler(request)
+        assert scope.cancelled_caught
+        raise HTTPException(504, f"the request took longer than {seconds:g}s; try again, or ask for less")
+
+    run.__name__ = handler.__name__
+    run.__doc__ = handler.__doc__
+    return run
+
+
+# --- routes -------------------------------------------------------------------------------
+
+
+@bounded
+async def whoami(request: Request) -> Response:
+    """The key's tenant and whether it is an admin key."""
+    who = await principal(request)
+    return _json({"key_id": who.key_id, "tenant": who.tenant, "admin": who.admin})
+
+
+@bounded
+async def list_sessions(request: Request) -> Response:
+    """The sessions the key may see: tenant, last id, last event time, owner and lag per role."""
+    who = await principal(request)
+    bus = _api(request).bus
+    names = await stats.list_sessions(bus.redis, bus.keys, url=bus.url)
+    infos = await session_infos(bus, names, visible=who.may_see)
+    return _json({"sessions": [info.as_dict() for info in infos]})
+
+
+@bounded
+async def append(request: Request) -> Response:
+    """Append one event or a JSON array of events (``expected_last``, ``Idempotency-Key``)."""
+    who = await principal(request)
+    api = _api(request)
+    session = request.path_params["session"]
+    tenant = await _session_tenant(api, who, session, create=True)
+    batch = [replace(e, tenant=tenant) for e in events.events_from_json(await _body(request))]
+    expected_last = _int_param(request, "expected_last", minimum=0)
+    key = request.headers.get("idempotency-key")
+    ids = await api.bus.session(session, tenant=tenant).append(*batch, expected_last=expected_last, idempotency_key=key)
+    api.tenants.remember(session, tenant)
+    return _json({"session": session, "ids": ids}, status=201)
+
+
+async def act(request: Request) -> Response:
+    """Append one action and answer with its observation (504 when none comes in time)."""
+    api = _api(request)
+    timeout = _timeout(request, api.config)
+    with anyio.move_on_after(timeout + api.config.request_timeout) as scope:
+        return await _act(request, api, timeout)
+    assert scope.cancelled_caught
+    raise HTTPException(504, f"the act request took longer than {timeout + api.config.request_timeout:g}s")
+
+
+async def _act(request: Request, api: Api, timeout: float) -> Response:
+    who = await principal(request)
+    session = request.path_params["session"]
+    tenant = await _session_tenant(api, who, session, create=True)
+    action = events.from_json(await _body(request))
+    if not isinstance(action, events.Action):
+        raise InputError(f"{action.kind!r} is not an action (see `riverbed schema`); POST it to /events instead")
+    answer = await api.bus.session(session, tenant=tenant).act(replace(action, tenant=tenant), timeout=timeout)
+    api.tenants.remember(session, tenant)
+    return Response(events.encode_json(answer), media_type="application/json")
+
+
+def _timeout(request: Request, config: ServeConfig) -> float:
+    raw = request.query_params.get("timeout")
+    if raw is None or raw == "":
+        return config.act_timeout
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InputError(f"the timeout parameter must be a number of seconds, not {raw!r}") from None
+    if not (0 < value <= config.max_act_timeout and math.isfinite(value)):
+        raise InputError(f"the timeout parameter must be greater than 0 and at most {config.max_act_timeout:g} seconds")
+    return value
+
+
+async def read_events(request: Request) -> Response:
+    """The log as JSON lines, or with ``Accept: text/event-stream`` live as SSE."""
+    who = await principal(request)
+    api = _api(request)
+    session = request.path_params["session"]
+    start = _int_param(request, "from") or 1
+    until = _int_param(request, "until")
+    if until is not None and until < start:
+        raise InputError(f"until ({until}) must not be before from ({start})")
+    with anyio.fail_after(api.config.request_timeout):
+        await _session_tenant(api, who, session)
+    if "text/event-stream" in request.headers.get("accept", ""):
+        last_seen = request.headers.get("last-event-id", "").strip()
+        if last_seen:
+            if not last_seen.isdigit():
+                raise InputError(f"Last-Event-ID must be an event id, not {last_seen!r}")
+            start = int(last_seen) + 1
+        return _Raw(
+            EventStream(
+                api.bus.log_store,
+                session,
+                start,
+                until,
+                heartbeat=api.config.heartbeat_seconds,
+                stopping=api.stopping,
+            )
+        )
+
+    async def lines() -> AsyncIterator[bytes]:
+        async for event in api.bus.log_store.read(session, start, until):
+            yield events.encode_json(event) + b"\n"
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+class _Raw(Response):
+    """A response that is an ASGI callable of its own (the event stream)."""
+
+    def __init__(self, app: EventStream) -> None:
+        super().__init__()
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+@bounded
+async def view(request: Request) -> Response:
+    """The condensed view as the agent saw it right after event ``until``."""
+    from riverbed.memory.view import view as fold  # noqa: PLC0415  (memory is optional for clients)
+
+    who = await principal(request)
+    api = _api(request)
+    session = request.path_params["session"]
+    await _session_tenant(api, who, session)
+    until = _int_param(request, "until")
+    folded = fold([e async for e in api.bus.log_store.read(session, 1, until)], until=until)
+    body = {
+        "session": session,
+        "until": until,
+        "last_id": folded.last_id,
+        "summary_index": folded.summary_index,
+        "events": [msgspec.Raw(events.encode_json(e)) for e in folded.events],
+    }
+    return _json(body)
+
+
+class _ForkBody(msgspec.Struct, forbid_unknown_fields=True):
+    at: int
+    into: str
+
+
+@bounded
+async def fork_session(request: Request) -> Response:
+    """Copy events 1..``at`` into the new session ``into`` (the source's tenant), then ``forked``."""
+    who = await principal(request)
+    api = _api(request)
+    session = request.path_params["session"]
+    tenant = await _session_tenant(api, who, session)
+    try:
+        body = msgspec.json.decode(await _body(request), type=_ForkBody)
+    except msgspec.DecodeError as exc:
+        raise InputError(f'the fork body must be {{"at": N, "into": "new-session"}} ({exc})') from exc
+    require_session(body.into)
+    forked = await fork(api.bus, session, body.at, body.into)
+    api.tenants.remember(body.into, tenant)
+    return _json({"session": body.into, "source": session, "at": body.at, "forked": forked}, status=201)
+
+
+@bounded
+async def status(request: Request) -> Response:
+    """Roles, lag, pending and dead letters: every session for an admin key, the tenant's otherwise."""
+    who = await principal(request)
+    bus = _api(request).bus
+    if who.admin:
+        snapshot = await stats.status(bus.redis, bus.keys, url=bus.url)
+        return _json(dataclasses.asdict(snapshot))
+    names = await stats.list_sessions(bus.redis, bus.keys, url=bus.url)
+    mine = [info.session for info in await session_infos(bus, names, visible=who.may_see, roles=())]
+    roles = [await stats.role_backlog(bus.redis, bus.keys, role, mine, url=bus.url) for role in ROLES]
+    body: dict[str, Any] = {
+        "sessions": len(mine),
+        "roles": [
+            {"role": r.role, "lag": r.lag, "pending": r.pending, "oldest_pending_seconds": r.oldest_pending_seconds}
+            for r in roles
+        ],
+        "workers": len(await stats.live_workers(bus.redis, bus.keys, url=bus.url)),
+    }
+    return _json(body)
+
+
+def handlers() -> list[tuple[str, Handler | Callable[..., Any], list[str]]]:
+    """(path, handler, methods) of every ``/v1`` route."""
+    return [
+        ("/v1/me", whoami, ["GET"]),
+        ("/v1/sessions", list_sessions, ["GET"]),
+        ("/v1/sessions/{session}/events", append, ["POST"]),
+        ("/v1/sessions/{session}/events", read_events, ["GET"]),
+        ("/v1/sessions/{session}/act", act, ["POST"]),
+        ("/v1/sessions/{session}/view", view, ["GET"]),
+        ("/v1/sessions/{session}/fork", fork_session, ["POST"]),
+        ("/v1/status", status, ["GET"]),
+    ]
