@@ -13,6 +13,7 @@ AlreadyAnswered             409     a second answer to an action
 AppendConflict              409     ``expected_last`` did not match
 FencedError                 409     (not reachable through the API: it appends with no fence)
 NotFoundError               404     no such session for this key (or another tenant's)
+TenantMismatch              404     an append to another tenant's session: it is not there for this key
 ActTimeout                  504     no observation within the act timeout
 UnavailableError            503     Redis or Postgres unreachable
 ServiceError                503     an embedded service failed
@@ -39,6 +40,7 @@ from riverbed.errors import (
     NotFoundError,
     RiverbedError,
     ServiceError,
+    TenantMismatch,
     UnavailableError,
 )
 
@@ -78,6 +80,9 @@ def from_exception(request: Request, exc: BaseException) -> Response:
     if isinstance(exc, HTTPException):
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         return problem(exc.status_code, detail, headers=dict(exc.headers or {}))
+    if isinstance(exc, TenantMismatch):
+        # the same answer as a session that does not exist: a stranger learns nothing
+        return problem(404, f"there is no session {exc.session!r} for this key", extra={"retryable": False})
     if isinstance(exc, RiverbedError):
         extra: dict[str, object] = {"retryable": exc.retryable}
         if isinstance(exc, AppendConflict):
