@@ -366,3 +366,28 @@ async def test_sessions_opened_at_once_share_one_pool(database_url: str, prefix:
     with anyio.fail_after(5):
         while await connections(database_url, name):
             await anyio.sleep(0.05)
+
+
+async def test_a_session_log_lost_and_started_again_is_indexed_anew(
+    bus: Bus, database_url: str, prefix: str, local: LocalEmbedder
+) -> None:
+    """Redis lost the log (FLUSHALL, a restart without persistence) and the session id starts
+    again from event 1: the rows of the lost log are dropped, not recalled as the new events,
+    and the new event 1 is indexed although the lost log's event 1 was."""
+    session = bus.session("wiped")
+    async with memory_worker(bus, database_url, prefix, local):
+        await session.append(events.Message(content="the deploy key rotates every ninety days", source="user"))
+        await wait_indexed(database_url, prefix, session)
+        keys = [k async for k in bus.redis.scan_iter(match=f"{prefix}:*", count=1000)]
+        await bus.redis.delete(*keys)  # everything under this test's prefix, as a FLUSHALL would
+        (first,) = await session.append(events.Message(content="pancakes need buttermilk and eggs", source="user"))
+        assert first == 1
+        with anyio.fail_after(INDEX_DEADLINE):
+            while True:
+                rows = await chunk_rows(database_url, prefix, session.id)
+                if rows and all("pancakes" in r["text"] for r in rows):
+                    break
+                await anyio.sleep(0.2)
+        answer = await session.act(events.Recall(query="when does the deploy key rotate?", k=3), timeout=RECALL_TIMEOUT)
+        assert isinstance(answer, events.RecallResult), answer
+        assert all("deploy key" not in h.text for h in answer.hits)

@@ -22,6 +22,9 @@ Tables (``<s>`` is the schema):
     same transaction as its chunks: a redelivered event finds it and does nothing.
 ``<s>.embedding_cache``
     ``model, hash`` → ``embedding``: the shared level of the embedding cache.
+``<s>.memory_logs``
+    ``session`` → ``created``: the creation stamp of the session log the rows were indexed
+    from (migration 4); a log created anew under the same id drops the old rows.
 """
 
 from __future__ import annotations
@@ -114,6 +117,17 @@ MIGRATIONS: list[tuple[int, str]] = [
             ) USING query, tenant_, k;
         END
         $fn$;
+        """,
+    ),
+    (
+        4,
+        # Which log of a session the rows describe: Redis may lose a log (FLUSHALL, a restart
+        # without persistence) and the session id start again from event 1.
+        """
+        CREATE TABLE {s}.memory_logs (
+            session text PRIMARY KEY,
+            created text NOT NULL
+        );
         """,
     ),
 ]

@@ -196,6 +196,28 @@ class Store:
 
     # --- indexing ----------------------------------------------------------------------
 
+    async def start_log(self, session: str, created: str) -> bool:
+        """Record which log of ``session`` is indexed (its creation stamp); when the rows on
+        hand come from an earlier log under the same id (Redis lost it and the session started
+        over), drop them, so old events are neither recalled as the new ones nor skipped as
+        indexed.  Returns True when rows were dropped."""
+        async with self._conn() as conn, conn.transaction():
+            old = await conn.fetchval(
+                f"SELECT created FROM {self._s}.memory_logs WHERE session = $1 FOR UPDATE", session
+            )
+            if old == created:
+                return False
+            if old is not None:
+                await conn.execute(f"DELETE FROM {self._s}.memory_chunks WHERE session = $1", session)
+                await conn.execute(f"DELETE FROM {self._s}.memory_indexed WHERE session = $1", session)
+            await conn.execute(
+                f"INSERT INTO {self._s}.memory_logs (session, created) VALUES ($1, $2) "
+                "ON CONFLICT (session) DO UPDATE SET created = EXCLUDED.created",
+                session,
+                created,
+            )
+            return old is not None
+
     async def indexed(self, session: str, event_ids: Iterable[int]) -> set[int]:
         """Which of ``event_ids`` already went through indexing."""
         ids = list(event_ids)

@@ -50,6 +50,7 @@ class MemoryHandler:
         self.workspace_root = workspace_root
         self._scanned: dict[str, int] = {}  # session -> last id looked at for queued recalls
         self._failing: set[str] = set()  # sessions whose last indexing attempt found memory unavailable
+        self._logs: set[str] = set()  # sessions whose log's creation stamp the store has seen
 
     @property
     def cache(self) -> object:
@@ -62,6 +63,7 @@ class MemoryHandler:
     async def close(self, ctx: SessionContext) -> None:
         self._scanned.pop(ctx.session, None)
         self._failing.discard(ctx.session)
+        self._logs.discard(ctx.session)
 
     async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
         await self.handle(ctx, entries)
@@ -87,6 +89,7 @@ class MemoryHandler:
         unindexable: DataError | None = None
         try:
             await self.memory.store.start()  # idempotent; raises UnavailableError while Postgres is down
+            await self._check_log(ctx)
             await self.memory.index(ctx.session, [e.event for e in entries], tenant=ctx.tenant)
         except UnavailableError as exc:
             self._failing.add(ctx.session)
@@ -108,6 +111,15 @@ class MemoryHandler:
         await ctx.ack([e.id for e in entries if e not in recalls and e.id not in guilty])
         if unindexable is not None:
             raise unindexable  # the consumer counts it against the guilty entries (still pending)
+
+    async def _check_log(self, ctx: SessionContext) -> None:
+        """Once per session loop: drop the rows of an earlier log of this session id."""
+        if ctx.session in self._logs:
+            return
+        created = (await ctx.log.meta(ctx.session)).get("created")
+        if created and await self.memory.store.start_log(ctx.session, created):
+            log.warning("memory.log_restarted", session=ctx.session, detail="rows of the lost log were dropped")
+        self._logs.add(ctx.session)
 
     async def _recall(self, ctx: SessionContext, entry: Entry, deadline: float) -> None:
         if await ctx.is_answered(entry.id):
