@@ -851,21 +851,71 @@ def view_command(
 @app.command("fork")
 def fork_command(
     session: Annotated[str, typer.Argument(help="Source session id.", callback=require_session)],
-    at: Annotated[int, typer.Option("--at", help="Copy events 1..N.")],
-    into: Annotated[str, typer.Option("--into", help="The new session id.")],
+    at: Annotated[int, typer.Option("--at", help="Copy events 1..N.", metavar="N")],
+    into: Annotated[str, typer.Option("--into", help="The new session id.", metavar="NEW")],
+    workspace: Annotated[
+        str,
+        typer.Option(
+            "--workspace",
+            help="How the fork's sandbox is built: replay the actions 1..N (files, cwd, variables, "
+            "Python cells), copy the source's workspace, or empty.",
+            metavar="replay|copy|empty",
+        ),
+    ] = "replay",
+    timeout: Annotated[
+        float,
+        typer.Option("--timeout", help="Seconds to wait for a runtime worker to rebuild the sandbox (0: do not wait)."),
+    ] = 60.0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: the fork and its rebuild.")] = False,
     prefix: PrefixOption = None,
 ) -> None:
-    """New session whose log is events 1..N of the source (same ids), then a `forked` event."""
-    from riverbed.agent.replay import fork  # noqa: PLC0415
+    """New session whose log is events 1..N of the source (same ids), then a `forked` event;
+    its sandbox is rebuilt as it was at N. Exit 3 when an observation came out differently."""
+    from riverbed.agent.replay import fork, wait_rebuilt  # noqa: PLC0415
 
     settings = _settings(prefix)
+    if timeout < 0:
+        raise InputError(f"--timeout must be 0 or more, not {timeout:g}")
 
-    async def go() -> int:
+    async def go() -> tuple[int, events.SandboxRebuilt | None]:
         async with _bus(settings) as bus:
-            return await fork(bus, session, at, into)
+            forked_id = await fork(bus, session, at, into, workspace=workspace)  # type: ignore[arg-type]
+            if workspace == "empty" or timeout == 0:
+                return forked_id, None
+            err_console.print(
+                f"forked {session} at event {at} into {into}; waiting for a runtime worker to rebuild its sandbox …",
+                style="dim",
+            )
+            return forked_id, await wait_rebuilt(bus, into, forked_id, timeout=timeout)
 
-    last = _run(go)
-    err_console.print(f"forked {session} at event {at} into {into} (its last event is {last})")
+    forked_id, built = _run(go)
+    if json_out:
+        report = {"session": into, "source": session, "at": at, "forked_id": forked_id, "workspace": workspace}
+        if built is not None:
+            report |= {"actions": built.actions, "differences": built.differences, "note": built.note}
+        _stdout_lines([msgspec.json.encode(report)])
+    else:
+        err_console.print(f"forked {session} at event {at} into {into} (its last event is {forked_id})")
+        if built is None and workspace != "empty":
+            err_console.print(f"its sandbox is rebuilt ({workspace}) when a runtime worker takes {into}")
+        elif built is not None:
+            err_console.print(_rebuilt_summary(built))
+    if built is not None and built.differences:
+        raise typer.Exit(3)
+
+
+def _rebuilt_summary(built: events.SandboxRebuilt) -> Text:
+    if built.method == "copy":
+        line = Text("sandbox rebuilt: copied the source's workspace")
+        return line.append(f" ({visible(built.note)})" if built.note else "")
+    line = Text(f"sandbox rebuilt by replaying {built.actions} actions: ")
+    if not built.differences:
+        return line.append("every observation matched the recording")
+    line.append(f"{len(built.differences)} differences from the recording", style="bold yellow")
+    for d in built.differences:
+        line.append(f"\n  action {d.action_id} ({d.kind}): {d.field} was {_one_line(repr(d.recorded), 80)}, "
+                    f"now {_one_line(repr(d.new), 80)}")  # fmt: skip
+    return line
 
 
 @app.command("rerun")

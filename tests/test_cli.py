@@ -143,7 +143,7 @@ def test_import_takes_the_session_from_the_file_name_and_reads_stdin(cli_env: di
         [(cli_env, ["import", str(named), "--into", "strict"]), (cli_env, ["import", str(named), "--keep-unknown"]),
          (cli_env, ["import", "-"])]
     )  # fmt: skip
-    assert_one_sentence(needs_flag, 2, "line 23", "unknown event kind 'teleport'", "--keep-unknown")
+    assert_one_sentence(needs_flag, 2, "line 24", "unknown event kind 'teleport'", "--keep-unknown")
     assert from_name.returncode == 0, from_name.stderr.decode()
     assert_one_sentence(no_into, 2, "--into")
     ok(cli_env, "import", "-", "--into", "piped", "--keep-unknown", stdin=golden)
@@ -200,11 +200,11 @@ def test_readable_log_shows_kinds_sources_and_content(cli_env: dict[str, str]) -
     ok(cli_env, "import", "-", "--into", "story", "--keep-unknown", stdin=GOLDEN.read_bytes())
     text = ok(cli_env, "log", "story").decode()
     lines = text.splitlines()
-    assert len(lines) == 23
+    assert len(lines) == 24
     assert "cmd_run" in lines[4]
     assert "$ pytest -q" in lines[4]
     assert "runtime_lost (retryable)" in lines[17]
-    assert "?teleport" in lines[22]
+    assert "?teleport" in lines[23]
     assert "2026-11-02 09:00:01.250" in lines[1]
     missing, backwards = run_all(
         [(cli_env, ["log", "nothing-here"]), (cli_env, ["log", "story", "--from", "5", "--until", "2"])]

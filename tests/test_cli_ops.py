@@ -44,7 +44,7 @@ def test_act_view_fork_and_status_through_a_cli_worker(
 
     run(cli_env, "fork", "s1", "--at", "2", "--into", "s1-fork").check_returncode()
     fork_log = [json.loads(line) for line in ok(cli_env, "log", "s1-fork", "--json").splitlines()]
-    assert [e["kind"] for e in fork_log] == ["cmd_run", "cmd_output", "forked"]
+    assert [e["kind"] for e in fork_log] == ["cmd_run", "cmd_output", "forked", "sandbox_rebuilt"]
     assert fork_log[2]["source_session"] == "s1"
 
     status = json.loads(ok(cli_env, "status", "--json"))
