@@ -323,7 +323,8 @@ def test_services_up_prints_working_exports_and_down_stops_them(
     exports = dict(
         line.removeprefix("export ").split("=", 1) for line in result.stdout.decode().splitlines() if line.strip()
     )
-    assert set(exports) == {"RIVERBED_REDIS_URL", "RIVERBED_DATABASE_URL"}
+    assert set(exports) == {"RIVERBED_REDIS_URL", "RIVERBED_DATABASE_URL", "RIVERBED_SERVICES_DIR"}
+    assert exports["RIVERBED_SERVICES_DIR"] == str(services_dir)
     redis_url = exports["RIVERBED_REDIS_URL"]
     database_url = exports["RIVERBED_DATABASE_URL"].strip("'")
     assert redis.Redis.from_url(redis_url).ping()
@@ -349,8 +350,15 @@ def test_services_up_prints_working_exports_and_down_stops_them(
     )  # fmt: skip
     assert shell.stdout.decode().split() == [redis_url, database_url]
 
-    down = run(env, "services", "down", "--dir", str(services_dir), timeout=60)
+    # `services down` in a shell that ran the exports stops these services, with no --dir.
+    elsewhere = {**env, "RIVERBED_SERVICES_DIR": str(services_dir.parent / "not-these")}
+    down = subprocess.run(
+        ["bash", "-c", f'eval "$({" ".join(riverbed_command())} services up --dir {services_dir})"; '
+         f'{" ".join(riverbed_command())} services down'],
+        env=elsewhere, capture_output=True, check=False, timeout=60,
+    )  # fmt: skip
     assert down.returncode == 0, down.stderr.decode()
+    assert f"stopped the services in {services_dir}" in down.stderr.decode()
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(redis_url, socket_connect_timeout=1).ping()
     assert "no services were running" in run(env, "services", "down", "--dir", str(services_dir)).stderr.decode()

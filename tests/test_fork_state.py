@@ -195,7 +195,7 @@ async def test_a_worker_killed_during_the_rebuild_is_replaced_and_nothing_runs_t
 async def test_without_a_runtime_worker_the_fork_is_made_and_the_wait_says_why(bus: Bus) -> None:
     await bus.session("alone").append(events.Message(content="hi", source="user"))
     forked_id = await fork(bus, "alone", 1, "alone-2")
-    with pytest.raises(ActTimeout, match="no runtime worker rebuilt its sandbox within 0.3s"):
+    with pytest.raises(ActTimeout, match=r"no runtime worker rebuilt its sandbox within 0\.3s"):
         await wait_rebuilt(bus, "alone-2", forked_id, timeout=0.3)
     with pytest.raises(InputError, match="replay, copy or empty"):
         await fork(bus, "alone", 1, "alone-3", workspace="clone")  # type: ignore[arg-type]
