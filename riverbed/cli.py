@@ -358,8 +358,24 @@ def _summary(event: events.Event) -> str:
         case events.Condensation(forgotten=forgotten, summary=summary):
             ranges = ", ".join(f"{a}-{b}" for a, b in forgotten)
             return f"forgot [{ranges}]" + (f": {summary}" if summary else "")
-        case events.Forked(source_session=source_session, at=at):
-            return f"forked from {source_session} at {at}"
+        case events.Forked(source_session=source_session, at=at, workspace=workspace):
+            return f"forked from {source_session} at {at} (sandbox: {workspace})"
+        case events.SandboxRebuilt(method=method, actions=actions, differences=differences, note=note):
+            done = (
+                f"{method}: {actions} actions re-run, {len(differences)} differences" if method == "replay" else method
+            )
+            return done + (f"; {note}" if note else "")
+        case events.PythonRun(code=code):
+            return f">>> {code}"
+        case events.PythonOutput():
+            return _python_summary(event)
+        case events.SessionConfig(env=env, condenser=condenser):
+            parts = [f"{name}={value}" if value is not None else f"unset {name}" for name, value in env.items()]
+            if condenser:
+                parts.append("condenser " + " ".join(f"{k}={v}" for k, v in condenser.items()))
+            return ", ".join(parts)
+        case events.Finish(final_thought=final_thought, outputs=outputs):
+            return final_thought + (f" outputs: {json.dumps(outputs, default=str)}" if outputs else "")
         case events.LlmResponse(model=model, content=content, tool_calls=tool_calls):
             return f"{model}: {content or ''} ({len(tool_calls)} tool calls)"
         case events.Unknown(original_kind=original_kind, payload=payload):
@@ -370,6 +386,20 @@ def _summary(event: events.Event) -> str:
         if isinstance(value, str) and value:
             return value
     return json.dumps(fields, default=str) if fields else ""
+
+
+def _python_summary(event: events.PythonOutput) -> str:
+    """A cell's printed output, then its value (``→ 42``), its exception's last line, the
+    files it saved, and whether it timed out or lost the interpreter's state."""
+    parts = [event.content.strip()] if event.content.strip() else []
+    if event.result is not None:
+        parts.append(f"→ {event.result}")
+    if event.exception:
+        parts.append("raised " + event.exception.strip().splitlines()[-1])
+    if event.files:
+        parts.append("files: " + ", ".join(event.files))
+    flags = [name for name, on in (("timed out", event.timed_out), ("state lost", event.state_lost)) if on]
+    return (f"[{', '.join(flags)}] " if flags else "") + " ".join(parts)
 
 
 def _ts(ts: dt.datetime) -> str:
@@ -827,7 +857,9 @@ def append_command(
 @app.command("view")
 def view_command(
     session: SessionArg,
-    until: Annotated[int | None, typer.Option("--until", help="The view right after this event.")] = None,
+    until: Annotated[
+        int | None, typer.Option("--until", help="The view right after this event.", metavar="N", show_default=False)
+    ] = None,
     json_out: JsonOption = False,
     prefix: PrefixOption = None,
 ) -> None:
@@ -837,13 +869,16 @@ def view_command(
     async def go() -> list[events.Event]:
         async with _bus(settings) as bus:
             await _require_events(bus, session)
+            last = await bus.session(session).last_id()
+            if until is not None and not 1 <= until <= last:
+                raise InputError(f"cannot view session {session!r} at {until}: choose an event id from 1 to {last}")
             return list(await bus.session(session).view(until=until))
 
     context = _run(go)
     if json_out:
         _stdout_lines(events.encode_json(e) for e in context)
         return
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)
     for event in context:
         console.print(render(event))
 

@@ -213,6 +213,39 @@ def test_readable_log_shows_kinds_sources_and_content(cli_env: dict[str, str]) -
     assert_one_sentence(backwards, 2, "--until")
 
 
+def test_view_prints_one_readable_line_per_event_when_piped(
+    cli_env: dict[str, str], redis_url: str, prefix: str
+) -> None:
+    long = "word " * 60
+    fill(
+        redis_url,
+        prefix,
+        "readable",
+        [
+            events.SessionConfig(env={"GREETING": "hi", "OLD": None}, source="user"),
+            events.Message(content=long, source="user"),
+            events.PythonRun(code="print('computing')\n6 * 7"),
+            events.PythonOutput(content="computing\n", result="42", cause=3),
+            events.PythonRun(code="1 / 0"),
+            events.PythonOutput(
+                exception="Traceback (most recent call last):\nZeroDivisionError: division by zero", cause=5
+            ),
+        ],
+    )
+    env = {**cli_env, "COLUMNS": "80"}
+    lines = ok(env, "view", "readable").decode().splitlines()
+    assert len(lines) == 6, lines
+    assert long.strip()[:150] in lines[1]  # not wrapped at 80 columns
+    assert "GREETING=hi, unset OLD" in lines[0]
+    assert lines[2].endswith(">>> print('computing') 6 * 7")
+    assert lines[3].endswith("computing → 42")
+    assert lines[5].endswith("raised ZeroDivisionError: division by zero")
+    assert not any('{"' in line for line in lines)  # no JSON blobs
+    assert len(ok(env, "view", "readable", "--until", "6").splitlines()) == 6
+    for bad in ("0", "7", "-1"):
+        assert_one_sentence(run(env, "view", "readable", "--until", bad), 2, "choose an event id from 1 to 6")
+
+
 def test_sessions_lists_last_id_and_tenant(cli_env: dict[str, str], redis_url: str, prefix: str) -> None:
     assert ok(cli_env, "sessions", "--json") == b""
     fill(redis_url, prefix, "s-1", sample_events(7))
