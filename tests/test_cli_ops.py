@@ -54,6 +54,18 @@ def test_act_view_fork_and_status_through_a_cli_worker(
     assert worker.poll() is None
 
 
+def test_tenant_applies_to_every_event_a_command_appends(
+    cli_env: dict[str, str], worker: subprocess.Popen[bytes]
+) -> None:
+    batch = '[{"kind": "message", "content": "hi", "source": "user"}, {"kind": "think", "thought": "hm"}]'
+    ok(cli_env, "append", "t1", batch, "--tenant", "acme")
+    ok(cli_env, "act", "t1", '{"kind": "cmd_run", "command": "echo tenanted"}', "--tenant", "acme")
+    ok(cli_env, "act", "t1", '{"kind": "finish", "final_thought": "done"}', "--tenant", "acme")
+    log = [json.loads(line) for line in ok(cli_env, "log", "t1", "--json").splitlines()]
+    assert [e["kind"] for e in log] == ["message", "think", "cmd_run", "cmd_output", "finish"]
+    assert {e["tenant"] for e in log} == {"acme"}
+
+
 def test_act_refuses_bad_input_in_one_sentence(cli_env: dict[str, str]) -> None:
     assert_one_sentence(run(cli_env, "act", "s1", "{not json"), 2, "not valid JSON")
     assert_one_sentence(run(cli_env, "act", "s1", '{"kind": "cmd_output", "content": "x"}'), 2, "not an action")
