@@ -29,6 +29,7 @@ import datetime as dt
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -1098,6 +1099,7 @@ def demo_command(prefix: PrefixOption = None) -> None:
 
     started = dt.datetime.now(dt.UTC)
     settings = _settings(prefix)
+    embedded = not settings.redis_url or not settings.database_url
     url = _redis_url(settings)
     if not settings.database_url:
         _progress("RIVERBED_DATABASE_URL is not set: using the embedded Postgres")
@@ -1115,8 +1117,17 @@ def demo_command(prefix: PrefixOption = None) -> None:
     console.print(
         f"\nsession [bold]{result.session}[/] ({result.events} events, view {result.view_size}), "
         f"fork [bold]{result.fork}[/]; done in {seconds:.1f}s.\n"
-        f"Replay it: riverbed log {result.session}   riverbed view {result.session} --until 8"
+        f"\nLook at it:\n"
+        f"  riverbed log {result.session}                 every event\n"
+        f"  riverbed view {result.session} --until 8      the agent's context right after event 8\n"
+        f"  riverbed log {result.fork}            the fork, rebuilt at event 12"
     )
+    if embedded:
+        where = shlex.quote(str(_services_dir(None)))
+        console.print(
+            f"\nThe demo started Redis and Postgres in {where}; they keep running for the commands above.\n"
+            f"Stop them: riverbed services down --dir {where}"
+        )
     if not result.ok:
         raise typer.Exit(1)
 

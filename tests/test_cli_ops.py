@@ -118,5 +118,13 @@ def test_demo_runs_on_embedded_services_and_exits_zero(offline_env: dict[str, st
         assert result.returncode == 0, out + result.stderr.decode()
         assert "recall finds a condensed-away event" in out
         assert "✘" not in out
+        # Each observation shows its own output, not its command again.
+        assert "hello, riverbed" in out  # what `python3 greet.py` printed
+        assert "→ 42" in out  # the cell's value
+        assert "demo: hello from riverbed from app" in out
+        assert not any(line.count("python3 greet.py") > 0 and "cmd_output" in line for line in out.splitlines())
+        # It ends by saying how to look at the session and how to stop what it started.
+        assert "riverbed log demo-" in out
+        assert f"riverbed services down --dir {env['RIVERBED_SERVICES_DIR']}" in out
     finally:
         run(env, "services", "down", "--dir", env["RIVERBED_SERVICES_DIR"])
