@@ -41,6 +41,8 @@ import anyio
 import msgspec
 import redis.asyncio as aioredis
 import typer
+import typer.core
+import typer.main
 from msgspec.structs import replace
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -77,7 +79,60 @@ CONNECT_TIMEOUT = 5.0
 IMPORT_BATCH = 1000
 """Events per append when importing (one Lua call each)."""
 
+#: The order of ``riverbed --help``: a first look, daily work, then operations and plumbing.
+#: Commands not named here follow, in the order they are registered.
+COMMAND_ORDER = (
+    "demo",
+    "services",
+    "worker",
+    "act",
+    "append",
+    "log",
+    "view",
+    "fork",
+    "rerun",
+    "sessions",
+    "status",
+    "export",
+    "import",
+    "archive",
+    "dlq",
+    "schema",
+)
+
+
+class _OrderedGroup(typer.core.TyperGroup):
+    def list_commands(self, ctx: Any) -> list[str]:
+        names = super().list_commands(ctx)
+        known = [n for n in COMMAND_ORDER if n in names]
+        return known + [n for n in names if n not in known]
+
+
+def _plain_help(command: Any) -> Any:
+    """Help without type placeholders (``<str>``, ``<float>``): an option shows its metavar
+    (``--at N``) or nothing, an argument its name in capitals (``SESSION``)."""
+    for param in command.params:
+        shown = param.metavar
+        if param.param_type_name == "argument":
+            param.metavar = param.metavar or (param.name or "").upper()
+            shown = None  # the name column shows it already
+        param.display_type_rich = lambda ctx, shown=shown: shown  # (a method, per parameter)
+    make_help = command.get_help_option
+
+    def help_option(ctx: Any) -> Any:
+        option = make_help(ctx)
+        if option is not None:
+            option.display_type_rich = lambda ctx: None
+        return option
+
+    command.get_help_option = help_option
+    for sub in getattr(command, "commands", {}).values():
+        _plain_help(sub)
+    return command
+
+
 app = typer.Typer(
+    cls=_OrderedGroup,
     name="riverbed",
     help="riverbed: an event-sourced runtime for AI agents (Redis Streams log, workers, pgvector memory).",
     no_args_is_help=True,
@@ -233,7 +288,7 @@ def main() -> None:
     # Commands log warnings only (to stderr); `worker` reconfigures for its own service logs.
     configure_logging(level=os.environ.get("RIVERBED_LOG_LEVEL") or "warning")
     try:
-        app()
+        _plain_help(typer.main.get_command(app))()
     except SystemExit:
         raise
     except BrokenPipeError:

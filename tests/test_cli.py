@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -401,4 +402,12 @@ def test_help_lists_the_commands(offline_env: dict[str, str]) -> None:
     text = ok(offline_env, "--help").decode()
     for command in ("log", "export", "import", "sessions", "schema", "services"):
         assert command in text
+    listed = [m.group(1) for m in re.finditer(r"^│ (\w+) ", text, flags=re.MULTILINE)]
+    assert listed[:8] == ["demo", "services", "worker", "act", "append", "log", "view", "fork"]  # daily first
+    assert listed.index("schema") > listed.index("status")
+    for args in (["--help"], ["act", "--help"], ["fork", "--help"], ["log", "--help"], ["services", "up", "--help"]):
+        shown = ok(offline_env, *args).decode()
+        for placeholder in ("<str>", "<int>", "<float>", "<bool>", "<path>", " TEXT", " INTEGER", " FLOAT"):
+            assert placeholder not in shown, (args, placeholder, shown)
+    assert re.search(r"--at +N ", ok(offline_env, "fork", "--help").decode())
     assert msgspec.json.decode(ok(offline_env, "schema"))  # stdout is the schema only
