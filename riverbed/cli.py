@@ -29,6 +29,7 @@ import datetime as dt
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -40,6 +41,8 @@ import anyio
 import msgspec
 import redis.asyncio as aioredis
 import typer
+import typer.core
+import typer.main
 from msgspec.structs import replace
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -76,7 +79,60 @@ CONNECT_TIMEOUT = 5.0
 IMPORT_BATCH = 1000
 """Events per append when importing (one Lua call each)."""
 
+#: The order of ``riverbed --help``: a first look, daily work, then operations and plumbing.
+#: Commands not named here follow, in the order they are registered.
+COMMAND_ORDER = (
+    "demo",
+    "services",
+    "worker",
+    "act",
+    "append",
+    "log",
+    "view",
+    "fork",
+    "rerun",
+    "sessions",
+    "status",
+    "export",
+    "import",
+    "archive",
+    "dlq",
+    "schema",
+)
+
+
+class _OrderedGroup(typer.core.TyperGroup):
+    def list_commands(self, ctx: Any) -> list[str]:
+        names = super().list_commands(ctx)
+        known = [n for n in COMMAND_ORDER if n in names]
+        return known + [n for n in names if n not in known]
+
+
+def _plain_help(command: Any) -> Any:
+    """Help without type placeholders (``<str>``, ``<float>``): an option shows its metavar
+    (``--at N``) or nothing, an argument its name in capitals (``SESSION``)."""
+    for param in command.params:
+        shown = param.metavar
+        if param.param_type_name == "argument":
+            param.metavar = param.metavar or (param.name or "").upper()
+            shown = None  # the name column shows it already
+        param.display_type_rich = lambda ctx, shown=shown: shown  # (a method, per parameter)
+    make_help = command.get_help_option
+
+    def help_option(ctx: Any) -> Any:
+        option = make_help(ctx)
+        if option is not None:
+            option.display_type_rich = lambda ctx: None
+        return option
+
+    command.get_help_option = help_option
+    for sub in getattr(command, "commands", {}).values():
+        _plain_help(sub)
+    return command
+
+
 app = typer.Typer(
+    cls=_OrderedGroup,
     name="riverbed",
     help="riverbed: an event-sourced runtime for AI agents (Redis Streams log, workers, pgvector memory).",
     no_args_is_help=True,
@@ -232,7 +288,7 @@ def main() -> None:
     # Commands log warnings only (to stderr); `worker` reconfigures for its own service logs.
     configure_logging(level=os.environ.get("RIVERBED_LOG_LEVEL") or "warning")
     try:
-        app()
+        _plain_help(typer.main.get_command(app))()
     except SystemExit:
         raise
     except BrokenPipeError:
@@ -358,8 +414,24 @@ def _summary(event: events.Event) -> str:
         case events.Condensation(forgotten=forgotten, summary=summary):
             ranges = ", ".join(f"{a}-{b}" for a, b in forgotten)
             return f"forgot [{ranges}]" + (f": {summary}" if summary else "")
-        case events.Forked(source_session=source_session, at=at):
-            return f"forked from {source_session} at {at}"
+        case events.Forked(source_session=source_session, at=at, workspace=workspace):
+            return f"forked from {source_session} at {at} (sandbox: {workspace})"
+        case events.SandboxRebuilt(method=method, actions=actions, differences=differences, note=note):
+            done = (
+                f"{method}: {actions} actions re-run, {len(differences)} differences" if method == "replay" else method
+            )
+            return done + (f"; {note}" if note else "")
+        case events.PythonRun(code=code):
+            return f">>> {code}"
+        case events.PythonOutput():
+            return _python_summary(event)
+        case events.SessionConfig(env=env, condenser=condenser):
+            parts = [f"{name}={value}" if value is not None else f"unset {name}" for name, value in env.items()]
+            if condenser:
+                parts.append("condenser " + " ".join(f"{k}={v}" for k, v in condenser.items()))
+            return ", ".join(parts)
+        case events.Finish(final_thought=final_thought, outputs=outputs):
+            return final_thought + (f" outputs: {json.dumps(outputs, default=str)}" if outputs else "")
         case events.LlmResponse(model=model, content=content, tool_calls=tool_calls):
             return f"{model}: {content or ''} ({len(tool_calls)} tool calls)"
         case events.Unknown(original_kind=original_kind, payload=payload):
@@ -370,6 +442,20 @@ def _summary(event: events.Event) -> str:
         if isinstance(value, str) and value:
             return value
     return json.dumps(fields, default=str) if fields else ""
+
+
+def _python_summary(event: events.PythonOutput) -> str:
+    """A cell's printed output, then its value (``→ 42``), its exception's last line, the
+    files it saved, and whether it timed out or lost the interpreter's state."""
+    parts = [event.content.strip()] if event.content.strip() else []
+    if event.result is not None:
+        parts.append(f"→ {event.result}")
+    if event.exception:
+        parts.append("raised " + event.exception.strip().splitlines()[-1])
+    if event.files:
+        parts.append("files: " + ", ".join(event.files))
+    flags = [name for name, on in (("timed out", event.timed_out), ("state lost", event.state_lost)) if on]
+    return (f"[{', '.join(flags)}] " if flags else "") + " ".join(parts)
 
 
 def _ts(ts: dt.datetime) -> str:
@@ -827,7 +913,9 @@ def append_command(
 @app.command("view")
 def view_command(
     session: SessionArg,
-    until: Annotated[int | None, typer.Option("--until", help="The view right after this event.")] = None,
+    until: Annotated[
+        int | None, typer.Option("--until", help="The view right after this event.", metavar="N", show_default=False)
+    ] = None,
     json_out: JsonOption = False,
     prefix: PrefixOption = None,
 ) -> None:
@@ -837,13 +925,16 @@ def view_command(
     async def go() -> list[events.Event]:
         async with _bus(settings) as bus:
             await _require_events(bus, session)
+            last = await bus.session(session).last_id()
+            if until is not None and not 1 <= until <= last:
+                raise InputError(f"cannot view session {session!r} at {until}: choose an event id from 1 to {last}")
             return list(await bus.session(session).view(until=until))
 
     context = _run(go)
     if json_out:
         _stdout_lines(events.encode_json(e) for e in context)
         return
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)
     for event in context:
         console.print(render(event))
 
@@ -851,21 +942,71 @@ def view_command(
 @app.command("fork")
 def fork_command(
     session: Annotated[str, typer.Argument(help="Source session id.", callback=require_session)],
-    at: Annotated[int, typer.Option("--at", help="Copy events 1..N.")],
-    into: Annotated[str, typer.Option("--into", help="The new session id.")],
+    at: Annotated[int, typer.Option("--at", help="Copy events 1..N.", metavar="N")],
+    into: Annotated[str, typer.Option("--into", help="The new session id.", metavar="NEW")],
+    workspace: Annotated[
+        str,
+        typer.Option(
+            "--workspace",
+            help="How the fork's sandbox is built: replay the actions 1..N (files, cwd, variables, "
+            "Python cells), copy the source's workspace, or empty.",
+            metavar="replay|copy|empty",
+        ),
+    ] = "replay",
+    timeout: Annotated[
+        float,
+        typer.Option("--timeout", help="Seconds to wait for a runtime worker to rebuild the sandbox (0: do not wait)."),
+    ] = 60.0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: the fork and its rebuild.")] = False,
     prefix: PrefixOption = None,
 ) -> None:
-    """New session whose log is events 1..N of the source (same ids), then a `forked` event."""
-    from riverbed.agent.replay import fork  # noqa: PLC0415
+    """New session whose log is events 1..N of the source (same ids), then a `forked` event;
+    its sandbox is rebuilt as it was at N. Exit 3 when an observation came out differently."""
+    from riverbed.agent.replay import fork, wait_rebuilt  # noqa: PLC0415
 
     settings = _settings(prefix)
+    if timeout < 0:
+        raise InputError(f"--timeout must be 0 or more, not {timeout:g}")
 
-    async def go() -> int:
+    async def go() -> tuple[int, events.SandboxRebuilt | None]:
         async with _bus(settings) as bus:
-            return await fork(bus, session, at, into)
+            forked_id = await fork(bus, session, at, into, workspace=workspace)  # type: ignore[arg-type]
+            if workspace == "empty" or timeout == 0:
+                return forked_id, None
+            err_console.print(
+                f"forked {session} at event {at} into {into}; waiting for a runtime worker to rebuild its sandbox …",
+                style="dim",
+            )
+            return forked_id, await wait_rebuilt(bus, into, forked_id, timeout=timeout)
 
-    last = _run(go)
-    err_console.print(f"forked {session} at event {at} into {into} (its last event is {last})")
+    forked_id, built = _run(go)
+    if json_out:
+        report = {"session": into, "source": session, "at": at, "forked_id": forked_id, "workspace": workspace}
+        if built is not None:
+            report |= {"actions": built.actions, "differences": built.differences, "note": built.note}
+        _stdout_lines([msgspec.json.encode(report)])
+    else:
+        err_console.print(f"forked {session} at event {at} into {into} (its last event is {forked_id})")
+        if built is None and workspace != "empty":
+            err_console.print(f"its sandbox is rebuilt ({workspace}) when a runtime worker takes {into}")
+        elif built is not None:
+            err_console.print(_rebuilt_summary(built))
+    if built is not None and built.differences:
+        raise typer.Exit(3)
+
+
+def _rebuilt_summary(built: events.SandboxRebuilt) -> Text:
+    if built.method == "copy":
+        line = Text("sandbox rebuilt: copied the source's workspace")
+        return line.append(f" ({visible(built.note)})" if built.note else "")
+    line = Text(f"sandbox rebuilt by replaying {built.actions} actions: ")
+    if not built.differences:
+        return line.append("every observation matched the recording")
+    line.append(f"{len(built.differences)} differences from the recording", style="bold yellow")
+    for d in built.differences:
+        line.append(f"\n  action {d.action_id} ({d.kind}): {d.field} was {_one_line(repr(d.recorded), 80)}, "
+                    f"now {_one_line(repr(d.new), 80)}")  # fmt: skip
+    return line
 
 
 @app.command("rerun")
@@ -1021,6 +1162,7 @@ def demo_command(prefix: PrefixOption = None) -> None:
 
     started = dt.datetime.now(dt.UTC)
     settings = _settings(prefix)
+    embedded = not settings.redis_url or not settings.database_url
     url = _redis_url(settings)
     if not settings.database_url:
         _progress("RIVERBED_DATABASE_URL is not set: using the embedded Postgres")
@@ -1038,8 +1180,17 @@ def demo_command(prefix: PrefixOption = None) -> None:
     console.print(
         f"\nsession [bold]{result.session}[/] ({result.events} events, view {result.view_size}), "
         f"fork [bold]{result.fork}[/]; done in {seconds:.1f}s.\n"
-        f"Replay it: riverbed log {result.session}   riverbed view {result.session} --until 8"
+        f"\nLook at it:\n"
+        f"  riverbed log {result.session}                 every event\n"
+        f"  riverbed view {result.session} --until 8      the agent's context right after event 8\n"
+        f"  riverbed log {result.fork}            the fork, rebuilt at event 12"
     )
+    if embedded:
+        where = shlex.quote(str(_services_dir(None)))
+        console.print(
+            f"\nThe demo started Redis and Postgres in {where}; they keep running for the commands above.\n"
+            f"Stop them: riverbed services down --dir {where}"
+        )
     if not result.ok:
         raise typer.Exit(1)
 

@@ -55,6 +55,7 @@ __all__ = [
     "Condensation",
     "CondensationRequest",
     "DecodeError",
+    "Divergence",
     "Error",
     "Event",
     "FileContent",
@@ -74,10 +75,12 @@ __all__ = [
     "PythonRun",
     "Recall",
     "RecallResult",
+    "SandboxRebuilt",
     "SessionConfig",
     "Source",
     "Think",
     "Unknown",
+    "WorkspaceMethod",
     "check",
     "check_env",
     "decode",
@@ -98,6 +101,7 @@ __all__ = [
 
 Source: TypeAlias = Literal["agent", "user", "runtime", "memory", "condenser", "system"]
 Role: TypeAlias = Literal["runtime", "memory", "condenser"]
+WorkspaceMethod: TypeAlias = Literal["replay", "copy", "empty"]
 
 MAX_TIMEOUT = 86_400.0
 """The longest timeout an action may ask for, in seconds (a day)."""
@@ -372,6 +376,43 @@ class Forked(Event, frozen=True, kw_only=True, tag="forked"):
 
     source_session: str
     at: EventId
+    workspace: WorkspaceMethod = "empty"
+    """How the fork's sandbox is built: ``replay`` (the runtime that serves the fork re-runs
+    the copied actions 1..``at``), ``copy`` (it copies the source's workspace) or ``empty``.
+    Forks recorded before this field existed started empty."""
+
+
+class Divergence(msgspec.Struct, frozen=True, kw_only=True):
+    """One way a re-executed action's observation differs from the recorded one.
+
+    ``field`` is ``"kind"`` when the observation is of another kind altogether (then
+    ``recorded`` and ``new`` are the kinds; ``recorded`` is None when the action was never
+    answered in the log).
+    """
+
+    action_id: int
+    kind: str
+    field: str
+    recorded: Any = None
+    new: Any = None
+
+
+class SandboxRebuilt(Event, frozen=True, kw_only=True, tag="sandbox_rebuilt"):
+    """How the runtime built a fork's sandbox, appended once (``cause`` = the ``forked``
+    event) before it runs any new action of the fork.
+
+    ``method`` is the fork's ``workspace``; ``actions`` counts the recorded actions re-run
+    (``replay``); ``differences`` lists every observation that came out differently from
+    the recording; ``note`` says what else happened (a missing source workspace).
+    """
+
+    source: Source = "runtime"
+
+    method: WorkspaceMethod
+    at: EventId
+    actions: int = 0
+    differences: list[Divergence] = msgspec.field(default_factory=list)
+    note: str = ""
 
 
 class SessionConfig(Event, frozen=True, kw_only=True, tag="session_config"):
@@ -422,6 +463,7 @@ _BUILTIN: tuple[type[Event], ...] = (
     Error,
     Condensation,
     Forked,
+    SandboxRebuilt,
     SessionConfig,
     LlmResponse,
     Unknown,

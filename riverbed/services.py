@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -54,7 +55,13 @@ class Services:
     pgdata: str
 
     def exports(self) -> str:
-        return f"export RIVERBED_REDIS_URL={self.redis_url}\nexport RIVERBED_DATABASE_URL='{self.database_url}'\n"
+        """Shell lines that point riverbed at these services; ``RIVERBED_SERVICES_DIR`` makes a
+        later ``riverbed services down`` (or ``up``) in that shell find them without ``--dir``."""
+        return (
+            f"export RIVERBED_REDIS_URL={self.redis_url}\n"
+            f"export RIVERBED_DATABASE_URL='{self.database_url}'\n"
+            f"export RIVERBED_SERVICES_DIR={shlex.quote(os.path.abspath(self.dir))}\n"
+        )
 
 
 def free_port() -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import threading
 import time
 from collections import deque
@@ -136,7 +137,7 @@ class OpenAIServer:
 
     def start(self) -> OpenAIServer:
         handler = type("Handler", (_Handler,), {"server_state": self})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd = _QuietServer(("127.0.0.1", 0), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.02}, name="openai-test-server", daemon=True
@@ -230,6 +231,18 @@ def _vector(text: str, dim: int) -> list[float]:
     raw = [b / 255.0 - 0.5 for b in digest[:dim]]
     norm = sum(x * x for x in raw) ** 0.5 or 1.0
     return [x / norm for x in raw]
+
+
+class _QuietServer(ThreadingHTTPServer):
+    """A client that hangs up mid-response (a timeout test, a cancelled call) is expected:
+    no "Exception occurred during processing of request" traceback on stderr for it."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
+            return
+        super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):

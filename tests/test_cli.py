@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -143,7 +144,7 @@ def test_import_takes_the_session_from_the_file_name_and_reads_stdin(cli_env: di
         [(cli_env, ["import", str(named), "--into", "strict"]), (cli_env, ["import", str(named), "--keep-unknown"]),
          (cli_env, ["import", "-"])]
     )  # fmt: skip
-    assert_one_sentence(needs_flag, 2, "line 23", "unknown event kind 'teleport'", "--keep-unknown")
+    assert_one_sentence(needs_flag, 2, "line 24", "unknown event kind 'teleport'", "--keep-unknown")
     assert from_name.returncode == 0, from_name.stderr.decode()
     assert_one_sentence(no_into, 2, "--into")
     ok(cli_env, "import", "-", "--into", "piped", "--keep-unknown", stdin=golden)
@@ -200,17 +201,50 @@ def test_readable_log_shows_kinds_sources_and_content(cli_env: dict[str, str]) -
     ok(cli_env, "import", "-", "--into", "story", "--keep-unknown", stdin=GOLDEN.read_bytes())
     text = ok(cli_env, "log", "story").decode()
     lines = text.splitlines()
-    assert len(lines) == 23
+    assert len(lines) == 24
     assert "cmd_run" in lines[4]
     assert "$ pytest -q" in lines[4]
     assert "runtime_lost (retryable)" in lines[17]
-    assert "?teleport" in lines[22]
+    assert "?teleport" in lines[23]
     assert "2026-11-02 09:00:01.250" in lines[1]
     missing, backwards = run_all(
         [(cli_env, ["log", "nothing-here"]), (cli_env, ["log", "story", "--from", "5", "--until", "2"])]
     )
     assert_one_sentence(missing, 2, "no events")
     assert_one_sentence(backwards, 2, "--until")
+
+
+def test_view_prints_one_readable_line_per_event_when_piped(
+    cli_env: dict[str, str], redis_url: str, prefix: str
+) -> None:
+    long = "word " * 60
+    fill(
+        redis_url,
+        prefix,
+        "readable",
+        [
+            events.SessionConfig(env={"GREETING": "hi", "OLD": None}, source="user"),
+            events.Message(content=long, source="user"),
+            events.PythonRun(code="print('computing')\n6 * 7"),
+            events.PythonOutput(content="computing\n", result="42", cause=3),
+            events.PythonRun(code="1 / 0"),
+            events.PythonOutput(
+                exception="Traceback (most recent call last):\nZeroDivisionError: division by zero", cause=5
+            ),
+        ],
+    )
+    env = {**cli_env, "COLUMNS": "80"}
+    lines = ok(env, "view", "readable").decode().splitlines()
+    assert len(lines) == 6, lines
+    assert long.strip()[:150] in lines[1]  # not wrapped at 80 columns
+    assert "GREETING=hi, unset OLD" in lines[0]
+    assert lines[2].endswith(">>> print('computing') 6 * 7")
+    assert lines[3].endswith("computing → 42")
+    assert lines[5].endswith("raised ZeroDivisionError: division by zero")
+    assert not any('{"' in line for line in lines)  # no JSON blobs
+    assert len(ok(env, "view", "readable", "--until", "6").splitlines()) == 6
+    for bad in ("0", "7", "-1"):
+        assert_one_sentence(run(env, "view", "readable", "--until", bad), 2, "choose an event id from 1 to 6")
 
 
 def test_sessions_lists_last_id_and_tenant(cli_env: dict[str, str], redis_url: str, prefix: str) -> None:
@@ -323,7 +357,8 @@ def test_services_up_prints_working_exports_and_down_stops_them(
     exports = dict(
         line.removeprefix("export ").split("=", 1) for line in result.stdout.decode().splitlines() if line.strip()
     )
-    assert set(exports) == {"RIVERBED_REDIS_URL", "RIVERBED_DATABASE_URL"}
+    assert set(exports) == {"RIVERBED_REDIS_URL", "RIVERBED_DATABASE_URL", "RIVERBED_SERVICES_DIR"}
+    assert exports["RIVERBED_SERVICES_DIR"] == str(services_dir)
     redis_url = exports["RIVERBED_REDIS_URL"]
     database_url = exports["RIVERBED_DATABASE_URL"].strip("'")
     assert redis.Redis.from_url(redis_url).ping()
@@ -349,8 +384,15 @@ def test_services_up_prints_working_exports_and_down_stops_them(
     )  # fmt: skip
     assert shell.stdout.decode().split() == [redis_url, database_url]
 
-    down = run(env, "services", "down", "--dir", str(services_dir), timeout=60)
+    # `services down` in a shell that ran the exports stops these services, with no --dir.
+    elsewhere = {**env, "RIVERBED_SERVICES_DIR": str(services_dir.parent / "not-these")}
+    down = subprocess.run(
+        ["bash", "-c", f'eval "$({" ".join(riverbed_command())} services up --dir {services_dir})"; '
+         f'{" ".join(riverbed_command())} services down'],
+        env=elsewhere, capture_output=True, check=False, timeout=60,
+    )  # fmt: skip
     assert down.returncode == 0, down.stderr.decode()
+    assert f"stopped the services in {services_dir}" in down.stderr.decode()
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(redis_url, socket_connect_timeout=1).ping()
     assert "no services were running" in run(env, "services", "down", "--dir", str(services_dir)).stderr.decode()
@@ -360,4 +402,12 @@ def test_help_lists_the_commands(offline_env: dict[str, str]) -> None:
     text = ok(offline_env, "--help").decode()
     for command in ("log", "export", "import", "sessions", "schema", "services"):
         assert command in text
+    listed = [m.group(1) for m in re.finditer(r"^│ (\w+) ", text, flags=re.MULTILINE)]
+    assert listed[:8] == ["demo", "services", "worker", "act", "append", "log", "view", "fork"]  # daily first
+    assert listed.index("schema") > listed.index("status")
+    for args in (["--help"], ["act", "--help"], ["fork", "--help"], ["log", "--help"], ["services", "up", "--help"]):
+        shown = ok(offline_env, *args).decode()
+        for placeholder in ("<str>", "<int>", "<float>", "<bool>", "<path>", " TEXT", " INTEGER", " FLOAT"):
+            assert placeholder not in shown, (args, placeholder, shown)
+    assert re.search(r"--at +N ", ok(offline_env, "fork", "--help").decode())
     assert msgspec.json.decode(ok(offline_env, "schema"))  # stdout is the schema only

@@ -44,7 +44,7 @@ def test_act_view_fork_and_status_through_a_cli_worker(
 
     run(cli_env, "fork", "s1", "--at", "2", "--into", "s1-fork").check_returncode()
     fork_log = [json.loads(line) for line in ok(cli_env, "log", "s1-fork", "--json").splitlines()]
-    assert [e["kind"] for e in fork_log] == ["cmd_run", "cmd_output", "forked"]
+    assert [e["kind"] for e in fork_log] == ["cmd_run", "cmd_output", "forked", "sandbox_rebuilt"]
     assert fork_log[2]["source_session"] == "s1"
 
     status = json.loads(ok(cli_env, "status", "--json"))
@@ -52,6 +52,18 @@ def test_act_view_fork_and_status_through_a_cli_worker(
     assert {s["session"] for s in runtime["sessions"]} >= {"s1", "s1-fork"}
     assert any(w["name"] == "cli-w1" for w in status["workers"])
     assert worker.poll() is None
+
+
+def test_tenant_applies_to_every_event_a_command_appends(
+    cli_env: dict[str, str], worker: subprocess.Popen[bytes]
+) -> None:
+    batch = '[{"kind": "message", "content": "hi", "source": "user"}, {"kind": "think", "thought": "hm"}]'
+    ok(cli_env, "append", "t1", batch, "--tenant", "acme")
+    ok(cli_env, "act", "t1", '{"kind": "cmd_run", "command": "echo tenanted"}', "--tenant", "acme")
+    ok(cli_env, "act", "t1", '{"kind": "finish", "final_thought": "done"}', "--tenant", "acme")
+    log = [json.loads(line) for line in ok(cli_env, "log", "t1", "--json").splitlines()]
+    assert [e["kind"] for e in log] == ["message", "think", "cmd_run", "cmd_output", "finish"]
+    assert {e["tenant"] for e in log} == {"acme"}
 
 
 def test_act_refuses_bad_input_in_one_sentence(cli_env: dict[str, str]) -> None:
@@ -106,5 +118,13 @@ def test_demo_runs_on_embedded_services_and_exits_zero(offline_env: dict[str, st
         assert result.returncode == 0, out + result.stderr.decode()
         assert "recall finds a condensed-away event" in out
         assert "✘" not in out
+        # Each observation shows its own output, not its command again.
+        assert "hello, riverbed" in out  # what `python3 greet.py` printed
+        assert "→ 42" in out  # the cell's value
+        assert "demo: hello from riverbed from app" in out
+        assert not any(line.count("python3 greet.py") > 0 and "cmd_output" in line for line in out.splitlines())
+        # It ends by saying how to look at the session and how to stop what it started.
+        assert "riverbed log demo-" in out
+        assert f"riverbed services down --dir {env['RIVERBED_SERVICES_DIR']}" in out
     finally:
         run(env, "services", "down", "--dir", env["RIVERBED_SERVICES_DIR"])

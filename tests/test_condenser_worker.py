@@ -96,3 +96,24 @@ async def test_a_log_that_moved_past_the_batch_is_still_condensed(bus: Bus) -> N
         await owner.drain(2)
     assert any(isinstance(e, events.Error) and e.reason == "bad_condenser_config" for e in log)
     assert len(fold(log)) <= 12
+
+
+async def test_condensations_carry_the_sessions_tenant_and_trace(bus: Bus) -> None:
+    from riverbed import tracing  # noqa: PLC0415
+
+    owner = Owner(bus.redis, bus.keys, CondenserHandler(llm=None, model=None), worker="c1", url=bus.url)
+    session = bus.session("tenanted", tenant="acme")
+    await session.append(events.SessionConfig(condenser={"strategy": "recent", "max_events": 6, "keep_first": 1}))
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        await session.append(*[events.Message(content=f"m{i}", source="user") for i in range(12)])
+        log = await wait_for(bus, "tenanted", lambda log: any(isinstance(e, events.Condensation) for e in log))
+        request = events.CondensationRequest(trace=tracing.new_trace())
+        answer = await session.act(request, timeout=10)
+        await owner.drain(2)
+    automatic = next(e for e in log if isinstance(e, events.Condensation))
+    assert automatic.tenant == "acme"
+    assert tracing.trace_id(automatic.trace) == tracing.trace_id(session.trace)
+    assert isinstance(answer, events.Condensation)
+    assert answer.tenant == "acme"
+    assert tracing.trace_id(answer.trace) == tracing.trace_id(request.trace)

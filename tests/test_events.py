@@ -85,7 +85,7 @@ def test_golden_unknown_kind_keeps_its_payload() -> None:
     assert event.payload["destination"] == "mars"
     assert "id" not in event.payload
     # The envelope is read from the payload, so logs and views place it correctly.
-    assert (event.id, event.source, event.tenant) == (23, "agent", "acme")
+    assert (event.id, event.source, event.tenant) == (24, "agent", "acme")
     assert event.ts == dt.datetime(2026, 11, 2, 9, 2, tzinfo=dt.UTC)
     assert events.encode_json(event) == line
 

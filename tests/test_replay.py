@@ -30,7 +30,7 @@ async def test_fork_copies_the_same_ids_and_bytes_then_diverges(bus: Bus, worksp
             assert isinstance(obs, events.CmdOutput)
         assert obs.content.strip() == "2"
         at = await source.last_id()
-        forked_id = await fork(bus, "src", at, "copy")
+        forked_id = await fork(bus, "src", at, "copy", workspace="empty")
         assert forked_id == at + 1
 
         original = await raw_log(bus, "src")
@@ -39,6 +39,7 @@ async def test_fork_copies_the_same_ids_and_bytes_then_diverges(bus: Bus, worksp
         marker = (await bus.session("copy").events(forked_id, forked_id))[0]
         assert isinstance(marker, events.Forked)
         assert (marker.source_session, marker.at, marker.source, marker.tenant) == ("src", at, "system", "acme")
+        assert marker.workspace == "empty"
         assert (await bus.log_store.meta("copy"))["tenant"] == "acme"
 
         # The one-answer guard holds in the fork: copied actions are answered already.
@@ -48,7 +49,7 @@ async def test_fork_copies_the_same_ids_and_bytes_then_diverges(bus: Bus, worksp
         with pytest.raises(InputError, match="already answered"):
             await fork_session.append(events.CmdOutput(content="again", cause=action_id))
 
-        # The copied actions are not run again: the fork's workspace starts empty.
+        # The copied actions are not run again: with workspace="empty" the fork's workspace starts empty.
         obs = await fork_session.act(events.CmdRun(command="echo y >> count.txt && wc -l < count.txt"), timeout=20)
         assert isinstance(obs, events.CmdOutput)
         assert obs.content.strip() == "1"
@@ -70,7 +71,7 @@ async def test_a_fork_answers_the_action_that_was_waiting_at_the_fork_point(bus:
         obs = await bus.session("branch").wait_for_answer(action_id, timeout=20)
     assert isinstance(obs, events.CmdOutput)
     assert obs.content.strip() == "forked-run"
-    assert obs.id == action_id + 2  # after the forked event
+    assert obs.id == action_id + 3  # after the forked event and the sandbox_rebuilt record
 
 
 async def test_fork_refuses_bad_points_and_existing_targets(bus: Bus) -> None:

@@ -1,12 +1,39 @@
-"""Replay tools: fork a session at an event, and re-run its runtime actions to compare.
+"""Replay tools: fork a session at an event with its sandbox, and re-run its actions to compare.
 
 :func:`fork` copies events 1..``at`` of a session, byte for byte and with the same ids,
 into a new session and then records where it came from with a ``forked`` event; the two
 logs then diverge independently.  Events that retention moved to the archive are read
-from there, so an old session forks like a new one.  Only the log is copied: the fork's
-sandbox starts from an empty workspace, and the runtime role does not run the copied
-actions again (they are answered already; an action that was still waiting for its answer
-at ``at`` is run in the fork).
+from there, so an old session forks like a new one.  The runtime role never answers a
+copied action again (an action still waiting for its answer at ``at`` is run in the fork).
+
+The fork's sandbox (files, the shell's cwd and exported variables, the Python cells) is
+rebuilt as it was at ``at`` by the runtime that will serve the fork, because that is where
+the shell and the Python process live: a sandbox's processes cannot be handed from one
+process to another, and re-running commands in a second place would run their side
+effects twice.  So the log drives it:
+
+1. :func:`fork` writes the ``forked`` event with ``workspace`` = ``replay`` (the default),
+   ``copy`` or ``empty``;
+2. the runtime worker that takes the fork (``riverbed.workers.runtime_role``) sees a
+   ``forked`` event that no ``sandbox_rebuilt`` event answers yet and, before it runs any
+   new action of the fork, calls :func:`rebuild`: ``replay`` empties the fork's workspace
+   and re-executes the recorded runtime actions 1..``at`` in it, in order, silently (the
+   ``session_config`` environment applied where it occurs), with the same machinery as
+   :func:`rerun`; ``copy`` copies the source's current workspace instead (files only);
+3. it appends one ``sandbox_rebuilt`` event (``cause`` = the ``forked`` event): the method,
+   how many actions ran, and every observation that came out differently from the
+   recording.  The append is fenced like any answer, and a new owner that finds the event
+   does not rebuild again; one that finds none (the previous owner died half-way) empties
+   the workspace and rebuilds from the start.  No recorded answer is ever appended again:
+   the re-executed actions' observations are compared, not logged;
+4. :func:`wait_rebuilt` waits for that event (``riverbed fork`` prints it, and exits 3 when
+   anything differed).
+
+After the rebuild the fork is served like any session: its shell and Python state last as
+long as the worker keeps the session (a new owner after a crash starts them afresh, with
+the files in place, as for every session).  Caveat: a copied action that was still
+unanswered at ``at`` runs after the rebuild, but if a worker took the fork while its events
+were still being copied, such an action can run before it.
 
 :func:`rerun` executes a session's recorded runtime actions again, in order, in a fresh
 workspace, and reports every way the new observations differ from the recorded ones:
@@ -19,13 +46,12 @@ to a new session, so the rerun can be inspected like any other log.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
 import anyio.to_thread
-import msgspec
 from msgspec.structs import replace
 from redis import exceptions as rexc
 
@@ -33,9 +59,20 @@ from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.bus.connection import translate
 from riverbed.bus.log import answered_cause, decode_entry
-from riverbed.errors import AlreadyAnswered, InputError
+from riverbed.errors import ActTimeout, AlreadyAnswered, InputError
 
-__all__ = ["Difference", "Executor", "RuntimeStart", "fork", "observation_fields", "rerun", "start_runtime_after"]
+__all__ = [
+    "WORKSPACE_METHODS",
+    "Difference",
+    "Executor",
+    "RuntimeStart",
+    "fork",
+    "observation_fields",
+    "rebuild",
+    "rerun",
+    "start_runtime_after",
+    "wait_rebuilt",
+]
 
 #: Fields every event has; they say where and when, not what happened.
 _ENVELOPE = frozenset(("id", "kind", "source", "cause", "ts", "agent", "tenant", "trace", "v"))
@@ -54,27 +91,25 @@ class Executor(Protocol):
     async def close_session(self, session_id: str) -> None: ...
 
 
-class Difference(msgspec.Struct, frozen=True, kw_only=True):
-    """One way a re-executed action's observation differs from the recorded one.
+Difference = events.Divergence
+"""One way a re-executed action's observation differs from the recorded one (the type a
+``sandbox_rebuilt`` event lists too)."""
 
-    ``field`` is ``"kind"`` when the observation is of another kind altogether (then
-    ``recorded`` and ``new`` are the kinds; ``recorded`` is None when the action was never
-    answered in the log).
-    """
-
-    action_id: int
-    kind: str
-    field: str
-    recorded: Any
-    new: Any
+WORKSPACE_METHODS: tuple[events.WorkspaceMethod, ...] = ("replay", "copy", "empty")
 
 
 # --- fork --------------------------------------------------------------------------------
 
 
-async def fork(bus: Bus, source: str, at: int, into: str) -> int:
+async def fork(bus: Bus, source: str, at: int, into: str, *, workspace: events.WorkspaceMethod = "replay") -> int:
     """Copy events 1..``at`` of ``source`` into the new session ``into`` (same ids, same
-    bytes), then append a ``forked`` event; returns that event's id (``at + 1``)."""
+    bytes), then append a ``forked`` event; returns that event's id (``at + 1``).
+
+    ``workspace`` says how the runtime that serves the fork builds its sandbox (see the
+    module docstring); :func:`wait_rebuilt` waits until it has.
+    """
+    if workspace not in WORKSPACE_METHODS:
+        raise InputError(f"--workspace {workspace!r} is not a method: use replay, copy or empty")
     store = bus.log_store
     store.check_session(source)
     store.check_session(into)
@@ -100,7 +135,7 @@ async def fork(bus: Bus, source: str, at: int, into: str) -> int:
         copied = await _append_page(bus, into, page, copied, tenant)
     if copied != at:
         raise InputError(f"session {source!r} has no events up to {at} any more (only {copied} could be read)")
-    forked = events.Forked(source_session=source, at=at, tenant=tenant)
+    forked = events.Forked(source_session=source, at=at, tenant=tenant, workspace=workspace)
     (forked_id,) = await _append(bus, into, [(events.encode(forked), 0)], expected_last=at, tenant=tenant)
     return forked_id
 
@@ -167,6 +202,136 @@ async def _append(
             f"cannot write session {session!r}: action {result.cause} is answered twice in the copied events",
         )
     return result
+
+
+# --- the fork's sandbox ------------------------------------------------------------------
+
+
+async def wait_rebuilt(bus: Bus, session: str, forked_id: int, *, timeout: float = 60.0) -> events.SandboxRebuilt:
+    """The ``sandbox_rebuilt`` event answering the ``forked`` event ``forked_id``, once the
+    runtime serving ``session`` has appended it; :class:`ActTimeout` when none comes in time."""
+    try:
+        answer = await bus.session(session).wait_for_answer(forked_id, timeout=timeout)
+    except ActTimeout as exc:
+        raise ActTimeout(
+            f"the fork {session!r} is made, but no runtime worker rebuilt its sandbox within {timeout:g}s; "
+            "a runtime worker rebuilds it when it takes the session (riverbed worker runtime)"
+        ) from exc
+    if not isinstance(answer, events.SandboxRebuilt):
+        raise InputError(f"event {forked_id} of {session!r} is answered by a {answer.kind!r}, not by sandbox_rebuilt")
+    return answer
+
+
+def pending_fork(history: Sequence[events.Event], until: int | None = None) -> events.Forked | None:
+    """The last ``forked`` event of a log (up to event ``until``) whose sandbox is still to
+    be built: its method is not ``empty`` and no ``sandbox_rebuilt`` answers it anywhere in
+    the log.  None when there is none."""
+    forked: events.Forked | None = None
+    built: set[int] = set()
+    for event in history:
+        if isinstance(event, events.Forked) and (until is None or (event.id or 0) <= until):
+            forked = event
+        elif isinstance(event, events.SandboxRebuilt) and event.cause is not None:
+            built.add(event.cause)
+    if forked is None or forked.workspace == "empty" or forked.id in built:
+        return None
+    return forked
+
+
+async def rebuild(
+    runtime: Executor, session: str, forked: events.Forked, history: Sequence[events.Event]
+) -> events.SandboxRebuilt:
+    """Build the sandbox of the fork ``session`` as the ``forked`` event asks, from the
+    fork's own ``history`` (its events 1..``forked.at``, copied from the source), and say
+    how: the ``sandbox_rebuilt`` event to append (its ``cause`` is the ``forked`` event).
+
+    The workspace is emptied first (a previous attempt may have died half-way).  ``replay``
+    re-executes every answered runtime action, in order, and compares each observation with
+    the recorded one; ``copy`` copies the source's workspace as it is now.
+    """
+    workspace = runtime.workspace(session)
+    await runtime.close_session(session)
+    await anyio.to_thread.run_sync(_empty, workspace)
+    done = events.SandboxRebuilt(method=forked.workspace, at=forked.at, cause=forked.id, trace=forked.trace)
+    if forked.workspace == "copy":
+        source = runtime.workspace(forked.source_session)
+        copied = await anyio.to_thread.run_sync(_copy_workspace, source, workspace)
+        note = "" if copied else f"the source's workspace {str(source)!r} does not exist here; the fork starts empty"
+        return replace(done, note=note)
+    if forked.workspace != "replay":
+        return done
+    steps: list[events.Event] = []
+    recorded: dict[int, events.Event] = {}
+    for event in history:
+        if event.id is None or event.id > forked.at:
+            continue
+        if isinstance(event, events.Observation) and event.cause is not None:
+            recorded.setdefault(event.cause, event)
+        if _is_runtime_action(event) or (isinstance(event, events.SessionConfig) and event.env):
+            steps.append(event)
+    # An action without a recorded answer is not part of the state at ``at``: it runs for
+    # real in the fork, after this rebuild.
+    steps = [e for e in steps if not _is_runtime_action(e) or (e.id in recorded)]
+    paths = (str(runtime.workspace(forked.source_session)), str(workspace))
+    differences = await _replay(runtime, session, steps, recorded, paths, skip_bad_env=True)
+    return replace(done, actions=sum(1 for e in steps if _is_runtime_action(e)), differences=differences)
+
+
+async def _replay(
+    runtime: Executor,
+    workspace_id: str,
+    steps: Sequence[events.Event],
+    recorded: Mapping[int, events.Event],
+    paths: tuple[str, str],
+    *,
+    written: list[events.Event] | None = None,
+    skip_bad_env: bool = False,
+) -> list[Difference]:
+    """Execute ``steps`` (runtime actions and ``session_config`` events) in order in the
+    sandbox of ``workspace_id``; the differences from the ``recorded`` observations."""
+    differences: list[Difference] = []
+    for event in steps:
+        if isinstance(event, events.SessionConfig):
+            env = _good_env(event.env) if skip_bad_env else event.env
+            runtime.set_env(workspace_id, env)
+            if written is not None:
+                written.append(_fresh(event))
+            continue
+        new = await runtime.execute(workspace_id, event)
+        assert event.id is not None
+        differences.extend(compare(event, recorded.get(event.id), new, workspaces=paths))
+        if written is not None:
+            written.extend([_fresh(event), _fresh(new)])
+    return differences
+
+
+def _good_env(env: Mapping[str, str | None]) -> dict[str, str | None]:
+    """The variables of ``env`` a sandbox accepts (a log written by hand may hold others)."""
+    good: dict[str, str | None] = {}
+    for name, value in env.items():
+        try:
+            events.check_env({name: value})
+        except InputError:
+            continue
+        good[name] = value
+    return good
+
+
+def _empty(workspace: Path) -> None:
+    if not workspace.is_dir():
+        return
+    for child in workspace.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+def _copy_workspace(source: Path, workspace: Path) -> bool:
+    if not source.is_dir():
+        return False
+    shutil.copytree(source, workspace, symlinks=True, dirs_exist_ok=True)
+    return True
 
 
 # --- rerun -------------------------------------------------------------------------------
@@ -254,18 +419,9 @@ async def rerun(
         if _is_runtime_action(event) or (isinstance(event, events.SessionConfig) and event.env):
             pending.append(event)
 
-    differences: list[Difference] = []
     written: list[events.Event] = []
     try:
-        for event in pending:
-            if isinstance(event, events.SessionConfig):
-                runtime.set_env(workspace_id, event.env)
-                written.append(_fresh(event))
-                continue
-            new = await runtime.execute(workspace_id, event)
-            assert event.id is not None
-            differences.extend(compare(event, recorded.get(event.id), new, workspaces=paths))
-            written.extend([_fresh(event), _fresh(new)])
+        differences = await _replay(runtime, workspace_id, pending, recorded, paths, written=written)
     finally:
         with anyio.CancelScope(shield=True):
             await runtime.close_session(workspace_id)

@@ -7,18 +7,21 @@ answered by the condensation (``cause`` = the request).  The condensation is app
 with the owner's fencing token and ``expected_last``, so two condensers can never both
 condense the same history: if the log moved meanwhile the batch is retried on the newer
 history.  An LLM failure leaves the log untouched apart from an ``error`` event, and the
-session goes on.
+session goes on.  What the condenser appends carries the session's tenant (fixed by its
+first append) and continues its trace: the request's, else the latest event's that had one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import structlog
 from msgspec.structs import replace
 from openai import AsyncOpenAI
 
-from riverbed import events
+from riverbed import events, tracing
 from riverbed.bus.consumer import Entry, SessionContext
 from riverbed.errors import AppendConflict, ConfigError, UnavailableError
 from riverbed.memory.condensers import CondenserConfig, condense, should_condense
@@ -27,11 +30,15 @@ from riverbed.settings import Settings
 
 log = structlog.get_logger("riverbed.worker")
 
+E = TypeVar("E", bound=events.Event)
+
 
 @dataclass
 class _State:
     builder: ViewBuilder = field(default_factory=ViewBuilder)
     config: CondenserConfig = field(default_factory=CondenserConfig)
+    trace: str | None = None
+    """the traceparent of the latest folded event that had one"""
 
 
 class CondenserHandler:
@@ -45,6 +52,8 @@ class CondenserHandler:
     async def open(self, ctx: SessionContext) -> None:
         state = _State()
         self.states[ctx.session] = state
+        if ctx.tenant is None:
+            ctx.tenant = (await ctx.log.meta(ctx.session)).get("tenant") or None
         group_next = await _delivered_up_to(ctx)
         async for event in ctx.log.read(ctx.session, 1, group_next):
             self._fold(state, event)
@@ -70,7 +79,8 @@ class CondenserHandler:
         if should_condense(state.builder.view(), state.config, requested=bool(requests)):
             bad_config = await self._catch_up(ctx, state) or bad_config
         if bad_config is not None:
-            await ctx.append([events.Error(content=bad_config, reason="bad_condenser_config", source="condenser")])
+            error = events.Error(content=bad_config, reason="bad_condenser_config", source="condenser")
+            await ctx.append([_stamped(ctx, state, error)])
         others = [e.id for e in entries if e not in requests]
         view = state.builder.view()
         if not should_condense(view, state.config, requested=bool(requests)):
@@ -86,12 +96,12 @@ class CondenserHandler:
             for entry in requests:
                 await ctx.answer(entry, replace(failure, source="condenser"))
             if not requests:
-                await ctx.append([replace(failure, source="condenser")])
+                await ctx.append([_stamped(ctx, state, replace(failure, source="condenser"))])
             await ctx.ack(others)
             return
         if condensation is not None:
             try:
-                await self._publish(ctx, condensation, requests, state.builder.last_id)
+                await self._publish(ctx, _stamped(ctx, state, condensation, requests), requests, state.builder.last_id)
             except AppendConflict:
                 # The log moved: leave the entries unacknowledged; they are retried on the newer history.
                 ctx.owner.stats.append_conflicts += 1
@@ -137,8 +147,23 @@ class CondenserHandler:
     @staticmethod
     def _fold(state: _State, event: events.Event) -> None:
         state.builder.append(event)
+        if event.trace is not None:
+            state.trace = event.trace
         if isinstance(event, events.SessionConfig) and event.condenser is not None:
             state.config = CondenserConfig.from_dict(event.condenser)
+
+
+def _stamped(ctx: SessionContext, state: _State, event: E, requests: Sequence[Entry] = ()) -> E:
+    """``event`` with the session's tenant and a child of the request's (else the latest) trace."""
+    parent = next((r.event.trace for r in requests if r.event.trace is not None), None) or state.trace
+    changes: dict[str, str] = {}
+    if event.tenant is None and ctx.tenant is not None:
+        changes["tenant"] = ctx.tenant
+    if event.trace is None and parent is not None:
+        child = tracing.child_of(parent)
+        if child is not None:
+            changes["trace"] = child
+    return replace(event, **changes) if changes else event
 
 
 async def _delivered_up_to(ctx: SessionContext) -> int:

@@ -42,22 +42,42 @@ class DemoResult:
 
 
 def _brief(event: events.Event, limit: int = 90) -> str:
-    text = ""
-    for name in ("command", "content", "code", "query", "path", "summary", "thought"):
-        value = getattr(event, name, None)
-        if isinstance(value, str) and value:
-            text = value
-            break
-    if isinstance(event, events.RecallResult):
-        if event.hits:
-            top = event.hits[0]
-            text = f"top hit: event {top.event_id} ({top.kind}) {top.text!r}"
-        elif event.repo_directory or event.date:
-            text = f"workspace {event.repo_directory}, date {event.date}"
-        else:
-            text = f"{len(event.knowledge)} knowledge items"
-    if isinstance(event, events.Condensation):
-        text = f"forgot {event.forgotten}"
+    """One line of what an event says: an action's request, an observation's own output."""
+    match event:
+        case events.CmdOutput(content=content, exit_code=code):
+            text = f"[exit {code}] {content}" if code else content or "(no output)"
+        case events.PythonOutput(content=content, result=result, exception=exception):
+            parts = [content.strip()] if content.strip() else []
+            if result is not None:
+                parts.append(f"→ {result}")
+            if exception:
+                parts.append(f"raised {exception.strip().splitlines()[-1]}")
+            text = " ".join(parts) or "(no output)"
+        case events.FileContent(content=content):
+            text = content
+        case events.FileEdited(diff=diff):
+            text = " ".join(line for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---"))
+        case events.RecallResult(hits=hits, knowledge=knowledge, repo_directory=repo, date=date):
+            if hits:
+                text = f"top hit: event {hits[0].event_id} ({hits[0].kind}) {hits[0].text!r}"
+            elif repo or date:
+                text = f"workspace {repo}, date {date}"
+            else:
+                text = f"{len(knowledge)} knowledge items"
+        case events.Condensation(forgotten=forgotten):
+            text = f"forgot {forgotten}"
+        case events.FileWrite(path=path, content=content):
+            text = f"{path} ({len(content)} chars)"
+        case events.FileEdit(command=command, path=path):
+            text = f"{command} {path}"
+        case events.Recall(recall_type=recall_type, query=query):
+            text = f"{recall_type}: {query}" if query else recall_type
+        case _:
+            text = next(
+                (v for name in ("command", "code", "content", "query", "path", "summary", "thought")
+                 if isinstance(v := getattr(event, name, None), str) and v),
+                "",
+            )  # fmt: skip
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 

@@ -7,6 +7,11 @@ acknowledged) gets: already answered -> just acknowledged; never claimed -> run 
 started); safe to repeat (reads) -> run again; claimed by the lost owner -> ``error`` with
 reason ``runtime_lost`` and ``retryable: true``, because its side effect may or may not
 have happened.
+
+A fork whose ``forked`` event asks for its sandbox (``workspace`` = ``replay`` or
+``copy``) and has no ``sandbox_rebuilt`` answer yet is rebuilt first, before any new action
+of it runs: when the session is opened, or when the ``forked`` event arrives (a worker may
+take a fork while its events are still being copied).  See :mod:`riverbed.agent.replay`.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from pathlib import Path
 import anyio
 import structlog
 from anyio.abc import TaskStatus
+from msgspec.structs import replace
 
 from riverbed import events
+from riverbed.agent.replay import pending_fork, rebuild
 from riverbed.bus.consumer import Entry, SessionContext
 from riverbed.bus.faults import crashpoint
 from riverbed.errors import InputError, RiverbedError
@@ -68,16 +75,41 @@ class RuntimeHandler:
         await self.runtime.watch(task_status=task_status)
 
     async def open(self, ctx: SessionContext) -> None:
+        if ctx.tenant is None:  # the session's tenant, fixed by its first append
+            ctx.tenant = (await ctx.log.meta(ctx.session)).get("tenant") or None
+        await self._fold(ctx)
+
+    async def _fold(self, ctx: SessionContext, until: int | None = None) -> None:
+        """Apply the session's settings from its log (up to ``until``); build a fork's
+        sandbox if that is still due."""
         env: dict[str, str | None] = {}
-        # The tenant the first append fixed: every answer carries it.
-        ctx.tenant = (await ctx.log.meta(ctx.session)).get("tenant") or None
+        history: list[events.Event] = []
         async for event in ctx.log.read(ctx.session):
+            history.append(event)
+            if until is not None and (event.id or 0) > until:
+                continue
             if isinstance(event, events.SessionConfig):
                 env.update(event.env)
+        forked = pending_fork(history, until)
+        if forked is not None:
+            started = anyio.current_time()
+            built = await rebuild(self.runtime, ctx.session, forked, history)
+            await ctx.append([replace(built, tenant=ctx.tenant)])
+            log.info(
+                "fork.rebuilt",
+                session=ctx.session,
+                method=built.method,
+                actions=built.actions,
+                differences=len(built.differences),
+                seconds=round(anyio.current_time() - started, 3),
+            )
         if env:
             self._set_env(ctx.session, env)
 
     async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
+        forked = next((e for e in entries if isinstance(e.event, events.Forked) and e.event.workspace != "empty"), None)
+        if forked is not None:
+            await self._fold(ctx, forked.id)  # before the copied actions still unanswered in this batch
         done: list[int] = []
         last = entries[-1]
         for entry in entries:
