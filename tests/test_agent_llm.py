@@ -213,6 +213,8 @@ async def test_a_recorded_run_with_tools_and_replay_without_the_model(
         assert [c["id"] for c in response.tool_calls] == [c["id"] for c in calls]
         assert response.tool_calls[0]["function"]["name"] == action.kind
         assert action.cause == response.id
+        assert isinstance(action, events.Action)
+        assert action.tool_call_id == calls[0]["id"]  # the call it answers, by identity
         assert (response.id or 0) < (action.id or 0)
         assert response.usage["total_tokens"] >= 0
     assert responses[1].content == "Writing the notes."
@@ -232,6 +234,9 @@ async def test_a_recorded_run_with_tools_and_replay_without_the_model(
     # The second prompt carries the first tool call under the model's own id, and its result.
     later = server.requests[1]["messages"]
     assert later[-2]["tool_calls"][0]["id"] == first[0]["id"]
+    # Strict OpenAI-compatible servers refuse "content": null, even next to tool calls.
+    assert later[-2]["content"] == ""
+    assert all(isinstance(m.get("content"), str) for r in server.requests for m in r["messages"])
     assert later[-1] == {"role": "tool", "tool_call_id": first[0]["id"], "content": output.content + "\n[exit code 0]"}
 
     # Replay with no model: the server is gone, and every prompt is rebuilt from the log.
