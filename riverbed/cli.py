@@ -1218,5 +1218,54 @@ def _id_list(ids: tuple[int, ...]) -> str:
     return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
 
 
+# --- usage: tokens and cost per model call -------------------------------------------------------
+
+
+@app.command("usage")
+def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
+    """Prompt, cached and completion tokens and cost of every model call, and the session's totals.
+
+    Costs come from RIVERBED_PRICES (USD per million tokens per model); without a price a cost is empty.
+    """
+    from riverbed.agent.usage import parse_prices, usage  # noqa: PLC0415
+
+    settings = _settings(prefix)
+    prices = parse_prices(settings.prices)
+
+    async def go() -> Any:
+        async with _bus(settings) as bus:
+            await _require_events(bus, session)
+            return usage(await bus.session(session).events(), prices)
+
+    report = _run(go)
+    if json_out:
+        _stdout_lines([msgspec.json.encode({"session": session, **msgspec.to_builtins(report)})])
+        return
+    table = Table("event", "model", "prompt", "cached", "completion", "cost (USD)")
+
+    def money(cost: float | None) -> str:
+        return "" if cost is None else f"{cost:.6f}"
+
+    for step in report.steps:
+        table.add_row(
+            str(step.event_id),
+            _cell(step.model),
+            str(step.prompt_tokens),
+            str(step.cached_tokens),
+            str(step.completion_tokens),
+            money(step.cost),
+        )
+    table.add_row(
+        "total",
+        f"{len(report.steps)} calls",
+        str(report.prompt_tokens),
+        str(report.cached_tokens),
+        str(report.completion_tokens),
+        money(report.cost),
+        style="bold",
+    )
+    Console(highlight=False).print(table)
+
+
 if __name__ == "__main__":
     main()
