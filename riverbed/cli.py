@@ -421,6 +421,9 @@ def _summary(event: events.Event) -> str:
                 f"{method}: {actions} actions re-run, {len(differences)} differences" if method == "replay" else method
             )
             return done + (f"; {note}" if note else "")
+        case events.ContextEdit(op=op, ranges=ranges, kinds=kinds, note=note):
+            what = [f"{a}-{b}" if a != b else str(a) for a, b in ranges] + [f"--kind {k}" for k in kinds]
+            return f"{op} {' '.join(what)}" + (f": {note}" if note else "")
         case events.PythonRun(code=code):
             return f">>> {code}"
         case events.PythonOutput():
@@ -1365,6 +1368,179 @@ def keys_revoke(
 
     record = _run(go)
     _progress(f"revoked key {record.id} of tenant {record.tenant or '(admin)'}")
+
+
+# --- context: what the agent sees, and the user's edits of it ---------------------------------
+
+_CONTEXT_OPS = ("forget", "restore", "pin", "unpin")
+
+
+@app.command("context")
+def context_command(
+    session: SessionArg,
+    op: Annotated[
+        str | None,
+        typer.Argument(help="forget | restore | pin | unpin (none: show the context).", show_default=False),
+    ] = None,
+    targets: Annotated[
+        list[str] | None, typer.Argument(help="Event ids or ranges: 7, 12-40.", show_default=False)
+    ] = None,
+    kind: Annotated[
+        list[str] | None, typer.Option("--kind", help="Every event of this kind (repeatable).", show_default=False)
+    ] = None,
+    note: Annotated[str | None, typer.Option("--note", help="Why (kept in the edit).", show_default=False)] = None,
+    until: Annotated[int | None, typer.Option("--until", help="Show the context right after this event.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Show the context as one JSON object.")] = False,
+    prefix: PrefixOption = None,
+) -> None:
+    """The agent's context: what it sees, what is hidden and what hid it, what is pinned.
+
+    `context S forget 12-40`, `forget --kind error`, `restore 12-40`, `pin 7`, `unpin 7` each
+    append one context_edit event and print what it changed (JSON on stdout, a sentence on stderr).
+    """
+    settings = _settings(prefix)
+    if op is None:
+        _context_show(settings, session, until, json_out)
+        return
+    if op not in _CONTEXT_OPS:
+        raise InputError(f"unknown context operation {op!r}: use {', '.join(_CONTEXT_OPS)}, or none to show it")
+    if until is not None:
+        raise InputError("--until is for showing the context; an edit always applies after the last event")
+    _context_edit(settings, session, op, targets, kind, note)
+
+
+def _context_show(settings: Settings, session: str, until: int | None, json_out: bool) -> None:
+    from riverbed.memory.context import describe  # noqa: PLC0415
+
+    async def go() -> Any:
+        async with _bus(settings) as bus:
+            await _require_events(bus, session)
+            return await bus.session(session).context.show(until)
+
+    report = _run(go)
+    if json_out:
+        document = {
+            "session": session,
+            "last_id": report.view.last_id,
+            "visible": report.view.ids(),
+            "summary": report.view.summary.content if report.view.summary is not None else None,
+            "hidden": [
+                {"id": h.event.id, "kind": h.event.kind, "by": h.by.id, "by_kind": h.by.kind, "why": describe(h.by)}
+                for h in report.hidden
+            ],
+            "pinned": sorted(report.pinned),
+        }
+        _stdout_lines([msgspec.json.encode(document)])
+        return
+    console = Console(highlight=False, soft_wrap=True)
+    console.print(
+        f"context of {session} after event {report.view.last_id}: {len(report.view.ids())} events visible, "
+        f"{len(report.hidden)} hidden, {len(report.pinned)} pinned",
+        markup=False,
+    )
+    for event in report.view:
+        line = render(event)
+        if event.id in report.pinned:
+            line.append("  [pinned]", style="bold cyan")
+        console.print(line)
+    if report.hidden:
+        console.print("hidden:", style="bold")
+        for h in report.hidden:
+            line = render(h.event)
+            line.append(f"  hidden by {visible(describe(h.by))}", style="dim")
+            console.print(line)
+
+
+def _context_edit(
+    settings: Settings, session: str, op: str, targets: list[str] | None, kinds: list[str] | None, note: str | None
+) -> None:
+    from riverbed.memory.context import parse_range  # noqa: PLC0415
+
+    spans = [parse_range(r) for r in targets or ()]
+
+    async def go() -> Any:
+        async with _bus(settings) as bus:
+            await _require_events(bus, session)
+            return await bus.session(session).context.edit(
+                op,  # type: ignore[arg-type]  # checked against _CONTEXT_OPS
+                ranges=spans,
+                kinds=kinds or (),
+                note=note,
+            )
+
+    changed = _run(go)
+    _stdout_lines([msgspec.json.encode(changed)])
+    parts = [
+        f"{verb} {len(ids)} event{'s' if len(ids) != 1 else ''} ({_id_list(ids)})"
+        for verb, ids in (
+            ("hid", changed.hidden),
+            ("showed again", changed.shown),
+            ("pinned", changed.pinned),
+            ("unpinned", changed.unpinned),
+        )
+        if ids
+    ]
+    err_console.print(f"context edit {changed.edit} ({op}): " + ("; ".join(parts) or "nothing changed"), markup=False)
+
+
+def _id_list(ids: tuple[int, ...]) -> str:
+    """``1, 2, 3, 7`` as ``1-3, 7``."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
+# --- usage: tokens and cost per model call -------------------------------------------------------
+
+
+@app.command("usage")
+def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
+    """Prompt, cached and completion tokens and cost of every model call, and the session's totals.
+
+    Costs come from RIVERBED_PRICES (USD per million tokens per model); without a price a cost is empty.
+    """
+    from riverbed.agent.usage import parse_prices, usage  # noqa: PLC0415
+
+    settings = _settings(prefix)
+    prices = parse_prices(settings.prices)
+
+    async def go() -> Any:
+        async with _bus(settings) as bus:
+            await _require_events(bus, session)
+            return usage(await bus.session(session).events(), prices)
+
+    report = _run(go)
+    if json_out:
+        _stdout_lines([msgspec.json.encode({"session": session, **msgspec.to_builtins(report)})])
+        return
+    table = Table("event", "model", "prompt", "cached", "completion", "cost (USD)")
+
+    def money(cost: float | None) -> str:
+        return "" if cost is None else f"{cost:.6f}"
+
+    for step in report.steps:
+        table.add_row(
+            str(step.event_id),
+            _cell(step.model),
+            str(step.prompt_tokens),
+            str(step.cached_tokens),
+            str(step.completion_tokens),
+            money(step.cost),
+        )
+    table.add_row(
+        "total",
+        f"{len(report.steps)} calls",
+        str(report.prompt_tokens),
+        str(report.cached_tokens),
+        str(report.completion_tokens),
+        money(report.cost),
+        style="bold",
+    )
+    Console(highlight=False).print(table)
 
 
 if __name__ == "__main__":

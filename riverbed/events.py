@@ -54,6 +54,7 @@ __all__ = [
     "CmdRun",
     "Condensation",
     "CondensationRequest",
+    "ContextEdit",
     "DecodeError",
     "Divergence",
     "Error",
@@ -181,6 +182,11 @@ class Action(Event, frozen=True, kw_only=True):
 
     answered_by: ClassVar[Role | None] = "runtime"
     repeatable: ClassVar[bool] = False
+
+    tool_call_id: str | msgspec.UnsetType = msgspec.UNSET
+    """The id of the model's tool call this action answers (an agent that calls tools records
+    it; ``riverbed.agent.messages`` pairs calls and results by it).  Left unset it is not
+    written at all, so logs from before this field existed read and export byte for byte."""
 
 
 class Observation(Event, frozen=True, kw_only=True):
@@ -423,6 +429,30 @@ class SessionConfig(Event, frozen=True, kw_only=True, tag="session_config"):
     condenser: dict[str, Any] | None = None
 
 
+class ContextEdit(Event, frozen=True, kw_only=True, tag="context_edit"):
+    """A user's edit of the agent's context, folded by the View like a condensation.
+
+    The edit targets the events before it whose id lies in one of ``ranges`` (inclusive;
+    no ranges: every id) and whose kind is one of ``kinds`` (no kinds: every kind); at least
+    one of the two is given.  ``op``:
+
+    - ``forget`` hides the targets (pinned ones too: pins only bind condensers);
+    - ``restore`` shows again targets that a condensation or a ``forget`` hid (restoring one
+      id adds a recalled event back);
+    - ``pin`` keeps the targets out of every later condensation's reach; ``unpin`` undoes it.
+
+    A tool call, its result and the rest of its model response's batch are one unit: an
+    edit that touches one member applies to the whole unit.  ``note`` says why (free text).
+    """
+
+    source: Source = "user"
+
+    op: Literal["forget", "restore", "pin", "unpin"]
+    ranges: list[tuple[EventId, EventId]] = msgspec.field(default_factory=list)
+    kinds: list[str] = msgspec.field(default_factory=list)
+    note: str | None = None
+
+
 class LlmResponse(Event, frozen=True, kw_only=True, tag="llm_response"):
     """A model's raw response, recorded before its actions so replay needs no model."""
 
@@ -466,6 +496,7 @@ _BUILTIN: tuple[type[Event], ...] = (
     SandboxRebuilt,
     SessionConfig,
     LlmResponse,
+    ContextEdit,
     Unknown,
 )
 

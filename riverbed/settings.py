@@ -27,6 +27,9 @@ RIVERBED_LOG_FORMAT             ``json`` or ``console`` (default: console on a t
 RIVERBED_MAX_EVENT_BYTES        the largest event a user or agent may append, in bytes of its
                                 msgpack payload (default 4 MiB; at least 1 KiB); a larger one is
                                 refused before anything is written
+RIVERBED_PRICES                 price table of ``riverbed usage``: JSON, USD per million tokens per
+                                model, e.g. ``{"gpt-4o-mini": {"prompt": 0.15, "cached": 0.075,
+                                "completion": 0.6}}`` (``"*"``: any other model)
 OPENAI_API_KEY                  key for OpenAI or any compatible server
 OPENAI_BASE_URL                 base URL of an OpenAI-compatible server
 ==============================  ===============================================================
@@ -75,6 +78,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES
     openai_api_key: str | None = None
     openai_base_url: str | None = None
+    prices: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:

@@ -14,6 +14,8 @@
 ``POST /v1/chat/completions`` pops the next scripted answer (FIFO); when the queue is empty it
 answers 500 and counts the request in ``unexpected``.  ``POST /v1/embeddings`` answers with
 deterministic unit vectors (``dimensions`` from the request, else ``embedding_dim``).
+Usage counts about four characters a token and reports as ``cached_tokens`` the messages a
+request shares, from the start, with the previous one (a prompt cache).
 ``GET /v1/models`` lists ``model``.  Every request body is recorded in ``requests`` (chat) or
 ``embedding_requests``.  The server runs in a thread on 127.0.0.1 and a free port.
 """
@@ -68,6 +70,7 @@ class OpenAIServer:
         self.requests: list[dict[str, Any]] = []
         self.embedding_requests: list[dict[str, Any]] = []
         self.unexpected = 0
+        self._previous: list[Any] = []
         self._queue: deque[Scripted] = deque()
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
@@ -179,13 +182,18 @@ class OpenAIServer:
         if item.tool_calls:
             message["tool_calls"] = item.tool_calls
         finish = item.finish_reason or ("tool_calls" if item.tool_calls else "stop")
-        prompt_tokens = sum(len(str(m.get("content") or "")) // 4 for m in body.get("messages", []))
+        messages = body.get("messages", [])
+        sizes = [len(json.dumps(m)) // 4 for m in messages]
+        prompt_tokens = sum(sizes)
         completion_tokens = len(item.content or "") // 4
         usage = item.usage or {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            # A prompt cache: the messages this request shares, from the start, with the previous one.
+            "prompt_tokens_details": {"cached_tokens": sum(sizes[: _shared_prefix(self._previous, messages)])},
         }
+        self._previous = messages
         return 200, {
             "id": f"chatcmpl-{len(self.requests)}",
             "object": "chat.completion",
@@ -209,6 +217,16 @@ class OpenAIServer:
             "model": body.get("model", self.model),
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
+
+
+def _shared_prefix(before: list[Any], now: list[Any]) -> int:
+    """How many messages, from the first, two requests have in common."""
+    count = 0
+    for a, b in zip(before, now, strict=False):
+        if a != b:
+            break
+        count += 1
+    return count
 
 
 def _scripted_kwargs(raw: Mapping[str, Any]) -> dict[str, Any]:

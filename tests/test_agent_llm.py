@@ -213,6 +213,8 @@ async def test_a_recorded_run_with_tools_and_replay_without_the_model(
         assert [c["id"] for c in response.tool_calls] == [c["id"] for c in calls]
         assert response.tool_calls[0]["function"]["name"] == action.kind
         assert action.cause == response.id
+        assert isinstance(action, events.Action)
+        assert action.tool_call_id == calls[0]["id"]  # the call it answers, by identity
         assert (response.id or 0) < (action.id or 0)
         assert response.usage["total_tokens"] >= 0
     assert responses[1].content == "Writing the notes."
@@ -232,6 +234,9 @@ async def test_a_recorded_run_with_tools_and_replay_without_the_model(
     # The second prompt carries the first tool call under the model's own id, and its result.
     later = server.requests[1]["messages"]
     assert later[-2]["tool_calls"][0]["id"] == first[0]["id"]
+    # Strict OpenAI-compatible servers refuse "content": null, even next to tool calls.
+    assert later[-2]["content"] == ""
+    assert all(isinstance(m.get("content"), str) for r in server.requests for m in r["messages"])
     assert later[-1] == {"role": "tool", "tool_call_id": first[0]["id"], "content": output.content + "\n[exit code 0]"}
 
     # Replay with no model: the server is gone, and every prompt is rebuilt from the log.
@@ -359,3 +364,78 @@ async def test_a_user_message_during_the_run_gets_its_knowledge_recall(
     assert {"role": "user", "content": "Also check docker."} in late
     assert late[-1]["role"] == "user"
     assert '<knowledge name="docker"' in late[-1]["content"]
+
+
+# --- usage ----------------------------------------------------------------------------------
+
+
+def test_usage_reads_provider_fields_and_prices_them() -> None:
+    from riverbed.agent.usage import parse_prices, tokens, usage  # noqa: PLC0415
+
+    assert tokens({"prompt_tokens": 100, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 60}}) == (
+        100,
+        60,
+        7,
+    )
+    assert tokens({"input_tokens": 10, "output_tokens": 2, "cache_read_input_tokens": 4}) == (10, 4, 2)
+    assert tokens({}) == (0, 0, 0)
+    prices = parse_prices('{"m": {"prompt": 1.0, "cached": 0.5, "completion": 2.0}}')
+    log = [
+        events.with_id(events.LlmResponse(model="m", usage={"prompt_tokens": 1_000_000, "completion_tokens": 0}), 1),
+        events.with_id(
+            events.LlmResponse(
+                model="m",
+                usage={
+                    "prompt_tokens": 1_000_000,
+                    "completion_tokens": 1_000_000,
+                    "prompt_tokens_details": {"cached_tokens": 1_000_000},
+                },
+            ),
+            2,
+        ),
+    ]
+    report = usage(log, prices)
+    assert [s.cost for s in report.steps] == [1.0, 2.5]
+    assert (report.prompt_tokens, report.cached_tokens, report.completion_tokens, report.cost) == (
+        2_000_000,
+        1_000_000,
+        1_000_000,
+        3.5,
+    )
+    assert usage(log, {}).cost is None
+    with pytest.raises(ConfigError, match="RIVERBED_PRICES"):
+        parse_prices('{"m": {"prompt": "cheap"}}')
+
+
+async def test_riverbed_usage_over_a_recorded_run(
+    bus: Bus, server: OpenAIServer, workers: None, workspace: Path, cli_env: dict[str, str]
+) -> None:
+    from tests.test_cli import ok  # noqa: PLC0415
+
+    seed_workspace(workspace, "usage-1")
+    server.reply(tool_calls=[("cmd_run", {"command": "echo one"})])
+    server.reply(tool_calls=[("cmd_run", {"command": "echo two"})])
+    server.reply(tool_calls=[("finish", {"final_thought": "done"})])
+    await run_llm_agent(bus, "usage-1", "Say one, two.", settings=SETTINGS, client=server.client(), max_steps=5)
+    log = await bus.session("usage-1").events()
+    responses = [e for e in log if isinstance(e, events.LlmResponse)]
+    # The agent records the provider's usage as sent, cached prompt tokens included.
+    assert [r.usage["prompt_tokens_details"]["cached_tokens"] > 0 for r in responses] == [False, True, True]
+
+    env = {**cli_env, "RIVERBED_PRICES": '{"test-model": {"prompt": 1.0, "cached": 0.1, "completion": 2.0}}'}
+    document = json.loads(ok(env, "usage", "usage-1", "--json"))
+    steps = document["steps"]
+    assert [s["event_id"] for s in steps] == [r.id for r in responses]
+    for step, response in zip(steps, responses, strict=True):
+        assert step["prompt_tokens"] == response.usage["prompt_tokens"]
+        assert step["cached_tokens"] == response.usage["prompt_tokens_details"]["cached_tokens"]
+        assert step["completion_tokens"] == response.usage["completion_tokens"]
+        uncached = step["prompt_tokens"] - step["cached_tokens"]
+        assert step["cost"] == pytest.approx(
+            (uncached * 1.0 + step["cached_tokens"] * 0.1 + step["completion_tokens"] * 2.0) / 1e6
+        )
+    assert document["cached_tokens"] == sum(s["cached_tokens"] for s in steps) > 0
+    assert document["cost"] == pytest.approx(sum(s["cost"] for s in steps))
+    table = ok(env, "usage", "usage-1").decode()
+    assert "total" in table
+    assert "3 calls" in table

@@ -16,6 +16,7 @@ from riverbed.events import (
     CmdOutput,
     CmdRun,
     Condensation,
+    ContextEdit,
     Error,
     Event,
     FileContent,
@@ -43,6 +44,7 @@ def assert_well_formed(messages: list[dict[str, Any]]) -> None:
     while i < len(messages):
         m = messages[i]
         assert m["role"] in ("system", "user", "assistant"), f"stray {m}"
+        assert isinstance(m["content"], str), f"content must be a string (strict servers refuse null): {m}"
         calls = m.get("tool_calls")
         if calls:
             assert m["role"] == "assistant"
@@ -79,7 +81,7 @@ def test_a_plain_session() -> None:
         {"role": "user", "content": "list the files"},
         {
             "role": "assistant",
-            "content": None,
+            "content": "",
             "tool_calls": [
                 {
                     "id": "call_rb_2",
@@ -121,18 +123,21 @@ def test_recorded_tool_calls_keep_their_ids_and_results_are_pulled_forward() -> 
     assert len(messages) == 5
 
 
-def test_recorded_calls_match_following_actions_without_causes() -> None:
+def test_recorded_calls_match_following_actions_without_causes_only_one_to_one() -> None:
     calls = [tool_call("bash", {"command": "pwd"}, "call_X")]
     events = log(
         LlmResponse(model="m", tool_calls=calls),
         CmdRun(command="pwd"),
         CmdOutput(content="/", cause=2),
-        CmdRun(command="ls"),  # not covered by the response: synthesised
-        CmdOutput(content="x", cause=4),
     )
     messages = to_messages(view(events))
     assert_well_formed(messages)
-    assert [m["tool_calls"][0]["id"] for m in messages if m.get("tool_calls")] == ["call_X", "call_rb_4"]
+    assert [m["tool_calls"][0]["id"] for m in messages if m.get("tool_calls")] == ["call_X"]
+    # Two actions for one call do not line up: both are shown under synthesised calls.
+    events += [with_id(CmdRun(command="ls"), 4), with_id(CmdOutput(content="x", cause=4), 5)]
+    messages = to_messages(view(events))
+    assert_well_formed(messages)
+    assert [m["tool_calls"][0]["id"] for m in messages if m.get("tool_calls")] == ["call_rb_2", "call_rb_4"]
 
 
 def test_unanswered_calls_and_orphan_results_are_left_out() -> None:
@@ -329,3 +334,175 @@ def test_think_calls_in_a_response_do_not_shift_the_pairing() -> None:
     messages = to_messages(view(events))
     assert_well_formed(messages)
     assert [m["tool_call_id"] for m in messages if m["role"] == "tool"] == ["call_c"]
+
+
+# --- pairing by identity ----------------------------------------------------------------
+
+
+def test_each_output_stays_under_its_own_call_when_a_condensation_forgets_the_first() -> None:
+    """The issue's example: a response calls A (`ls A`) and B (`ls B`), both answered; a
+    condensation then forgets A's output.  B's output must stay under B's call."""
+    calls = [tool_call("cmd_run", {"command": "ls A"}, "call_A"), tool_call("cmd_run", {"command": "ls B"}, "call_B")]
+    for named in (True, False):  # with the recorded tool_call_id, and a log from before it existed
+        ids: dict[str, str] = {"tool_call_id": "call_A"} if named else {}
+        events = log(
+            Message(content="list both", source="user"),  # 1
+            LlmResponse(model="m", tool_calls=calls),  # 2
+            CmdRun(command="ls A", **ids),  # 3 (no cause: as an imported log may have it)
+            CmdOutput(content="a-files", cause=3),  # 4
+            CmdRun(command="ls B", **({"tool_call_id": "call_B"} if named else {})),  # 5
+            CmdOutput(content="b-files", cause=5),  # 6
+            Condensation(forgotten=[(3, 4)]),  # 7: A's call and output
+        )
+        messages = to_messages(view(events))
+        assert_well_formed(messages)
+        shown = [m["content"] for m in messages if m["role"] == "tool"]
+        if named:  # the batch is one unit: forgetting A's part forgets the response and B too
+            assert shown == []
+            assert [m["role"] for m in messages] == ["user"]
+            continue
+        assert shown == ["b-files"]  # an old log: the fold cannot tell the batch, the pairing can
+        (call,) = [c for m in messages for c in m.get("tool_calls", ())]
+        assert json.loads(call["function"]["arguments"])["command"] == "ls B"
+        assert call["id"] == "call_rb_5"
+
+
+def test_an_action_after_a_response_whose_calls_never_ran_gets_its_own_call() -> None:
+    calls = [tool_call("cmd_run", {"command": "rm -rf build"}, "call_R")]
+    events = log(
+        LlmResponse(model="m", tool_calls=calls),  # 1: its call was refused, never ran
+        Error(source="agent", content="bad tool call", reason="bad_tool_call", cause=1),  # 2
+        CmdRun(command="ls"),  # 3: a cause-less action from elsewhere
+        CmdOutput(content="x", cause=3),  # 4
+    )
+    messages = to_messages(view(events))
+    assert_well_formed(messages)
+    (call,) = [c for m in messages for c in m.get("tool_calls", ())]
+    assert call["id"] == "call_rb_3"
+    assert json.loads(call["function"]["arguments"])["command"] == "ls"
+
+
+def test_identity_wins_over_position_and_repeated_ids_stay_with_their_response() -> None:
+    first = [tool_call("cmd_run", {"command": "one"}, "call_0"), tool_call("cmd_run", {"command": "two"}, "call_1")]
+    second = [tool_call("cmd_run", {"command": "three"}, "call_0")]  # some servers count from 0 each time
+    events = log(
+        LlmResponse(model="m", tool_calls=first),  # 1
+        CmdRun(command="two", cause=1, tool_call_id="call_1"),  # 2: ran out of order
+        CmdOutput(content="out of 2", cause=2),  # 3
+        CmdRun(command="one", cause=1, tool_call_id="call_0"),  # 4
+        CmdOutput(content="out of 4", cause=4),  # 5
+        LlmResponse(model="m", tool_calls=second),  # 6
+        CmdRun(command="three", cause=6, tool_call_id="call_0"),  # 7
+        CmdOutput(content="out of 7", cause=7),  # 8
+    )
+    messages = to_messages(view(events))
+    assert_well_formed(messages)
+    assert_pairing(messages, events)
+    assert [m["content"] for m in messages if m["role"] == "tool"] == ["out of 2", "out of 4", "out of 7"]
+    # The recorded ids are used (the repeated one made unique, since a request needs distinct ids).
+    assert [m["tool_call_id"] for m in messages if m["role"] == "tool"] == ["call_1", "call_0", "call_rb_7"]
+
+
+def assert_pairing(messages: list[dict[str, Any]], events: list[Event]) -> None:
+    """Every tool result is shown under the call that produced it: the call's name and
+    arguments are those of the action whose output the result holds."""
+    by_id = {e.id: e for e in events}
+    current: dict[str, dict[str, Any]] = {}
+    for m in messages:
+        if m["role"] == "assistant":
+            current = {c["id"]: c for c in m.get("tool_calls", ())}
+        if m["role"] != "tool":
+            continue
+        call = current[m["tool_call_id"]]
+        producers = {int(line.split()[-1]) for line in m["content"].splitlines() if line.startswith("out of ")}
+        assert len(producers) == 1, m
+        action = by_id[producers.pop()]
+        assert isinstance(action, CmdRun)
+        assert call["function"]["name"] == action.kind, (call, action)
+        assert json.loads(call["function"]["arguments"])["command"] == action.command, (call, action)
+        if isinstance(action.tool_call_id, str):  # its own recorded id, or a synthesised one when taken
+            assert m["tool_call_id"] in (action.tool_call_id, tool_call_id(action.id or 0)), (m, action)
+
+
+pairing_op = st.one_of(
+    st.tuples(st.just("user")),
+    st.tuples(st.just("llm"), st.integers(0, 3), st.booleans(), st.booleans()),
+    st.tuples(st.just("run"), st.sampled_from(["named", "caused", "bare", "skip"])),
+    st.tuples(st.just("run"), st.sampled_from(["named", "caused", "bare"])),
+    st.tuples(st.just("foreign"), st.sampled_from(["agent", "user"])),
+    st.tuples(st.just("obs"), st.integers(0, 5)),
+    st.tuples(st.just("obs"), st.integers(0, 5)),
+    st.tuples(st.just("reject")),
+    st.tuples(st.just("cond"), st.integers(0, 30), st.integers(0, 6)),
+    st.tuples(st.just("edit"), st.sampled_from(["forget", "restore"]), st.integers(0, 30), st.integers(0, 6)),
+)
+
+
+@st.composite
+def paired_sessions(draw: st.DrawFn) -> list[Event]:
+    """Sessions mixing the agent's logs of today and of before ``tool_call_id``, foreign
+    actions, refused responses and arbitrary forgotten (and restored) ranges."""
+    size = draw(st.integers(0, 45))
+    events: list[Event] = []
+    response: LlmResponse | None = None
+    pending: list[dict[str, Any]] = []  # calls of the latest response not run yet
+    unanswered: list[int] = []
+    for o in draw(st.lists(pairing_op, min_size=size, max_size=size)):
+        eid = len(events) + 1
+        ev: Event
+        match o:
+            case ("user",):
+                ev = Message(content=f"u{eid}", source="user")
+            case ("llm", n, reuse_ids, with_think):
+                raw = [tool_call("cmd_run", {"command": f"c{eid}.{k}"}, f"call_{k}" if reuse_ids else None)
+                       for k in range(n)]  # fmt: skip
+                if with_think:
+                    raw.insert(0, tool_call("think", {"thought": "hm"}, f"call_t{eid}"))
+                ev = response = LlmResponse(model="m", tool_calls=raw)
+                pending = [c for c in raw if c["function"]["name"] == "cmd_run"]
+            case ("run", how) if pending and response is not None:
+                call = pending.pop(0)
+                if how == "skip":
+                    continue
+                command = json.loads(call["function"]["arguments"])["command"]
+                ev = CmdRun(
+                    command=command,
+                    cause=response.id if how in ("named", "caused") else None,
+                    **({"tool_call_id": call["id"]} if how == "named" else {}),
+                )
+            case ("run", _) | ("foreign", _):
+                source = o[1] if o[0] == "foreign" and o[1] == "user" else "agent"
+                ev = CmdRun(command=f"x{eid}", source=source)
+            case ("obs", back) if unanswered:
+                target = unanswered.pop(back % len(unanswered))
+                ev = CmdOutput(content=f"out of {target}", cause=target)
+            case ("obs", _):
+                ev = Message(content=f"a{eid}", source="agent")
+            case ("reject",) if response is not None and response.id is not None:
+                ev = Error(source="agent", content="bad tool call", reason="bad_tool_call", cause=response.id)
+                pending = []
+            case ("reject",):
+                ev = Think(thought="t")
+            case ("cond", back, length):
+                start = max(1, eid - back)
+                ev = Condensation(forgotten=[(start, start + length)])
+            case ("edit", edit_op, back, length):
+                start = max(1, eid - back)
+                ev = ContextEdit(op=edit_op, ranges=[(start, start + length)])
+            case _:
+                raise AssertionError(o)
+        ev = with_id(ev, eid)
+        if isinstance(ev, LlmResponse):
+            response = ev
+        if isinstance(ev, CmdRun):
+            unanswered.append(eid)
+        events.append(ev)
+    return events
+
+
+@settings(max_examples=300, deadline=None)
+@given(paired_sessions())
+def test_every_result_is_shown_under_the_call_that_produced_it(events: list[Event]) -> None:
+    messages = to_messages(view(events), system_prompt="sys")
+    assert_well_formed(messages)
+    assert_pairing(messages, events)

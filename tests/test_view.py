@@ -16,6 +16,7 @@ from riverbed.events import (
     CmdRun,
     Condensation,
     CondensationRequest,
+    ContextEdit,
     Error,
     Event,
     LlmResponse,
@@ -29,60 +30,91 @@ from riverbed.memory.view import Summary, View, ViewBuilder, view
 # --- the naive reference ----------------------------------------------------------------
 
 
-def naive_view(events: list[Event], until: int | None = None) -> list[tuple[Any, ...]]:
-    """Quadratic, obviously-correct restatement of the fold's rules."""
+def naive_parent(x: Event, seen: list[Event], machinery: set[int]) -> int | None:
+    """The earlier event whose unit ``x`` joins, restated from the module docstring."""
+    earlier = {y.id: y for y in seen if y.id < x.id and y.id not in machinery}
+    cause = earlier.get(x.cause) if x.cause is not None else None
+    if isinstance(x, Observation) and not isinstance(x, Condensation) and cause is not None:
+        answerable = isinstance(cause, Action) and cause.answered_by is not None
+        return cause.id if answerable or isinstance(cause, LlmResponse) else None
+    if isinstance(x, Action) and not isinstance(x, CondensationRequest):
+        if x.cause is not None:
+            return cause.id if isinstance(cause, LlmResponse) else None
+        if isinstance(x.tool_call_id, str):
+            owners = [y.id for y in earlier.values() if isinstance(y, LlmResponse) and any(
+                c.get("id") == x.tool_call_id for c in y.tool_calls)]  # fmt: skip
+            return max(owners) if owners else None
+    return None
+
+
+NaiveState = tuple[list[tuple[Any, ...]], dict[int, int], set[int]]
+
+
+def naive_state(events: list[Event], until: int | None = None) -> NaiveState:
+    """Quadratic, obviously-correct restatement of the fold's rules: the view's keys, the hidden
+    events (id -> what hid them) and the pinned events."""
     seen: list[Event] = []
-    by_id: dict[int, Event] = {}
-    hidden: set[int] = set()
-    forgotten: set[int] = set()
+    machinery: set[int] = set()
+    root: dict[int, int] = {}
+    hidden: dict[int, int] = {}  # unit root -> what hid it
+    pinned: set[int] = set()  # unit roots
     summary: tuple[int, str] | None = None
     anchor = 0
 
-    def pair_action(obs: Event) -> int | None:
-        if not isinstance(obs, Observation) or isinstance(obs, Condensation) or obs.cause is None:
-            return None
-        cause = by_id.get(obs.cause)
-        if cause is None or cause.id >= obs.id or not isinstance(cause, Action) or cause.answered_by is None:
-            return None
-        return cause.id
+    def visible() -> list[Event]:
+        return [y for y in seen if y.id not in machinery and root[y.id] not in hidden]
+
+    def targets(x: Event, ranges: list[tuple[int, int]], kinds: list[str]) -> set[int]:
+        out = set()
+        for y in seen:
+            if y.id >= x.id or y.id in machinery:
+                continue
+            if ranges and not any(s <= y.id <= e for s, e in ranges if s <= e):
+                continue
+            if kinds and y.kind not in kinds:
+                continue
+            out.add(root[y.id])
+        return out
 
     for x in events:
         if until is not None and x.id > until:
             break
         seen.append(x)
-        by_id[x.id] = x
-        if isinstance(x, Condensation | CondensationRequest):
-            hidden.add(x.id)
-        a = pair_action(x)
-        if a is not None and a in hidden:
-            hidden.add(x.id)
-        elif a is not None and a in forgotten:
-            forgotten.add(x.id)
+        answers_request = isinstance(x, Observation) and any(
+            isinstance(y, CondensationRequest) and y.id == x.cause for y in seen
+        )
+        if isinstance(x, Condensation | CondensationRequest | ContextEdit) or answers_request:
+            machinery.add(x.id)
+        else:
+            parent = naive_parent(x, seen, machinery)
+            root[x.id] = x.id if parent is None else root[parent]
+        if isinstance(x, ContextEdit):
+            chosen = targets(x, x.ranges, x.kinds) if x.ranges or x.kinds else set()
+            if x.op == "forget":
+                for r in chosen:
+                    hidden.setdefault(r, x.id)
+            elif x.op == "restore":
+                for r in chosen:
+                    hidden.pop(r, None)
+            elif x.op == "pin":
+                pinned |= chosen
+            else:
+                pinned -= chosen
+            continue
         if not isinstance(x, Condensation):
             continue
-        before = set(forgotten)
-        for start, end in x.forgotten:
-            for y in seen:
-                if y.id < x.id and start <= y.id <= end and y.id not in hidden:
-                    forgotten.add(y.id)
-        changed = True
-        while changed:
-            changed = False
-            for y in seen:
-                a = pair_action(y)
-                if a is None or a in hidden or y.id in hidden:
-                    continue
-                if (a in forgotten) != (y.id in forgotten):
-                    forgotten.update((a, y.id))
-                    changed = True
+        before = {y.id for y in visible()}
+        for y in visible():
+            if y.id < x.id and any(s <= y.id <= e for s, e in x.forgotten if s <= e) and root[y.id] not in pinned:
+                hidden.setdefault(root[y.id], x.id)
         if x.summary is None:
             continue
         if x.summary == "":
             summary = None
             continue
-        kept = [y for y in seen if y.id not in hidden and y.id not in forgotten]
+        kept = visible()
         if x.summary_offset is None:
-            new = forgotten - before
+            new = before - {y.id for y in kept}
             anchor = min(new) if new else x.id
         else:
             off = min(max(x.summary_offset, 0), len(kept))
@@ -90,16 +122,20 @@ def naive_view(events: list[Event], until: int | None = None) -> list[tuple[Any,
         summary = (x.id, x.summary)
     out: list[tuple[Any, ...]] = []
     placed = summary is None
-    for y in seen:
-        if y.id in hidden or y.id in forgotten:
-            continue
+    for y in visible():
         if not placed and y.id >= anchor:
             out.append(("summary", *summary))  # type: ignore[misc]
             placed = True
         out.append(key(y))
     if not placed:
         out.append(("summary", *summary))  # type: ignore[misc]
-    return out
+    hidden_events = {i: hidden[r] for i, r in root.items() if r in hidden}
+    pinned_events = {i for i, r in root.items() if r in pinned}
+    return out, hidden_events, pinned_events
+
+
+def naive_view(events: list[Event], until: int | None = None) -> list[tuple[Any, ...]]:
+    return naive_state(events, until)[0]
 
 
 def key(e: Event) -> tuple[Any, ...]:
@@ -116,8 +152,8 @@ def keys(v: View) -> list[tuple[Any, ...]]:
 
 op = st.one_of(
     st.tuples(st.just("msg"), st.sampled_from(["user", "agent"])),
-    st.tuples(st.just("act")),
-    st.tuples(st.just("act")),
+    st.tuples(st.just("act"), st.sampled_from(["plain", "caused", "named"])),
+    st.tuples(st.just("act"), st.sampled_from(["plain", "caused", "named"])),
     st.tuples(st.just("obs"), st.integers(0, 4), st.booleans()),
     st.tuples(st.just("obs"), st.integers(0, 10_000), st.booleans()),
     st.tuples(
@@ -126,9 +162,15 @@ op = st.one_of(
         st.sampled_from([None, "", "s1", "s2"]),
         st.one_of(st.none(), st.integers(-1, 30)),
     ),
+    st.tuples(
+        st.just("edit"),
+        st.sampled_from(["forget", "restore", "pin", "unpin"]),
+        st.lists(st.tuples(st.integers(0, 60), st.integers(-3, 12)), max_size=2),
+        st.sampled_from([[], ["error"], ["cmd_output", "think"]]),
+    ),
     st.tuples(st.just("req")),
     st.tuples(st.just("think")),
-    st.tuples(st.just("llm")),
+    st.tuples(st.just("llm"), st.integers(0, 2)),
     st.tuples(st.just("err")),
 )
 
@@ -140,13 +182,18 @@ def logs(draw: st.DrawFn, max_size: int = 60) -> list[Event]:
     gaps = draw(st.lists(st.integers(1, 3), min_size=len(ops), max_size=len(ops)))
     events: list[Event] = []
     next_id = 0
+    last_llm: int | None = None
     for o, gap in zip(ops, gaps, strict=True):
         next_id += gap
         ev: Event
         match o:
             case ("msg", source):
                 ev = Message(content=f"m{next_id}", source=source)
-            case ("act",):
+            case ("act", "caused"):
+                ev = CmdRun(command=f"c{next_id}", cause=last_llm)
+            case ("act", "named"):
+                ev = CmdRun(command=f"c{next_id}", tool_call_id=f"call_{last_llm}_0")
+            case ("act", _):
                 ev = CmdRun(command=f"c{next_id}")
             case ("obs", pick, has_cause):
                 # Small picks answer one of the newest events, large ones any event.
@@ -157,12 +204,18 @@ def logs(draw: st.DrawFn, max_size: int = 60) -> list[Event]:
                 # (distance back from here, length); negative lengths make invalid ranges
                 spans = [(max(next_id - back, -1), max(next_id - back, -1) + length) for back, length in ranges]
                 ev = Condensation(forgotten=spans, summary=summary, summary_offset=offset)
+            case ("edit", edit_op, ranges, kinds):
+                spans = [(max(next_id - back, 1), max(next_id - back, 1) + length) for back, length in ranges]
+                ev = ContextEdit(op=edit_op, ranges=[(s, e) for s, e in spans if e >= 1], kinds=kinds)
             case ("req",):
                 ev = CondensationRequest()
             case ("think",):
                 ev = Think(thought="t")
-            case ("llm",):
-                ev = LlmResponse(model="m", content="x")
+            case ("llm", calls):
+                last_llm = next_id
+                ev = LlmResponse(model="m", content="x", tool_calls=[
+                    {"id": f"call_{next_id}_{k}", "type": "function", "function": {"name": "cmd_run"}}
+                    for k in range(calls)])  # fmt: skip
             case _:
                 ev = Error(content="e")
         events.append(with_id(ev, next_id))
@@ -195,21 +248,32 @@ def test_incremental_equals_full_fold(events: list[Event]) -> None:
 
 @FAST
 @given(logs())
-def test_pairs_never_split_and_machinery_hidden(events: list[Event]) -> None:
+def test_units_never_split_and_machinery_hidden(events: list[Event]) -> None:
     v = view(events)
-    by_id = {e.id: e for e in events}
     visible = set(v.ids())
     assert sum(isinstance(e, Summary) for e in v) <= 1
     for e in v:
-        assert not isinstance(e, Condensation | CondensationRequest)
+        assert not isinstance(e, Condensation | CondensationRequest | ContextEdit)
+    seen: list[Event] = []
+    machinery = {e.id for e in events if isinstance(e, Condensation | CondensationRequest | ContextEdit)}
     for e in events:
-        if isinstance(e, Observation) and not isinstance(e, Condensation) and e.cause is not None:
-            cause = by_id.get(e.cause)
-            answerable = isinstance(cause, Action) and cause.answered_by is not None
-            if answerable and e.cause < e.id and not isinstance(cause, CondensationRequest):
-                assert (e.id in visible) == (e.cause in visible)
-            if isinstance(cause, CondensationRequest):
-                assert e.id not in visible
+        seen.append(e)
+        if e.id in machinery:
+            continue
+        parent = naive_parent(e, seen, machinery)
+        if parent is not None and any(isinstance(r, CondensationRequest) and r.id == e.cause for r in events):
+            continue
+        if parent is not None:
+            assert (e.id in visible) == (parent in visible)
+
+
+@FAST
+@given(logs())
+def test_hidden_and_pinned_match_naive_reference(events: list[Event]) -> None:
+    builder = ViewBuilder(events)
+    _, hidden, pinned = naive_state(events)
+    assert builder.hidden() == hidden
+    assert builder.view().pinned == pinned
 
 
 @FAST

@@ -29,6 +29,7 @@ from riverbed.errors import ActTimeout, AlreadyAnswered, InputError, NotFoundErr
 from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
 
 if TYPE_CHECKING:
+    from riverbed.agent.context import SessionContext
     from riverbed.bus.archive import Archive
 
 __all__ = ["Bus", "Session", "connect", "resolve_redis_url"]
@@ -213,6 +214,14 @@ class Session:
         from riverbed.memory.view import view as fold  # noqa: PLC0415  (memory is optional for clients)
 
         return list(fold(await self.events(1, until), until=until))
+
+    @property
+    def context(self) -> SessionContext:
+        """The user's control of the agent's context: ``show``, ``forget``, ``restore``, ``pin``
+        and ``unpin``, each one a ``context_edit`` event (:mod:`riverbed.agent.context`)."""
+        from riverbed.agent.context import SessionContext  # noqa: PLC0415  (memory is optional for clients)
+
+        return SessionContext(self)
 
 
 def _answer_among(entries: Sequence[tuple[int, bytes]], action_id: int) -> events.Event | None:

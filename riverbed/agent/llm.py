@@ -20,7 +20,8 @@ One run, step by step:
    published; its ``cause`` is the id of the last event the prompt was built from, so
    ``build_messages(events up to that id)`` is exactly the prompt that was sent.
 4. Each tool call becomes its action (tools: :mod:`riverbed.agent.tools`), with ``cause`` =
-   the response; the i-th answered action caused by a response is its i-th tool call.  The
+   the response and ``tool_call_id`` = the call's id, so prompts pair calls and results by
+   identity.  The
    agent awaits each action's observation before the next one goes out.  A response with a
    tool call that cannot be parsed runs none of its calls: one ``error`` (source agent,
    ``cause`` = the response) tells the model what was wrong.
@@ -330,6 +331,9 @@ class _Run:
             except InputError as exc:
                 problems.append(f"tool call {record['id']}: {exc}")
                 continue
+            call_id = record["id"]
+            if isinstance(call_id, str) and call_id:
+                action = replace(action, tool_call_id=call_id)
             actions.append(replace(action, cause=response_id))
         if problems:
             await self.reject(response_id, problems)

@@ -9,12 +9,19 @@ Rules, in view order:
 - an action that expects an answer is an assistant tool call, immediately followed by its
   observation(s) as the ``tool`` result (observations are pulled forward to their call, as
   the API requires; several observations of one action are joined);
-- tool call ids and names: when an ``llm_response`` in the view recorded the model's tool
-  calls, its actions (those whose ``cause`` is the response, else the agent's actions that
-  follow it up to the next response or user message) take those calls in order, id, name
-  and arguments as the model wrote them, and the response's content goes with them;
-  any other action gets ``call_rb_<event id>``, its kind as the name and its fields as JSON
-  arguments;
+- tool call ids and names, by identity: an action that records the ``tool_call_id`` it
+  answers takes that call of its response (its ``cause``; without one, the latest earlier
+  response with that call id), id, name and arguments as the model wrote them, and the
+  response's content goes with them;
+- actions without a ``tool_call_id`` (logs written before it existed) take the response's
+  remaining calls in order only when they line up one to one: as many actions (those whose
+  ``cause`` is the response, else the agent's actions that follow it up to the next
+  response or user message) as calls, each action what its call asks for.  Otherwise, and
+  for any other action, the call is synthesised: ``call_rb_<event id>``, the kind as the
+  name and the action's fields as JSON arguments.  So a result is never shown under
+  another call's id, name or arguments;
+- an assistant message with tool calls has string content (empty when the model said
+  nothing): strict OpenAI-compatible servers refuse ``null``;
 - a tool call without an observation in the view (still running, or forgotten) is left out,
   and so is an observation whose action is not in the view, so the provider never sees an
   unmatched call or result;
@@ -32,6 +39,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from riverbed.agent.tools import action_from_call, tool_names
+from riverbed.errors import InputError
 from riverbed.events import Action, Error, Event, Finish, LlmResponse, Message, Observation, Think
 from riverbed.memory.tokens import action_arguments, event_text
 from riverbed.memory.view import Summary
@@ -60,6 +69,7 @@ def _answerable(event: Event) -> bool:
 
 
 _UNANSWERED_TOOLS = frozenset(tool_name(kind) for kind in ("think", "finish", "message"))
+_KNOWN_TOOLS = frozenset(tool_names())
 
 
 def _call_name(raw: Mapping[str, Any]) -> str | None:
@@ -84,14 +94,62 @@ def _normalise_call(raw: Mapping[str, Any], fallback_id: str) -> dict[str, Any] 
     }
 
 
+def _call_ids(response: LlmResponse) -> set[str]:
+    return {c["id"] for c in response.tool_calls if isinstance(c, Mapping) and isinstance(c.get("id"), str)}
+
+
+def _lines_up(action: Event, raw: Mapping[str, Any]) -> bool:
+    """Whether ``action`` is what the recorded call asks for (a call to a tool this agent does
+    not know cannot be checked, and counts as lining up)."""
+    name = _call_name(raw)
+    if name not in _KNOWN_TOOLS:
+        return True
+    arguments = raw["function"].get("arguments", "{}")
+    try:
+        asked = action_from_call(name, arguments if isinstance(arguments, str) else json.dumps(arguments))
+    except InputError:
+        return False
+    return asked.kind == action.kind and action_arguments(asked) == action_arguments(action)
+
+
 def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, list[int]]]:
-    """Recorded tool calls per action id, and the actions each llm_response claims."""
+    """Recorded tool calls per action id, and the actions each llm_response claims.
+
+    First by identity: an action that records ``tool_call_id`` takes that call of the response
+    it names as ``cause`` (without a cause: of the latest earlier response with that call).
+    Then, for actions without the id (logs written before it existed), by position: the
+    response's remaining calls go to its remaining actions only when they line up one to
+    one (as many actions as calls, each action what its call asks for); otherwise every one
+    of those actions is shown under a synthesised call.
+    """
     calls: dict[int, dict[str, Any]] = {}
     claimed_by: dict[int, list[int]] = {}
     responses = {e.id: e for e in events if isinstance(e, LlmResponse) and e.id is not None}
+    taken: dict[int, set[str]] = {}
+    latest: dict[str, int] = {}
+    for e in events:
+        if isinstance(e, LlmResponse) and e.id is not None:
+            for call_id in _call_ids(e):
+                latest[call_id] = e.id
+            continue
+        if not (_answerable(e) and isinstance(e, Action) and isinstance(e.tool_call_id, str)):
+            continue
+        assert e.id is not None
+        owner = e.cause if e.cause in responses else (latest.get(e.tool_call_id) if e.cause is None else None)
+        if owner is None or e.tool_call_id in taken.setdefault(owner, set()):
+            continue
+        raw = next(
+            (c for c in responses[owner].tool_calls if isinstance(c, Mapping) and c.get("id") == e.tool_call_id), None
+        )
+        call = _normalise_call(raw, tool_call_id(e.id)) if raw is not None else None
+        if call is not None:
+            calls[e.id] = call
+            taken[owner].add(e.tool_call_id)
+            claimed_by.setdefault(owner, []).append(e.id)
+
     caused: dict[int, list[Event]] = {}
     for e in events:
-        if _answerable(e) and e.cause is not None and e.cause in responses:
+        if _answerable(e) and e.cause is not None and e.cause in responses and e.id not in calls:
             caused.setdefault(e.cause, []).append(e)
     for position, response in enumerate(events):
         if not isinstance(response, LlmResponse) or response.id is None:
@@ -102,20 +160,28 @@ def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, l
             for e in events[position + 1 :]:
                 if isinstance(e, LlmResponse) or (isinstance(e, Message) and e.source != "agent"):
                     break
-                if _answerable(e) and e.source == "agent" and e.cause is None:
+                if _answerable(e) and e.source == "agent" and e.cause is None and e.id not in calls:
                     claimants.append(e)
+        claimants = [e for e in claimants if not isinstance(getattr(e, "tool_call_id", None), str)]
         # Calls that publish no answered action (think, finish) take no position among the claimants.
+        used = taken.get(response.id, set())
         answered_calls = [
-            raw for raw in response.tool_calls if isinstance(raw, Mapping) and _call_name(raw) not in _UNANSWERED_TOOLS
+            raw
+            for raw in response.tool_calls
+            if isinstance(raw, Mapping) and _call_name(raw) not in _UNANSWERED_TOOLS and raw.get("id") not in used
         ]
-        ids = []
-        for action, raw in zip(claimants, answered_calls, strict=False):
+        ids = claimed_by.setdefault(response.id, [])
+        if not claimants or len(claimants) != len(answered_calls):
+            continue
+        if not all(_lines_up(a, raw) for a, raw in zip(claimants, answered_calls, strict=True)):
+            continue
+        for action, raw in zip(claimants, answered_calls, strict=True):
             assert action.id is not None
             call = _normalise_call(raw, tool_call_id(action.id))
             if call is not None and action.id not in calls:
                 calls[action.id] = call
                 ids.append(action.id)
-        claimed_by[response.id] = ids
+        ids.sort()
     return calls, claimed_by
 
 
@@ -168,7 +234,8 @@ def to_messages(view: Iterable[Event], *, system_prompt: str | None = None) -> l
             if content:
                 out.append({"role": "assistant", "content": content})
             return
-        out.append({"role": "assistant", "content": content or None, "tool_calls": tool_calls})
+        # Content is a string even when empty: strict OpenAI-compatible servers refuse null.
+        out.append({"role": "assistant", "content": content or "", "tool_calls": tool_calls})
         for action_id, call in zip(answered, tool_calls, strict=True):
             out.append({"role": "tool", "tool_call_id": call["id"], "content": _result_text(results[action_id])})
 

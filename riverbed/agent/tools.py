@@ -31,7 +31,7 @@ TOOL_ACTIONS: tuple[type[events.Action], ...] = (
     events.Finish,
 )
 
-_ENVELOPE = frozenset(("kind", "id", "source", "cause", "ts", "agent", "tenant", "trace", "v"))
+_ENVELOPE = frozenset(("kind", "id", "source", "cause", "ts", "agent", "tenant", "trace", "v", "tool_call_id"))
 
 _TOOLS: dict[str, tuple[str, dict[str, str]]] = {
     "cmd_run": (

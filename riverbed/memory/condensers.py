@@ -24,7 +24,9 @@ the model's answer).  :func:`should_condense` says whether a limit is exceeded (
 :class:`~riverbed.events.Condensation`.  A forgotten chunk is always one stretch of the view
 between two points that split no action from its observation (nor an ``llm_response`` from
 the actions it caused), so the fold drops exactly what the policy chose; the first
-``keep_first`` events and the newest group are never forgotten.
+``keep_first`` events and the newest group are never forgotten.  A unit of the View (a tool
+call with its result, a model response with its batch) is kept whole or forgotten whole, and
+events a user pinned (``context_edit`` ``pin``) are never forgotten.
 
 Masking is not in the log: the agent applies :func:`prepare` to its view before turning it
 into chat messages, with the session's config (itself in the log, ``session_config``), so
@@ -46,9 +48,9 @@ import anyio
 import msgspec
 
 from riverbed.errors import ConfigError, UnavailableError
-from riverbed.events import Action, Condensation, Error, Event, LlmResponse, Observation, SessionConfig
+from riverbed.events import Condensation, Error, Event, Observation, SessionConfig
 from riverbed.memory.tokens import PER_EVENT_OVERHEAD, TokenCounter, Tokenizer, event_text
-from riverbed.memory.view import Masked, View
+from riverbed.memory.view import Masked, View, unit_links
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -178,7 +180,9 @@ def mask_observations(view: View, config: CondenserConfig) -> View:
     placeholder = config.mask_placeholder
     step = max(1, config.mask_window // 2)
     positions = [
-        i for i, e in enumerate(view.events) if isinstance(e, Observation) and not isinstance(e, Error | Masked)
+        i
+        for i, e in enumerate(view.events)
+        if isinstance(e, Observation) and not isinstance(e, Error | Masked) and e.id not in view.pinned
     ]
     count = max(0, len(positions) - config.mask_window) // step * step
     if count == 0:
@@ -199,7 +203,7 @@ def mask_observations(view: View, config: CondenserConfig) -> View:
             original_kind=original.kind,
             content=placeholder,
         )
-    return View(tuple(events), view.last_id, view.summary_index)
+    return View(tuple(events), view.last_id, view.summary_index, view.pinned)
 
 
 def prepare(view: View, config: CondenserConfig) -> View:
@@ -246,25 +250,16 @@ class _Plan:
     cut: int  # events[head:cut] are forgotten
     protected: int  # events[protected:] (the newest group) are never forgotten
     links: list[tuple[int, int]]  # index pairs that must stay together
+    pinned: frozenset[int]  # indices of events a user pinned: never forgotten
+
+    @property
+    def forget(self) -> list[bool]:
+        """Per event: whether the policy's cut forgets it."""
+        return [self.head <= i < self.cut and i not in self.pinned for i in range(len(self.events))]
 
     @property
     def forgotten(self) -> list[Event]:
-        return self.events[self.head : self.cut]
-
-
-def _links(events: list[Event]) -> list[tuple[int, int]]:
-    """Index pairs that must not be separated: action/observation and llm_response/action."""
-    index = {e.id: i for i, e in enumerate(events) if e.id is not None}
-    links = []
-    for i, e in enumerate(events):
-        j = index.get(e.cause) if e.cause is not None else None
-        if j is None or j >= i:
-            continue
-        partner = events[j]
-        answers = isinstance(e, Observation) and isinstance(partner, Action) and partner.answered_by is not None
-        if answers or (isinstance(e, Action) and isinstance(partner, LlmResponse)):
-            links.append((j, i))
-    return links
+        return [e for e, gone in zip(self.events, self.forget, strict=True) if gone]
 
 
 def _safe_points(n: int, links: list[tuple[int, int]]) -> list[bool]:
@@ -283,16 +278,22 @@ def _safe_points(n: int, links: list[tuple[int, int]]) -> list[bool]:
 def _plan(view: View, stage: CondenserConfig, counter: TokenCounter, requested: bool) -> _Plan | None:
     events = view.real_events()
     n = len(events)
-    links = _links(events)
+    links = unit_links(events)
     safe = _safe_points(n, links)
+    pinned = frozenset(i for i, e in enumerate(events) if e.id in view.pinned)
     head = next(b for b in range(min(stage.keep_first, n), n + 1) if safe[b])
     protected = next((b for b in range(n - 1, -1, -1) if safe[b]), 0)
     if protected <= head:
         return None
     tokens = [counter.event(e) for e in events]
     suffix = [0] * (n + 1)
+    pins = [0] * (n + 1)  # pins[i]: pinned events in events[:i] (they stay, wherever the cut is)
+    pin_tokens = [0] * (n + 1)
     for i in range(n - 1, -1, -1):
         suffix[i] = suffix[i + 1] + tokens[i]
+    for i in range(n):
+        pins[i + 1] = pins[i] + (i in pinned)
+        pin_tokens[i + 1] = pin_tokens[i] + (tokens[i] if i in pinned else 0)
     ratio = 1.0 if stage.strategy == "recent" else stage.target_ratio
     max_events = None if stage.max_events is None else max(1, int(stage.max_events * ratio))
     limit = stage.token_limit
@@ -303,16 +304,18 @@ def _plan(view: View, stage: CondenserConfig, counter: TokenCounter, requested: 
         head_tokens = suffix[0] - suffix[head] + (counter.event(view.summary) if view.summary else 0)
 
     def fits(cut: int) -> bool:
-        if max_events is not None and head + n - cut > max_events:
+        if max_events is not None and head + pins[cut] - pins[head] + n - cut > max_events:
             return False
-        return max_tokens is None or head_tokens + suffix[cut] <= max_tokens
+        return max_tokens is None or head_tokens + pin_tokens[cut] - pin_tokens[head] + suffix[cut] <= max_tokens
 
     cuts = [b for b in range(head + 1, protected + 1) if safe[b]]
     cut = next((b for b in cuts if fits(b)), protected)
     if requested:
         middle = (head + protected + 1) // 2
         cut = max(cut, next(b for b in cuts if b >= middle))
-    return _Plan(events, head, cut, protected, links)
+    if all(i in pinned for i in range(head, cut)):
+        return None
+    return _Plan(events, head, cut, protected, links, pinned)
 
 
 def _ranges(events: list[Event], forget: list[bool]) -> list[tuple[int, int]]:
@@ -369,8 +372,7 @@ async def condense(
             )
         if stage.strategy == "attention":
             return await _attend(plan, stage, counter, _client(llm_client, stage), model)
-        forget = [plan.head <= i < plan.cut for i in range(len(plan.events))]
-        return Condensation(forgotten=_ranges(plan.events, forget))
+        return Condensation(forgotten=_ranges(plan.events, plan.forget))
     return Condensation() if requested else None
 
 
@@ -464,8 +466,7 @@ async def _summarize(
         },
     ]
     summary = _clip(await _complete(client, name, messages, stage.llm_timeout), stage.summary_tokens, counter)
-    forget = [plan.head <= i < plan.cut for i in range(len(plan.events))]
-    return Condensation(forgotten=_ranges(plan.events, forget), summary=summary, summary_offset=plan.head)
+    return Condensation(forgotten=_ranges(plan.events, plan.forget), summary=summary, summary_offset=plan.head)
 
 
 async def _attend(
@@ -510,7 +511,7 @@ async def _attend(
             used, used_tokens = used + size, used_tokens + cost
             for i in members:
                 keep[i] = True
-    forget = [head <= i < protected and not keep[i] for i in range(len(events))]
+    forget = [head <= i < protected and not keep[i] and i not in plan.pinned for i in range(len(events))]
     return Condensation(forgotten=_ranges(events, forget))
 
 

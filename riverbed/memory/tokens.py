@@ -47,7 +47,7 @@ Tokenizer = Literal["auto", "tiktoken", "estimate"]
 PER_EVENT_OVERHEAD = 4
 
 #: Fields every event has: not part of what a model reads.
-_ENVELOPE = frozenset({"id", "source", "cause", "ts", "agent", "tenant", "trace", "v", "kind"})
+_ENVELOPE = frozenset({"id", "source", "cause", "ts", "agent", "tenant", "trace", "v", "kind", "tool_call_id"})
 
 
 def action_arguments(event: Event) -> dict[str, Any]:

@@ -2,18 +2,28 @@
 
 The fold, event by event in id order:
 
-- ``condensation`` and ``condensation_request`` events never appear, and neither do
-  observations answering a ``condensation_request``.
-- A :class:`~riverbed.events.Condensation` forgets every visible event whose id lies in one
-  of its ``forgotten`` ranges (inclusive ``[start, end]``; only ids below the condensation's
-  own id count, a range never reaches into the future; ranges with ``start > end`` are
-  ignored).  Forgetting is permanent: a forgotten event never comes back.
-- **Pairs stay whole, by dropping both.**  An action that expects an answer
-  (``answered_by`` not None: not a message, think or finish) and the observations answering
-  it (``observation.cause == action.id``) form a group: a tool call and its result.  When a
-  condensation forgets any member of a group, it forgets the whole group; an observation
-  that arrives for an action that is already forgotten is forgotten too.  Forgetting
-  therefore only ever grows, which keeps the kept prefix stable.
+- ``condensation``, ``condensation_request`` and ``context_edit`` events never appear, and
+  neither do observations answering a ``condensation_request``.
+- **Units.**  Events that must be shown together form a unit, kept whole or hidden whole:
+
+  - an action that expects an answer (``answered_by`` not None: not a message, think or
+    finish) and the observations answering it (``observation.cause == action.id``): a tool
+    call and its result;
+  - a model response's batch: an ``llm_response``, the actions and observations whose
+    ``cause`` is the response, and the actions that name one of its tool calls in
+    ``tool_call_id`` (without a ``cause``; the latest earlier response with that call id).
+
+  Every event joins at most one earlier event's unit, so units are trees; an event that
+  joins a hidden unit is hidden too.
+- A :class:`~riverbed.events.Condensation` hides every unit with a visible member whose id
+  lies in one of its ``forgotten`` ranges (inclusive ``[start, end]``; only ids below the
+  condensation's own id count, a range never reaches into the future; ranges with
+  ``start > end`` are ignored), except pinned units.
+- A :class:`~riverbed.events.ContextEdit` (a user's edit) targets the earlier events in its
+  ranges and of its kinds: ``forget`` hides their units (pinned ones too), ``restore`` shows
+  hidden ones again (whoever hid them), ``pin`` protects their units from every later
+  condensation and ``unpin`` ends that.  Without edits, forgetting only ever grows, which
+  keeps the kept prefix stable.
 - **The summary** is one synthetic :class:`Summary` event (``kind == "summary"``,
   ``id`` None, ``cause`` the id of the condensation that wrote it, ``source`` condenser).
   A condensation whose ``summary`` is not None replaces the previous summary (an empty
@@ -26,7 +36,8 @@ The fold, event by event in id order:
   later come after it.
 
 :class:`ViewBuilder` folds incrementally (amortized O(1) per event, plus O(log n) per
-observation; each event is removed at most once), and :func:`view` is the full fold.
+unit member a condensation hides; a user's edit costs O(n)), and :func:`view` is the full
+fold; :meth:`ViewBuilder.hidden` says which condensation or edit hid each hidden event.
 :class:`Masked` is the synthetic observation that observation masking puts in place of an
 old observation's content (see ``riverbed.memory.condensers.mask_observations``); it keeps the original id and
 cause, so pairs stay whole.
@@ -40,9 +51,18 @@ from dataclasses import dataclass
 from typing import overload
 
 from riverbed.errors import InputError
-from riverbed.events import Action, Condensation, CondensationRequest, Event, Observation, Source
+from riverbed.events import (
+    Action,
+    Condensation,
+    CondensationRequest,
+    ContextEdit,
+    Event,
+    LlmResponse,
+    Observation,
+    Source,
+)
 
-__all__ = ["Masked", "Summary", "View", "ViewBuilder", "view"]
+__all__ = ["Masked", "Summary", "View", "ViewBuilder", "unit_links", "view"]
 
 
 class Summary(Event, frozen=True, kw_only=True, tag="summary"):
@@ -65,12 +85,13 @@ class View(Sequence[Event]):
     """The condensed context: visible events in order, the summary (if any) among them.
 
     ``last_id`` is the id of the last event folded (0 for an empty log), whether or not it
-    is visible.
+    is visible; ``pinned`` holds the ids of the events a user pinned (no condenser drops them).
     """
 
     events: tuple[Event, ...] = ()
     last_id: int = 0
     summary_index: int | None = None
+    pinned: frozenset[int] = frozenset()
 
     @property
     def summary(self) -> Summary | None:
@@ -104,27 +125,88 @@ class View(Sequence[Event]):
         return iter(self.events)
 
 
+class _Units:
+    """Which earlier event's unit each event joins (see the module docstring): the rule
+    shared by the fold and the condensers' planning."""
+
+    __slots__ = ("_answerable", "_call_owner", "_responses")
+
+    def __init__(self) -> None:
+        self._answerable: set[int] = set()
+        self._responses: set[int] = set()
+        self._call_owner: dict[str, int] = {}  # tool call id -> latest response naming it
+
+    def parent(self, event: Event) -> int | None:
+        """The id of the earlier event whose unit ``event`` joins (None: it starts its own)."""
+        cause = event.cause
+        if isinstance(event, Observation):
+            if cause is not None and (cause in self._answerable or cause in self._responses):
+                return cause
+        elif isinstance(event, Action):
+            if cause is not None:
+                return cause if cause in self._responses else None
+            if isinstance(event.tool_call_id, str):
+                return self._call_owner.get(event.tool_call_id)
+        return None
+
+    def add(self, event: Event) -> None:
+        eid = event.id
+        assert eid is not None
+        if isinstance(event, Action) and event.answered_by is not None:
+            self._answerable.add(eid)
+        elif isinstance(event, LlmResponse):
+            self._responses.add(eid)
+            for call in event.tool_calls:
+                call_id = call.get("id") if isinstance(call, dict) else None
+                if isinstance(call_id, str):
+                    self._call_owner[call_id] = eid
+
+
+def unit_links(events: Sequence[Event]) -> list[tuple[int, int]]:
+    """Index pairs ``(parent, child)`` of ``events`` (in id order) that belong to one unit."""
+    units = _Units()
+    index: dict[int, int] = {}
+    links = []
+    for i, event in enumerate(events):
+        if event.id is None:
+            continue
+        parent = units.parent(event)
+        if parent is not None and parent in index:
+            links.append((index[parent], i))
+        units.add(event)
+        index[event.id] = i
+    return links
+
+
 class ViewBuilder:
     """Incremental fold: ``append`` events in id order, read :meth:`view` at any time."""
 
     __slots__ = (
-        "_actions",
+        "_all",
         "_anchor",
         "_events",
-        "_forgotten_actions",
+        "_hidden",
         "_ids",
         "_last",
-        "_obs_of",
+        "_members",
+        "_pinned",
         "_requests",
+        "_root",
+        "_store",
         "_summary",
+        "_units",
     )
 
     def __init__(self, events: Iterable[Event] = ()) -> None:
         self._ids: list[int] = []  # visible event ids, ascending
         self._events: list[Event] = []  # visible events, parallel to _ids
-        self._actions: set[int] = set()  # answerable actions ever seen (kept or forgotten)
-        self._forgotten_actions: set[int] = set()
-        self._obs_of: dict[int, list[int]] = {}  # kept action id -> its kept observations
+        self._all: list[int] = []  # every folded (non-machinery) event id, ascending
+        self._store: dict[int, Event] = {}  # those events by id
+        self._root: dict[int, int] = {}  # event id -> its unit's first event id
+        self._members: dict[int, list[int]] = {}  # unit root -> members (units of more than one)
+        self._hidden: dict[int, int] = {}  # hidden unit root -> the condensation or edit that hid it
+        self._pinned: set[int] = set()  # pinned unit roots
+        self._units = _Units()
         self._requests: set[int] = set()  # condensation_request ids (hidden)
         self._summary: Summary | None = None
         self._anchor = 0
@@ -151,83 +233,124 @@ class ViewBuilder:
                 f"event {eid} arrived after event {self._last}: a view folds events in increasing id order"
             )
         self._last = eid
-        if isinstance(event, Observation):
-            if isinstance(event, Condensation):
-                self._condense(event, eid)
-                return
-            cause = event.cause
-            if cause is not None:
-                if cause in self._requests:
-                    return
-                if cause in self._actions:
-                    if cause in self._forgotten_actions:
-                        return
-                    self._obs_of.setdefault(cause, []).append(eid)
-        elif isinstance(event, Action):
-            if isinstance(event, CondensationRequest):
-                self._requests.add(eid)
-                return
-            if event.answered_by is not None:
-                self._actions.add(eid)
-        self._ids.append(eid)
-        self._events.append(event)
+        if isinstance(event, Condensation):
+            self._condense(event, eid)
+            return
+        if isinstance(event, ContextEdit):
+            self._edit(event, eid)
+            return
+        if isinstance(event, CondensationRequest):
+            self._requests.add(eid)
+            return
+        if isinstance(event, Observation) and event.cause is not None and event.cause in self._requests:
+            return
+        parent = self._units.parent(event)
+        self._units.add(event)
+        root = eid if parent is None else self._root[parent]
+        self._root[eid] = root
+        if root != eid:
+            self._members.setdefault(root, [root]).append(eid)
+        self._store[eid] = event
+        self._all.append(eid)
+        if root not in self._hidden:
+            self._ids.append(eid)
+            self._events.append(event)
 
     def view(self) -> View:
+        pinned = frozenset(m for root in self._pinned for m in self._members.get(root, (root,)))
         if self._summary is None:
-            return View(tuple(self._events), self._last, None)
+            return View(tuple(self._events), self._last, None, pinned)
         pos = bisect_left(self._ids, self._anchor)
         events = (*self._events[:pos], self._summary, *self._events[pos:])
-        return View(events, self._last, pos)
+        return View(events, self._last, pos, pinned)
 
-    # --- condensation -------------------------------------------------------------------
+    def hidden(self) -> dict[int, int]:
+        """Every hidden event's id, mapped to the id of the condensation or context edit that hid it."""
+        return {m: by for root, by in self._hidden.items() for m in self._members.get(root, (root,))}
+
+    # --- condensations and edits ----------------------------------------------------------
 
     def _condense(self, cond: Condensation, cid: int) -> None:
-        ids, events = self._ids, self._events
-        ranges = _merge(cond.forgotten, cid - 1)
-        removed: list[Event] = []
-        for start, end in reversed(ranges):
+        ids = self._ids
+        roots: set[int] = set()
+        for start, end in _merge(cond.forgotten, cid - 1):
             lo, hi = bisect_left(ids, start), bisect_right(ids, end)
-            if lo < hi:
-                removed.extend(events[lo:hi])
-                del ids[lo:hi], events[lo:hi]
-        first_removed = min((e.id for e in removed if e.id is not None), default=None)
-        work = removed
-        while work:
-            partners: set[int] = set()
-            for event in work:
-                eid = event.id
-                assert eid is not None
-                if eid in self._actions:
-                    self._forgotten_actions.add(eid)
-                    partners.update(self._obs_of.pop(eid, ()))
-                elif isinstance(event, Observation) and event.cause in self._obs_of:
-                    partners.add(event.cause)
-            work = self._remove(partners)
-            if work:
-                low = min(e.id for e in work if e.id is not None)
-                first_removed = low if first_removed is None else min(first_removed, low)
+            roots.update(self._root[i] for i in ids[lo:hi])
+        removed = self._hide(roots - self._pinned, cid)
         if cond.summary is None:
             return
         if not cond.summary:
             self._summary = None
             return
         if cond.summary_offset is None:
-            self._anchor = cid if first_removed is None else first_removed
+            self._anchor = cid if not removed else min(removed)
         else:
             offset = min(max(cond.summary_offset, 0), len(ids))
             self._anchor = ids[offset] if offset < len(ids) else cid
         self._summary = Summary(content=cond.summary, cause=cid, ts=cond.ts, agent=cond.agent, tenant=cond.tenant)
 
-    def _remove(self, wanted: set[int]) -> list[Event]:
-        """Remove the visible events with these ids; return the ones that were visible."""
+    def _targets(self, edit: ContextEdit, eid: int) -> set[int]:
+        """The unit roots of the events before ``eid`` in the edit's ranges and of its kinds."""
+        if not edit.ranges and not edit.kinds:
+            return set()
+        kinds = set(edit.kinds)
+        candidates: list[int] = []
+        if edit.ranges:
+            for start, end in _merge(edit.ranges, eid - 1):
+                lo, hi = bisect_left(self._all, start), bisect_right(self._all, end)
+                candidates.extend(self._all[lo:hi])
+        else:
+            candidates = self._all
+        return {self._root[i] for i in candidates if not kinds or self._store[i].kind in kinds}
+
+    def _edit(self, edit: ContextEdit, eid: int) -> None:
+        roots = self._targets(edit, eid)
+        if edit.op == "forget":
+            self._hide(roots, eid)
+        elif edit.op == "restore":
+            self._show({r for r in roots if r in self._hidden})
+        elif edit.op == "pin":
+            self._pinned |= roots
+        elif edit.op == "unpin":
+            self._pinned -= roots
+
+    def _hide(self, roots: set[int], by: int) -> list[int]:
+        """Hide these units (the visible ones); return the ids that were visible."""
+        wanted: set[int] = set()
+        for root in roots:
+            if root in self._hidden:
+                continue
+            self._hidden[root] = by
+            wanted.update(self._members.get(root, (root,)))
+        return self._remove(wanted)
+
+    def _show(self, roots: set[int]) -> None:
+        back: list[int] = []
+        for root in roots:
+            del self._hidden[root]
+            back.extend(self._members.get(root, (root,)))
+        if not back:
+            return
+        if len(back) > 64:
+            merged = sorted([*self._ids, *back])
+            self._ids[:] = merged
+            self._events[:] = [self._store[i] for i in merged]
+            return
+        for i in back:
+            pos = bisect_left(self._ids, i)
+            self._ids.insert(pos, i)
+            self._events.insert(pos, self._store[i])
+
+    def _remove(self, wanted: set[int]) -> list[int]:
+        """Remove the visible events with these ids; return the ids that were visible."""
         ids, events = self._ids, self._events
-        out: list[Event] = []
+        out: list[int] = []
         if len(wanted) > 64:
             keep_ids: list[int] = []
             keep_events: list[Event] = []
             for i, e in zip(ids, events, strict=True):
                 if i in wanted:
-                    out.append(e)
+                    out.append(i)
                 else:
                     keep_ids.append(i)
                     keep_events.append(e)
@@ -236,7 +359,7 @@ class ViewBuilder:
         for wid in sorted(wanted, reverse=True):
             pos = bisect_left(ids, wid)
             if pos < len(ids) and ids[pos] == wid:
-                out.append(events[pos])
+                out.append(wid)
                 del ids[pos], events[pos]
         return out
 

@@ -1,0 +1,98 @@
+"""A user's control of the agent's context, on the session handle (``session.context``).
+
+::
+
+    async with riverbed.connect() as bus:
+        context = bus.session("s-42").context
+        report = await context.show()                 # visible, hidden (and why), pinned
+        change = await context.forget(kinds=["error"])  # every error so far
+        await context.restore(12, 40)                  # what a condenser or a forget hid
+        await context.pin(7)                           # no condenser drops event 7
+        await context.unpin(7)
+
+Each operation appends one ``context_edit`` event (so edits are in the log: auditable,
+replayed, forked, undone by the opposite edit, visible to ``view --until``) and returns the
+:class:`~riverbed.memory.context.ContextChange` it made.  The edit is appended with the log's
+last id as ``expected_last``, so the change reported is exactly the edit's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from riverbed import events
+from riverbed.errors import AppendConflict
+from riverbed.memory.context import ContextChange, ContextReport, Op, change, context_edit, report
+
+if TYPE_CHECKING:
+    from riverbed.agent.client import Session
+
+__all__ = ["SessionContext"]
+
+_ATTEMPTS = 5
+
+
+class SessionContext:
+    """The context operations of one session (see the module docstring)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    async def show(self, until: int | None = None) -> ContextReport:
+        """The context right after event ``until`` (default: now), with what is hidden and why."""
+        return report(await self.session.events(1, until), until)
+
+    async def forget(
+        self, start: int | None = None, end: int | None = None, *, kinds: Sequence[str] = (), note: str | None = None
+    ) -> ContextChange:
+        """Hide events ``start``..``end`` (``end`` defaults to ``start``), or every event of
+        ``kinds`` so far (both: those of the kinds in the range)."""
+        return await self.edit("forget", start, end, kinds=kinds, note=note)
+
+    async def restore(
+        self, start: int | None = None, end: int | None = None, *, kinds: Sequence[str] = (), note: str | None = None
+    ) -> ContextChange:
+        """Show again what a condensation or a forget hid (one id adds a recalled event back)."""
+        return await self.edit("restore", start, end, kinds=kinds, note=note)
+
+    async def pin(
+        self, start: int | None = None, end: int | None = None, *, kinds: Sequence[str] = (), note: str | None = None
+    ) -> ContextChange:
+        """Keep these events out of every later condensation's reach."""
+        return await self.edit("pin", start, end, kinds=kinds, note=note)
+
+    async def unpin(
+        self, start: int | None = None, end: int | None = None, *, kinds: Sequence[str] = (), note: str | None = None
+    ) -> ContextChange:
+        return await self.edit("unpin", start, end, kinds=kinds, note=note)
+
+    async def edit(
+        self,
+        op: Op,
+        start: int | None = None,
+        end: int | None = None,
+        *,
+        ranges: Sequence[tuple[int, int]] = (),
+        kinds: Sequence[str] = (),
+        note: str | None = None,
+    ) -> ContextChange:
+        """Append one ``context_edit`` and return what it changed."""
+        spans = list(ranges)
+        if start is not None:
+            spans.append((start, start if end is None else end))
+        edit = context_edit(op, spans, kinds, note=note)
+        for attempt in range(_ATTEMPTS):
+            log = await self.session.events()
+            last = log[-1].id if log else 0
+            try:
+                (edit_id,) = await self.session.append(edit, expected_last=last)
+            except AppendConflict:
+                if attempt == _ATTEMPTS - 1:
+                    raise
+                continue
+            stamped = self.session.stamp(edit)
+            before = report(log)
+            after = report([*log, events.with_id(stamped, edit_id)])
+            return change(before, after, edit_id)
+        raise AssertionError("unreachable")  # pragma: no cover
