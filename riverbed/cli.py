@@ -1275,7 +1275,12 @@ def serve_command(
     settings = _settings(prefix)
     configure_logging(settings.log_format)
     # A body holds at least one event of RIVERBED_MAX_EVENT_BYTES (JSON is larger than msgpack).
-    config = ServeConfig(max_body_bytes=max(ServeConfig.max_body_bytes, 2 * settings.max_event_bytes))
+    config = ServeConfig(
+        max_body_bytes=max(ServeConfig.max_body_bytes, 2 * settings.max_event_bytes), prices=settings.prices
+    )
+    from riverbed.agent.usage import parse_prices  # noqa: PLC0415
+
+    parse_prices(settings.prices)  # a bad price table is refused before anything listens
 
     async def go() -> None:
         async with _bus(settings) as bus, anyio.create_task_group() as tg:
@@ -1410,7 +1415,7 @@ def context_command(
 
 
 def _context_show(settings: Settings, session: str, until: int | None, json_out: bool) -> None:
-    from riverbed.memory.context import describe  # noqa: PLC0415
+    from riverbed.memory.context import describe, document  # noqa: PLC0415
 
     async def go() -> Any:
         async with _bus(settings) as bus:
@@ -1419,18 +1424,7 @@ def _context_show(settings: Settings, session: str, until: int | None, json_out:
 
     report = _run(go)
     if json_out:
-        document = {
-            "session": session,
-            "last_id": report.view.last_id,
-            "visible": report.view.ids(),
-            "summary": report.view.summary.content if report.view.summary is not None else None,
-            "hidden": [
-                {"id": h.event.id, "kind": h.event.kind, "by": h.by.id, "by_kind": h.by.kind, "why": describe(h.by)}
-                for h in report.hidden
-            ],
-            "pinned": sorted(report.pinned),
-        }
-        _stdout_lines([msgspec.json.encode(document)])
+        _stdout_lines([msgspec.json.encode(document(session, report))])
         return
     console = Console(highlight=False, soft_wrap=True)
     console.print(

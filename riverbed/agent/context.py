@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from riverbed import events
 from riverbed.errors import AppendConflict
-from riverbed.memory.context import ContextChange, ContextReport, Op, change, context_edit, report
+from riverbed.memory.context import ContextChange, ContextReport, Op, change, context_edit, preview, report
 
 if TYPE_CHECKING:
     from riverbed.agent.client import Session
@@ -66,6 +66,17 @@ class SessionContext:
         self, start: int | None = None, end: int | None = None, *, kinds: Sequence[str] = (), note: str | None = None
     ) -> ContextChange:
         return await self.edit("unpin", start, end, kinds=kinds, note=note)
+
+    async def preview(
+        self,
+        op: Op,
+        *,
+        ranges: Sequence[tuple[int, int]] = (),
+        kinds: Sequence[str] = (),
+        note: str | None = None,
+    ) -> ContextChange:
+        """What :meth:`edit` would change if made now, appending nothing (a dry run)."""
+        return preview(await self.session.events(), context_edit(op, ranges, kinds, note=note))
 
     async def edit(
         self,

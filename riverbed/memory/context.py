@@ -6,6 +6,8 @@ Pure functions over a log's events (the I/O is in :mod:`riverbed.agent.context`)
   events are hidden, by which ``condensation`` or ``context_edit``, and which are pinned;
 - :func:`context_edit` builds a checked :class:`~riverbed.events.ContextEdit`;
 - :func:`change` compares two reports: what an edit hid, showed again, pinned or unpinned;
+- :func:`preview` is what an edit would change if it were appended now (nothing is appended);
+- :func:`document` is a report's JSON form (``riverbed context --json`` and the HTTP API);
 - :func:`parse_range` reads the CLI's ``12-40`` and ``7``.
 
 An edit applies to whole units of the View (a tool call with its result, a model response
@@ -17,13 +19,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from riverbed.errors import InputError
-from riverbed.events import Condensation, ContextEdit, Event, kinds
+from riverbed.events import Condensation, ContextEdit, Event, kinds, with_id
 from riverbed.memory.view import View, ViewBuilder
 
-__all__ = ["ContextChange", "ContextReport", "Hidden", "change", "context_edit", "describe", "parse_range", "report"]
+__all__ = [
+    "ContextChange",
+    "ContextReport",
+    "Hidden",
+    "change",
+    "context_edit",
+    "describe",
+    "document",
+    "parse_range",
+    "preview",
+    "report",
+]
 
 Op = Literal["forget", "restore", "pin", "unpin"]
 
@@ -85,6 +98,30 @@ def change(before: ContextReport, after: ContextReport, edit: int) -> ContextCha
         pinned=tuple(sorted(after.pinned - before.pinned)),
         unpinned=tuple(sorted(before.pinned - after.pinned)),
     )
+
+
+def preview(log: Sequence[Event], edit: ContextEdit) -> ContextChange:
+    """What ``edit`` would change if it were appended right after ``log`` (the whole log, with
+    ids, in order): the fold of the log with and without the hypothetical edit.  Pure: nothing
+    is appended, and the change's ``edit`` is the id the edit would get."""
+    edit_id = max((e.id for e in log if e.id is not None), default=0) + 1
+    return change(report(log), report([*log, with_id(edit, edit_id)]), edit_id)
+
+
+def document(session: str, context: ContextReport) -> dict[str, Any]:
+    """A report's JSON form: visible ids, hidden ones with what hid each, pinned, summary."""
+    view = context.view
+    return {
+        "session": session,
+        "last_id": view.last_id,
+        "visible": view.ids(),
+        "summary": view.summary.content if view.summary is not None else None,
+        "hidden": [
+            {"id": h.event.id, "kind": h.event.kind, "by": h.by.id, "by_kind": h.by.kind, "why": describe(h.by)}
+            for h in context.hidden
+        ],
+        "pinned": sorted(context.pinned),
+    }
 
 
 def describe(by: Event) -> str:

@@ -54,6 +54,86 @@ def _query(name: str, description: str, kind: str = "integer") -> dict[str, Any]
     return {"name": name, "in": "query", "required": False, "description": description, "schema": {"type": kind}}
 
 
+def _context_schemas() -> dict[str, Any]:
+    ids = {"type": "array", "items": {"type": "integer"}}
+    ranges = {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}}
+    return {
+        "Context": {
+            "type": "object",
+            "properties": {
+                "session": {"type": "string"},
+                "until": {"type": ["integer", "null"]},
+                "last_id": {"type": "integer"},
+                "visible": ids,
+                "summary": {"type": ["string", "null"]},
+                "hidden": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "id": {"type": "integer"},
+                            "kind": {"type": "string"},
+                            "by": {"type": "integer", "description": "the condensation or context_edit that hid it"},
+                            "by_kind": {"type": "string"},
+                            "why": {"type": "string"},
+                        },
+                    },
+                },
+                "pinned": ids,
+            },
+        },
+        "ContextEditRequest": {
+            "type": "object",
+            "required": ["op"],
+            "additionalProperties": False,
+            "properties": {
+                "op": {"enum": ["forget", "restore", "pin", "unpin"]},
+                "ranges": {**ranges, "description": "[first, last] event ids"},
+                "kinds": {"type": "array", "items": {"type": "string"}, "description": "event kinds (e.g. error)"},
+                "note": {"type": ["string", "null"]},
+                "dry_run": {"type": "boolean", "description": "say what would change; append nothing"},
+            },
+        },
+        "ContextChange": {
+            "type": "object",
+            "properties": {
+                "session": {"type": "string"},
+                "dry_run": {"type": "boolean"},
+                "edit": {"type": "integer", "description": "the edit's id (dry run: the id it would get)"},
+                "hidden": ids,
+                "shown": ids,
+                "pinned": ids,
+                "unpinned": ids,
+            },
+        },
+        "Usage": {
+            "type": "object",
+            "properties": {
+                "session": {"type": "string"},
+                "steps": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "event_id": {"type": "integer"},
+                            "model": {"type": "string"},
+                            "prompt_tokens": {"type": "integer"},
+                            "cached_tokens": {"type": "integer"},
+                            "completion_tokens": {"type": "integer"},
+                            "cost": {"type": ["number", "null"]},
+                        },
+                    },
+                },
+                "prompt_tokens": {"type": "integer"},
+                "cached_tokens": {"type": "integer"},
+                "completion_tokens": {"type": "integer"},
+                "cost": {"type": ["number", "null"], "description": "USD; null when a model has no price"},
+                "models": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+    }
+
+
 def document() -> dict[str, Any]:
     union: Any = Union.__getitem__(tuple(events.kinds().values()))
     (event_schema,), components = msgspec.json.schema_components([union], ref_template=_REF)
@@ -70,6 +150,7 @@ def document() -> dict[str, Any]:
             "last": {"type": "integer", "description": "on an append conflict: the log's last id"},
         },
     }
+    components.update(_context_schemas())
     event = _ref("Event")
     ids = {"type": "object", "properties": {"session": {"type": "string"}, "ids": {"type": "array"}}}
     paths: dict[str, Any] = {
@@ -153,6 +234,34 @@ def document() -> dict[str, Any]:
                     "where to fork and the new session id",
                 ),
                 "responses": {"201": _ok("the fork"), **_problems(400, 401, 404)},
+            },
+        },
+        "/v1/sessions/{session}/context": {
+            "parameters": [_SESSION],
+            "get": {
+                "summary": "The context right after event `until`: visible, hidden and what hid each, pinned",
+                "parameters": [_query("until", "event id (default: the last)")],
+                "responses": {"200": _ok("the context", _ref("Context")), **_problems(400, 401, 404)},
+            },
+            "post": {
+                "summary": "Edit the context: append one context_edit (forget, restore, pin, unpin)",
+                "description": (
+                    "Answers with what the edit changed. With dry_run the answer is what it would change "
+                    "(the log folded with the edit added), and nothing is appended."
+                ),
+                "requestBody": _json_body(_ref("ContextEditRequest"), "the edit"),
+                "responses": {
+                    "200": _ok("dry run: what the edit would change", _ref("ContextChange")),
+                    "201": _ok("what the edit changed", _ref("ContextChange")),
+                    **_problems(400, 401, 404, 409, 413),
+                },
+            },
+        },
+        "/v1/sessions/{session}/usage": {
+            "parameters": [_SESSION],
+            "get": {
+                "summary": "Tokens and cost of every model call (llm_response), and the session's totals",
+                "responses": {"200": _ok("the usage", _ref("Usage")), **_problems(401, 404)},
             },
         },
         "/v1/status": {

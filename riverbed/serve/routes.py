@@ -26,6 +26,8 @@ from starlette.types import Receive, Scope, Send
 from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.agent.replay import fork
+from riverbed.agent.usage import parse_prices
+from riverbed.agent.usage import usage as usage_report
 from riverbed.bus import stats
 from riverbed.bus.keys import ROLES, require_session
 from riverbed.errors import InputError, NotFoundError
@@ -50,6 +52,8 @@ class ServeConfig:
     """The longest ``act`` wait a request may ask for."""
     heartbeat_seconds: float = 15.0
     """An event stream sends a comment line after this long without an event."""
+    prices: str | None = None
+    """The price table of ``/usage`` (``RIVERBED_PRICES``'s JSON form); none: no costs."""
 
 
 class Api:
@@ -291,6 +295,69 @@ async def view(request: Request) -> Response:
     return _json(body)
 
 
+@bounded
+async def context(request: Request) -> Response:
+    """The context right after event ``until``: visible ids, hidden ones and what hid each,
+    pinned ones, the summary."""
+    from riverbed.memory.context import document  # noqa: PLC0415  (memory is optional for clients)
+
+    who = await principal(request)
+    api = _api(request)
+    session = request.path_params["session"]
+    await _session_tenant(api, who, session)
+    until = _int_param(request, "until")
+    return _json({**document(session, await api.bus.session(session).context.show(until)), "until": until})
+
+
+class _EditBody(msgspec.Struct, forbid_unknown_fields=True):
+    op: str
+    ranges: list[tuple[int, int]] = []
+    kinds: list[str] = []
+    note: str | None = None
+    dry_run: bool = False
+
+
+_OPS = ("forget", "restore", "pin", "unpin")
+
+
+@bounded
+async def edit_context(request: Request) -> Response:
+    """Append one ``context_edit`` and answer with what it changed; with ``dry_run`` answer
+    with what it would change, appending nothing."""
+    who = await principal(request)
+    api = _api(request)
+    session = request.path_params["session"]
+    tenant = await _session_tenant(api, who, session)
+    try:
+        body = msgspec.json.decode(await _body(request), type=_EditBody)
+    except msgspec.DecodeError as exc:
+        raise InputError(
+            f'the context body must be {{"op": "forget", "ranges": [[A, B]], "kinds": [...], "note": "..."}} ({exc})'
+        ) from exc
+    if body.op not in _OPS:
+        raise InputError(f"unknown context operation {body.op!r}: use {', '.join(_OPS)}")
+    handle = api.bus.session(session, tenant=tenant).context
+    op: Any = body.op
+    if body.dry_run:
+        changed = await handle.preview(op, ranges=body.ranges, kinds=body.kinds, note=body.note)
+    else:
+        changed = await handle.edit(op, ranges=body.ranges, kinds=body.kinds, note=body.note)
+    return _json(
+        {"session": session, "dry_run": body.dry_run, **msgspec.to_builtins(changed)}, 200 if body.dry_run else 201
+    )
+
+
+@bounded
+async def usage(request: Request) -> Response:
+    """Prompt, cached and completion tokens and cost of every model call, and the totals."""
+    who = await principal(request)
+    api = _api(request)
+    session = request.path_params["session"]
+    await _session_tenant(api, who, session)
+    report = usage_report(await api.bus.session(session).events(), parse_prices(api.config.prices))
+    return _json({"session": session, **msgspec.to_builtins(report)})
+
+
 class _ForkBody(msgspec.Struct, forbid_unknown_fields=True):
     at: int
     into: str
@@ -345,5 +412,8 @@ def handlers() -> list[tuple[str, Handler | Callable[..., Any], list[str]]]:
         ("/v1/sessions/{session}/act", act, ["POST"]),
         ("/v1/sessions/{session}/view", view, ["GET"]),
         ("/v1/sessions/{session}/fork", fork_session, ["POST"]),
+        ("/v1/sessions/{session}/context", context, ["GET"]),
+        ("/v1/sessions/{session}/context", edit_context, ["POST"]),
+        ("/v1/sessions/{session}/usage", usage, ["GET"]),
         ("/v1/status", status, ["GET"]),
     ]
