@@ -846,7 +846,12 @@ EventArg = Annotated[
         show_default=False,
     ),
 ]
-TenantOption = Annotated[str | None, typer.Option("--tenant", help="Tenant of a new session.")]
+TenantOption = Annotated[
+    str | None,
+    typer.Option(
+        "--tenant", help="Tenant of a new session; on an existing one, checked against its own (default: its own)."
+    ),
+]
 AgentOption = Annotated[str | None, typer.Option("--agent", help="Agent name recorded on the events.")]
 
 
@@ -868,7 +873,8 @@ def act_command(
 
     async def go() -> bytes:
         async with _bus(settings) as bus:
-            answer = await bus.session(session, tenant=tenant, agent=agent).act(parsed, timeout=timeout)
+            handle = await bus.operate(session, tenant=tenant, agent=agent)
+            answer = await handle.act(parsed, timeout=timeout)
             return events.encode_json(answer)
 
     _stdout_lines([_run(go)])
@@ -903,7 +909,7 @@ def append_command(
 
     async def go() -> list[int]:
         async with _bus(settings) as bus:
-            handle = bus.session(session, tenant=tenant, agent=agent)
+            handle = await bus.operate(session, tenant=tenant, agent=agent)
             return await handle.append(*batch, expected_last=expected_last, idempotency_key=idempotency_key)
 
     ids = _run(go)
@@ -1461,7 +1467,8 @@ def _context_edit(
     async def go() -> Any:
         async with _bus(settings) as bus:
             await _require_events(bus, session)
-            return await bus.session(session).context.edit(
+            handle = await bus.operate(session)  # an operator's edit, as the session's own tenant
+            return await handle.context.edit(
                 op,  # type: ignore[arg-type]  # checked against _CONTEXT_OPS
                 ranges=spans,
                 kinds=kinds or (),
