@@ -1187,6 +1187,11 @@ def demo_command(prefix: PrefixOption = None) -> None:
         f"  riverbed log {result.session}                 every event\n"
         f"  riverbed view {result.session} --until 8      the agent's context right after event 8\n"
         f"  riverbed log {result.fork}            the fork, rebuilt at event 12"
+        + (
+            f"\n  riverbed usage {result.agent_session}    the LLM agent's tokens and cost"
+            if result.agent_session
+            else ""
+        )
     )
     if embedded:
         where = shlex.quote(str(_services_dir(None)))
@@ -1541,6 +1546,72 @@ def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: Pre
         style="bold",
     )
     Console(highlight=False).print(table)
+
+
+# --- agent: the reference LLM agent from the command line (issue 17) ----------------------------
+# Self-contained: moves into the cli/ package as one room.
+
+
+@app.command("agent")
+def agent_command(
+    session: SessionArg,
+    task: Annotated[str, typer.Argument(help="What the agent should do (appended as the user's message).")],
+    max_steps: Annotated[int, typer.Option("--max-steps", help="Model calls at most.", min=1)] = 30,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Chat model (default RIVERBED_LLM_MODEL).", show_default=False)
+    ] = None,
+    in_process: Annotated[
+        bool, typer.Option("--in-process", help="Run the runtime, memory and condenser roles in this process.")
+    ] = False,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="The session's tenant.", show_default=False)] = None,
+    prefix: PrefixOption = None,
+) -> None:
+    """Run the reference LLM agent on TASK, printing each event as the log grows.
+
+    Needs OPENAI_BASE_URL and/or OPENAI_API_KEY, and workers (riverbed worker all) unless
+    --in-process.  Exits 0 when the agent finishes, asks the user or reaches --max-steps.
+    """
+    from riverbed.agent.llm import make_client  # noqa: PLC0415
+    from riverbed.workers.agent_run import check_model_server, run_agent  # noqa: PLC0415
+
+    settings = _settings(prefix, llm_model=model)
+    make_client(settings)
+    url = _redis_url(settings)
+    if in_process and not settings.database_url:
+        _progress("RIVERBED_DATABASE_URL is not set: using the embedded Postgres")
+    console = Console(highlight=False, soft_wrap=True)
+
+    async def go() -> Any:
+        client = make_client(settings)  # no model configured: one sentence before anything else
+        await check_model_server(client, settings)
+        with anyio.fail_after(CONNECT_TIMEOUT):
+            await _probe(url)
+        return await run_agent(
+            settings,
+            url,
+            session,
+            task,
+            client=client,
+            max_steps=max_steps,
+            in_process=in_process,
+            tenant=tenant,
+            on_event=lambda event: console.print(render(event)),
+        )
+
+    run = _run(go)
+    spent = run.usage
+    cost = "" if spent.cost is None else f", cost {spent.cost:.6f} USD"
+    ended = run.ended.kind if run.ended is not None else "nothing"
+    if isinstance(run.ended, events.Error):
+        ended = f"{ended} ({run.ended.reason})"
+    err_console.print(
+        f"agent ended by {ended} after {len(spent.steps)} model calls: {spent.prompt_tokens} prompt tokens "
+        f"({spent.cached_tokens} cached), {spent.completion_tokens} completion tokens{cost}",
+        markup=False,
+    )
+    if not run.ok:
+        detail = run.ended.content if isinstance(run.ended, events.Error) else "the run failed"
+        _fail(f"the agent stopped: {detail}", 1)
 
 
 if __name__ == "__main__":
