@@ -1396,9 +1396,16 @@ def context_command(
     note: Annotated[str | None, typer.Option("--note", help="Why (kept in the edit).", show_default=False)] = None,
     until: Annotated[int | None, typer.Option("--until", help="Show the context right after this event.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Show the context as one JSON object.")] = False,
+    apply: Annotated[bool, typer.Option("--apply", help="suggest: apply the proposal.")] = False,
+    model: Annotated[
+        str | None, typer.Option("--model", help="suggest: the model (RIVERBED_SUGGEST_MODEL).", show_default=False)
+    ] = None,
     prefix: PrefixOption = None,
 ) -> None:
     """The agent's context: what it sees, what is hidden and what hid it, what is pinned.
+
+    `context S suggest "drop the detour about X"` asks a model which events to drop and prints
+    the proposal as a diff; `--apply` appends it (a condensation by the user).
 
     `context S forget 12-40`, `forget --kind error`, `restore 12-40`, `pin 7`, `unpin 7` each
     append one context_edit event and print what it changed (JSON on stdout, a sentence on stderr).
@@ -1407,8 +1414,13 @@ def context_command(
     if op is None:
         _context_show(settings, session, until, json_out)
         return
+    if op == "suggest":
+        _context_suggest(settings, session, " ".join(targets or ()), apply=apply, model=model)
+        return
     if op not in _CONTEXT_OPS:
-        raise InputError(f"unknown context operation {op!r}: use {', '.join(_CONTEXT_OPS)}, or none to show it")
+        raise InputError(
+            f"unknown context operation {op!r}: use {', '.join(_CONTEXT_OPS)} or suggest, or none to show it"
+        )
     if until is not None:
         raise InputError("--until is for showing the context; an edit always applies after the last event")
     _context_edit(settings, session, op, targets, kind, note)
@@ -1612,6 +1624,47 @@ def agent_command(
     if not run.ok:
         detail = run.ended.content if isinstance(run.ended, events.Error) else "the run failed"
         _fail(f"the agent stopped: {detail}", 1)
+
+
+# --- context suggest: condensation by conversation (issue 17) -----------------------------------
+# Self-contained: moves into the cli/ package with `context`.
+
+
+def _context_suggest(settings: Settings, session: str, request: str, *, apply: bool, model: str | None) -> None:
+    """Print a model's proposal for ``request`` as a diff of the context; append it with ``apply``."""
+    from riverbed.agent.llm import make_client  # noqa: PLC0415
+    from riverbed.memory.tokens import event_text  # noqa: PLC0415
+
+    name = model or settings.suggest_model or settings.llm_model
+    client = make_client(settings)
+
+    async def go() -> Any:
+        async with _bus(settings) as bus:
+            await _require_events(bus, session)
+            context = bus.session(session).context
+            proposal = await context.suggest(request, client=client, model=name)
+            return proposal, (await context.apply(proposal) if apply else None)
+
+    proposal, applied = _run(go)
+    console = Console(highlight=False, soft_wrap=True)
+    hidden = set(proposal.change.hidden)
+    for event in proposal.before.view:
+        line = Text("- " if event.id in hidden else "  ", style="red" if event.id in hidden else "dim")
+        line.append_text(render(event) if event.id is not None else Text(f"summary: {_one_line(event_text(event))}"))
+        console.print(line)
+    summary = proposal.after.view.summary
+    if summary is not None and proposal.condensation.summary is not None:
+        console.print(Text(f"+ summary: {_one_line(summary.content, 400)}", style="green"))
+    ranges = ", ".join(f"{a}-{b}" for a, b in proposal.condensation.forgotten)
+    what = f"{len(hidden)} event{'s' if len(hidden) != 1 else ''} ({_id_list(proposal.change.hidden)})"
+    if applied is None:
+        err_console.print(
+            f"{proposal.model} proposes to forget {ranges}, which hides {what}; nothing was changed "
+            "(--apply asks again and appends the proposal it prints)",
+            markup=False,
+        )
+    else:
+        err_console.print(f"applied as condensation {applied.edit}: hid {what}", markup=False)
 
 
 if __name__ == "__main__":

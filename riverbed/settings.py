@@ -30,6 +30,8 @@ RIVERBED_MAX_EVENT_BYTES        the largest event a user or agent may append, in
 RIVERBED_PRICES                 price table of ``riverbed usage``: JSON, USD per million tokens per
                                 model, e.g. ``{"gpt-4o-mini": {"prompt": 0.15, "cached": 0.075,
                                 "completion": 0.6}}`` (``"*"``: any other model)
+RIVERBED_SUGGEST_MODEL          model of ``riverbed context SESSION suggest`` (default: RIVERBED_LLM_MODEL;
+                                may be a cheaper one)
 OPENAI_API_KEY                  key for OpenAI or any compatible server
 OPENAI_BASE_URL                 base URL of an OpenAI-compatible server
 ==============================  ===============================================================
@@ -79,6 +81,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     openai_api_key: str | None = None
     openai_base_url: str | None = None
     prices: str | None = None
+    suggest_model: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
