@@ -32,6 +32,8 @@ RIVERBED_PRICES                 price table of ``riverbed usage``: JSON, USD per
                                 "completion": 0.6}}`` (``"*"``: any other model)
 RIVERBED_SUGGEST_MODEL          model of ``riverbed context SESSION suggest`` (default: RIVERBED_LLM_MODEL;
                                 may be a cheaper one)
+RIVERBED_PROMPT_CACHE           ``none`` (default; OpenAI caches prompt prefixes by itself) or ``anthropic``:
+                                ``cache_control`` breakpoints on the system message and the last message
 OPENAI_API_KEY                  key for OpenAI or any compatible server
 OPENAI_BASE_URL                 base URL of an OpenAI-compatible server
 ==============================  ===============================================================
@@ -82,6 +84,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     openai_base_url: str | None = None
     prices: str | None = None
     suggest_model: str | None = None
+    prompt_cache: str = "none"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
@@ -131,6 +134,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError(
                 f"RIVERBED_SANDBOX_NETWORK={self.sandbox_network!r} is not valid: use 'none', 'outbound' or 'host'"
             )
+        if self.prompt_cache not in ("none", "anthropic"):
+            raise ConfigError(f"RIVERBED_PROMPT_CACHE={self.prompt_cache!r} is not valid: use 'none' or 'anthropic'")
         if not (self.embedder == "local" or self.embedder.startswith("openai:")):
             raise ConfigError(f"RIVERBED_EMBEDDER={self.embedder!r} is not valid: use 'local' or 'openai:<model>'")
 

@@ -15,7 +15,11 @@ One run, step by step:
    happened.  A user message that arrives while the agent works gets its knowledge recall too.
 2. The prompt is a pure function of the log (:func:`build_messages`): the condensed view
    (the fold, then the session's masking), turned into chat messages by
-   :mod:`riverbed.agent.messages`, after the ``system.j2`` prompt.
+   :mod:`riverbed.agent.messages`, after the ``system.j2`` prompt.  Between two steps the
+   prompt only grows at its end (tools and system prompt byte-identical), so provider prompt
+   caches hit; a condensation changes it from the first forgotten event on.  With
+   ``RIVERBED_PROMPT_CACHE=anthropic`` the request marks cache breakpoints
+   (:func:`~riverbed.agent.messages.cache_breakpoints`).
 3. The model's response is recorded as an ``llm_response`` *before* anything it asks for is
    published; its ``cause`` is the id of the last event the prompt was built from, so
    ``build_messages(events up to that id)`` is exactly the prompt that was sent.
@@ -206,8 +210,11 @@ def _llm_error(exc: BaseException, timeout: float) -> events.Error:
 
 
 class _Run:
-    def __init__(self, session: Session, client: AsyncOpenAI, model: str, options: AgentOptions) -> None:
+    def __init__(
+        self, session: Session, client: AsyncOpenAI, model: str, options: AgentOptions, prompt_cache: str = "none"
+    ) -> None:
         self.session = session
+        self.prompt_cache = prompt_cache
         self.client = client
         self.model = model
         self.options = options
@@ -261,7 +268,10 @@ class _Run:
         until = self.events[-1].id if self.events else 0
         request: dict[str, Any] = {
             "model": self.model,
-            "messages": build_messages(self.events, agent=self.options.name, instructions=self.options.instructions),
+            "messages": chat.cache_breakpoints(
+                build_messages(self.events, agent=self.options.name, instructions=self.options.instructions),
+                self.prompt_cache,
+            ),
             "tools": self.tools,
             "tool_choice": "auto",
             "parallel_tool_calls": False,
@@ -369,7 +379,7 @@ async def run_llm_agent(
         raise InputError("max_steps must be at least 1")
     options = options or AgentOptions()
     session = bus.session(session_id, agent=options.name, tenant=tenant)
-    run = _Run(session, client or make_client(settings), settings.llm_model, options)
+    run = _Run(session, client or make_client(settings), settings.llm_model, options, settings.prompt_cache)
     await run.refresh()
     first = not any(isinstance(e, events.Message) and e.source == "user" for e in run.events)
     run.recalled.update(e.id for e in run.events if isinstance(e, events.Message) and e.id is not None)

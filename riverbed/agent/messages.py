@@ -45,7 +45,7 @@ from riverbed.events import Action, Error, Event, Finish, LlmResponse, Message, 
 from riverbed.memory.tokens import action_arguments, event_text
 from riverbed.memory.view import Summary
 
-__all__ = ["SUMMARY_PREFIX", "to_messages", "tool_call_id", "tool_name"]
+__all__ = ["CACHE_MODES", "SUMMARY_PREFIX", "cache_breakpoints", "to_messages", "tool_call_id", "tool_name"]
 
 ChatMessage = dict[str, Any]
 
@@ -258,4 +258,47 @@ def to_messages(view: Iterable[Event], *, system_prompt: str | None = None) -> l
             case Observation():
                 if e.cause is None or (e.cause in by_id and not _answerable(by_id[e.cause])):
                     out.append({"role": "user", "content": f"[{e.kind}]\n{_result_text([e])}"})
+    return out
+
+
+CACHE_MODES = ("none", "anthropic")
+"""Values of ``RIVERBED_PROMPT_CACHE``."""
+
+_EPHEMERAL = {"type": "ephemeral"}
+
+
+def _marked(message: ChatMessage) -> ChatMessage:
+    content = message.get("content")
+    if isinstance(content, str):
+        if not content:
+            return message  # an empty text part is refused by some providers: no breakpoint here
+        parts: list[dict[str, Any]] = [{"type": "text", "text": content}]
+    elif isinstance(content, list) and content:
+        parts = [dict(part) for part in content]
+    else:
+        return message
+    parts[-1] = {**parts[-1], "cache_control": _EPHEMERAL}
+    return {**message, "content": parts}
+
+
+def cache_breakpoints(messages: list[ChatMessage], mode: str = "anthropic") -> list[ChatMessage]:
+    """The messages with prompt-cache breakpoints for providers that want them marked.
+
+    ``anthropic`` (Anthropic, and OpenAI-compatible proxies that pass ``cache_control``
+    through): the content of the system message and of the last message become text parts,
+    the last part with ``cache_control: {"type": "ephemeral"}``.  The system breakpoint
+    caches the tools and the system prompt; the moving one at the end lets the next step
+    read this whole prompt from the cache (it only appends to it).  ``none``: unchanged
+    (OpenAI caches prefixes without being told).  The text is the same either way, so the
+    prompt's prefix stays identical between steps.
+    """
+    if mode == "none" or not messages:
+        return messages
+    if mode != "anthropic":
+        raise InputError(f"unknown prompt cache mode {mode!r}: use {' or '.join(CACHE_MODES)}")
+    out = list(messages)
+    if out[0].get("role") == "system":
+        out[0] = _marked(out[0])
+    if len(out) > 1:
+        out[-1] = _marked(out[-1])
     return out
