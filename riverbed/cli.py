@@ -1576,6 +1576,10 @@ def agent_command(
         bool, typer.Option("--in-process", help="Run the runtime, memory and condenser roles in this process.")
     ] = False,
     tenant: Annotated[str | None, typer.Option("--tenant", help="The session's tenant.", show_default=False)] = None,
+    image: Annotated[
+        list[str] | None,
+        typer.Option("--image", help="An image for the task: URL or workspace path (repeatable).", show_default=False),
+    ] = None,
     prefix: PrefixOption = None,
 ) -> None:
     """Run the reference LLM agent on TASK, printing each event as the log grows.
@@ -1607,6 +1611,7 @@ def agent_command(
             max_steps=max_steps,
             in_process=in_process,
             tenant=tenant,
+            images=image or (),
             on_event=lambda event: console.print(render(event)),
         )
 

@@ -34,6 +34,9 @@ RIVERBED_SUGGEST_MODEL          model of ``riverbed context SESSION suggest`` (d
                                 may be a cheaper one)
 RIVERBED_PROMPT_CACHE           ``none`` (default; OpenAI caches prompt prefixes by itself) or ``anthropic``:
                                 ``cache_control`` breakpoints on the system message and the last message
+RIVERBED_LLM_VISION             ``0`` (default: images are not sent), ``1`` (the LLM agent's model sees
+                                images) or a comma-separated list of the models that see images
+RIVERBED_MAX_IMAGE_BYTES        largest image file sent to a model (default 5 MiB); larger ones are left out
 OPENAI_API_KEY                  key for OpenAI or any compatible server
 OPENAI_BASE_URL                 base URL of an OpenAI-compatible server
 ==============================  ===============================================================
@@ -85,6 +88,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     prices: str | None = None
     suggest_model: str | None = None
     prompt_cache: str = "none"
+    llm_vision: str = "0"
+    max_image_bytes: int = 5 * 1024 * 1024
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
@@ -134,6 +139,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError(
                 f"RIVERBED_SANDBOX_NETWORK={self.sandbox_network!r} is not valid: use 'none', 'outbound' or 'host'"
             )
+        if self.max_image_bytes < 1:
+            raise ConfigError("RIVERBED_MAX_IMAGE_BYTES must be at least 1")
         if self.prompt_cache not in ("none", "anthropic"):
             raise ConfigError(f"RIVERBED_PROMPT_CACHE={self.prompt_cache!r} is not valid: use 'none' or 'anthropic'")
         if not (self.embedder == "local" or self.embedder.startswith("openai:")):

@@ -89,3 +89,28 @@ def test_no_model_server_configured_or_reachable_is_one_sentence(offline_env: di
 def test_without_workers_or_in_process_it_says_so(agent_env: dict[str, str], server: OpenAIServer) -> None:
     assert_one_sentence(run(agent_env, "agent", "a5", "task"), 1, "no runtime worker is running", "--in-process")
     assert server.requests == []
+
+
+def test_a_vision_model_gets_the_task_image_from_the_workspace_and_others_do_not(
+    agent_env: dict[str, str], server: OpenAIServer, tmp_path: Path
+) -> None:
+    from riverbed.runtime.paths import workspace_name  # noqa: PLC0415
+    from tests.test_images import PNG  # noqa: PLC0415
+
+    for session in ("v1", "v2"):
+        root = tmp_path / "ws" / workspace_name(session)
+        root.mkdir(parents=True)
+        (root / "shot.png").write_bytes(PNG)
+    server.reply(tool_calls=[("finish", {"final_thought": "a pixel"})])
+    seeing = {**agent_env, "RIVERBED_LLM_VISION": "test-model"}
+    result = run(seeing, "agent", "v1", "what is this?", "--image", "shot.png", "--in-process", timeout=120)
+    assert result.returncode == 0, result.stderr.decode()
+    task = next(m for m in server.requests[-1]["messages"] if m["role"] == "user")
+    assert task["content"][0] == {"type": "text", "text": "what is this?"}
+    assert task["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
+
+    server.reply(tool_calls=[("finish", {"final_thought": "cannot see"})])
+    result = run(agent_env, "agent", "v2", "what is this?", "--image", "shot.png", "--in-process", timeout=120)
+    assert result.returncode == 0, result.stderr.decode()
+    task = next(m for m in server.requests[-1]["messages"] if m["role"] == "user")
+    assert task["content"] == "what is this?\n[images not shown to this model: shot.png]"

@@ -18,7 +18,7 @@ Before anything is appended, the model server is checked: no ``OPENAI_API_KEY`` 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +94,7 @@ async def run_agent(
     options: AgentOptions | None = None,
     client: AsyncOpenAI | None = None,
     on_event: Callable[[events.Event], None] | None = None,
+    images: Sequence[str] = (),
 ) -> AgentRun:
     """Run the LLM agent on ``task`` in ``session_id``; ``on_event`` sees every event the
     session's log gets from the run's start on, in order, before this returns."""
@@ -121,7 +122,7 @@ async def run_agent(
                 tg.start_soon(shown.run)
             ended = await run_llm_agent(
                 bus, session_id, task, settings=settings, client=client, max_steps=max_steps, options=options,
-                tenant=tenant,
+                tenant=tenant, images=images,
             )  # fmt: skip
             if on_event is not None:
                 await shown.until(await session.last_id())
