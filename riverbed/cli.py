@@ -1519,6 +1519,7 @@ def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: Pre
     """Prompt, cached and completion tokens and cost of every model call, and the session's totals.
 
     Costs come from RIVERBED_PRICES (USD per million tokens per model); without a price a cost is empty.
+    A row at each condensation shows the view's tokens (and events) right before and after it.
     """
     from riverbed.agent.usage import parse_prices, usage  # noqa: PLC0415
 
@@ -1539,7 +1540,10 @@ def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: Pre
     def money(cost: float | None) -> str:
         return "" if cost is None else f"{cost:.6f}"
 
+    marks = list(report.condensations)
     for step in report.steps:
+        while marks and marks[0].event_id < step.event_id:
+            _condensation_row(table, marks.pop(0))
         table.add_row(
             str(step.event_id),
             _cell(step.model),
@@ -1548,6 +1552,8 @@ def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: Pre
             str(step.completion_tokens),
             money(step.cost),
         )
+    for mark in marks:
+        _condensation_row(table, mark)
     table.add_row(
         "total",
         f"{len(report.steps)} calls",
@@ -1670,6 +1676,22 @@ def _context_suggest(settings: Settings, session: str, request: str, *, apply: b
         )
     else:
         err_console.print(f"applied as condensation {applied.edit}: hid {what}", markup=False)
+
+
+# --- usage: the condenser's effect (issue 17) ----------------------------------------------------
+# Self-contained: moves into the cli/ package with `usage`.
+
+
+def _condensation_row(table: Table, mark: Any) -> None:
+    """A marker row in `riverbed usage`: a condensation and the view's size before and after it."""
+    table.add_row(
+        str(mark.event_id),
+        Text(f"{visible(mark.source)} condensation", style="cyan"),
+        Text(f"view {mark.tokens_before} → {mark.tokens_after} tokens", style="cyan"),
+        "",
+        Text(f"{mark.events_before} → {mark.events_after} events", style="cyan"),
+        "",
+    )
 
 
 if __name__ == "__main__":

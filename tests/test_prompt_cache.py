@@ -127,6 +127,29 @@ async def test_the_prefix_only_grows_between_steps_and_the_head_never_changes(
     report = usage(log, {})
     assert report.cached_tokens > 0
     assert all(step.cached_tokens > 0 for step in report.steps[1:])
+    # The condenser's effect: the view's tokens before and after each condensation.
+    assert [m.event_id for m in report.condensations] == condensed_at
+    for mark in report.condensations:
+        assert mark.source == "condenser"
+        assert mark.tokens_after <= mark.tokens_before
+        assert mark.events_after <= mark.events_before
+    assert any(mark.tokens_after < mark.tokens_before for mark in report.condensations)
+
+
+def test_usage_marks_each_condensation_with_the_view_before_and_after() -> None:
+    raw: list[events.Event] = [
+        events.Message(source="user", content="task " * 50),
+        events.LlmResponse(model="m", usage={"prompt_tokens": 100, "completion_tokens": 5}),
+        events.Think(thought="long thought " * 100),
+        events.Condensation(forgotten=[(3, 3)], summary="thought a lot"),
+        events.LlmResponse(model="m", usage={"prompt_tokens": 40, "completion_tokens": 5}),
+    ]
+    log = [events.with_id(e, i) for i, e in enumerate(raw, 1)]
+    report = usage(log)
+    (mark,) = report.condensations
+    assert (mark.event_id, mark.source, mark.events_before, mark.events_after) == (4, "condenser", 3, 3)
+    assert mark.tokens_after < mark.tokens_before
+    assert [s.event_id for s in report.steps] == [2, 5]
 
 
 async def test_anthropic_breakpoints_mark_the_system_message_and_the_last_one(
@@ -168,3 +191,25 @@ def test_breakpoints_are_pure_and_leave_empty_content_alone() -> None:
         cache_breakpoints(messages, "bogus")
     with pytest.raises(ConfigError, match="RIVERBED_PROMPT_CACHE"):
         Settings.from_env({"RIVERBED_PROMPT_CACHE": "bogus"})
+
+
+async def test_riverbed_usage_shows_a_row_at_each_condensation(bus: Bus, cli_env: dict[str, str]) -> None:
+    from tests.test_cli import ok  # noqa: PLC0415
+
+    session = bus.session("marks")
+    await session.append(
+        events.Message(source="user", content="task " * 50),
+        events.LlmResponse(model="m", usage={"prompt_tokens": 100, "completion_tokens": 5}),
+        events.Think(thought="long thought " * 100),
+        events.Condensation(forgotten=[(3, 3)], summary="thought a lot"),
+        events.LlmResponse(model="m", usage={"prompt_tokens": 40, "completion_tokens": 5}),
+    )
+    document = json.loads(ok(cli_env, "usage", "marks", "--json"))
+    (mark,) = document["condensations"]
+    assert mark["event_id"] == 4
+    assert mark["tokens_after"] < mark["tokens_before"]
+    lines = ok({**cli_env, "COLUMNS": "200"}, "usage", "marks").decode().splitlines()
+    rows = [line for line in lines if "condensation" in line or line.strip().startswith(("│ 2 ", "│ 5 "))]
+    assert len(rows) == 3
+    assert "condensation" in rows[1]
+    assert f"view {mark['tokens_before']} → {mark['tokens_after']} tokens" in rows[1]
