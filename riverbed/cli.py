@@ -1604,7 +1604,10 @@ def agent_command(
     console = Console(highlight=False, soft_wrap=True)
 
     async def go() -> Any:
-        client = make_client(settings)  # no model configured: one sentence before anything else
+        async with make_client(settings) as client:
+            return await _agent_run(client)
+
+    async def _agent_run(client: Any) -> Any:
         await check_model_server(client, settings)
         with anyio.fail_after(CONNECT_TIMEOUT):
             await _probe(url)

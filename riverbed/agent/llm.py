@@ -398,6 +398,27 @@ async def run_llm_agent(
     returns the event that ended the run."""
     if max_steps < 1:
         raise InputError("max_steps must be at least 1")
+    if client is not None:
+        return await _work(bus, session_id, task, settings, client, max_steps, options, tenant, images)
+    own = make_client(settings)  # made here, closed here
+    try:
+        return await _work(bus, session_id, task, settings, own, max_steps, options, tenant, images)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await own.close()
+
+
+async def _work(
+    bus: Bus,
+    session_id: str,
+    task: str,
+    settings: Settings,
+    client: AsyncOpenAI,
+    max_steps: int,
+    options: AgentOptions | None,
+    tenant: str | None,
+    images: Sequence[str],
+) -> events.Event | None:
     options = options or AgentOptions()
     session = bus.session(session_id, agent=options.name, tenant=tenant)
     image_source = (
@@ -405,9 +426,7 @@ async def run_llm_agent(
         if vision(settings.llm_vision, settings.llm_model)
         else None
     )
-    run = _Run(
-        session, client or make_client(settings), settings.llm_model, options, settings.prompt_cache, image_source
-    )
+    run = _Run(session, client, settings.llm_model, options, settings.prompt_cache, image_source)
     await run.refresh()
     first = not any(isinstance(e, events.Message) and e.source == "user" for e in run.events)
     run.recalled.update(e.id for e in run.events if isinstance(e, events.Message) and e.id is not None)

@@ -99,8 +99,16 @@ async def run_agent(
     """Run the LLM agent on ``task`` in ``session_id``; ``on_event`` sees every event the
     session's log gets from the run's start on, in order, before this returns."""
     if client is None:
-        client = make_client(settings)
-        await check_model_server(client, settings)
+        own = make_client(settings)
+        try:
+            await check_model_server(own, settings)
+            return await run_agent(
+                settings, redis_url, session_id, task, max_steps=max_steps, in_process=in_process, tenant=tenant,
+                options=options, client=own, on_event=on_event, images=images,
+            )  # fmt: skip
+        finally:
+            with anyio.CancelScope(shield=True):
+                await own.close()
     redis = await connect_redis(redis_url)
     bus = Bus(redis, prefix=settings.prefix, url=redis_url)
     closers: list[Callable[[], Any]] = []

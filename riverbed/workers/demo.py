@@ -222,10 +222,14 @@ async def _llm_agent(bus: Bus, settings: Settings, sid: str, out: _Transcript, c
     try:
         await check_model_server(client, settings)
     except RiverbedError as exc:
+        await client.close()
         out.console.print(f"  [red]{exc}[/]", markup=True)
         checks["LLM agent ran"] = False
         return sid
-    ended = await run_llm_agent(bus, sid, AGENT_TASK, settings=settings, client=client, max_steps=AGENT_STEPS)
+    try:
+        ended = await run_llm_agent(bus, sid, AGENT_TASK, settings=settings, client=client, max_steps=AGENT_STEPS)
+    finally:
+        await client.close()
     async for event in bus.session(sid).log():
         if event.kind not in ("llm_response",):
             out.console.print(f"  [dim]#{event.id}[/] [yellow]{event.kind}[/] {_brief(event)}")
