@@ -1662,7 +1662,7 @@ def _context_suggest(settings: Settings, session: str, request: str, *, apply: b
     async def go() -> Any:
         async with _bus(settings) as bus:
             await _require_events(bus, session)
-            context = bus.session(session).context
+            context = (await bus.operate(session)).context  # an operator's edit, as the session's own tenant
             proposal = await context.suggest(request, client=client, model=name)
             return proposal, (await context.apply(proposal) if apply else None)
 

@@ -113,7 +113,8 @@ async def run_agent(
     bus = Bus(redis, prefix=settings.prefix, url=redis_url)
     closers: list[Callable[[], Any]] = []
     try:
-        session = bus.session(session_id, tenant=tenant)
+        session = await bus.operate(session_id, tenant=tenant)  # an existing session's own tenant by default
+        tenant = session.tenant
         start = await session.last_id() + 1
         async with anyio.create_task_group() as tg:
             if in_process:
