@@ -4,18 +4,24 @@ started by the test on a tiny random-weight GGUF model the test writes (tests/ti
 Assertions are on the protocol only, never on what the model says: every request is
 accepted by the server's own schema (the assistant tool-call message with empty content,
 tool results, the tool schemas), the run ends by ``finish``, a message for the user or its
-step limit, and the events are recorded.  Skipped when ``llama_cpp`` (with its server extra)
-or ``gguf`` is not installed: llama-cpp-python builds from source (about 4 minutes on 2 cores).
+step limit, and the events are recorded.
+
+The server runs in an interpreter of its own: ``$RIVERBED_TEST_LLAMA_PYTHON`` (``.ci/run``
+builds ``.venv-llama`` with ``llama-cpp-python[server]`` and ``gguf``, about 4 minutes on 2
+cores, and points the variable at it), else this interpreter when it has both.  Its extras
+(FastAPI, OpenTelemetry) stay out of the project's own environment.  Skipped when neither has them.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,16 +31,24 @@ from riverbed.agent.client import Bus
 from riverbed.agent.llm import AgentOptions, run_llm_agent
 from riverbed.settings import Settings
 from tests.test_agent_llm import local, workers  # noqa: F401  (fixtures)
-from tests.tinyllm import write_tiny_model
+
+TINYLLM = Path(__file__).with_name("tinyllm.py")  # run by the server's interpreter, which has gguf
 
 # Looked up, not imported: the server runs in its own process (importing llama_cpp here
 # would load its native library into the test process for nothing).
-_MISSING = [name for name in ("llama_cpp", "uvicorn", "fastapi", "gguf") if importlib.util.find_spec(name) is None]
+_LLAMA_PYTHON = os.environ.get("RIVERBED_TEST_LLAMA_PYTHON") or (
+    sys.executable
+    if all(importlib.util.find_spec(name) is not None for name in ("llama_cpp", "uvicorn", "fastapi", "gguf"))
+    else None
+)
 
 pytestmark = [
     pytest.mark.anyio,
     pytest.mark.slow,
-    pytest.mark.skipif(bool(_MISSING), reason=f"llama-cpp-python[server] and gguf are needed ({_MISSING} missing)"),
+    pytest.mark.skipif(
+        _LLAMA_PYTHON is None,
+        reason="llama-cpp-python[server] and gguf are needed: set RIVERBED_TEST_LLAMA_PYTHON (.ci/run builds one)",
+    ),
 ]
 
 
@@ -48,11 +62,13 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("llama")
-    model = write_tiny_model(root / "tiny.gguf")
+    assert _LLAMA_PYTHON is not None
+    model = root / "tiny.gguf"
+    subprocess.run([_LLAMA_PYTHON, str(TINYLLM), str(model)], check=True, timeout=120)
     port = _free_port()
     log = (root / "server.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--model_alias", "tiny",
+        [_LLAMA_PYTHON, "-m", "llama_cpp.server", "--model", str(model), "--model_alias", "tiny",
          "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "8192"],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip

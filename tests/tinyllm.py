@@ -65,3 +65,9 @@ def write_tiny_model(path: Path, *, seed: int = 0) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+if __name__ == "__main__":  # python tinyllm.py PATH (the server's interpreter has gguf; the suite's may not)
+    import sys
+
+    write_tiny_model(Path(sys.argv[1]))
