@@ -846,7 +846,12 @@ EventArg = Annotated[
         show_default=False,
     ),
 ]
-TenantOption = Annotated[str | None, typer.Option("--tenant", help="Tenant of a new session.")]
+TenantOption = Annotated[
+    str | None,
+    typer.Option(
+        "--tenant", help="Tenant of a new session; on an existing one, checked against its own (default: its own)."
+    ),
+]
 AgentOption = Annotated[str | None, typer.Option("--agent", help="Agent name recorded on the events.")]
 
 
@@ -868,7 +873,8 @@ def act_command(
 
     async def go() -> bytes:
         async with _bus(settings) as bus:
-            answer = await bus.session(session, tenant=tenant, agent=agent).act(parsed, timeout=timeout)
+            handle = await bus.operate(session, tenant=tenant, agent=agent)
+            answer = await handle.act(parsed, timeout=timeout)
             return events.encode_json(answer)
 
     _stdout_lines([_run(go)])
@@ -903,7 +909,7 @@ def append_command(
 
     async def go() -> list[int]:
         async with _bus(settings) as bus:
-            handle = bus.session(session, tenant=tenant, agent=agent)
+            handle = await bus.operate(session, tenant=tenant, agent=agent)
             return await handle.append(*batch, expected_last=expected_last, idempotency_key=idempotency_key)
 
     ids = _run(go)
@@ -1187,6 +1193,11 @@ def demo_command(prefix: PrefixOption = None) -> None:
         f"  riverbed log {result.session}                 every event\n"
         f"  riverbed view {result.session} --until 8      the agent's context right after event 8\n"
         f"  riverbed log {result.fork}            the fork, rebuilt at event 12"
+        + (
+            f"\n  riverbed usage {result.agent_session}    the LLM agent's tokens and cost"
+            if result.agent_session
+            else ""
+        )
     )
     if embedded:
         where = shlex.quote(str(_services_dir(None)))
@@ -1396,9 +1407,16 @@ def context_command(
     note: Annotated[str | None, typer.Option("--note", help="Why (kept in the edit).", show_default=False)] = None,
     until: Annotated[int | None, typer.Option("--until", help="Show the context right after this event.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Show the context as one JSON object.")] = False,
+    apply: Annotated[bool, typer.Option("--apply", help="suggest: apply the proposal.")] = False,
+    model: Annotated[
+        str | None, typer.Option("--model", help="suggest: the model (RIVERBED_SUGGEST_MODEL).", show_default=False)
+    ] = None,
     prefix: PrefixOption = None,
 ) -> None:
     """The agent's context: what it sees, what is hidden and what hid it, what is pinned.
+
+    `context S suggest "drop the detour about X"` asks a model which events to drop and prints
+    the proposal as a diff; `--apply` appends it (a condensation by the user).
 
     `context S forget 12-40`, `forget --kind error`, `restore 12-40`, `pin 7`, `unpin 7` each
     append one context_edit event and print what it changed (JSON on stdout, a sentence on stderr).
@@ -1407,8 +1425,13 @@ def context_command(
     if op is None:
         _context_show(settings, session, until, json_out)
         return
+    if op == "suggest":
+        _context_suggest(settings, session, " ".join(targets or ()), apply=apply, model=model)
+        return
     if op not in _CONTEXT_OPS:
-        raise InputError(f"unknown context operation {op!r}: use {', '.join(_CONTEXT_OPS)}, or none to show it")
+        raise InputError(
+            f"unknown context operation {op!r}: use {', '.join(_CONTEXT_OPS)} or suggest, or none to show it"
+        )
     if until is not None:
         raise InputError("--until is for showing the context; an edit always applies after the last event")
     _context_edit(settings, session, op, targets, kind, note)
@@ -1455,7 +1478,8 @@ def _context_edit(
     async def go() -> Any:
         async with _bus(settings) as bus:
             await _require_events(bus, session)
-            return await bus.session(session).context.edit(
+            handle = await bus.operate(session)  # an operator's edit, as the session's own tenant
+            return await handle.context.edit(
                 op,  # type: ignore[arg-type]  # checked against _CONTEXT_OPS
                 ranges=spans,
                 kinds=kinds or (),
@@ -1496,6 +1520,7 @@ def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: Pre
     """Prompt, cached and completion tokens and cost of every model call, and the session's totals.
 
     Costs come from RIVERBED_PRICES (USD per million tokens per model); without a price a cost is empty.
+    A row at each condensation shows the view's tokens (and events) right before and after it.
     """
     from riverbed.agent.usage import parse_prices, usage  # noqa: PLC0415
 
@@ -1516,7 +1541,10 @@ def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: Pre
     def money(cost: float | None) -> str:
         return "" if cost is None else f"{cost:.6f}"
 
+    marks = list(report.condensations)
     for step in report.steps:
+        while marks and marks[0].event_id < step.event_id:
+            _condensation_row(table, marks.pop(0))
         table.add_row(
             str(step.event_id),
             _cell(step.model),
@@ -1525,6 +1553,8 @@ def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: Pre
             str(step.completion_tokens),
             money(step.cost),
         )
+    for mark in marks:
+        _condensation_row(table, mark)
     table.add_row(
         "total",
         f"{len(report.steps)} calls",
@@ -1535,6 +1565,137 @@ def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: Pre
         style="bold",
     )
     Console(highlight=False).print(table)
+
+
+# --- agent: the reference LLM agent from the command line (issue 17) ----------------------------
+# Self-contained: moves into the cli/ package as one room.
+
+
+@app.command("agent")
+def agent_command(
+    session: SessionArg,
+    task: Annotated[str, typer.Argument(help="What the agent should do (appended as the user's message).")],
+    max_steps: Annotated[int, typer.Option("--max-steps", help="Model calls at most.", min=1)] = 30,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Chat model (default RIVERBED_LLM_MODEL).", show_default=False)
+    ] = None,
+    in_process: Annotated[
+        bool, typer.Option("--in-process", help="Run the runtime, memory and condenser roles in this process.")
+    ] = False,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="The session's tenant.", show_default=False)] = None,
+    image: Annotated[
+        list[str] | None,
+        typer.Option("--image", help="An image for the task: URL or workspace path (repeatable).", show_default=False),
+    ] = None,
+    prefix: PrefixOption = None,
+) -> None:
+    """Run the reference LLM agent on TASK, printing each event as the log grows.
+
+    Needs OPENAI_BASE_URL and/or OPENAI_API_KEY, and workers (riverbed worker all) unless
+    --in-process.  Exits 0 when the agent finishes, asks the user or reaches --max-steps.
+    """
+    from riverbed.agent.llm import make_client  # noqa: PLC0415
+    from riverbed.workers.agent_run import check_model_server, run_agent  # noqa: PLC0415
+
+    settings = _settings(prefix, llm_model=model)
+    make_client(settings)
+    url = _redis_url(settings)
+    if in_process and not settings.database_url:
+        _progress("RIVERBED_DATABASE_URL is not set: using the embedded Postgres")
+    console = Console(highlight=False, soft_wrap=True)
+
+    async def go() -> Any:
+        async with make_client(settings) as client:
+            return await _agent_run(client)
+
+    async def _agent_run(client: Any) -> Any:
+        await check_model_server(client, settings)
+        with anyio.fail_after(CONNECT_TIMEOUT):
+            await _probe(url)
+        return await run_agent(
+            settings,
+            url,
+            session,
+            task,
+            client=client,
+            max_steps=max_steps,
+            in_process=in_process,
+            tenant=tenant,
+            images=image or (),
+            on_event=lambda event: console.print(render(event)),
+        )
+
+    run = _run(go)
+    spent = run.usage
+    cost = "" if spent.cost is None else f", cost {spent.cost:.6f} USD"
+    ended = run.ended.kind if run.ended is not None else "nothing"
+    if isinstance(run.ended, events.Error):
+        ended = f"{ended} ({run.ended.reason})"
+    err_console.print(
+        f"agent ended by {ended} after {len(spent.steps)} model calls: {spent.prompt_tokens} prompt tokens "
+        f"({spent.cached_tokens} cached), {spent.completion_tokens} completion tokens{cost}",
+        markup=False,
+    )
+    if not run.ok:
+        detail = run.ended.content if isinstance(run.ended, events.Error) else "the run failed"
+        _fail(f"the agent stopped: {detail}", 1)
+
+
+# --- context suggest: condensation by conversation (issue 17) -----------------------------------
+# Self-contained: moves into the cli/ package with `context`.
+
+
+def _context_suggest(settings: Settings, session: str, request: str, *, apply: bool, model: str | None) -> None:
+    """Print a model's proposal for ``request`` as a diff of the context; append it with ``apply``."""
+    from riverbed.agent.llm import make_client  # noqa: PLC0415
+    from riverbed.memory.tokens import event_text  # noqa: PLC0415
+
+    name = model or settings.suggest_model or settings.llm_model
+    client = make_client(settings)
+
+    async def go() -> Any:
+        async with _bus(settings) as bus:
+            await _require_events(bus, session)
+            context = (await bus.operate(session)).context  # an operator's edit, as the session's own tenant
+            proposal = await context.suggest(request, client=client, model=name)
+            return proposal, (await context.apply(proposal) if apply else None)
+
+    proposal, applied = _run(go)
+    console = Console(highlight=False, soft_wrap=True)
+    hidden = set(proposal.change.hidden)
+    for event in proposal.before.view:
+        line = Text("- " if event.id in hidden else "  ", style="red" if event.id in hidden else "dim")
+        line.append_text(render(event) if event.id is not None else Text(f"summary: {_one_line(event_text(event))}"))
+        console.print(line)
+    summary = proposal.after.view.summary
+    if summary is not None and proposal.condensation.summary is not None:
+        console.print(Text(f"+ summary: {_one_line(summary.content, 400)}", style="green"))
+    ranges = ", ".join(f"{a}-{b}" for a, b in proposal.condensation.forgotten)
+    what = f"{len(hidden)} event{'s' if len(hidden) != 1 else ''} ({_id_list(proposal.change.hidden)})"
+    if applied is None:
+        err_console.print(
+            f"{proposal.model} proposes to forget {ranges}, which hides {what}; nothing was changed "
+            "(--apply asks again and appends the proposal it prints)",
+            markup=False,
+        )
+    else:
+        err_console.print(f"applied as condensation {applied.edit}: hid {what}", markup=False)
+
+
+# --- usage: the condenser's effect (issue 17) ----------------------------------------------------
+# Self-contained: moves into the cli/ package with `usage`.
+
+
+def _condensation_row(table: Table, mark: Any) -> None:
+    """A marker row in `riverbed usage`: a condensation and the view's size before and after it."""
+    table.add_row(
+        str(mark.event_id),
+        Text(f"{visible(mark.source)} condensation", style="cyan"),
+        Text(f"view {mark.tokens_before} → {mark.tokens_after} tokens", style="cyan"),
+        "",
+        Text(f"{mark.events_before} → {mark.events_after} events", style="cyan"),
+        "",
+    )
 
 
 if __name__ == "__main__":

@@ -203,6 +203,11 @@ class Message(Action, frozen=True, kw_only=True, tag="message"):
 
     content: str
     wait_for_response: bool = False
+    images: (
+        Annotated[list[Annotated[str, msgspec.Meta(max_length=4096)]], msgspec.Meta(max_length=16)] | msgspec.UnsetType
+    ) = msgspec.UNSET
+    """Images that go with the message: ``http(s)://`` or ``data:`` URLs, or paths of files in the
+    session's workspace (sent to vision models as ``image_url`` parts).  Unset is not written."""
 
 
 class CmdRun(Action, frozen=True, kw_only=True, tag="cmd_run"):

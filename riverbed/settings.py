@@ -30,6 +30,13 @@ RIVERBED_MAX_EVENT_BYTES        the largest event a user or agent may append, in
 RIVERBED_PRICES                 price table of ``riverbed usage``: JSON, USD per million tokens per
                                 model, e.g. ``{"gpt-4o-mini": {"prompt": 0.15, "cached": 0.075,
                                 "completion": 0.6}}`` (``"*"``: any other model)
+RIVERBED_SUGGEST_MODEL          model of ``riverbed context SESSION suggest`` (default: RIVERBED_LLM_MODEL;
+                                may be a cheaper one)
+RIVERBED_PROMPT_CACHE           ``none`` (default; OpenAI caches prompt prefixes by itself) or ``anthropic``:
+                                ``cache_control`` breakpoints on the system message and the last message
+RIVERBED_LLM_VISION             ``0`` (default: images are not sent), ``1`` (the LLM agent's model sees
+                                images) or a comma-separated list of the models that see images
+RIVERBED_MAX_IMAGE_BYTES        largest image file sent to a model (default 5 MiB); larger ones are left out
 OPENAI_API_KEY                  key for OpenAI or any compatible server
 OPENAI_BASE_URL                 base URL of an OpenAI-compatible server
 ==============================  ===============================================================
@@ -79,6 +86,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     openai_api_key: str | None = None
     openai_base_url: str | None = None
     prices: str | None = None
+    suggest_model: str | None = None
+    prompt_cache: str = "none"
+    llm_vision: str = "0"
+    max_image_bytes: int = 5 * 1024 * 1024
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
@@ -128,6 +139,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError(
                 f"RIVERBED_SANDBOX_NETWORK={self.sandbox_network!r} is not valid: use 'none', 'outbound' or 'host'"
             )
+        if self.max_image_bytes < 1:
+            raise ConfigError("RIVERBED_MAX_IMAGE_BYTES must be at least 1")
+        if self.prompt_cache not in ("none", "anthropic"):
+            raise ConfigError(f"RIVERBED_PROMPT_CACHE={self.prompt_cache!r} is not valid: use 'none' or 'anthropic'")
         if not (self.embedder == "local" or self.embedder.startswith("openai:")):
             raise ConfigError(f"RIVERBED_EMBEDDER={self.embedder!r} is not valid: use 'local' or 'openai:<model>'")
 

@@ -88,7 +88,7 @@ async def test_a_fork_sees_files_shell_and_python_state_as_of_the_fork_point(
 ) -> None:
     start_worker()
     at = await record_then_move_on(bus, "src")
-    assert await state(bus.session("src")) == ("later\n", f"late {workspace_name('src')}", "2")
+    assert await state(bus.session("src", tenant="acme")) == ("later\n", f"late {workspace_name('src')}", "2")
 
     result = await cli(cli_env, "fork", "src", "--at", str(at), "--into", "branch", "--json")
     assert result.returncode == 0, result.stderr.decode()
@@ -103,7 +103,7 @@ async def test_a_fork_sees_files_shell_and_python_state_as_of_the_fork_point(
         "differences": [],
         "note": "",
     }
-    branch = bus.session("branch")
+    branch = bus.session("branch", tenant="acme")
     assert await state(branch) == ("as of the fork\n", "early sub", "1")
 
     log = await branch.events()
@@ -114,7 +114,7 @@ async def test_a_fork_sees_files_shell_and_python_state_as_of_the_fork_point(
     causes = [e.cause for e in log if isinstance(e, events.Observation)]
     assert len(causes) == len(set(causes))
     # The source is untouched by its fork.
-    assert await state(bus.session("src")) == ("later\n", f"late {workspace_name('src')}", "2")
+    assert await state(bus.session("src", tenant="acme")) == ("later\n", f"late {workspace_name('src')}", "2")
 
 
 async def test_differences_during_the_rebuild_are_reported_with_exit_3(
@@ -149,16 +149,16 @@ async def test_copy_takes_the_source_workspace_and_empty_takes_nothing(
     copied = await cli(cli_env, "fork", "src", "--at", str(at), "--into", "copied", "--workspace", "copy")
     assert copied.returncode == 0, copied.stderr.decode()
     assert "copied the source's workspace" in copied.stderr.decode()
-    notes = await act(bus.session("copied"), events.FileRead(path="notes.txt"))
+    notes = await act(bus.session("copied", tenant="acme"), events.FileRead(path="notes.txt"))
     assert isinstance(notes, events.FileContent)
     assert notes.content == "later\n"  # the source's files now, not as of the fork point
 
     empty = await cli(cli_env, "fork", "src", "--at", str(at), "--into", "blank", "--workspace", "empty")
     assert empty.returncode == 0, empty.stderr.decode()
-    listing = await act(bus.session("blank"), events.CmdRun(command="ls -A"))
+    listing = await act(bus.session("blank", tenant="acme"), events.CmdRun(command="ls -A"))
     assert isinstance(listing, events.CmdOutput)
     assert listing.content == ""
-    assert not [e for e in await bus.session("blank").events() if isinstance(e, events.SandboxRebuilt)]
+    assert not [e for e in await bus.session("blank", tenant="acme").events() if isinstance(e, events.SandboxRebuilt)]
 
     bad = await cli(cli_env, "fork", "src", "--at", str(at), "--into", "x", "--workspace", "clone")
     assert bad.returncode == 2

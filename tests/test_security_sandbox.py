@@ -377,3 +377,44 @@ def _comm(pid: str) -> str:
             return fh.read().strip()
     except OSError:
         return ""
+
+
+@pytest.fixture
+def worker_all(
+    standalone_redis_url: str, database_url: str, prefix: str, workspace: Path, tmp_path: Path
+) -> Iterator[WorkerProcess]:
+    """Every role in one default worker (`riverbed worker all`), with secrets in its environment."""
+    proc = WorkerProcess(
+        ["all"],
+        name="all-roles",
+        redis_url=standalone_redis_url,
+        prefix=prefix,
+        workspace=workspace,
+        lease=2.0,
+        extra_env={"OPENAI_API_KEY": CANARY, "RIVERBED_DATABASE_URL": database_url},
+        log_dir=tmp_path,
+    )
+    proc.wait_ready(60)
+    yield proc
+    proc.close()
+
+
+async def test_workspace_context_cannot_be_pointed_at_the_memory_workers_secrets(
+    standalone_bus: Bus, worker_all: WorkerProcess
+) -> None:
+    """A command links AGENTS.md (and a microagent) to the worker's own environment and to a
+    file outside; the memory role's workspace context must bring back none of it."""
+    bus = standalone_bus
+    planted = await sh(
+        bus,
+        "plant",
+        "ln -s /proc/self/environ AGENTS.md && mkdir -p .openhands/microagents && "
+        "ln -s /proc/1/environ .openhands/microagents/leak.md && ln -s /etc/hostname .git && echo planted",
+    )
+    assert "planted" in planted.content
+    answer = await bus.session("plant").act(events.Recall(recall_type="workspace_context"), timeout=40)
+    assert isinstance(answer, events.RecallResult), answer
+    text = events.encode_json(answer).decode()
+    assert CANARY not in text
+    assert "RIVERBED_" not in text
+    assert "OPENAI_API_KEY" not in text

@@ -257,14 +257,21 @@ async def test_view_fork_status_and_the_open_endpoints(bus: Bus) -> None:
         assert forked.json()["forked"] == 3
         copied = lines(await http.get("/v1/sessions/v2/events"))
         assert [e["kind"] for e in copied] == ["message", "think", "forked"]
+        assert copied[-1]["workspace"] == "replay"  # the runtime that serves it rebuilds its sandbox
+        empty = await http.post("/v1/sessions/v/fork", json={"at": 2, "into": "v4", "workspace": "empty"})
+        assert empty.status_code == 201, empty.text
+        assert lines(await http.get("/v1/sessions/v4/events"))[-1]["workspace"] == "empty"
+        assert_problem(
+            await http.post("/v1/sessions/v/fork", json={"at": 2, "into": "v5", "workspace": "clone"}), 400, "workspace"
+        )
         assert_problem(await http.post("/v1/sessions/v/fork", json={"at": 9, "into": "v3"}), 400, "choose an event id")
         assert_problem(await http.post("/v1/sessions/v/fork", json={"at": 1}), 400, "into")
 
         mine = (await http.get("/v1/status")).json()
-        assert mine["sessions"] == 2
+        assert mine["sessions"] == 3
         assert [r["role"] for r in mine["roles"]] == ["runtime", "memory", "condenser"]
         everything = (await http.get("/v1/status", headers=bearer(admin))).json()
-        assert everything["sessions"] == 2
+        assert everything["sessions"] == 3
         assert "workers" in everything
         assert "dead_letters" in everything
 

@@ -264,6 +264,14 @@ class Bus:
     def session(self, session_id: str, *, tenant: str | None = None, agent: str | None = None) -> Session:
         return Session(self, session_id, tenant=tenant, agent=agent)
 
+    async def operate(self, session_id: str, *, tenant: str | None = None, agent: str | None = None) -> Session:
+        """A handle for an operator (the CLI): as ``tenant`` when one is named, else as the
+        session's own tenant (none for a new session).  Whoever holds the bus's Redis
+        credentials may act for any tenant; naming one makes the append checked against it."""
+        if tenant is None:
+            tenant = (await self.log_store.meta(session_id)).get("tenant") or None
+        return self.session(session_id, tenant=tenant, agent=agent)
+
     async def sessions(self) -> list[str]:
         with translate(self.url):
             raw = await self.redis.zrange(self.keys.sessions, 0, -1)

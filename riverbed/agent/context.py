@@ -9,6 +9,8 @@
         await context.restore(12, 40)                  # what a condenser or a forget hid
         await context.pin(7)                           # no condenser drops event 7
         await context.unpin(7)
+        proposal = await context.suggest("drop the docker detour", client=client, model="gpt-4o-mini")
+        await context.apply(proposal)                  # the proposal as a user condensation
 
 Each operation appends one ``context_edit`` event (so edits are in the log: auditable,
 replayed, forked, undone by the opposite edit, visible to ``view --until``) and returns the
@@ -19,13 +21,17 @@ last id as ``expected_last``, so the change reported is exactly the edit's own.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from riverbed import events
-from riverbed.errors import AppendConflict
+from riverbed.errors import AppendConflict, InputError
 from riverbed.memory.context import ContextChange, ContextReport, Op, change, context_edit, preview, report
+from riverbed.memory.suggest import Proposal, suggest
 
 if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
     from riverbed.agent.client import Session
 
 __all__ = ["SessionContext"]
@@ -77,6 +83,22 @@ class SessionContext:
     ) -> ContextChange:
         """What :meth:`edit` would change if made now, appending nothing (a dry run)."""
         return preview(await self.session.events(), context_edit(op, ranges, kinds, note=note))
+
+    async def suggest(self, request: str, *, client: AsyncOpenAI, model: str, timeout: float = 120.0) -> Proposal:
+        """Ask ``model`` what to drop for ``request`` (see :mod:`riverbed.memory.suggest`);
+        nothing is appended until :meth:`apply`."""
+        return await suggest(await self.session.events(), request, client=client, model=model, timeout=timeout)
+
+    async def apply(self, proposal: Proposal) -> ContextChange:
+        """Append the proposal's ``condensation`` (source user), only if the log has not moved
+        since the proposal was made (so what was shown is exactly what happens)."""
+        try:
+            (event_id,) = await self.session.append(proposal.condensation, expected_last=proposal.last_id)
+        except AppendConflict as exc:
+            raise InputError(
+                f"the session moved on since the proposal (it was made after event {proposal.last_id}): ask again"
+            ) from exc
+        return replace(proposal.change, edit=event_id)
 
     async def edit(
         self,

@@ -15,7 +15,14 @@ One run, step by step:
    happened.  A user message that arrives while the agent works gets its knowledge recall too.
 2. The prompt is a pure function of the log (:func:`build_messages`): the condensed view
    (the fold, then the session's masking), turned into chat messages by
-   :mod:`riverbed.agent.messages`, after the ``system.j2`` prompt.
+   :mod:`riverbed.agent.messages`, after the ``system.j2`` prompt.  Between two steps the
+   prompt only grows at its end (tools and system prompt byte-identical), so provider prompt
+   caches hit; a condensation changes it from the first forgotten event on.  With
+   ``RIVERBED_PROMPT_CACHE=anthropic`` the request marks cache breakpoints
+   (:func:`~riverbed.agent.messages.cache_breakpoints`).  A model with vision
+   (``RIVERBED_LLM_VISION``) is sent a message's images and the images Python cells saved,
+   read from the session's workspace under ``RIVERBED_WORKSPACE`` (:mod:`riverbed.agent.images`);
+   this needs the agent on a machine that sees the workspace, else an image is left out.
 3. The model's response is recorded as an ``llm_response`` *before* anything it asks for is
    published; its ``cause`` is the id of the last event the prompt was built from, so
    ``build_messages(events up to that id)`` is exactly the prompt that was sent.
@@ -40,6 +47,7 @@ import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -52,10 +60,12 @@ from openai import AsyncOpenAI
 from riverbed import events
 from riverbed.agent import messages as chat
 from riverbed.agent.client import Bus, Session
+from riverbed.agent.images import ImageSource, WorkspaceImages, vision
 from riverbed.agent.tools import action_from_call, tools
 from riverbed.errors import ActTimeout, AlreadyAnswered, ConfigError, InputError, RiverbedError
 from riverbed.memory.condensers import CondenserConfig, config_from_log, prepare, should_condense
 from riverbed.memory.view import view as fold
+from riverbed.runtime.paths import workspace_name
 from riverbed.settings import Settings
 
 __all__ = ["AgentOptions", "build_messages", "make_client", "render", "run_llm_agent"]
@@ -138,7 +148,11 @@ def _condenser_config(log_events: Sequence[events.Event]) -> CondenserConfig:
 
 
 def build_messages(
-    log_events: Sequence[events.Event], *, agent: str = "llm", instructions: str | None = None
+    log_events: Sequence[events.Event],
+    *,
+    agent: str = "llm",
+    instructions: str | None = None,
+    images: ImageSource | None = None,
 ) -> list[dict[str, Any]]:
     """The chat messages the agent sends after these events (a log prefix, with ids).
 
@@ -147,7 +161,7 @@ def build_messages(
     """
     view = prepare(fold(log_events), _condenser_config(log_events))
     system = render("system.j2", agent=agent, instructions=instructions)
-    return chat.to_messages(_with_context(view), system_prompt=system)
+    return chat.to_messages(_with_context(view), system_prompt=system, images=images)
 
 
 # --- the model ---------------------------------------------------------------------------
@@ -206,8 +220,18 @@ def _llm_error(exc: BaseException, timeout: float) -> events.Error:
 
 
 class _Run:
-    def __init__(self, session: Session, client: AsyncOpenAI, model: str, options: AgentOptions) -> None:
+    def __init__(
+        self,
+        session: Session,
+        client: AsyncOpenAI,
+        model: str,
+        options: AgentOptions,
+        prompt_cache: str = "none",
+        images: ImageSource | None = None,
+    ) -> None:
         self.session = session
+        self.images = images
+        self.prompt_cache = prompt_cache
         self.client = client
         self.model = model
         self.options = options
@@ -261,7 +285,12 @@ class _Run:
         until = self.events[-1].id if self.events else 0
         request: dict[str, Any] = {
             "model": self.model,
-            "messages": build_messages(self.events, agent=self.options.name, instructions=self.options.instructions),
+            "messages": chat.cache_breakpoints(
+                build_messages(
+                    self.events, agent=self.options.name, instructions=self.options.instructions, images=self.images
+                ),
+                self.prompt_cache,
+            ),
             "tools": self.tools,
             "tool_choice": "auto",
             "parallel_tool_calls": False,
@@ -362,18 +391,50 @@ async def run_llm_agent(
     max_steps: int = 30,
     options: AgentOptions | None = None,
     tenant: str | None = None,
+    images: Sequence[str] = (),
 ) -> events.Event | None:
-    """Work on ``task`` in session ``session_id`` until ``finish``, a question for the user,
-    an LLM failure or ``max_steps`` model calls; returns the event that ended the run."""
+    """Work on ``task`` (with ``images``: URLs or workspace paths) in session ``session_id``
+    until ``finish``, a question for the user, an LLM failure or ``max_steps`` model calls;
+    returns the event that ended the run."""
     if max_steps < 1:
         raise InputError("max_steps must be at least 1")
+    if client is not None:
+        return await _work(bus, session_id, task, settings, client, max_steps, options, tenant, images)
+    own = make_client(settings)  # made here, closed here
+    try:
+        return await _work(bus, session_id, task, settings, own, max_steps, options, tenant, images)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await own.close()
+
+
+async def _work(
+    bus: Bus,
+    session_id: str,
+    task: str,
+    settings: Settings,
+    client: AsyncOpenAI,
+    max_steps: int,
+    options: AgentOptions | None,
+    tenant: str | None,
+    images: Sequence[str],
+) -> events.Event | None:
     options = options or AgentOptions()
     session = bus.session(session_id, agent=options.name, tenant=tenant)
-    run = _Run(session, client or make_client(settings), settings.llm_model, options)
+    image_source = (
+        WorkspaceImages(Path(settings.workspace) / workspace_name(session_id), max_bytes=settings.max_image_bytes)
+        if vision(settings.llm_vision, settings.llm_model)
+        else None
+    )
+    run = _Run(session, client, settings.llm_model, options, settings.prompt_cache, image_source)
     await run.refresh()
     first = not any(isinstance(e, events.Message) and e.source == "user" for e in run.events)
     run.recalled.update(e.id for e in run.events if isinstance(e, events.Message) and e.id is not None)
-    task_message = await run.append(events.Message(content=task, source="user"))
+    task_message = await run.append(
+        events.Message(content=task, source="user", images=list(images))
+        if images
+        else events.Message(content=task, source="user")
+    )
     assert task_message.id is not None
     bound = log.bind(session=session_id, agent=options.name)
     try:

@@ -27,7 +27,13 @@ Rules, in view order:
   unmatched call or result;
 - an observation with no cause, or answering something that is not a tool call (a
   workspace recall answering the user's message), becomes a user message;
-- other events (``session_config``, ``forked``, ``unknown``) are not shown to the model.
+- other events (``session_config``, ``forked``, ``unknown``) are not shown to the model;
+- images, only when an ``images`` source is given (a vision model): a user ``message``'s
+  ``images`` become ``image_url`` parts after its text, and the images a ``python_run`` saved
+  (``python_output.files``) follow its batch's tool results as one user message (tool results
+  are text only).  An image the source cannot give (missing, too large, outside the
+  workspace) is a text part saying so.  Without a source, a message's images are named in
+  its text as left out.
 
 Apply ``riverbed.memory.condensers.prepare`` first when the session masks observations.
 """
@@ -39,13 +45,14 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from riverbed.agent.images import ImageSource, is_image
 from riverbed.agent.tools import action_from_call, tool_names
 from riverbed.errors import InputError
-from riverbed.events import Action, Error, Event, Finish, LlmResponse, Message, Observation, Think
+from riverbed.events import Action, Error, Event, Finish, LlmResponse, Message, Observation, PythonOutput, Think
 from riverbed.memory.tokens import action_arguments, event_text
 from riverbed.memory.view import Summary
 
-__all__ = ["SUMMARY_PREFIX", "to_messages", "tool_call_id", "tool_name"]
+__all__ = ["CACHE_MODES", "SUMMARY_PREFIX", "cache_breakpoints", "to_messages", "tool_call_id", "tool_name"]
 
 ChatMessage = dict[str, Any]
 
@@ -202,7 +209,31 @@ def _result_text(observations: list[Observation]) -> str:
     return "\n".join(parts)
 
 
-def to_messages(view: Iterable[Event], *, system_prompt: str | None = None) -> list[ChatMessage]:
+def _image_parts(refs: Iterable[str], images: ImageSource) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = []
+    for ref in refs:
+        url = images(ref)
+        if url is None:
+            parts.append({"type": "text", "text": f"[image {ref} left out: missing, too large or not readable]"})
+        else:
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
+
+
+def _message(e: Message, images: ImageSource | None) -> ChatMessage:
+    role = "assistant" if e.source == "agent" else "user"
+    refs = e.images if isinstance(e.images, list) else []
+    if not refs:
+        return {"role": role, "content": e.content}
+    if images is None or role != "user":
+        names = ", ".join(refs)
+        return {"role": role, "content": f"{e.content}\n[images not shown to this model: {names}]"}
+    return {"role": role, "content": [{"type": "text", "text": e.content}, *_image_parts(refs, images)]}
+
+
+def to_messages(
+    view: Iterable[Event], *, system_prompt: str | None = None, images: ImageSource | None = None
+) -> list[ChatMessage]:
     """OpenAI chat messages for a view (see the module docstring for the rules)."""
     events = list(view)
     by_id = {e.id: e for e in events if e.id is not None}
@@ -236,15 +267,26 @@ def to_messages(view: Iterable[Event], *, system_prompt: str | None = None) -> l
             return
         # Content is a string even when empty: strict OpenAI-compatible servers refuse null.
         out.append({"role": "assistant", "content": content or "", "tool_calls": tool_calls})
+        saved: list[tuple[int, list[str]]] = []
         for action_id, call in zip(answered, tool_calls, strict=True):
             out.append({"role": "tool", "tool_call_id": call["id"], "content": _result_text(results[action_id])})
+            for obs in results[action_id]:
+                files = [f for f in obs.files if is_image(f)] if isinstance(obs, PythonOutput) else []
+                if files and obs.id is not None:
+                    saved.append((obs.id, files))
+        if images is not None and saved:
+            parts: list[dict[str, Any]] = []
+            for obs_id, files in saved:
+                parts.append({"type": "text", "text": f"Images saved by the Python cell (event {obs_id}):"})
+                parts.extend(_image_parts(files, images))
+            out.append({"role": "user", "content": parts})
 
     for e in events:
         match e:
             case Summary():
                 out.append({"role": "user", "content": SUMMARY_PREFIX + e.content})
             case Message():
-                out.append({"role": "assistant" if e.source == "agent" else "user", "content": e.content})
+                out.append(_message(e, images))
             case Think() | Finish():
                 text = event_text(e)
                 if text:
@@ -258,4 +300,47 @@ def to_messages(view: Iterable[Event], *, system_prompt: str | None = None) -> l
             case Observation():
                 if e.cause is None or (e.cause in by_id and not _answerable(by_id[e.cause])):
                     out.append({"role": "user", "content": f"[{e.kind}]\n{_result_text([e])}"})
+    return out
+
+
+CACHE_MODES = ("none", "anthropic")
+"""Values of ``RIVERBED_PROMPT_CACHE``."""
+
+_EPHEMERAL = {"type": "ephemeral"}
+
+
+def _marked(message: ChatMessage) -> ChatMessage:
+    content = message.get("content")
+    if isinstance(content, str):
+        if not content:
+            return message  # an empty text part is refused by some providers: no breakpoint here
+        parts: list[dict[str, Any]] = [{"type": "text", "text": content}]
+    elif isinstance(content, list) and content:
+        parts = [dict(part) for part in content]
+    else:
+        return message
+    parts[-1] = {**parts[-1], "cache_control": _EPHEMERAL}
+    return {**message, "content": parts}
+
+
+def cache_breakpoints(messages: list[ChatMessage], mode: str = "anthropic") -> list[ChatMessage]:
+    """The messages with prompt-cache breakpoints for providers that want them marked.
+
+    ``anthropic`` (Anthropic, and OpenAI-compatible proxies that pass ``cache_control``
+    through): the content of the system message and of the last message become text parts,
+    the last part with ``cache_control: {"type": "ephemeral"}``.  The system breakpoint
+    caches the tools and the system prompt; the moving one at the end lets the next step
+    read this whole prompt from the cache (it only appends to it).  ``none``: unchanged
+    (OpenAI caches prefixes without being told).  The text is the same either way, so the
+    prompt's prefix stays identical between steps.
+    """
+    if mode == "none" or not messages:
+        return messages
+    if mode != "anthropic":
+        raise InputError(f"unknown prompt cache mode {mode!r}: use {' or '.join(CACHE_MODES)}")
+    out = list(messages)
+    if out[0].get("role") == "system":
+        out[0] = _marked(out[0])
+    if len(out) > 1:
+        out[-1] = _marked(out[-1])
     return out

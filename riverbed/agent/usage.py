@@ -9,6 +9,10 @@ million tokens per model (``RIVERBED_PRICES``)::
     RIVERBED_PRICES='{"gpt-4o-mini": {"prompt": 0.15, "cached": 0.075, "completion": 0.6}}'
 
 A model missing from the table (and no ``"*"`` entry) has no cost (None), never a guess.
+
+The condenser's effect is in the report too: for each ``condensation`` (by a condenser or a
+user), the view's size in events and tokens right before it and right after it
+(:class:`CondensationMark`), so the steps before and after it can be compared.
 Cached prompt tokens are the part of the prompt the provider served from its cache: they are
 counted in ``prompt`` and priced at ``cached``.
 """
@@ -22,9 +26,11 @@ from typing import Any
 import msgspec
 
 from riverbed.errors import ConfigError
-from riverbed.events import Event, LlmResponse
+from riverbed.events import Condensation, Event, LlmResponse
+from riverbed.memory.tokens import TokenCounter
+from riverbed.memory.view import ViewBuilder
 
-__all__ = ["Price", "StepUsage", "UsageReport", "parse_prices", "tokens", "usage"]
+__all__ = ["CondensationMark", "Price", "StepUsage", "UsageReport", "parse_prices", "tokens", "usage"]
 
 
 class Price(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -46,6 +52,18 @@ class StepUsage:
 
 
 @dataclass(frozen=True, slots=True)
+class CondensationMark:
+    """A condensation and the view it changed: events and tokens right before and right after."""
+
+    event_id: int
+    source: str
+    events_before: int
+    events_after: int
+    tokens_before: int
+    tokens_after: int
+
+
+@dataclass(frozen=True, slots=True)
 class UsageReport:
     steps: tuple[StepUsage, ...] = ()
     prompt_tokens: int = 0
@@ -53,6 +71,7 @@ class UsageReport:
     completion_tokens: int = 0
     cost: float | None = None
     models: tuple[str, ...] = field(default=())
+    condensations: tuple[CondensationMark, ...] = ()
 
 
 def parse_prices(text: str | None) -> dict[str, Price]:
@@ -94,7 +113,27 @@ def usage(events: Iterable[Event], prices: Mapping[str, Price] | None = None) ->
     cost is None when a step has no price)."""
     prices = prices or {}
     steps = []
+    marks = []
+    builder = ViewBuilder()
+    counter = TokenCounter()
     for event in events:
+        if isinstance(event, Condensation) and event.id is not None:
+            before = builder.view()
+            builder.append(event)
+            after = builder.view()
+            marks.append(
+                CondensationMark(
+                    event.id,
+                    event.source,
+                    len(before),
+                    len(after),
+                    counter.events(list(before)),
+                    counter.events(list(after)),
+                )
+            )
+            continue
+        if event.id is not None:
+            builder.append(event)
         if not isinstance(event, LlmResponse) or event.id is None:
             continue
         prompt, cached, completion = tokens(event.usage)
@@ -110,4 +149,5 @@ def usage(events: Iterable[Event], prices: Mapping[str, Price] | None = None) ->
         completion_tokens=sum(s.completion_tokens for s in steps),
         cost=None if any(c is None for c in costs) or not costs else sum(c for c in costs if c is not None),
         models=tuple(sorted({s.model for s in steps})),
+        condensations=tuple(marks),
     )

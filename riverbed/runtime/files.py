@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from riverbed import confine, events
-from riverbed.errors import InputError
+from riverbed.errors import InputError, PathRefused
 from riverbed.runtime.limits import Limits
 
 _SNIPPET_CONTEXT = 4
@@ -198,6 +198,23 @@ def _diff(rel: str, before: str | None, after: str | None) -> str:
         tofile="/dev/null" if after is None else f"b/{rel}",
     )
     return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
+
+
+def read_bytes(workspace: Path, raw: str, limit: int) -> bytes | None:
+    """The bytes of a single-link regular file ``raw`` inside ``workspace`` when it has at most
+    ``limit`` of them, else None; never raises (images sent to a model are read this way)."""
+    try:
+        with confine.walk(workspace, raw) as place:
+            fd, st = confine.open_file(place)
+            try:
+                if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+                    return None
+                data = confine.read_fd(fd, limit)
+            finally:
+                os.close(fd)
+    except (PathRefused, OSError):
+        return None
+    return data if len(data) <= limit else None
 
 
 def read(workspace: Path, action: events.FileRead, limits: Limits) -> events.FileContent:

@@ -361,6 +361,8 @@ async def usage(request: Request) -> Response:
 class _ForkBody(msgspec.Struct, forbid_unknown_fields=True):
     at: int
     into: str
+    workspace: events.WorkspaceMethod = "replay"
+    """how the fork's sandbox is built: replay (re-run 1..at), copy (the source's files now), empty"""
 
 
 @bounded
@@ -373,9 +375,11 @@ async def fork_session(request: Request) -> Response:
     try:
         body = msgspec.json.decode(await _body(request), type=_ForkBody)
     except msgspec.DecodeError as exc:
-        raise InputError(f'the fork body must be {{"at": N, "into": "new-session"}} ({exc})') from exc
+        raise InputError(
+            f'the fork body must be {{"at": N, "into": "new-session", "workspace": "replay|copy|empty"}} ({exc})'
+        ) from exc
     require_session(body.into)
-    forked = await fork(api.bus, session, body.at, body.into)
+    forked = await fork(api.bus, session, body.at, body.into, workspace=body.workspace)
     api.tenants.remember(body.into, tenant)
     return _json({"session": body.into, "source": session, "at": body.at, "forked": forked}, status=201)
 

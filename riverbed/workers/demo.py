@@ -3,7 +3,9 @@
 Starts the embedded Redis and Postgres when no URLs are set, runs the three roles
 in-process, and drives a session that runs commands, writes and edits a file, runs a
 Python cell, recalls workspace context and an earlier event, gets condensed (and recalls
-an event the condensation dropped), and is then replayed and forked.
+an event the condensation dropped), and is then replayed and forked.  With a model server
+configured (``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``), the reference LLM agent then works on
+a small task in a session of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from rich.console import Console
 from riverbed import events
 from riverbed.agent.client import Bus, Session
 from riverbed.bus.connection import connect_redis
+from riverbed.errors import RiverbedError
 from riverbed.settings import Settings
 from riverbed.workers.main import Worker, build_handlers
 
@@ -34,6 +37,7 @@ class DemoResult:
     view_size: int
     condensations: int
     recall_found: bool
+    agent_session: str | None = None
     checks: dict[str, bool] = field(default_factory=dict)
 
     @property
@@ -117,6 +121,8 @@ async def run_demo(settings: Settings, console: Console, *, redis_url: str) -> D
         async with anyio.create_task_group() as tg:
             await tg.start(worker.run)
             result = await _script(bus, sid, out, checks)
+            if settings.openai_api_key or settings.openai_base_url:
+                result.agent_session = await _llm_agent(bus, settings, f"{sid}-agent", out, checks)
             worker.stop()
     finally:
         with anyio.CancelScope(shield=True):
@@ -198,6 +204,38 @@ async def _script(bus: Bus, sid: str, out: _Transcript, checks: dict[str, bool])
         condensations=condensations,
         recall_found=found,
     )
+
+
+AGENT_TASK = "Create a file hello.txt containing the word riverbed, show it with cat, then finish."
+AGENT_STEPS = 6
+
+
+async def _llm_agent(bus: Bus, settings: Settings, sid: str, out: _Transcript, checks: dict[str, bool]) -> str:
+    """The reference LLM agent on a small task (when a model server is configured): the
+    check is that every request was accepted and the run ended by ``finish``, a question
+    for the user or its step limit, never what the model chose to do."""
+    from riverbed.agent.llm import make_client, run_llm_agent  # noqa: PLC0415
+    from riverbed.workers.agent_run import check_model_server  # noqa: PLC0415
+
+    out.step(f"the LLM agent ({settings.llm_model}) on a small task in session {sid}")
+    client = make_client(settings)
+    try:
+        await check_model_server(client, settings)
+    except RiverbedError as exc:
+        await client.close()
+        out.console.print(f"  [red]{exc}[/]", markup=True)
+        checks["LLM agent ran"] = False
+        return sid
+    try:
+        ended = await run_llm_agent(bus, sid, AGENT_TASK, settings=settings, client=client, max_steps=AGENT_STEPS)
+    finally:
+        await client.close()
+    async for event in bus.session(sid).log():
+        if event.kind not in ("llm_response",):
+            out.console.print(f"  [dim]#{event.id}[/] [yellow]{event.kind}[/] {_brief(event)}")
+    failed = isinstance(ended, events.Error) and ended.reason != "step_limit"
+    checks["LLM agent ran to finish or its step limit"] = not failed
+    return sid
 
 
 async def _wait_condensed(session: Session, forgotten: set[int], timeout: float = 20) -> int:
