@@ -7,14 +7,19 @@ chromium); without /usr/bin/chromium the test is skipped, saying so.  Set
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import subprocess
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
 from riverbed import events
 from riverbed.agent.client import Bus
-from tests.servekit import new_key, running
+from tests.servekit import new_key, riverbed_command, running
 
 pytestmark = pytest.mark.anyio
 
@@ -145,3 +150,99 @@ async def test_console_shows_the_timeline_time_travels_and_forks(bus: Bus, tmp_p
             assert errors == []
         finally:
             await browser.close()
+
+
+def record_demo(redis_url: str, database_url: str, prefix: str, workspace: Path) -> str:
+    """A session recorded by ``riverbed demo`` (every role in its process) on the test services."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RIVERBED_")}
+    env.update(
+        RIVERBED_REDIS_URL=redis_url,
+        RIVERBED_DATABASE_URL=database_url,
+        RIVERBED_PREFIX=prefix,
+        RIVERBED_WORKSPACE=str(workspace),
+        COLUMNS="200",
+    )
+    env.pop("OPENAI_API_KEY", None)
+    env.pop("OPENAI_BASE_URL", None)
+    result = subprocess.run([*riverbed_command(), "demo"], env=env, capture_output=True, timeout=180, check=False)
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    found = re.search(r"riverbed log (demo-[0-9a-f]+)\b", out)
+    assert found, out
+    return found.group(1)
+
+
+def cli_json(env: dict[str, str], *args: str) -> list[dict[str, Any]]:
+    result = subprocess.run(
+        [*riverbed_command(), *args, "--json"], env=env, capture_output=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    return [json.loads(line) for line in result.stdout.splitlines() if line]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)"
+)
+async def test_console_time_travels_a_demo_session_and_forgets_from_the_console(
+    bus: Bus, redis_url: str, database_url: str, prefix: str, tmp_path: Path
+) -> None:
+    from playwright.async_api import async_playwright, expect  # noqa: PLC0415  (only where chromium exists)
+
+    session = await anyio.to_thread.run_sync(record_demo, redis_url, database_url, prefix, tmp_path / "ws")
+    log = [e async for e in bus.session(session).log()]
+    last = log[-1].id
+    assert last is not None
+    visible = (await bus.session(session).context.show()).view.ids()
+    # An observation the agent still sees at the end: the console forgets it (and its action).
+    target = max(e.id for e in log if e.kind == "cmd_output" and e.id in visible and e.id is not None)
+    action = next(e.cause for e in log if e.id == target)
+    assert action is not None
+    key = await new_key(bus, "demo")
+    async with running(bus) as base, async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        try:
+            page = await browser.new_page(viewport={"width": 1440, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(f"{base}/#/s/{session}")
+            await page.fill("#key", key)
+            await page.click("#login-form button")
+            await expect(page.locator("#at")).to_have_text(str(last))
+            await expect(page.locator("#timeline")).to_contain_text("hidden by #")  # the demo's condensation
+
+            # Time travel: to event 8, before any condensation, every event is in the context.
+            await page.locator("#slider").fill("8")
+            await expect(page.locator("#at")).to_have_text("8")
+            await expect(page.locator("#view-note")).to_contain_text("8 of 8 events in the context")
+
+            # Travel to the target; the slider chose it for the edit. Preview, then apply.
+            await page.locator("#slider").fill(str(target))
+            await expect(page.locator("#at")).to_have_text(str(target))
+            await expect(page.locator("#ctx-from")).to_have_value(str(target))
+            await page.select_option("#ctx-op", "forget")
+            await page.fill("#ctx-note", "noise")
+            await page.click("#ctx-preview")
+            await expect(page.locator("#ctx-result")).to_contain_text(f"would hide 2 events (#{action}, #{target})")
+            await expect(page.locator(f'#timeline > li[data-id="{action}"]')).to_have_class(re.compile("would-hide"))
+            assert await bus.session(session).last_id() == last  # a preview appends nothing
+            await page.click("#ctx-apply")
+            await expect(page.locator("#ctx-result")).to_contain_text(
+                f"applied edit #{last + 1} (forget): hid 2 events"
+            )
+            await expect(page.locator(f'#timeline > li[data-id="{action}"]')).to_contain_text(f"hidden by #{last + 1}")
+            await expect(page.locator("#usage-rows")).to_contain_text("no model calls")
+            assert errors == []
+        finally:
+            await browser.close()
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RIVERBED_")}
+    env.update(RIVERBED_REDIS_URL=redis_url, RIVERBED_PREFIX=prefix)
+    viewed = [e["id"] for e in await anyio.to_thread.run_sync(cli_json, env, "view", session)]
+    assert target not in viewed
+    assert action not in viewed
+    assert set(viewed) >= set(visible) - {action, target}
+    logged = await anyio.to_thread.run_sync(cli_json, env, "log", session)
+    assert [e["id"] for e in logged] == list(range(1, last + 2))
+    assert logged[-1]["kind"] == "context_edit"
+    assert logged[-1]["note"] == "noise"

@@ -208,6 +208,7 @@ function summary(e) {
     case "masked": return `[${e.original_kind} hidden] ${e.content}`;
     case "forked": return `forked from ${e.source_session} at event ${e.at}`;
     case "llm_response": return e.content ?? `${(e.tool_calls ?? []).length} tool call(s)`;
+    case "context_edit": return [e.op, ...(e.ranges ?? []).map(([a, b]) => (a === b ? `#${a}` : `#${a}–#${b}`)), ...(e.kinds ?? []).map((k) => `kind ${k}`)].join(" ") + (e.note ? ` (${e.note})` : "");
     case "session_config": return Object.keys(e.env ?? {}).map((k) => `${k}=${e.env[k] ?? "(unset)"}`).join(" ") || "settings";
     default: return JSON.stringify(e);
   }
@@ -218,7 +219,7 @@ const PRE = new Set(["cmd_output", "python_output", "python_run", "file_content"
 
 function category(e) {
   if (e.kind === "error") return "error";
-  if (e.kind === "condensation" || e.kind === "summary") return "condensation";
+  if (e.kind === "condensation" || e.kind === "summary" || e.kind === "context_edit") return "condensation";
   if (e.kind === "llm_response") return "llm";
   if (ACTIONS.has(e.kind)) return "action";
   if (e.cause != null) return "observation";
@@ -256,6 +257,99 @@ class SessionView {
     this.selected = null;
     this.pinned = false; // the slider follows the newest event until the user moves it
     this.timer = null;
+    this.pins = new Set(); // pinned event ids (from the context report)
+    this.range = null; // [first, last] chosen for a context edit
+    this.preview = null; // the body of the edit last previewed
+    this.refreshTimer = null;
+  }
+
+  // What hides each event and what is pinned now (condensations and user edits alike), and
+  // the token usage per step: both from the server, after any batch that can change them.
+  refreshSoon() {
+    clearTimeout(this.refreshTimer);
+    this.refreshTimer = setTimeout(() => this.refresh(), 150);
+  }
+
+  async refresh() {
+    const path = `/v1/sessions/${encodeURIComponent(this.session)}`;
+    try {
+      const context = await (await api(`${path}/context`, { signal: this.signal })).json();
+      const before = new Map(this.hiddenBy);
+      const pinsBefore = this.pins;
+      this.hiddenBy = new Map(context.hidden.map((h) => [h.id, h.by]));
+      this.pins = new Set(context.pinned);
+      const changed = new Set([...before.keys(), ...this.hiddenBy.keys(), ...pinsBefore, ...this.pins]);
+      for (const id of changed) if (before.get(id) !== this.hiddenBy.get(id) || pinsBefore.has(id) !== this.pins.has(id)) this.rerender(id);
+      const used = await (await api(`${path}/usage`, { signal: this.signal })).json();
+      const money = (c) => (c == null ? "" : c.toFixed(6));
+      const rows = used.steps.map((s) => el("tr", {}, el("td", { class: "num", text: `#${s.event_id}` }), el("td", { text: s.model }), el("td", { class: "num", text: String(s.prompt_tokens) }), el("td", { class: "num", text: String(s.cached_tokens) }), el("td", { class: "num", text: String(s.completion_tokens) }), el("td", { class: "num", text: money(s.cost) })));
+      if (used.steps.length) rows.push(el("tr", { class: "total" }, el("td", { text: "total" }), el("td", { text: `${used.steps.length} calls` }), el("td", { class: "num", text: String(used.prompt_tokens) }), el("td", { class: "num", text: String(used.cached_tokens) }), el("td", { class: "num", text: String(used.completion_tokens) }), el("td", { class: "num", text: money(used.cost) })));
+      else rows.push(el("tr", {}, el("td", { colspan: "6", class: "muted", text: "no model calls in this session" })));
+      $("usage-rows").replaceChildren(...rows);
+    } catch (error) {
+      if (!this.signal.aborted) $("ctx-result").textContent = error.message;
+    }
+  }
+
+  choose(id, extend) {
+    const [first] = extend && this.range ? this.range : [id];
+    this.range = [Math.min(first, id), Math.max(first, id)];
+    $("ctx-from").value = String(this.range[0]);
+    $("ctx-to").value = String(this.range[1]);
+    this.clearPreview();
+  }
+
+  editBody(dryRun) {
+    const from = Number($("ctx-from").value);
+    const to = Number($("ctx-to").value || $("ctx-from").value);
+    const kind = $("ctx-kind").value;
+    const body = { op: $("ctx-op").value, ranges: from ? [[from, Math.max(from, to)]] : [], kinds: kind ? [kind] : [], dry_run: dryRun };
+    const note = $("ctx-note").value.trim();
+    if (note) body.note = note;
+    return body;
+  }
+
+  clearPreview() {
+    this.preview = null;
+    $("ctx-apply").disabled = true;
+    for (const li of $("timeline").querySelectorAll(".would-hide, .would-show")) li.classList.remove("would-hide", "would-show");
+  }
+
+  describe(change, verb) {
+    const list = (ids) => ids.map((i) => `#${i}`).join(", ");
+    const parts = [
+      [verb === "would" ? "would hide" : "hid", change.hidden],
+      [verb === "would" ? "would show again" : "showed again", change.shown],
+      [verb === "would" ? "would pin" : "pinned", change.pinned],
+      [verb === "would" ? "would unpin" : "unpinned", change.unpinned],
+    ].filter(([, ids]) => ids.length).map(([what, ids]) => `${what} ${ids.length} event${ids.length === 1 ? "" : "s"} (${list(ids)})`);
+    return parts.join("; ") || (verb === "would" ? "would change nothing" : "changed nothing");
+  }
+
+  async previewEdit() {
+    this.clearPreview();
+    const body = this.editBody(true);
+    try {
+      const change = await (await api(`/v1/sessions/${encodeURIComponent(this.session)}/context`, { method: "POST", body })).json();
+      $("ctx-result").textContent = `${body.op} as edit #${change.edit}: ${this.describe(change, "would")}`;
+      for (const [ids, cls] of [[change.hidden, "would-hide"], [change.shown, "would-show"]]) for (const id of ids) this.nodes.get(id)?.classList.add(cls);
+      this.preview = { ...body, dry_run: false };
+      $("ctx-apply").disabled = false;
+    } catch (error) {
+      $("ctx-result").textContent = error.message;
+    }
+  }
+
+  async applyEdit() {
+    if (!this.preview) return;
+    const body = this.preview;
+    this.clearPreview();
+    try {
+      const change = await (await api(`/v1/sessions/${encodeURIComponent(this.session)}/context`, { method: "POST", body })).json();
+      $("ctx-result").textContent = `applied edit #${change.edit} (${body.op}): ${this.describe(change, "did")}`;
+    } catch (error) {
+      $("ctx-result").textContent = error.message;
+    }
   }
 
   add(batch) {
@@ -279,6 +373,7 @@ class SessionView {
       }
       if (e.kind === "condensation") for (const id of this.hiddenBy.keys()) if (this.hiddenBy.get(id) === e.id) this.rerender(id);
     }
+    this.refreshSoon();
     $("session-meta").textContent = `${this.tenantText} · ${this.last} events`;
     const slider = $("slider");
     slider.max = String(Math.max(1, this.last));
@@ -300,6 +395,7 @@ class SessionView {
     const hidden = this.hiddenBy.get(e.id);
     const classes = ["ev", category(e)];
     if (hidden) classes.push("hidden-by");
+    if (this.pins.has(e.id)) classes.push("pinned");
     const head = el(
       "div",
       { class: "head" },
@@ -310,7 +406,7 @@ class SessionView {
       el("span", { class: "ts", text: when(e.ts) }),
       el("button", { class: "link fork-here", type: "button", text: "fork here", title: `fork this session at event ${e.id}`, onclick: (ev) => { ev.stopPropagation(); this.select(e.id, true); $("fork-into").focus(); } }),
     );
-    const li = el("li", { class: classes.join(" "), "data-id": String(e.id), onclick: () => this.select(e.id, true) }, head, body(e));
+    const li = el("li", { class: classes.join(" "), "data-id": String(e.id), onclick: (ev) => { this.choose(e.id, ev.shiftKey); this.select(e.id, true); } }, head, body(e));
     if (e.kind === "llm_response") li.append(usage(e));
     if (e.kind === "condensation") {
       const ranges = (e.forgotten ?? []).map(([a, b]) => (a === b ? `#${a}` : `#${a}–#${b}`)).join(", ");
@@ -400,6 +496,12 @@ async function sessionPage(session, signal) {
   $("view-note").textContent = "";
   $("fork-result").textContent = "";
   $("fork-into").value = "";
+  $("ctx-from").value = "";
+  $("ctx-to").value = "";
+  $("ctx-note").value = "";
+  $("ctx-kind").value = "";
+  $("ctx-apply").disabled = true;
+  $("usage-rows").replaceChildren();
   $("crumbs").replaceChildren(el("a", { href: "#/", text: "sessions" }), ` / ${session}`);
   const view = new SessionView(session, signal);
   state.view = view;
@@ -428,7 +530,17 @@ $("login-form").addEventListener("submit", async (event) => {
   }
 });
 $("signout").addEventListener("click", () => signOut());
-$("slider").addEventListener("input", () => state.view?.select(Number($("slider").value), true));
+$("slider").addEventListener("input", () => {
+  state.view?.select(Number($("slider").value), true);
+  state.view?.choose(Number($("slider").value), false);
+});
+for (const id of ["ctx-op", "ctx-from", "ctx-to", "ctx-kind", "ctx-note"]) $(id).addEventListener("input", () => state.view?.clearPreview());
+$("ctx-preview").addEventListener("click", () => state.view?.previewEdit());
+$("ctx-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  state.view?.applyEdit();
+});
+for (const kind of ["error", "cmd_run", "cmd_output", "think", "message", "recall", "recall_result", "python_run", "python_output", "file_read", "file_content", "file_write", "file_written", "file_edit", "file_edited", "llm_response"]) $("ctx-kind").append(el("option", { value: kind, text: kind }));
 for (const radio of document.querySelectorAll('input[name="mode"]')) radio.addEventListener("change", () => state.view?.loadView());
 $("fork-form").addEventListener("submit", async (event) => {
   event.preventDefault();
