@@ -1,0 +1,91 @@
+"""The ``riverbed`` command.
+
+Every command follows the same shape, so adding one is a few lines::
+
+    @app.command()
+    def thing(session: str, prefix: PrefixOption = None) -> None:
+        settings = _settings(prefix)
+
+        async def go() -> None:
+            async with _bus(settings) as bus:
+                ...
+
+        _run(go)
+
+- :func:`_settings` reads the configuration (environment + flags) once;
+- :func:`_bus` connects to Redis with a bound on the connection time;
+- :func:`_run` runs a coroutine function under anyio;
+- :func:`main` turns every error into one sentence on stderr and an exit code:
+  2 for bad input or configuration, 1 when a service is unavailable or timed out.
+  ``RIVERBED_DEBUG=1`` shows the traceback of an unexpected error.
+
+Machine-readable output goes to stdout (JSON lines); progress and errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import typer.main
+
+from riverbed.cli.app import _leaf, _plain_help, app
+from riverbed.cli.commands import (  # noqa: F401  (importing a command module registers its commands)
+    actions,
+    agent,
+    archive,
+    context,
+    dlq,
+    log,
+    schema,
+    serve,
+    services,
+    sessions,
+    transfer,
+    usage,
+)
+from riverbed.cli.output import _fail
+from riverbed.errors import ActTimeout, RiverbedError, ServiceError, UnavailableError
+from riverbed.logs import configure_logging
+
+__all__ = ["app", "exit_code", "main"]
+
+
+def exit_code(exc: BaseException) -> int:
+    """1 when a service is unavailable (or timed out), 2 for bad input or configuration."""
+    if isinstance(exc, UnavailableError | ServiceError | ActTimeout):
+        return 1
+    return 2
+
+
+def _hint(exc: RiverbedError) -> str:
+    if isinstance(exc, UnavailableError) and "Redis" in str(exc):
+        return ' (start one with: eval "$(riverbed services up)", or set RIVERBED_REDIS_URL)'
+    return ""
+
+
+def main() -> None:
+    """Entry point of the ``riverbed`` console script."""
+    # Commands log warnings only (to stderr); `worker` reconfigures for its own service logs.
+    configure_logging(level=os.environ.get("RIVERBED_LOG_LEVEL") or "warning")
+    try:
+        _plain_help(typer.main.get_command(app))()
+    except SystemExit:
+        raise
+    except BrokenPipeError:
+        # The reader (e.g. `| head`) went away: stop quietly.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0) from None
+    except BaseException as raw:
+        exc = _leaf(raw)
+        if isinstance(exc, KeyboardInterrupt):
+            raise SystemExit(130) from None
+        if isinstance(exc, SystemExit):
+            raise exc from None
+        if isinstance(exc, RiverbedError):
+            _fail(f"{exc}{_hint(exc)}", exit_code(exc))
+        if os.environ.get("RIVERBED_DEBUG"):
+            raise
+        _fail(f"unexpected error ({type(exc).__name__}: {exc}); set RIVERBED_DEBUG=1 to see the traceback", 1)

@@ -1,0 +1,6 @@
+"""``python -m riverbed.cli``."""
+
+from riverbed.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""The application: the Typer app and its groups, the shared options, and what every command
+needs (settings, a connected bus, running a coroutine under anyio with signals)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import anyio
+import redis.asyncio as aioredis
+import typer
+import typer.core
+import typer.main
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from riverbed.agent.client import Bus, connect, resolve_redis_url
+from riverbed.bus.connection import redact, translate
+from riverbed.bus.keys import require_session
+from riverbed.cli.output import err_console
+from riverbed.errors import (
+    ConfigError,
+    InputError,
+    NotFoundError,
+    UnavailableError,
+)
+from riverbed.settings import Settings
+
+T = TypeVar("T")
+
+CONNECT_TIMEOUT = 5.0
+"""Seconds a command waits for Redis before it gives up (no minute of retries)."""
+
+IMPORT_BATCH = 1000
+"""Events per append when importing (one Lua call each)."""
+
+#: The order of ``riverbed --help``: a first look, daily work, then operations and plumbing.
+#: Commands not named here follow, in the order they are registered (commands before groups).
+COMMAND_ORDER = (
+    "demo",
+    "services",
+    "worker",
+    "act",
+    "append",
+    "log",
+    "view",
+    "fork",
+    "rerun",
+    "sessions",
+    "status",
+    "export",
+    "import",
+    "archive",
+    "dlq",
+    "schema",
+    "serve",
+    "context",
+    "usage",
+    "agent",
+    "keys",
+)
+
+
+class _OrderedGroup(typer.core.TyperGroup):
+    def list_commands(self, ctx: Any) -> list[str]:
+        names = super().list_commands(ctx)
+        known = [n for n in COMMAND_ORDER if n in names]
+        return known + [n for n in names if n not in known]
+
+
+def _plain_help(command: Any) -> Any:
+    """Help without type placeholders (``<str>``, ``<float>``): an option shows its metavar
+    (``--at N``) or nothing, an argument its name in capitals (``SESSION``)."""
+    for param in command.params:
+        shown = param.metavar
+        if param.param_type_name == "argument":
+            param.metavar = param.metavar or (param.name or "").upper()
+            shown = None  # the name column shows it already
+        param.display_type_rich = lambda ctx, shown=shown: shown  # (a method, per parameter)
+    make_help = command.get_help_option
+
+    def help_option(ctx: Any) -> Any:
+        option = make_help(ctx)
+        if option is not None:
+            option.display_type_rich = lambda ctx: None
+        return option
+
+    command.get_help_option = help_option
+    for sub in getattr(command, "commands", {}).values():
+        _plain_help(sub)
+    return command
+
+
+app = typer.Typer(
+    cls=_OrderedGroup,
+    name="riverbed",
+    help="riverbed: an event-sourced runtime for AI agents (Redis Streams log, workers, pgvector memory).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+services_app = typer.Typer(help="Embedded Redis + Postgres for development.", no_args_is_help=True)
+app.add_typer(services_app, name="services")
+
+PrefixOption = Annotated[
+    str | None,
+    typer.Option("--prefix", envvar="RIVERBED_PREFIX", help="Key namespace in Redis (default rb).", show_default=False),
+]
+SessionArg = Annotated[str, typer.Argument(help="Session id.", callback=require_session)]
+JsonOption = Annotated[bool, typer.Option("--json", help="One JSON object per line.")]
+DirOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--dir",
+        envvar="RIVERBED_SERVICES_DIR",
+        help="Where the embedded services keep their data.",
+        show_default=False,
+        file_okay=False,
+    ),
+]
+
+
+# --- shared helpers ------------------------------------------------------------------------
+
+
+def _settings(prefix: str | None = None, **overrides: object) -> Settings:
+    """The configuration: ``RIVERBED_*`` variables, overridden by the flags given."""
+    return Settings.from_env(os.environ, prefix=prefix, **overrides)
+
+
+def _progress(message: str) -> None:
+    err_console.print(message, style="dim")
+
+
+def _redis_url(settings: Settings) -> str:
+    """``RIVERBED_REDIS_URL``, or the embedded services (started now if they are not running)."""
+    return resolve_redis_url(settings, progress=_progress)
+
+
+async def _probe(url: str) -> None:
+    """One PING without retries, so an unreachable Redis fails at once with the real reason
+    (the bus client itself retries with backoff, which suits workers, not a command line)."""
+    try:
+        client = aioredis.Redis.from_url(
+            url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=CONNECT_TIMEOUT, retry=Retry(NoBackoff(), 0)
+        )
+    except ValueError as exc:
+        raise ConfigError(f"the Redis URL {redact(url)!r} is not valid: {exc}") from exc
+    try:
+        with translate(url):
+            await client.ping()
+    finally:
+        await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _bus(settings: Settings) -> AsyncIterator[Bus]:
+    """A connected bus; an unreachable Redis fails within :data:`CONNECT_TIMEOUT` seconds."""
+    url = _redis_url(settings)
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            with anyio.fail_after(CONNECT_TIMEOUT):
+                await _probe(url)
+                bus = await stack.enter_async_context(connect(url, settings=settings))
+        except TimeoutError as exc:
+            raise UnavailableError(
+                f"cannot reach Redis at {redact(url)}: no answer within {CONNECT_TIMEOUT:g}s"
+            ) from exc
+        yield bus
+
+
+def _run(fn: Callable[[], Awaitable[T]], *, interrupt_code: int | None = None) -> T:
+    """Run ``fn`` under anyio; SIGINT/SIGTERM cancel it and exit with ``interrupt_code``
+    (default 130 for Ctrl-C, 143 for SIGTERM).
+
+    Signals cancel through an anyio cancel scope, which re-delivers the cancellation until
+    the work stops (a plain task cancel can be swallowed inside the Redis client).
+    """
+    received: list[int] = []
+    results: list[T] = []
+
+    async def guarded() -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        received.append(signum)
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            try:
+                results.append(await fn())
+            finally:
+                tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(guarded)
+    except KeyboardInterrupt:
+        received.append(signal.SIGINT)
+    except BaseExceptionGroup as group:
+        raise _leaf(group) from None
+    if received:
+        raise typer.Exit(interrupt_code if interrupt_code is not None else 128 + received[0])
+    return results[0]
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The one real error inside (nested) exception groups, if there is exactly one."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _check_range(start: int, until: int | None) -> None:
+    if start < 1:
+        raise InputError(f"--from must be 1 or more, not {start}")
+    if until is not None and until < start:
+        raise InputError(f"--until ({until}) must not be before --from ({start})")
+
+
+async def _require_events(bus: Bus, session: str) -> None:
+    if not await bus.session(session).last_id():
+        raise NotFoundError(f"session {session!r} has no events (`riverbed sessions` lists the sessions)")

@@ -1,0 +1,1 @@
+"""The commands, one module per subject; importing a module registers its commands."""

@@ -1,0 +1,174 @@
+"""`riverbed context`: what the agent sees, and the user's edits of it."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+import typer
+import typer.core
+import typer.main
+from rich.console import Console
+from rich.text import Text
+
+from riverbed.cli.app import PrefixOption, SessionArg, _bus, _require_events, _run, _settings, app
+from riverbed.cli.output import _id_list, _one_line, _stdout_lines, err_console, render, visible
+from riverbed.errors import (
+    InputError,
+)
+from riverbed.settings import Settings
+
+# --- context: what the agent sees, and the user's edits of it ---------------------------------
+
+_CONTEXT_OPS = ("forget", "restore", "pin", "unpin")
+
+
+@app.command("context")
+def context_command(
+    session: SessionArg,
+    op: Annotated[
+        str | None,
+        typer.Argument(help="forget | restore | pin | unpin (none: show the context).", show_default=False),
+    ] = None,
+    targets: Annotated[
+        list[str] | None, typer.Argument(help="Event ids or ranges: 7, 12-40.", show_default=False)
+    ] = None,
+    kind: Annotated[
+        list[str] | None, typer.Option("--kind", help="Every event of this kind (repeatable).", show_default=False)
+    ] = None,
+    note: Annotated[str | None, typer.Option("--note", help="Why (kept in the edit).", show_default=False)] = None,
+    until: Annotated[int | None, typer.Option("--until", help="Show the context right after this event.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Show the context as one JSON object.")] = False,
+    apply: Annotated[bool, typer.Option("--apply", help="suggest: apply the proposal.")] = False,
+    model: Annotated[
+        str | None, typer.Option("--model", help="suggest: the model (RIVERBED_SUGGEST_MODEL).", show_default=False)
+    ] = None,
+    prefix: PrefixOption = None,
+) -> None:
+    """The agent's context: what it sees, what is hidden and what hid it, what is pinned.
+
+    `context S suggest "drop the detour about X"` asks a model which events to drop and prints
+    the proposal as a diff; `--apply` appends it (a condensation by the user).
+
+    `context S forget 12-40`, `forget --kind error`, `restore 12-40`, `pin 7`, `unpin 7` each
+    append one context_edit event and print what it changed (JSON on stdout, a sentence on stderr).
+    """
+    settings = _settings(prefix)
+    if op is None:
+        _context_show(settings, session, until, json_out)
+        return
+    if op == "suggest":
+        _context_suggest(settings, session, " ".join(targets or ()), apply=apply, model=model)
+        return
+    if op not in _CONTEXT_OPS:
+        raise InputError(
+            f"unknown context operation {op!r}: use {', '.join(_CONTEXT_OPS)} or suggest, or none to show it"
+        )
+    if until is not None:
+        raise InputError("--until is for showing the context; an edit always applies after the last event")
+    _context_edit(settings, session, op, targets, kind, note)
+
+
+def _context_show(settings: Settings, session: str, until: int | None, json_out: bool) -> None:
+    from riverbed.memory.context import describe, document  # noqa: PLC0415
+
+    async def go() -> Any:
+        async with _bus(settings) as bus:
+            await _require_events(bus, session)
+            return await bus.session(session).context.show(until)
+
+    report = _run(go)
+    if json_out:
+        _stdout_lines([msgspec.json.encode(document(session, report))])
+        return
+    console = Console(highlight=False, soft_wrap=True)
+    console.print(
+        f"context of {session} after event {report.view.last_id}: {len(report.view.ids())} events visible, "
+        f"{len(report.hidden)} hidden, {len(report.pinned)} pinned",
+        markup=False,
+    )
+    for event in report.view:
+        line = render(event)
+        if event.id in report.pinned:
+            line.append("  [pinned]", style="bold cyan")
+        console.print(line)
+    if report.hidden:
+        console.print("hidden:", style="bold")
+        for h in report.hidden:
+            line = render(h.event)
+            line.append(f"  hidden by {visible(describe(h.by))}", style="dim")
+            console.print(line)
+
+
+def _context_edit(
+    settings: Settings, session: str, op: str, targets: list[str] | None, kinds: list[str] | None, note: str | None
+) -> None:
+    from riverbed.memory.context import parse_range  # noqa: PLC0415
+
+    spans = [parse_range(r) for r in targets or ()]
+
+    async def go() -> Any:
+        async with _bus(settings) as bus:
+            await _require_events(bus, session)
+            handle = await bus.operate(session)  # an operator's edit, as the session's own tenant
+            return await handle.context.edit(
+                op,  # type: ignore[arg-type]  # checked against _CONTEXT_OPS
+                ranges=spans,
+                kinds=kinds or (),
+                note=note,
+            )
+
+    changed = _run(go)
+    _stdout_lines([msgspec.json.encode(changed)])
+    parts = [
+        f"{verb} {len(ids)} event{'s' if len(ids) != 1 else ''} ({_id_list(ids)})"
+        for verb, ids in (
+            ("hid", changed.hidden),
+            ("showed again", changed.shown),
+            ("pinned", changed.pinned),
+            ("unpinned", changed.unpinned),
+        )
+        if ids
+    ]
+    err_console.print(f"context edit {changed.edit} ({op}): " + ("; ".join(parts) or "nothing changed"), markup=False)
+
+
+# --- context suggest: condensation by conversation (issue 17) -----------------------------------
+# Self-contained: moves into the cli/ package with `context`.
+
+
+def _context_suggest(settings: Settings, session: str, request: str, *, apply: bool, model: str | None) -> None:
+    """Print a model's proposal for ``request`` as a diff of the context; append it with ``apply``."""
+    from riverbed.agent.llm import make_client  # noqa: PLC0415
+    from riverbed.memory.tokens import event_text  # noqa: PLC0415
+
+    name = model or settings.suggest_model or settings.llm_model
+    client = make_client(settings)
+
+    async def go() -> Any:
+        async with _bus(settings) as bus:
+            await _require_events(bus, session)
+            context = (await bus.operate(session)).context  # an operator's edit, as the session's own tenant
+            proposal = await context.suggest(request, client=client, model=name)
+            return proposal, (await context.apply(proposal) if apply else None)
+
+    proposal, applied = _run(go)
+    console = Console(highlight=False, soft_wrap=True)
+    hidden = set(proposal.change.hidden)
+    for event in proposal.before.view:
+        line = Text("- " if event.id in hidden else "  ", style="red" if event.id in hidden else "dim")
+        line.append_text(render(event) if event.id is not None else Text(f"summary: {_one_line(event_text(event))}"))
+        console.print(line)
+    summary = proposal.after.view.summary
+    if summary is not None and proposal.condensation.summary is not None:
+        console.print(Text(f"+ summary: {_one_line(summary.content, 400)}", style="green"))
+    ranges = ", ".join(f"{a}-{b}" for a, b in proposal.condensation.forgotten)
+    what = f"{len(hidden)} event{'s' if len(hidden) != 1 else ''} ({_id_list(proposal.change.hidden)})"
+    if applied is None:
+        err_console.print(
+            f"{proposal.model} proposes to forget {ranges}, which hides {what}; nothing was changed "
+            "(--apply asks again and appends the proposal it prints)",
+            markup=False,
+        )
+    else:
+        err_console.print(f"applied as condensation {applied.edit}: hid {what}", markup=False)

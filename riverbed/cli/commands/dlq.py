@@ -1,0 +1,70 @@
+"""`riverbed dlq list|requeue`."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+import typer.core
+import typer.main
+from rich.console import Console
+from rich.table import Table
+
+from riverbed.cli.app import JsonOption, PrefixOption, _bus, _run, _settings, app
+from riverbed.cli.output import _cell, _stdout_lines, err_console
+from riverbed.errors import (
+    AlreadyAnswered,
+)
+
+dlq_app = typer.Typer(help="Dead letters: entries a role could not handle.", no_args_is_help=True)
+app.add_typer(dlq_app, name="dlq")
+
+
+@dlq_app.command("list")
+def dlq_list(json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
+    """List dead letters (oldest first)."""
+    from riverbed.bus.dlq import DeadLetters  # noqa: PLC0415
+
+    settings = _settings(prefix)
+
+    async def go() -> list[Any]:
+        async with _bus(settings) as bus:
+            return list(await DeadLetters(bus.redis, bus.keys, bus.url).list())
+
+    letters = _run(go)
+    if json_out:
+        _stdout_lines(json.dumps(letter.as_dict()).encode() for letter in letters)
+        return
+    table = Table("id", "session", "event", "role", "attempts", "reason")
+    for letter in letters:
+        table.add_row(
+            letter.id, letter.session, str(letter.event_id), letter.role, str(letter.attempts), _cell(letter.reason)
+        )
+    Console(highlight=False).print(table)
+
+
+@dlq_app.command("requeue")
+def dlq_requeue(
+    letter_id: Annotated[str, typer.Argument(help="Dead letter id (from `riverbed dlq list`).")],
+    prefix: PrefixOption = None,
+) -> None:
+    """Append the dead-lettered event to its session again (a new id) and remove the dead letter."""
+    from riverbed.bus.dlq import DeadLetters  # noqa: PLC0415
+
+    settings = _settings(prefix)
+
+    async def go() -> int:
+        async with _bus(settings) as bus:
+            letters = DeadLetters(bus.redis, bus.keys, bus.url)
+            letter = await letters.get(letter_id)
+            result = await bus.log_store.append_raw(letter.session, [(letter.payload, 0)])
+            if isinstance(result, AlreadyAnswered):
+                raise AlreadyAnswered(
+                    result.cause, result.existing, f"that event is already answered by event {result.existing}"
+                )
+            await letters.remove(letter_id)
+            return result[0]
+
+    new_id = _run(go)
+    err_console.print(f"requeued dead letter {letter_id} as event {new_id}")

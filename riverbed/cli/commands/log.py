@@ -1,0 +1,85 @@
+"""`riverbed log` and `riverbed view`: the raw events and the condensed view."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+import typer.core
+import typer.main
+from rich.console import Console
+
+from riverbed import events
+from riverbed.cli.app import (
+    JsonOption,
+    PrefixOption,
+    SessionArg,
+    _bus,
+    _check_range,
+    _require_events,
+    _run,
+    _settings,
+    app,
+)
+from riverbed.cli.output import _stdout_lines, render
+from riverbed.errors import (
+    InputError,
+)
+
+
+@app.command("log")
+def log_cmd(
+    session: SessionArg,
+    *,
+    start: Annotated[int, typer.Option("--from", help="First event id.")] = 1,
+    until: Annotated[int | None, typer.Option("--until", help="Last event id.", show_default=False)] = None,
+    as_json: JsonOption = False,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep tailing new events (Ctrl-C stops).")] = False,
+    prefix: PrefixOption = None,
+) -> None:
+    """The raw events of a session (readable, or JSON lines with --json)."""
+    settings = _settings(prefix)
+    _check_range(start, until)
+    console = Console(highlight=False, soft_wrap=True)
+
+    async def go() -> None:
+        async with _bus(settings) as bus:
+            handle = bus.session(session)
+            if not follow:
+                await _require_events(bus, session)
+            async for event in handle.log(start, until, follow=follow):
+                if as_json:
+                    _stdout_lines([events.encode_json(event)], flush_each=follow)
+                else:
+                    console.print(render(event))
+
+    _run(go, interrupt_code=0 if follow else None)
+
+
+@app.command("view")
+def view_command(
+    session: SessionArg,
+    until: Annotated[
+        int | None, typer.Option("--until", help="The view right after this event.", metavar="N", show_default=False)
+    ] = None,
+    json_out: JsonOption = False,
+    prefix: PrefixOption = None,
+) -> None:
+    """The condensed view: the context exactly as the agent saw it after event N."""
+    settings = _settings(prefix)
+
+    async def go() -> list[events.Event]:
+        async with _bus(settings) as bus:
+            await _require_events(bus, session)
+            last = await bus.session(session).last_id()
+            if until is not None and not 1 <= until <= last:
+                raise InputError(f"cannot view session {session!r} at {until}: choose an event id from 1 to {last}")
+            return list(await bus.session(session).view(until=until))
+
+    context = _run(go)
+    if json_out:
+        _stdout_lines(events.encode_json(e) for e in context)
+        return
+    console = Console(highlight=False, soft_wrap=True)
+    for event in context:
+        console.print(render(event))

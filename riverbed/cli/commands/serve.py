@@ -1,0 +1,139 @@
+"""`riverbed serve` and `riverbed keys create|list|revoke`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import anyio
+import msgspec
+import typer
+import typer.core
+import typer.main
+from rich.console import Console
+from rich.table import Table
+
+from riverbed.cli.app import JsonOption, PrefixOption, _bus, _leaf, _progress, _run, _settings, app
+from riverbed.cli.commands.sessions import _iso_ms
+from riverbed.cli.output import _cell, _stdout_lines, err_console
+from riverbed.logs import configure_logging
+
+# --- serve, keys (the HTTP API: riverbed.serve) ----------------------------------------------
+
+keys_app = typer.Typer(help="API keys of the HTTP API (riverbed serve).", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+
+@app.command("serve")
+def serve_command(
+    host: Annotated[str, typer.Option("--host", envvar="RIVERBED_SERVE_HOST", help="Address to listen on.")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[
+        int, typer.Option("--port", envvar="RIVERBED_SERVE_PORT", help="Port to listen on (0: any free port).")
+    ] = 8300,
+    prefix: PrefixOption = None,
+) -> None:
+    """Serve the HTTP API (/v1, /openapi.json) and the web console (/) until SIGINT/SIGTERM."""
+    from riverbed.serve import Api, ServeConfig, serve  # noqa: PLC0415
+
+    settings = _settings(prefix)
+    configure_logging(settings.log_format)
+    # A body holds at least one event of RIVERBED_MAX_EVENT_BYTES (JSON is larger than msgpack).
+    config = ServeConfig(
+        max_body_bytes=max(ServeConfig.max_body_bytes, 2 * settings.max_event_bytes), prices=settings.prices
+    )
+    from riverbed.agent.usage import parse_prices  # noqa: PLC0415
+
+    parse_prices(settings.prices)  # a bad price table is refused before anything listens
+
+    async def go() -> None:
+        async with _bus(settings) as bus, anyio.create_task_group() as tg:
+            bound = await tg.start(serve, Api(bus, config), host, port)
+            shown = f"[{host}]" if ":" in host else host
+            err_console.print(f"riverbed: serving http://{shown}:{bound} (console at /, API at /v1)")
+
+    try:  # uvloop, where installed, takes a tenth to a quarter off every request
+        import uvloop  # noqa: F401, PLC0415
+
+        options = {"use_uvloop": True}
+    except ImportError:
+        options = {}
+    try:
+        anyio.run(go, backend_options=options)
+    except BaseExceptionGroup as group:
+        raise _leaf(group) from None
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str | None, typer.Option("--tenant", help="The tenant whose sessions the key sees.")] = None,
+    admin: Annotated[bool, typer.Option("--admin", help="An operator key that sees every tenant.")] = False,
+    note: Annotated[str | None, typer.Option("--note", help="What the key is for (shown by keys list).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help='Print {"key": …, "tenant": …, "id": …}.')] = False,
+    prefix: PrefixOption = None,
+) -> None:
+    """Create an API key and print it once (only its hash is kept)."""
+    from riverbed.serve import KeyStore  # noqa: PLC0415
+
+    settings = _settings(prefix)
+
+    async def go() -> tuple[str, Any]:
+        async with _bus(settings) as bus:
+            return await KeyStore(bus.redis, bus.keys, bus.url).create(tenant, admin=admin, note=note)
+
+    key, record = _run(go)
+    if as_json:
+        _stdout_lines([msgspec.json.encode({"key": key, "tenant": tenant, "id": record.id, "admin": admin})])
+        return
+    _stdout_lines([key.encode()])
+    who = "admin key" + (f" (tenant {tenant})" if tenant else "") if admin else f"key for tenant {tenant}"
+    _progress(f"created {who}, id {record.id}; it is shown only this once")
+
+
+@keys_app.command("list")
+def keys_list(json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
+    """Every API key: id, tenant, admin, created, revoked (never the key)."""
+    from riverbed.serve import KeyStore  # noqa: PLC0415
+
+    settings = _settings(prefix)
+
+    async def go() -> list[Any]:
+        async with _bus(settings) as bus:
+            return await KeyStore(bus.redis, bus.keys, bus.url).list()
+
+    records = _run(go)
+    if json_out:
+        _stdout_lines(msgspec.json.encode(r.public()) for r in records)
+        return
+    if not records:
+        _progress("no API keys yet (riverbed keys create --tenant T)")
+        return
+    table = Table("id", "tenant", "admin", "created", "revoked", "note", box=None, header_style="bold")
+    for r in records:
+        table.add_row(
+            r.id,
+            _cell(r.tenant or ""),
+            "yes" if r.admin else "",
+            _iso_ms(str(int(r.created * 1000))) or "",
+            _iso_ms(str(int(r.revoked * 1000))) if r.revoked else "",
+            _cell(r.note or ""),
+        )
+    Console(highlight=False).print(table)
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    key_id: Annotated[str, typer.Argument(help="The key's id (from `riverbed keys list`).")],
+    prefix: PrefixOption = None,
+) -> None:
+    """Revoke an API key: requests with it are refused (401) from now on."""
+    from riverbed.serve import KeyStore  # noqa: PLC0415
+
+    settings = _settings(prefix)
+
+    async def go() -> Any:
+        async with _bus(settings) as bus:
+            return await KeyStore(bus.redis, bus.keys, bus.url).revoke(key_id)
+
+    record = _run(go)
+    _progress(f"revoked key {record.id} of tenant {record.tenant or '(admin)'}")

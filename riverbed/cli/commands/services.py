@@ -1,0 +1,125 @@
+"""`riverbed services up|down`, `worker`, `demo`."""
+
+from __future__ import annotations
+
+import datetime as dt
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio
+import typer
+import typer.core
+import typer.main
+from rich.console import Console
+
+from riverbed import services
+from riverbed.cli.app import DirOption, PrefixOption, _leaf, _progress, _redis_url, _run, _settings, app, services_app
+from riverbed.logs import configure_logging
+
+# --- services ------------------------------------------------------------------------------
+
+
+def _services_dir(directory: Path | None) -> Path:
+    return directory if directory is not None else Path(_settings().services_dir)
+
+
+@services_app.command("up")
+def services_up(directory: DirOption = None) -> None:
+    """Start embedded Redis + Postgres; prints `export …` lines, so `eval "$(riverbed services up)"` works."""
+    where = _services_dir(directory)
+    if services.load(where) is None:
+        _progress(f"starting Redis and Postgres in {where} …")
+    else:
+        _progress(f"services already running in {where}")
+    running = services.up(where)
+    sys.stdout.write(running.exports())
+    sys.stdout.flush()
+    _progress(f"ready: Redis at {running.redis_url}, Postgres at {running.database_url}")
+
+
+@services_app.command("down")
+def services_down(directory: DirOption = None) -> None:
+    """Stop the embedded services started by `services up` in the same directory."""
+    where = _services_dir(directory)
+    if services.down(where):
+        _progress(f"stopped the services in {where}")
+    else:
+        _progress(f"no services were running in {where}")
+
+
+# --- workers and actions -------------------------------------------------------------------
+
+
+@app.command("worker")
+def worker_command(
+    roles: Annotated[list[str], typer.Argument(help="runtime, memory, condenser, or all.")],
+    concurrency: Annotated[
+        int | None,
+        typer.Option("--concurrency", envvar="RIVERBED_CONCURRENCY", help="Sessions owned at most per role."),
+    ] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Worker name (default host-pid).")] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option("--metrics-port", envvar="RIVERBED_METRICS_PORT", help="Serve /metrics, /healthz, /readyz."),
+    ] = None,
+    prefix: PrefixOption = None,
+) -> None:
+    """Run a long-lived worker for the given roles until SIGTERM/SIGINT (then drain and hand over)."""
+    from riverbed.workers.main import parse_roles, run_worker  # noqa: PLC0415
+
+    settings = _settings(prefix, concurrency=concurrency, metrics_port=metrics_port)
+    chosen = parse_roles(roles)
+    if not settings.redis_url:
+        settings = _settings(prefix, concurrency=concurrency, metrics_port=metrics_port, redis_url=_redis_url(settings))
+    configure_logging(settings.log_format)
+    try:
+        anyio.run(lambda: run_worker(chosen, settings, name=name))
+    except BaseExceptionGroup as group:
+        raise _leaf(group) from None
+
+
+@app.command("demo")
+def demo_command(prefix: PrefixOption = None) -> None:
+    """Start embedded services if needed, run every role in-process and drive a demo session."""
+    from riverbed.workers.demo import run_demo  # noqa: PLC0415
+
+    started = dt.datetime.now(dt.UTC)
+    settings = _settings(prefix)
+    embedded = not settings.redis_url or not settings.database_url
+    url = _redis_url(settings)
+    if not settings.database_url:
+        _progress("RIVERBED_DATABASE_URL is not set: using the embedded Postgres")
+    configure_logging(settings.log_format, level="warning")
+    console = Console(highlight=False)
+
+    async def go() -> Any:
+        return await run_demo(settings, console, redis_url=url)
+
+    result = _run(go)
+    console.print()
+    for check, passed in result.checks.items():
+        console.print(("[green]✔[/] " if passed else "[red]✘[/] ") + check)
+    seconds = (dt.datetime.now(dt.UTC) - started).total_seconds()
+    console.print(
+        f"\nsession [bold]{result.session}[/] ({result.events} events, view {result.view_size}), "
+        f"fork [bold]{result.fork}[/]; done in {seconds:.1f}s.\n"
+        f"\nLook at it:\n"
+        f"  riverbed log {result.session}                 every event\n"
+        f"  riverbed view {result.session} --until 8      the agent's context right after event 8\n"
+        f"  riverbed log {result.fork}            the fork, rebuilt at event 12"
+        + (
+            f"\n  riverbed usage {result.agent_session}    the LLM agent's tokens and cost"
+            if result.agent_session
+            else ""
+        )
+    )
+    if embedded:
+        where = shlex.quote(str(_services_dir(None)))
+        console.print(
+            f"\nThe demo started Redis and Postgres in {where}; they keep running for the commands above.\n"
+            f"Stop them: riverbed services down --dir {where}"
+        )
+    if not result.ok:
+        raise typer.Exit(1)

@@ -1,0 +1,126 @@
+"""`riverbed sessions` and `riverbed status`."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from typing import Any
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from riverbed.agent.client import Bus
+from riverbed.bus.connection import translate
+from riverbed.cli.app import JsonOption, PrefixOption, _bus, _progress, _run, _settings, app
+from riverbed.cli.output import _cell, _stdout_lines
+
+# --- sessions, schema ------------------------------------------------------------------------
+
+
+def _iso_ms(value: str | None) -> str | None:
+    if not value:
+        return None
+    return dt.datetime.fromtimestamp(int(value) / 1000, dt.UTC).isoformat(timespec="milliseconds")
+
+
+@app.command("sessions")
+def sessions_cmd(as_json: JsonOption = False, prefix: PrefixOption = None) -> None:
+    """Every session: its last event id, tenant and creation time."""
+    settings = _settings(prefix)
+
+    async def go() -> list[dict[str, Any]]:
+        async with _bus(settings) as bus:
+            names = await bus.sessions()
+            rows: list[dict[str, Any]] = []
+            chunk = 500
+            for begin in range(0, len(names), chunk):
+                part = names[begin : begin + chunk]
+                metas = await _metas(bus, part)
+                for name, (last, tenant, created) in zip(part, metas, strict=True):
+                    rows.append(
+                        {
+                            "session": name,
+                            "last": int(last or 0),
+                            "tenant": tenant.decode() if tenant else None,
+                            "created": _iso_ms(created.decode() if created else None),
+                        }
+                    )
+            return rows
+
+    rows = _run(go)
+    if as_json:
+        _stdout_lines(msgspec.json.encode(row) for row in rows)
+        return
+    if not rows:
+        _progress("no sessions yet")
+        return
+    table = Table("session", "last id", "tenant", "created", box=None, header_style="bold")
+    for row in rows:
+        table.add_row(row["session"], str(row["last"]), _cell(row["tenant"] or ""), row["created"] or "")
+    Console(highlight=False).print(table)
+
+
+async def _metas(bus: Bus, names: list[str]) -> list[list[bytes | None]]:
+    with translate(bus.url):
+        async with bus.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hmget(bus.keys.meta(name), "last", "tenant", "created")
+            result: list[list[bytes | None]] = await pipe.execute()
+    return result
+
+
+# --- operations ----------------------------------------------------------------------------
+
+
+@app.command("status")
+def status_command(json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
+    """Roles, workers, owners, lag, pending and dead letters."""
+    from riverbed.bus import stats  # noqa: PLC0415
+
+    settings = _settings(prefix)
+
+    async def go() -> Any:
+        async with _bus(settings) as bus:
+            return await stats.status(bus.redis, bus.keys, url=bus.url)
+
+    snapshot = _run(go)
+    if json_out:
+        import dataclasses  # noqa: PLC0415
+
+        sys.stdout.write(json.dumps(dataclasses.asdict(snapshot), default=str) + "\n")
+        return
+    console = Console(highlight=False)
+    table = Table("role", "lag", "pending", "oldest pending (s)", "owned sessions", "waiting for an owner")
+    for role in snapshot.roles:
+        owned = sum(1 for s in role.sessions if s.owned)
+        table.add_row(
+            role.role,
+            str(role.lag),
+            str(role.pending),
+            f"{role.oldest_pending_seconds:.1f}",
+            str(owned),
+            str(role.directory.lag),
+        )
+    console.print(table)
+    workers = Table("worker", "roles", "heartbeat age (s)", "owned")
+    for w in snapshot.workers:
+        owned_by_role = w.description.get("owned", {})
+        workers.add_row(
+            _cell(w.name),
+            ",".join(w.description.get("roles", [])),
+            f"{w.age_seconds:.1f}",
+            ", ".join(f"{r}:{len(s)}" for r, s in owned_by_role.items()),
+        )
+    console.print(workers)
+    for failure in snapshot.failing:  # a loop that keeps failing says so (and /readyz is red)
+        since = dt.datetime.fromtimestamp(failure.since, dt.UTC).isoformat(timespec="seconds")
+        line = Text("failing: ", style="bold red")
+        line.append(
+            f"worker {failure.worker}, {failure.role} {failure.loop} loop, since {since} "
+            f"({failure.attempts} attempts): {failure.error}"
+        )
+        console.print(line)
+    console.print(f"sessions: {snapshot.sessions}   dead letters: {snapshot.dead_letters}")

@@ -1,0 +1,352 @@
+"""`riverbed export`, `import`, `fork`, `rerun`: sessions copied, moved and re-run."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio
+import msgspec
+import typer
+import typer.core
+import typer.main
+from msgspec.structs import replace
+from rich.text import Text
+
+from riverbed import events
+from riverbed.bus.keys import require_session
+from riverbed.bus.log import answered_cause
+from riverbed.cli.app import (
+    IMPORT_BATCH,
+    JsonOption,
+    PrefixOption,
+    SessionArg,
+    _bus,
+    _progress,
+    _require_events,
+    _run,
+    _settings,
+    app,
+)
+from riverbed.cli.output import _one_line, _stdout_lines, err_console, visible
+from riverbed.errors import (
+    AlreadyAnswered,
+    AppendConflict,
+    InputError,
+)
+
+
+@app.command("export")
+def export_cmd(
+    session: SessionArg,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Write to this file instead of stdout.", show_default=False)
+    ] = None,
+    prefix: PrefixOption = None,
+) -> None:
+    """A whole session as JSON lines (the input of `riverbed import`)."""
+    settings = _settings(prefix)
+
+    async def go() -> int:
+        async with _bus(settings) as bus:
+            await _require_events(bus, session)
+            count = 0
+            with _output(out) as sink:
+                async for event in bus.session(session).log():
+                    sink.write(events.encode_json(event))
+                    sink.write(b"\n")
+                    count += 1
+            return count
+
+    count = _run(go)
+    if out is not None:
+        _progress(f"exported {count} events of {session!r} to {out}")
+
+
+@contextlib.contextmanager
+def _output(path: Path | None) -> Iterator[Any]:
+    if path is None:
+        yield sys.stdout.buffer
+        sys.stdout.buffer.flush()
+        return
+    try:
+        handle = path.open("wb")
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    with handle:
+        yield handle
+
+
+# --- import ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Row:
+    line: int
+    payload: bytes
+    cause: int
+    tenant: str | None
+    event: events.Event
+
+
+def _normalise_ts(event: events.Event) -> events.Event:
+    """Timestamps are UTC; a naive one in a hand-written file is taken as UTC."""
+    ts = event.ts
+    if ts.tzinfo is None:
+        return replace(event, ts=ts.replace(tzinfo=dt.UTC))
+    if ts.utcoffset() != dt.timedelta(0):
+        return replace(event, ts=ts.astimezone(dt.UTC))
+    return event
+
+
+def parse_import(
+    lines: Iterable[bytes], name: str, *, keep_unknown: bool = False, max_bytes: int | None = None
+) -> list[_Row]:
+    """Validate every line of an export and encode it; raises InputError naming the first bad line.
+
+    Ids, when present, must be 1, 2, 3… in file order; missing ids are assigned by position.
+    A line is read as the log reads it (fields a newer version wrote are ignored), then
+    checked like any appended event: the schema's bounds, nesting, ``max_bytes``, reserved
+    environment names.
+    """
+    rows: list[_Row] = []
+    answered: dict[int, int] = {}
+    for number, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line:
+            continue
+        where = f"{name} line {number}"
+        try:
+            event = events.decode_json(line, keep_id=True)
+        except events.DecodeError as exc:
+            raise InputError(f"{where}: {exc}") from exc
+        expected_id = len(rows) + 1
+        if event.id is not None and event.id != expected_id:
+            raise InputError(
+                f"{where}: event id {event.id} out of order (expected {expected_id}; ids must be 1, 2, 3… or absent)"
+            )
+        if isinstance(event, events.Unknown):
+            payload = event.payload
+            if "kind" not in payload:
+                raise InputError(f"{where}: the object has no 'kind' field")
+            if not keep_unknown:
+                raise InputError(
+                    f"{where}: unknown event kind {event.original_kind!r} or version "
+                    "(`riverbed schema` lists the kinds; --keep-unknown imports it as it is)"
+                )
+            event = events.Unknown(payload={k: v for k, v in payload.items() if k != "id"})
+        else:
+            event = _normalise_ts(replace(event, id=None))
+        cause = answered_cause(event)
+        if cause:
+            if cause in answered:
+                raise InputError(
+                    f"{where}: action {cause} is already answered by event {answered[cause]} "
+                    "(an action gets exactly one observation)"
+                )
+            answered[cause] = expected_id
+        try:
+            payload_bytes = events.check(event, max_bytes=max_bytes)
+        except InputError as exc:
+            raise InputError(f"{where}: {exc}") from exc
+        rows.append(_Row(number, payload_bytes, cause, event.tenant, events.with_id(event, expected_id)))
+    if not rows:
+        raise InputError(f"{name} holds no events")
+    return rows
+
+
+def _read_input(file: str) -> list[bytes]:
+    if file == "-":
+        return sys.stdin.buffer.read().splitlines()
+    try:
+        return Path(file).read_bytes().splitlines()
+    except OSError as exc:
+        raise InputError(f"cannot read {file}: {exc.strerror or exc}") from exc
+
+
+@app.command("import")
+def import_cmd(
+    file: Annotated[str, typer.Argument(help="JSON lines file from `riverbed export` ('-' reads stdin).")],
+    into: Annotated[
+        str | None,
+        typer.Option(
+            "--into", help="New session id (default: the file name without its extension).", show_default=False
+        ),
+    ] = None,
+    keep_unknown: Annotated[
+        bool, typer.Option("--keep-unknown", help="Import kinds this version does not know, unchanged.")
+    ] = False,
+    prefix: PrefixOption = None,
+) -> None:
+    """Load an exported session into a new session id, with the same event ids.
+
+    Every line is validated before anything is written; the import refuses a session that
+    already has events.
+    """
+    from riverbed.agent.replay import RuntimeStart, start_runtime_after  # noqa: PLC0415
+
+    settings = _settings(prefix)
+    if into is None:
+        if file == "-":
+            raise InputError("reading stdin needs --into SESSION to name the new session")
+        into = Path(file).name.split(".", 1)[0]
+    lines = _read_input(file)
+    rows = parse_import(
+        lines, "stdin" if file == "-" else file, keep_unknown=keep_unknown, max_bytes=settings.max_event_bytes
+    )
+    session = into
+    start = RuntimeStart()
+    for row in rows:
+        start.see(row.event)
+
+    async def go() -> None:
+        async with _bus(settings) as bus:
+            store = bus.log_store
+            store.check_session(session)
+            existing = await store.last_id(session)
+            if existing:
+                raise InputError(
+                    f"session {session!r} already has {existing} events; import only into a new "
+                    "session (choose another --into)"
+                )
+            # Imported actions are answered already: a running runtime worker must not run them
+            # again (as for a fork); one still unanswered in the file runs in the new session.
+            await start_runtime_after(bus, session, start.after(len(rows)))
+            tenant = rows[0].tenant
+            last = 0
+            for begin in range(0, len(rows), IMPORT_BATCH):
+                batch = rows[begin : begin + IMPORT_BATCH]
+                try:
+                    result = await store.append_raw(
+                        session, [(r.payload, r.cause) for r in batch], expected_last=last, tenant=tenant
+                    )
+                except AppendConflict as exc:
+                    if last == 0:
+                        raise InputError(
+                            f"session {session!r} already has {exc.actual} events; import only into a new "
+                            "session (choose another --into)"
+                        ) from exc
+                    raise InputError(
+                        f"session {session!r} was written to by someone else during the import "
+                        f"(after event {last}); the import stopped there"
+                    ) from exc
+                if isinstance(result, AlreadyAnswered):
+                    raise result
+                last = result[-1]
+
+    _run(go)
+    _progress(f"imported {len(rows)} events into {session!r}")
+
+
+@app.command("fork")
+def fork_command(
+    session: Annotated[str, typer.Argument(help="Source session id.", callback=require_session)],
+    at: Annotated[int, typer.Option("--at", help="Copy events 1..N.", metavar="N")],
+    into: Annotated[str, typer.Option("--into", help="The new session id.", metavar="NEW")],
+    workspace: Annotated[
+        str,
+        typer.Option(
+            "--workspace",
+            help="How the fork's sandbox is built: replay the actions 1..N (files, cwd, variables, "
+            "Python cells), copy the source's workspace, or empty.",
+            metavar="replay|copy|empty",
+        ),
+    ] = "replay",
+    timeout: Annotated[
+        float,
+        typer.Option("--timeout", help="Seconds to wait for a runtime worker to rebuild the sandbox (0: do not wait)."),
+    ] = 60.0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: the fork and its rebuild.")] = False,
+    prefix: PrefixOption = None,
+) -> None:
+    """New session whose log is events 1..N of the source (same ids), then a `forked` event;
+    its sandbox is rebuilt as it was at N. Exit 3 when an observation came out differently."""
+    from riverbed.agent.replay import fork, wait_rebuilt  # noqa: PLC0415
+
+    settings = _settings(prefix)
+    if timeout < 0:
+        raise InputError(f"--timeout must be 0 or more, not {timeout:g}")
+
+    async def go() -> tuple[int, events.SandboxRebuilt | None]:
+        async with _bus(settings) as bus:
+            forked_id = await fork(bus, session, at, into, workspace=workspace)  # type: ignore[arg-type]
+            if workspace == "empty" or timeout == 0:
+                return forked_id, None
+            err_console.print(
+                f"forked {session} at event {at} into {into}; waiting for a runtime worker to rebuild its sandbox …",
+                style="dim",
+            )
+            return forked_id, await wait_rebuilt(bus, into, forked_id, timeout=timeout)
+
+    forked_id, built = _run(go)
+    if json_out:
+        report = {"session": into, "source": session, "at": at, "forked_id": forked_id, "workspace": workspace}
+        if built is not None:
+            report |= {"actions": built.actions, "differences": built.differences, "note": built.note}
+        _stdout_lines([msgspec.json.encode(report)])
+    else:
+        err_console.print(f"forked {session} at event {at} into {into} (its last event is {forked_id})")
+        if built is None and workspace != "empty":
+            err_console.print(f"its sandbox is rebuilt ({workspace}) when a runtime worker takes {into}")
+        elif built is not None:
+            err_console.print(_rebuilt_summary(built))
+    if built is not None and built.differences:
+        raise typer.Exit(3)
+
+
+def _rebuilt_summary(built: events.SandboxRebuilt) -> Text:
+    if built.method == "copy":
+        line = Text("sandbox rebuilt: copied the source's workspace")
+        return line.append(f" ({visible(built.note)})" if built.note else "")
+    line = Text(f"sandbox rebuilt by replaying {built.actions} actions: ")
+    if not built.differences:
+        return line.append("every observation matched the recording")
+    line.append(f"{len(built.differences)} differences from the recording", style="bold yellow")
+    for d in built.differences:
+        line.append(f"\n  action {d.action_id} ({d.kind}): {d.field} was {_one_line(repr(d.recorded), 80)}, "
+                    f"now {_one_line(repr(d.new), 80)}")  # fmt: skip
+    return line
+
+
+@app.command("rerun")
+def rerun_command(
+    session: Annotated[str, typer.Argument(help="The recorded session.", callback=require_session)],
+    into: Annotated[str | None, typer.Option("--into", help="Also record the re-run as this new session.")] = None,
+    seed: Annotated[
+        Path | None, typer.Option("--seed", help="Directory copied into the fresh workspace first.")
+    ] = None,
+    json_out: JsonOption = False,
+    prefix: PrefixOption = None,
+) -> None:
+    """Re-execute the recorded runtime actions in a fresh workspace and report each difference."""
+    from riverbed.agent.replay import rerun  # noqa: PLC0415
+    from riverbed.runtime import Runtime  # noqa: PLC0415
+    from riverbed.workers.runtime_role import checked_sandbox  # noqa: PLC0415
+
+    settings = _settings(prefix)
+
+    async def go() -> list[Any]:
+        runtime = Runtime(workspace_root=Path(settings.workspace), sandbox=checked_sandbox(settings))
+        try:
+            async with _bus(settings) as bus:
+                await _require_events(bus, session)
+                return list(await rerun(bus, session, runtime, into=into, seed=seed))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await runtime.aclose()
+
+    differences = _run(go)
+    if json_out:
+        _stdout_lines(msgspec.json.encode(d) for d in differences)
+    elif not differences:
+        err_console.print("no differences: every observation matched the recording")
+    else:
+        for d in differences:
+            err_console.print(f"action {d.action_id} ({d.kind}): {d.field} was {d.recorded!r}, now {d.new!r}")
+    if differences:
+        raise typer.Exit(3)

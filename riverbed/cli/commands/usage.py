@@ -1,0 +1,83 @@
+"""`riverbed usage`: tokens and cost per model call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from riverbed.cli.app import JsonOption, PrefixOption, SessionArg, _bus, _require_events, _run, _settings, app
+from riverbed.cli.output import _cell, _stdout_lines, visible
+
+# --- usage: tokens and cost per model call -------------------------------------------------------
+
+
+@app.command("usage")
+def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
+    """Prompt, cached and completion tokens and cost of every model call, and the session's totals.
+
+    Costs come from RIVERBED_PRICES (USD per million tokens per model); without a price a cost is empty.
+    A row at each condensation shows the view's tokens (and events) right before and after it.
+    """
+    from riverbed.agent.usage import parse_prices, usage  # noqa: PLC0415
+
+    settings = _settings(prefix)
+    prices = parse_prices(settings.prices)
+
+    async def go() -> Any:
+        async with _bus(settings) as bus:
+            await _require_events(bus, session)
+            return usage(await bus.session(session).events(), prices)
+
+    report = _run(go)
+    if json_out:
+        _stdout_lines([msgspec.json.encode({"session": session, **msgspec.to_builtins(report)})])
+        return
+    table = Table("event", "model", "prompt", "cached", "completion", "cost (USD)")
+
+    def money(cost: float | None) -> str:
+        return "" if cost is None else f"{cost:.6f}"
+
+    marks = list(report.condensations)
+    for step in report.steps:
+        while marks and marks[0].event_id < step.event_id:
+            _condensation_row(table, marks.pop(0))
+        table.add_row(
+            str(step.event_id),
+            _cell(step.model),
+            str(step.prompt_tokens),
+            str(step.cached_tokens),
+            str(step.completion_tokens),
+            money(step.cost),
+        )
+    for mark in marks:
+        _condensation_row(table, mark)
+    table.add_row(
+        "total",
+        f"{len(report.steps)} calls",
+        str(report.prompt_tokens),
+        str(report.cached_tokens),
+        str(report.completion_tokens),
+        money(report.cost),
+        style="bold",
+    )
+    Console(highlight=False).print(table)
+
+
+# --- usage: the condenser's effect (issue 17) ----------------------------------------------------
+# Self-contained: moves into the cli/ package with `usage`.
+
+
+def _condensation_row(table: Table, mark: Any) -> None:
+    """A marker row in `riverbed usage`: a condensation and the view's size before and after it."""
+    table.add_row(
+        str(mark.event_id),
+        Text(f"{visible(mark.source)} condensation", style="cyan"),
+        Text(f"view {mark.tokens_before} → {mark.tokens_after} tokens", style="cyan"),
+        "",
+        Text(f"{mark.events_before} → {mark.events_after} events", style="cyan"),
+        "",
+    )

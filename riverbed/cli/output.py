@@ -1,0 +1,186 @@
+"""Everything the CLI prints: events as readable lines, escapes of control characters, JSON
+lines on stdout, one-sentence errors on stderr."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import sys
+from collections.abc import Iterable
+from typing import Any, NoReturn
+
+from rich.console import Console
+from rich.text import Text
+
+from riverbed import events
+
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _stdout_lines(lines: Iterable[bytes], *, flush_each: bool = False) -> None:
+    out = sys.stdout.buffer
+    for line in lines:
+        out.write(line)
+        out.write(b"\n")
+        if flush_each:
+            out.flush()
+    out.flush()
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    err_console.print(Text(f"riverbed: {visible(message)}", style="bold red"), soft_wrap=True)
+    raise SystemExit(code)
+
+
+# --- log, export -----------------------------------------------------------------------------
+
+_SOURCE_STYLE = {
+    "agent": "cyan",
+    "user": "green",
+    "runtime": "yellow",
+    "memory": "magenta",
+    "condenser": "blue",
+    "system": "dim",
+}
+_BASE_FIELDS = frozenset(events.Event.__struct_fields__)
+_TEXT_WIDTH = 160
+
+
+# C0 controls but tab and newline, DEL, C1 controls, and the bidirectional overrides that
+# reorder what a terminal shows ("Trojan Source").
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def visible(text: str) -> str:
+    """``text`` with every control character a program could use to drive the terminal
+    (ESC of a CSI or OSC sequence, BEL, a C1 control, a bidi override) shown as an escape
+    such as ``\\x1b``: output of commands is printed, never obeyed.  Tab and newline stay."""
+    return _UNSAFE.sub(_escape, text)
+
+
+def _cell(text: str) -> Text:
+    """A table cell of text from the data: escaped, and never read as rich markup."""
+    return Text(visible(text))
+
+
+def _one_line(text: str, width: int = _TEXT_WIDTH) -> str:
+    flat = " ".join(visible(text).split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def _specific(event: events.Event) -> dict[str, Any]:
+    """The fields that belong to the event's kind (not the envelope every event has)."""
+    raw = events.to_builtins(event)
+    return {k: v for k, v in raw.items() if k not in _BASE_FIELDS and k != "kind"}
+
+
+def _summary(event: events.Event) -> str:
+    """The main content of an event, as one short line."""
+    match event:
+        case events.CmdRun(command=command, is_input=is_input):
+            return f"(input) {command}" if is_input else f"$ {command}"
+        case events.CmdOutput(content=content, exit_code=code, timed_out=timed_out):
+            status = "timed out" if timed_out else f"exit {code}"
+            return f"[{status}] {content}"
+        case events.FileRead(path=path, start=start, end=end):
+            return f"{path}:{start}-{end}" if end is not None else f"{path}:{start}-"
+        case events.FileWrite(path=path, content=content):
+            return f"{path} ({len(content)} chars)"
+        case events.FileEdit(command=command, path=path):
+            return f"{command} {path}"
+        case events.FileContent(path=path, content=content):
+            return f"{path}: {content}"
+        case events.FileEdited(path=path, diff=diff):
+            return f"{path}: {diff}"
+        case events.Recall(recall_type=recall_type, query=query, k=k):
+            return f"{recall_type} k={k}: {query}"
+        case events.RecallResult(recall_type=recall_type, hits=hits, knowledge=knowledge):
+            return f"{recall_type}: {len(hits)} hits, {len(knowledge)} knowledge"
+        case events.Error(reason=reason, content=content, retryable=retryable):
+            return f"{reason}{' (retryable)' if retryable else ''}: {content}"
+        case events.Condensation(forgotten=forgotten, summary=summary):
+            ranges = ", ".join(f"{a}-{b}" for a, b in forgotten)
+            return f"forgot [{ranges}]" + (f": {summary}" if summary else "")
+        case events.Forked(source_session=source_session, at=at, workspace=workspace):
+            return f"forked from {source_session} at {at} (sandbox: {workspace})"
+        case events.SandboxRebuilt(method=method, actions=actions, differences=differences, note=note):
+            done = (
+                f"{method}: {actions} actions re-run, {len(differences)} differences" if method == "replay" else method
+            )
+            return done + (f"; {note}" if note else "")
+        case events.ContextEdit(op=op, ranges=ranges, kinds=kinds, note=note):
+            what = [f"{a}-{b}" if a != b else str(a) for a, b in ranges] + [f"--kind {k}" for k in kinds]
+            return f"{op} {' '.join(what)}" + (f": {note}" if note else "")
+        case events.PythonRun(code=code):
+            return f">>> {code}"
+        case events.PythonOutput():
+            return _python_summary(event)
+        case events.SessionConfig(env=env, condenser=condenser):
+            parts = [f"{name}={value}" if value is not None else f"unset {name}" for name, value in env.items()]
+            if condenser:
+                parts.append("condenser " + " ".join(f"{k}={v}" for k, v in condenser.items()))
+            return ", ".join(parts)
+        case events.Finish(final_thought=final_thought, outputs=outputs):
+            return final_thought + (f" outputs: {json.dumps(outputs, default=str)}" if outputs else "")
+        case events.LlmResponse(model=model, content=content, tool_calls=tool_calls):
+            return f"{model}: {content or ''} ({len(tool_calls)} tool calls)"
+        case events.Unknown(original_kind=original_kind, payload=payload):
+            return f"{original_kind}: {json.dumps(payload, default=str)}"
+    fields = _specific(event)
+    for name in ("content", "thought", "final_thought", "query", "code", "path", "summary"):
+        value = fields.get(name)
+        if isinstance(value, str) and value:
+            return value
+    return json.dumps(fields, default=str) if fields else ""
+
+
+def _python_summary(event: events.PythonOutput) -> str:
+    """A cell's printed output, then its value (``→ 42``), its exception's last line, the
+    files it saved, and whether it timed out or lost the interpreter's state."""
+    parts = [event.content.strip()] if event.content.strip() else []
+    if event.result is not None:
+        parts.append(f"→ {event.result}")
+    if event.exception:
+        parts.append("raised " + event.exception.strip().splitlines()[-1])
+    if event.files:
+        parts.append("files: " + ", ".join(event.files))
+    flags = [name for name, on in (("timed out", event.timed_out), ("state lost", event.state_lost)) if on]
+    return (f"[{', '.join(flags)}] " if flags else "") + " ".join(parts)
+
+
+def _ts(ts: dt.datetime) -> str:
+    if ts.tzinfo is not None:
+        ts = ts.astimezone(dt.UTC)
+    return ts.strftime("%Y-%m-%d %H:%M:%S.") + f"{ts.microsecond // 1000:03d}"
+
+
+def render(event: events.Event) -> Text:
+    """One readable, coloured line for an event."""
+    kind = event.kind if not isinstance(event, events.Unknown) else f"?{visible(event.original_kind)}"
+    kind_style = "bold red" if isinstance(event, events.Error) else "bold" if isinstance(event, events.Action) else ""
+    line = Text()
+    line.append(f"{event.id or '':>6} ", style="bold")
+    line.append(f"{_ts(event.ts)} ", style="dim")
+    line.append(f"{visible(str(event.source)):<9} ", style=_SOURCE_STYLE.get(event.source, ""))
+    line.append(f"{kind:<20} ", style=kind_style)
+    if event.cause is not None:
+        line.append(f"←{event.cause} ", style="dim")
+    line.append(_one_line(_summary(event)))
+    return line
+
+
+def _id_list(ids: tuple[int, ...]) -> str:
+    """``1, 2, 3, 7`` as ``1-3, 7``."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
