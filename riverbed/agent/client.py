@@ -22,6 +22,7 @@ import anyio
 from msgspec.structs import replace
 
 from riverbed import events, tracing
+from riverbed.bus import stats
 from riverbed.bus.connection import Client, connect_redis, translate
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys
 from riverbed.bus.log import Log, answered_cause, decode_entry, entry_id
@@ -273,9 +274,8 @@ class Bus:
         return self.session(session_id, tenant=tenant, agent=agent)
 
     async def sessions(self) -> list[str]:
-        with translate(self.url):
-            raw = await self.redis.zrange(self.keys.sessions, 0, -1)
-        return [s.decode() for s in raw]
+        """Every session, oldest first."""
+        return await stats.list_sessions(self.redis, self.keys, url=self.url)
 
     async def aclose(self) -> None:
         if self.archive is not None:

@@ -9,10 +9,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from riverbed.bus.connection import Client, translate
 from riverbed.bus.keys import Keys
-from riverbed.errors import NotFoundError
+from riverbed.errors import AlreadyAnswered, NotFoundError
+
+if TYPE_CHECKING:
+    from riverbed.bus.log import Log
 
 __all__ = ["DeadLetter", "DeadLetters"]
 
@@ -85,6 +89,18 @@ class DeadLetters:
         if not entries:
             raise NotFoundError(f"no dead letter with id {letter_id!r} (see riverbed dlq list)")
         return _letter(*entries[0])
+
+    async def requeue(self, letter_id: str, log: Log) -> int:
+        """Append the dead-lettered event to its session again (a new id, so every role sees
+        it afresh), then remove the letter; returns the new id."""
+        letter = await self.get(letter_id)
+        result = await log.append_raw(letter.session, [(letter.payload, 0)])
+        if isinstance(result, AlreadyAnswered):
+            raise AlreadyAnswered(
+                result.cause, result.existing, f"that event is already answered by event {result.existing}"
+            )
+        await self.remove(letter_id)
+        return result[0]
 
     async def remove(self, letter_id: str) -> None:
         with translate(self.url):

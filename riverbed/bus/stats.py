@@ -39,6 +39,7 @@ __all__ = [
     "LoopFailure",
     "RoleBacklog",
     "SessionBacklog",
+    "SessionMeta",
     "Status",
     "WorkerInfo",
     "dead_letter_count",
@@ -49,6 +50,7 @@ __all__ = [
     "redis_time",
     "role_backlog",
     "session_backlogs",
+    "session_metas",
     "status",
 ]
 
@@ -143,6 +145,40 @@ async def redis_time(redis: Client, url: str = "redis") -> float:
         reply = next(iter(reply.values()))
     seconds, micros = reply
     return int(seconds) + int(micros) / 1e6
+
+
+@dataclass(frozen=True)
+class SessionMeta:
+    """A session's metadata hash: its last id, tenant (None: none recorded there) and
+    creation time (ms since the epoch)."""
+
+    session: str
+    last: int
+    tenant: str | None
+    created_ms: int | None
+
+
+async def session_metas(redis: Client, keys: Keys, names: Sequence[str], *, url: str = "redis") -> list[SessionMeta]:
+    """The metadata of each of ``names``, in order (one pipelined read per :data:`CHUNK`); a
+    session that does not exist has ``last`` 0."""
+    out: list[SessionMeta] = []
+    for begin in range(0, len(names), CHUNK):
+        part = list(names[begin : begin + CHUNK])
+        with translate(url):
+            async with redis.pipeline(transaction=False) as pipe:
+                for name in part:
+                    pipe.hmget(keys.meta(name), ["last", "tenant", "created"])
+                rows = await pipe.execute()
+        for name, (last, tenant, created) in zip(part, rows, strict=True):
+            out.append(
+                SessionMeta(
+                    session=name,
+                    last=int(last or 0),
+                    tenant=_text(tenant) if tenant else None,
+                    created_ms=int(created) if created else None,
+                )
+            )
+    return out
 
 
 async def list_sessions(redis: Client, keys: Keys, *, limit: int | None = None, url: str = "redis") -> list[str]:

@@ -35,9 +35,6 @@ T = TypeVar("T")
 CONNECT_TIMEOUT = 5.0
 """Seconds a command waits for Redis before it gives up (no minute of retries)."""
 
-IMPORT_BATCH = 1000
-"""Events per append when importing (one Lua call each)."""
-
 #: The order of ``riverbed --help``: a first look, daily work, then operations and plumbing.
 #: Commands not named here follow, in the order they are registered (commands before groups).
 COMMAND_ORDER = (

@@ -90,18 +90,13 @@ async def session_infos(
     out: list[SessionInfo] = []
     for begin in range(0, len(names), CHUNK):
         part = list(names[begin : begin + CHUNK])
-        with translate(bus.url):
-            async with bus.redis.pipeline(transaction=False) as pipe:
-                for name in part:
-                    pipe.hmget(bus.keys.meta(name), ["last", "tenant", "created"])
-                metas = await pipe.execute()
         rows: list[tuple[str, str | None, int, int | None]] = []
-        for name, (last, tenant, created) in zip(part, metas, strict=True):
-            if not last:
+        for meta in await stats.session_metas(bus.redis, bus.keys, part, url=bus.url):
+            if not meta.last:
                 continue
-            owner = tenant.decode() if tenant else await _first_event_tenant(bus, name)
+            owner = meta.tenant if meta.tenant is not None else await _first_event_tenant(bus, meta.session)
             if visible(owner):
-                rows.append((name, owner, int(last), int(created) if created else None))
+                rows.append((meta.session, owner, meta.last, meta.created_ms))
         if not rows:
             continue
         shown = [row[0] for row in rows]

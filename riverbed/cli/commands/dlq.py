@@ -13,9 +13,6 @@ from rich.table import Table
 
 from riverbed.cli.app import JsonOption, PrefixOption, _bus, _run, _settings, app
 from riverbed.cli.output import _cell, _stdout_lines, err_console
-from riverbed.errors import (
-    AlreadyAnswered,
-)
 
 dlq_app = typer.Typer(help="Dead letters: entries a role could not handle.", no_args_is_help=True)
 app.add_typer(dlq_app, name="dlq")
@@ -56,15 +53,7 @@ def dlq_requeue(
 
     async def go() -> int:
         async with _bus(settings) as bus:
-            letters = DeadLetters(bus.redis, bus.keys, bus.url)
-            letter = await letters.get(letter_id)
-            result = await bus.log_store.append_raw(letter.session, [(letter.payload, 0)])
-            if isinstance(result, AlreadyAnswered):
-                raise AlreadyAnswered(
-                    result.cause, result.existing, f"that event is already answered by event {result.existing}"
-                )
-            await letters.remove(letter_id)
-            return result[0]
+            return await DeadLetters(bus.redis, bus.keys, bus.url).requeue(letter_id, bus.log_store)
 
     new_id = _run(go)
     err_console.print(f"requeued dead letter {letter_id} as event {new_id}")

@@ -12,8 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from riverbed.agent.client import Bus
-from riverbed.bus.connection import translate
+from riverbed.bus import stats
 from riverbed.cli.app import JsonOption, PrefixOption, _bus, _progress, _run, _settings, app
 from riverbed.cli.output import _cell, _stdout_lines
 
@@ -33,22 +32,16 @@ def sessions_cmd(as_json: JsonOption = False, prefix: PrefixOption = None) -> No
 
     async def go() -> list[dict[str, Any]]:
         async with _bus(settings) as bus:
-            names = await bus.sessions()
-            rows: list[dict[str, Any]] = []
-            chunk = 500
-            for begin in range(0, len(names), chunk):
-                part = names[begin : begin + chunk]
-                metas = await _metas(bus, part)
-                for name, (last, tenant, created) in zip(part, metas, strict=True):
-                    rows.append(
-                        {
-                            "session": name,
-                            "last": int(last or 0),
-                            "tenant": tenant.decode() if tenant else None,
-                            "created": _iso_ms(created.decode() if created else None),
-                        }
-                    )
-            return rows
+            metas = await stats.session_metas(bus.redis, bus.keys, await bus.sessions(), url=bus.url)
+            return [
+                {
+                    "session": meta.session,
+                    "last": meta.last,
+                    "tenant": meta.tenant,
+                    "created": _iso_ms(str(meta.created_ms) if meta.created_ms is not None else None),
+                }
+                for meta in metas
+            ]
 
     rows = _run(go)
     if as_json:
@@ -63,23 +56,12 @@ def sessions_cmd(as_json: JsonOption = False, prefix: PrefixOption = None) -> No
     Console(highlight=False).print(table)
 
 
-async def _metas(bus: Bus, names: list[str]) -> list[list[bytes | None]]:
-    with translate(bus.url):
-        async with bus.redis.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.hmget(bus.keys.meta(name), "last", "tenant", "created")
-            result: list[list[bytes | None]] = await pipe.execute()
-    return result
-
-
 # --- operations ----------------------------------------------------------------------------
 
 
 @app.command("status")
 def status_command(json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
     """Roles, workers, owners, lag, pending and dead letters."""
-    from riverbed.bus import stats  # noqa: PLC0415
-
     settings = _settings(prefix)
 
     async def go() -> Any:

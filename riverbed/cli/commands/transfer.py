@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import sys
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,14 +13,12 @@ import msgspec
 import typer
 import typer.core
 import typer.main
-from msgspec.structs import replace
 from rich.text import Text
 
 from riverbed import events
+from riverbed.agent.transfer import import_session, parse_import
 from riverbed.bus.keys import require_session
-from riverbed.bus.log import answered_cause
 from riverbed.cli.app import (
-    IMPORT_BATCH,
     JsonOption,
     PrefixOption,
     SessionArg,
@@ -35,8 +31,6 @@ from riverbed.cli.app import (
 )
 from riverbed.cli.output import _one_line, _stdout_lines, err_console, visible
 from riverbed.errors import (
-    AlreadyAnswered,
-    AppendConflict,
     InputError,
 )
 
@@ -85,81 +79,6 @@ def _output(path: Path | None) -> Iterator[Any]:
 # --- import ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Row:
-    line: int
-    payload: bytes
-    cause: int
-    tenant: str | None
-    event: events.Event
-
-
-def _normalise_ts(event: events.Event) -> events.Event:
-    """Timestamps are UTC; a naive one in a hand-written file is taken as UTC."""
-    ts = event.ts
-    if ts.tzinfo is None:
-        return replace(event, ts=ts.replace(tzinfo=dt.UTC))
-    if ts.utcoffset() != dt.timedelta(0):
-        return replace(event, ts=ts.astimezone(dt.UTC))
-    return event
-
-
-def parse_import(
-    lines: Iterable[bytes], name: str, *, keep_unknown: bool = False, max_bytes: int | None = None
-) -> list[_Row]:
-    """Validate every line of an export and encode it; raises InputError naming the first bad line.
-
-    Ids, when present, must be 1, 2, 3… in file order; missing ids are assigned by position.
-    A line is read as the log reads it (fields a newer version wrote are ignored), then
-    checked like any appended event: the schema's bounds, nesting, ``max_bytes``, reserved
-    environment names.
-    """
-    rows: list[_Row] = []
-    answered: dict[int, int] = {}
-    for number, raw in enumerate(lines, start=1):
-        line = raw.strip()
-        if not line:
-            continue
-        where = f"{name} line {number}"
-        try:
-            event = events.decode_json(line, keep_id=True)
-        except events.DecodeError as exc:
-            raise InputError(f"{where}: {exc}") from exc
-        expected_id = len(rows) + 1
-        if event.id is not None and event.id != expected_id:
-            raise InputError(
-                f"{where}: event id {event.id} out of order (expected {expected_id}; ids must be 1, 2, 3… or absent)"
-            )
-        if isinstance(event, events.Unknown):
-            payload = event.payload
-            if "kind" not in payload:
-                raise InputError(f"{where}: the object has no 'kind' field")
-            if not keep_unknown:
-                raise InputError(
-                    f"{where}: unknown event kind {event.original_kind!r} or version "
-                    "(`riverbed schema` lists the kinds; --keep-unknown imports it as it is)"
-                )
-            event = events.Unknown(payload={k: v for k, v in payload.items() if k != "id"})
-        else:
-            event = _normalise_ts(replace(event, id=None))
-        cause = answered_cause(event)
-        if cause:
-            if cause in answered:
-                raise InputError(
-                    f"{where}: action {cause} is already answered by event {answered[cause]} "
-                    "(an action gets exactly one observation)"
-                )
-            answered[cause] = expected_id
-        try:
-            payload_bytes = events.check(event, max_bytes=max_bytes)
-        except InputError as exc:
-            raise InputError(f"{where}: {exc}") from exc
-        rows.append(_Row(number, payload_bytes, cause, event.tenant, events.with_id(event, expected_id)))
-    if not rows:
-        raise InputError(f"{name} holds no events")
-    return rows
-
-
 def _read_input(file: str) -> list[bytes]:
     if file == "-":
         return sys.stdin.buffer.read().splitlines()
@@ -188,8 +107,6 @@ def import_cmd(
     Every line is validated before anything is written; the import refuses a session that
     already has events.
     """
-    from riverbed.agent.replay import RuntimeStart, start_runtime_after  # noqa: PLC0415
-
     settings = _settings(prefix)
     if into is None:
         if file == "-":
@@ -200,44 +117,10 @@ def import_cmd(
         lines, "stdin" if file == "-" else file, keep_unknown=keep_unknown, max_bytes=settings.max_event_bytes
     )
     session = into
-    start = RuntimeStart()
-    for row in rows:
-        start.see(row.event)
 
     async def go() -> None:
         async with _bus(settings) as bus:
-            store = bus.log_store
-            store.check_session(session)
-            existing = await store.last_id(session)
-            if existing:
-                raise InputError(
-                    f"session {session!r} already has {existing} events; import only into a new "
-                    "session (choose another --into)"
-                )
-            # Imported actions are answered already: a running runtime worker must not run them
-            # again (as for a fork); one still unanswered in the file runs in the new session.
-            await start_runtime_after(bus, session, start.after(len(rows)))
-            tenant = rows[0].tenant
-            last = 0
-            for begin in range(0, len(rows), IMPORT_BATCH):
-                batch = rows[begin : begin + IMPORT_BATCH]
-                try:
-                    result = await store.append_raw(
-                        session, [(r.payload, r.cause) for r in batch], expected_last=last, tenant=tenant
-                    )
-                except AppendConflict as exc:
-                    if last == 0:
-                        raise InputError(
-                            f"session {session!r} already has {exc.actual} events; import only into a new "
-                            "session (choose another --into)"
-                        ) from exc
-                    raise InputError(
-                        f"session {session!r} was written to by someone else during the import "
-                        f"(after event {last}); the import stopped there"
-                    ) from exc
-                if isinstance(result, AlreadyAnswered):
-                    raise result
-                last = result[-1]
+            await import_session(bus, session, rows)
 
     _run(go)
     _progress(f"imported {len(rows)} events into {session!r}")
