@@ -1,6 +1,17 @@
-"""The ``riverbed`` command.
+"""The ``riverbed`` command: this entry module (:func:`main` and the exit codes) and its rooms.
 
-Every command follows the same shape, so adding one is a few lines::
+::
+
+    app.py        the Typer app and groups, shared options, settings, the bus, running under anyio
+    output.py     events as readable lines, control-character escapes, JSON lines, errors on stderr
+    commands/     one module per subject (log and view, context, usage, actions, transfer,
+                  sessions and status, services, dlq, archive, serve and keys, schema, agent);
+                  importing a module registers its commands
+
+Domain logic lives in the packages that own it (``riverbed.agent.transfer`` parses and copies
+imports, ``riverbed.bus.dlq`` requeues, ``riverbed.bus.stats`` reads session metadata), where
+``riverbed serve`` shares it.  Every command follows the same shape, so adding one (in the
+``commands`` module of its subject) is a few lines::
 
     @app.command()
     def thing(session: str, prefix: PrefixOption = None) -> None:
