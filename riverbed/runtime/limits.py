@@ -82,9 +82,9 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def rlimits(self, *, confined: bool = False) -> dict[str, int]:
         """The ``resource.RLIMIT_*`` names and values the launcher applies.
 
-        ``confined``: a namespaces sandbox sets its own ``RLIMIT_NPROC`` inside (on its own
-        uid or user namespace, where it is exactly the sandbox's process limit), so the
-        launcher leaves it alone."""
+        ``confined``: a namespaces sandbox counts its processes on its own: a root worker's on
+        the session's uid (the limit set here passes to it), a non-root worker's in its user
+        namespace (set inside, see :meth:`Sandbox.wrap`)."""
         out: dict[str, int] = {"RLIMIT_CORE": 0}
         for name, value in (
             ("RLIMIT_AS", self.address_space),
@@ -94,7 +94,10 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         ):
             if value is not None:
                 out[name] = int(value)
-        if not confined and os.geteuid() != 0:
+        if confined:
+            if os.geteuid() == 0:  # inherited by the session's own uid once the sandbox drops to it
+                out["RLIMIT_NPROC"] = self.max_processes
+        elif os.geteuid() != 0:
             out["RLIMIT_NPROC"] = _user_process_count() + self.max_processes
         return out
 

@@ -172,8 +172,9 @@ class PythonProcess:
         with anyio.move_on_after(self._limits.start_timeout):
             ready = await self._frames.read()
         if not ready or not ready.get("ready"):
+            said = _pending_text(out_r)  # what the sandbox or the interpreter said before it gave up
             await self.close()
-            raise PythonUnavailable("the Python driver did not start in time")
+            raise PythonUnavailable("the Python driver did not start in time" + (f": {said}" if said else ""))
         self._core = frozenset(pid for pid, _ in await anyio.to_thread.run_sync(session_processes, self._proc.pid))
         self._driver_pid = _driver_pid(self._proc.pid, self._core)
         log.debug("python started", pid=self._proc.pid, workspace=str(self._workspace))
@@ -330,6 +331,16 @@ class PythonProcess:
         """The process-count check, for a periodic watcher (between cells too)."""
         if self.alive:
             await self._watch_processes(_Cell(1000, b"-"))
+
+
+def _pending_text(fd: int, limit: int = 2000) -> str:
+    """The last line already written to a non-blocking pipe (without waiting), for an error."""
+    try:
+        data = os.read(fd, limit)
+    except OSError:
+        return ""
+    lines = data.decode(errors="replace").strip().splitlines()
+    return lines[-1][:300] if lines else ""
 
 
 def _driver_pid(sid: int, core: frozenset[int]) -> int:

@@ -223,7 +223,7 @@ class Sandbox:
             ]
         else:
             args.append("--")
-        if nproc is not None:
+        if nproc is not None and not root:  # a root worker's passes from the launcher to the uid
             prlimit = _which("prlimit")
             if prlimit is None:
                 raise SandboxUnavailable("prlimit (util-linux) is missing; it sets the sandbox's process limit")
