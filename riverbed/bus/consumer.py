@@ -355,7 +355,7 @@ class Owner:
                 await self._take(claim, reclaimed=False)
 
     async def _reclaim(self) -> None:
-        period = max(0.05, min(self.lease_seconds / 8, 0.5))
+        period = max(0.05, min(self.lease_seconds / 16, 0.25))
         while not self._stopping.is_set():
             await anyio.sleep(period)
             if self._free() <= 0:

@@ -37,7 +37,17 @@ import structlog
 
 from riverbed import events
 from riverbed.runtime.gate import before_start
-from riverbed.runtime.limits import DRIVER, Limits, kill_processes, launcher_argv, session_processes, spawn, wait_exit
+from riverbed.runtime.limits import (
+    DRIVER,
+    Limits,
+    Lister,
+    kill_processes,
+    launcher_argv,
+    session_processes,
+    spawn,
+    tree_processes,
+    wait_exit,
+)
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
 from riverbed.runtime.sandbox import DRIVER_INSIDE, Outbound, Sandbox
 
@@ -100,6 +110,7 @@ class PythonProcess:
         self._limits = limits
         self._sandbox = sandbox
         self._kernel_nproc = sandbox.confined
+        self._processes: Lister = tree_processes if sandbox.confined else session_processes
         self._core: frozenset[int] = frozenset()
         """the sandbox's own processes (bubblewrap's and the driver), never killed as strays"""
         self._driver_pid = -1
@@ -175,7 +186,7 @@ class PythonProcess:
             said = _pending_text(out_r)  # what the sandbox or the interpreter said before it gave up
             await self.close()
             raise PythonUnavailable("the Python driver did not start in time" + (f": {said}" if said else ""))
-        self._core = frozenset(pid for pid, _ in await anyio.to_thread.run_sync(session_processes, self._proc.pid))
+        self._core = frozenset(pid for pid, _ in await anyio.to_thread.run_sync(self._processes, self._proc.pid))
         self._driver_pid = _driver_pid(self._proc.pid, self._core)
         log.debug("python started", pid=self._proc.pid, workspace=str(self._workspace))
 
@@ -206,7 +217,7 @@ class PythonProcess:
         self._lost = False
         assert self._proc is not None
         images_before = await anyio.to_thread.run_sync(_images, self._workspace)
-        self._before = {pid for pid, _ in await anyio.to_thread.run_sync(session_processes, self._proc.pid)}
+        self._before = {pid for pid, _ in await anyio.to_thread.run_sync(self._processes, self._proc.pid)}
         self._cell_id += 1
         cell = _Cell(self._limits.max_output_chars, self._marker + f"{self._cell_id}__\x1e".encode())
         body = json.dumps({"cell": self._cell_id, "code": action.code, "env": dict(env)}).encode()
@@ -304,7 +315,7 @@ class PythonProcess:
         if self._proc is None or self._kernel_nproc:
             return  # the sandbox's own RLIMIT_NPROC: the kernel refuses the fork
         sid = self._proc.pid
-        count = len(await anyio.to_thread.run_sync(session_processes, sid))
+        count = len(await anyio.to_thread.run_sync(self._processes, sid))
         if count > self._limits.max_processes:
             killed = await anyio.to_thread.run_sync(partial(kill_processes, sid, keep=self._core))
             cell.notes.append(
@@ -321,7 +332,9 @@ class PythonProcess:
             else:
                 os.kill(self._driver_pid, signal.SIGINT)  # not bubblewrap's processes: only the driver
         stopped = await self._wait(cell, self._limits.interrupt_grace)
-        await anyio.to_thread.run_sync(partial(kill_processes, sid, keep=frozenset({sid}), only_new_since=self._before))
+        await anyio.to_thread.run_sync(
+            partial(kill_processes, sid, keep=frozenset({sid}), only_new_since=self._before, lister=self._processes)
+        )
         if not stopped:
             cell.notes.append("[the cell did not stop on KeyboardInterrupt; the Python process was killed]")
             await anyio.to_thread.run_sync(partial(kill_processes, sid))

@@ -46,11 +46,13 @@ from riverbed import events
 from riverbed.runtime.gate import before_start
 from riverbed.runtime.limits import (
     Limits,
+    Lister,
     kill_processes,
     launcher_argv,
     session_processes,
     signal_group,
     spawn,
+    tree_processes,
     wait_exit,
 )
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
@@ -75,6 +77,7 @@ class Shell:
         self._limits = limits
         self._sandbox = sandbox
         self._kernel_nproc = sandbox.confined
+        self._processes: Lister = tree_processes if sandbox.confined else session_processes
         self._nonce = secrets.token_hex(8)
         self._scanner = MarkerScanner(f"\n__RB_{self._nonce}_".encode(), b"__\n")
         self._proc: subprocess.Popen[bytes] | None = None
@@ -152,7 +155,7 @@ class Shell:
             raise ShellUnavailable("bash did not start in time")
         with contextlib.suppress(OSError):
             self._shell_pgrp = os.tcgetpgrp(master)
-        self._core = frozenset(pid for pid, _ in await anyio.to_thread.run_sync(session_processes, self._sid()))
+        self._core = frozenset(pid for pid, _ in await anyio.to_thread.run_sync(self._processes, self._sid()))
         log.debug("shell started", pid=self.pid, workspace=str(self._workspace))
 
     async def close(self) -> None:
@@ -229,7 +232,7 @@ class Shell:
         line = f"source {shlex.quote(str(script))}"
         if cwd is not None:
             line = f"builtin cd -- {shlex.quote(str(cwd))} && {line}"
-        self._before = {pid for pid, _ in await anyio.to_thread.run_sync(session_processes, self._sid())}
+        self._before = {pid for pid, _ in await anyio.to_thread.run_sync(self._processes, self._sid())}
         await before_start()  # nothing awaited from here to the write that starts the command
         self._command = action.command
         self._running = True
@@ -325,7 +328,7 @@ class Shell:
             if not found and fg != self._shell_pgrp:
                 signal_group(fg, signal.SIGKILL)
         killed = await anyio.to_thread.run_sync(
-            partial(kill_processes, sid, keep=frozenset({sid}), only_new_since=self._before)
+            partial(kill_processes, sid, keep=frozenset({sid}), only_new_since=self._before, lister=self._processes)
         )
         if killed:
             notes.append(f"[killed {killed} process(es) the command had started]")
@@ -354,7 +357,7 @@ class Shell:
         if self._kernel_nproc:
             return None  # the sandbox's own RLIMIT_NPROC: the kernel refuses the fork
         sid = self._sid()
-        count = len(await anyio.to_thread.run_sync(session_processes, sid))
+        count = len(await anyio.to_thread.run_sync(self._processes, sid))
         if count <= self._limits.max_processes:
             return None
         killed = await anyio.to_thread.run_sync(partial(kill_processes, sid, keep=self._core))
