@@ -43,7 +43,7 @@ from pathlib import Path
 
 from riverbed.errors import PathRefused
 
-__all__ = ["MAX_SYMLINKS", "Place", "list_files", "open_file", "parts", "read_fd", "read_text", "walk"]
+__all__ = ["MAX_SYMLINKS", "Place", "check_raw", "list_files", "open_file", "parts", "read_fd", "read_text", "walk"]
 
 #: Links followed in one path before it counts as a loop (Linux's own limit).
 MAX_SYMLINKS = 40
@@ -73,7 +73,9 @@ def _real_root(root: str) -> str:
     return os.path.realpath(root)
 
 
-def _check_raw(raw: object) -> str:
+def check_raw(raw: object) -> str:
+    """``raw`` when it can name a path at all (a non-empty UTF-8 string, no NUL, within the
+    length limits), else :class:`PathRefused` with reason ``bad_path``."""
     if not isinstance(raw, str) or raw == "":
         raise PathRefused("bad_path", "the path is empty")
     if "\x00" in raw:
@@ -93,7 +95,7 @@ def parts(root: Path, raw: str) -> list[str]:
     """The components of ``raw`` relative to ``root``, ``..`` resolved lexically (pure but
     for the root's real path); :class:`PathRefused` when it is not a usable path or lies
     outside the root."""
-    _check_raw(raw)
+    check_raw(raw)
     if raw.startswith("/"):
         norm = os.path.normpath(raw)
         for base in dict.fromkeys((os.path.normpath(os.path.abspath(root)), _real_root(os.path.abspath(root)))):

@@ -25,13 +25,12 @@ import os
 import re
 from pathlib import Path
 
+from riverbed.confine import check_raw
 from riverbed.errors import PathRefused
 
 __all__ = ["PathRefused", "confine", "display", "workspace_name"]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-_NAME_MAX = 255
-_PATH_MAX = 4096
 
 
 def workspace_name(session_id: str) -> str:
@@ -54,19 +53,7 @@ def _within(path: str, root: str) -> bool:
 
 def confine(workspace: Path, raw: str) -> Path:
     """The real path that ``raw`` names inside ``workspace``, or :class:`PathRefused`."""
-    if not isinstance(raw, str) or raw == "":
-        raise PathRefused("bad_path", "the path is empty")
-    if "\x00" in raw:
-        raise PathRefused("bad_path", "the path contains a NUL byte")
-    try:
-        encoded = raw.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise PathRefused("bad_path", "the path is not valid UTF-8") from exc
-    if len(encoded) > _PATH_MAX:
-        raise PathRefused("bad_path", f"the path is {len(encoded)} bytes long; the limit is {_PATH_MAX}")
-    for part in raw.split("/"):
-        if len(part.encode("utf-8")) > _NAME_MAX:
-            raise PathRefused("bad_path", f"a path component is longer than {_NAME_MAX} bytes")
+    check_raw(raw)
     root = _real_root(str(workspace))
     joined = raw if os.path.isabs(raw) else os.path.join(root, raw)
     if not _within(os.path.normpath(joined), root) and not _within(os.path.normpath(joined), str(workspace)):
