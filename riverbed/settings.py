@@ -76,6 +76,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     llm_model: str = "gpt-4o-mini"
     lease_seconds: float = 5.0
     concurrency: int = 100
+    redis_connections: int = 12
     drain_seconds: float = 10.0
     max_attempts: int = 3
     metrics_port: int = 0
@@ -125,6 +126,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError("RIVERBED_LEASE_SECONDS must be greater than 0.2")
         if self.concurrency < 1:
             raise ConfigError("RIVERBED_CONCURRENCY must be at least 1")
+        if self.redis_connections < 4:
+            raise ConfigError("RIVERBED_REDIS_CONNECTIONS must be at least 4")
         if self.max_attempts < 1:
             raise ConfigError("RIVERBED_MAX_ATTEMPTS must be at least 1")
         if not self.retention_seconds >= 0:

@@ -295,6 +295,7 @@ class Acker:
 
     def __init__(self, role: str) -> None:
         self.role = role
+        self.ignores_own_answers = False
 
     async def open(self, ctx: SessionContext) -> None:
         pass

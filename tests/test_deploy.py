@@ -334,6 +334,7 @@ def test_each_scaled_object_watches_its_roles_directory() -> None:
 class NullHandler:
     def __init__(self, role: str) -> None:
         self.role = role
+        self.ignores_own_answers = False
 
     async def open(self, ctx: SessionContext) -> None:
         return None

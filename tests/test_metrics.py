@@ -122,6 +122,7 @@ class EchoHandler:
     """Answers file_read with the path; acknowledges everything else."""
 
     role = "runtime"
+    ignores_own_answers = False
 
     def __init__(self) -> None:
         self.embedder = CachedEmbedder(CountingEmbedder())  # type: ignore[arg-type]

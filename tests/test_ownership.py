@@ -23,6 +23,7 @@ class EchoHandler:
     """Answers file_read with the path as content; raises on paths starting with 'boom'."""
 
     role = "runtime"
+    ignores_own_answers = False
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, int]] = []

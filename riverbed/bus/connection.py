@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Iterator
 from importlib import metadata
 from typing import Any, TypeAlias
 from urllib.parse import urlsplit, urlunsplit
 
+import anyio
 import redis
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
@@ -136,12 +138,21 @@ class _CommandTable(AsyncCommandsParser):
 
 
 class Cluster(RedisCluster):
-    """``RedisCluster`` that routes stream reads by their keys without asking a server, and
-    loads its command table from a live primary (:class:`_CommandTable`)."""
+    """``RedisCluster`` that routes stream reads by their keys without asking a server, loads its
+    command table from a live primary (:class:`_CommandTable`) and, when ``limit`` is set, runs
+    at most that many commands at once (each node's pool then never opens more connections:
+    redis-py's cluster client fails a command beyond ``max_connections`` instead of waiting)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limit: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.commands_parser = _CommandTable(self)
+        self.limiter = anyio.CapacityLimiter(limit) if limit is not None else None
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if self.limiter is None:
+            return await super().execute_command(*args, **kwargs)
+        async with self.limiter:
+            return await super().execute_command(*args, **kwargs)
 
     async def _determine_slot(self, command: str, *args: Any) -> int:
         keys = stream_read_keys(command, args)
@@ -172,8 +183,23 @@ def _retry() -> Retry:
     return Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=6)
 
 
-async def connect_redis(url: str, *, max_connections: int = 2000) -> Client:
-    """A connected client for ``url``; raises ConfigError or UnavailableError in one sentence."""
+#: How long a command of a ``shared`` client waits for a free connection before it fails.
+POOL_WAIT_SECONDS = 20.0
+#: Connections a shared cluster client may open per node beyond its command limit (pipelines
+#: and transactions are not counted by the limit).
+CLUSTER_SPARE = 4
+
+
+async def connect_redis(
+    url: str, *, max_connections: int = 2000, shared: bool = False, name: str | None = None
+) -> Client:
+    """A connected client for ``url``; raises ConfigError or UnavailableError in one sentence.
+
+    ``shared``: a worker's client, shared by every session it owns.  It holds at most
+    ``max_connections`` per node, and a command waits for a free one rather than opening more,
+    so the connections do not grow with the sessions.  ``name``: every connection's
+    ``CLIENT SETNAME`` (``CLIENT LIST`` then shows whose connections they are).
+    """
     common: dict[str, Any] = {
         "retry": _retry(),
         "retry_on_error": [rexc.ConnectionError, rexc.TimeoutError],
@@ -181,8 +207,16 @@ async def connect_redis(url: str, *, max_connections: int = 2000) -> Client:
         "health_check_interval": 15,
         **_driver_info(),
     }
+    if name is not None:
+        common["client_name"] = re.sub(r"[^!-~]", "_", name)  # a client name is one word of printable ASCII
     try:
-        client = aioredis.Redis.from_url(url, max_connections=max_connections, **common)
+        if shared:
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=max_connections, timeout=POOL_WAIT_SECONDS, **common
+            )
+            client = aioredis.Redis.from_pool(pool)
+        else:
+            client = aioredis.Redis.from_url(url, max_connections=max_connections, **common)
     except ValueError as exc:
         raise ConfigError(f"the Redis URL {redact(url)!r} is not valid: {exc}") from exc
     try:
@@ -194,7 +228,11 @@ async def connect_redis(url: str, *, max_connections: int = 2000) -> Client:
     if not info.get("cluster_enabled"):
         return client
     await client.aclose()
-    cluster = Cluster.from_url(url, max_connections=max_connections, **common)
+    if shared:
+        spare = max_connections + CLUSTER_SPARE
+        cluster = Cluster.from_url(url, max_connections=spare, limit=max_connections, **common)
+    else:
+        cluster = Cluster.from_url(url, max_connections=max_connections, **common)
     with translate(url):
         await cluster.initialize()
     return cluster

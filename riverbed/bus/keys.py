@@ -17,6 +17,8 @@ key                                    what
 ``{p}:{s}:claims``                     hash: action id -> ``worker:token:nonce`` of the runtime owner
                                        that started it (removed when the action is answered)
 ``{p}:{s}:idem:<key>``                 string ``first:count`` for a retried append (with TTL)
+``{p}:{s}:wake``                       shard Pub/Sub channel (not a key): the append script publishes
+                                       the log's last id on it (``bus/wakeups.py``)
 ``{p}:{p}:dir:<role>``                 stream: sessions waiting for / held by a role owner
 ``{p}:{p}:sessions``                   sorted set: every session, scored by creation time
 ``{p}:{p}:workers``                    sorted set: worker name -> last heartbeat (unix seconds)
@@ -83,6 +85,9 @@ class Keys:
 
     def idem(self, session: str, key: str) -> str:
         return f"{self.prefix}:{{{session}}}:idem:{key}"
+
+    def wake(self, session: str) -> str:
+        return f"{self.prefix}:{{{session}}}:wake"
 
     def directory(self, role: str) -> str:
         return f"{self.prefix}:{{{self.prefix}}}:dir:{role}"

@@ -258,6 +258,7 @@ class Log:
             keys.answers(session),
             keys.idem(session, idempotency_key),
             keys.claims(session),
+            keys.wake(session),
         ]
         return PreparedAppend(self, session, script_keys, args, expected_last, fence, tenant)
 

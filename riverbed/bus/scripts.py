@@ -12,7 +12,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: log, meta, answers, idem, claims
+# KEYS: log, meta, answers, idem, claims, wake (the session's shard channel: ``bus/wakeups.py``)
 # ARGV: expected_last ('' = any), idem_ttl_ms ('' = no idempotency key), role ('' = not an owner),
 #       token, ack_group ('' = none), ack_id, tenant, n, pass_own ('1': the acking group need not
 #       see this answer), then n pairs (payload, answered cause or 0)
@@ -106,6 +106,7 @@ if ARGV[5] ~= '' then
     end
   end
 end
+redis.call('SPUBLISH', KEYS[6], last)
 local reply = {'ok', first, n, created}
 for _, role in ipairs({'runtime', 'memory', 'condenser'}) do
   -- need:<role> holds when the session was last announced to that role (0: never); announce

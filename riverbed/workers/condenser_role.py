@@ -23,7 +23,7 @@ from openai import AsyncOpenAI
 
 from riverbed import events, tracing
 from riverbed.bus.consumer import Entry, SessionContext
-from riverbed.errors import AppendConflict, ConfigError, UnavailableError
+from riverbed.errors import ConfigError, UnavailableError
 from riverbed.memory.condensers import CondenserConfig, condense, should_condense
 from riverbed.memory.view import ViewBuilder
 from riverbed.settings import Settings
@@ -43,6 +43,7 @@ class _State:
 
 class CondenserHandler:
     role = "condenser"
+    ignores_own_answers = False
 
     def __init__(self, *, llm: AsyncOpenAI | None, model: str | None) -> None:
         self.llm = llm
@@ -54,7 +55,7 @@ class CondenserHandler:
         self.states[ctx.session] = state
         if ctx.tenant is None:
             ctx.tenant = (await ctx.log.meta(ctx.session)).get("tenant") or None
-        group_next = await _delivered_up_to(ctx)
+        group_next = await ctx.delivered_up_to()
         async for event in ctx.log.read(ctx.session, 1, group_next):
             self._fold(state, event)
 
@@ -100,12 +101,9 @@ class CondenserHandler:
             await ctx.ack(others)
             return
         if condensation is not None:
-            try:
-                await self._publish(ctx, _stamped(ctx, state, condensation, requests), requests, state.builder.last_id)
-            except AppendConflict:
-                # The log moved: leave the entries unacknowledged; they are retried on the newer history.
-                ctx.owner.stats.append_conflicts += 1
-                raise
+            # An AppendConflict (the log moved) leaves the entries unacknowledged: the batch is
+            # retried on the newer history.
+            await self._publish(ctx, _stamped(ctx, state, condensation, requests), requests, state.builder.last_id)
         await ctx.ack(others)
 
     async def _publish(
@@ -164,17 +162,6 @@ def _stamped(ctx: SessionContext, state: _State, event: E, requests: Sequence[En
         if child is not None:
             changes["trace"] = child
     return replace(event, **changes) if changes else event
-
-
-async def _delivered_up_to(ctx: SessionContext) -> int:
-    """The last id already delivered to this role's group (its view is rebuilt up to there)."""
-    groups = await ctx.owner.redis.xinfo_groups(ctx.owner.keys.log(ctx.session))
-    for group in groups:
-        if group["name"] in (ctx.role, ctx.role.encode()):
-            raw = group["last-delivered-id"]
-            text = raw.decode() if isinstance(raw, bytes) else str(raw)
-            return int(text.partition("-")[0])
-    return 0
 
 
 def build_condenser_handler(settings: Settings) -> CondenserHandler:

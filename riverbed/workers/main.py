@@ -29,6 +29,7 @@ from riverbed.bus.archive import Archive, Retention
 from riverbed.bus.connection import Client, connect_redis, translate
 from riverbed.bus.consumer import Handler, Owner
 from riverbed.bus.keys import ROLES, Keys
+from riverbed.bus.wakeups import Wakeups
 from riverbed.errors import ConfigError, UnavailableError
 from riverbed.settings import Settings
 from riverbed.workers.http import serve as serve_http
@@ -84,6 +85,8 @@ class Worker:
         self.name = name
         self.roles = list(roles)
         self.started = time.time()
+        self.wakeups = Wakeups(redis, self.keys)
+        """One subscribed connection per Redis node wakes every role's session loops."""
         self.owners = {
             role: Owner(
                 redis,
@@ -95,6 +98,7 @@ class Worker:
                 park_after=park_after,
                 max_attempts=settings.max_attempts,
                 url=url,
+                wakeups=self.wakeups,
             )
             for role in self.roles
         }
@@ -130,6 +134,7 @@ class Worker:
             if self.settings.metrics_port:
                 # first, so /healthz answers (and /readyz says why not) while the owners start
                 await tg.start(partial(serve_http, self, self.settings.metrics_port, metrics=self.metrics))
+            await tg.start(self.wakeups.run)
             for owner in self.owners.values():
                 background = getattr(owner.handler, "background", None)
                 if background is not None:
@@ -238,7 +243,8 @@ async def run_worker(
     from riverbed.agent.client import resolve_redis_url  # noqa: PLC0415
 
     url = resolve_redis_url(settings)
-    redis = await connect_redis(url)
+    name = name or default_name()
+    redis = await connect_redis(url, max_connections=settings.redis_connections, shared=True, name=f"riverbed:{name}")
     handlers, closers = build_handlers(roles, settings)
     archive = Archive(settings.database_url, schema=settings.prefix) if settings.database_url else None
     if archive is not None:
@@ -247,7 +253,7 @@ async def run_worker(
         redis,
         settings,
         roles,
-        name=name or default_name(),
+        name=name,
         handlers=handlers,
         url=url,
         park_after=park_after,

@@ -44,6 +44,7 @@ LATE_CHECK_SECONDS = 0.5
 
 class MemoryHandler:
     role = "memory"
+    ignores_own_answers = False
 
     def __init__(self, memory: Memory, *, workspace_root: Path | None = None) -> None:
         self.memory = memory

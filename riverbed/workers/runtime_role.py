@@ -25,7 +25,7 @@ from msgspec.structs import replace
 
 from riverbed import events
 from riverbed.agent.replay import pending_fork, rebuild
-from riverbed.bus.consumer import Entry, SessionContext
+from riverbed.bus.consumer import Answer, Entry, SessionContext
 from riverbed.bus.faults import crashpoint
 from riverbed.errors import InputError, RiverbedError
 from riverbed.runtime import Runtime, Sandbox
@@ -106,23 +106,27 @@ class RuntimeHandler:
         if env:
             self._set_env(ctx.session, env)
 
-    async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
+    async def handle(self, ctx: SessionContext, entries: list[Entry]) -> Answer | None:
+        """Run the batch's actions in order; the last entry's answer is returned, for the loop
+        to send with its next read."""
         forked = next((e for e in entries if isinstance(e.event, events.Forked) and e.event.workspace != "empty"), None)
         if forked is not None:
             await self._fold(ctx, forked.id)  # before the copied actions still unanswered in this batch
         done: list[int] = []
         last = entries[-1]
+        held: Answer | None = None
         for entry in entries:
             event = entry.event
             if for_runtime(event):
                 await ctx.ack(done)
                 done = []
-                await self._claim_and_run(ctx, entry, soon=entry is last)
+                held = await self._claim_and_run(ctx, entry, hold=entry is last)
             else:
                 if isinstance(event, events.SessionConfig) and event.env:
                     self._set_env(ctx.session, event.env)
                 done.append(entry.id)
         await ctx.ack(done)
+        return held
 
     def _set_env(self, session: str, env: dict[str, str | None]) -> None:
         """Apply a session's environment; a name the boundary would refuse (a log written
@@ -137,20 +141,22 @@ class RuntimeHandler:
             good[name] = value
         self.runtime.set_env(session, good)
 
-    async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
+    async def recover(self, ctx: SessionContext, entries: list[Entry]) -> Answer | None:
         for entry in entries:
             if for_runtime(entry.event):
                 await self._claim_and_run(ctx, entry)
             else:
                 await self.handle(ctx, [entry])
+        return None
 
     async def close(self, ctx: SessionContext) -> None:
         await self.runtime.close_session(ctx.session)
 
-    async def _claim_and_run(self, ctx: SessionContext, entry: Entry, *, soon: bool = False) -> None:
+    async def _claim_and_run(self, ctx: SessionContext, entry: Entry, *, hold: bool = False) -> Answer | None:
         """Claim the action, then run it, acknowledge it (answered already) or answer it
         ``runtime_lost`` (another owner started it).  A stale owner's claim raises
-        :class:`FencedError`, which ends its session loop before anything runs."""
+        :class:`FencedError`, which ends its session loop before anything runs.  With ``hold``,
+        the answer of an action that ran is returned instead of appended."""
         event = entry.event
         force = isinstance(event, events.Action) and type(event).repeatable
         claimed = await ctx.claim(entry, force=force)
@@ -167,8 +173,8 @@ class RuntimeHandler:
                     raise RiverbedError(f"action {entry.id} was {claimed.status} elsewhere while this worker stalled")
 
             with gated(still_ours):
-                await self._execute(ctx, entry, soon=soon)
-        elif claimed.status == "answered":
+                return await self._execute(ctx, entry, hold=hold)
+        if claimed.status == "answered":
             await ctx.ack([entry.id])
         else:
             log.warning("action.lost", session=ctx.session, event_id=entry.id, claimed_by=claimed.detail)
@@ -181,14 +187,16 @@ class RuntimeHandler:
                     retryable=True,
                 ),
             )
+        return None
 
-    async def _execute(self, ctx: SessionContext, entry: Entry, *, soon: bool = False) -> None:
-        """Run the action and answer it; ``soon``: with the loop's next read (the batch's last)."""
+    async def _execute(self, ctx: SessionContext, entry: Entry, *, hold: bool = False) -> Answer | None:
+        """Run the action and answer it, or with ``hold`` return the answer (the batch's last,
+        sent with the loop's next read)."""
         event = entry.event
         assert isinstance(event, events.Action | events.Unknown)
         observation = await self.runtime.execute(ctx.session, event)
         crashpoint("after_side_effect")
-        if soon:
-            ctx.answer_soon(entry, observation)
-        else:
-            await ctx.answer(entry, observation)
+        if hold:
+            return Answer(entry, observation)
+        await ctx.answer(entry, observation)
+        return None

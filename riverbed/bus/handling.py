@@ -1,0 +1,200 @@
+"""What a role's handler sees of the consumer loop: entries, the session context, the protocol.
+
+A :class:`Handler` gets the entries of one session in log order and answers or acknowledges
+each one through its :class:`SessionContext`.  For the batch's last action it may instead
+return an :class:`Answer`: the session loop sends it in one write with its next read
+(``bus/session_loop.py``), one round trip for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from msgspec.structs import replace
+
+from riverbed import events, tracing
+from riverbed.bus.backoff import until_answered
+from riverbed.bus.claims import Claimed
+from riverbed.bus.connection import translate
+from riverbed.bus.faults import crashpoint
+from riverbed.bus.keys import PAYLOAD_FIELD
+from riverbed.bus.log import AlreadyAnswered, Fence, PreparedAppend, decode_entry, entry_id
+from riverbed.errors import AppendConflict
+
+if TYPE_CHECKING:
+    from riverbed.bus.consumer import Owner
+
+__all__ = ["Answer", "Entry", "Handler", "OwnerStats", "SessionContext"]
+
+
+@dataclass
+class Entry:
+    """One log entry as delivered to a role: its id, the decoded event and the raw payload."""
+
+    id: int
+    event: events.Event
+    payload: bytes
+    deliveries: int = 1
+
+    @property
+    def undecodable(self) -> bool:
+        return isinstance(self.event, events.Unknown) and "undecodable" in self.event.payload
+
+    @classmethod
+    def from_stream(cls, raw_id: bytes, fields: dict[bytes, bytes]) -> Entry:
+        event_id = entry_id(raw_id)
+        payload = fields.get(PAYLOAD_FIELD, b"")
+        return cls(id=event_id, event=decode_entry(payload, event_id), payload=payload)
+
+
+class Answer(NamedTuple):
+    """The observation answering an entry, for the session loop to send with its next read."""
+
+    entry: Entry
+    observation: events.Observation
+
+
+@dataclass
+class OwnerStats:
+    """Counters an operator pages on; exported as Prometheus metrics by the worker.
+
+    Handler durations are not kept one by one: each is counted, summed and passed to the
+    ``observers`` (the worker's latency histogram), so memory stays constant.
+    """
+
+    handled: int = 0
+    redeliveries: int = 0
+    dead_letters: int = 0
+    takeovers: int = 0
+    append_conflicts: int = 0
+    lost: int = 0
+    handler_calls: int = 0
+    handler_seconds_total: float = 0.0
+    observers: list[Callable[[float], None]] = field(default_factory=list)
+
+    def observe_handler(self, seconds: float) -> None:
+        self.handler_calls += 1
+        self.handler_seconds_total += seconds
+        for observe in self.observers:
+            observe(seconds)
+
+
+class SessionContext:
+    """What a handler may do for the session it serves, with the owner's fencing token."""
+
+    def __init__(self, owner: Owner, session: str, token: int) -> None:
+        self._owner = owner
+        self.session = session
+        self.role = owner.role
+        self.worker = owner.worker
+        self.fence = Fence(owner.role, token)
+        self.log = owner.log
+        self.last_seen = 0
+        self.tenant: str | None = None
+
+    async def answer(self, entry: Entry, observation: events.Observation, *, ack: bool = True) -> int | None:
+        """Append the one observation answering ``entry`` and acknowledge the entry atomically.
+
+        Returns its id, or None when the action was answered already (then only acks).
+        ``ack=False`` leaves the entry pending: the handler is not done with it yet.
+        """
+        # Retried until Redis answers: the one-answer guard makes a repeat of an append that did
+        # go through a no-op, and giving up here would make the loop run the action again.
+        result = await until_answered(self.prepare_answer(entry, observation, ack=ack).run, self._owner.stopping)
+        if not ack:
+            return None if isinstance(result, AlreadyAnswered) else result[0]
+        return await self.answered(entry, result)
+
+    def prepare_answer(self, entry: Entry, observation: events.Observation, *, ack: bool = True) -> PreparedAppend:
+        """The fenced (and, with ``ack``, acknowledging) append of ``observation`` as the answer to ``entry``."""
+        changes: dict[str, Any] = {}
+        if observation.cause != entry.id:
+            changes["cause"] = entry.id
+        if observation.tenant is None and self.tenant is not None:
+            changes["tenant"] = self.tenant
+        if observation.trace is None and entry.event.trace is not None:
+            changes["trace"] = tracing.child_of(entry.event.trace)
+        obs = replace(observation, **changes) if changes else observation
+        return self.log.prepare(
+            self.session,
+            [(events.encode(obs), entry.id)],
+            fence=self.fence,
+            ack=(self.role, f"{entry.id}-0") if ack else None,
+            pass_own=self._owner.handler.ignores_own_answers,
+        )
+
+    async def answered(self, entry: Entry, result: list[int] | AlreadyAnswered) -> int | None:
+        """Finish an answer's append: the answer's id, or None (acknowledged) when one existed."""
+        crashpoint("after_append")
+        if isinstance(result, AlreadyAnswered):
+            await self.ack([entry.id])
+            return None
+        return result[0]
+
+    async def append(self, batch: Sequence[events.Event], *, expected_last: int | None = None) -> list[int]:
+        """Append ``batch`` with the owner's fencing token; counts an :class:`AppendConflict`."""
+        try:
+            result = await self.log.append(self.session, batch, fence=self.fence, expected_last=expected_last)
+        except AppendConflict:
+            self._owner.stats.append_conflicts += 1
+            raise
+        if isinstance(result, AlreadyAnswered):
+            return []
+        return result
+
+    async def ack(self, ids: Sequence[int]) -> None:
+        if not ids:
+            return
+        crashpoint("before_ack")
+        owner = self._owner
+        with translate(owner.url):
+            await owner.redis.xack(owner.keys.log(self.session), self.role, *[f"{i}-0" for i in ids])
+
+    async def claim(self, entry: Entry, *, force: bool = False, again: Claimed | None = None) -> Claimed:
+        """Claim ``entry`` with the owner's fencing token before running it (``bus/claims.py``);
+        :class:`FencedError` when this owner's lease was taken over."""
+        return await self._owner.claims.claim(
+            self.session, entry.id, self.fence, force=force, again=again, stopping=self._owner.stopping
+        )
+
+    async def is_answered(self, action_id: int) -> bool:
+        owner = self._owner
+        with translate(owner.url):
+            return bool(await owner.redis.hexists(owner.keys.answers(self.session), str(action_id)))
+
+    async def delivered_up_to(self) -> int:
+        """The last id the log already delivered to this role's group (0: none)."""
+        owner = self._owner
+        with translate(owner.url):
+            groups = await owner.redis.xinfo_groups(owner.keys.log(self.session))
+        for group in groups:
+            if group["name"] in (self.role, self.role.encode()):
+                raw = group["last-delivered-id"]
+                text = raw.decode() if isinstance(raw, bytes) else str(raw)
+                return int(text.partition("-")[0])
+        return 0
+
+
+class Handler(Protocol):
+    """A role's behaviour for the sessions it owns."""
+
+    role: str
+    ignores_own_answers: bool
+    """The handler never needs its own answers delivered back (the runtime: it handles actions,
+    never observations), so the append of an answer moves the role's group past it."""
+
+    async def open(self, ctx: SessionContext) -> None:
+        """Called after the session is acquired, before any entry (e.g. fold its settings)."""
+
+    async def recover(self, ctx: SessionContext, entries: list[Entry]) -> Answer | None:
+        """Entries that were in flight on a previous owner (delivered, never acknowledged);
+        handled like :meth:`handle`."""
+
+    async def handle(self, ctx: SessionContext, entries: list[Entry]) -> Answer | None:
+        """New entries, in log order; acknowledge (or answer) each one, except that the answer to
+        the batch's last entry may be returned instead, for the loop to send with its next read."""
+
+    async def close(self, ctx: SessionContext) -> None:
+        """Called when the session is released, parked or lost."""

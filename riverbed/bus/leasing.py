@@ -1,0 +1,213 @@
+"""Taking and keeping sessions: intake, reclaim and renew, for one role in one worker.
+
+- **intake** reads new directory entries (bounded ``BLOCK``) while the owner has room, and
+  acquires them;
+- **reclaim** takes over sessions whose owner stopped renewing (``XAUTOCLAIM`` after a lease);
+- **renew** pushes every owned lease forward every quarter of a lease; a session whose
+  renewal fails is abandoned at once (its fencing token is stale anyway).
+
+Redis may lose its data under a running owner (a restart without persistence, a failover to
+an empty replica, FLUSHALL).  When the directory group is gone (``NOGROUP``), intake or
+reclaim creates it again and lets go of every session held, whose lease handles went with it.
+A session announced anew while held here lost its lease the same way: its loop ends, and the
+session is taken as new.  A loop that keeps failing is recorded in the owner's failures
+(``/readyz`` turns red until a round succeeds).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+import anyio
+import structlog
+
+from riverbed.bus.backoff import until_answered
+from riverbed.bus.faults import crashpoint
+from riverbed.bus.ownership import Claim
+from riverbed.bus.session_loop import group_lost
+from riverbed.errors import UnavailableError
+
+if TYPE_CHECKING:
+    from riverbed.bus.consumer import Owner
+
+__all__ = ["Leasing"]
+
+log = structlog.get_logger("riverbed.worker")
+
+
+class Leasing:
+    """The intake, reclaim and renew loops of one owner."""
+
+    def __init__(self, owner: Owner) -> None:
+        self.owner = owner
+        self.leases = owner.leases
+        self.role = owner.role
+        self._taking: set[str] = set()
+        self.slot_freed = anyio.Event()
+
+    def free(self) -> int:
+        return self.owner.capacity - len(self.owner.owned)
+
+    async def intake(self) -> None:
+        owner = self.owner
+        for claim in await until_answered(lambda: self.leases.read_own_pending(owner.capacity), owner.stopping):
+            await self.take(claim, reclaimed=True)
+        while not owner.stopping.is_set():
+            if self.free() <= 0:
+                owner.failures.clear("intake")  # not reading is not failing
+                self.slot_freed = anyio.Event()
+                with anyio.move_on_after(1.0):
+                    await self.slot_freed.wait()
+                continue
+            try:
+                claims = await self.leases.read_new(self.free(), block_ms=1000)
+            except Exception as exc:
+                # The worker's own loops outlive any failure, a client library's included (seen
+                # in redis-py's cluster client while a failover closes connections under a command).
+                await self._round_failed("intake", exc)
+                continue
+            owner.failures.clear("intake")
+            await self._take_all(claims, reclaimed=False)
+
+    async def reclaim(self) -> None:
+        owner = self.owner
+        period = max(0.05, min(owner.lease_seconds / 16, 0.25))
+        while not owner.stopping.is_set():
+            await anyio.sleep(period)
+            if self.free() <= 0:
+                owner.failures.clear("reclaim")
+                continue
+            try:
+                claims = await self.leases.reclaim_stale(self.free())
+            except Exception as exc:
+                await self._round_failed("reclaim", exc)
+                continue
+            owner.failures.clear("reclaim")
+            await self._take_all(claims, reclaimed=True)
+
+    async def renew(self) -> None:
+        # A fixed schedule, four rounds a lease: a round that runs late (a busy event loop) does
+        # not push the next one back, so a live owner keeps its lease under load.
+        owner = self.owner
+        period = owner.lease_seconds / 4
+        due = anyio.current_time()
+        while not owner.stopping.is_set():
+            due += period
+            now = anyio.current_time()
+            if due < now - period:
+                due = now  # we fell more than a round behind: renew now, then keep the schedule
+            await anyio.sleep(max(0.0, due - now))
+            snapshot = {s: (o.entry, o.token) for s, o in owner.owned.items()}
+            crashpoint("during_renew")
+            try:
+                lost = await self.leases.renew(snapshot)
+            except Exception as exc:
+                await self._round_failed("renew", exc, pause=False)  # the schedule paces it
+                continue
+            owner.failures.clear("renew")
+            for session in lost:
+                owned = owner.owned.get(session)
+                if owned is not None:
+                    log.warning("lease.lost", role=self.role, session=session)
+                    owner.stats.lost += 1
+                    owned.scope.cancel()
+
+    async def _take_all(self, claims: list[Claim], *, reclaimed: bool) -> None:
+        """Take many sessions at once: a thousand new sessions are acquired side by side, not
+        one round trip after the other (the worker's connection pool bounds the concurrency)."""
+        if len(claims) == 1:
+            await self.take(claims[0], reclaimed=reclaimed)
+            return
+        async with anyio.create_task_group() as tg:
+            for claim in claims:
+                tg.start_soon(partial(self.take, claim, reclaimed=reclaimed))
+
+    async def take(self, claim: Claim, *, reclaimed: bool) -> None:
+        """Take ``claim`` if it is free; while Redis is unreachable it stays in the directory."""
+        try:
+            await self._try_take(claim, reclaimed=reclaimed)
+        except UnavailableError as exc:
+            log.warning("take.unavailable", role=self.role, session=claim.session, error=str(exc))
+        except Exception:
+            log.exception("take.failed", role=self.role, session=claim.session)
+
+    async def _try_take(self, claim: Claim, *, reclaimed: bool) -> None:
+        owner = self.owner
+        if owner.stopping.is_set():
+            # Read while shutting down: pass it on to a peer at once.
+            await self.leases.reannounce(claim)
+            return
+        if claim.session in self._taking:
+            return  # the intake and the reclaimer met the same entry; one of them takes it
+        owned = owner.owned.get(claim.session)
+        if owned is not None:
+            if claim.entry == owned.entry:
+                return
+            if await self.leases.holds(claim.session, owned.token):
+                await self.leases.drop(claim)  # a duplicate announce
+                return
+            # Announced anew while held here: the lease is gone (Redis lost its data), so is
+            # everything this worker kept for the session.  End that loop; take the session as new.
+            log.warning("session.state_lost", role=self.role, session=claim.session)
+            owned.scope.cancel()
+            await owner.wait_for(lambda: owner.owned.get(claim.session) is not owned, owner.lease_seconds)
+            if claim.session in owner.owned:
+                return  # still closing: the entry stays pending here and is reclaimed after a lease
+        self._taking.add(claim.session)
+        try:
+            await self._acquire(claim, reclaimed=reclaimed)
+        finally:
+            self._taking.discard(claim.session)
+
+    async def _acquire(self, claim: Claim, *, reclaimed: bool) -> None:
+        try:
+            got = await self.leases.acquire(claim)
+        except UnavailableError as exc:
+            log.warning("acquire.unavailable", role=self.role, session=claim.session, error=str(exc))
+            return
+        if got.token == 0:
+            if reclaimed and got.holder_entry == claim.entry:
+                await self.leases.hand_back(claim, got.holder, got.left_ms)
+            else:
+                await self.leases.drop(claim)
+            return
+        if reclaimed:
+            self.owner.stats.takeovers += 1
+        log.info("session.acquired", role=self.role, session=claim.session, token=got.token, reclaimed=reclaimed)
+        self.owner.start_session(claim.session, claim.entry, got.token)
+
+    async def _rebuild_directory(self) -> None:
+        """The role's directory group is gone: create it again and let go of every session held
+        (their lease handles went with it; a release re-announces a session whose lease stands)."""
+        owner = self.owner
+        await self.leases.ensure_group()
+        held = list(owner.owned.items())
+        log.warning("directory.rebuilt", role=self.role, released=sorted(owner.owned))
+        for _session, owned in held:
+            owned.scope.cancel()
+        await owner.wait_for(lambda: all(owner.owned.get(s) is not o for s, o in held), owner.lease_seconds)
+
+    async def _round_failed(self, loop: str, exc: Exception, *, pause: bool = True) -> None:
+        """A round of a role loop failed: rebuild the directory group when it is gone, else
+        record the failure (``/readyz`` shows it until a round succeeds) and back off."""
+        if group_lost(exc):
+            try:
+                await self._rebuild_directory()
+            except Exception as again:  # recorded and retried like the round itself
+                exc = again
+            else:
+                return
+        failure = self.owner.failures.record(loop, exc)
+        if isinstance(exc, UnavailableError):
+            log.warning(f"{loop}.unavailable", role=self.role, error=str(exc), retry_in=failure.retry_in)
+        else:
+            log.warning(
+                f"{loop}.failed",
+                role=self.role,
+                error=failure.error,
+                attempts=failure.attempts,
+                exc_info=exc if failure.attempts == 1 else False,
+            )
+        if pause:
+            await anyio.sleep(failure.retry_in)

@@ -1,0 +1,263 @@
+"""The loop serving one owned session: read, recover strays, park, send the answer with the next read.
+
+It creates the role's consumer group on the log, watches the session's wake-ups
+(``bus/wakeups.py``), hands entries that were in flight on the previous owner to the handler's
+``recover``, then reads new entries (``XREADGROUP >`` without ``BLOCK``, on the worker's shared
+connection pool) whenever the session's bell rings, and at least once a second.  Every second
+it also recovers entries left pending with nobody working on them (a delivery whose reply was
+lost with a broken connection, or one that a stale owner read after the takeover).  An answer
+the handler returned (:class:`~riverbed.bus.handling.Answer`) goes out in one write with the
+next read (``bus/exchange.py``); anything else the loop does first sends it on its own.
+
+A session idle for ``park_after`` is parked: released without an owner until its next append
+announces it again.  When the log's group is gone, or the log delivers ids at or before the
+last one this loop handled (the log started over), the loop checks its lease and ends if it
+was lost with Redis's data, never re-creating a group that would hand a stale owner the new
+log's actions.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import redis.exceptions as rexc
+import structlog
+
+from riverbed.bus.backoff import Backoff
+from riverbed.bus.connection import translate
+from riverbed.bus.exchange import exchange, stream_entries
+from riverbed.bus.faults import crashpoint
+from riverbed.bus.handling import Answer, Entry, SessionContext
+from riverbed.bus.log import entry_id
+from riverbed.errors import FencedError, UnavailableError
+
+if TYPE_CHECKING:
+    from riverbed.bus.consumer import Owned, Owner
+
+__all__ = ["READ_COUNT", "STRAY_CHECK_SECONDS", "SessionLoop", "group_lost"]
+
+log = structlog.get_logger("riverbed.worker")
+
+READ_COUNT = 100
+#: How often an owned session looks for entries pending with nobody working on them, and reads
+#: once even when its bell did not ring (a wake-up lost while a feed reconnected).
+STRAY_CHECK_SECONDS = 1.0
+
+
+class SessionLoop:
+    """Serves one session for one owner until it is released, parked, lost or fenced."""
+
+    def __init__(self, owner: Owner, session: str, owned: Owned) -> None:
+        self.owner = owner
+        self.session = session
+        self.owned = owned
+        self.ctx = SessionContext(owner, session, owned.token)
+        self.held: Answer | None = None
+        self.log = log.bind(role=owner.role, session=session, worker=owner.worker)
+
+    async def serve(self) -> None:
+        owner, ctx = self.owner, self.ctx
+        parked = False
+        watching = False
+        try:
+            with self.owned.scope:
+                await self.ensure_group()
+                await owner.handler.open(ctx)
+                bell = await owner.wakeups.watch(self.session)
+                watching = True
+                in_flight = await self.in_flight()
+                if in_flight:
+                    self.log.info("session.recover", entries=len(in_flight))
+                    self.held = await owner.dispatcher.dispatch(ctx, in_flight, recovering=True)
+                parked = await self._loop(bell)
+        except FencedError:
+            self.log.warning("session.fenced")
+        except Exception:
+            # A bug or a broken session must not take the worker down: give the session back
+            # after a pause (so a persistent failure does not spin) and go on with the others.
+            self.log.exception("session.failed")
+            await anyio.sleep(1.0)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._send_held_answer()
+                if watching:
+                    await owner.wakeups.unwatch(self.session)
+                await owner.finish(self, parked)
+
+    async def _loop(self, bell: Any) -> bool:
+        """Serve until stopping or idle; returns True when the session was parked."""
+        owner, ctx = self.owner, self.ctx
+        idle_since = time.monotonic()
+        stray_check = idle_since + STRAY_CHECK_SECONDS
+        backoff = Backoff()
+        while not owner.stopping.is_set():
+            try:
+                if time.monotonic() >= stray_check:
+                    stray_check = time.monotonic() + STRAY_CHECK_SECONDS
+                    await self.flush()
+                    if await self._recover_stray():
+                        idle_since = time.monotonic()
+                        continue
+                mark = bell.rung
+                if await self._read_and_dispatch():
+                    idle_since = time.monotonic()
+                    backoff.reset()
+                    continue
+                if time.monotonic() - idle_since > owner.park_after:
+                    await self.flush()
+                    parked = await owner.leases.release(
+                        self.session, self.owned.entry, self.owned.token, park=True, seen_last=ctx.last_seen
+                    )
+                    if parked == 1:
+                        self.log.info("session.parked")
+                        return True
+                    if parked == 0:
+                        raise FencedError(self.session, owner.role, self.owned.token, -1)
+                    idle_since = time.monotonic()
+                    continue
+                await bell.wait(mark, max(0.0, stray_check - time.monotonic()))
+            except UnavailableError as exc:
+                self.log.warning("read.unavailable", error=str(exc), retry_in=backoff.next)
+                await backoff.pause()
+                stray_check = 0.0  # a reply lost with the connection may have left entries pending here
+                continue
+            except rexc.ResponseError as exc:
+                if not group_lost(exc):
+                    raise
+                await self.check_lease("its log group is gone")
+                await self.ensure_group(after=ctx.last_seen)
+                continue
+            backoff.reset()
+        return False
+
+    async def flush(self) -> None:
+        """Send the answer held for the next read now."""
+        held, self.held = self.held, None
+        if held is not None:
+            await self.ctx.answer(*held)
+        self._idle()
+
+    async def _read_and_dispatch(self) -> bool:
+        """Read new entries (never blocking) and dispatch them; False when none came."""
+        batch = [Entry.from_stream(raw_id, fields) for raw_id, fields in await self._read()]
+        if not batch:
+            return False
+        if batch[0].id <= self.ctx.last_seen:
+            # A group delivers only ids after the ones it delivered: the log started over.
+            await self.check_lease(f"its log delivered {batch[0].id} after {self.ctx.last_seen}")
+        crashpoint("after_read")
+        self.owned.busy = True
+        try:
+            self.held = await self.owner.dispatcher.dispatch(self.ctx, batch, recovering=False)
+        finally:
+            if self.held is None:
+                self._idle()  # else busy until that answer is out (a drain waits for it)
+        return True
+
+    async def _read(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """New entries; an answer held for this read goes out in the same round trip, and its
+        outcome is handled before the read returns."""
+        owner, ctx = self.owner, self.ctx
+        key = owner.keys.log(self.session)
+        held, self.held = self.held, None
+        if held is not None:
+            read = ("XREADGROUP", "GROUP", owner.role, owner.worker, "COUNT", READ_COUNT, "STREAMS", key, ">")
+            prepared = ctx.prepare_answer(*held)
+            answered = False
+            try:
+                with translate(owner.url):
+                    async with exchange(owner.redis, prepared.command, read) as replies:
+                        if replies is not None:
+                            await ctx.answered(held.entry, await prepared.outcome(await replies.read()))
+                            answered = True
+                            self._idle()
+                            return stream_entries(await replies.read())
+            except (rexc.NoScriptError, UnavailableError):
+                if answered:
+                    raise  # the loop backs off; entries this read may have taken are recovered as strays
+            if not answered:
+                await ctx.answer(*held)
+                self._idle()
+        with translate(owner.url):
+            reply = await owner.redis.xreadgroup(owner.role, owner.worker, {key: ">"}, count=READ_COUNT)
+        return [(raw_id, fields) for _s, entries in reply or () for raw_id, fields in entries]
+
+    async def _recover_stray(self) -> bool:
+        """Recover entries pending while this loop works on nothing: a delivery whose reply was
+        lost with a broken connection, or an entry a stale owner read after this worker took
+        the session over.  Nobody is working on them, so they are handled as in flight."""
+        stray = await self.in_flight()
+        if not stray:
+            return False
+        self.log.warning("session.stray", entries=[e.id for e in stray])
+        self.owned.busy = True
+        try:
+            self.held = await self.owner.dispatcher.dispatch(self.ctx, stray, recovering=True)
+        finally:
+            if self.held is None:
+                self._idle()
+        return True
+
+    def _idle(self) -> None:
+        self.owned.busy = False
+        self.owner.changed()
+
+    async def _send_held_answer(self) -> None:
+        """Send an answer still held when the loop ends (stopping, cancelled, failed)."""
+        if self.held is None:
+            return
+        try:
+            with anyio.move_on_after(self.owner.lease_seconds):
+                await self.flush()
+        except (FencedError, UnavailableError) as exc:
+            # Left unanswered and pending: the next owner recovers it like any in-flight action.
+            self.log.warning("session.answer_unsent", error=str(exc))
+
+    async def check_lease(self, what: str) -> None:
+        """Raise :class:`FencedError` (the session loop ends) unless this worker still holds the
+        session: a lost lease means Redis lost the session, and what this loop knows is stale."""
+        if not await self.owner.leases.holds(self.session, self.owned.token):
+            self.log.warning("session.state_lost", found=what)
+            raise FencedError(self.session, self.owner.role, self.owned.token, 0)
+
+    async def ensure_group(self, *, after: int = 0) -> None:
+        """The role's group on the log, delivering the ids after ``after`` (created when missing)."""
+        owner = self.owner
+        with translate(owner.url):
+            try:
+                key = owner.keys.log(self.session)
+                await owner.redis.xgroup_create(key, owner.role, id=f"{after}-0", mkstream=True)
+            except rexc.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def in_flight(self) -> list[Entry]:
+        """Entries delivered to some consumer of this role and never acknowledged."""
+        owner = self.owner
+        key = owner.keys.log(self.session)
+        out: list[Entry] = []
+        start = "-"
+        while True:
+            with translate(owner.url):
+                pending = await owner.redis.xpending_range(key, owner.role, min=start, max="+", count=500)
+            if not pending:
+                return out
+            ids = [p["message_id"] for p in pending]
+            deliveries = {entry_id(p["message_id"]): int(p["times_delivered"]) for p in pending}
+            with translate(owner.url):
+                claimed = await owner.redis.xclaim(key, owner.role, owner.worker, 0, ids)
+            for raw_id, fields in claimed:
+                if fields:
+                    entry = Entry.from_stream(raw_id, fields)
+                    entry.deliveries = deliveries.get(entry.id, 1)
+                    out.append(entry)
+            if len(pending) < 500:
+                return out
+            start = f"({pending[-1]['message_id'].decode()}"
+
+
+def group_lost(exc: Exception) -> bool:
+    """Whether Redis answered that a consumer group (or its stream) does not exist (any more)."""
+    return isinstance(exc, rexc.ResponseError) and str(exc).startswith(("NOGROUP", "UNBLOCKED"))

@@ -1,0 +1,265 @@
+"""Wake-ups: one subscribed connection per Redis node tells a worker's session loops that their
+logs moved, so no loop holds a connection of its own while it waits.
+
+The append script publishes the log's new last id on the session's shard channel
+(``SPUBLISH {p}:{s}:wake``, in the session's own slot, so on a cluster it goes to the node that
+holds the log).  A worker subscribes (``SSUBSCRIBE``) to the channels of the sessions it owns,
+on one connection per node that serves them, and rings each session's :class:`Bell`; the
+session loops then read without blocking (``XREADGROUP`` with no ``BLOCK``) on the worker's
+shared, bounded connection pool.
+
+Pub/Sub delivers at most once: a message sent while a feed reconnects is lost.  So every
+feed that (re)connects rings every bell it serves (each loop reads once more), and a loop that
+hears nothing still reads once a second (``SessionLoop`` does, with its stray check): a lost
+wake-up costs at most that second, never a stuck session.  On a cluster, a feed whose node
+stops answering, refuses a channel (``MOVED``) or gives a channel up (a slot migrated) makes
+the worker reload the slot map and place every channel again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+import structlog
+from anyio.abc import TaskGroup, TaskStatus
+
+from riverbed.bus.connection import Client
+from riverbed.bus.keys import Keys
+
+__all__ = ["Bell", "Wakeups"]
+
+log = structlog.get_logger("riverbed.worker")
+
+#: A feed that heard nothing for this long pings its node; one that hears nothing (not even
+#: the pong) for three times as long is taken for dead and reconnects.
+PING_SECONDS = 5.0
+#: How long :meth:`Wakeups.watch` waits for the subscription's confirmation before the loop
+#: goes on anyway (it still reads once a second).
+CONFIRM_SECONDS = 1.0
+
+
+class Bell:
+    """Rings when a session's log may have moved.  Each waiter keeps its own mark, so the loops
+    of several roles share one bell."""
+
+    def __init__(self) -> None:
+        self.rung = 0
+        self._event = anyio.Event()
+
+    def ring(self) -> None:
+        self.rung += 1
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def wait(self, mark: int, timeout: float) -> bool:
+        """Wait until the bell rang after ``mark`` (a value of :attr:`rung`), for at most
+        ``timeout`` seconds; whether it did."""
+        if self.rung != mark:
+            return True
+        with anyio.move_on_after(timeout):
+            await self._event.wait()
+        return self.rung != mark
+
+
+@dataclass
+class _Watched:
+    bell: Bell = field(default_factory=Bell)
+    watchers: int = 0
+    confirmed: anyio.Event = field(default_factory=anyio.Event)
+
+
+class _Feed:
+    """One subscribed connection to one node, reading its messages in a task of its own."""
+
+    def __init__(self, wakeups: Wakeups, node: str, connection: Any) -> None:
+        self.wakeups = wakeups
+        self.node = node
+        self.connection = connection
+        self.channels: set[str] = set()
+        self.scope = anyio.CancelScope()
+        self.live = False
+        self.retired = False
+        """Replaced on purpose (every channel is being placed again): its end asks for nothing."""
+
+    async def run(self) -> None:
+        with self.scope:
+            try:
+                await self.connection.connect()
+                self.live = True
+                for channel in sorted(self.channels):
+                    await self.connection.send_command("SSUBSCRIBE", channel)
+                for channel in self.channels:
+                    self.wakeups.ring(channel)  # anything published while this feed was away
+                await self._read()
+            except (rexc.RedisError, OSError) as exc:
+                log.warning("wakeups.feed_lost", node=self.node, error=str(exc))
+            finally:
+                self.live = False
+                with anyio.CancelScope(shield=True):
+                    await self.connection.disconnect()
+                self.wakeups.feed_ended(self)
+
+    async def subscribe(self, channel: str) -> None:
+        self.channels.add(channel)
+        if self.live:
+            await self.connection.send_command("SSUBSCRIBE", channel)
+
+    async def unsubscribe(self, channel: str) -> None:
+        self.channels.discard(channel)
+        if self.live:
+            await self.connection.send_command("SUNSUBSCRIBE", channel)
+
+    async def _read(self) -> None:
+        quiet = 0
+        while True:
+            with anyio.move_on_after(PING_SECONDS) as waited:
+                message = await self.connection.read_response(timeout=math.inf, push_request=True)
+            if waited.cancelled_caught:
+                quiet += 1
+                if quiet >= 3:
+                    raise rexc.ConnectionError(f"no reply from {self.node} for {3 * PING_SECONDS:.0f}s")
+                await self.connection.send_command("PING")
+                continue
+            quiet = 0
+            if not isinstance(message, list) or len(message) < 2:
+                continue
+            kind = _text(message[0])
+            channel = _text(message[1])
+            if kind == "smessage":
+                self.wakeups.ring(channel)
+            elif kind == "ssubscribe":
+                self.wakeups.confirmed(channel)
+            elif kind == "sunsubscribe" and channel in self.channels:
+                # The node gave up a channel we still want: its slot moved elsewhere.
+                raise rexc.ConnectionError(f"the node gave up channel {channel} (its slot moved)")
+
+
+class Wakeups:
+    """The wake-up feeds of one worker: :meth:`watch` a session, wait on its :class:`Bell`."""
+
+    def __init__(self, redis: Client, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._watched: dict[str, _Watched] = {}
+        self._feeds: dict[str, _Feed] = {}
+        self._tg: TaskGroup | None = None
+        self._replace = anyio.Event()
+        self._cluster = not isinstance(redis, aioredis.Redis)
+
+    @property
+    def connections(self) -> int:
+        """The subscribed connections open now (one per node serving a watched session)."""
+        return sum(1 for feed in self._feeds.values() if feed.live)
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            backoff = 0.1
+            while True:
+                await self._replace.wait()
+                self._replace = anyio.Event()
+                await anyio.sleep(backoff)  # a node that just failed: give the cluster a moment
+                try:
+                    await self._place_all()
+                except (rexc.RedisError, OSError) as exc:
+                    log.warning("wakeups.replace_failed", error=str(exc), retry_in=backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    self._replace.set()
+                    continue
+                backoff = 0.1
+
+    async def watch(self, session: str) -> Bell:
+        """Subscribe to ``session``'s wake-ups (once per worker, however many roles watch it) and
+        wait, briefly, for the subscription to hold; the session's :class:`Bell`."""
+        channel = self.keys.wake(session)
+        watched = self._watched.get(channel)
+        if watched is None:
+            watched = self._watched[channel] = _Watched()
+            await self._subscribe(channel)
+        watched.watchers += 1
+        with anyio.move_on_after(CONFIRM_SECONDS):
+            await watched.confirmed.wait()
+        return watched.bell
+
+    async def unwatch(self, session: str) -> None:
+        channel = self.keys.wake(session)
+        watched = self._watched.get(channel)
+        if watched is None:
+            return
+        watched.watchers -= 1
+        if watched.watchers > 0:
+            return
+        del self._watched[channel]
+        for feed in list(self._feeds.values()):
+            if channel not in feed.channels:
+                continue
+            if feed.channels == {channel}:
+                # Its last channel: close the feed (a node serving none of our sessions costs nothing).
+                feed.channels.clear()
+                feed.retired = True
+                feed.scope.cancel()
+                del self._feeds[feed.node]
+                continue
+            try:
+                await feed.unsubscribe(channel)
+            except (rexc.RedisError, OSError):
+                feed.scope.cancel()  # it reconnects with the channels it should have
+
+    def ring(self, channel: str) -> None:
+        watched = self._watched.get(channel)
+        if watched is not None:
+            watched.bell.ring()
+
+    def confirmed(self, channel: str) -> None:
+        watched = self._watched.get(channel)
+        if watched is not None:
+            watched.confirmed.set()
+
+    def feed_ended(self, feed: _Feed) -> None:
+        if self._feeds.get(feed.node) is feed:
+            del self._feeds[feed.node]
+        if not feed.retired and any(channel in self._watched for channel in feed.channels):
+            self._replace.set()
+
+    async def _subscribe(self, channel: str) -> None:
+        node, make = self._node_of(channel)
+        feed = self._feeds.get(node)
+        if feed is None:
+            feed = self._feeds[node] = _Feed(self, node, make())
+            feed.channels.add(channel)
+            assert self._tg is not None, "Wakeups.run() is not running"
+            self._tg.start_soon(feed.run)
+            return
+        try:
+            await feed.subscribe(channel)
+        except (rexc.RedisError, OSError):
+            feed.scope.cancel()  # reconnects (through feed_ended) with this channel too
+
+    async def _place_all(self) -> None:
+        """Place every watched channel on the feed of the node that serves it now."""
+        if self._cluster:
+            await self.redis.nodes_manager.initialize()
+        for feed in list(self._feeds.values()):
+            feed.retired = True
+            feed.scope.cancel()
+        self._feeds.clear()
+        for channel in list(self._watched):
+            await self._subscribe(channel)
+
+    def _node_of(self, channel: str) -> tuple[str, Any]:
+        """The name of the node serving ``channel`` and how to open a connection to it."""
+        if not self._cluster:
+            pool = self.redis.connection_pool
+            return "standalone", lambda: pool.connection_class(**pool.connection_kwargs)
+        node = self.redis.nodes_manager.get_node_from_slot(self.redis.keyslot(channel))
+        return node.name, lambda: node.connection_class(**node.connection_kwargs)
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

@@ -1,0 +1,144 @@
+"""Many sessions per connection: wake-ups on shard channels, a bounded shared pool, bulk intake."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+import redis.asyncio as aioredis
+
+from riverbed import events
+from riverbed.agent.client import Bus
+from riverbed.bus.connection import CLUSTER_SPARE, connect_redis
+from riverbed.bus.consumer import Entry, Owner, SessionContext
+from riverbed.bus.wakeups import Wakeups
+
+pytestmark = pytest.mark.anyio
+
+
+@contextlib.asynccontextmanager
+async def node_clients(url: str) -> AsyncIterator[list[aioredis.Redis]]:
+    """A plain client per Redis node of ``url`` (one on standalone), to look at its connections."""
+    probe = await connect_redis(url)
+    try:
+        if isinstance(probe, aioredis.Redis):
+            nodes = [aioredis.Redis.from_url(url)]
+        else:
+            nodes = [aioredis.Redis(host=n.host, port=n.port) for n in probe.get_nodes()]
+    finally:
+        await probe.aclose()
+    try:
+        yield nodes
+    finally:
+        for node in nodes:
+            await node.aclose()
+
+
+async def connections_named(url: str, name: str) -> Counter[str]:
+    """How many connections named ``name`` each node has open: node port -> count."""
+    counts: Counter[str] = Counter()
+    async with node_clients(url) as nodes:
+        for node in nodes:
+            port = str(node.connection_pool.connection_kwargs.get("port"))
+            for client in await node.client_list():
+                if client.get("name") == name:
+                    counts[port] += 1
+    return counts
+
+
+async def test_a_bell_rings_when_its_session_log_moves_and_only_then(bus: Bus) -> None:
+    wakeups = Wakeups(bus.redis, bus.keys)
+    async with anyio.create_task_group() as tg:
+        await tg.start(wakeups.run)
+        bell = await wakeups.watch("s1")
+        other = await wakeups.watch("s2")
+        mark, other_mark = bell.rung, other.rung
+        await bus.session("s1").append(events.Message(content="hi"))
+        assert await bell.wait(mark, 5.0)
+        assert other.rung == other_mark  # another session's append rings only its own bell
+        await wakeups.unwatch("s1")
+        assert wakeups.connections == 1  # s2 is still watched on the same feed
+        tg.cancel_scope.cancel()
+
+
+async def test_a_feed_killed_under_the_worker_comes_back_and_rings(bus: Bus, prefix: str) -> None:
+    """A wake-up sent while the feed is away is lost: a feed that comes back rings every bell
+    (the loops read once more), then rings on appends as before."""
+    name = f"feed-{prefix}"
+    redis = await connect_redis(bus.url, shared=True, max_connections=4, name=name)
+    wakeups = Wakeups(redis, bus.keys)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(wakeups.run)
+            bell = await wakeups.watch("s1")
+            mark = bell.rung
+            async with node_clients(bus.url) as nodes:
+                for node in nodes:
+                    await node.client_kill_filter(_type="pubsub", skipme=True)
+            assert await bell.wait(mark, 10.0)
+            with anyio.fail_after(10):
+                while wakeups.connections < 1:
+                    await anyio.sleep(0.05)
+            mark = bell.rung
+            await bus.session("s1").append(events.Message(content="again"))
+            assert await bell.wait(mark, 5.0)
+            tg.cancel_scope.cancel()
+    finally:
+        await redis.aclose()
+
+
+class Echo:
+    role = "runtime"
+    ignores_own_answers = True
+
+    async def open(self, ctx: SessionContext) -> None:
+        return None
+
+    async def close(self, ctx: SessionContext) -> None:
+        return None
+
+    async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
+        await self.handle(ctx, entries)
+
+    async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
+        for entry in entries:
+            if isinstance(entry.event, events.FileRead):
+                await ctx.answer(entry, events.FileContent(path=entry.event.path, content=entry.event.path))
+            else:
+                await ctx.ack([entry.id])
+
+
+async def test_a_worker_serving_many_sessions_holds_a_handful_of_connections(bus: Bus, prefix: str) -> None:
+    """200 sessions acting at once, all owned by one worker: its connections stay within its
+    pool plus one wake-up feed per node, where a connection per session would be 200."""
+    name = f"worker-{prefix}"
+    pool = 6
+    redis = await connect_redis(bus.url, shared=True, max_connections=pool, name=name)
+    owner = Owner(redis, bus.keys, Echo(), worker=name, url=bus.url, capacity=500, lease_seconds=5)
+    sessions = [f"many{i}" for i in range(200)]
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(owner.run)
+
+            async def act(session: str, path: str) -> None:
+                obs = await bus.session(session).act(events.FileRead(path=path), timeout=30)
+                assert isinstance(obs, events.FileContent)
+                assert obs.content == path
+
+            for round_ in range(2):
+                async with anyio.create_task_group() as acts:
+                    for session in sessions:
+                        acts.start_soon(act, session, f"{session}-{round_}")
+            assert len(owner.owned) == len(sessions)
+            counts = await connections_named(bus.url, name)
+            assert counts, "the worker's connections are not named"
+            # A cluster client may open a few more per node for pipelines (not counted by its limit).
+            spare = 0 if isinstance(redis, aioredis.Redis) else CLUSTER_SPARE
+            assert max(counts.values()) <= pool + spare + 1, counts
+            await owner.drain(5.0)
+            tg.cancel_scope.cancel()
+    finally:
+        await redis.aclose()
