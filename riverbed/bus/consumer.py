@@ -61,6 +61,8 @@ class Owned:
     token: int
     scope: anyio.CancelScope
     busy: bool = False
+    lost: bool = False
+    """Its lease renewal failed (another owner holds it now): the loop was cancelled for it."""
 
 
 class Owner:

@@ -1,11 +1,11 @@
 """Two commands in one round trip, replies read one at a time: an append and the read after it.
 
-An action's round trip is an append followed by a blocking read (the agent waits for the
-answer; the worker waits for the next action).  Sent separately, that is two trips to Redis
-and two wake-ups of each process per action.  :func:`exchange` writes both commands in one
-send on a pooled connection of its own and hands the replies back one by one, so the caller
-acts on the append's outcome (announce the session, acknowledge, notice a fence) while the
-blocking read is still waiting on the server.
+An action's round trip is an append followed by a read: the agent appends the action and
+blocks for the answer; the worker appends the answer and reads what came next.  Sent
+separately, that is two trips to Redis per step.  :func:`exchange` writes both commands in one
+send on a pooled connection and hands the replies back one by one, so the caller acts on the
+append's outcome (announce the session, acknowledge, notice a fence) while the read is still
+on its way (or, for the agent's blocking read, still waiting on the server).
 
 Only a standalone client offers this; on a cluster :func:`exchange` yields ``None`` and the
 caller sends the commands one by one.  A connection whose replies were not all read (an
@@ -25,7 +25,7 @@ import redis.exceptions as rexc
 
 from riverbed.bus.connection import Client
 
-__all__ = ["Exchange", "exchange", "held_connection", "stream_entries"]
+__all__ = ["Exchange", "exchange", "stream_entries"]
 
 
 class Exchange:
@@ -47,39 +47,20 @@ class Exchange:
 
 
 @contextlib.asynccontextmanager
-async def held_connection(client: Client) -> AsyncIterator[Any | None]:
-    """A connection of the client's pool kept for as long as the block runs, for a reader that
-    sends one exchange after another (``None`` on a cluster).  Taken from and returned to the
-    pool once, not per exchange; after an error it reconnects on its next use."""
+async def exchange(client: Client, *commands: Sequence[Any]) -> AsyncIterator[Exchange | None]:
+    """Send ``commands`` in one write on a connection taken from the pool for the exchange;
+    yields their :class:`Exchange` (``None`` on a cluster)."""
     if not isinstance(client, aioredis.Redis) or client.single_connection_client:
         yield None
         return
     pool = client.connection_pool
     connection = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
-        yield connection
+        async with _exchange(connection, commands) as replies:
+            yield replies
     finally:
         with anyio.CancelScope(shield=True):
             await pool.release(connection)
-
-
-@contextlib.asynccontextmanager
-async def exchange(client: Client, *commands: Sequence[Any], connection: Any = None) -> AsyncIterator[Exchange | None]:
-    """Send ``commands`` in one write; yields their :class:`Exchange` (``None`` on a cluster).
-
-    On ``connection`` (from :func:`held_connection`) if given, else on one taken from the pool
-    for the exchange.
-    """
-    if connection is not None:
-        async with _exchange(connection, commands) as replies:
-            yield replies
-        return
-    async with held_connection(client) as pooled:
-        if pooled is None:
-            yield None
-            return
-        async with _exchange(pooled, commands) as replies:
-            yield replies
 
 
 @contextlib.asynccontextmanager

@@ -111,6 +111,7 @@ class Leasing:
                 if owned is not None:
                     log.warning("lease.lost", role=self.role, session=session)
                     owner.stats.lost += 1
+                    owned.lost = True
                     owned.scope.cancel()
 
     async def _take_all(self, claims: list[Claim], *, reclaimed: bool) -> None:

@@ -3,8 +3,8 @@
 It creates the role's consumer group on the log, watches the session's wake-ups
 (``bus/wakeups.py``), hands entries that were in flight on the previous owner to the handler's
 ``recover``, then reads new entries (``XREADGROUP >`` without ``BLOCK``, on the worker's shared
-connection pool) whenever the session's bell rings, and at least once a second.  Every second
-it also recovers entries left pending with nobody working on them (a delivery whose reply was
+connection pool) whenever the session's bell rings, and at least every few seconds.  Then it
+also recovers entries left pending with nobody working on them (a delivery whose reply was
 lost with a broken connection, or one that a stale owner read after the takeover).  An answer
 the handler returned (:class:`~riverbed.bus.handling.Answer`) goes out in one write with the
 next read (``bus/exchange.py``); anything else the loop does first sends it on its own.
@@ -36,14 +36,16 @@ from riverbed.errors import FencedError, UnavailableError
 if TYPE_CHECKING:
     from riverbed.bus.consumer import Owned, Owner
 
-__all__ = ["READ_COUNT", "STRAY_CHECK_SECONDS", "SessionLoop", "group_lost"]
+__all__ = ["MAX_STRAY_CHECK_SECONDS", "READ_COUNT", "STRAY_CHECK_SECONDS", "SessionLoop", "group_lost"]
 
 log = structlog.get_logger("riverbed.worker")
 
 READ_COUNT = 100
 #: How often an owned session looks for entries pending with nobody working on them, and reads
-#: once even when its bell did not ring (a wake-up lost while a feed reconnected).
+#: once even when its bell did not ring (a wake-up lost while a feed reconnected): every second
+#: after activity, then twice as long after each quiet check, up to the maximum.
 STRAY_CHECK_SECONDS = 1.0
+MAX_STRAY_CHECK_SECONDS = 8.0
 
 
 class SessionLoop:
@@ -72,6 +74,8 @@ class SessionLoop:
                     self.log.info("session.recover", entries=len(in_flight))
                     self.held = await owner.dispatcher.dispatch(ctx, in_flight, recovering=True)
                 parked = await self._loop(bell)
+            if self.owned.lost:
+                self.log.warning("session.fenced", found="its lease renewal failed")
         except FencedError:
             self.log.warning("session.fenced")
         except Exception:
@@ -90,12 +94,16 @@ class SessionLoop:
         """Serve until stopping or idle; returns True when the session was parked."""
         owner, ctx = self.owner, self.ctx
         idle_since = time.monotonic()
-        stray_check = idle_since + STRAY_CHECK_SECONDS
+        quiet = STRAY_CHECK_SECONDS
+        stray_check = idle_since + quiet
         backoff = Backoff()
         while not owner.stopping.is_set():
             try:
                 if time.monotonic() >= stray_check:
-                    stray_check = time.monotonic() + STRAY_CHECK_SECONDS
+                    # Checked every second after activity, then less often while the session is
+                    # idle: a thousand idle sessions must not keep the worker busy.
+                    quiet = min(quiet * 2, MAX_STRAY_CHECK_SECONDS)
+                    stray_check = time.monotonic() + quiet
                     await self.flush()
                     if await self._recover_stray():
                         idle_since = time.monotonic()
@@ -103,6 +111,8 @@ class SessionLoop:
                 mark = bell.rung
                 if await self._read_and_dispatch():
                     idle_since = time.monotonic()
+                    quiet = STRAY_CHECK_SECONDS
+                    stray_check = min(stray_check, idle_since + quiet)
                     backoff.reset()
                     continue
                 if time.monotonic() - idle_since > owner.park_after:
@@ -117,7 +127,7 @@ class SessionLoop:
                         raise FencedError(self.session, owner.role, self.owned.token, -1)
                     idle_since = time.monotonic()
                     continue
-                await bell.wait(mark, max(0.0, stray_check - time.monotonic()))
+                await bell.wait(mark, max(0.0, min(stray_check, idle_since + owner.park_after) - time.monotonic()))
             except UnavailableError as exc:
                 self.log.warning("read.unavailable", error=str(exc), retry_in=backoff.next)
                 await backoff.pause()

@@ -74,7 +74,11 @@ class _Watched:
 
 
 class _Feed:
-    """One subscribed connection to one node, reading its messages in a task of its own."""
+    """One subscribed connection to one node, reading its messages in a task of its own.
+
+    Other tasks write to it (``SSUBSCRIBE``) while the reader waits; they send without redis-py's
+    health check, which would read a reply from under the reader.
+    """
 
     def __init__(self, wakeups: Wakeups, node: str, connection: Any) -> None:
         self.wakeups = wakeups
@@ -92,7 +96,7 @@ class _Feed:
                 await self.connection.connect()
                 self.live = True
                 for channel in sorted(self.channels):
-                    await self.connection.send_command("SSUBSCRIBE", channel)
+                    await self.connection.send_command("SSUBSCRIBE", channel, check_health=False)
                 for channel in self.channels:
                     self.wakeups.ring(channel)  # anything published while this feed was away
                 await self._read()
@@ -107,12 +111,12 @@ class _Feed:
     async def subscribe(self, channel: str) -> None:
         self.channels.add(channel)
         if self.live:
-            await self.connection.send_command("SSUBSCRIBE", channel)
+            await self.connection.send_command("SSUBSCRIBE", channel, check_health=False)
 
     async def unsubscribe(self, channel: str) -> None:
         self.channels.discard(channel)
         if self.live:
-            await self.connection.send_command("SUNSUBSCRIBE", channel)
+            await self.connection.send_command("SUNSUBSCRIBE", channel, check_health=False)
 
     async def _read(self) -> None:
         quiet = 0
@@ -123,7 +127,7 @@ class _Feed:
                 quiet += 1
                 if quiet >= 3:
                     raise rexc.ConnectionError(f"no reply from {self.node} for {3 * PING_SECONDS:.0f}s")
-                await self.connection.send_command("PING")
+                await self.connection.send_command("PING", check_health=False)
                 continue
             quiet = 0
             if not isinstance(message, list) or len(message) < 2:
