@@ -17,6 +17,7 @@ RIVERBED_EMBEDDER               ``local`` (default, offline MiniLM) or ``openai:
 RIVERBED_LLM_MODEL              chat model for the LLM agent and LLM condensers
 RIVERBED_LEASE_SECONDS          ownership lease; a dead owner's sessions move after this
 RIVERBED_CONCURRENCY            sessions a worker owns at most (per role)
+RIVERBED_REDIS_CONNECTIONS      connections a worker's commands share per Redis node (default 12)
 RIVERBED_DRAIN_SECONDS          how long SIGTERM waits for in-flight work
 RIVERBED_MAX_ATTEMPTS           deliveries before an entry is dead-lettered
 RIVERBED_METRICS_PORT           port of a worker's /metrics, /healthz, /readyz (0: off)

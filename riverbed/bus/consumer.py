@@ -129,7 +129,10 @@ class Owner:
         """Stop taking sessions; let in-flight work finish for up to ``deadline`` seconds, then
         cancel what is left.  Every session is released (and re-announced) before this returns."""
         self.stopping.set()
-        await self.wait_for(lambda: not any(o.busy for o in self.owned.values()), deadline)
+        # Each loop ends by itself once its batch is done (woken now, not at its next check):
+        # a loop cancelled in the middle of a command can leave redis-py's connection half read.
+        self.wakeups.ring_all()
+        await self.wait_for(lambda: not self.owned, deadline)
         for owned in list(self.owned.values()):
             owned.scope.cancel()
         await self.wait_for(lambda: not self.owned, max(1.0, deadline))
@@ -155,6 +158,9 @@ class Owner:
                 await self.leases.release(loop.session, loop.owned.entry, loop.owned.token)
             except UnavailableError as exc:
                 log.warning("release.unavailable", role=self.role, session=loop.session, error=str(exc))
+            except Exception:
+                # Never the owner's end: the lease runs out and a peer reclaims the session.
+                log.exception("release.failed", role=self.role, session=loop.session)
         self.leasing.slot_freed.set()
         self.changed()
 

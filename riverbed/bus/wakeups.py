@@ -220,6 +220,11 @@ class Wakeups:
         if watched is not None:
             watched.bell.ring()
 
+    def ring_all(self) -> None:
+        """Ring every watched session's bell (its loops look at the log, and whether to stop, now)."""
+        for watched in self._watched.values():
+            watched.bell.ring()
+
     def confirmed(self, channel: str) -> None:
         watched = self._watched.get(channel)
         if watched is not None:
