@@ -23,6 +23,7 @@ from openai import AsyncOpenAI
 
 from riverbed import events, tracing
 from riverbed.bus.consumer import Entry, SessionContext
+from riverbed.bus.log import entry_id
 from riverbed.errors import AppendConflict, ConfigError, UnavailableError
 from riverbed.memory.condensers import CondenserConfig, condense, should_condense
 from riverbed.memory.view import ViewBuilder
@@ -168,12 +169,9 @@ def _stamped(ctx: SessionContext, state: _State, event: E, requests: Sequence[En
 
 async def _delivered_up_to(ctx: SessionContext) -> int:
     """The last id already delivered to this role's group (its view is rebuilt up to there)."""
-    groups = await ctx.owner.redis.xinfo_groups(ctx.owner.keys.log(ctx.session))
-    for group in groups:
-        if group["name"] in (ctx.role, ctx.role.encode()):
-            raw = group["last-delivered-id"]
-            text = raw.decode() if isinstance(raw, bytes) else str(raw)
-            return int(text.partition("-")[0])
+    for group in await ctx.log.redis.xinfo_groups(ctx.log.keys.log(ctx.session)):
+        if group["name"] == ctx.role.encode():
+            return entry_id(group["last-delivered-id"])
     return 0
 
 
