@@ -2,7 +2,7 @@
 
 redis-py's methods answer ``bytes | str | ...`` unions (its client may decode or not) and raise
 its own exceptions.  :class:`RedisClient` wraps the client that
-:func:`~riverbed.bus.connection.connect_redis` made (standalone or :class:`Cluster`) and offers
+:func:`~riverbed.bus.connection.connect_redis` made (standalone or cluster) and offers
 exactly the commands riverbed sends, each typed as this client answers it (bytes, never
 decoded) and each raising riverbed's errors (:func:`~riverbed.bus.connection.translate`:
 :class:`UnavailableError`, :class:`ConfigError`, :class:`InputError`), so callers neither
@@ -22,14 +22,16 @@ Three ways out of the single-command shape:
   (``bus/exchange.py``), translating errors like every other call.
 
 :attr:`RedisClient.raw` is the redis-py client itself, for what has no method here (tests,
-and ``bus/consumer.py`` and ``bus/exchange.py`` until they go through this class).
+and ``bus/consumer.py`` and ``bus/exchange.py`` until they go through this class).  The bus's
+parts (``Log``, ``Leases``, ``Claims``, ``DeadLetters``, the ``stats`` reads...) take either a
+:class:`RedisClient` or a redis-py client, which :func:`as_client` wraps.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, TypeAlias, cast
+from typing import Any, TypeAlias, TypedDict, cast
 
 import redis.exceptions as rexc
 from redis.asyncio.client import Pipeline as RawPipeline
@@ -37,15 +39,37 @@ from redis.asyncio.cluster import ClusterPipeline
 from redis.commands.core import AsyncScript
 from redis.typing import EncodableT
 
-from riverbed.bus.connection import Cluster, RawClient, redact, translate
+from riverbed.bus.connection import RawClient, redact, translate
 from riverbed.bus.exchange import Exchange, exchange
 
-__all__ = ["Arg", "Pipeline", "RawClient", "RedisClient", "Script", "StreamEntry", "as_client"]
+__all__ = [
+    "Arg",
+    "GroupInfo",
+    "PendingEntry",
+    "Pipeline",
+    "RawClient",
+    "RedisClient",
+    "Script",
+    "StreamEntry",
+    "as_client",
+]
 
 StreamEntry: TypeAlias = tuple[bytes, dict[bytes, bytes]]
 """A stream entry: its id (``b"12-0"``) and its fields (empty for an entry deleted while pending)."""
 Arg: TypeAlias = bytes | str | int | float
 """A value Redis takes as an argument."""
+GroupInfo = TypedDict("GroupInfo", {"name": bytes, "consumers": int, "pending": int, "last-delivered-id": bytes})
+"""A consumer group as ``XINFO GROUPS`` describes it (Redis 7 adds fields not used here)."""
+
+
+class PendingEntry(TypedDict):
+    """An entry of ``XPENDING key group start end count``."""
+
+    message_id: bytes
+    consumer: bytes
+    time_since_delivered: int
+    """Milliseconds."""
+    times_delivered: int
 
 
 class RedisClient:
@@ -63,10 +87,6 @@ class RedisClient:
         """The redis-py client: its errors are not translated and its replies not typed.  For
         what this class has no method for (raw commands on a held connection, tests)."""
         return self._raw
-
-    @property
-    def is_cluster(self) -> bool:
-        return isinstance(self._raw, Cluster)
 
     async def aclose(self) -> None:
         await self._raw.aclose()
@@ -223,12 +243,10 @@ class RedisClient:
 
     async def xpending_range(
         self, key: str, group: str, *, min: str = "-", max: str = "+", count: int, consumer: str | None = None
-    ) -> list[dict[str, Any]]:
-        """Pending entries: ``message_id`` (bytes), ``consumer`` (bytes), ``time_since_delivered``
-        (ms) and ``times_delivered`` each."""
+    ) -> list[PendingEntry]:
         with translate(self.url):
             reply = await self._raw.xpending_range(key, group, min, max, count, consumername=consumer)
-        return cast(list[dict[str, Any]], reply)
+        return cast(list[PendingEntry], reply)
 
     async def xgroup_create(self, key: str, group: str, after: str, *, mkstream: bool = True) -> bool:
         """Create ``group`` on ``key``, delivering entries after ``after``; False (nothing
@@ -246,11 +264,10 @@ class RedisClient:
         with translate(self.url):
             await self._raw.xgroup_setid(key, group, id=after)
 
-    async def xinfo_groups(self, key: str) -> list[dict[str, Any]]:
-        """The groups of ``key``: ``name`` and ``last-delivered-id`` (bytes), ``pending`` and
-        ``consumers`` (int) each; a missing key raises ``ResponseError`` ("no such key")."""
+    async def xinfo_groups(self, key: str) -> list[GroupInfo]:
+        """The groups of ``key``; a missing key raises ``ResponseError`` ("no such key")."""
         with translate(self.url):
-            return await self._raw.xinfo_groups(key)
+            return cast(list[GroupInfo], await self._raw.xinfo_groups(key))
 
 
 class Script:
@@ -344,8 +361,8 @@ def as_client(redis: RedisClient | RawClient, url: str = "redis") -> RedisClient
 
 
 def _entries(reply: Any) -> list[StreamEntry]:
-    """Entries as redis-py parses them, an entry deleted while pending (fields None) given empty fields."""
-    return [(raw_id, fields or {}) for raw_id, fields in reply or ()]
+    """Entries as redis-py parses them (it gives an entry deleted while pending empty fields)."""
+    return list(reply or ())
 
 
 def _stream_reply(reply: Any) -> list[StreamEntry]:
