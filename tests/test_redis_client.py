@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions as rexc
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -63,6 +64,22 @@ async def test_stream_replies_are_entries_and_a_deleted_pending_entry_has_no_fie
     assert pending == [(first, {}), delivered[1]]
     reclaimed = await client.xautoclaim(key, "g", "other", min_idle_ms=0, count=10)
     assert [fields for _id, fields in reclaimed] == [{b"b": b"2"}]  # the deleted one is dropped
+
+
+async def test_pipelined_replies_are_filled_in_and_an_error_stays_with_its_command(bus: Bus, prefix: str) -> None:
+    client = bus.client
+    key = f"{prefix}:{{p}}:hash"
+    await client.hset(key, "f", "v")
+    async with client.pipeline() as pipe:
+        value = pipe.hget(key, "f")
+        wrong = pipe.xinfo_groups(key)  # a hash is no stream
+        with pytest.raises(RuntimeError, match="before the pipeline ran"):
+            _ = value.value
+        await pipe.execute(raise_on_error=False)
+    assert value.value == b"v"
+    assert isinstance(wrong.error, rexc.ResponseError)
+    with pytest.raises(rexc.ResponseError, match="WRONGTYPE"):
+        _ = wrong.value
 
 
 async def test_retry_unavailable_calls_until_redis_answers() -> None:

@@ -235,14 +235,14 @@ async def safe_point(
     if any(role not in groups for role in ROLES):
         return 0
     async with client.pipeline() as pipe:
-        pipe.hget(keys.meta(session), "last")
-        for role in ROLES:
-            pipe.xpending(key, role)
-        last_raw, *pending = await pipe.execute()
-    point = int(last_raw or 0) - keep_last
-    for role, summary in zip(ROLES, pending, strict=True):
+        last = pipe.hget(keys.meta(session), "last")
+        pending = [pipe.xpending(key, role) for role in ROLES]
+        await pipe.execute()
+    point = int(last.value or 0) - keep_last
+    for role, reply in zip(ROLES, pending, strict=True):
         point = min(point, entry_id(groups[role]["last-delivered-id"]))
-        if int(summary["pending"]) > 0:
+        summary = reply.value
+        if summary["pending"] > 0 and summary["min"] is not None:
             point = min(point, entry_id(summary["min"]) - 1)
     return max(point, 0)
 

@@ -58,6 +58,7 @@ class DeadLetters:
         """Dead letters (event id, reason, attempts, payload) of one session, in one round trip."""
         now = time.time()
         async with self.redis.pipeline() as pipe:
+            entries = []
             for event_id, reason, attempts, payload in letters:
                 fields: dict[str, Arg] = {
                     "session": session,
@@ -68,9 +69,9 @@ class DeadLetters:
                     "ts": now,
                     "payload": payload,
                 }
-                pipe.xadd(self.key, fields)
-            entries: list[bytes] = await pipe.execute()
-        return [entry.decode() for entry in entries]
+                entries.append(pipe.xadd(self.key, fields))
+            await pipe.execute()
+        return [entry.value.decode() for entry in entries]
 
     async def list(self, count: int = 1000) -> list[DeadLetter]:
         entries = await self.redis.xrange(self.key, count=count)

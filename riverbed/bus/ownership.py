@@ -32,7 +32,7 @@ import redis.exceptions as rexc
 
 from riverbed.bus import scripts
 from riverbed.bus.keys import Keys
-from riverbed.bus.redis_client import RawClient, RedisClient, as_client
+from riverbed.bus.redis_client import RawClient, RedisClient, Reply, as_client
 
 __all__ = ["Claim", "Leases"]
 
@@ -121,18 +121,24 @@ class Leases:
             return set()
         items = list(owned.items())
         replies = await self._renew_round(items)
-        if any(isinstance(reply, rexc.NoScriptError) for reply in replies):
+        if any(isinstance(reply.error, rexc.NoScriptError) for reply in replies):
             await self.redis.script_load(scripts.RENEW)
             replies = await self._renew_round(items)
-        return {session for (session, _), ok in zip(items, replies[:-1], strict=True) if ok != 1}
+        return {
+            session for (session, _), ok in zip(items, replies, strict=True) if ok.error is not None or ok.value != 1
+        }
 
-    async def _renew_round(self, items: list[tuple[str, tuple[str, int]]]) -> list[Any]:
+    async def _renew_round(self, items: list[tuple[str, tuple[str, int]]]) -> list[Reply[Any]]:
+        """The RENEW replies, one per session (the XCLAIM that follows them is not read)."""
         sha = self._renew.sha
         async with self.redis.pipeline() as pipe:
-            for session, (_entry, token) in items:
+            replies = [
                 pipe.evalsha(sha, [self.keys.meta(session)], [self.role, self.worker, token, self.lease_ms])
+                for session, (_entry, token) in items
+            ]
             pipe.xclaim_ids(self.directory, self.role, self.worker, [entry for _, (entry, _t) in items])
-            return await pipe.execute(raise_on_error=False)
+            await pipe.execute(raise_on_error=False)
+        return replies
 
     async def release(self, session: str, entry: str, token: int, *, park: bool = False, seen_last: int = 0) -> int:
         """Give the session up.  Graceful release re-announces it so a peer takes it at once.

@@ -17,7 +17,7 @@ Three ways out of the single-command shape:
 
 - :meth:`RedisClient.script` registers a Lua script (``EVALSHA``, loaded on ``NOSCRIPT``);
 - :meth:`RedisClient.pipeline` queues commands for one round trip (one per node on a cluster);
-  its replies are a list in order, as redis-py parses them;
+  each queued command gives a typed :class:`Reply`, filled in when the pipeline runs;
 - :meth:`RedisClient.exchange` sends raw commands together on one pooled connection
   (``bus/exchange.py``), translating errors like every other call.
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, TypeAlias, TypedDict, cast
+from typing import Any, Generic, TypeAlias, TypedDict, TypeVar, cast
 
 import redis.exceptions as rexc
 from redis.asyncio.client import Pipeline as RawPipeline
@@ -45,10 +45,13 @@ from riverbed.bus.exchange import Exchange, exchange
 __all__ = [
     "Arg",
     "GroupInfo",
+    "PendingCount",
     "PendingEntry",
+    "PendingSummary",
     "Pipeline",
     "RawClient",
     "RedisClient",
+    "Reply",
     "Script",
     "StreamEntry",
     "as_client",
@@ -58,8 +61,25 @@ StreamEntry: TypeAlias = tuple[bytes, dict[bytes, bytes]]
 """A stream entry: its id (``b"12-0"``) and its fields (empty for an entry deleted while pending)."""
 Arg: TypeAlias = bytes | str | int | float
 """A value Redis takes as an argument."""
+T = TypeVar("T")
+_UNSET: Any = object()
 GroupInfo = TypedDict("GroupInfo", {"name": bytes, "consumers": int, "pending": int, "last-delivered-id": bytes})
 """A consumer group as ``XINFO GROUPS`` describes it (Redis 7 adds fields not used here)."""
+
+
+class PendingSummary(TypedDict):
+    """``XPENDING key group``: how many entries are pending, the lowest and highest id (None:
+    nothing pending) and how many each consumer holds."""
+
+    pending: int
+    min: bytes | None
+    max: bytes | None
+    consumers: list[PendingCount]
+
+
+class PendingCount(TypedDict):
+    name: bytes
+    pending: int
 
 
 class PendingEntry(TypedDict):
@@ -287,72 +307,117 @@ class Script:
             return await self._script(keys=list(keys), args=list(args))
 
 
+class Reply(Generic[T]):
+    """The reply of a command queued in a :class:`Pipeline`, there once the pipeline ran."""
+
+    def __init__(self) -> None:
+        self._value: Any = _UNSET
+        self.error: Exception | None = None
+        """The server's error for this command (kept with ``raise_on_error=False``)."""
+
+    @property
+    def value(self) -> T:
+        """The reply; the command's :attr:`error` raises."""
+        if self.error is not None:
+            raise self.error
+        if self._value is _UNSET:
+            raise RuntimeError("a pipelined reply was read before the pipeline ran")
+        return cast(T, self._value)
+
+
 class Pipeline:
-    """Commands queued for one round trip; :meth:`execute` sends them and answers their
-    replies in order, each as redis-py parses that command's reply."""
+    """Commands queued for one round trip; each queuing returns the command's :class:`Reply`,
+    filled in by :meth:`execute`."""
 
     def __init__(self, pipe: RawPipeline | ClusterPipeline, url: str) -> None:
         self._pipe = pipe
         self._url = url
+        self._replies: list[Reply[Any]] = []
 
-    async def execute(self, *, raise_on_error: bool = True) -> list[Any]:
-        """The replies; with ``raise_on_error=False`` a command's error is its reply (an
-        exception instance) instead of being raised."""
+    async def execute(self, *, raise_on_error: bool = True) -> None:
+        """Send the commands and fill in their replies.  A command's server error raises
+        (the first one), or with ``raise_on_error=False`` is kept as its reply's ``error``."""
         with translate(self._url):
-            return await self._pipe.execute(raise_on_error=raise_on_error)
+            results = await self._pipe.execute(raise_on_error=raise_on_error)
+        for reply, result in zip(self._replies, results, strict=True):
+            if isinstance(result, Exception):
+                reply.error = result
+            else:
+                reply._value = result
 
-    def evalsha(self, sha: str, keys: Sequence[str], args: Sequence[Arg]) -> None:
+    def _queued(self) -> Reply[Any]:
+        reply = Reply[Any]()
+        self._replies.append(reply)
+        return reply
+
+    def evalsha(self, sha: str, keys: Sequence[str], args: Sequence[Arg]) -> Reply[Any]:
         """A script already loaded (:meth:`RedisClient.script_load`); ``NOSCRIPT`` otherwise."""
         self._pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+        return self._queued()
 
-    def get(self, key: str) -> None:
+    def get(self, key: str) -> Reply[bytes | None]:
         self._pipe.get(key)
+        return self._queued()
 
-    def set(self, key: str, value: Arg, *, ex: int | None = None) -> None:
+    def set(self, key: str, value: Arg, *, ex: int | None = None) -> Reply[bool]:
         self._pipe.set(key, value, ex=ex)
+        return self._queued()
 
-    def delete(self, *keys: str) -> None:
+    def delete(self, *keys: str) -> Reply[int]:
         self._pipe.delete(*keys)
+        return self._queued()
 
-    def hget(self, key: str, field: str) -> None:
+    def hget(self, key: str, field: str) -> Reply[bytes | None]:
         self._pipe.hget(key, field)
+        return self._queued()
 
-    def hmget(self, key: str, fields: Sequence[str]) -> None:
+    def hmget(self, key: str, fields: Sequence[str]) -> Reply[list[bytes | None]]:
         self._pipe.hmget(key, list(fields))
+        return self._queued()
 
-    def zadd(self, key: str, scores: Mapping[str, float], *, nx: bool = False) -> None:
+    def zadd(self, key: str, scores: Mapping[str, float], *, nx: bool = False) -> Reply[int]:
         self._pipe.zadd(key, dict(scores), nx=nx)
+        return self._queued()
 
-    def zrem(self, key: str, *members: str) -> None:
+    def zrem(self, key: str, *members: str) -> Reply[int]:
         self._pipe.zrem(key, *members)
+        return self._queued()
 
-    def xadd(self, key: str, fields: Mapping[str, Arg]) -> None:
-        """Its reply: the new entry's id (bytes)."""
+    def xadd(self, key: str, fields: Mapping[str, Arg]) -> Reply[bytes]:
+        """Its reply: the new entry's id."""
         entry: dict[EncodableT, EncodableT] = dict(fields.items())
         self._pipe.xadd(key, entry)
+        return self._queued()
 
-    def xack(self, key: str, group: str, *ids: str) -> None:
+    def xack(self, key: str, group: str, *ids: str) -> Reply[int]:
         self._pipe.xack(key, group, *ids)
+        return self._queued()
 
-    def xdel(self, key: str, *ids: str) -> None:
+    def xdel(self, key: str, *ids: str) -> Reply[int]:
         self._pipe.xdel(key, *ids)
+        return self._queued()
 
-    def xrevrange(self, key: str, *, count: int) -> None:
+    def xrevrange(self, key: str, *, count: int) -> Reply[list[StreamEntry]]:
         """Its reply: the last ``count`` entries, newest first."""
         self._pipe.xrevrange(key, count=count)
+        return self._queued()
 
-    def xclaim_ids(self, key: str, group: str, consumer: str, ids: Sequence[str]) -> None:
+    def xclaim_ids(self, key: str, group: str, consumer: str, ids: Sequence[str]) -> Reply[list[bytes]]:
         self._pipe.xclaim(key, group, consumer, 0, list(ids), justid=True)
+        return self._queued()
 
-    def xinfo_groups(self, key: str) -> None:
+    def xinfo_groups(self, key: str) -> Reply[list[GroupInfo]]:
         self._pipe.xinfo_groups(key)
+        return self._queued()
 
-    def xpending(self, key: str, group: str) -> None:
-        """Its reply: a dict with ``pending`` (count), ``min`` and ``max`` (ids) and ``consumers``."""
+    def xpending(self, key: str, group: str) -> Reply[PendingSummary]:
         self._pipe.xpending(key, group)
+        return self._queued()
 
-    def xpending_range(self, key: str, group: str, *, count: int) -> None:
+    def xpending_range(self, key: str, group: str, *, count: int) -> Reply[list[PendingEntry]]:
+        """Its reply: the first ``count`` pending entries."""
         self._pipe.xpending_range(key, group, min="-", max="+", count=count)
+        return self._queued()
 
 
 def as_client(redis: RedisClient | RawClient, url: str = "redis") -> RedisClient:

@@ -27,12 +27,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.exceptions as rexc
 
 from riverbed.bus.keys import ROLES, Keys
-from riverbed.bus.redis_client import RawClient, RedisClient, as_client
+from riverbed.bus.redis_client import GroupInfo, PendingEntry, PendingSummary, RawClient, RedisClient, Reply, as_client
 
 __all__ = [
     "DirectoryBacklog",
@@ -53,6 +53,8 @@ __all__ = [
     "session_metas",
     "status",
 ]
+
+T = TypeVar("T")
 
 CHUNK = 200
 DIRECTORY_SCAN_LIMIT = 100_000
@@ -163,10 +165,10 @@ async def session_metas(
     for begin in range(0, len(names), CHUNK):
         part = list(names[begin : begin + CHUNK])
         async with client.pipeline() as pipe:
-            for name in part:
-                pipe.hmget(keys.meta(name), ["last", "tenant", "created"])
-            rows = await pipe.execute()
-        for name, (last, tenant, created) in zip(part, rows, strict=True):
+            rows = [pipe.hmget(keys.meta(name), ["last", "tenant", "created"]) for name in part]
+            await pipe.execute()
+        for name, row in zip(part, rows, strict=True):
+            last, tenant, created = row.value
             out.append(
                 SessionMeta(
                     session=name,
@@ -207,33 +209,53 @@ async def session_backlogs(
     for start in range(0, len(names), CHUNK):
         chunk = names[start : start + CHUNK]
         async with client.pipeline() as pipe:
-            for session in chunk:
-                log_key = keys.log(session)
-                pipe.hmget(keys.meta(session), ["last", f"holder:{role}", f"expires:{role}"])
-                pipe.xinfo_groups(log_key)
-                pipe.xpending(log_key, role)
-                pipe.xpending_range(log_key, role, count=1)
-            replies = await pipe.execute(raise_on_error=False)
-        for i, session in enumerate(chunk):
-            out.append(_session_backlog(session, role, replies[4 * i : 4 * i + 4], now))
+            queued = [
+                (
+                    session,
+                    pipe.hmget(keys.meta(session), ["last", f"holder:{role}", f"expires:{role}"]),
+                    pipe.xinfo_groups(keys.log(session)),
+                    pipe.xpending(keys.log(session), role),
+                    pipe.xpending_range(keys.log(session), role, count=1),
+                )
+                for session in chunk
+            ]
+            await pipe.execute(raise_on_error=False)
+        for session, meta, groups, summary, first in queued:
+            out.append(
+                _session_backlog(
+                    session,
+                    role,
+                    _unless_missing(meta),
+                    _unless_missing(groups),
+                    _unless_missing(summary),
+                    _unless_missing(first),
+                    now,
+                )
+            )
     return out
 
 
-def _session_backlog(session: str, role: str, replies: list[Any], now: float) -> SessionBacklog:
-    """One session's replies: HMGET meta, XINFO GROUPS, XPENDING summary, first pending entry."""
-    _raise_unexpected(*replies)
-    meta, groups, summary, first = replies
-    last_raw, holder_raw, expires_raw = meta if isinstance(meta, list) else (None, None, None)
+def _session_backlog(
+    session: str,
+    role: str,
+    meta: list[bytes | None] | None,
+    groups: list[GroupInfo] | None,
+    summary: PendingSummary | None,
+    first: list[PendingEntry] | None,
+    now: float,
+) -> SessionBacklog:
+    """One session's replies (None: its key or group is missing): HMGET meta, XINFO GROUPS,
+    XPENDING summary, first pending entry."""
+    last_raw, holder_raw, expires_raw = meta if meta is not None else (None, None, None)
     last = int(last_raw) if last_raw is not None else 0
     delivered = 0
-    if isinstance(groups, list):
-        for group in groups:
-            if _text(group.get("name", b"")) == role:
-                delivered = _event_id(group.get("last-delivered-id", b"0-0"))
-                break
-    pending = int(summary.get("pending", 0)) if isinstance(summary, dict) else 0
+    for group in groups or ():
+        if _text(group.get("name", b"")) == role:
+            delivered = _event_id(group.get("last-delivered-id", b"0-0"))
+            break
+    pending = int(summary.get("pending", 0)) if summary is not None else 0
     oldest = 0.0
-    if isinstance(first, list) and first:
+    if first:
         oldest = int(first[0].get("time_since_delivered", 0)) / 1000
     holder = _text(holder_raw) if holder_raw else ""
     expires_ms = float(expires_raw) if expires_raw else 0.0
@@ -252,14 +274,13 @@ def _session_backlog(session: str, role: str, replies: list[Any], now: float) ->
     )
 
 
-def _raise_unexpected(*replies: Any) -> None:
-    """Missing keys and groups read as zero; any other server error is a real error."""
-    for reply in replies:
-        if isinstance(reply, rexc.ResponseError):
-            text = str(reply)
-            if "NOGROUP" in text or "no such key" in text.lower():
-                continue
-            raise reply
+def _unless_missing(reply: Reply[T]) -> T | None:
+    """The reply, None where its key or group is missing (it reads as zero); any other server
+    error is a real error."""
+    error = reply.error
+    if isinstance(error, rexc.ResponseError) and ("NOGROUP" in str(error) or "no such key" in str(error).lower()):
+        return None
+    return reply.value
 
 
 async def directory_backlog(
@@ -308,12 +329,16 @@ async def live_workers(
     if not alive:
         return []
     async with client.pipeline() as pipe:
-        for name in alive:
-            pipe.get(keys.worker(name))
-        raw = await pipe.execute(raise_on_error=False)
+        blobs = [pipe.get(keys.worker(name)) for name in alive]
+        await pipe.execute(raise_on_error=False)
     return [
-        WorkerInfo(name=name, heartbeat=beats[name], age_seconds=max(0.0, now - beats[name]), description=_json(blob))
-        for name, blob in zip(alive, raw, strict=True)
+        WorkerInfo(
+            name=name,
+            heartbeat=beats[name],
+            age_seconds=max(0.0, now - beats[name]),
+            description=_json(blob.value) if blob.error is None else {},
+        )
+        for name, blob in zip(alive, blobs, strict=True)
     ]
 
 
@@ -395,8 +420,8 @@ def _seconds(score: float) -> float:
     return score / 1000 if score > _MS_SCORES else score
 
 
-def _json(blob: Any) -> dict[str, Any]:
-    if not isinstance(blob, bytes | str):
+def _json(blob: bytes | None) -> dict[str, Any]:
+    if blob is None:
         return {}
     try:
         value = json.loads(blob)

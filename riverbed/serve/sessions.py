@@ -99,14 +99,13 @@ async def session_infos(
             continue
         shown = [row[0] for row in rows]
         async with bus.client.pipeline() as pipe:
-            for name in shown:
-                pipe.xrevrange(bus.keys.log(name), count=1)
-            newest = await pipe.execute()
+            newest = [pipe.xrevrange(bus.keys.log(name), count=1) for name in shown]
+            await pipe.execute()
         backlogs = {role: await stats.session_backlogs(bus.client, bus.keys, role, shown) for role in roles}
         for i, (name, tenant, last, created) in enumerate(rows):
             last_ts = None
-            if newest[i]:
-                raw_id, fields = newest[i][0]
+            if entries := newest[i].value:
+                raw_id, fields = entries[0]
                 last_ts = decode_entry(fields.get(PAYLOAD_FIELD, b""), entry_id(raw_id)).ts.isoformat()
             out.append(
                 SessionInfo(
