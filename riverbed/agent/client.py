@@ -23,9 +23,10 @@ from msgspec.structs import replace
 
 from riverbed import events, tracing
 from riverbed.bus import stats
-from riverbed.bus.connection import Client, connect_redis, translate
+from riverbed.bus.connection import RawClient, connect_redis
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys
 from riverbed.bus.log import Log, answered_cause, decode_entry, entry_id
+from riverbed.bus.redis_client import RedisClient
 from riverbed.errors import ActTimeout, AlreadyAnswered, InputError, NotFoundError
 from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
 
@@ -165,28 +166,25 @@ class Session:
         cursor = action_id if cursor is None else cursor
         with anyio.move_on_after(max(timeout - waited, 0.0)):
             if look_up:
-                with translate(bus.url):
-                    known = await bus.redis.hget(bus.keys.answers(self.id), str(action_id))
+                known = await bus.client.hget(bus.keys.answers(self.id), str(action_id))
                 if known is not None:
                     async for event in bus.log_store.read(self.id, int(known), int(known)):
                         return event
             while True:
-                with translate(bus.url):
-                    reply = await bus.redis.xread({log_key: f"{cursor}-0"}, count=500, block=1000)
-                if not reply and await bus.log_store.last_id(self.id) < action_id:
+                entries = await bus.client.xread(log_key, f"{cursor}-0", count=500, block=1000)
+                if not entries and await bus.log_store.last_id(self.id) < action_id:
                     # The log is shorter than the action: Redis lost its data (a restart without
                     # persistence, a failover to an empty replica, FLUSHALL); no answer can come.
                     raise NotFoundError(
                         f"action {action_id} of session {self.id!r} is no longer in its log: Redis lost "
                         "the session's data; append the action again"
                     )
-                for _stream, entries in reply or ():
-                    pairs = [(entry_id(raw_id), fields.get(PAYLOAD_FIELD, b"")) for raw_id, fields in entries]
-                    answer = _answer_among(pairs, action_id)
-                    if answer is not None:
-                        return answer
-                    if pairs:
-                        cursor = pairs[-1][0]
+                pairs = [(entry_id(raw_id), fields.get(PAYLOAD_FIELD, b"")) for raw_id, fields in entries]
+                answer = _answer_among(pairs, action_id)
+                if answer is not None:
+                    return answer
+                if pairs:
+                    cursor = pairs[-1][0]
         raise ActTimeout(
             f"no observation answered action {action_id} in session {self.id!r} within {timeout:g}s; "
             "is a worker for its role running? (riverbed worker all)"
@@ -239,11 +237,14 @@ class Bus:
 
     With an ``archive`` (Postgres), reads span the events retention moved out of Redis; it
     connects only when a read needs it.
+
+    :attr:`client` is how riverbed calls Redis (typed, errors translated); :attr:`redis` is
+    the redis-py client under it, for commands riverbed has no use for (tests, operations).
     """
 
     def __init__(
         self,
-        redis: Client,
+        redis: RawClient,
         *,
         prefix: str = "rb",
         url: str = "redis",
@@ -251,11 +252,12 @@ class Bus:
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
         self.redis = redis
+        self.client = RedisClient(redis, url)
         self.url = url
         self.keys = Keys(prefix)
         self.archive = archive
         self.max_event_bytes = max_event_bytes
-        self.log_store = Log(redis, self.keys, url, archive=archive)
+        self.log_store = Log(self.client, self.keys, archive=archive)
 
     def check(self, event: events.Event) -> bytes:
         """The payload of an event given by a user, once :func:`riverbed.events.check` (with
@@ -275,12 +277,12 @@ class Bus:
 
     async def sessions(self) -> list[str]:
         """Every session, oldest first."""
-        return await stats.list_sessions(self.redis, self.keys, url=self.url)
+        return await stats.list_sessions(self.client, self.keys)
 
     async def aclose(self) -> None:
         if self.archive is not None:
             await self.archive.close()
-        await self.redis.aclose()
+        await self.client.aclose()
 
 
 @contextlib.asynccontextmanager

@@ -53,11 +53,9 @@ from typing import Any, Protocol
 import anyio
 import anyio.to_thread
 from msgspec.structs import replace
-from redis import exceptions as rexc
 
 from riverbed import events
 from riverbed.agent.client import Bus
-from riverbed.bus.connection import translate
 from riverbed.bus.log import answered_cause, decode_entry
 from riverbed.errors import ActTimeout, AlreadyAnswered, InputError
 
@@ -177,13 +175,8 @@ async def start_runtime_after(bus: Bus, session: str, after: int) -> None:
     first append), so a group left by an earlier attempt is moved, not trusted.
     """
     key = bus.keys.log(session)
-    with translate(bus.url):
-        try:
-            await bus.redis.xgroup_create(key, "runtime", id=f"{after}-0", mkstream=True)
-        except rexc.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-            await bus.redis.xgroup_setid(key, "runtime", id=f"{after}-0")
+    if not await bus.client.xgroup_create(key, "runtime", f"{after}-0"):
+        await bus.client.xgroup_setid(key, "runtime", f"{after}-0")
 
 
 async def _append_page(bus: Bus, into: str, page: list[tuple[bytes, int]], copied: int, tenant: str | None) -> int:

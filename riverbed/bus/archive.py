@@ -40,9 +40,10 @@ from anyio.abc import TaskStatus
 from asyncpg.pool import PoolConnectionProxy
 
 from riverbed.bus import scripts
-from riverbed.bus.connection import Client, redact, translate
+from riverbed.bus.connection import redact
 from riverbed.bus.keys import PAYLOAD_FIELD, ROLES, Keys
 from riverbed.bus.log import PAGE, entry_id
+from riverbed.bus.redis_client import RawClient, RedisClient, as_client
 from riverbed.errors import InputError, RiverbedError, UnavailableError
 from riverbed.pg import LazyPool, check_schema, migrate
 
@@ -207,14 +208,15 @@ def _event_time(payload: bytes) -> dt.datetime | None:
     return ts
 
 
-async def first_stream_id(redis: Client, keys: Keys, session: str, *, url: str = "redis") -> int:
+async def first_stream_id(redis: RedisClient | RawClient, keys: Keys, session: str, *, url: str = "redis") -> int:
     """The id of the first event still in the Redis stream (0: the stream is empty)."""
-    with translate(url):
-        entries = await redis.xrange(keys.log(session), "-", "+", count=1)
+    entries = await as_client(redis, url).xrange(keys.log(session), "-", "+", count=1)
     return entry_id(entries[0][0]) if entries else 0
 
 
-async def safe_point(redis: Client, keys: Keys, session: str, *, keep_last: int, url: str = "redis") -> int:
+async def safe_point(
+    redis: RedisClient | RawClient, keys: Keys, session: str, *, keep_last: int, url: str = "redis"
+) -> int:
     """The highest event id every role has finished with and that leaves ``keep_last`` events
     in the stream (0: nothing may be trimmed).
 
@@ -222,32 +224,31 @@ async def safe_point(redis: Client, keys: Keys, session: str, *, keep_last: int,
     before it is pending in the group.  A missing group means the role never saw the
     session: then nothing may be trimmed.
     """
+    client = as_client(redis, url)
     key = keys.log(session)
     try:
-        with translate(url):
-            groups = {g["name"].decode(): g for g in await redis.xinfo_groups(key)}
+        groups = {g["name"].decode(): g for g in await client.xinfo_groups(key)}
     except rexc.ResponseError as exc:
         if "no such key" in str(exc).lower():
             return 0
         raise
     if any(role not in groups for role in ROLES):
         return 0
-    with translate(url):
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.hget(keys.meta(session), "last")
-            for role in ROLES:
-                pipe.xpending(key, role)
-            last_raw, *pending = await pipe.execute()
-    point = int(last_raw or 0) - keep_last
-    for role, summary in zip(ROLES, pending, strict=True):
+    async with client.pipeline() as pipe:
+        last = pipe.hget(keys.meta(session), "last")
+        pending = [pipe.xpending(key, role) for role in ROLES]
+        await pipe.execute()
+    point = int(last.value or 0) - keep_last
+    for role, reply in zip(ROLES, pending, strict=True):
         point = min(point, entry_id(groups[role]["last-delivered-id"]))
-        if int(summary["pending"]) > 0:
+        summary = reply.value
+        if summary["pending"] > 0 and summary["min"] is not None:
             point = min(point, entry_id(summary["min"]) - 1)
     return max(point, 0)
 
 
 async def retain(
-    redis: Client,
+    redis: RedisClient | RawClient,
     keys: Keys,
     archive: Archive,
     session: str,
@@ -262,16 +263,16 @@ async def retain(
         raise InputError("retention keeps at least the last event in Redis: keep_last must be 1 or more")
     if not math.isfinite(older_than_seconds) or older_than_seconds < 0:
         raise InputError("the retention age must be a number of seconds, 0 or more")
-    point = await safe_point(redis, keys, session, keep_last=keep_last, url=url)
+    client = as_client(redis, url)
+    point = await safe_point(client, keys, session, keep_last=keep_last)
     if point < 1:
         return 0
     cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=older_than_seconds)
     key = keys.log(session)
-    trim = redis.register_script(scripts.TRIM)
+    trim = client.script(scripts.TRIM)
     trimmed = 0
     while True:
-        with translate(url):
-            entries = await redis.xrange(key, "-", f"{point}-0", count=PAGE)
+        entries = await client.xrange(key, "-", f"{point}-0", count=PAGE)
         rows: list[tuple[int, bytes]] = []
         young = False
         for raw_id, fields in entries:
@@ -283,8 +284,7 @@ async def retain(
         if not rows:
             break
         new = await archive.copy(session, rows)
-        with translate(url):
-            reply = await trim(keys=[key, keys.meta(session)], args=[rows[-1][0]])
+        reply = await trim([key, keys.meta(session)], [rows[-1][0]])
         if reply[0] != b"ok":
             break
         trimmed += int(reply[1])
@@ -299,7 +299,7 @@ class Retention:
 
     def __init__(
         self,
-        redis: Client,
+        redis: RedisClient | RawClient,
         keys: Keys,
         archive: Archive,
         *,
@@ -308,13 +308,12 @@ class Retention:
         period: float | None = None,
         url: str = "redis",
     ) -> None:
-        self.redis = redis
+        self.redis = as_client(redis, url)
         self.keys = keys
         self.archive = archive
         self.older_than_seconds = older_than_seconds
         self.keep_last = keep_last
         self.period = period if period is not None else min(60.0, max(1.0, older_than_seconds / 4))
-        self.url = url
         self.trimmed = 0
 
     async def once(self, sessions: Iterable[str]) -> int:
@@ -329,7 +328,6 @@ class Retention:
                     session,
                     older_than_seconds=self.older_than_seconds,
                     keep_last=self.keep_last,
-                    url=self.url,
                 )
             except RiverbedError as exc:
                 log.warning("retention.failed", session=session, error=str(exc))
@@ -346,10 +344,9 @@ class Retention:
         while True:
             await anyio.sleep(self.period)
             try:
-                with translate(self.url):
-                    if not await self.redis.set(self.keys.retention, worker, nx=True, px=lock_ms):
-                        continue
-                    sessions = [s.decode() for s in await self.redis.zrange(self.keys.sessions, 0, -1)]
+                if not await self.redis.set(self.keys.retention, worker, nx=True, px=lock_ms):
+                    continue
+                sessions = [s.decode() for s in await self.redis.zrange(self.keys.sessions)]
             except UnavailableError as exc:
                 log.warning("retention.unavailable", error=str(exc))
                 continue

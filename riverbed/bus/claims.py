@@ -27,21 +27,19 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
-import structlog
 
 from riverbed.bus import scripts
-from riverbed.bus.connection import Client, translate
+from riverbed.bus.backoff import retry_unavailable
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.keys import Keys
 from riverbed.bus.log import Fence
-from riverbed.errors import FencedError, UnavailableError
+from riverbed.bus.redis_client import Arg, RawClient, RedisClient, as_client
+from riverbed.errors import FencedError
 
 __all__ = ["Claimed", "Claims"]
-
-log = structlog.get_logger("riverbed.worker")
 
 
 @dataclass(frozen=True)
@@ -67,13 +65,14 @@ class Claimed:
 class Claims:
     """CLAIM calls for one worker."""
 
-    def __init__(self, redis: Client, keys: Keys, *, worker: str, lease_seconds: float, url: str = "redis") -> None:
-        self.redis = redis
+    def __init__(
+        self, redis: RedisClient | RawClient, keys: Keys, *, worker: str, lease_seconds: float, url: str = "redis"
+    ) -> None:
+        self.redis = as_client(redis, url)
         self.keys = keys
         self.worker = worker
         self.lease_seconds = lease_seconds
-        self.url = url
-        self._claim = redis.register_script(scripts.CLAIM)
+        self._claim = self.redis.script(scripts.CLAIM)
 
     async def claim(
         self,
@@ -93,30 +92,27 @@ class Claims:
         """
         value = again.value if again is not None else f"{self.worker}:{fence.token}:{secrets.token_hex(4)}"
         keys = [self.keys.meta(session), self.keys.claims(session), self.keys.answers(session)]
-        args = [fence.role, self.worker, fence.token, math.ceil(self.lease_seconds * 1000), action_id, value]
+        args: list[Arg] = [fence.role, self.worker, fence.token, math.ceil(self.lease_seconds * 1000), action_id, value]
         args.append("1" if force else "")
-        backoff = 0.1
-        while True:
-            sent = time.monotonic()
-            try:
-                with translate(self.url):
-                    reply = await self._claim(keys=keys, args=args)
-            except UnavailableError as exc:
-                if stopping is not None and stopping.is_set():
-                    raise
-                log.warning("claim.unavailable", session=session, event_id=action_id, error=str(exc))
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                continue
-            crashpoint("after_claim")
-            status = reply[0]
-            if status == b"fenced":
-                raise FencedError(session, fence.role, fence.token, int(reply[1]))
-            if status == b"answered":
-                return Claimed("answered", str(int(reply[1])))
-            if status == b"claimed":
-                held = reply[1]
-                return Claimed("claimed", held.decode() if isinstance(held, bytes) else str(held))
-            if status != b"ok":
-                raise RuntimeError(f"unexpected claim reply {reply!r}")
-            return Claimed("ok", value=value, start_by=sent + self.lease_seconds / 2)
+        sent = 0.0
+
+        async def send() -> Any:
+            nonlocal sent
+            sent = time.monotonic()  # freshness counts from the try that got through
+            return await self._claim(keys, args)
+
+        reply = await retry_unavailable(
+            send, stopping=stopping, what="claim.unavailable", session=session, event_id=action_id
+        )
+        crashpoint("after_claim")
+        status = reply[0]
+        if status == b"fenced":
+            raise FencedError(session, fence.role, fence.token, int(reply[1]))
+        if status == b"answered":
+            return Claimed("answered", str(int(reply[1])))
+        if status == b"claimed":
+            held = reply[1]
+            return Claimed("claimed", held.decode() if isinstance(held, bytes) else str(held))
+        if status != b"ok":
+            raise RuntimeError(f"unexpected claim reply {reply!r}")
+        return Claimed("ok", value=value, start_by=sent + self.lease_seconds / 2)

@@ -2,7 +2,9 @@
 
 A URL whose server reports ``cluster_enabled:1`` gets a ``RedisCluster`` client; every
 other URL a plain client.  Both retry a failed command with exponential backoff, and
-:func:`translate` turns redis-py's connection errors into :class:`UnavailableError`.
+:func:`translate` turns redis-py's connection errors into :class:`UnavailableError`.  Code
+calls Redis through :class:`riverbed.bus.redis_client.RedisClient`, which wraps that client and
+translates every call's errors itself.
 
 The cluster client finds the keys of ``XREAD`` and ``XREADGROUP`` (the blocking reads of every
 worker and client) itself.  redis-py asks one fixed node with ``COMMAND GETKEYS`` before each of
@@ -32,9 +34,7 @@ from redis.cluster import PRIMARY
 
 from riverbed.errors import ConfigError, InputError, UnavailableError
 
-Client: TypeAlias = Any  # redis.asyncio.Redis | RedisCluster: the commands we use exist on both
-
-__all__ = ["Client", "Cluster", "connect_redis", "redact", "stream_read_keys", "too_large", "translate"]
+__all__ = ["Cluster", "RawClient", "connect_redis", "redact", "stream_read_keys", "too_large", "translate"]
 
 
 def redact(url: str) -> str:
@@ -164,6 +164,10 @@ class Cluster(RedisCluster):
         return slots.pop()
 
 
+RawClient: TypeAlias = aioredis.Redis | RedisCluster
+"""What :func:`connect_redis` returns (a :class:`Cluster` for a cluster)."""
+
+
 @functools.cache
 def _driver_info() -> dict[str, Any]:
     """``CLIENT SETINFO`` names riverbed.  Given once, the versions also spare redis-py reading
@@ -192,7 +196,7 @@ CLUSTER_SPARE = 4
 
 async def connect_redis(
     url: str, *, max_connections: int = 2000, shared: bool = False, name: str | None = None
-) -> Client:
+) -> RawClient:
     """A connected client for ``url``; raises ConfigError or UnavailableError in one sentence.
 
     ``shared``: a worker's client, shared by every session it owns.  It holds at most

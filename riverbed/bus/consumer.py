@@ -33,9 +33,9 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
-from riverbed.bus.backoff import until_answered
+from riverbed.bus.backoff import retry_unavailable
 from riverbed.bus.claims import Claims
-from riverbed.bus.connection import Client
+from riverbed.bus.connection import RawClient
 from riverbed.bus.dispatch import Dispatcher
 from riverbed.bus.dlq import DeadLetters
 from riverbed.bus.failures import Failures
@@ -44,6 +44,7 @@ from riverbed.bus.keys import Keys
 from riverbed.bus.leasing import Leasing
 from riverbed.bus.log import Log
 from riverbed.bus.ownership import Leases
+from riverbed.bus.redis_client import as_client
 from riverbed.bus.session_loop import SessionLoop
 from riverbed.bus.wakeups import Wakeups
 from riverbed.errors import UnavailableError
@@ -70,7 +71,7 @@ class Owner:
 
     def __init__(
         self,
-        redis: Client,
+        redis: RawClient,
         keys: Keys,
         handler: Handler,
         *,
@@ -92,10 +93,14 @@ class Owner:
         self.park_after = park_after
         self.max_attempts = max_attempts
         self.url = url
-        self.log = Log(redis, keys, url)
-        self.leases = Leases(redis, keys, self.role, worker=worker, lease_ms=math.ceil(lease_seconds * 1000), url=url)
-        self.dlq = DeadLetters(redis, keys, url)
-        self.claims = Claims(redis, keys, worker=worker, lease_seconds=lease_seconds, url=url)
+        self.client = as_client(redis, url)
+        """The typed adapter every command goes through (``redis`` stays the redis-py client the
+        wake-up feeds open their connections from)."""
+        self.log = Log(self.client, keys, url)
+        lease_ms = math.ceil(lease_seconds * 1000)
+        self.leases = Leases(self.client, keys, self.role, worker=worker, lease_ms=lease_ms, url=url)
+        self.dlq = DeadLetters(self.client, keys, url)
+        self.claims = Claims(self.client, keys, worker=worker, lease_seconds=lease_seconds, url=url)
         self.owned: dict[str, Owned] = {}
         self.stats = OwnerStats()
         self.failures = Failures()
@@ -112,7 +117,7 @@ class Owner:
         self._tg: TaskGroup | None = None
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        await until_answered(self.leases.ensure_group, self.stopping)
+        await retry_unavailable(self.leases.ensure_group, stopping=self.stopping)
         async with anyio.create_task_group() as tg:
             self._tg = tg
             if self._own_wakeups:

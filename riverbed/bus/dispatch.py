@@ -20,8 +20,7 @@ import msgspec
 import structlog
 
 from riverbed import events
-from riverbed.bus.backoff import Backoff, until_answered
-from riverbed.bus.connection import translate
+from riverbed.bus.backoff import Backoff, retry_unavailable
 from riverbed.bus.handling import Answer, Entry, SessionContext
 from riverbed.bus.log import entry_id
 from riverbed.errors import AppendConflict, FencedError, UnavailableError
@@ -81,7 +80,7 @@ class Dispatcher:
             except (UnavailableError, AppendConflict) as exc:
                 log.warning("handler.retry", role=self.role, session=ctx.session, error=str(exc))
                 await backoff.pause()
-                todo = await until_answered(partial(self._unacked, ctx, todo), self.owner.stopping)
+                todo = await retry_unavailable(partial(self._unacked, ctx, todo), stopping=self.owner.stopping)
                 continue
             except Exception as exc:
                 log.exception("handler.failed", role=self.role, session=ctx.session, error=str(exc))
@@ -89,7 +88,7 @@ class Dispatcher:
                     attempts[entry.id] = attempts.get(entry.id, 0) + 1
                     failures[entry.id] = f"{type(exc).__name__}: {exc}"
                 await backoff.pause()
-                todo = await until_answered(partial(self._unacked, ctx, todo), self.owner.stopping)
+                todo = await retry_unavailable(partial(self._unacked, ctx, todo), stopping=self.owner.stopping)
                 continue
             finally:
                 self.stats.observe_handler(time.perf_counter() - started)
@@ -101,14 +100,13 @@ class Dispatcher:
     async def _unacked(self, ctx: SessionContext, entries: list[Entry]) -> list[Entry]:
         """The entries of ``entries`` that are still pending (a failed batch may be half done)."""
         owner = self.owner
-        with translate(owner.url):
-            pending = await owner.redis.xpending_range(
-                owner.keys.log(ctx.session),
-                self.role,
-                min=f"{entries[0].id}-0",
-                max=f"{entries[-1].id}-0",
-                count=len(entries),
-            )
+        pending = await owner.client.xpending_range(
+            owner.keys.log(ctx.session),
+            self.role,
+            min=f"{entries[0].id}-0",
+            max=f"{entries[-1].id}-0",
+            count=len(entries),
+        )
         still = {entry_id(p["message_id"]) for p in pending}
         return [e for e in entries if e.id in still]
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from riverbed.bus.connection import Client, translate
 from riverbed.bus.keys import Keys
+from riverbed.bus.redis_client import Arg, RawClient, RedisClient, as_client
 from riverbed.errors import AlreadyAnswered, NotFoundError
 
 if TYPE_CHECKING:
@@ -46,10 +46,9 @@ class DeadLetter:
 
 
 class DeadLetters:
-    def __init__(self, redis: Client, keys: Keys, url: str = "redis") -> None:
-        self.redis = redis
+    def __init__(self, redis: RedisClient | RawClient, keys: Keys, url: str = "redis") -> None:
+        self.redis = as_client(redis, url)
         self.key = keys.dlq
-        self.url = url
 
     async def add(self, *, session: str, event_id: int, role: str, reason: str, attempts: int, payload: bytes) -> str:
         (letter,) = await self.add_many(session, role, [(event_id, reason, attempts, payload)])
@@ -58,34 +57,31 @@ class DeadLetters:
     async def add_many(self, session: str, role: str, letters: Sequence[tuple[int, str, int, bytes]]) -> list[str]:
         """Dead letters (event id, reason, attempts, payload) of one session, in one round trip."""
         now = time.time()
-        with translate(self.url):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for event_id, reason, attempts, payload in letters:
-                    fields = {
-                        "session": session,
-                        "event_id": event_id,
-                        "role": role,
-                        "reason": reason[:2000],
-                        "attempts": attempts,
-                        "ts": now,
-                        "payload": payload,
-                    }
-                    pipe.xadd(self.key, fields)
-                entries: list[bytes] = await pipe.execute()
-        return [entry.decode() for entry in entries]
+        async with self.redis.pipeline() as pipe:
+            entries = []
+            for event_id, reason, attempts, payload in letters:
+                fields: dict[str, Arg] = {
+                    "session": session,
+                    "event_id": event_id,
+                    "role": role,
+                    "reason": reason[:2000],
+                    "attempts": attempts,
+                    "ts": now,
+                    "payload": payload,
+                }
+                entries.append(pipe.xadd(self.key, fields))
+            await pipe.execute()
+        return [entry.value.decode() for entry in entries]
 
     async def list(self, count: int = 1000) -> list[DeadLetter]:
-        with translate(self.url):
-            entries = await self.redis.xrange(self.key, count=count)
+        entries = await self.redis.xrange(self.key, count=count)
         return [_letter(entry_id, fields) for entry_id, fields in entries]
 
     async def count(self) -> int:
-        with translate(self.url):
-            return int(await self.redis.xlen(self.key))
+        return await self.redis.xlen(self.key)
 
     async def get(self, letter_id: str) -> DeadLetter:
-        with translate(self.url):
-            entries = await self.redis.xrange(self.key, letter_id, letter_id)
+        entries = await self.redis.xrange(self.key, letter_id, letter_id)
         if not entries:
             raise NotFoundError(f"no dead letter with id {letter_id!r} (see riverbed dlq list)")
         return _letter(*entries[0])
@@ -103,8 +99,7 @@ class DeadLetters:
         return result[0]
 
     async def remove(self, letter_id: str) -> None:
-        with translate(self.url):
-            await self.redis.xdel(self.key, letter_id)
+        await self.redis.xdel(self.key, letter_id)
 
 
 def _letter(entry_id: bytes, fields: dict[bytes, bytes]) -> DeadLetter:

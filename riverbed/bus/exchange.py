@@ -23,7 +23,7 @@ import hiredis
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 
-from riverbed.bus.connection import Client
+from riverbed.bus.connection import RawClient
 
 __all__ = ["Exchange", "exchange", "stream_entries"]
 
@@ -47,7 +47,7 @@ class Exchange:
 
 
 @contextlib.asynccontextmanager
-async def exchange(client: Client, *commands: Sequence[Any]) -> AsyncIterator[Exchange | None]:
+async def exchange(client: RawClient, *commands: Sequence[Any]) -> AsyncIterator[Exchange | None]:
     """Send ``commands`` in one write on a connection taken from the pool for the exchange;
     yields their :class:`Exchange` (``None`` on a cluster)."""
     if not isinstance(client, aioredis.Redis) or client.single_connection_client:

@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from msgspec.structs import replace
 
 from riverbed import events, tracing
-from riverbed.bus.backoff import until_answered
+from riverbed.bus.backoff import retry_unavailable
 from riverbed.bus.claims import Claimed
-from riverbed.bus.connection import translate
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.keys import PAYLOAD_FIELD
 from riverbed.bus.log import AlreadyAnswered, Fence, PreparedAppend, decode_entry, entry_id
@@ -102,7 +101,8 @@ class SessionContext:
         """
         # Retried until Redis answers: the one-answer guard makes a repeat of an append that did
         # go through a no-op, and giving up here would make the loop run the action again.
-        result = await until_answered(self.prepare_answer(entry, observation, ack=ack).run, self._owner.stopping)
+        append = self.prepare_answer(entry, observation, ack=ack)
+        result = await retry_unavailable(append.run, stopping=self._owner.stopping)
         if not ack:
             return None if isinstance(result, AlreadyAnswered) else result[0]
         return await self.answered(entry, result)
@@ -149,8 +149,7 @@ class SessionContext:
             return
         crashpoint("before_ack")
         owner = self._owner
-        with translate(owner.url):
-            await owner.redis.xack(owner.keys.log(self.session), self.role, *[f"{i}-0" for i in ids])
+        await owner.client.xack(owner.keys.log(self.session), self.role, *[f"{i}-0" for i in ids])
 
     async def claim(self, entry: Entry, *, force: bool = False, again: Claimed | None = None) -> Claimed:
         """Claim ``entry`` with the owner's fencing token before running it (``bus/claims.py``);
@@ -161,19 +160,14 @@ class SessionContext:
 
     async def is_answered(self, action_id: int) -> bool:
         owner = self._owner
-        with translate(owner.url):
-            return bool(await owner.redis.hexists(owner.keys.answers(self.session), str(action_id)))
+        return await owner.client.hexists(owner.keys.answers(self.session), str(action_id))
 
     async def delivered_up_to(self) -> int:
         """The last id the log already delivered to this role's group (0: none)."""
         owner = self._owner
-        with translate(owner.url):
-            groups = await owner.redis.xinfo_groups(owner.keys.log(self.session))
-        for group in groups:
-            if group["name"] in (self.role, self.role.encode()):
-                raw = group["last-delivered-id"]
-                text = raw.decode() if isinstance(raw, bytes) else str(raw)
-                return int(text.partition("-")[0])
+        for group in await owner.client.xinfo_groups(owner.keys.log(self.session)):
+            if group["name"] == self.role.encode():
+                return entry_id(group["last-delivered-id"])
         return 0
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
-from riverbed.bus.backoff import until_answered
+from riverbed.bus.backoff import retry_unavailable
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.ownership import Claim
 from riverbed.bus.session_loop import group_lost
@@ -51,7 +51,9 @@ class Leasing:
 
     async def intake(self) -> None:
         owner = self.owner
-        for claim in await until_answered(lambda: self.leases.read_own_pending(owner.capacity), owner.stopping):
+        for claim in await retry_unavailable(
+            lambda: self.leases.read_own_pending(owner.capacity), stopping=owner.stopping
+        ):
             await self.take(claim, reclaimed=True)
         while not owner.stopping.is_set():
             if self.free() <= 0:

@@ -32,13 +32,13 @@ from typing import Any, Protocol
 
 import anyio
 import redis.exceptions as rexc
-import structlog
 
 from riverbed import events
 from riverbed.bus import scripts
-from riverbed.bus.connection import Client, translate
-from riverbed.bus.exchange import exchange, stream_entries
+from riverbed.bus.backoff import retry_unavailable
+from riverbed.bus.exchange import stream_entries
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys, require_session
+from riverbed.bus.redis_client import RawClient, RedisClient, StreamEntry, as_client
 from riverbed.errors import (
     AlreadyAnswered,
     AppendConflict,
@@ -51,8 +51,6 @@ from riverbed.errors import (
 )
 
 __all__ = ["AlreadyAnswered", "ArchiveReader", "Fence", "Log", "PreparedAppend", "entry_id"]
-
-log = structlog.get_logger("riverbed.bus")
 
 IDEMPOTENCY_TTL_MS = 24 * 3600 * 1000
 AUTO_IDEMPOTENCY_TTL_MS = 120 * 1000
@@ -121,8 +119,7 @@ class PreparedAppend:
         return ("EVALSHA", self.log.append_script.sha, len(self.keys), *self.keys, *self.args)
 
     async def run(self) -> list[int] | AlreadyAnswered:
-        with translate(self.log.url):
-            reply = await self.log.append_script(keys=self.keys, args=self.args)
+        reply = await self.log.append_script(self.keys, self.args)
         return await self.outcome(reply)
 
     async def outcome(self, reply: list[Any]) -> list[int] | AlreadyAnswered:
@@ -150,12 +147,13 @@ class PreparedAppend:
 class Log:
     """Appends and reads of session logs under one key prefix."""
 
-    def __init__(self, redis: Client, keys: Keys, url: str = "redis", *, archive: ArchiveReader | None = None) -> None:
-        self.redis = redis
+    def __init__(
+        self, redis: RedisClient | RawClient, keys: Keys, url: str = "redis", *, archive: ArchiveReader | None = None
+    ) -> None:
+        self.redis = as_client(redis, url)
         self.keys = keys
-        self.url = url
         self.archive = archive
-        self.append_script = redis.register_script(scripts.APPEND)
+        self.append_script = self.redis.script(scripts.APPEND)
 
     def check_session(self, session: str) -> None:
         require_session(session)
@@ -274,15 +272,14 @@ class Log:
         prepared = self.prepare(session, [(events.encode(e), answered_cause(e)) for e in batch], tenant=tenant)
         read = ("XREAD", "COUNT", PAGE, "BLOCK", block_ms, "STREAMS", self.keys.log(session), "$")
         try:
-            with translate(self.url):
-                async with exchange(self.redis, prepared.command, read) as replies:
-                    if replies is not None:
-                        ids = await prepared.outcome(await replies.read())
-                        assert not isinstance(ids, AlreadyAnswered)  # an action answers nothing
-                        if not prepared.appended:
-                            return ids, []
-                        entries = stream_entries(await replies.read())
-                        return ids, [(entry_id(i), fields.get(PAYLOAD_FIELD, b"")) for i, fields in entries]
+            async with self.redis.exchange(prepared.command, read) as replies:
+                if replies is not None:
+                    ids = await prepared.outcome(await replies.read())
+                    assert not isinstance(ids, AlreadyAnswered)  # an action answers nothing
+                    if not prepared.appended:
+                        return ids, []
+                    entries = stream_entries(await replies.read())
+                    return ids, [(entry_id(i), fields.get(PAYLOAD_FIELD, b"")) for i, fields in entries]
         except (rexc.NoScriptError, UnavailableError):
             pass  # run alone below: that loads the script, or retries under the same idempotency key
         ids = await prepared.run()
@@ -291,22 +288,19 @@ class Log:
 
     async def announce(self, session: str, roles: Sequence[str], *, created: bool) -> None:
         """Tell role workers that ``session`` needs an owner (the ownership scripts clear the flag)."""
-        with translate(self.url):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for role in roles:
-                    pipe.xadd(self.keys.directory(role), {"s": session})
-                if created:
-                    pipe.zadd(self.keys.sessions, {session: time.time()}, nx=True)
-                await pipe.execute()
+        async with self.redis.pipeline() as pipe:
+            for role in roles:
+                pipe.xadd(self.keys.directory(role), {"s": session})
+            if created:
+                pipe.zadd(self.keys.sessions, {session: time.time()}, nx=True)
+            await pipe.execute()
 
     async def last_id(self, session: str) -> int:
-        with translate(self.url):
-            value = await self.redis.hget(self.keys.meta(session), "last")
+        value = await self.redis.hget(self.keys.meta(session), "last")
         return int(value or 0)
 
     async def meta(self, session: str) -> dict[str, str]:
-        with translate(self.url):
-            raw = await self.redis.hgetall(self.keys.meta(session))
+        raw = await self.redis.hgetall(self.keys.meta(session))
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     async def exists(self, session: str) -> bool:
@@ -320,8 +314,7 @@ class Log:
         want = max(start, 1)
         hi = "+" if end is None else f"{end}-0"
         while end is None or want <= end:
-            with translate(self.url):
-                entries = await self.redis.xrange(key, f"{want}-0", hi, count=page)
+            entries = await self.redis.xrange(key, f"{want}-0", hi, count=page)
             if not entries or entry_id(entries[0][0]) != want:
                 upto = await self._archived_upto(session, want, end, entries)
                 if upto < want:
@@ -348,8 +341,7 @@ class Log:
         hi = "+" if end is None else f"{end}-0"
         decode = events.decode
         while end is None or want <= end:
-            with translate(self.url):
-                entries = await self.redis.xrange(key, f"{want}-0", hi, count=PAGE)
+            entries = await self.redis.xrange(key, f"{want}-0", hi, count=PAGE)
             if not entries or int(entries[0][0].partition(b"-")[0]) != want:
                 upto = await self._archived_upto(session, want, end, entries)
                 if upto < want:
@@ -371,7 +363,7 @@ class Log:
                 return
             want = entry_id(entries[-1][0]) + 1
 
-    async def _archived_upto(self, session: str, want: int, end: int | None, entries: list[Any]) -> int:
+    async def _archived_upto(self, session: str, want: int, end: int | None, entries: list[StreamEntry]) -> int:
         """The last id of the run of archived events that starts at ``want`` (< ``want``: none).
 
         The stream's first entry after ``want`` bounds the run; with no entry at all, the
@@ -379,8 +371,7 @@ class Log:
         """
         if entries:
             return entry_id(entries[0][0]) - 1
-        with translate(self.url):
-            raw = await self.redis.hget(self.keys.meta(session), "archived_to")
+        raw = await self.redis.hget(self.keys.meta(session), "archived_to")
         upto = int(raw or 0)
         return upto if end is None else min(upto, end)
 
@@ -408,26 +399,25 @@ class Log:
         """Events from ``start`` on, then new ones as they arrive, until ``stop`` is set."""
         next_id = max(start, 1)
         key = self.keys.log(session)
-        backoff = 0.05
+
+        async def read() -> list[StreamEntry]:
+            return await self.redis.xread(key, f"{next_id - 1}-0", count=PAGE, block=block_ms)
+
         while stop is None or not stop.is_set():
             try:
-                with translate(self.url):
-                    reply = await self.redis.xread({key: f"{next_id - 1}-0"}, count=PAGE, block=block_ms)
-            except UnavailableError as exc:
-                log.warning("follow.reconnecting", session=session, error=str(exc))
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                continue
-            backoff = 0.05
-            for _stream, entries in reply or ():
-                if entries and entry_id(entries[0][0]) > next_id:
-                    async for event_id, payload in self._read_archive(session, next_id, entry_id(entries[0][0]) - 1):
-                        next_id = event_id + 1
-                        yield decode_entry(payload, event_id)
-                for raw_id, fields in entries:
-                    event_id = entry_id(raw_id)
+                entries = await retry_unavailable(
+                    read, stopping=stop, first=0.05, what="follow.reconnecting", session=session
+                )
+            except UnavailableError:
+                return  # Redis is unreachable and ``stop`` is set
+            if entries and entry_id(entries[0][0]) > next_id:
+                async for event_id, payload in self._read_archive(session, next_id, entry_id(entries[0][0]) - 1):
                     next_id = event_id + 1
-                    yield decode_entry(fields.get(PAYLOAD_FIELD, b""), event_id)
+                    yield decode_entry(payload, event_id)
+            for raw_id, fields in entries:
+                event_id = entry_id(raw_id)
+                next_id = event_id + 1
+                yield decode_entry(fields.get(PAYLOAD_FIELD, b""), event_id)
 
 
 def decode_entry(payload: bytes, event_id: int) -> events.Event:

@@ -31,8 +31,8 @@ from typing import Any
 import redis.exceptions as rexc
 
 from riverbed.bus import scripts
-from riverbed.bus.connection import Client, translate
 from riverbed.bus.keys import Keys
+from riverbed.bus.redis_client import RawClient, RedisClient, Reply, as_client
 
 __all__ = ["Claim", "Leases"]
 
@@ -57,60 +57,56 @@ class Acquired:
 class Leases:
     """Lease operations for one role on behalf of one worker."""
 
-    def __init__(self, redis: Client, keys: Keys, role: str, *, worker: str, lease_ms: int, url: str = "redis") -> None:
-        self.redis = redis
+    def __init__(
+        self,
+        redis: RedisClient | RawClient,
+        keys: Keys,
+        role: str,
+        *,
+        worker: str,
+        lease_ms: int,
+        url: str = "redis",
+    ) -> None:
+        self.redis = as_client(redis, url)
         self.keys = keys
         self.role = role
         self.worker = worker
         self.lease_ms = lease_ms
-        self.url = url
         self.directory = keys.directory(role)
-        self._acquire = redis.register_script(scripts.ACQUIRE)
-        self._renew = redis.register_script(scripts.RENEW)
-        self._release = redis.register_script(scripts.RELEASE)
+        self._acquire = self.redis.script(scripts.ACQUIRE)
+        self._renew = self.redis.script(scripts.RENEW)
+        self._release = self.redis.script(scripts.RELEASE)
 
     async def ensure_group(self) -> None:
-        with translate(self.url):
-            try:
-                await self.redis.xgroup_create(self.directory, self.role, id="0", mkstream=True)
-            except rexc.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+        await self.redis.xgroup_create(self.directory, self.role, "0")
 
     async def read_new(self, count: int, block_ms: int) -> list[Claim]:
-        with translate(self.url):
-            reply = await self.redis.xreadgroup(
-                self.role, self.worker, {self.directory: ">"}, count=count, block=block_ms
-            )
-        return [_claim(entry_id, fields) for _stream, entries in reply or () for entry_id, fields in entries]
+        entries = await self.redis.xreadgroup(self.role, self.worker, self.directory, ">", count=count, block=block_ms)
+        return [_claim(entry_id, fields) for entry_id, fields in entries]
 
     async def read_own_pending(self, count: int) -> list[Claim]:
         """Entries this worker name held before a restart (they are its to re-acquire)."""
-        with translate(self.url):
-            reply = await self.redis.xreadgroup(self.role, self.worker, {self.directory: "0"}, count=count)
-        return [_claim(entry_id, fields) for _stream, entries in reply or () for entry_id, fields in entries if fields]
+        entries = await self.redis.xreadgroup(self.role, self.worker, self.directory, "0", count=count)
+        return [_claim(entry_id, fields) for entry_id, fields in entries if fields]
 
     async def reclaim_stale(self, count: int) -> list[Claim]:
         """Entries whose holder stopped renewing for a whole lease."""
-        with translate(self.url):
-            reply = await self.redis.xautoclaim(
-                self.directory, self.role, self.worker, min_idle_time=self.lease_ms, start_id="0-0", count=count
-            )
-        return [_claim(entry_id, fields) for entry_id, fields in reply[1] if fields]
+        entries = await self.redis.xautoclaim(
+            self.directory, self.role, self.worker, min_idle_ms=self.lease_ms, start="0-0", count=count
+        )
+        return [_claim(entry_id, fields) for entry_id, fields in entries if fields]
 
     async def acquire(self, claim: Claim) -> Acquired:
-        with translate(self.url):
-            reply = await self._acquire(
-                keys=[self.keys.meta(claim.session)], args=[self.role, self.worker, self.lease_ms, claim.entry]
-            )
+        reply = await self._acquire(
+            [self.keys.meta(claim.session)], [self.role, self.worker, self.lease_ms, claim.entry]
+        )
         return Acquired(int(reply[0]), _text(reply[1]), _text(reply[2]), int(reply[3]) if len(reply) > 3 else 0)
 
     async def holds(self, session: str, token: int) -> bool:
         """Whether this worker still holds ``session`` with fencing token ``token``.  False also
         when the session's meta hash is gone (Redis lost its data): the lease went with it."""
-        with translate(self.url):
-            fields = [f"holder:{self.role}", f"fence:{self.role}"]
-            holder, fence = await self.redis.hmget(self.keys.meta(session), fields)
+        fields = [f"holder:{self.role}", f"fence:{self.role}"]
+        holder, fence = await self.redis.hmget(self.keys.meta(session), fields)
         return holder is not None and _text(holder) == self.worker and fence is not None and int(fence) == token
 
     async def renew(self, owned: dict[str, tuple[str, int]]) -> set[str]:
@@ -125,22 +121,23 @@ class Leases:
             return set()
         items = list(owned.items())
         replies = await self._renew_round(items)
-        if any(isinstance(reply, rexc.NoScriptError) for reply in replies):
-            with translate(self.url):
-                await self.redis.script_load(scripts.RENEW)
+        if any(isinstance(reply.error, rexc.NoScriptError) for reply in replies):
+            await self.redis.script_load(scripts.RENEW)
             replies = await self._renew_round(items)
-        return {session for (session, _), ok in zip(items, replies[:-1], strict=True) if ok != 1}
+        return {
+            session for (session, _), ok in zip(items, replies, strict=True) if ok.error is not None or ok.value != 1
+        }
 
-    async def _renew_round(self, items: list[tuple[str, tuple[str, int]]]) -> list[Any]:
+    async def _renew_round(self, items: list[tuple[str, tuple[str, int]]]) -> list[Reply[Any]]:
+        """The RENEW replies, one per session (the XCLAIM that follows them is not read)."""
         sha = self._renew.sha
-        with translate(self.url):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for session, (_entry, token) in items:
-                    pipe.execute_command(
-                        "EVALSHA", sha, 1, self.keys.meta(session), self.role, self.worker, token, self.lease_ms
-                    )
-                pipe.xclaim(self.directory, self.role, self.worker, 0, [entry for _, (entry, _t) in items], justid=True)
-                replies: list[Any] = await pipe.execute(raise_on_error=False)
+        async with self.redis.pipeline() as pipe:
+            replies = [
+                pipe.evalsha(sha, [self.keys.meta(session)], [self.role, self.worker, token, self.lease_ms])
+                for session, (_entry, token) in items
+            ]
+            pipe.xclaim_ids(self.directory, self.role, self.worker, [entry for _, (entry, _t) in items])
+            await pipe.execute(raise_on_error=False)
         return replies
 
     async def release(self, session: str, entry: str, token: int, *, park: bool = False, seen_last: int = 0) -> int:
@@ -149,41 +146,35 @@ class Leases:
         Returns 1 when released, 0 when this worker was not the owner any more, and -1 when a
         park was refused because new events arrived (the caller keeps serving).
         """
-        with translate(self.url):
-            result = int(
-                await self._release(
-                    keys=[self.keys.meta(session)],
-                    args=[self.role, self.worker, token, 1 if park else 0, seen_last],
-                )
-            )
-            if result != 1:
-                # -1: not parked, keep serving.  0: someone else owns the session now, and the
-                # entry may be its lease handle (a reclaim moves it): leave it alone.
-                return result
-            async with self.redis.pipeline(transaction=False) as pipe:
-                if not park:
-                    pipe.xadd(self.directory, {"s": session})
-                pipe.xack(self.directory, self.role, entry)
-                pipe.xdel(self.directory, entry)
-                await pipe.execute()
+        result = int(
+            await self._release([self.keys.meta(session)], [self.role, self.worker, token, 1 if park else 0, seen_last])
+        )
+        if result != 1:
+            # -1: not parked, keep serving.  0: someone else owns the session now, and the
+            # entry may be its lease handle (a reclaim moves it): leave it alone.
+            return result
+        async with self.redis.pipeline() as pipe:
+            if not park:
+                pipe.xadd(self.directory, {"s": session})
+            pipe.xack(self.directory, self.role, entry)
+            pipe.xdel(self.directory, entry)
+            await pipe.execute()
         return result
 
     async def drop(self, claim: Claim) -> None:
         """Acknowledge and delete a duplicate entry."""
-        with translate(self.url):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xack(self.directory, self.role, claim.entry)
-                pipe.xdel(self.directory, claim.entry)
-                await pipe.execute()
+        async with self.redis.pipeline() as pipe:
+            pipe.xack(self.directory, self.role, claim.entry)
+            pipe.xdel(self.directory, claim.entry)
+            await pipe.execute()
 
     async def reannounce(self, claim: Claim) -> None:
         """Put the session back in the directory as a new entry and drop ``claim``."""
-        with translate(self.url):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xadd(self.directory, {"s": claim.session})
-                pipe.xack(self.directory, self.role, claim.entry)
-                pipe.xdel(self.directory, claim.entry)
-                await pipe.execute()
+        async with self.redis.pipeline() as pipe:
+            pipe.xadd(self.directory, {"s": claim.session})
+            pipe.xack(self.directory, self.role, claim.entry)
+            pipe.xdel(self.directory, claim.entry)
+            await pipe.execute()
 
     async def hand_back(self, claim: Claim, holder: str, left_ms: int) -> None:
         """A reclaimed entry whose holder's lease still runs ``left_ms`` goes back to the holder,
@@ -192,8 +183,7 @@ class Leases:
         before its lease ends when the renewal's two writes land in that order, as they may on a
         cluster, where they go to different nodes.)"""
         idle = max(0, self.lease_ms - left_ms)
-        with translate(self.url):
-            await self.redis.xclaim(self.directory, self.role, holder, 0, [claim.entry], idle=idle, justid=True)
+        await self.redis.xclaim_ids(self.directory, self.role, holder, [claim.entry], idle_ms=idle)
 
 
 def _text(value: bytes | str | int) -> str:

@@ -26,8 +26,7 @@ import redis.exceptions as rexc
 import structlog
 
 from riverbed.bus.backoff import Backoff
-from riverbed.bus.connection import translate
-from riverbed.bus.exchange import exchange, stream_entries
+from riverbed.bus.exchange import stream_entries
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.handling import Answer, Entry, SessionContext
 from riverbed.bus.log import entry_id
@@ -177,22 +176,19 @@ class SessionLoop:
             prepared = ctx.prepare_answer(*held)
             answered = False
             try:
-                with translate(owner.url):
-                    async with exchange(owner.redis, prepared.command, read) as replies:
-                        if replies is not None:
-                            await ctx.answered(held.entry, await prepared.outcome(await replies.read()))
-                            answered = True
-                            self._idle()
-                            return stream_entries(await replies.read())
+                async with owner.client.exchange(prepared.command, read) as replies:
+                    if replies is not None:
+                        await ctx.answered(held.entry, await prepared.outcome(await replies.read()))
+                        answered = True
+                        self._idle()
+                        return stream_entries(await replies.read())
             except (rexc.NoScriptError, UnavailableError):
                 if answered:
                     raise  # the loop backs off; entries this read may have taken are recovered as strays
             if not answered:
                 await ctx.answer(*held)
                 self._idle()
-        with translate(owner.url):
-            reply = await owner.redis.xreadgroup(owner.role, owner.worker, {key: ">"}, count=READ_COUNT)
-        return [(raw_id, fields) for _s, entries in reply or () for raw_id, fields in entries]
+        return await owner.client.xreadgroup(owner.role, owner.worker, key, ">", count=READ_COUNT)
 
     async def _recover_stray(self) -> bool:
         """Recover entries pending while this loop works on nothing: a delivery whose reply was
@@ -235,13 +231,7 @@ class SessionLoop:
     async def ensure_group(self, *, after: int = 0) -> None:
         """The role's group on the log, delivering the ids after ``after`` (created when missing)."""
         owner = self.owner
-        with translate(owner.url):
-            try:
-                key = owner.keys.log(self.session)
-                await owner.redis.xgroup_create(key, owner.role, id=f"{after}-0", mkstream=True)
-            except rexc.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+        await owner.client.xgroup_create(owner.keys.log(self.session), owner.role, f"{after}-0")
 
     async def in_flight(self) -> list[Entry]:
         """Entries delivered to some consumer of this role and never acknowledged."""
@@ -250,14 +240,12 @@ class SessionLoop:
         out: list[Entry] = []
         start = "-"
         while True:
-            with translate(owner.url):
-                pending = await owner.redis.xpending_range(key, owner.role, min=start, max="+", count=500)
+            pending = await owner.client.xpending_range(key, owner.role, min=start, max="+", count=500)
             if not pending:
                 return out
-            ids = [p["message_id"] for p in pending]
+            ids = [p["message_id"].decode() for p in pending]
             deliveries = {entry_id(p["message_id"]): int(p["times_delivered"]) for p in pending}
-            with translate(owner.url):
-                claimed = await owner.redis.xclaim(key, owner.role, owner.worker, 0, ids)
+            claimed = await owner.client.xclaim(key, owner.role, owner.worker, ids)
             for raw_id, fields in claimed:
                 if fields:
                     entry = Entry.from_stream(raw_id, fields)

@@ -27,12 +27,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.exceptions as rexc
 
-from riverbed.bus.connection import Client, translate
 from riverbed.bus.keys import ROLES, Keys
+from riverbed.bus.redis_client import GroupInfo, PendingEntry, PendingSummary, RawClient, RedisClient, Reply, as_client
 
 __all__ = [
     "DirectoryBacklog",
@@ -53,6 +53,8 @@ __all__ = [
     "session_metas",
     "status",
 ]
+
+T = TypeVar("T")
 
 CHUNK = 200
 DIRECTORY_SCAN_LIMIT = 100_000
@@ -137,14 +139,9 @@ class Status:
     failing: tuple[LoopFailure, ...] = ()
 
 
-async def redis_time(redis: Client, url: str = "redis") -> float:
+async def redis_time(redis: RedisClient | RawClient, url: str = "redis") -> float:
     """The server's clock in seconds (leases are measured against it, not ours)."""
-    with translate(url):
-        reply = await redis.time()
-    if isinstance(reply, dict):  # a cluster client answers per node
-        reply = next(iter(reply.values()))
-    seconds, micros = reply
-    return int(seconds) + int(micros) / 1e6
+    return await as_client(redis, url).time()
 
 
 @dataclass(frozen=True)
@@ -158,18 +155,20 @@ class SessionMeta:
     created_ms: int | None
 
 
-async def session_metas(redis: Client, keys: Keys, names: Sequence[str], *, url: str = "redis") -> list[SessionMeta]:
+async def session_metas(
+    redis: RedisClient | RawClient, keys: Keys, names: Sequence[str], *, url: str = "redis"
+) -> list[SessionMeta]:
     """The metadata of each of ``names``, in order (one pipelined read per :data:`CHUNK`); a
     session that does not exist has ``last`` 0."""
+    client = as_client(redis, url)
     out: list[SessionMeta] = []
     for begin in range(0, len(names), CHUNK):
         part = list(names[begin : begin + CHUNK])
-        with translate(url):
-            async with redis.pipeline(transaction=False) as pipe:
-                for name in part:
-                    pipe.hmget(keys.meta(name), ["last", "tenant", "created"])
-                rows = await pipe.execute()
-        for name, (last, tenant, created) in zip(part, rows, strict=True):
+        async with client.pipeline() as pipe:
+            rows = [pipe.hmget(keys.meta(name), ["last", "tenant", "created"]) for name in part]
+            await pipe.execute()
+        for name, row in zip(part, rows, strict=True):
+            last, tenant, created = row.value
             out.append(
                 SessionMeta(
                     session=name,
@@ -181,16 +180,17 @@ async def session_metas(redis: Client, keys: Keys, names: Sequence[str], *, url:
     return out
 
 
-async def list_sessions(redis: Client, keys: Keys, *, limit: int | None = None, url: str = "redis") -> list[str]:
+async def list_sessions(
+    redis: RedisClient | RawClient, keys: Keys, *, limit: int | None = None, url: str = "redis"
+) -> list[str]:
     """Every session, oldest first (``ZRANGE keys.sessions``)."""
     end = -1 if limit is None else max(limit, 1) - 1
-    with translate(url):
-        names = await redis.zrange(keys.sessions, 0, end)
+    names = await as_client(redis, url).zrange(keys.sessions, 0, end)
     return [_text(n) for n in names]
 
 
 async def session_backlogs(
-    redis: Client,
+    redis: RedisClient | RawClient,
     keys: Keys,
     role: str,
     sessions: Iterable[str],
@@ -202,40 +202,60 @@ async def session_backlogs(
     names = list(sessions)
     if not names:
         return []
+    client = as_client(redis, url)
     if now is None:
-        now = await redis_time(redis, url)
+        now = await client.time()
     out: list[SessionBacklog] = []
     for start in range(0, len(names), CHUNK):
         chunk = names[start : start + CHUNK]
-        with translate(url):
-            async with redis.pipeline(transaction=False) as pipe:
-                for session in chunk:
-                    log_key = keys.log(session)
-                    pipe.hmget(keys.meta(session), ["last", f"holder:{role}", f"expires:{role}"])
-                    pipe.xinfo_groups(log_key)
-                    pipe.xpending(log_key, role)
-                    pipe.xpending_range(log_key, role, min="-", max="+", count=1)
-                replies = await pipe.execute(raise_on_error=False)
-        for i, session in enumerate(chunk):
-            out.append(_session_backlog(session, role, replies[4 * i : 4 * i + 4], now))
+        async with client.pipeline() as pipe:
+            queued = [
+                (
+                    session,
+                    pipe.hmget(keys.meta(session), ["last", f"holder:{role}", f"expires:{role}"]),
+                    pipe.xinfo_groups(keys.log(session)),
+                    pipe.xpending(keys.log(session), role),
+                    pipe.xpending_range(keys.log(session), role, count=1),
+                )
+                for session in chunk
+            ]
+            await pipe.execute(raise_on_error=False)
+        for session, meta, groups, summary, first in queued:
+            out.append(
+                _session_backlog(
+                    session,
+                    role,
+                    _unless_missing(meta),
+                    _unless_missing(groups),
+                    _unless_missing(summary),
+                    _unless_missing(first),
+                    now,
+                )
+            )
     return out
 
 
-def _session_backlog(session: str, role: str, replies: list[Any], now: float) -> SessionBacklog:
-    """One session's replies: HMGET meta, XINFO GROUPS, XPENDING summary, first pending entry."""
-    _raise_unexpected(*replies)
-    meta, groups, summary, first = replies
-    last_raw, holder_raw, expires_raw = meta if isinstance(meta, list) else (None, None, None)
+def _session_backlog(
+    session: str,
+    role: str,
+    meta: list[bytes | None] | None,
+    groups: list[GroupInfo] | None,
+    summary: PendingSummary | None,
+    first: list[PendingEntry] | None,
+    now: float,
+) -> SessionBacklog:
+    """One session's replies (None: its key or group is missing): HMGET meta, XINFO GROUPS,
+    XPENDING summary, first pending entry."""
+    last_raw, holder_raw, expires_raw = meta if meta is not None else (None, None, None)
     last = int(last_raw) if last_raw is not None else 0
     delivered = 0
-    if isinstance(groups, list):
-        for group in groups:
-            if _text(group.get("name", b"")) == role:
-                delivered = _event_id(group.get("last-delivered-id", b"0-0"))
-                break
-    pending = int(summary.get("pending", 0)) if isinstance(summary, dict) else 0
+    for group in groups or ():
+        if _text(group.get("name", b"")) == role:
+            delivered = _event_id(group.get("last-delivered-id", b"0-0"))
+            break
+    pending = int(summary.get("pending", 0)) if summary is not None else 0
     oldest = 0.0
-    if isinstance(first, list) and first:
+    if first:
         oldest = int(first[0].get("time_since_delivered", 0)) / 1000
     holder = _text(holder_raw) if holder_raw else ""
     expires_ms = float(expires_raw) if expires_raw else 0.0
@@ -254,34 +274,35 @@ def _session_backlog(session: str, role: str, replies: list[Any], now: float) ->
     )
 
 
-def _raise_unexpected(*replies: Any) -> None:
-    """Missing keys and groups read as zero; any other server error is a real error."""
-    for reply in replies:
-        if isinstance(reply, rexc.ResponseError):
-            text = str(reply)
-            if "NOGROUP" in text or "no such key" in text.lower():
-                continue
-            raise reply
+def _unless_missing(reply: Reply[T]) -> T | None:
+    """The reply, None where its key or group is missing (it reads as zero); any other server
+    error is a real error."""
+    error = reply.error
+    if isinstance(error, rexc.ResponseError) and ("NOGROUP" in str(error) or "no such key" in str(error).lower()):
+        return None
+    return reply.value
 
 
-async def directory_backlog(redis: Client, keys: Keys, role: str, *, url: str = "redis") -> DirectoryBacklog:
+async def directory_backlog(
+    redis: RedisClient | RawClient, keys: Keys, role: str, *, url: str = "redis"
+) -> DirectoryBacklog:
     """Sessions waiting for an owner of ``role`` (lag) and sessions held (pending)."""
+    client = as_client(redis, url)
     key = keys.directory(role)
-    with translate(url):
-        length = int(await redis.xlen(key))
-        if length == 0:
-            return DirectoryBacklog(role=role, length=0, lag=0, pending=0, consumers=0)
-        try:
-            groups = await redis.xinfo_groups(key)
-        except rexc.ResponseError as exc:
-            if "no such key" not in str(exc).lower():
-                raise
-            groups = []
-        group = next((g for g in groups if _text(g.get("name", b"")) == role), None)
-        if group is None:
-            return DirectoryBacklog(role=role, length=length, lag=length, pending=0, consumers=0)
-        after = _text(group.get("last-delivered-id", b"0-0"))
-        waiting = await redis.xrange(key, min=f"({after}", max="+", count=DIRECTORY_SCAN_LIMIT)
+    length = await client.xlen(key)
+    if length == 0:
+        return DirectoryBacklog(role=role, length=0, lag=0, pending=0, consumers=0)
+    try:
+        groups = await client.xinfo_groups(key)
+    except rexc.ResponseError as exc:
+        if "no such key" not in str(exc).lower():
+            raise
+        groups = []
+    group = next((g for g in groups if _text(g.get("name", b"")) == role), None)
+    if group is None:
+        return DirectoryBacklog(role=role, length=length, lag=length, pending=0, consumers=0)
+    after = _text(group.get("last-delivered-id", b"0-0"))
+    waiting = await client.xrange(key, min=f"({after}", max="+", count=DIRECTORY_SCAN_LIMIT)
     return DirectoryBacklog(
         role=role,
         length=length,
@@ -291,36 +312,38 @@ async def directory_backlog(redis: Client, keys: Keys, role: str, *, url: str = 
     )
 
 
-async def dead_letter_count(redis: Client, keys: Keys, *, url: str = "redis") -> int:
-    with translate(url):
-        return int(await redis.xlen(keys.dlq))
+async def dead_letter_count(redis: RedisClient | RawClient, keys: Keys, *, url: str = "redis") -> int:
+    return await as_client(redis, url).xlen(keys.dlq)
 
 
 async def live_workers(
-    redis: Client, keys: Keys, *, window: float = 10.0, now: float | None = None, url: str = "redis"
+    redis: RedisClient | RawClient, keys: Keys, *, window: float = 10.0, now: float | None = None, url: str = "redis"
 ) -> list[WorkerInfo]:
     """Workers whose heartbeat is newer than ``window`` seconds, with their self-description."""
+    client = as_client(redis, url)
     if now is None:
-        now = await redis_time(redis, url)
-    with translate(url):
-        scored = await redis.zrange(keys.workers, 0, -1, withscores=True)
+        now = await client.time()
+    scored = await client.zrange_scores(keys.workers)
     beats = {_text(name): _seconds(score) for name, score in scored}
     alive = sorted(name for name, beat in beats.items() if now - beat <= window)
     if not alive:
         return []
-    with translate(url):
-        async with redis.pipeline(transaction=False) as pipe:
-            for name in alive:
-                pipe.get(keys.worker(name))
-            raw = await pipe.execute(raise_on_error=False)
+    async with client.pipeline() as pipe:
+        blobs = [pipe.get(keys.worker(name)) for name in alive]
+        await pipe.execute(raise_on_error=False)
     return [
-        WorkerInfo(name=name, heartbeat=beats[name], age_seconds=max(0.0, now - beats[name]), description=_json(blob))
-        for name, blob in zip(alive, raw, strict=True)
+        WorkerInfo(
+            name=name,
+            heartbeat=beats[name],
+            age_seconds=max(0.0, now - beats[name]),
+            description=_json(blob.value) if blob.error is None else {},
+        )
+        for name, blob in zip(alive, blobs, strict=True)
     ]
 
 
 async def role_backlog(
-    redis: Client,
+    redis: RedisClient | RawClient,
     keys: Keys,
     role: str,
     sessions: Sequence[str],
@@ -328,15 +351,16 @@ async def role_backlog(
     now: float | None = None,
     url: str = "redis",
 ) -> RoleBacklog:
+    client = as_client(redis, url)
     return RoleBacklog(
         role=role,
-        directory=await directory_backlog(redis, keys, role, url=url),
-        sessions=tuple(await session_backlogs(redis, keys, role, sessions, now=now, url=url)),
+        directory=await directory_backlog(client, keys, role),
+        sessions=tuple(await session_backlogs(client, keys, role, sessions, now=now)),
     )
 
 
 async def status(
-    redis: Client,
+    redis: RedisClient | RawClient,
     keys: Keys,
     *,
     roles: Sequence[str] = ROLES,
@@ -344,14 +368,15 @@ async def status(
     url: str = "redis",
 ) -> Status:
     """Everything ``riverbed status`` shows, in one snapshot."""
-    now = await redis_time(redis, url)
-    sessions = await list_sessions(redis, keys, url=url)
-    backlogs = [await role_backlog(redis, keys, role, sessions, now=now, url=url) for role in roles]
-    workers = tuple(await live_workers(redis, keys, window=worker_window, now=now, url=url))
+    client = as_client(redis, url)
+    now = await client.time()
+    sessions = await list_sessions(client, keys)
+    backlogs = [await role_backlog(client, keys, role, sessions, now=now) for role in roles]
+    workers = tuple(await live_workers(client, keys, window=worker_window, now=now))
     return Status(
         roles=tuple(backlogs),
         workers=workers,
-        dead_letters=await dead_letter_count(redis, keys, url=url),
+        dead_letters=await dead_letter_count(client, keys),
         sessions=len(sessions),
         failing=tuple(failing_loops(workers)),
     )
@@ -395,8 +420,8 @@ def _seconds(score: float) -> float:
     return score / 1000 if score > _MS_SCORES else score
 
 
-def _json(blob: Any) -> dict[str, Any]:
-    if not isinstance(blob, bytes | str):
+def _json(blob: bytes | None) -> dict[str, Any]:
+    if blob is None:
         return {}
     try:
         value = json.loads(blob)

@@ -27,8 +27,9 @@ import redis.asyncio as aioredis
 import redis.exceptions as rexc
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
+from redis.asyncio.cluster import RedisCluster
 
-from riverbed.bus.connection import Client
+from riverbed.bus.connection import RawClient
 from riverbed.bus.keys import Keys
 
 __all__ = ["Bell", "Wakeups"]
@@ -146,14 +147,13 @@ class _Feed:
 class Wakeups:
     """The wake-up feeds of one worker: :meth:`watch` a session, wait on its :class:`Bell`."""
 
-    def __init__(self, redis: Client, keys: Keys) -> None:
+    def __init__(self, redis: RawClient, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
         self._watched: dict[str, _Watched] = {}
         self._feeds: dict[str, _Feed] = {}
         self._tg: TaskGroup | None = None
         self._replace = anyio.Event()
-        self._cluster = not isinstance(redis, aioredis.Redis)
 
     @property
     def connections(self) -> int:
@@ -252,7 +252,7 @@ class Wakeups:
 
     async def _place_all(self) -> None:
         """Place every watched channel on the feed of the node that serves it now."""
-        if self._cluster:
+        if isinstance(self.redis, RedisCluster):
             await self.redis.nodes_manager.initialize()
         for feed in list(self._feeds.values()):
             feed.retired = True
@@ -263,7 +263,7 @@ class Wakeups:
 
     def _node_of(self, channel: str) -> tuple[str, Any]:
         """The name of the node serving ``channel`` and how to open a connection to it."""
-        if not self._cluster:
+        if isinstance(self.redis, aioredis.Redis):
             pool = self.redis.connection_pool
             return "standalone", lambda: pool.connection_class(**pool.connection_kwargs)
         node = self.redis.nodes_manager.get_node_from_slot(self.redis.keyslot(channel))

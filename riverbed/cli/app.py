@@ -19,8 +19,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from riverbed.agent.client import Bus, connect, resolve_redis_url
-from riverbed.bus.connection import redact, translate
+from riverbed.bus.connection import redact
 from riverbed.bus.keys import require_session
+from riverbed.bus.redis_client import RedisClient
 from riverbed.cli.output import err_console
 from riverbed.errors import (
     ConfigError,
@@ -147,11 +148,11 @@ async def _probe(url: str) -> None:
         )
     except ValueError as exc:
         raise ConfigError(f"the Redis URL {redact(url)!r} is not valid: {exc}") from exc
+    probe = RedisClient(client, url)
     try:
-        with translate(url):
-            await client.ping()
+        await probe.ping()
     finally:
-        await client.aclose()
+        await probe.aclose()
 
 
 @contextlib.asynccontextmanager

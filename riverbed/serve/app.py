@@ -33,7 +33,6 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from riverbed.bus.connection import translate
 from riverbed.errors import ConfigError, RiverbedError
 from riverbed.serve import openapi
 from riverbed.serve.problems import from_exception, problem
@@ -89,8 +88,8 @@ async def _healthz(_request: Request) -> Response:
 async def _readyz(request: Request) -> Response:
     bus = request.app.state.api.bus
     try:
-        with anyio.fail_after(READY_TIMEOUT), translate(bus.url):
-            await bus.redis.ping()
+        with anyio.fail_after(READY_TIMEOUT):
+            await bus.client.ping()
     except Exception as exc:  # any failure means not ready, said in one sentence
         return problem(503, f"Redis does not answer: {exc or type(exc).__name__}")
     return Response(b'{"ready":true}', media_type="application/json")

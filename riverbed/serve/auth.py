@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from riverbed.bus.connection import Client, translate
 from riverbed.bus.keys import Keys
+from riverbed.bus.redis_client import RawClient, RedisClient, as_client
 from riverbed.errors import InputError, NotFoundError
 
 __all__ = ["ApiKey", "KeyStore", "Principal", "valid_tenant"]
@@ -87,10 +87,9 @@ def _digest(key: str) -> str:
 class KeyStore:
     """The API keys under one prefix."""
 
-    def __init__(self, redis: Client, keys: Keys, url: str = "redis") -> None:
-        self.redis = redis
+    def __init__(self, redis: RedisClient | RawClient, keys: Keys, url: str = "redis") -> None:
+        self.redis = as_client(redis, url)
         self.key = keys.api_keys
-        self.url = url
 
     async def create(self, tenant: str | None, *, admin: bool = False, note: str | None = None) -> tuple[str, ApiKey]:
         """A new key: (the key, printed once and never stored, its record)."""
@@ -101,28 +100,24 @@ class KeyStore:
         key_id = secrets.token_hex(6)
         key = f"{KEY_PREFIX}_{key_id}_{secrets.token_urlsafe(32)}"
         record = ApiKey(id=key_id, tenant=tenant, admin=admin, sha256=_digest(key), created=time.time(), note=note)
-        with translate(self.url):
-            added = await self.redis.hsetnx(self.key, key_id, msgspec.json.encode(record))
+        added = await self.redis.hsetnx(self.key, key_id, msgspec.json.encode(record))
         if not added:  # 48 random bits collided: vanishingly rare, and safe to retry
             return await self.create(tenant, admin=admin, note=note)
         return key, record
 
     async def list(self) -> list[ApiKey]:
-        with translate(self.url):
-            raw = await self.redis.hgetall(self.key)
+        raw = await self.redis.hgetall(self.key)
         return sorted((_decode_record(v) for v in raw.values()), key=lambda r: r.created)
 
     async def revoke(self, key_id: str) -> ApiKey:
         """Mark the key revoked (it stays listed); :class:`NotFoundError` for an unknown id."""
-        with translate(self.url):
-            raw = await self.redis.hget(self.key, key_id)
+        raw = await self.redis.hget(self.key, key_id)
         if raw is None:
             raise NotFoundError(f"no API key {key_id!r} (`riverbed keys list` shows the ids)")
         record = _decode_record(raw)
         if record.revoked is None:
             record = msgspec.structs.replace(record, revoked=time.time())
-            with translate(self.url):
-                await self.redis.hset(self.key, key_id, msgspec.json.encode(record))
+            await self.redis.hset(self.key, key_id, msgspec.json.encode(record))
         return record
 
     async def check(self, key: str) -> Principal | None:
@@ -130,8 +125,7 @@ class KeyStore:
         match = _KEY_RE.fullmatch(key)
         if match is None:
             return None
-        with translate(self.url):
-            raw = await self.redis.hget(self.key, match.group(1))
+        raw = await self.redis.hget(self.key, match.group(1))
         if raw is None:
             return None
         record = _decode_record(raw)

@@ -62,7 +62,7 @@ class Api:
     def __init__(self, bus: Bus, config: ServeConfig | None = None) -> None:
         self.bus = bus
         self.config = config or ServeConfig()
-        self.keys = KeyStore(bus.redis, bus.keys, bus.url)
+        self.keys = KeyStore(bus.client, bus.keys)
         self.tenants = Tenants(bus)
         self.stopping = anyio.Event()
         """Set when the server starts shutting down: event streams end then."""
@@ -173,7 +173,7 @@ async def list_sessions(request: Request) -> Response:
     """The sessions the key may see: tenant, last id, last event time, owner and lag per role."""
     who = await principal(request)
     bus = _api(request).bus
-    names = await stats.list_sessions(bus.redis, bus.keys, url=bus.url)
+    names = await stats.list_sessions(bus.client, bus.keys)
     infos = await session_infos(bus, names, visible=who.may_see)
     return _json({"sessions": [info.as_dict() for info in infos]})
 
@@ -390,18 +390,18 @@ async def status(request: Request) -> Response:
     who = await principal(request)
     bus = _api(request).bus
     if who.admin:
-        snapshot = await stats.status(bus.redis, bus.keys, url=bus.url)
+        snapshot = await stats.status(bus.client, bus.keys)
         return _json(dataclasses.asdict(snapshot))
-    names = await stats.list_sessions(bus.redis, bus.keys, url=bus.url)
+    names = await stats.list_sessions(bus.client, bus.keys)
     mine = [info.session for info in await session_infos(bus, names, visible=who.may_see, roles=())]
-    roles = [await stats.role_backlog(bus.redis, bus.keys, role, mine, url=bus.url) for role in ROLES]
+    roles = [await stats.role_backlog(bus.client, bus.keys, role, mine) for role in ROLES]
     body: dict[str, Any] = {
         "sessions": len(mine),
         "roles": [
             {"role": r.role, "lag": r.lag, "pending": r.pending, "oldest_pending_seconds": r.oldest_pending_seconds}
             for r in roles
         ],
-        "workers": len(await stats.live_workers(bus.redis, bus.keys, url=bus.url)),
+        "workers": len(await stats.live_workers(bus.client, bus.keys)),
     }
     return _json(body)
 

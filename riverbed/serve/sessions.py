@@ -16,7 +16,6 @@ from cachetools import LRUCache
 
 from riverbed.agent.client import Bus
 from riverbed.bus import stats
-from riverbed.bus.connection import translate
 from riverbed.bus.keys import PAYLOAD_FIELD, ROLES
 from riverbed.bus.log import decode_entry, entry_id
 
@@ -59,8 +58,7 @@ class Tenants:
         if session in self._known:
             return True, self._known[session]
         bus = self.bus
-        with translate(bus.url):
-            last, tenant = await bus.redis.hmget(bus.keys.meta(session), ["last", "tenant"])
+        last, tenant = await bus.client.hmget(bus.keys.meta(session), ["last", "tenant"])
         if not last or int(last) == 0:
             return False, None
         value = tenant.decode() if tenant else await _first_event_tenant(bus, session)
@@ -91,7 +89,7 @@ async def session_infos(
     for begin in range(0, len(names), CHUNK):
         part = list(names[begin : begin + CHUNK])
         rows: list[tuple[str, str | None, int, int | None]] = []
-        for meta in await stats.session_metas(bus.redis, bus.keys, part, url=bus.url):
+        for meta in await stats.session_metas(bus.client, bus.keys, part):
             if not meta.last:
                 continue
             owner = meta.tenant if meta.tenant is not None else await _first_event_tenant(bus, meta.session)
@@ -100,16 +98,14 @@ async def session_infos(
         if not rows:
             continue
         shown = [row[0] for row in rows]
-        with translate(bus.url):
-            async with bus.redis.pipeline(transaction=False) as pipe:
-                for name in shown:
-                    pipe.xrevrange(bus.keys.log(name), count=1)
-                newest = await pipe.execute()
-        backlogs = {role: await stats.session_backlogs(bus.redis, bus.keys, role, shown, url=bus.url) for role in roles}
+        async with bus.client.pipeline() as pipe:
+            newest = [pipe.xrevrange(bus.keys.log(name), count=1) for name in shown]
+            await pipe.execute()
+        backlogs = {role: await stats.session_backlogs(bus.client, bus.keys, role, shown) for role in roles}
         for i, (name, tenant, last, created) in enumerate(rows):
             last_ts = None
-            if newest[i]:
-                raw_id, fields = newest[i][0]
+            if entries := newest[i].value:
+                raw_id, fields = entries[0]
                 last_ts = decode_entry(fields.get(PAYLOAD_FIELD, b""), entry_id(raw_id)).ts.isoformat()
             out.append(
                 SessionInfo(

@@ -77,7 +77,7 @@ async def check_model_server(client: AsyncOpenAI, settings: Settings) -> None:
 
 
 async def _require_runtime_worker(bus: Bus) -> None:
-    workers = await live_workers(bus.redis, bus.keys, url=bus.url)
+    workers = await live_workers(bus.client, bus.keys)
     if not any("runtime" in w.description.get("roles", []) for w in workers):
         raise UnavailableError("no runtime worker is running: start workers (riverbed worker all) or pass --in-process")
 

@@ -26,9 +26,10 @@ import structlog
 from anyio.abc import TaskStatus
 
 from riverbed.bus.archive import Archive, Retention
-from riverbed.bus.connection import Client, connect_redis, translate
+from riverbed.bus.connection import RawClient, connect_redis
 from riverbed.bus.consumer import Handler, Owner
 from riverbed.bus.keys import ROLES, Keys
+from riverbed.bus.redis_client import RedisClient
 from riverbed.bus.wakeups import Wakeups
 from riverbed.errors import ConfigError, UnavailableError
 from riverbed.settings import Settings
@@ -64,11 +65,12 @@ def parse_roles(names: Sequence[str]) -> list[str]:
 
 
 class Worker:
-    """Owners for several roles sharing one Redis client."""
+    """Owners for several roles sharing one Redis client (``redis``: the role loops take it
+    as it is; :attr:`client` wraps it for the worker's own calls)."""
 
     def __init__(
         self,
-        redis: Client,
+        redis: RawClient,
         settings: Settings,
         roles: Sequence[str],
         *,
@@ -78,8 +80,7 @@ class Worker:
         park_after: float = 60.0,
         archive: Archive | None = None,
     ) -> None:
-        self.redis = redis
-        self.url = url
+        self.client = RedisClient(redis, url)
         self.settings = settings
         self.keys = Keys(settings.prefix)
         self.name = name
@@ -107,12 +108,11 @@ class Worker:
         self.retention: Retention | None = None
         if archive is not None and settings.retention_seconds > 0 and "memory" in self.owners:
             self.retention = Retention(
-                redis,
+                self.client,
                 self.keys,
                 archive,
                 older_than_seconds=settings.retention_seconds,
                 keep_last=settings.retention_keep_last,
-                url=url,
             )
         self.metrics = WorkerMetrics()
         self.last_heartbeat: float | None = None  # monotonic time of the last heartbeat Redis took
@@ -186,11 +186,10 @@ class Worker:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                with translate(self.url):
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        pipe.zadd(self.keys.workers, {self.name: time.time()})
-                        pipe.set(self.keys.worker(self.name), json.dumps(self.describe()), ex=30)
-                        await pipe.execute()
+                async with self.client.pipeline() as pipe:
+                    pipe.zadd(self.keys.workers, {self.name: time.time()})
+                    pipe.set(self.keys.worker(self.name), json.dumps(self.describe()), ex=30)
+                    await pipe.execute()
                 self.last_heartbeat = time.monotonic()
             except UnavailableError as exc:
                 log.warning("heartbeat.unavailable", error=str(exc))
@@ -198,11 +197,10 @@ class Worker:
 
     async def _deregister(self) -> None:
         try:
-            with translate(self.url):
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.zrem(self.keys.workers, self.name)
-                    pipe.delete(self.keys.worker(self.name))
-                    await pipe.execute()
+            async with self.client.pipeline() as pipe:
+                pipe.zrem(self.keys.workers, self.name)
+                pipe.delete(self.keys.worker(self.name))
+                await pipe.execute()
         except UnavailableError:
             pass
 

@@ -44,10 +44,10 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from riverbed.bus.connection import Client
 from riverbed.bus.consumer import Owner
 from riverbed.bus.keys import Keys
-from riverbed.bus.stats import redis_time, session_backlogs
+from riverbed.bus.redis_client import RedisClient
+from riverbed.bus.stats import session_backlogs
 
 __all__ = ["CONTENT_TYPE", "METRIC_NAMES", "CacheCounters", "Observed", "WorkerMetrics"]
 
@@ -93,13 +93,10 @@ class Observed(Protocol):
     def name(self) -> str: ...
 
     @property
-    def redis(self) -> Client: ...
+    def client(self) -> RedisClient: ...
 
     @property
     def keys(self) -> Keys: ...
-
-    @property
-    def url(self) -> str: ...
 
     @property
     def owners(self) -> Mapping[str, Owner]: ...
@@ -173,10 +170,10 @@ class WorkerMetrics:
             return
         self.drain_timings()
         with anyio.fail_after(timeout):
-            now = await redis_time(bound.redis, bound.url)  # also proves Redis answers when nothing is owned
+            now = await bound.client.time()  # also proves Redis answers when nothing is owned
             for role, owner in list(bound.owners.items()):
                 sessions = list(owner.owned)
-                backlogs = await session_backlogs(bound.redis, bound.keys, role, sessions, now=now, url=bound.url)
+                backlogs = await session_backlogs(bound.client, bound.keys, role, sessions, now=now)
                 self.lag.labels(role, bound.name).set(sum(b.lag for b in backlogs))
                 self.pending.labels(role, bound.name).set(sum(b.pending for b in backlogs))
                 self.oldest_pending.labels(role, bound.name).set(

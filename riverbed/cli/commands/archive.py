@@ -50,13 +50,12 @@ def archive_command(
             await _require_events(bus, session)
             assert bus.archive is not None
             trimmed = await retain(
-                bus.redis,
+                bus.client,
                 bus.keys,
                 bus.archive,
                 session,
                 older_than_seconds=age,
                 keep_last=settings.retention_keep_last,
-                url=bus.url,
             )
             return trimmed, (await bus.log_store.meta(session)).get("archived_to", "0")
 

@@ -27,7 +27,7 @@ def dlq_list(json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
 
     async def go() -> list[Any]:
         async with _bus(settings) as bus:
-            return list(await DeadLetters(bus.redis, bus.keys, bus.url).list())
+            return list(await DeadLetters(bus.client, bus.keys).list())
 
     letters = _run(go)
     if json_out:
@@ -53,7 +53,7 @@ def dlq_requeue(
 
     async def go() -> int:
         async with _bus(settings) as bus:
-            return await DeadLetters(bus.redis, bus.keys, bus.url).requeue(letter_id, bus.log_store)
+            return await DeadLetters(bus.client, bus.keys).requeue(letter_id, bus.log_store)
 
     new_id = _run(go)
     err_console.print(f"requeued dead letter {letter_id} as event {new_id}")

@@ -79,7 +79,7 @@ def keys_create(
 
     async def go() -> tuple[str, Any]:
         async with _bus(settings) as bus:
-            return await KeyStore(bus.redis, bus.keys, bus.url).create(tenant, admin=admin, note=note)
+            return await KeyStore(bus.client, bus.keys).create(tenant, admin=admin, note=note)
 
     key, record = _run(go)
     if as_json:
@@ -99,7 +99,7 @@ def keys_list(json_out: JsonOption = False, prefix: PrefixOption = None) -> None
 
     async def go() -> list[Any]:
         async with _bus(settings) as bus:
-            return await KeyStore(bus.redis, bus.keys, bus.url).list()
+            return await KeyStore(bus.client, bus.keys).list()
 
     records = _run(go)
     if json_out:
@@ -133,7 +133,7 @@ def keys_revoke(
 
     async def go() -> Any:
         async with _bus(settings) as bus:
-            return await KeyStore(bus.redis, bus.keys, bus.url).revoke(key_id)
+            return await KeyStore(bus.client, bus.keys).revoke(key_id)
 
     record = _run(go)
     _progress(f"revoked key {record.id} of tenant {record.tenant or '(admin)'}")

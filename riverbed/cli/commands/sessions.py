@@ -32,7 +32,7 @@ def sessions_cmd(as_json: JsonOption = False, prefix: PrefixOption = None) -> No
 
     async def go() -> list[dict[str, Any]]:
         async with _bus(settings) as bus:
-            metas = await stats.session_metas(bus.redis, bus.keys, await bus.sessions(), url=bus.url)
+            metas = await stats.session_metas(bus.client, bus.keys, await bus.sessions())
             return [
                 {
                     "session": meta.session,
@@ -66,7 +66,7 @@ def status_command(json_out: JsonOption = False, prefix: PrefixOption = None) ->
 
     async def go() -> Any:
         async with _bus(settings) as bus:
-            return await stats.status(bus.redis, bus.keys, url=bus.url)
+            return await stats.status(bus.client, bus.keys)
 
     snapshot = _run(go)
     if json_out:

@@ -1,0 +1,120 @@
+"""The Redis adapter: riverbed's errors for every kind of call, and replies in one typed shape."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from riverbed.agent.client import Bus
+from riverbed.bus.backoff import retry_unavailable
+from riverbed.bus.redis_client import RedisClient
+from riverbed.errors import UnavailableError
+
+pytestmark = pytest.mark.anyio
+
+UNREACHABLE = "redis://:hunter2@127.0.0.1:1/0"
+
+
+@pytest.fixture
+async def unreachable() -> RedisClient:
+    raw = aioredis.Redis.from_url(UNREACHABLE, retry=Retry(NoBackoff(), 0), socket_connect_timeout=1)
+    return RedisClient(raw, UNREACHABLE)
+
+
+async def test_every_kind_of_call_to_an_unreachable_redis_is_unavailable_without_the_password(
+    unreachable: RedisClient,
+) -> None:
+    async def pipelined() -> None:
+        async with unreachable.pipeline() as pipe:
+            pipe.get("k")
+            await pipe.execute()
+
+    async def scripted() -> None:
+        await unreachable.script("return 1")([], [])
+
+    async def exchanged() -> None:
+        async with unreachable.exchange(("PING",)) as replies:
+            assert replies is not None
+            await replies.read()
+
+    calls = [lambda: unreachable.hget("k", "f"), pipelined, scripted, exchanged]
+    for call in calls:
+        with pytest.raises(UnavailableError, match=r"cannot reach Redis at redis://:\*\*\*@127\.0\.0\.1:1/0") as failed:
+            await call()
+        assert "hunter2" not in str(failed.value)
+    await unreachable.aclose()
+
+
+async def test_stream_replies_are_entries_and_a_deleted_pending_entry_has_no_fields(bus: Bus, prefix: str) -> None:
+    client = bus.client
+    key = f"{prefix}:{{s}}:stream"
+    assert await client.xgroup_create(key, "g", "0")
+    assert not await client.xgroup_create(key, "g", "0")  # it exists: nothing changes
+    first = await bus.redis.xadd(key, {"a": "1"})
+    await bus.redis.xadd(key, {"b": "2"})
+    delivered = await client.xreadgroup("g", "c", key, ">", count=10)
+    assert delivered == [(first, {b"a": b"1"}), (delivered[1][0], {b"b": b"2"})]
+    assert await client.xread(key, first.decode(), count=10) == delivered[1:]
+    await client.xdel(key, first.decode())
+    pending = await client.xreadgroup("g", "c", key, "0", count=10)
+    assert pending == [(first, {}), delivered[1]]
+    reclaimed = await client.xautoclaim(key, "g", "other", min_idle_ms=0, count=10)
+    assert [fields for _id, fields in reclaimed] == [{b"b": b"2"}]  # the deleted one is dropped
+
+
+async def test_pipelined_replies_are_filled_in_and_an_error_stays_with_its_command(bus: Bus, prefix: str) -> None:
+    client = bus.client
+    key = f"{prefix}:{{p}}:hash"
+    await client.hset(key, "f", "v")
+    async with client.pipeline() as pipe:
+        value = pipe.hget(key, "f")
+        wrong = pipe.xinfo_groups(key)  # a hash is no stream
+        with pytest.raises(RuntimeError, match="before the pipeline ran"):
+            _ = value.value
+        await pipe.execute(raise_on_error=False)
+    assert value.value == b"v"
+    assert isinstance(wrong.error, rexc.ResponseError)
+    with pytest.raises(rexc.ResponseError, match="WRONGTYPE"):
+        _ = wrong.value
+
+
+async def test_retry_unavailable_calls_until_redis_answers() -> None:
+    calls = 0
+
+    async def flaky() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise UnavailableError("cannot reach Redis")
+        return "answer"
+
+    assert await retry_unavailable(flaky, first=0.001) == "answer"
+    assert calls == 3
+
+
+async def test_retry_unavailable_gives_up_once_stopping_and_leaves_other_errors_alone() -> None:
+    calls = 0
+
+    async def down() -> None:
+        nonlocal calls
+        calls += 1
+        raise UnavailableError("cannot reach Redis")
+
+    stopping = anyio.Event()
+    stopping.set()
+    with pytest.raises(UnavailableError):
+        await retry_unavailable(down, stopping=stopping, first=0.001)
+    assert calls == 1
+
+    async def broken() -> None:
+        nonlocal calls
+        calls += 1
+        raise ValueError("not Redis")
+
+    with pytest.raises(ValueError, match="not Redis"):
+        await retry_unavailable(broken, first=0.001)
+    assert calls == 2
