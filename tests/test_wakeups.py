@@ -53,13 +53,13 @@ async def test_a_bell_rings_when_its_session_log_moves_and_only_then(bus: Bus) -
     wakeups = Wakeups(bus.redis, bus.keys)
     async with anyio.create_task_group() as tg:
         await tg.start(wakeups.run)
-        bell = await wakeups.watch("s1")
-        other = await wakeups.watch("s2")
+        bell = await wakeups.watch("s1", "memory")
+        other = await wakeups.watch("s2", "memory")
         mark, other_mark = bell.rung, other.rung
         await bus.session("s1").append(events.Message(content="hi"))
         assert await bell.wait(mark, 5.0)
         assert other.rung == other_mark  # another session's append rings only its own bell
-        await wakeups.unwatch("s1")
+        await wakeups.unwatch("s1", bell)
         assert wakeups.connections == 1  # s2 is still watched on the same feed
         tg.cancel_scope.cancel()
 
@@ -73,7 +73,7 @@ async def test_a_feed_killed_under_the_worker_comes_back_and_rings(bus: Bus, pre
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(wakeups.run)
-            bell = await wakeups.watch("s1")
+            bell = await wakeups.watch("s1", "memory")
             mark = bell.rung
             async with node_clients(bus.url) as nodes:
                 for node in nodes:
@@ -142,3 +142,24 @@ async def test_a_worker_serving_many_sessions_holds_a_handful_of_connections(bus
             tg.cancel_scope.cancel()
     finally:
         await redis.aclose()
+
+
+async def test_an_answer_its_role_has_no_use_for_wakes_only_the_other_roles(bus: Bus) -> None:
+    """The runtime's answer moves the runtime's group past itself (nothing for it to read), so
+    the wake-up names the runtime and only the other roles' loops look at the log."""
+    wakeups = Wakeups(bus.redis, bus.keys)
+    async with anyio.create_task_group() as tg:
+        await tg.start(wakeups.run)
+        runtime = await wakeups.watch("s1", "runtime")
+        memory = await wakeups.watch("s1", "memory")
+        (action,) = await bus.session("s1").append(events.FileRead(path="x"))
+        key = bus.keys.log("s1")
+        await bus.redis.xgroup_create(key, "runtime", id="0-0")
+        await bus.redis.xreadgroup("runtime", "w", {key: ">"}, count=10)
+        marks = runtime.rung, memory.rung
+        answer = events.encode(events.FileContent(path="x", content="", cause=action))
+        prepared = bus.log_store.prepare("s1", [(answer, action)], ack=("runtime", f"{action}-0"), pass_own=True)
+        await prepared.run()
+        assert await memory.wait(marks[1], 5.0)
+        assert runtime.rung == marks[0]
+        tg.cancel_scope.cancel()

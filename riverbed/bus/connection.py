@@ -195,14 +195,21 @@ CLUSTER_SPARE = 4
 
 
 async def connect_redis(
-    url: str, *, max_connections: int = 2000, shared: bool = False, name: str | None = None
+    url: str,
+    *,
+    max_connections: int = 2000,
+    shared: bool = False,
+    name: str | None = None,
+    spare: int = CLUSTER_SPARE,
 ) -> RawClient:
     """A connected client for ``url``; raises ConfigError or UnavailableError in one sentence.
 
     ``shared``: a worker's client, shared by every session it owns.  It holds at most
     ``max_connections`` per node, and a command waits for a free one rather than opening more,
     so the connections do not grow with the sessions.  ``name``: every connection's
-    ``CLIENT SETNAME`` (``CLIENT LIST`` then shows whose connections they are).
+    ``CLIENT SETNAME`` (``CLIENT LIST`` then shows whose connections they are).  ``spare``:
+    connections a shared cluster client may open per node beyond ``max_connections`` for
+    pipelines (0 for a client that sends none).
     """
     common: dict[str, Any] = {
         "retry": _retry(),
@@ -233,8 +240,7 @@ async def connect_redis(
         return client
     await client.aclose()
     if shared:
-        spare = max_connections + CLUSTER_SPARE
-        cluster = Cluster.from_url(url, max_connections=spare, limit=max_connections, **common)
+        cluster = Cluster.from_url(url, max_connections=max_connections + spare, limit=max_connections, **common)
     else:
         cluster = Cluster.from_url(url, max_connections=max_connections, **common)
     with translate(url):

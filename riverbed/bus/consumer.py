@@ -44,14 +44,23 @@ from riverbed.bus.keys import Keys
 from riverbed.bus.leasing import Leasing
 from riverbed.bus.log import Log
 from riverbed.bus.ownership import Leases
-from riverbed.bus.redis_client import as_client
+from riverbed.bus.redis_client import RedisClient, as_client
 from riverbed.bus.session_loop import SessionLoop
 from riverbed.bus.wakeups import Wakeups
 from riverbed.errors import UnavailableError
 
-__all__ = ["Answer", "Entry", "Handler", "Owned", "Owner", "OwnerStats", "SessionContext"]
+__all__ = ["Answer", "Entry", "Handler", "HotReads", "Owned", "Owner", "OwnerStats", "SessionContext"]
 
 log = structlog.get_logger("riverbed.worker")
+
+
+@dataclass
+class HotReads:
+    """A few connections of a worker's on which busy sessions wait for their next entry
+    (``bus/session_loop.py``); ``slots`` bounds how many wait at once (one connection each)."""
+
+    client: RedisClient
+    slots: anyio.CapacityLimiter
 
 
 @dataclass
@@ -82,6 +91,7 @@ class Owner:
         max_attempts: int = 3,
         url: str = "redis",
         wakeups: Wakeups | None = None,
+        hot: HotReads | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -110,6 +120,8 @@ class Owner:
         self._own_wakeups = wakeups is None
         self.wakeups = wakeups if wakeups is not None else Wakeups(redis, keys)
         """Shared by the worker's roles; an owner made alone runs its own."""
+        self.hot = hot
+        """Without it every read is a non-blocking one after a wake-up."""
         self.dispatcher = Dispatcher(self)
         self.leasing = Leasing(self)
         self._changed = anyio.Event()

@@ -89,6 +89,7 @@ redis.call('HSET', KEYS[2], 'last', last)
 if ARGV[2] ~= '' then
   redis.call('SET', KEYS[4], first .. ':' .. n, 'PX', ARGV[2])
 end
+local wake = tostring(last)  -- published on the session's shard channel: "<last>" or "<last> <role>"
 if ARGV[5] ~= '' then
   redis.call('XACK', KEYS[1], ARGV[5], ARGV[6])
   if ARGV[9] == '1' then
@@ -102,11 +103,12 @@ if ARGV[5] ~= '' then
       end
       if name == ARGV[5] and delivered == (first - 1) .. '-0' then
         redis.call('XGROUP', 'SETID', KEYS[1], ARGV[5], last .. '-0')
+        wake = wake .. ' ' .. ARGV[5]  -- that role's loop has nothing new to read: no need to wake it
       end
     end
   end
 end
-redis.call('SPUBLISH', KEYS[6], last)
+redis.call('SPUBLISH', KEYS[6], wake)
 local reply = {'ok', first, n, created}
 for _, role in ipairs({'runtime', 'memory', 'condenser'}) do
   -- need:<role> holds when the session was last announced to that role (0: never); announce

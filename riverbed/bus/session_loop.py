@@ -30,6 +30,8 @@ from riverbed.bus.exchange import stream_entries
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.handling import Answer, Entry, SessionContext
 from riverbed.bus.log import entry_id
+from riverbed.bus.redis_client import RedisClient, StreamEntry
+from riverbed.bus.wakeups import Bell
 from riverbed.errors import FencedError, UnavailableError
 
 if TYPE_CHECKING:
@@ -40,6 +42,10 @@ __all__ = ["MAX_STRAY_CHECK_SECONDS", "READ_COUNT", "STRAY_CHECK_SECONDS", "Sess
 log = structlog.get_logger("riverbed.worker")
 
 READ_COUNT = 100
+#: How long a read by a session that just had work waits for the next entry, on one of the
+#: worker's few hot connections (``HotReads``): a busy session's next action is delivered as
+#: it is appended, with no wake-up and no second read in between.
+HOT_BLOCK_MS = 250
 #: How often an owned session looks for entries pending with nobody working on them, and reads
 #: once even when its bell did not ring (a wake-up lost while a feed reconnected): every second
 #: after activity, then twice as long after each quiet check, up to the maximum.
@@ -56,18 +62,19 @@ class SessionLoop:
         self.owned = owned
         self.ctx = SessionContext(owner, session, owned.token)
         self.held: Answer | None = None
+        self.hot = False
+        """The last read delivered entries: the next one may wait for more on a hot connection."""
         self.log = log.bind(role=owner.role, session=session, worker=owner.worker)
 
     async def serve(self) -> None:
         owner, ctx = self.owner, self.ctx
         parked = False
-        watching = False
+        bell: Bell | None = None
         try:
             with self.owned.scope:
                 await self.ensure_group()
                 await owner.handler.open(ctx)
-                bell = await owner.wakeups.watch(self.session)
-                watching = True
+                bell = await owner.wakeups.watch(self.session, owner.role)
                 in_flight = await self.in_flight()
                 if in_flight:
                     self.log.info("session.recover", entries=len(in_flight))
@@ -85,11 +92,11 @@ class SessionLoop:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._send_held_answer()
-                if watching:
-                    await owner.wakeups.unwatch(self.session)
+                if bell is not None:
+                    await owner.wakeups.unwatch(self.session, bell)
                 await owner.finish(self, parked)
 
-    async def _loop(self, bell: Any) -> bool:
+    async def _loop(self, bell: Bell) -> bool:
         """Serve until stopping or idle; returns True when the session was parked."""
         owner, ctx = self.owner, self.ctx
         idle_since = time.monotonic()
@@ -151,6 +158,7 @@ class SessionLoop:
     async def _read_and_dispatch(self) -> bool:
         """Read new entries (never blocking) and dispatch them; False when none came."""
         batch = [Entry.from_stream(raw_id, fields) for raw_id, fields in await self._read()]
+        self.hot = bool(batch)
         if not batch:
             return False
         if batch[0].id <= self.ctx.last_seen:
@@ -166,17 +174,35 @@ class SessionLoop:
         return True
 
     async def _read(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        """New entries; an answer held for this read goes out in the same round trip, and its
-        outcome is handled before the read returns."""
+        """New entries: waiting briefly on a hot connection when the session just had work and
+        one is free, else without blocking."""
+        hot = self.owner.hot
+        if not self.hot or hot is None:
+            return await self._read_on(self.owner.client, None)
+        try:
+            hot.slots.acquire_on_behalf_of_nowait(self)
+        except anyio.WouldBlock:
+            return await self._read_on(self.owner.client, None)
+        try:
+            return await self._read_on(hot.client, HOT_BLOCK_MS)
+        finally:
+            hot.slots.release_on_behalf_of(self)
+
+    async def _read_on(self, client: RedisClient, block_ms: int | None) -> list[StreamEntry]:
+        """New entries read on ``client`` (waiting up to ``block_ms``); an answer held for this
+        read goes out in the same round trip, and its outcome is handled before the read returns."""
         owner, ctx = self.owner, self.ctx
         key = owner.keys.log(self.session)
         held, self.held = self.held, None
         if held is not None:
-            read = ("XREADGROUP", "GROUP", owner.role, owner.worker, "COUNT", READ_COUNT, "STREAMS", key, ">")
+            read: tuple[Any, ...] = ("XREADGROUP", "GROUP", owner.role, owner.worker, "COUNT", READ_COUNT)
+            if block_ms is not None:
+                read += ("BLOCK", block_ms)
+            read += ("STREAMS", key, ">")
             prepared = ctx.prepare_answer(*held)
             answered = False
             try:
-                async with owner.client.exchange(prepared.command, read) as replies:
+                async with client.exchange(prepared.command, read) as replies:
                     if replies is not None:
                         await ctx.answered(held.entry, await prepared.outcome(await replies.read()))
                         answered = True
@@ -188,7 +214,7 @@ class SessionLoop:
             if not answered:
                 await ctx.answer(*held)
                 self._idle()
-        return await owner.client.xreadgroup(owner.role, owner.worker, key, ">", count=READ_COUNT)
+        return await client.xreadgroup(owner.role, owner.worker, key, ">", count=READ_COUNT, block=block_ms)
 
     async def _recover_stray(self) -> bool:
         """Recover entries pending while this loop works on nothing: a delivery whose reply was

@@ -45,10 +45,10 @@ CONFIRM_SECONDS = 1.0
 
 
 class Bell:
-    """Rings when a session's log may have moved.  Each waiter keeps its own mark, so the loops
-    of several roles share one bell."""
+    """Rings when a session's log may have moved for one role's loop, which keeps its mark."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: str) -> None:
+        self.role = role
         self.rung = 0
         self._event = anyio.Event()
 
@@ -69,8 +69,7 @@ class Bell:
 
 @dataclass
 class _Watched:
-    bell: Bell = field(default_factory=Bell)
-    watchers: int = 0
+    bells: list[Bell] = field(default_factory=list)
     confirmed: anyio.Event = field(default_factory=anyio.Event)
 
 
@@ -136,7 +135,10 @@ class _Feed:
             kind = _text(message[0])
             channel = _text(message[1])
             if kind == "smessage":
-                self.wakeups.ring(channel)
+                # "<last id>" or "<last id> <role>": that role's group was moved past the append
+                # (a runtime answer the runtime has no use for), so its loop has nothing to read.
+                _last, _sep, skip = _text(message[2]).partition(" ")
+                self.wakeups.ring(channel, skip=skip or None)
             elif kind == "ssubscribe":
                 self.wakeups.confirmed(channel)
             elif kind == "sunsubscribe" and channel in self.channels:
@@ -178,26 +180,27 @@ class Wakeups:
                     continue
                 backoff = 0.1
 
-    async def watch(self, session: str) -> Bell:
+    async def watch(self, session: str, role: str) -> Bell:
         """Subscribe to ``session``'s wake-ups (once per worker, however many roles watch it) and
-        wait, briefly, for the subscription to hold; the session's :class:`Bell`."""
+        wait, briefly, for the subscription to hold; the bell of ``role``'s loop."""
         channel = self.keys.wake(session)
         watched = self._watched.get(channel)
         if watched is None:
             watched = self._watched[channel] = _Watched()
             await self._subscribe(channel)
-        watched.watchers += 1
+        bell = Bell(role)
+        watched.bells.append(bell)
         with anyio.move_on_after(CONFIRM_SECONDS):
             await watched.confirmed.wait()
-        return watched.bell
+        return bell
 
-    async def unwatch(self, session: str) -> None:
+    async def unwatch(self, session: str, bell: Bell) -> None:
         channel = self.keys.wake(session)
         watched = self._watched.get(channel)
-        if watched is None:
+        if watched is None or bell not in watched.bells:
             return
-        watched.watchers -= 1
-        if watched.watchers > 0:
+        watched.bells.remove(bell)
+        if watched.bells:
             return
         del self._watched[channel]
         for feed in list(self._feeds.values()):
@@ -215,15 +218,19 @@ class Wakeups:
             except (rexc.RedisError, OSError):
                 feed.scope.cancel()  # it reconnects with the channels it should have
 
-    def ring(self, channel: str) -> None:
+    def ring(self, channel: str, *, skip: str | None = None) -> None:
+        """Ring the bells of ``channel``'s session, but ``skip``'s (a role with nothing new)."""
         watched = self._watched.get(channel)
         if watched is not None:
-            watched.bell.ring()
+            for bell in watched.bells:
+                if bell.role != skip:
+                    bell.ring()
 
     def ring_all(self) -> None:
         """Ring every watched session's bell (its loops look at the log, and whether to stop, now)."""
         for watched in self._watched.values():
-            watched.bell.ring()
+            for bell in watched.bells:
+                bell.ring()
 
     def confirmed(self, channel: str) -> None:
         watched = self._watched.get(channel)

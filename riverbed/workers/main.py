@@ -27,7 +27,7 @@ from anyio.abc import TaskStatus
 
 from riverbed.bus.archive import Archive, Retention
 from riverbed.bus.connection import RawClient, connect_redis
-from riverbed.bus.consumer import Handler, Owner
+from riverbed.bus.consumer import Handler, HotReads, Owner
 from riverbed.bus.keys import ROLES, Keys
 from riverbed.bus.redis_client import RedisClient
 from riverbed.bus.wakeups import Wakeups
@@ -41,6 +41,8 @@ __all__ = ["Worker", "default_name", "parse_roles", "run_worker"]
 log = structlog.get_logger("riverbed.worker")
 
 HEARTBEAT_SECONDS = 1.0
+#: Connections per Redis node on which a worker's busy sessions wait for their next entry.
+HOT_READERS = 4
 
 
 def default_name() -> str:
@@ -79,6 +81,7 @@ class Worker:
         url: str = "redis",
         park_after: float = 60.0,
         archive: Archive | None = None,
+        hot: HotReads | None = None,
     ) -> None:
         self.client = RedisClient(redis, url)
         self.settings = settings
@@ -100,6 +103,7 @@ class Worker:
                 max_attempts=settings.max_attempts,
                 url=url,
                 wakeups=self.wakeups,
+                hot=hot,
             )
             for role in self.roles
         }
@@ -243,6 +247,7 @@ async def run_worker(
     url = resolve_redis_url(settings)
     name = name or default_name()
     redis = await connect_redis(url, max_connections=settings.redis_connections, shared=True, name=f"riverbed:{name}")
+    hot = await connect_redis(url, max_connections=HOT_READERS, shared=True, name=f"riverbed:{name}", spare=0)
     handlers, closers = build_handlers(roles, settings)
     archive = Archive(settings.database_url, schema=settings.prefix) if settings.database_url else None
     if archive is not None:
@@ -256,6 +261,7 @@ async def run_worker(
         url=url,
         park_after=park_after,
         archive=archive,
+        hot=HotReads(RedisClient(hot, url), anyio.CapacityLimiter(HOT_READERS)),
     )
     try:
         async with anyio.create_task_group() as tg:
@@ -271,3 +277,4 @@ async def run_worker(
             for close in closers:
                 await close()
             await redis.aclose()
+            await hot.aclose()
