@@ -64,7 +64,11 @@ class SessionLoop:
         self.held: Answer | None = None
         self.hot = False
         """The last read delivered entries: the next one may wait for more on a hot connection."""
+        self.mark = 0
+        """The bell's count when the last read was sent: a ring since means the log may have moved."""
         self.log = log.bind(role=owner.role, session=session, worker=owner.worker)
+        self.bell = Bell(owner.role)
+        """The session's wake-up bell (a placeholder until :meth:`serve` watches the session)."""
 
     async def serve(self) -> None:
         owner, ctx = self.owner, self.ctx
@@ -79,6 +83,7 @@ class SessionLoop:
                 if in_flight:
                     self.log.info("session.recover", entries=len(in_flight))
                     self.held = await owner.dispatcher.dispatch(ctx, in_flight, recovering=True)
+                self.bell = bell
                 parked = await self._loop(bell)
             if self.owned.lost:
                 self.log.warning("session.fenced", found="its lease renewal failed")
@@ -114,7 +119,6 @@ class SessionLoop:
                     if await self._recover_stray():
                         idle_since = time.monotonic()
                         continue
-                mark = bell.rung
                 if await self._read_and_dispatch():
                     idle_since = time.monotonic()
                     quiet = STRAY_CHECK_SECONDS
@@ -133,7 +137,7 @@ class SessionLoop:
                         raise FencedError(self.session, owner.role, self.owned.token, -1)
                     idle_since = time.monotonic()
                     continue
-                await bell.wait(mark, max(0.0, min(stray_check, idle_since + owner.park_after) - time.monotonic()))
+                await bell.wait(self.mark, max(0.0, min(stray_check, idle_since + owner.park_after) - time.monotonic()))
             except UnavailableError as exc:
                 self.log.warning("read.unavailable", error=str(exc), retry_in=backoff.next)
                 await backoff.pause()
@@ -193,6 +197,12 @@ class SessionLoop:
         read goes out in the same round trip, and its outcome is handled before the read returns."""
         owner, ctx = self.owner, self.ctx
         key = owner.keys.log(self.session)
+        if block_ms is None and self.held is not None:
+            # Not waiting: anything appended since the last read rang the bell, so the answer
+            # goes alone and the loop reads again only if the bell rang.
+            await self.flush()
+            return []
+        self.mark = self.bell.rung
         held, self.held = self.held, None
         if held is not None:
             read: tuple[Any, ...] = ("XREADGROUP", "GROUP", owner.role, owner.worker, "COUNT", READ_COUNT)
