@@ -22,7 +22,7 @@ from pathlib import Path
 
 from riverbed import services
 
-MODULES = ("bench.log", "bench.roundtrip", "bench.view", "bench.memory", "bench.growth", "bench.serve")
+MODULES = ("bench.log", "bench.roundtrip", "bench.scale", "bench.view", "bench.memory", "bench.growth", "bench.serve")
 
 
 @dataclass(frozen=True)
