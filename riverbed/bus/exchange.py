@@ -23,7 +23,7 @@ import hiredis
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 
-from riverbed.bus.connection import RawClient
+from riverbed.bus.connection import RawClient, Shared
 
 __all__ = ["Exchange", "exchange", "stream_entries"]
 
@@ -48,11 +48,22 @@ class Exchange:
 
 @contextlib.asynccontextmanager
 async def exchange(client: RawClient, *commands: Sequence[Any]) -> AsyncIterator[Exchange | None]:
-    """Send ``commands`` in one write on a connection taken from the pool for the exchange;
-    yields their :class:`Exchange` (``None`` on a cluster)."""
+    """Send ``commands`` in one write on a connection taken from the pool for the exchange
+    (in turn with the client's other commands when it is :class:`Shared`); yields their
+    :class:`Exchange` (``None`` on a cluster)."""
     if not isinstance(client, aioredis.Redis) or client.single_connection_client:
         yield None
         return
+    if isinstance(client, Shared):
+        async with client.limiter, _pooled_exchange(client, commands) as replies:
+            yield replies
+    else:
+        async with _pooled_exchange(client, commands) as replies:
+            yield replies
+
+
+@contextlib.asynccontextmanager
+async def _pooled_exchange(client: aioredis.Redis, commands: Sequence[Sequence[Any]]) -> AsyncIterator[Exchange]:
     pool = client.connection_pool
     connection = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
