@@ -20,13 +20,18 @@ from msgspec.structs import replace
 
 from riverbed import events
 from riverbed.agent.client import Bus, Session
+from riverbed.agent.usage import UsageCounters, parse_prices
 from riverbed.bus.consumer import Owner
 from riverbed.memory.chunking import ChunkPolicy, event_chunks
 from riverbed.memory.embedders import LocalEmbedder
 from riverbed.memory.recall import Memory
 from riverbed.memory.store import Store
 from riverbed.runtime.paths import workspace_name
+from riverbed.settings import Settings
+from riverbed.workers.main import Worker
 from riverbed.workers.memory_role import MemoryHandler
+from riverbed.workers.metrics import WorkerMetrics
+from tests.test_metrics import samples, value
 
 pytestmark = pytest.mark.anyio
 
@@ -391,3 +396,40 @@ async def test_a_session_log_lost_and_started_again_is_indexed_anew(
         answer = await session.act(events.Recall(query="when does the deploy key rotate?", k=3), timeout=RECALL_TIMEOUT)
         assert isinstance(answer, events.RecallResult), answer
         assert all("deploy key" not in h.text for h in answer.hits)
+
+
+async def test_model_calls_are_counted_for_prometheus_once_indexed(
+    bus: Bus, database_url: str, prefix: str, local: LocalEmbedder
+) -> None:
+    """The memory role counts each ``llm_response`` it acknowledges: tokens by model and kind,
+    and the cost of the models the price table knows (none for the others)."""
+    store = Store(database_url, schema=prefix)
+    prices = parse_prices('{"m": {"prompt": 1.0, "cached": 0.5, "completion": 2.0}}')
+    handler = MemoryHandler(Memory.cached(store, local), usage=UsageCounters(prices))
+    owner = Owner(bus.redis, bus.keys, handler, worker="memory-usage", lease_seconds=2.0, url=bus.url)
+    session = bus.session("usage")
+    call = {"prompt_tokens": 1000, "completion_tokens": 10, "prompt_tokens_details": {"cached_tokens": 400}}
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(owner.run)
+            await session.append(events.LlmResponse(model="m", usage=call), events.Message(content="between"))
+            await session.append(events.LlmResponse(model="m", usage=call))
+            await session.append(events.LlmResponse(model="free", usage={"input_tokens": 7, "output_tokens": 3}))
+            await wait_indexed(database_url, prefix, session)
+            await owner.drain(2.0)
+    finally:
+        await store.close()
+    worker = Worker(
+        bus.redis, Settings(prefix=prefix), ["memory"], name="w-usage", handlers={"memory": handler}, url=bus.url
+    )
+    metrics = WorkerMetrics()
+    metrics.bind(worker)
+    scraped = samples(metrics.render().decode())
+    assert value(scraped, "riverbed_llm_tokens_total", model="m", kind="prompt") == 2000
+    assert value(scraped, "riverbed_llm_tokens_total", model="m", kind="cached") == 800
+    assert value(scraped, "riverbed_llm_tokens_total", model="m", kind="completion") == 20
+    assert value(scraped, "riverbed_llm_tokens_total", model="free", kind="prompt") == 7
+    assert value(scraped, "riverbed_llm_tokens_total", model="free", kind="completion") == 3
+    one_call = (600 * 1.0 + 400 * 0.5 + 10 * 2.0) / 1_000_000
+    assert value(scraped, "riverbed_llm_cost_usd_total", model="m") == pytest.approx(2 * one_call)
+    assert not [key for key in scraped if key[0] == "riverbed_llm_cost_usd_total" and ("model", "free") in key[1]]

@@ -30,7 +30,17 @@ from riverbed.events import Condensation, Event, LlmResponse
 from riverbed.memory.tokens import TokenCounter
 from riverbed.memory.view import ViewBuilder
 
-__all__ = ["CondensationMark", "Price", "StepUsage", "UsageReport", "parse_prices", "tokens", "usage"]
+__all__ = [
+    "CondensationMark",
+    "Price",
+    "StepUsage",
+    "UsageCounters",
+    "UsageReport",
+    "parse_prices",
+    "step",
+    "tokens",
+    "usage",
+]
 
 
 class Price(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -108,6 +118,36 @@ def _cost(price: Price | None, prompt: int, cached: int, completion: int) -> flo
     return ((prompt - cached) * price.prompt + cached * cached_price + completion * price.completion) / 1_000_000
 
 
+def step(event: LlmResponse, event_id: int, prices: Mapping[str, Price]) -> StepUsage:
+    """The tokens and cost of one ``llm_response`` (priced by ``prices``, else its ``"*"`` entry)."""
+    prompt, cached, completion = tokens(event.usage)
+    price = prices.get(event.model, prices.get("*"))
+    return StepUsage(event_id, event.model, prompt, cached, completion, _cost(price, prompt, cached, completion))
+
+
+class UsageCounters:
+    """Running totals per model of the ``llm_response`` events a worker handled, for its
+    Prometheus counters (``riverbed_llm_tokens_total``, ``riverbed_llm_cost_usd_total``)."""
+
+    def __init__(self, prices: Mapping[str, Price] | None = None) -> None:
+        self.prices = dict(prices or {})
+        self.tokens: dict[tuple[str, str], int] = {}
+        """(model, kind) -> tokens; kind is ``prompt``, ``cached`` or ``completion``."""
+        self.cost: dict[str, float] = {}
+        """model -> USD, for the models the price table knows."""
+
+    def count(self, event: LlmResponse, event_id: int) -> None:
+        counted = step(event, event_id, self.prices)
+        for kind, value in (
+            ("prompt", counted.prompt_tokens),
+            ("cached", counted.cached_tokens),
+            ("completion", counted.completion_tokens),
+        ):
+            self.tokens[(counted.model, kind)] = self.tokens.get((counted.model, kind), 0) + value
+        if counted.cost is not None:
+            self.cost[counted.model] = self.cost.get(counted.model, 0.0) + counted.cost
+
+
 def usage(events: Iterable[Event], prices: Mapping[str, Price] | None = None) -> UsageReport:
     """Per-step tokens and cost of every ``llm_response``, and the session's totals (the total
     cost is None when a step has no price)."""
@@ -136,11 +176,7 @@ def usage(events: Iterable[Event], prices: Mapping[str, Price] | None = None) ->
             builder.append(event)
         if not isinstance(event, LlmResponse) or event.id is None:
             continue
-        prompt, cached, completion = tokens(event.usage)
-        price = prices.get(event.model, prices.get("*"))
-        steps.append(
-            StepUsage(event.id, event.model, prompt, cached, completion, _cost(price, prompt, cached, completion))
-        )
+        steps.append(step(event, event.id, prices))
     costs = [s.cost for s in steps]
     return UsageReport(
         steps=tuple(steps),

@@ -27,6 +27,7 @@ import anyio
 import structlog
 
 from riverbed import events
+from riverbed.agent.usage import UsageCounters, parse_prices
 from riverbed.bus.consumer import Entry, SessionContext
 from riverbed.bus.faults import crashpoint
 from riverbed.errors import DataError, RiverbedError, UnavailableError
@@ -46,9 +47,13 @@ class MemoryHandler:
     role = "memory"
     ignores_own_answers = False
 
-    def __init__(self, memory: Memory, *, workspace_root: Path | None = None) -> None:
+    def __init__(
+        self, memory: Memory, *, workspace_root: Path | None = None, usage: UsageCounters | None = None
+    ) -> None:
         self.memory = memory
         self.workspace_root = workspace_root
+        self.usage = usage if usage is not None else UsageCounters()
+        """Tokens and cost of the model calls this worker indexed (the worker's usage counters)."""
         self._scanned: dict[str, int] = {}  # session -> last id looked at for queued recalls
         self._failing: set[str] = set()  # sessions whose last indexing attempt found memory unavailable
         self._logs: set[str] = set()  # sessions whose log's creation stamp the store has seen
@@ -109,7 +114,12 @@ class MemoryHandler:
         for entry in recalls:
             if entry.id not in guilty:
                 await self._recall(ctx, entry, deadline)
-        await ctx.ack([e.id for e in entries if e not in recalls and e.id not in guilty])
+        done = [e for e in entries if e not in recalls and e.id not in guilty]
+        await ctx.ack([e.id for e in done])
+        # Counted once an entry is acknowledged: a retried or redelivered batch is not counted twice.
+        for entry in done:
+            if isinstance(entry.event, events.LlmResponse):
+                self.usage.count(entry.event, entry.id)
         if unindexable is not None:
             raise unindexable  # the consumer counts it against the guilty entries (still pending)
 
@@ -191,5 +201,7 @@ def build_memory_handler(settings: Settings) -> tuple[MemoryHandler, Callable[[]
     embedder = make_embedder(settings.embedder, api_key=settings.openai_api_key, base_url=settings.openai_base_url)
     store = Store(database_url, schema=settings.prefix)
     memory = Memory.cached(store, embedder)
-    handler = MemoryHandler(memory, workspace_root=Path(settings.workspace))
+    handler = MemoryHandler(
+        memory, workspace_root=Path(settings.workspace), usage=UsageCounters(parse_prices(settings.prices))
+    )
     return handler, store.close

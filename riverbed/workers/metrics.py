@@ -15,6 +15,11 @@ riverbed_takeovers_total              counter    role, worker: sessions taken ov
 riverbed_append_conflicts_total       counter    role, worker: appends refused by expected_last
 riverbed_handler_seconds              histogram  role, worker: one handler call (a batch)
 riverbed_embedding_cache_hit_ratio    gauge      role, worker, level (``lru`` | ``shared``)
+riverbed_llm_tokens_total             counter    worker, model, kind (``prompt`` | ``cached`` |
+                                                 ``completion``): tokens of the ``llm_response``
+                                                 events the memory role indexed
+riverbed_llm_cost_usd_total           counter    worker, model: their cost (``RIVERBED_PRICES``;
+                                                 models without a price are left out)
 ====================================  =========  ===============================================
 
 Counters and ``owned_sessions`` are read from each :class:`~riverbed.bus.consumer.OwnerStats`
@@ -44,6 +49,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from riverbed.agent.usage import UsageCounters
 from riverbed.bus.consumer import Owner
 from riverbed.bus.keys import Keys
 from riverbed.bus.redis_client import RedisClient
@@ -71,6 +77,8 @@ METRIC_NAMES = frozenset(
         "riverbed_oldest_pending_seconds",
         "riverbed_owned_sessions",
         "riverbed_embedding_cache_hit_ratio",
+        "riverbed_llm_tokens_total",
+        "riverbed_llm_cost_usd_total",
         *(f"{name}_total" for name in _COUNTERS),
         *(f"riverbed_handler_seconds{suffix}" for suffix in ("_bucket", "_sum", "_count")),
     }
@@ -235,6 +243,26 @@ class WorkerMetrics:
             ratio.add_metric([role, worker, "lru"], lru)
             ratio.add_metric([role, worker, "shared"], shared)
         yield ratio
+        yield from self._usage(owners, worker)
+
+    @staticmethod
+    def _usage(owners: Mapping[str, Any], worker: str) -> Iterator[Metric]:
+        """The model calls' tokens and cost, from the memory role's :class:`UsageCounters`."""
+        counters = getattr(owners["memory"].handler, "usage", None) if "memory" in owners else None
+        if not isinstance(counters, UsageCounters):
+            return
+        tokens = CounterMetricFamily(
+            "riverbed_llm_tokens", "Tokens of the model calls recorded in the logs.", labels=("worker", "model", "kind")
+        )
+        for (model, kind), count in sorted(counters.tokens.items()):
+            tokens.add_metric([worker, model, kind], float(count))
+        yield tokens
+        cost = CounterMetricFamily(
+            "riverbed_llm_cost_usd", "Cost of those calls in USD, by RIVERBED_PRICES.", labels=("worker", "model")
+        )
+        for model, usd in sorted(counters.cost.items()):
+            cost.add_metric([worker, model], usd)
+        yield cost
 
 
 class _ScrapeCollector(Collector):
