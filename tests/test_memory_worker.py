@@ -30,7 +30,7 @@ from riverbed.runtime.paths import workspace_name
 from riverbed.settings import Settings
 from riverbed.workers.main import Worker
 from riverbed.workers.memory_role import MemoryHandler
-from riverbed.workers.metrics import WorkerMetrics
+from riverbed.workers.metrics import USAGE_METRIC_NAMES, WorkerMetrics
 from tests.test_metrics import samples, value
 
 pytestmark = pytest.mark.anyio
@@ -425,6 +425,7 @@ async def test_model_calls_are_counted_for_prometheus_once_indexed(
     metrics = WorkerMetrics()
     metrics.bind(worker)
     scraped = samples(metrics.render().decode())
+    assert {name for name, _labels in scraped} >= USAGE_METRIC_NAMES
     assert value(scraped, "riverbed_llm_tokens_total", model="m", kind="prompt") == 2000
     assert value(scraped, "riverbed_llm_tokens_total", model="m", kind="cached") == 800
     assert value(scraped, "riverbed_llm_tokens_total", model="m", kind="completion") == 20

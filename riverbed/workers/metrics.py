@@ -55,7 +55,7 @@ from riverbed.bus.keys import Keys
 from riverbed.bus.redis_client import RedisClient
 from riverbed.bus.stats import session_backlogs
 
-__all__ = ["CONTENT_TYPE", "METRIC_NAMES", "CacheCounters", "Observed", "WorkerMetrics"]
+__all__ = ["CONTENT_TYPE", "METRIC_NAMES", "USAGE_METRIC_NAMES", "CacheCounters", "Observed", "WorkerMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HANDLER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -69,7 +69,10 @@ _COUNTERS = {
     "riverbed_append_conflicts": ("append_conflicts", "Appends refused because the log moved (expected_last)."),
 }
 
-#: Every series name a scrape can contain (histograms and counters with their suffixes).
+#: The model-call series: in a memory worker's scrape once it indexed an ``llm_response``.
+USAGE_METRIC_NAMES = frozenset({"riverbed_llm_tokens_total", "riverbed_llm_cost_usd_total"})
+
+#: Every series name every worker's scrape contains (histograms and counters with their suffixes).
 METRIC_NAMES = frozenset(
     {
         "riverbed_lag_events",
@@ -77,8 +80,6 @@ METRIC_NAMES = frozenset(
         "riverbed_oldest_pending_seconds",
         "riverbed_owned_sessions",
         "riverbed_embedding_cache_hit_ratio",
-        "riverbed_llm_tokens_total",
-        "riverbed_llm_cost_usd_total",
         *(f"{name}_total" for name in _COUNTERS),
         *(f"riverbed_handler_seconds{suffix}" for suffix in ("_bucket", "_sum", "_count")),
     }
