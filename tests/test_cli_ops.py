@@ -7,10 +7,12 @@ import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from riverbed.bus.keys import Keys
+from tests.openai_server import OpenAIServer, tool_call
 from tests.test_cli import assert_one_sentence, ok, riverbed_command, run
 from tests.workerproc import sync_client
 
@@ -128,3 +130,35 @@ def test_demo_runs_on_embedded_services_and_exits_zero(offline_env: dict[str, st
         assert f"riverbed services down --dir {env['RIVERBED_SERVICES_DIR']}" in out
     finally:
         run(env, "services", "down", "--dir", env["RIVERBED_SERVICES_DIR"])
+
+
+@pytest.mark.slow
+def test_demo_with_a_model_configured_runs_the_llm_agent(offline_env: dict[str, str], tmp_path: Path) -> None:
+    """With a model server configured, the demo also runs the reference LLM agent on a small
+    task: here against the scripted OpenAI-compatible server, which runs a command, then finishes."""
+
+    def answer(body: dict[str, Any]) -> dict[str, Any]:
+        if not body.get("tools"):
+            return {"content": "a summary"}  # an LLM condenser's request
+        if any(m.get("role") == "tool" for m in body.get("messages", [])):
+            return {"tool_calls": [tool_call("finish", {"final_thought": "done"})]}
+        return {"tool_calls": [tool_call("cmd_run", {"command": "echo riverbed > hello.txt && cat hello.txt"})]}
+
+    env = {k: v for k, v in offline_env.items() if k not in ("RIVERBED_REDIS_URL",)}
+    env["RIVERBED_SERVICES_DIR"] = str(Path("/tmp") / f"rb-demo-{tmp_path.name}")
+    env["RIVERBED_WORKSPACE"] = str(tmp_path / "ws")
+    with OpenAIServer(model="test-model") as server:
+        server.respond(answer, times=50)
+        env.update(OPENAI_BASE_URL=server.base_url, OPENAI_API_KEY="test-key", RIVERBED_LLM_MODEL="test-model")
+        try:
+            result = run(env, "demo", timeout=180)
+        finally:
+            run(env, "services", "down", "--dir", env["RIVERBED_SERVICES_DIR"])
+        out = result.stdout.decode()
+        assert result.returncode == 0, out + result.stderr.decode()
+        assert "the LLM agent (test-model) on a small task" in out
+        assert "LLM agent ran to finish or its step limit" in out
+        assert "✘" not in out
+        agent_requests = [r for r in server.requests if r.get("tools")]
+        assert len(agent_requests) >= 2  # the command, then finish
+        assert server.unexpected == 0
