@@ -10,12 +10,24 @@ import sys
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
+import msgspec
 from rich.console import Console
 from rich.text import Text
 
 from riverbed import events
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+_JSON = msgspec.json.Encoder(enc_hook=str)  # a value JSON has no form for is shown as its string
+
+
+def json_bytes(value: Any) -> bytes:
+    """The CLI's one JSON encoder, for every ``--json`` output: one document on one line; an
+    event in its wire form (the form of ``riverbed schema``), dataclasses and structs as objects."""
+    if isinstance(value, events.Event):
+        return events.encode_json(value)
+    return _JSON.encode(value)
 
 
 def _stdout_lines(lines: Iterable[bytes], *, flush_each: bool = False) -> None:

@@ -6,14 +6,13 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import msgspec
 import typer
 import typer.core
 import typer.main
 
 from riverbed import events
 from riverbed.cli.app import PrefixOption, SessionArg, _bus, _run, _settings, app
-from riverbed.cli.output import _stdout_lines
+from riverbed.cli.output import _stdout_lines, json_bytes
 from riverbed.errors import (
     InputError,
 )
@@ -77,7 +76,7 @@ def act_command(
         async with _bus(settings) as bus:
             handle = await bus.operate(session, tenant=tenant, agent=agent)
             answer = await handle.act(parsed, timeout=timeout)
-            return events.encode_json(answer)
+            return json_bytes(answer)
 
     _stdout_lines([_run(go)])
 
@@ -116,6 +115,6 @@ def append_command(
 
     ids = _run(go)
     if as_json:
-        _stdout_lines([msgspec.json.encode({"session": session, "ids": ids})])
+        _stdout_lines([json_bytes({"session": session, "ids": ids})])
     else:
         _stdout_lines(str(i).encode() for i in ids)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-import msgspec
 import typer
 import typer.core
 import typer.main
@@ -12,7 +11,7 @@ from rich.console import Console
 from rich.text import Text
 
 from riverbed.cli.app import PrefixOption, SessionArg, _bus, _require_events, _run, _settings, app
-from riverbed.cli.output import _id_list, _one_line, _stdout_lines, err_console, render, visible
+from riverbed.cli.output import _id_list, _one_line, _stdout_lines, err_console, json_bytes, render, visible
 from riverbed.errors import (
     InputError,
 )
@@ -79,7 +78,7 @@ def _context_show(settings: Settings, session: str, until: int | None, json_out:
 
     report = _run(go)
     if json_out:
-        _stdout_lines([msgspec.json.encode(document(session, report))])
+        _stdout_lines([json_bytes(document(session, report))])
         return
     console = Console(highlight=False, soft_wrap=True)
     console.print(
@@ -119,7 +118,7 @@ def _context_edit(
             )
 
     changed = _run(go)
-    _stdout_lines([msgspec.json.encode(changed)])
+    _stdout_lines([json_bytes(changed)])
     parts = [
         f"{verb} {len(ids)} event{'s' if len(ids) != 1 else ''} ({_id_list(ids)})"
         for verb, ids in (

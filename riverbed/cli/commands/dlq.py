@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 import typer
@@ -12,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from riverbed.cli.app import JsonOption, PrefixOption, _bus, _run, _settings, app
-from riverbed.cli.output import _cell, _stdout_lines, err_console
+from riverbed.cli.output import _cell, _stdout_lines, err_console, json_bytes
 
 dlq_app = typer.Typer(help="Dead letters: entries a role could not handle.", no_args_is_help=True)
 app.add_typer(dlq_app, name="dlq")
@@ -31,7 +30,7 @@ def dlq_list(json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
 
     letters = _run(go)
     if json_out:
-        _stdout_lines(json.dumps(letter.as_dict()).encode() for letter in letters)
+        _stdout_lines(json_bytes(letter.as_dict()) for letter in letters)
         return
     table = Table("id", "session", "event", "role", "attempts", "reason")
     for letter in letters:

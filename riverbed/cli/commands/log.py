@@ -21,7 +21,7 @@ from riverbed.cli.app import (
     _settings,
     app,
 )
-from riverbed.cli.output import _stdout_lines, render
+from riverbed.cli.output import _stdout_lines, json_bytes, render
 from riverbed.errors import (
     InputError,
 )
@@ -49,7 +49,7 @@ def log_cmd(
                 await _require_events(bus, session)
             async for event in handle.log(start, until, follow=follow):
                 if as_json:
-                    _stdout_lines([events.encode_json(event)], flush_each=follow)
+                    _stdout_lines([json_bytes(event)], flush_each=follow)
                 else:
                     console.print(render(event))
 
@@ -78,7 +78,7 @@ def view_command(
 
     context = _run(go)
     if json_out:
-        _stdout_lines(events.encode_json(e) for e in context)
+        _stdout_lines(json_bytes(e) for e in context)
         return
     console = Console(highlight=False, soft_wrap=True)
     for event in context:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import anyio
-import msgspec
 import typer
 import typer.core
 import typer.main
@@ -14,7 +13,7 @@ from rich.table import Table
 
 from riverbed.cli.app import JsonOption, PrefixOption, _bus, _leaf, _progress, _run, _settings, app
 from riverbed.cli.commands.sessions import _iso_ms
-from riverbed.cli.output import _cell, _stdout_lines, err_console
+from riverbed.cli.output import _cell, _stdout_lines, err_console, json_bytes
 from riverbed.logs import configure_logging
 
 # --- serve, keys (the HTTP API: riverbed.serve) ----------------------------------------------
@@ -83,7 +82,7 @@ def keys_create(
 
     key, record = _run(go)
     if as_json:
-        _stdout_lines([msgspec.json.encode({"key": key, "tenant": tenant, "id": record.id, "admin": admin})])
+        _stdout_lines([json_bytes({"key": key, "tenant": tenant, "id": record.id, "admin": admin})])
         return
     _stdout_lines([key.encode()])
     who = "admin key" + (f" (tenant {tenant})" if tenant else "") if admin else f"key for tenant {tenant}"
@@ -103,7 +102,7 @@ def keys_list(json_out: JsonOption = False, prefix: PrefixOption = None) -> None
 
     records = _run(go)
     if json_out:
-        _stdout_lines(msgspec.json.encode(r.public()) for r in records)
+        _stdout_lines(json_bytes(r.public()) for r in records)
         return
     if not records:
         _progress("no API keys yet (riverbed keys create --tenant T)")

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
-import sys
 from typing import Any
 
-import msgspec
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from riverbed.bus import stats
 from riverbed.cli.app import JsonOption, PrefixOption, _bus, _progress, _run, _settings, app
-from riverbed.cli.output import _cell, _stdout_lines
+from riverbed.cli.output import _cell, _stdout_lines, json_bytes
 
 # --- sessions, schema ------------------------------------------------------------------------
 
@@ -45,7 +42,7 @@ def sessions_cmd(as_json: JsonOption = False, prefix: PrefixOption = None) -> No
 
     rows = _run(go)
     if as_json:
-        _stdout_lines(msgspec.json.encode(row) for row in rows)
+        _stdout_lines(json_bytes(row) for row in rows)
         return
     if not rows:
         _progress("no sessions yet")
@@ -70,9 +67,7 @@ def status_command(json_out: JsonOption = False, prefix: PrefixOption = None) ->
 
     snapshot = _run(go)
     if json_out:
-        import dataclasses  # noqa: PLC0415
-
-        sys.stdout.write(json.dumps(dataclasses.asdict(snapshot), default=str) + "\n")
+        _stdout_lines([json_bytes(snapshot)])
         return
     console = Console(highlight=False)
     table = Table("role", "lag", "pending", "oldest pending (s)", "owned sessions", "waiting for an owner")

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import anyio
-import msgspec
 import typer
 import typer.core
 import typer.main
@@ -29,7 +28,7 @@ from riverbed.cli.app import (
     _settings,
     app,
 )
-from riverbed.cli.output import _one_line, _stdout_lines, err_console, visible
+from riverbed.cli.output import _one_line, _stdout_lines, err_console, json_bytes, visible
 from riverbed.errors import (
     InputError,
 )
@@ -52,7 +51,7 @@ def export_cmd(
             count = 0
             with _output(out) as sink:
                 async for event in bus.session(session).log():
-                    sink.write(events.encode_json(event))
+                    sink.write(json_bytes(event))
                     sink.write(b"\n")
                     count += 1
             return count
@@ -171,7 +170,7 @@ def fork_command(
         report = {"session": into, "source": session, "at": at, "forked_id": forked_id, "workspace": workspace}
         if built is not None:
             report |= {"actions": built.actions, "differences": built.differences, "note": built.note}
-        _stdout_lines([msgspec.json.encode(report)])
+        _stdout_lines([json_bytes(report)])
     else:
         err_console.print(f"forked {session} at event {at} into {into} (its last event is {forked_id})")
         if built is None and workspace != "empty":
@@ -225,7 +224,7 @@ def rerun_command(
 
     differences = _run(go)
     if json_out:
-        _stdout_lines(msgspec.json.encode(d) for d in differences)
+        _stdout_lines(json_bytes(d) for d in differences)
     elif not differences:
         err_console.print("no differences: every observation matched the recording")
     else:

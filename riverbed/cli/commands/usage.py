@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from riverbed.cli.app import JsonOption, PrefixOption, SessionArg, _bus, _require_events, _run, _settings, app
-from riverbed.cli.output import _cell, _stdout_lines, visible
+from riverbed.cli.output import _cell, _stdout_lines, json_bytes, visible
 
 # --- usage: tokens and cost per model call -------------------------------------------------------
 
@@ -34,7 +34,7 @@ def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: Pre
 
     report = _run(go)
     if json_out:
-        _stdout_lines([msgspec.json.encode({"session": session, **msgspec.to_builtins(report)})])
+        _stdout_lines([json_bytes({"session": session, **msgspec.to_builtins(report)})])
         return
     table = Table("event", "model", "prompt", "cached", "completion", "cost (USD)")
 
