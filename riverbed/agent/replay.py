@@ -46,7 +46,7 @@ to a new session, so the rerun can be inspected like any other log.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -120,17 +120,16 @@ async def fork(bus: Bus, source: str, at: int, into: str, *, workspace: events.W
         raise InputError(f"cannot fork into {into!r}: that session exists already; choose a new session id")
     tenant = (await store.meta(source)).get("tenant") or None
     await start_runtime_after(bus, into, await _runtime_start(bus, source, at))
-    copied = 0
-    page: list[tuple[bytes, int]] = []
-    async for event_id, payload in store.read_raw(source, 1, at):
-        if event_id != copied + len(page) + 1:
-            raise InputError(f"cannot fork session {source!r}: event {copied + len(page) + 1} is missing from its log")
-        page.append((payload, answered_cause(decode_entry(payload, event_id))))
-        if len(page) >= _PAGE:
-            copied = await _append_page(bus, into, page, copied, tenant)
-            page = []
-    if page:
-        copied = await _append_page(bus, into, page, copied, tenant)
+
+    async def copies() -> AsyncIterator[tuple[bytes, int]]:
+        expected = 1
+        async for event_id, payload in store.read_raw(source, 1, at):
+            if event_id != expected:
+                raise InputError(f"cannot fork session {source!r}: event {expected} is missing from its log")
+            yield payload, answered_cause(decode_entry(payload, event_id))
+            expected += 1
+
+    copied = await write_copies(bus, into, copies(), tenant=tenant)
     if copied != at:
         raise InputError(f"session {source!r} has no events up to {at} any more (only {copied} could be read)")
     forked = events.Forked(source_session=source, at=at, tenant=tenant, workspace=workspace)
@@ -179,9 +178,23 @@ async def start_runtime_after(bus: Bus, session: str, after: int) -> None:
         await bus.client.xgroup_setid(key, "runtime", f"{after}-0")
 
 
-async def _append_page(bus: Bus, into: str, page: list[tuple[bytes, int]], copied: int, tenant: str | None) -> int:
-    ids = await _append(bus, into, page, expected_last=copied, tenant=tenant)
-    return ids[-1]
+async def write_copies(
+    bus: Bus, session: str, copies: AsyncIterable[tuple[bytes, int]], *, tenant: str | None, page_size: int = _PAGE
+) -> int:
+    """Append copied events ((payload, the action it answers or 0), with their ids 1, 2, …) to
+    the new session ``session`` a page at a time, each page expecting the one before it: the
+    one copy loop of :func:`fork` and ``riverbed import``.  Returns the last id written (0:
+    none); :class:`AppendConflict` when someone else wrote to the session meanwhile."""
+    last = 0
+    page: list[tuple[bytes, int]] = []
+    async for copy in copies:
+        page.append(copy)
+        if len(page) >= page_size:
+            last = (await _append(bus, session, page, expected_last=last, tenant=tenant))[-1]
+            page = []
+    if page:
+        last = (await _append(bus, session, page, expected_last=last, tenant=tenant))[-1]
+    return last
 
 
 async def _append(

@@ -10,16 +10,16 @@ action that was answered already never runs again).
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
 from msgspec.structs import replace
 
 from riverbed import events
 from riverbed.agent.client import Bus
-from riverbed.agent.replay import RuntimeStart, start_runtime_after
+from riverbed.agent.replay import RuntimeStart, start_runtime_after, write_copies
 from riverbed.bus.log import answered_cause
-from riverbed.errors import AlreadyAnswered, AppendConflict, InputError
+from riverbed.errors import AppendConflict, InputError
 
 __all__ = ["IMPORT_BATCH", "ImportRow", "import_session", "normalise_ts", "parse_import"]
 
@@ -121,25 +121,20 @@ async def import_session(bus: Bus, session: str, rows: Sequence[ImportRow], *, b
     # Imported actions are answered already: a running runtime worker must not run them
     # again (as for a fork); one still unanswered in the file runs in the new session.
     await start_runtime_after(bus, session, start.after(len(rows)))
-    tenant = rows[0].tenant
-    last = 0
-    for begin in range(0, len(rows), batch_size):
-        batch = rows[begin : begin + batch_size]
-        try:
-            result = await store.append_raw(
-                session, [(r.payload, r.cause) for r in batch], expected_last=last, tenant=tenant
-            )
-        except AppendConflict as exc:
-            if last == 0:
-                raise InputError(
-                    f"session {session!r} already has {exc.actual} events; import only into a new "
-                    "session (choose another --into)"
-                ) from exc
+
+    async def copies() -> AsyncIterator[tuple[bytes, int]]:
+        for row in rows:
+            yield row.payload, row.cause
+
+    try:
+        return await write_copies(bus, session, copies(), tenant=rows[0].tenant, page_size=batch_size)
+    except AppendConflict as exc:
+        if exc.expected == 0:
             raise InputError(
-                f"session {session!r} was written to by someone else during the import "
-                f"(after event {last}); the import stopped there"
+                f"session {session!r} already has {exc.actual} events; import only into a new "
+                "session (choose another --into)"
             ) from exc
-        if isinstance(result, AlreadyAnswered):
-            raise result
-        last = result[-1]
-    return last
+        raise InputError(
+            f"session {session!r} was written to by someone else during the import "
+            f"(after event {exc.expected}); the import stopped there"
+        ) from exc
