@@ -70,7 +70,6 @@ class Owned:
     entry: str
     token: int
     scope: anyio.CancelScope
-    busy: bool = False
     lost: bool = False
     """Its lease renewal failed (another owner holds it now): the loop was cancelled for it."""
 
@@ -182,7 +181,7 @@ class Owner:
         self.changed()
 
     def changed(self) -> None:
-        """The owned sessions or their busy flags changed: wake :meth:`wait_for`."""
+        """The owned sessions changed: wake :meth:`wait_for`."""
         self._changed.set()
         self._changed = anyio.Event()
 

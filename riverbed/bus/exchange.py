@@ -54,12 +54,11 @@ async def exchange(client: RawClient, *commands: Sequence[Any]) -> AsyncIterator
     if not isinstance(client, aioredis.Redis) or client.single_connection_client:
         yield None
         return
-    if isinstance(client, Shared):
-        async with client.limiter, _pooled_exchange(client, commands) as replies:
-            yield replies
-    else:
-        async with _pooled_exchange(client, commands) as replies:
-            yield replies
+    turn: contextlib.AbstractAsyncContextManager[Any] = (
+        client.limiter if isinstance(client, Shared) else contextlib.nullcontext()
+    )
+    async with turn, _pooled_exchange(client, commands) as replies:
+        yield replies
 
 
 @contextlib.asynccontextmanager

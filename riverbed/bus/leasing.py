@@ -16,6 +16,7 @@ session is taken as new.  A loop that keeps failing is recorded in the owner's f
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -62,15 +63,7 @@ class Leasing:
                 with anyio.move_on_after(1.0):
                     await self.slot_freed.wait()
                 continue
-            try:
-                claims = await self.leases.read_new(self.free(), block_ms=1000)
-            except Exception as exc:
-                # The worker's own loops outlive any failure, a client library's included (seen
-                # in redis-py's cluster client while a failover closes connections under a command).
-                await self._round_failed("intake", exc)
-                continue
-            owner.failures.clear("intake")
-            await self._take_all(claims, reclaimed=False)
+            await self._round("intake", lambda: self.leases.read_new(self.free(), block_ms=1000), reclaimed=False)
 
     async def reclaim(self) -> None:
         owner = self.owner
@@ -80,13 +73,7 @@ class Leasing:
             if self.free() <= 0:
                 owner.failures.clear("reclaim")
                 continue
-            try:
-                claims = await self.leases.reclaim_stale(self.free())
-            except Exception as exc:
-                await self._round_failed("reclaim", exc)
-                continue
-            owner.failures.clear("reclaim")
-            await self._take_all(claims, reclaimed=True)
+            await self._round("reclaim", lambda: self.leases.reclaim_stale(self.free()), reclaimed=True)
 
     async def renew(self) -> None:
         # A fixed schedule, four rounds a lease: a round that runs late (a busy event loop) does
@@ -115,6 +102,19 @@ class Leasing:
                     owner.stats.lost += 1
                     owned.lost = True
                     owned.scope.cancel()
+
+    async def _round(self, loop: str, read: Callable[[], Awaitable[list[Claim]]], *, reclaimed: bool) -> None:
+        """One round of intake or reclaim: read claims, take them; a failure is recorded (and
+        backed off) by :meth:`_round_failed`.  The worker's own loops outlive any failure, a
+        client library's included (seen in redis-py's cluster client while a failover closes
+        connections under a command)."""
+        try:
+            claims = await read()
+        except Exception as exc:
+            await self._round_failed(loop, exc)
+            return
+        self.owner.failures.clear(loop)
+        await self._take_all(claims, reclaimed=reclaimed)
 
     async def _take_all(self, claims: list[Claim], *, reclaimed: bool) -> None:
         """Take many sessions at once: a thousand new sessions are acquired side by side, not

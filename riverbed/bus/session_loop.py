@@ -157,7 +157,6 @@ class SessionLoop:
         held, self.held = self.held, None
         if held is not None:
             await self.ctx.answer(*held)
-        self._idle()
 
     async def _read_and_dispatch(self) -> bool:
         """Read new entries (never blocking) and dispatch them; False when none came."""
@@ -169,15 +168,10 @@ class SessionLoop:
             # A group delivers only ids after the ones it delivered: the log started over.
             await self.check_lease(f"its log delivered {batch[0].id} after {self.ctx.last_seen}")
         crashpoint("after_read")
-        self.owned.busy = True
-        try:
-            self.held = await self.owner.dispatcher.dispatch(self.ctx, batch, recovering=False)
-        finally:
-            if self.held is None:
-                self._idle()  # else busy until that answer is out (a drain waits for it)
+        self.held = await self.owner.dispatcher.dispatch(self.ctx, batch, recovering=False)
         return True
 
-    async def _read(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    async def _read(self) -> list[StreamEntry]:
         """New entries: waiting briefly on a hot connection when the session just had work and
         one is free, else without blocking."""
         hot = self.owner.hot
@@ -216,14 +210,12 @@ class SessionLoop:
                     if replies is not None:
                         await ctx.answered(held.entry, await prepared.outcome(await replies.read()))
                         answered = True
-                        self._idle()
                         return stream_entries(await replies.read())
             except (rexc.NoScriptError, UnavailableError):
                 if answered:
                     raise  # the loop backs off; entries this read may have taken are recovered as strays
             if not answered:
                 await ctx.answer(*held)
-                self._idle()
         return await client.xreadgroup(owner.role, owner.worker, key, ">", count=READ_COUNT, block=block_ms)
 
     async def _recover_stray(self) -> bool:
@@ -234,17 +226,8 @@ class SessionLoop:
         if not stray:
             return False
         self.log.warning("session.stray", entries=[e.id for e in stray])
-        self.owned.busy = True
-        try:
-            self.held = await self.owner.dispatcher.dispatch(self.ctx, stray, recovering=True)
-        finally:
-            if self.held is None:
-                self._idle()
+        self.held = await self.owner.dispatcher.dispatch(self.ctx, stray, recovering=True)
         return True
-
-    def _idle(self) -> None:
-        self.owned.busy = False
-        self.owner.changed()
 
     async def _send_held_answer(self) -> None:
         """Send an answer still held when the loop ends (stopping, cancelled, failed)."""
