@@ -14,14 +14,15 @@ from pathlib import Path
 import anyio
 
 from riverbed.agent.client import Bus
+from riverbed.memory.recall import Memory
 from riverbed.serve import Api, KeyStore, ServeConfig, serve
 
 
 @contextlib.asynccontextmanager
-async def running(bus: Bus, config: ServeConfig | None = None) -> AsyncIterator[str]:
+async def running(bus: Bus, config: ServeConfig | None = None, *, memory: Memory | None = None) -> AsyncIterator[str]:
     """``riverbed.serve`` in this event loop on a free port; yields its base URL."""
     async with anyio.create_task_group() as tg:
-        port = await tg.start(serve, Api(bus, config), "127.0.0.1", 0)
+        port = await tg.start(serve, Api(bus, config, memory=memory), "127.0.0.1", 0)
         try:
             yield f"http://127.0.0.1:{port}"
         finally:

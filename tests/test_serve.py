@@ -285,3 +285,59 @@ async def test_view_fork_status_and_the_open_endpoints(bus: Bus) -> None:
         assert page.status_code == 200
         assert "riverbed" in page.text
         assert "default-src 'self'" in page.headers["content-security-policy"]
+
+
+async def test_recall_searches_the_session_without_writing_to_it(bus: Bus, database_url: str, prefix: str) -> None:
+    from riverbed.memory.embedders import LocalEmbedder  # noqa: PLC0415  (loads onnxruntime)
+    from riverbed.memory.recall import Memory  # noqa: PLC0415
+    from riverbed.memory.store import Store  # noqa: PLC0415
+
+    acme, other = await new_key(bus, "acme"), await new_key(bus, "globex")
+    session = bus.session("r", tenant="acme")
+    await session.append(
+        events.Message(content="Please fix the failing login test.", source="user"),
+        events.CmdRun(command="pytest tests/test_login.py"),
+        events.CmdOutput(
+            content="FAILED test_login.py::test_password_hash - bcrypt rounds must be at least 4", exit_code=1, cause=2
+        ),
+        events.Think(thought="The weather in Lisbon is sunny today; unrelated to the task."),
+    )
+    await bus.session("elsewhere", tenant="acme").append(
+        events.Think(thought="bcrypt rounds must be at least 4, said another session")
+    )
+    memory = Memory.cached(Store(database_url, schema=prefix), LocalEmbedder())
+    try:
+        await memory.store.start()
+        for name in ("r", "elsewhere"):
+            await memory.index(name, await bus.session(name).events(), tenant="acme")
+        async with running(bus, memory=memory) as base, httpx.AsyncClient(base_url=base) as http:
+            found = await http.get(
+                "/v1/sessions/r/recall", params={"q": "bcrypt rounds error", "k": 3}, headers=bearer(acme)
+            )
+            assert found.status_code == 200, found.text
+            body = found.json()
+            assert body["query"] == "bcrypt rounds error"
+            hits = body["hits"]
+            assert (hits[0]["event_id"], hits[0]["kind"]) == (3, "cmd_output")
+            assert {h["session"] for h in hits} == {"r"}  # the session's own events only
+            assert len(hits) <= 3
+            assert await session.last_id() == 4  # a search appends nothing
+
+            assert_problem(
+                await http.get("/v1/sessions/r/recall", params={"q": "bcrypt"}, headers=bearer(other)),
+                404,
+                "no session",
+            )
+            assert_problem(await http.get("/v1/sessions/r/recall", headers=bearer(acme)), 400, "q parameter")
+            assert_problem(
+                await http.get("/v1/sessions/r/recall", params={"q": "x", "k": 500}, headers=bearer(acme)),
+                400,
+                "at most",
+            )
+            assert_problem(await http.get("/v1/sessions/r/recall", params={"q": "bcrypt"}), 401)
+        async with running(bus) as base, httpx.AsyncClient(base_url=base, headers=bearer(acme)) as http:
+            assert_problem(
+                await http.get("/v1/sessions/r/recall", params={"q": "bcrypt"}), 503, "RIVERBED_DATABASE_URL"
+            )
+    finally:
+        await memory.aclose()

@@ -19,6 +19,9 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.client import Bus
+from riverbed.memory.embedders import LocalEmbedder
+from riverbed.memory.recall import Memory
+from riverbed.memory.store import Store
 from tests.servekit import new_key, riverbed_command, running
 
 pytestmark = pytest.mark.anyio
@@ -199,7 +202,9 @@ async def test_console_time_travels_a_demo_session_and_forgets_from_the_console(
     action = next(e.cause for e in log if e.id == target)
     assert action is not None
     key = await new_key(bus, "demo")
-    async with running(bus) as base, async_playwright() as pw:
+    # Recall search reads what the demo's memory worker indexed, in the same Postgres schema.
+    memory = Memory.cached(Store(database_url, schema=prefix), LocalEmbedder())
+    async with running(bus, memory=memory) as base, async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
         try:
             page = await browser.new_page(viewport={"width": 1440, "height": 900})
@@ -215,6 +220,20 @@ async def test_console_time_travels_a_demo_session_and_forgets_from_the_console(
             await page.locator("#slider").fill("8")
             await expect(page.locator("#at")).to_have_text("8")
             await expect(page.locator("#view-note")).to_contain_text("8 of 8 events in the context")
+
+            # Recall search over the session: a hit travels to its event; nothing is appended.
+            await page.fill("#search-q", "which script prints the greeting?")
+            await page.click("#search-form button[type=submit]")
+            hits = page.locator("#search-hits > li")
+            await expect(page.locator("#search-note")).to_contain_text("best first")
+            assert await hits.count() >= 1
+            first = int(await hits.first.get_attribute("data-id") or 0)
+            kinds = {e.id: e.kind for e in log}
+            assert kinds[first] in {"file_write", "file_written", "file_edit", "file_edited", "cmd_run", "cmd_output"}
+            assert "greet" in (await hits.first.inner_text())
+            await hits.first.click()
+            await expect(page.locator("#at")).to_have_text(str(first))
+            assert await bus.session(session).last_id() == last
 
             # Travel to the target; the slider chose it for the edit. Preview, then apply.
             await page.locator("#slider").fill(str(target))
@@ -235,6 +254,7 @@ async def test_console_time_travels_a_demo_session_and_forgets_from_the_console(
             assert errors == []
         finally:
             await browser.close()
+            await memory.aclose()
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("RIVERBED_")}
     env.update(RIVERBED_REDIS_URL=redis_url, RIVERBED_PREFIX=prefix)

@@ -40,7 +40,7 @@ def _problems(*codes: int) -> dict[str, Any]:
         404: "no such session for this key (also another tenant's session)",
         409: "the log moved (expected_last) or the action is answered already",
         413: "the body is over the size limit",
-        503: "Redis is unavailable",
+        503: "Redis (or, for recall, Postgres) is unavailable",
         504: "no answer in time",
     }
     problem = {"application/problem+json": {"schema": _ref("Problem")}}
@@ -151,6 +151,25 @@ def document() -> dict[str, Any]:
         },
     }
     components.update(_context_schemas())
+    hit = {
+        "type": "object",
+        "required": ["session", "event_id", "kind", "score", "text"],
+        "properties": {
+            "session": {"type": "string"},
+            "event_id": {"type": "integer"},
+            "kind": {"type": "string"},
+            "score": {"type": "number"},
+            "text": {"type": "string", "description": "the matching chunk of the event's text"},
+        },
+    }
+    components["Hits"] = {
+        "type": "object",
+        "properties": {
+            "session": {"type": "string"},
+            "query": {"type": "string"},
+            "hits": {"type": "array", "items": hit},
+        },
+    }
     event = _ref("Event")
     ids = {"type": "object", "properties": {"session": {"type": "string"}, "ids": {"type": "array"}}}
     paths: dict[str, Any] = {
@@ -262,6 +281,17 @@ def document() -> dict[str, Any]:
             "get": {
                 "summary": "Tokens and cost of every model call (llm_response), and the session's totals",
                 "responses": {"200": _ok("the usage", _ref("Usage")), **_problems(401, 404)},
+            },
+        },
+        "/v1/sessions/{session}/recall": {
+            "parameters": [_SESSION],
+            "get": {
+                "summary": "Search the session's indexed events by meaning and words; appends nothing",
+                "parameters": [
+                    {**_query("q", "what to search for (at most 2,000 characters)", "string"), "required": True},
+                    _query("k", "how many hits (default 10, at most 50)"),
+                ],
+                "responses": {"200": _ok("the hits, best first", _ref("Hits")), **_problems(400, 401, 404, 503, 504)},
             },
         },
         "/v1/status": {

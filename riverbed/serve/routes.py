@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -30,12 +30,18 @@ from riverbed.agent.usage import parse_prices
 from riverbed.agent.usage import usage as usage_report
 from riverbed.bus import stats
 from riverbed.bus.keys import ROLES, require_session
-from riverbed.errors import InputError, NotFoundError
+from riverbed.errors import InputError, NotFoundError, UnavailableError
 from riverbed.serve.auth import KeyStore, Principal
 from riverbed.serve.sessions import Tenants, session_infos
 from riverbed.serve.sse import EventStream
 
+if TYPE_CHECKING:
+    from riverbed.memory.recall import Memory
+
 __all__ = ["Api", "ServeConfig", "handlers"]
+
+MAX_QUERY_CHARS = 2000
+MAX_HITS = 50
 
 
 @dataclass(frozen=True)
@@ -57,11 +63,13 @@ class ServeConfig:
 
 
 class Api:
-    """What the handlers share: the bus, the key store, the tenants of sessions."""
+    """What the handlers share: the bus, the key store, the tenants of sessions, and the
+    memory store that recall searches read (None: recall search answers 503)."""
 
-    def __init__(self, bus: Bus, config: ServeConfig | None = None) -> None:
+    def __init__(self, bus: Bus, config: ServeConfig | None = None, *, memory: Memory | None = None) -> None:
         self.bus = bus
         self.config = config or ServeConfig()
+        self.memory = memory
         self.keys = KeyStore(bus.client, bus.keys)
         self.tenants = Tenants(bus)
         self.stopping = anyio.Event()
@@ -358,6 +366,31 @@ async def usage(request: Request) -> Response:
     return _json({"session": session, **msgspec.to_builtins(report)})
 
 
+@bounded
+async def recall(request: Request) -> Response:
+    """Search the session's indexed events (by meaning and by words, fused); appends nothing
+    (a ``recall`` action would write into the session it searches)."""
+    who = await principal(request)
+    api = _api(request)
+    session = request.path_params["session"]
+    tenant = await _session_tenant(api, who, session)
+    query = request.query_params.get("q", "").strip()
+    if not query:
+        raise InputError("the q parameter (what to search for) is missing")
+    if len(query) > MAX_QUERY_CHARS:
+        raise InputError(f"the q parameter is {len(query):,} characters, over the limit of {MAX_QUERY_CHARS:,}")
+    k = _int_param(request, "k") or 10
+    if k > MAX_HITS:
+        raise InputError(f"the k parameter must be at most {MAX_HITS}, not {k}")
+    if api.memory is None:
+        raise UnavailableError(
+            "recall search needs the memory database: set RIVERBED_DATABASE_URL to the Postgres the memory workers use"
+        )
+    await api.memory.store.start()  # (once; migrations run with the first)
+    hits = await api.memory.search(query, session=session, tenant=tenant, k=k, timeout=api.config.request_timeout * 0.8)
+    return _json({"session": session, "query": query, "hits": hits})
+
+
 class _ForkBody(msgspec.Struct, forbid_unknown_fields=True):
     at: int
     into: str
@@ -419,5 +452,6 @@ def handlers() -> list[tuple[str, Handler | Callable[..., Any], list[str]]]:
         ("/v1/sessions/{session}/context", context, ["GET"]),
         ("/v1/sessions/{session}/context", edit_context, ["POST"]),
         ("/v1/sessions/{session}/usage", usage, ["GET"]),
+        ("/v1/sessions/{session}/recall", recall, ["GET"]),
         ("/v1/status", status, ["GET"]),
     ]

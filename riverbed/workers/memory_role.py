@@ -31,9 +31,7 @@ from riverbed.agent.usage import UsageCounters, parse_prices
 from riverbed.bus.consumer import Entry, SessionContext
 from riverbed.bus.faults import crashpoint
 from riverbed.errors import DataError, RiverbedError, UnavailableError
-from riverbed.memory.embedders import make_embedder
 from riverbed.memory.recall import Memory
-from riverbed.memory.store import Store
 from riverbed.runtime.paths import workspace_name
 from riverbed.settings import Settings
 
@@ -193,15 +191,9 @@ class MemoryHandler:
 
 def build_memory_handler(settings: Settings) -> tuple[MemoryHandler, Callable[[], Awaitable[None]]]:
     """The memory handler for ``settings`` (the store connects lazily, on the first session)."""
-    database_url = settings.database_url
-    if not database_url:
-        from riverbed import services  # noqa: PLC0415  (embedded Postgres only without a URL)
-
-        database_url = services.up(Path(settings.services_dir)).database_url
-    embedder = make_embedder(settings.embedder, api_key=settings.openai_api_key, base_url=settings.openai_base_url)
-    store = Store(database_url, schema=settings.prefix)
-    memory = Memory.cached(store, embedder)
+    memory = Memory.from_settings(settings)
+    assert memory is not None  # (the embedded services start when no URL is set)
     handler = MemoryHandler(
         memory, workspace_root=Path(settings.workspace), usage=UsageCounters(parse_prices(settings.prices))
     )
-    return handler, store.close
+    return handler, memory.aclose

@@ -450,6 +450,35 @@ class SessionView {
     if (scroll && node) node.scrollIntoView({ block: "nearest" });
   }
 
+  // Recall search over this session's indexed events (GET /recall: appends nothing). A hit
+  // travels to its event, as a click on the timeline does.
+  async search(query) {
+    $("search-note").textContent = "searching…";
+    $("search-clear").hidden = false;
+    const path = `/v1/sessions/${encodeURIComponent(this.session)}/recall?k=8&q=${encodeURIComponent(query)}`;
+    try {
+      const { hits } = await (await api(path, { signal: this.signal })).json();
+      $("search-note").textContent = hits.length
+        ? `${hits.length} hit${hits.length === 1 ? "" : "s"}, best first; click one to travel to it`
+        : "no hits (an event is searchable once a memory worker has indexed it)";
+      $("search-hits").replaceChildren(
+        ...hits.map((h) =>
+          el(
+            "li",
+            { "data-id": String(h.event_id), title: clip(h.text, 2000), onclick: () => { this.choose(h.event_id, false); this.select(h.event_id, true); } },
+            el("span", { class: "id", text: `#${h.event_id}` }),
+            el("span", { class: "kind", text: h.kind }),
+            el("span", { class: "score", text: h.score.toFixed(3) }),
+            el("span", { class: "text", text: clip(h.text, 300) }),
+          ),
+        ),
+      );
+    } catch (error) {
+      $("search-hits").replaceChildren();
+      if (!this.signal.aborted) $("search-note").textContent = error.message;
+    }
+  }
+
   async loadView() {
     const until = this.selected;
     const mode = document.querySelector('input[name="mode"]:checked').value;
@@ -502,6 +531,7 @@ async function sessionPage(session, signal) {
   $("ctx-kind").value = "";
   $("ctx-apply").disabled = true;
   $("usage-rows").replaceChildren();
+  clearSearch();
   $("crumbs").replaceChildren(el("a", { href: "#/", text: "sessions" }), ` / ${session}`);
   const view = new SessionView(session, signal);
   state.view = view;
@@ -554,5 +584,17 @@ $("fork-form").addEventListener("submit", async (event) => {
     $("fork-result").textContent = error.message;
   }
 });
+function clearSearch() {
+  $("search-q").value = "";
+  $("search-note").textContent = "";
+  $("search-hits").replaceChildren();
+  $("search-clear").hidden = true;
+}
+$("search-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const query = $("search-q").value.trim();
+  if (query) state.view?.search(query);
+});
+$("search-clear").addEventListener("click", clearSearch);
 window.addEventListener("hashchange", route);
 route();
