@@ -2,7 +2,7 @@
 
 ::
 
-    app.py        the Typer app and groups, shared options, settings, the bus, running under anyio
+    app.py        the Typer app and groups, shared options, the Invocation (settings, the bus, anyio)
     output.py     events as readable lines, control-character escapes, JSON lines, errors on stderr
     commands/     one module per subject (log and view, context, usage, actions, transfer,
                   sessions and status, services, dlq, archive, serve and keys, schema, agent);
@@ -15,17 +15,19 @@ imports, ``riverbed.bus.dlq`` requeues, ``riverbed.bus.stats`` reads session met
 
     @app.command()
     def thing(session: str, prefix: PrefixOption = None) -> None:
-        settings = _settings(prefix)
+        cli = Invocation(prefix)
 
         async def go() -> None:
-            async with _bus(settings) as bus:
-                ...
+            bus = await cli.bus()
+            ...
 
-        _run(go)
+        cli.run(go)
 
-- :func:`_settings` reads the configuration (environment + flags) once;
-- :func:`_bus` connects to Redis with a bound on the connection time;
-- :func:`_run` runs a coroutine function under anyio;
+- :class:`~riverbed.cli.app.Invocation` is built once per run: the configuration
+  (environment + flags), and the bus, connected on first use with a bound on the
+  connection time and closed when the run ends;
+- :meth:`~riverbed.cli.app.Invocation.run` runs a coroutine function under anyio, where
+  SIGINT/SIGTERM cancel it;
 - :func:`main` turns every error into one sentence on stderr and an exit code:
   2 for bad input or configuration, 1 when a service is unavailable or timed out.
   ``RIVERBED_DEBUG=1`` shows the traceback of an unexpected error.

@@ -11,7 +11,7 @@ import typer.core
 import typer.main
 
 from riverbed import events
-from riverbed.cli.app import PrefixOption, SessionArg, _bus, _run, _settings, app
+from riverbed.cli.app import Invocation, PrefixOption, SessionArg, app
 from riverbed.cli.output import _stdout_lines, json_bytes
 from riverbed.errors import (
     InputError,
@@ -70,15 +70,15 @@ def act_command(
     A kind nothing answers (message, think, finish) prints the appended action at once.
     """
     parsed = _action_from_json(action)
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
 
     async def go() -> bytes:
-        async with _bus(settings) as bus:
-            handle = await bus.operate(session, tenant=tenant, agent=agent)
-            answer = await handle.act(parsed, timeout=timeout)
-            return json_bytes(answer)
+        bus = await cli.bus()
+        handle = await bus.operate(session, tenant=tenant, agent=agent)
+        answer = await handle.act(parsed, timeout=timeout)
+        return json_bytes(answer)
 
-    _stdout_lines([_run(go)])
+    _stdout_lines([cli.run(go)])
 
 
 @app.command("append")
@@ -106,14 +106,14 @@ def append_command(
 ) -> None:
     """Append any event(s) without waiting for an answer; prints the new id(s), one a line."""
     batch = events.events_from_json(_json_argument(event))
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
 
     async def go() -> list[int]:
-        async with _bus(settings) as bus:
-            handle = await bus.operate(session, tenant=tenant, agent=agent)
-            return await handle.append(*batch, expected_last=expected_last, idempotency_key=idempotency_key)
+        bus = await cli.bus()
+        handle = await bus.operate(session, tenant=tenant, agent=agent)
+        return await handle.append(*batch, expected_last=expected_last, idempotency_key=idempotency_key)
 
-    ids = _run(go)
+    ids = cli.run(go)
     if as_json:
         _stdout_lines([json_bytes({"session": session, "ids": ids})])
     else:

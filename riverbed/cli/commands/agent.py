@@ -11,17 +11,7 @@ import typer.main
 from rich.console import Console
 
 from riverbed import events
-from riverbed.cli.app import (
-    CONNECT_TIMEOUT,
-    PrefixOption,
-    SessionArg,
-    _probe,
-    _progress,
-    _redis_url,
-    _run,
-    _settings,
-    app,
-)
+from riverbed.cli.app import CONNECT_TIMEOUT, Invocation, PrefixOption, SessionArg, _probe, _progress, app
 from riverbed.cli.output import _fail, err_console, render
 
 # --- agent: the reference LLM agent from the command line (issue 17) ----------------------------
@@ -54,9 +44,10 @@ def agent_command(
     from riverbed.agent.llm import make_client  # noqa: PLC0415
     from riverbed.workers.agent_run import check_model_server, run_agent  # noqa: PLC0415
 
-    settings = _settings(prefix, llm_model=model)
+    cli = Invocation(prefix, llm_model=model)
+    settings = cli.settings
     make_client(settings)
-    url = _redis_url(settings)
+    url = cli.redis_url()
     if in_process and not settings.database_url:
         _progress("RIVERBED_DATABASE_URL is not set: using the embedded Postgres")
     console = Console(highlight=False, soft_wrap=True)
@@ -82,7 +73,7 @@ def agent_command(
             on_event=lambda event: console.print(render(event)),
         )
 
-    run = _run(go)
+    run = cli.run(go)
     spent = run.usage
     cost = "" if spent.cost is None else f", cost {spent.cost:.6f} USD"
     ended = run.ended.kind if run.ended is not None else "nothing"

@@ -8,7 +8,7 @@ import typer
 import typer.core
 import typer.main
 
-from riverbed.cli.app import PrefixOption, SessionArg, _bus, _require_events, _run, _settings, app
+from riverbed.cli.app import Invocation, PrefixOption, SessionArg, _require_events, app
 from riverbed.cli.output import err_console
 from riverbed.errors import (
     ConfigError,
@@ -40,30 +40,30 @@ def archive_command(
     """Copy the old events every role has finished with to the Postgres archive, then trim them from Redis."""
     from riverbed.bus.archive import retain  # noqa: PLC0415
 
-    settings = _settings(prefix, retention_keep_last=keep_last)
-    if not settings.database_url:
+    cli = Invocation(prefix, retention_keep_last=keep_last)
+    if not cli.settings.database_url:
         raise ConfigError("riverbed archive needs RIVERBED_DATABASE_URL: the Postgres database that keeps the archive")
-    age = older_than if older_than is not None else settings.retention_seconds
+    age = older_than if older_than is not None else cli.settings.retention_seconds
 
     async def go() -> tuple[int, str]:
-        async with _bus(settings) as bus:
-            await _require_events(bus, session)
-            assert bus.archive is not None
-            trimmed = await retain(
-                bus.client,
-                bus.keys,
-                bus.archive,
-                session,
-                older_than_seconds=age,
-                keep_last=settings.retention_keep_last,
-            )
-            return trimmed, (await bus.log_store.meta(session)).get("archived_to", "0")
+        bus = await cli.bus()
+        await _require_events(bus, session)
+        assert bus.archive is not None
+        trimmed = await retain(
+            bus.client,
+            bus.keys,
+            bus.archive,
+            session,
+            older_than_seconds=age,
+            keep_last=cli.settings.retention_keep_last,
+        )
+        return trimmed, (await bus.log_store.meta(session)).get("archived_to", "0")
 
-    trimmed, archived_to = _run(go)
+    trimmed, archived_to = cli.run(go)
     if archived_to == "0":
         err_console.print(
             f"nothing of {session} archived: no event older than {age:g}s before the last "
-            f"{settings.retention_keep_last} is finished with by every role"
+            f"{cli.settings.retention_keep_last} is finished with by every role"
         )
     else:
         err_console.print(f"trimmed {trimmed} events of {session} from Redis; events 1..{archived_to} are archived")

@@ -10,12 +10,11 @@ import typer.main
 from rich.console import Console
 from rich.text import Text
 
-from riverbed.cli.app import PrefixOption, SessionArg, _bus, _require_events, _run, _settings, app
+from riverbed.cli.app import Invocation, PrefixOption, SessionArg, _require_events, app
 from riverbed.cli.output import _id_list, _one_line, _stdout_lines, err_console, json_bytes, render, visible
 from riverbed.errors import (
     InputError,
 )
-from riverbed.settings import Settings
 
 # --- context: what the agent sees, and the user's edits of it ---------------------------------
 
@@ -52,12 +51,12 @@ def context_command(
     `context S forget 12-40`, `forget --kind error`, `restore 12-40`, `pin 7`, `unpin 7` each
     append one context_edit event and print what it changed (JSON on stdout, a sentence on stderr).
     """
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
     if op is None:
-        _context_show(settings, session, until, json_out)
+        _context_show(cli, session, until, json_out)
         return
     if op == "suggest":
-        _context_suggest(settings, session, " ".join(targets or ()), apply=apply, model=model)
+        _context_suggest(cli, session, " ".join(targets or ()), apply=apply, model=model)
         return
     if op not in _CONTEXT_OPS:
         raise InputError(
@@ -65,18 +64,18 @@ def context_command(
         )
     if until is not None:
         raise InputError("--until is for showing the context; an edit always applies after the last event")
-    _context_edit(settings, session, op, targets, kind, note)
+    _context_edit(cli, session, op, targets, kind, note)
 
 
-def _context_show(settings: Settings, session: str, until: int | None, json_out: bool) -> None:
+def _context_show(cli: Invocation, session: str, until: int | None, json_out: bool) -> None:
     from riverbed.memory.context import describe, document  # noqa: PLC0415
 
     async def go() -> Any:
-        async with _bus(settings) as bus:
-            await _require_events(bus, session)
-            return await bus.session(session).context.show(until)
+        bus = await cli.bus()
+        await _require_events(bus, session)
+        return await bus.session(session).context.show(until)
 
-    report = _run(go)
+    report = cli.run(go)
     if json_out:
         _stdout_lines([json_bytes(document(session, report))])
         return
@@ -100,24 +99,24 @@ def _context_show(settings: Settings, session: str, until: int | None, json_out:
 
 
 def _context_edit(
-    settings: Settings, session: str, op: str, targets: list[str] | None, kinds: list[str] | None, note: str | None
+    cli: Invocation, session: str, op: str, targets: list[str] | None, kinds: list[str] | None, note: str | None
 ) -> None:
     from riverbed.memory.context import parse_range  # noqa: PLC0415
 
     spans = [parse_range(r) for r in targets or ()]
 
     async def go() -> Any:
-        async with _bus(settings) as bus:
-            await _require_events(bus, session)
-            handle = await bus.operate(session)  # an operator's edit, as the session's own tenant
-            return await handle.context.edit(
-                op,  # type: ignore[arg-type]  # checked against _CONTEXT_OPS
-                ranges=spans,
-                kinds=kinds or (),
-                note=note,
-            )
+        bus = await cli.bus()
+        await _require_events(bus, session)
+        handle = await bus.operate(session)  # an operator's edit, as the session's own tenant
+        return await handle.context.edit(
+            op,  # type: ignore[arg-type]  # checked against _CONTEXT_OPS
+            ranges=spans,
+            kinds=kinds or (),
+            note=note,
+        )
 
-    changed = _run(go)
+    changed = cli.run(go)
     _stdout_lines([json_bytes(changed)])
     parts = [
         f"{verb} {len(ids)} event{'s' if len(ids) != 1 else ''} ({_id_list(ids)})"
@@ -136,22 +135,22 @@ def _context_edit(
 # Self-contained: moves into the cli/ package with `context`.
 
 
-def _context_suggest(settings: Settings, session: str, request: str, *, apply: bool, model: str | None) -> None:
+def _context_suggest(cli: Invocation, session: str, request: str, *, apply: bool, model: str | None) -> None:
     """Print a model's proposal for ``request`` as a diff of the context; append it with ``apply``."""
     from riverbed.agent.llm import make_client  # noqa: PLC0415
     from riverbed.memory.tokens import event_text  # noqa: PLC0415
 
-    name = model or settings.suggest_model or settings.llm_model
-    client = make_client(settings)
+    name = model or cli.settings.suggest_model or cli.settings.llm_model
+    client = make_client(cli.settings)
 
     async def go() -> Any:
-        async with _bus(settings) as bus:
-            await _require_events(bus, session)
-            context = (await bus.operate(session)).context  # an operator's edit, as the session's own tenant
-            proposal = await context.suggest(request, client=client, model=name)
-            return proposal, (await context.apply(proposal) if apply else None)
+        bus = await cli.bus()
+        await _require_events(bus, session)
+        context = (await bus.operate(session)).context  # an operator's edit, as the session's own tenant
+        proposal = await context.suggest(request, client=client, model=name)
+        return proposal, (await context.apply(proposal) if apply else None)
 
-    proposal, applied = _run(go)
+    proposal, applied = cli.run(go)
     console = Console(highlight=False, soft_wrap=True)
     hidden = set(proposal.change.hidden)
     for event in proposal.before.view:

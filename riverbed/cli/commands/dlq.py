@@ -10,7 +10,7 @@ import typer.main
 from rich.console import Console
 from rich.table import Table
 
-from riverbed.cli.app import JsonOption, PrefixOption, _bus, _run, _settings, app
+from riverbed.cli.app import Invocation, JsonOption, PrefixOption, app
 from riverbed.cli.output import _cell, _stdout_lines, err_console, json_bytes
 
 dlq_app = typer.Typer(help="Dead letters: entries a role could not handle.", no_args_is_help=True)
@@ -22,13 +22,13 @@ def dlq_list(json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
     """List dead letters (oldest first)."""
     from riverbed.bus.dlq import DeadLetters  # noqa: PLC0415
 
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
 
     async def go() -> list[Any]:
-        async with _bus(settings) as bus:
-            return list(await DeadLetters(bus.client, bus.keys).list())
+        bus = await cli.bus()
+        return list(await DeadLetters(bus.client, bus.keys).list())
 
-    letters = _run(go)
+    letters = cli.run(go)
     if json_out:
         _stdout_lines(json_bytes(letter.as_dict()) for letter in letters)
         return
@@ -48,11 +48,11 @@ def dlq_requeue(
     """Append the dead-lettered event to its session again (a new id) and remove the dead letter."""
     from riverbed.bus.dlq import DeadLetters  # noqa: PLC0415
 
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
 
     async def go() -> int:
-        async with _bus(settings) as bus:
-            return await DeadLetters(bus.client, bus.keys).requeue(letter_id, bus.log_store)
+        bus = await cli.bus()
+        return await DeadLetters(bus.client, bus.keys).requeue(letter_id, bus.log_store)
 
-    new_id = _run(go)
+    new_id = cli.run(go)
     err_console.print(f"requeued dead letter {letter_id} as event {new_id}")

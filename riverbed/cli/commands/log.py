@@ -10,17 +10,7 @@ import typer.main
 from rich.console import Console
 
 from riverbed import events
-from riverbed.cli.app import (
-    JsonOption,
-    PrefixOption,
-    SessionArg,
-    _bus,
-    _check_range,
-    _require_events,
-    _run,
-    _settings,
-    app,
-)
+from riverbed.cli.app import Invocation, JsonOption, PrefixOption, SessionArg, _check_range, _require_events, app
 from riverbed.cli.output import _stdout_lines, json_bytes, render
 from riverbed.errors import (
     InputError,
@@ -38,22 +28,22 @@ def log_cmd(
     prefix: PrefixOption = None,
 ) -> None:
     """The raw events of a session (readable, or JSON lines with --json)."""
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
     _check_range(start, until)
     console = Console(highlight=False, soft_wrap=True)
 
     async def go() -> None:
-        async with _bus(settings) as bus:
-            handle = bus.session(session)
-            if not follow:
-                await _require_events(bus, session)
-            async for event in handle.log(start, until, follow=follow):
-                if as_json:
-                    _stdout_lines([json_bytes(event)], flush_each=follow)
-                else:
-                    console.print(render(event))
+        bus = await cli.bus()
+        handle = bus.session(session)
+        if not follow:
+            await _require_events(bus, session)
+        async for event in handle.log(start, until, follow=follow):
+            if as_json:
+                _stdout_lines([json_bytes(event)], flush_each=follow)
+            else:
+                console.print(render(event))
 
-    _run(go, interrupt_code=0 if follow else None)
+    cli.run(go, interrupt_code=0 if follow else None)
 
 
 @app.command("view")
@@ -66,17 +56,17 @@ def view_command(
     prefix: PrefixOption = None,
 ) -> None:
     """The condensed view: the context exactly as the agent saw it after event N."""
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
 
     async def go() -> list[events.Event]:
-        async with _bus(settings) as bus:
-            await _require_events(bus, session)
-            last = await bus.session(session).last_id()
-            if until is not None and not 1 <= until <= last:
-                raise InputError(f"cannot view session {session!r} at {until}: choose an event id from 1 to {last}")
-            return list(await bus.session(session).view(until=until))
+        bus = await cli.bus()
+        await _require_events(bus, session)
+        last = await bus.session(session).last_id()
+        if until is not None and not 1 <= until <= last:
+            raise InputError(f"cannot view session {session!r} at {until}: choose an event id from 1 to {last}")
+        return list(await bus.session(session).view(until=until))
 
-    context = _run(go)
+    context = cli.run(go)
     if json_out:
         _stdout_lines(json_bytes(e) for e in context)
         return

@@ -11,7 +11,7 @@ import typer.main
 from rich.console import Console
 from rich.table import Table
 
-from riverbed.cli.app import JsonOption, PrefixOption, _bus, _leaf, _progress, _run, _settings, app
+from riverbed.cli.app import Invocation, JsonOption, PrefixOption, _progress, app
 from riverbed.cli.commands.sessions import _iso_ms
 from riverbed.cli.output import _cell, _stdout_lines, err_console, json_bytes
 from riverbed.logs import configure_logging
@@ -33,9 +33,11 @@ def serve_command(
     prefix: PrefixOption = None,
 ) -> None:
     """Serve the HTTP API (/v1, /openapi.json) and the web console (/) until SIGINT/SIGTERM."""
+    from riverbed.memory.recall import Memory  # noqa: PLC0415
     from riverbed.serve import Api, ServeConfig, serve  # noqa: PLC0415
 
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
+    settings = cli.settings
     configure_logging(settings.log_format)
     # A body holds at least one event of RIVERBED_MAX_EVENT_BYTES (JSON is larger than msgpack).
     config = ServeConfig(
@@ -46,21 +48,23 @@ def serve_command(
     parse_prices(settings.prices)  # a bad price table is refused before anything listens
 
     async def go() -> None:
-        async with _bus(settings) as bus, anyio.create_task_group() as tg:
-            bound = await tg.start(serve, Api(bus, config), host, port)
-            shown = f"[{host}]" if ":" in host else host
-            err_console.print(f"riverbed: serving http://{shown}:{bound} (console at /, API at /v1)")
+        bus = await cli.bus()
+        # Recall search reads the memory workers' Postgres: RIVERBED_DATABASE_URL, or the
+        # embedded services' when they run (the bus above starts them without a Redis URL).
+        memory = Memory.from_settings(settings, start_services=False)
+        try:
+            async with anyio.create_task_group() as tg:
+                bound = await tg.start(serve, Api(bus, config, memory=memory), host, port)
+                shown = f"[{host}]" if ":" in host else host
+                err_console.print(f"riverbed: serving http://{shown}:{bound} (console at /, API at /v1)")
+                if memory is None:
+                    _progress("recall search is off: set RIVERBED_DATABASE_URL to the memory workers' Postgres")
+        finally:
+            if memory is not None:
+                with anyio.CancelScope(shield=True):
+                    await memory.aclose()
 
-    try:  # uvloop, where installed, takes a tenth to a quarter off every request
-        import uvloop  # noqa: F401, PLC0415
-
-        options = {"use_uvloop": True}
-    except ImportError:
-        options = {}
-    try:
-        anyio.run(go, backend_options=options)
-    except BaseExceptionGroup as group:
-        raise _leaf(group) from None
+    cli.run(go, server=True)
 
 
 @keys_app.command("create")
@@ -74,13 +78,13 @@ def keys_create(
     """Create an API key and print it once (only its hash is kept)."""
     from riverbed.serve import KeyStore  # noqa: PLC0415
 
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
 
     async def go() -> tuple[str, Any]:
-        async with _bus(settings) as bus:
-            return await KeyStore(bus.client, bus.keys).create(tenant, admin=admin, note=note)
+        bus = await cli.bus()
+        return await KeyStore(bus.client, bus.keys).create(tenant, admin=admin, note=note)
 
-    key, record = _run(go)
+    key, record = cli.run(go)
     if as_json:
         _stdout_lines([json_bytes({"key": key, "tenant": tenant, "id": record.id, "admin": admin})])
         return
@@ -94,13 +98,13 @@ def keys_list(json_out: JsonOption = False, prefix: PrefixOption = None) -> None
     """Every API key: id, tenant, admin, created, revoked (never the key)."""
     from riverbed.serve import KeyStore  # noqa: PLC0415
 
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
 
     async def go() -> list[Any]:
-        async with _bus(settings) as bus:
-            return await KeyStore(bus.client, bus.keys).list()
+        bus = await cli.bus()
+        return await KeyStore(bus.client, bus.keys).list()
 
-    records = _run(go)
+    records = cli.run(go)
     if json_out:
         _stdout_lines(json_bytes(r.public()) for r in records)
         return
@@ -128,11 +132,11 @@ def keys_revoke(
     """Revoke an API key: requests with it are refused (401) from now on."""
     from riverbed.serve import KeyStore  # noqa: PLC0415
 
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
 
     async def go() -> Any:
-        async with _bus(settings) as bus:
-            return await KeyStore(bus.client, bus.keys).revoke(key_id)
+        bus = await cli.bus()
+        return await KeyStore(bus.client, bus.keys).revoke(key_id)
 
-    record = _run(go)
+    record = cli.run(go)
     _progress(f"revoked key {record.id} of tenant {record.tenant or '(admin)'}")

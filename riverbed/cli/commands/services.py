@@ -15,14 +15,14 @@ import typer.main
 from rich.console import Console
 
 from riverbed import services
-from riverbed.cli.app import DirOption, PrefixOption, _leaf, _progress, _redis_url, _run, _settings, app, services_app
+from riverbed.cli.app import DirOption, Invocation, PrefixOption, _leaf, _progress, app, services_app
 from riverbed.logs import configure_logging
 
 # --- services ------------------------------------------------------------------------------
 
 
 def _services_dir(directory: Path | None) -> Path:
-    return directory if directory is not None else Path(_settings().services_dir)
+    return directory if directory is not None else Path(Invocation().settings.services_dir)
 
 
 @services_app.command("up")
@@ -69,10 +69,11 @@ def worker_command(
     """Run a long-lived worker for the given roles until SIGTERM/SIGINT (then drain and hand over)."""
     from riverbed.workers.main import parse_roles, run_worker  # noqa: PLC0415
 
-    settings = _settings(prefix, concurrency=concurrency, metrics_port=metrics_port)
+    cli = Invocation(prefix, concurrency=concurrency, metrics_port=metrics_port)
     chosen = parse_roles(roles)
-    if not settings.redis_url:
-        settings = _settings(prefix, concurrency=concurrency, metrics_port=metrics_port, redis_url=_redis_url(settings))
+    if not cli.settings.redis_url:
+        cli.with_settings(redis_url=cli.redis_url())
+    settings = cli.settings
     configure_logging(settings.log_format)
     try:
         anyio.run(lambda: run_worker(chosen, settings, name=name))
@@ -86,9 +87,10 @@ def demo_command(prefix: PrefixOption = None) -> None:
     from riverbed.workers.demo import run_demo  # noqa: PLC0415
 
     started = dt.datetime.now(dt.UTC)
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
+    settings = cli.settings
     embedded = not settings.redis_url or not settings.database_url
-    url = _redis_url(settings)
+    url = cli.redis_url()
     if not settings.database_url:
         _progress("RIVERBED_DATABASE_URL is not set: using the embedded Postgres")
     configure_logging(settings.log_format, level="warning")
@@ -97,7 +99,7 @@ def demo_command(prefix: PrefixOption = None) -> None:
     async def go() -> Any:
         return await run_demo(settings, console, redis_url=url)
 
-    result = _run(go)
+    result = cli.run(go)
     console.print()
     for check, passed in result.checks.items():
         console.print(("[green]✔[/] " if passed else "[red]✘[/] ") + check)

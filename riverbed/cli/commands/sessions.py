@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from riverbed.bus import stats
-from riverbed.cli.app import JsonOption, PrefixOption, _bus, _progress, _run, _settings, app
+from riverbed.cli.app import Invocation, JsonOption, PrefixOption, _progress, app
 from riverbed.cli.output import _cell, _stdout_lines, json_bytes
 
 # --- sessions, schema ------------------------------------------------------------------------
@@ -25,22 +25,22 @@ def _iso_ms(value: str | None) -> str | None:
 @app.command("sessions")
 def sessions_cmd(as_json: JsonOption = False, prefix: PrefixOption = None) -> None:
     """Every session: its last event id, tenant and creation time."""
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
 
     async def go() -> list[dict[str, Any]]:
-        async with _bus(settings) as bus:
-            metas = await stats.session_metas(bus.client, bus.keys, await bus.sessions())
-            return [
-                {
-                    "session": meta.session,
-                    "last": meta.last,
-                    "tenant": meta.tenant,
-                    "created": _iso_ms(str(meta.created_ms) if meta.created_ms is not None else None),
-                }
-                for meta in metas
-            ]
+        bus = await cli.bus()
+        metas = await stats.session_metas(bus.client, bus.keys, await bus.sessions())
+        return [
+            {
+                "session": meta.session,
+                "last": meta.last,
+                "tenant": meta.tenant,
+                "created": _iso_ms(str(meta.created_ms) if meta.created_ms is not None else None),
+            }
+            for meta in metas
+        ]
 
-    rows = _run(go)
+    rows = cli.run(go)
     if as_json:
         _stdout_lines(json_bytes(row) for row in rows)
         return
@@ -59,13 +59,13 @@ def sessions_cmd(as_json: JsonOption = False, prefix: PrefixOption = None) -> No
 @app.command("status")
 def status_command(json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
     """Roles, workers, owners, lag, pending and dead letters."""
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
 
     async def go() -> Any:
-        async with _bus(settings) as bus:
-            return await stats.status(bus.client, bus.keys)
+        bus = await cli.bus()
+        return await stats.status(bus.client, bus.keys)
 
-    snapshot = _run(go)
+    snapshot = cli.run(go)
     if json_out:
         _stdout_lines([json_bytes(snapshot)])
         return

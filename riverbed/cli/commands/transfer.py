@@ -17,17 +17,7 @@ from rich.text import Text
 from riverbed import events
 from riverbed.agent.transfer import import_session, parse_import
 from riverbed.bus.keys import require_session
-from riverbed.cli.app import (
-    JsonOption,
-    PrefixOption,
-    SessionArg,
-    _bus,
-    _progress,
-    _require_events,
-    _run,
-    _settings,
-    app,
-)
+from riverbed.cli.app import Invocation, JsonOption, PrefixOption, SessionArg, _progress, _require_events, app
 from riverbed.cli.output import _one_line, _stdout_lines, err_console, json_bytes, visible
 from riverbed.errors import (
     InputError,
@@ -43,20 +33,20 @@ def export_cmd(
     prefix: PrefixOption = None,
 ) -> None:
     """A whole session as JSON lines (the input of `riverbed import`)."""
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
 
     async def go() -> int:
-        async with _bus(settings) as bus:
-            await _require_events(bus, session)
-            count = 0
-            with _output(out) as sink:
-                async for event in bus.session(session).log():
-                    sink.write(json_bytes(event))
-                    sink.write(b"\n")
-                    count += 1
-            return count
+        bus = await cli.bus()
+        await _require_events(bus, session)
+        count = 0
+        with _output(out) as sink:
+            async for event in bus.session(session).log():
+                sink.write(json_bytes(event))
+                sink.write(b"\n")
+                count += 1
+        return count
 
-    count = _run(go)
+    count = cli.run(go)
     if out is not None:
         _progress(f"exported {count} events of {session!r} to {out}")
 
@@ -106,22 +96,22 @@ def import_cmd(
     Every line is validated before anything is written; the import refuses a session that
     already has events.
     """
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
     if into is None:
         if file == "-":
             raise InputError("reading stdin needs --into SESSION to name the new session")
         into = Path(file).name.split(".", 1)[0]
     lines = _read_input(file)
     rows = parse_import(
-        lines, "stdin" if file == "-" else file, keep_unknown=keep_unknown, max_bytes=settings.max_event_bytes
+        lines, "stdin" if file == "-" else file, keep_unknown=keep_unknown, max_bytes=cli.settings.max_event_bytes
     )
     session = into
 
     async def go() -> None:
-        async with _bus(settings) as bus:
-            await import_session(bus, session, rows)
+        bus = await cli.bus()
+        await import_session(bus, session, rows)
 
-    _run(go)
+    cli.run(go)
     _progress(f"imported {len(rows)} events into {session!r}")
 
 
@@ -150,22 +140,22 @@ def fork_command(
     its sandbox is rebuilt as it was at N. Exit 3 when an observation came out differently."""
     from riverbed.agent.replay import fork, wait_rebuilt  # noqa: PLC0415
 
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
     if timeout < 0:
         raise InputError(f"--timeout must be 0 or more, not {timeout:g}")
 
     async def go() -> tuple[int, events.SandboxRebuilt | None]:
-        async with _bus(settings) as bus:
-            forked_id = await fork(bus, session, at, into, workspace=workspace)  # type: ignore[arg-type]
-            if workspace == "empty" or timeout == 0:
-                return forked_id, None
-            err_console.print(
-                f"forked {session} at event {at} into {into}; waiting for a runtime worker to rebuild its sandbox …",
-                style="dim",
-            )
-            return forked_id, await wait_rebuilt(bus, into, forked_id, timeout=timeout)
+        bus = await cli.bus()
+        forked_id = await fork(bus, session, at, into, workspace=workspace)  # type: ignore[arg-type]
+        if workspace == "empty" or timeout == 0:
+            return forked_id, None
+        err_console.print(
+            f"forked {session} at event {at} into {into}; waiting for a runtime worker to rebuild its sandbox …",
+            style="dim",
+        )
+        return forked_id, await wait_rebuilt(bus, into, forked_id, timeout=timeout)
 
-    forked_id, built = _run(go)
+    forked_id, built = cli.run(go)
     if json_out:
         report = {"session": into, "source": session, "at": at, "forked_id": forked_id, "workspace": workspace}
         if built is not None:
@@ -210,19 +200,19 @@ def rerun_command(
     from riverbed.runtime import Runtime  # noqa: PLC0415
     from riverbed.workers.runtime_role import checked_sandbox  # noqa: PLC0415
 
-    settings = _settings(prefix)
+    cli = Invocation(prefix)
 
     async def go() -> list[Any]:
-        runtime = Runtime(workspace_root=Path(settings.workspace), sandbox=checked_sandbox(settings))
+        runtime = Runtime(workspace_root=Path(cli.settings.workspace), sandbox=checked_sandbox(cli.settings))
         try:
-            async with _bus(settings) as bus:
-                await _require_events(bus, session)
-                return list(await rerun(bus, session, runtime, into=into, seed=seed))
+            bus = await cli.bus()
+            await _require_events(bus, session)
+            return list(await rerun(bus, session, runtime, into=into, seed=seed))
         finally:
             with anyio.CancelScope(shield=True):
                 await runtime.aclose()
 
-    differences = _run(go)
+    differences = cli.run(go)
     if json_out:
         _stdout_lines(json_bytes(d) for d in differences)
     elif not differences:

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from riverbed.cli.app import JsonOption, PrefixOption, SessionArg, _bus, _require_events, _run, _settings, app
+from riverbed.cli.app import Invocation, JsonOption, PrefixOption, SessionArg, _require_events, app
 from riverbed.cli.output import _cell, _stdout_lines, json_bytes, visible
 
 # --- usage: tokens and cost per model call -------------------------------------------------------
@@ -24,15 +24,15 @@ def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: Pre
     """
     from riverbed.agent.usage import parse_prices, usage  # noqa: PLC0415
 
-    settings = _settings(prefix)
-    prices = parse_prices(settings.prices)
+    cli = Invocation(prefix)
+    prices = parse_prices(cli.settings.prices)
 
     async def go() -> Any:
-        async with _bus(settings) as bus:
-            await _require_events(bus, session)
-            return usage(await bus.session(session).events(), prices)
+        bus = await cli.bus()
+        await _require_events(bus, session)
+        return usage(await bus.session(session).events(), prices)
 
-    report = _run(go)
+    report = cli.run(go)
     if json_out:
         _stdout_lines([json_bytes({"session": session, **msgspec.to_builtins(report)})])
         return
