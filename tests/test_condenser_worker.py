@@ -117,3 +117,28 @@ async def test_condensations_carry_the_sessions_tenant_and_trace(bus: Bus) -> No
     assert isinstance(answer, events.Condensation)
     assert answer.tenant == "acme"
     assert tracing.trace_id(answer.trace) == tracing.trace_id(request.trace)
+
+
+async def test_a_restore_of_events_the_condenser_let_go_is_folded_again_from_the_log(bus: Bus) -> None:
+    # The condenser keeps no hidden event in memory; a user's restore brings some back into
+    # the context, so it folds the log again and condenses the restored view within budget.
+    owner = Owner(bus.redis, bus.keys, CondenserHandler(llm=None, model=None), worker="c1", url=bus.url)
+    session = bus.session("restored")
+    await session.append(events.SessionConfig(condenser={"strategy": "recent", "max_events": 12, "keep_first": 1}))
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        await session.append(*[events.Message(content=f"m{i}", source="user") for i in range(40)])
+        log = await wait_for(
+            bus, "restored", lambda log: len(fold(log)) <= 12 and any(isinstance(e, events.Condensation) for e in log)
+        )
+        condensed = sum(isinstance(e, events.Condensation) for e in log)
+        (restore,) = await session.append(events.ContextEdit(op="restore", ranges=[(1, len(log))], source="user"))
+        assert len(fold(await session.events())) > 12  # every message is back in the context
+        log = await wait_for(
+            bus,
+            "restored",
+            lambda log: sum(isinstance(e, events.Condensation) for e in log) > condensed and len(fold(log)) <= 12,
+        )
+        await owner.drain(2)
+    assert max(e.id or 0 for e in log if isinstance(e, events.Condensation)) > restore
+    assert owner.stats.dead_letters == 0

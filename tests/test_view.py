@@ -25,7 +25,7 @@ from riverbed.events import (
     Think,
     with_id,
 )
-from riverbed.memory.view import Summary, View, ViewBuilder, view
+from riverbed.memory.view import HistoryReleased, Summary, View, ViewBuilder, view
 
 # --- the naive reference ----------------------------------------------------------------
 
@@ -277,6 +277,28 @@ def test_hidden_and_pinned_match_naive_reference(events: list[Event]) -> None:
 
 
 @FAST
+@given(logs())
+def test_a_builder_that_releases_hidden_events_folds_the_same_or_says_it_cannot(events: list[Event]) -> None:
+    """Without hidden events kept, every view is the same until a restore needs released
+    events; that restore raises HistoryReleased and changes nothing, and a builder that
+    kept them (released afterwards) goes on from there."""
+    lean = ViewBuilder(keep_hidden=False)
+    for n, e in enumerate(events):
+        before = lean.view()
+        try:
+            lean.append(e)
+        except HistoryReleased:
+            assert isinstance(e, ContextEdit)
+            assert e.op == "restore"
+            assert lean.view() == before
+            assert lean.last_id == before.last_id
+            lean = ViewBuilder(events[: n + 1])
+            lean.release_hidden()
+        assert lean.view() == view(events, until=e.id)
+    assert lean.hidden() == naive_state(events)[1]
+
+
+@FAST
 @given(logs(), st.integers(0, 200))
 def test_until_is_a_prefix_fold(events: list[Event], until: int) -> None:
     assert view(events, until=until) == view([e for e in events if e.id <= until])
@@ -447,3 +469,16 @@ def test_fold_without_condensations_stays_linear() -> None:
     start = time.perf_counter()
     assert len(view(events)) == 100_000
     assert time.perf_counter() - start < 1.0
+
+
+def test_a_unit_of_100k_members_folds_in_linear_time() -> None:
+    # One model response that 100,000 later actions name as their cause: every action joins
+    # that unit. Finding the unit's last member by walking it would be quadratic (about
+    # five minutes here, past the test timeout); the fold remembers the latest units' last
+    # members, so this takes a second or two.
+    response = with_id(LlmResponse(model="m", content="go"), 1)
+    actions = [with_id(Think(thought=f"t{i}", cause=1), i) for i in range(2, 100_002)]
+    builder = ViewBuilder([response, *actions])
+    assert len(builder.view()) == 100_001
+    builder.append(with_id(Condensation(forgotten=[(1, 1)]), 100_002))
+    assert len(builder.view()) == 0  # the whole unit is hidden with its first member

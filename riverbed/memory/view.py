@@ -45,6 +45,7 @@ cause, so pairs stay whole.
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ from riverbed.events import (
     Source,
 )
 
-__all__ = ["Masked", "Summary", "View", "ViewBuilder", "unit_links", "view"]
+__all__ = ["HistoryReleased", "Masked", "Summary", "View", "ViewBuilder", "unit_links", "view"]
 
 
 class Summary(Event, frozen=True, kw_only=True, tag="summary"):
@@ -125,26 +126,37 @@ class View(Sequence[Event]):
         return iter(self.events)
 
 
+_ANSWERABLE = 1
+_RESPONSE = 2
+CALL_IDS_KEPT = 4096
+"""Tool call ids remembered (the latest responses'): an action names a call of a recent response."""
+
+
 class _Units:
     """Which earlier event's unit each event joins (see the module docstring): the rule
-    shared by the fold and the condensers' planning."""
+    shared by the fold and the condensers' planning.  A byte of flags per event id (from
+    the first one added), and the latest :data:`CALL_IDS_KEPT` tool call ids."""
 
-    __slots__ = ("_answerable", "_call_owner", "_responses")
+    __slots__ = ("_base", "_call_owner", "_flags")
 
     def __init__(self) -> None:
-        self._answerable: set[int] = set()
-        self._responses: set[int] = set()
+        self._base = -1
+        self._flags = bytearray()  # event id - base -> _ANSWERABLE | _RESPONSE
         self._call_owner: dict[str, int] = {}  # tool call id -> latest response naming it
+
+    def _flag(self, eid: int) -> int:
+        at = eid - self._base
+        return self._flags[at] if 0 <= at < len(self._flags) and self._base >= 0 else 0
 
     def parent(self, event: Event) -> int | None:
         """The id of the earlier event whose unit ``event`` joins (None: it starts its own)."""
         cause = event.cause
         if isinstance(event, Observation):
-            if cause is not None and (cause in self._answerable or cause in self._responses):
+            if cause is not None and self._flag(cause):
                 return cause
         elif isinstance(event, Action):
             if cause is not None:
-                return cause if cause in self._responses else None
+                return cause if self._flag(cause) & _RESPONSE else None
             if isinstance(event.tool_call_id, str):
                 return self._call_owner.get(event.tool_call_id)
         return None
@@ -153,13 +165,24 @@ class _Units:
         eid = event.id
         assert eid is not None
         if isinstance(event, Action) and event.answered_by is not None:
-            self._answerable.add(eid)
+            flag = _ANSWERABLE
         elif isinstance(event, LlmResponse):
-            self._responses.add(eid)
+            flag = _RESPONSE
             for call in event.tool_calls:
                 call_id = call.get("id") if isinstance(call, dict) else None
                 if isinstance(call_id, str):
+                    self._call_owner.pop(call_id, None)
                     self._call_owner[call_id] = eid
+            while len(self._call_owner) > CALL_IDS_KEPT:
+                del self._call_owner[next(iter(self._call_owner))]
+        else:
+            return
+        if self._base < 0:
+            self._base = eid
+        at = eid - self._base
+        if at >= len(self._flags):
+            self._flags.extend(bytes(at + 1 - len(self._flags)))
+        self._flags[at] = flag
 
 
 def unit_links(events: Sequence[Event]) -> list[tuple[int, int]]:
@@ -178,33 +201,63 @@ def unit_links(events: Sequence[Event]) -> list[tuple[int, int]]:
     return links
 
 
+class HistoryReleased(Exception):
+    """A ``restore`` needs hidden events that a builder made with ``keep_hidden=False`` let
+    go: fold the log again from its start with one that keeps them (nothing was changed)."""
+
+
+_KIND_CODES: dict[str, int] = {}
+
+TAILS_KEPT = 1024
+"""Units whose last member the fold remembers (the latest ones): new members join recent units."""
+
+
+def _kind_code(kind: str) -> int:
+    code = _KIND_CODES.get(kind)
+    if code is None:
+        code = _KIND_CODES[kind] = len(_KIND_CODES) + 1
+        if code > 255:
+            raise InputError(f"more than 255 kinds of events folded; {kind!r} is one too many")
+    return code
+
+
 class ViewBuilder:
-    """Incremental fold: ``append`` events in id order, read :meth:`view` at any time."""
+    """Incremental fold: ``append`` events in id order, read :meth:`view` at any time.
+
+    Per folded event it keeps a few bytes (kind, unit links, what hid it: arrays indexed by
+    id) and the visible events themselves.  Hidden events are kept too (a ``restore`` shows
+    them again) unless ``keep_hidden`` is False: then a long session costs a role only its
+    visible context, and a restore of released events raises :class:`HistoryReleased`.
+    """
 
     __slots__ = (
-        "_all",
         "_anchor",
         "_events",
-        "_hidden",
+        "_hidden_by",
         "_ids",
+        "_keep_hidden",
+        "_kind",
         "_last",
-        "_members",
+        "_next",
         "_pinned",
         "_requests",
         "_root",
         "_store",
         "_summary",
+        "_tails",
         "_units",
     )
 
-    def __init__(self, events: Iterable[Event] = ()) -> None:
+    def __init__(self, events: Iterable[Event] = (), *, keep_hidden: bool = True) -> None:
+        self._keep_hidden = keep_hidden
         self._ids: list[int] = []  # visible event ids, ascending
         self._events: list[Event] = []  # visible events, parallel to _ids
-        self._all: list[int] = []  # every folded (non-machinery) event id, ascending
-        self._store: dict[int, Event] = {}  # those events by id
-        self._root: dict[int, int] = {}  # event id -> its unit's first event id
-        self._members: dict[int, list[int]] = {}  # unit root -> members (units of more than one)
-        self._hidden: dict[int, int] = {}  # hidden unit root -> the condensation or edit that hid it
+        self._kind = bytearray(1)  # event id -> kind code (0: not folded, e.g. a condensation)
+        self._root = array("i", [0])  # event id -> its unit's first event id
+        self._next = array("i", [0])  # event id -> the next member of its unit (0: none)
+        self._hidden_by = array("i", [0])  # unit root -> the condensation or edit hiding it (0: none)
+        self._tails: dict[int, int] = {}  # unit root -> its last member, for the latest units
+        self._store: dict[int, Event] = {}  # hidden events (with keep_hidden)
         self._pinned: set[int] = set()  # pinned unit roots
         self._units = _Units()
         self._requests: set[int] = set()  # condensation_request ids (hidden)
@@ -224,6 +277,11 @@ class ViewBuilder:
         for event in events:
             self.append(event)
 
+    def release_hidden(self) -> None:
+        """From now on keep no hidden event (see :class:`HistoryReleased`)."""
+        self._keep_hidden = False
+        self._store.clear()
+
     def append(self, event: Event) -> None:
         eid = event.id
         if eid is None:
@@ -232,12 +290,13 @@ class ViewBuilder:
             raise InputError(
                 f"event {eid} arrived after event {self._last}: a view folds events in increasing id order"
             )
+        if isinstance(event, ContextEdit):
+            self._edit(event, eid)  # (first: a restore that cannot be done changes nothing)
+            self._last = eid
+            return
         self._last = eid
         if isinstance(event, Condensation):
             self._condense(event, eid)
-            return
-        if isinstance(event, ContextEdit):
-            self._edit(event, eid)
             return
         if isinstance(event, CondensationRequest):
             self._requests.add(eid)
@@ -246,18 +305,39 @@ class ViewBuilder:
             return
         parent = self._units.parent(event)
         self._units.add(event)
+        self._grow(eid)
+        self._kind[eid] = _kind_code(event.kind)
         root = eid if parent is None else self._root[parent]
         self._root[eid] = root
         if root != eid:
-            self._members.setdefault(root, [root]).append(eid)
-        self._store[eid] = event
-        self._all.append(eid)
-        if root not in self._hidden:
+            tail = self._tails.pop(root, root)
+            while self._next[tail]:  # (only for a unit that was not among the latest ones)
+                tail = self._next[tail]
+            self._next[tail] = eid
+            self._tails[root] = eid
+            if len(self._tails) > TAILS_KEPT:
+                del self._tails[next(iter(self._tails))]
+        if self._hidden_by[root]:
+            if self._keep_hidden:
+                self._store[eid] = event
+        else:
             self._ids.append(eid)
             self._events.append(event)
 
+    def _grow(self, eid: int) -> None:
+        """Make room for ids up to ``eid`` (4 bytes an id, 8 past 2**31 - 1)."""
+        grow = eid + 1 - len(self._kind)
+        if grow <= 0:
+            return
+        if eid > 2**31 - 1 and self._root.typecode == "i":
+            self._root, self._next, self._hidden_by = (array("q", c) for c in (self._root, self._next, self._hidden_by))
+        self._kind.extend(bytes(grow))
+        zeros = bytes(self._root.itemsize * grow)
+        for column in (self._root, self._next, self._hidden_by):
+            column.frombytes(zeros)
+
     def view(self) -> View:
-        pinned = frozenset(m for root in self._pinned for m in self._members.get(root, (root,)))
+        pinned = frozenset(m for root in self._pinned for m in self._members(root))
         if self._summary is None:
             return View(tuple(self._events), self._last, None, pinned)
         pos = bisect_left(self._ids, self._anchor)
@@ -266,7 +346,14 @@ class ViewBuilder:
 
     def hidden(self) -> dict[int, int]:
         """Every hidden event's id, mapped to the id of the condensation or context edit that hid it."""
-        return {m: by for root, by in self._hidden.items() for m in self._members.get(root, (root,))}
+        kind, root, hidden_by = self._kind, self._root, self._hidden_by
+        return {i: hidden_by[root[i]] for i in range(1, len(kind)) if kind[i] and hidden_by[root[i]]}
+
+    def _members(self, root: int) -> Iterator[int]:
+        member = root
+        while member:
+            yield member
+            member = self._next[member]
 
     # --- condensations and edits ----------------------------------------------------------
 
@@ -293,22 +380,24 @@ class ViewBuilder:
         """The unit roots of the events before ``eid`` in the edit's ranges and of its kinds."""
         if not edit.ranges and not edit.kinds:
             return set()
-        kinds = set(edit.kinds)
-        candidates: list[int] = []
+        kind = self._kind
+        limit = min(eid - 1, len(kind) - 1)
+        candidates: Iterable[int]
         if edit.ranges:
-            for start, end in _merge(edit.ranges, eid - 1):
-                lo, hi = bisect_left(self._all, start), bisect_right(self._all, end)
-                candidates.extend(self._all[lo:hi])
+            candidates = (i for start, end in _merge(edit.ranges, limit) for i in range(max(start, 1), end + 1))
         else:
-            candidates = self._all
-        return {self._root[i] for i in candidates if not kinds or self._store[i].kind in kinds}
+            candidates = range(1, limit + 1)
+        if edit.kinds:
+            codes = {_KIND_CODES[k] for k in edit.kinds if k in _KIND_CODES}
+            return {self._root[i] for i in candidates if kind[i] in codes}
+        return {self._root[i] for i in candidates if kind[i]}
 
     def _edit(self, edit: ContextEdit, eid: int) -> None:
         roots = self._targets(edit, eid)
         if edit.op == "forget":
             self._hide(roots, eid)
         elif edit.op == "restore":
-            self._show({r for r in roots if r in self._hidden})
+            self._show({r for r in roots if self._hidden_by[r]})
         elif edit.op == "pin":
             self._pinned |= roots
         elif edit.op == "unpin":
@@ -318,32 +407,36 @@ class ViewBuilder:
         """Hide these units (the visible ones); return the ids that were visible."""
         wanted: set[int] = set()
         for root in roots:
-            if root in self._hidden:
+            if self._hidden_by[root]:
                 continue
-            self._hidden[root] = by
-            wanted.update(self._members.get(root, (root,)))
+            self._hidden_by[root] = by
+            wanted.update(self._members(root))
         return self._remove(wanted)
 
     def _show(self, roots: set[int]) -> None:
-        back: list[int] = []
-        for root in roots:
-            del self._hidden[root]
-            back.extend(self._members.get(root, (root,)))
+        back = [m for root in roots for m in self._members(root)]
         if not back:
             return
+        if not self._keep_hidden:
+            raise HistoryReleased(f"restoring {len(back)} events needs them folded again from the log")
+        for root in roots:
+            self._hidden_by[root] = 0
         if len(back) > 64:
-            merged = sorted([*self._ids, *back])
-            self._ids[:] = merged
-            self._events[:] = [self._store[i] for i in merged]
+            by_id = dict(zip(self._ids, self._events, strict=True))
+            by_id.update((i, self._store.pop(i)) for i in back)
+            self._ids[:] = sorted(by_id)
+            self._events[:] = [by_id[i] for i in self._ids]
             return
         for i in back:
             pos = bisect_left(self._ids, i)
             self._ids.insert(pos, i)
-            self._events.insert(pos, self._store[i])
+            self._events.insert(pos, self._store.pop(i))
 
     def _remove(self, wanted: set[int]) -> list[int]:
-        """Remove the visible events with these ids; return the ids that were visible."""
+        """Remove the visible events with these ids (kept aside with ``keep_hidden``);
+        return the ids that were visible."""
         ids, events = self._ids, self._events
+        keep = self._store if self._keep_hidden else None
         out: list[int] = []
         if len(wanted) > 64:
             keep_ids: list[int] = []
@@ -351,6 +444,8 @@ class ViewBuilder:
             for i, e in zip(ids, events, strict=True):
                 if i in wanted:
                     out.append(i)
+                    if keep is not None:
+                        keep[i] = e
                 else:
                     keep_ids.append(i)
                     keep_events.append(e)
@@ -360,6 +455,8 @@ class ViewBuilder:
             pos = bisect_left(ids, wid)
             if pos < len(ids) and ids[pos] == wid:
                 out.append(wid)
+                if keep is not None:
+                    keep[wid] = events[pos]
                 del ids[pos], events[pos]
         return out
 

@@ -13,6 +13,7 @@ first append) and continues its trace: the request's, else the latest event's th
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -25,7 +26,7 @@ from riverbed import events, tracing
 from riverbed.bus.consumer import Entry, SessionContext
 from riverbed.errors import ConfigError, UnavailableError
 from riverbed.memory.condensers import CondenserConfig, condense, should_condense
-from riverbed.memory.view import ViewBuilder
+from riverbed.memory.view import HistoryReleased, ViewBuilder
 from riverbed.settings import Settings
 
 log = structlog.get_logger("riverbed.worker")
@@ -33,9 +34,14 @@ log = structlog.get_logger("riverbed.worker")
 E = TypeVar("E", bound=events.Event)
 
 
+def _lean() -> ViewBuilder:
+    return ViewBuilder(keep_hidden=False)
+
+
 @dataclass
 class _State:
-    builder: ViewBuilder = field(default_factory=ViewBuilder)
+    builder: ViewBuilder = field(default_factory=_lean)
+    """the session's view; hidden events are let go, so a long session costs only its context"""
     config: CondenserConfig = field(default_factory=CondenserConfig)
     trace: str | None = None
     """the traceparent of the latest folded event that had one"""
@@ -51,13 +57,27 @@ class CondenserHandler:
         self.states: dict[str, _State] = {}
 
     async def open(self, ctx: SessionContext) -> None:
-        state = _State()
-        self.states[ctx.session] = state
         if ctx.tenant is None:
             ctx.tenant = (await ctx.log.meta(ctx.session)).get("tenant") or None
         group_next = await ctx.delivered_up_to()
-        async for event in ctx.log.read(ctx.session, 1, group_next):
-            self._fold(state, event)
+        state = _State()
+        try:
+            async for event in ctx.log.read(ctx.session, 1, group_next):
+                self._fold(state, event)
+        except HistoryReleased:
+            await self._refold(ctx, state, group_next)
+        self.states[ctx.session] = state
+
+    async def _refold(self, ctx: SessionContext, state: _State, until: int) -> None:
+        """Fold ``state`` again from the log's start up to ``until``, keeping hidden events (a
+        ``restore`` shows some again), which are let go once it is done."""
+        fresh = _State(builder=ViewBuilder(keep_hidden=True))
+        async for event in ctx.log.read(ctx.session, 1, until):
+            with contextlib.suppress(ConfigError):  # (said when the bad config was first folded)
+                self._fold(fresh, event)
+        fresh.builder.release_hidden()
+        state.builder, state.config, state.trace = fresh.builder, fresh.config, fresh.trace
+        log.info("session.refolded", session=ctx.session, last=state.builder.last_id)
 
     async def close(self, ctx: SessionContext) -> None:
         self.states.pop(ctx.session, None)
@@ -75,6 +95,8 @@ class CondenserHandler:
                     self._fold(state, entry.event)
                 except ConfigError as exc:
                     bad_config = str(exc)
+                except HistoryReleased:
+                    await self._refold(ctx, state, entry.id)
             if isinstance(entry.event, events.CondensationRequest) and not await ctx.is_answered(entry.id):
                 requests.append(entry)
         if should_condense(state.builder.view(), state.config, requested=bool(requests)):
@@ -140,6 +162,8 @@ class CondenserHandler:
                 self._fold(state, event)
             except ConfigError as exc:
                 bad_config = str(exc)
+            except HistoryReleased:
+                await self._refold(ctx, state, event.id)
         return bad_config
 
     @staticmethod
