@@ -26,12 +26,11 @@ from riverbed import events
 from riverbed.errors import DataError, InputError, UnavailableError
 from riverbed.memory.chunking import ChunkPolicy, event_chunks, searchable
 from riverbed.memory.embedcache import CachedEmbedder, embedding_pipeline
-from riverbed.memory.embedders import Embedder, make_embedder
+from riverbed.memory.embedders import Embedder
 from riverbed.memory.microagents import load_microagents, match_knowledge, workspace_dirs
 from riverbed.memory.ranking import hybrid_rank
 from riverbed.memory.store import ChunkRow, Store
 from riverbed.memory.workspace import workspace_context
-from riverbed.settings import Settings
 
 __all__ = ["Memory"]
 
@@ -72,24 +71,6 @@ class Memory:
         """A Memory whose embedder sits behind the micro-batcher and the two-level cache
         (``options`` are the constructor's keyword arguments)."""
         return cls(store, embedding_pipeline(embedder, store, lru_size=lru_size), **options)
-
-    @classmethod
-    def from_settings(cls, settings: Settings, *, start_services: bool = True) -> Memory | None:
-        """The memory of a deployment: the store at ``RIVERBED_DATABASE_URL`` (schema: the
-        prefix) or, without one, the embedded services' (started when ``start_services``,
-        else only when already running; None without either), behind the cached pipeline
-        of ``RIVERBED_EMBEDDER``.  The store connects on first use."""
-        database_url = settings.database_url
-        if not database_url:
-            from riverbed import services  # noqa: PLC0415  (embedded Postgres only without a URL)
-
-            directory = Path(settings.services_dir)
-            running = services.up(directory) if start_services else services.load(directory)
-            if running is None:
-                return None
-            database_url = running.database_url
-        embedder = make_embedder(settings.embedder, api_key=settings.openai_api_key, base_url=settings.openai_base_url)
-        return cls.cached(Store(database_url, schema=settings.prefix), embedder)
 
     async def aclose(self) -> None:
         """Close the store's connections."""

@@ -31,7 +31,9 @@ from riverbed.agent.usage import UsageCounters, parse_prices
 from riverbed.bus.consumer import Entry, SessionContext
 from riverbed.bus.faults import crashpoint
 from riverbed.errors import DataError, RiverbedError, UnavailableError
+from riverbed.memory.embedders import make_embedder
 from riverbed.memory.recall import Memory
+from riverbed.memory.store import Store
 from riverbed.runtime.paths import workspace_name
 from riverbed.settings import Settings
 
@@ -189,9 +191,27 @@ class MemoryHandler:
         )
 
 
+def build_memory(settings: Settings, *, start_services: bool = True) -> Memory | None:
+    """The memory of a deployment: the store at ``RIVERBED_DATABASE_URL`` (schema: the
+    prefix) or, without one, the embedded services' (started when ``start_services``, else
+    only when already running; None without either), behind the cached pipeline of
+    ``RIVERBED_EMBEDDER``.  The store connects on first use."""
+    database_url = settings.database_url
+    if not database_url:
+        from riverbed import services  # noqa: PLC0415  (embedded Postgres only without a URL)
+
+        directory = Path(settings.services_dir)
+        running = services.up(directory) if start_services else services.load(directory)
+        if running is None:
+            return None
+        database_url = running.database_url
+    embedder = make_embedder(settings.embedder, api_key=settings.openai_api_key, base_url=settings.openai_base_url)
+    return Memory.cached(Store(database_url, schema=settings.prefix), embedder)
+
+
 def build_memory_handler(settings: Settings) -> tuple[MemoryHandler, Callable[[], Awaitable[None]]]:
     """The memory handler for ``settings`` (the store connects lazily, on the first session)."""
-    memory = Memory.from_settings(settings)
+    memory = build_memory(settings)
     assert memory is not None  # (the embedded services start when no URL is set)
     handler = MemoryHandler(
         memory, workspace_root=Path(settings.workspace), usage=UsageCounters(parse_prices(settings.prices))

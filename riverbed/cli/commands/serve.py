@@ -33,8 +33,8 @@ def serve_command(
     prefix: PrefixOption = None,
 ) -> None:
     """Serve the HTTP API (/v1, /openapi.json) and the web console (/) until SIGINT/SIGTERM."""
-    from riverbed.memory.recall import Memory  # noqa: PLC0415
     from riverbed.serve import Api, ServeConfig, serve  # noqa: PLC0415
+    from riverbed.workers.memory_role import build_memory  # noqa: PLC0415
 
     cli = Invocation(prefix)
     settings = cli.settings
@@ -51,7 +51,7 @@ def serve_command(
         bus = await cli.bus()
         # Recall search reads the memory workers' Postgres: RIVERBED_DATABASE_URL, or the
         # embedded services' when they run (the bus above starts them without a Redis URL).
-        memory = Memory.from_settings(settings, start_services=False)
+        memory = build_memory(settings, start_services=False)
         try:
             async with anyio.create_task_group() as tg:
                 bound = await tg.start(serve, Api(bus, config, memory=memory), host, port)
