@@ -22,7 +22,16 @@ from pathlib import Path
 
 from riverbed import services
 
-MODULES = ("bench.log", "bench.roundtrip", "bench.scale", "bench.view", "bench.memory", "bench.growth", "bench.serve")
+MODULES = (
+    "bench.log",
+    "bench.roundtrip",
+    "bench.scale",
+    "bench.view",
+    "bench.memory",
+    "bench.growth",
+    "bench.takeover",
+    "bench.serve",
+)
 
 
 @dataclass(frozen=True)

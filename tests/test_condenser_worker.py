@@ -9,6 +9,7 @@ from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.bus.consumer import Owner
 from riverbed.memory.view import view as fold
+from riverbed.workers import condenser_role
 from riverbed.workers.condenser_role import CondenserHandler
 from tests.openai_server import OpenAIServer
 
@@ -142,3 +143,53 @@ async def test_a_restore_of_events_the_condenser_let_go_is_folded_again_from_the
         await owner.drain(2)
     assert max(e.id or 0 for e in log if isinstance(e, events.Condensation)) > restore
     assert owner.stats.dead_letters == 0
+
+
+async def test_a_new_owner_starts_from_the_saved_fold_and_reads_only_the_log_after_it(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from structlog.testing import capture_logs  # noqa: PLC0415
+
+    monkeypatch.setattr(condenser_role, "SAVE_EVERY", 40)
+    session = bus.session("saved")
+    await session.append(events.SessionConfig(condenser={"strategy": "recent", "max_events": 12, "keep_first": 1}))
+    first = CondenserHandler(llm=None, model=None)
+    owner = Owner(bus.redis, bus.keys, first, worker="c1", url=bus.url)
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        for i in range(150):
+            await session.append(events.Message(content=f"m{i}", source="user"))
+        await wait_for(bus, "saved", lambda log: len(fold(log)) <= 12 and len(log) > 150)
+        await owner.drain(2)  # lets the session go: its fold is saved
+    saved = await bus.redis.hget(bus.keys.folds("saved"), "condenser")
+    assert saved is not None
+
+    # Events after the save, then a new owner: it folds only those, and its view is the full fold's.
+    await session.append(*[events.Message(content=f"late {i}", source="user") for i in range(5)])
+    second = CondenserHandler(llm=None, model=None)
+    owner = Owner(bus.redis, bus.keys, second, worker="c2", url=bus.url)
+    with capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+            await tg.start(owner.run)
+            answer = await session.act(events.CondensationRequest(), timeout=10)
+            assert isinstance(answer, events.Condensation)
+            log = await session.events()
+            state = second.states["saved"]
+            assert state.builder.view() == fold(log, until=state.builder.last_id)
+            assert state.config.max_events == 12  # the settings came with the saved fold
+            await owner.drain(2)
+    (opened,) = [e for e in logs if e["event"] == "condenser.opened"]
+    assert opened["saved"] > 100
+    assert opened["folded"] <= len(log) - opened["saved"]
+
+    # A log made again under the same id is not the one folded: its saved fold is ignored.
+    await bus.redis.hset(bus.keys.meta("saved"), "created", "0")
+    third = CondenserHandler(llm=None, model=None)
+    owner = Owner(bus.redis, bus.keys, third, worker="c3", url=bus.url)
+    with capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+            await tg.start(owner.run)
+            await session.act(events.CondensationRequest(), timeout=10)
+            await owner.drain(2)
+    (opened,) = [e for e in logs if e["event"] == "condenser.opened"]
+    assert opened["saved"] == 0

@@ -199,3 +199,43 @@ async def test_without_a_runtime_worker_the_fork_is_made_and_the_wait_says_why(b
         await wait_rebuilt(bus, "alone-2", forked_id, timeout=0.3)
     with pytest.raises(InputError, match="replay, copy or empty"):
         await fork(bus, "alone", 1, "alone-3", workspace="clone")  # type: ignore[arg-type]
+
+
+async def test_the_runtime_starts_from_saved_settings_and_reads_only_the_log_after_it(
+    bus: Bus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from structlog.testing import capture_logs  # noqa: PLC0415
+
+    from riverbed.bus.consumer import Owner  # noqa: PLC0415
+    from riverbed.runtime import Runtime  # noqa: PLC0415
+    from riverbed.workers import runtime_role  # noqa: PLC0415
+
+    monkeypatch.setattr(runtime_role, "SAVE_EVERY", 20)
+    session = bus.session("settled")
+    await session.append(events.SessionConfig(env={"GREETING": "hello", "DROPPED": "x"}, source="user"))
+    await session.append(*[events.Message(content=f"m{i}", source="user") for i in range(30)])
+
+    async def serve_once(worker: str, command: str) -> tuple[events.Event, list[dict[str, object]]]:
+        runtime = Runtime(workspace_root=tmp_path / worker)
+        owner = Owner(bus.redis, bus.keys, runtime_role.RuntimeHandler(runtime), worker=worker, url=bus.url)
+        with capture_logs() as logs:
+            async with anyio.create_task_group() as tg:
+                await tg.start(owner.run)
+                answer = await session.act(events.CmdRun(command=command), timeout=20)
+                await owner.drain(5)
+        await runtime.aclose()
+        return answer, logs
+
+    answer, logs = await serve_once("r1", 'echo "$GREETING"')
+    assert isinstance(answer, events.CmdOutput)
+    assert answer.content.strip() == "hello"
+    assert await bus.redis.hget(bus.keys.folds("settled"), "runtime") is not None
+
+    # Settings after the save, then a new owner: it reads only the log after the saved fold.
+    await session.append(events.SessionConfig(env={"DROPPED": None, "NAME": "riverbed"}, source="user"))
+    answer, logs = await serve_once("r2", 'echo "$GREETING ${DROPPED:-unset} $NAME"')
+    assert isinstance(answer, events.CmdOutput)
+    assert answer.content.strip() == "hello unset riverbed"
+    (opened,) = [e for e in logs if e["event"] == "runtime.opened"]
+    assert opened["saved"] >= 30
+    assert opened["folded"] <= 3

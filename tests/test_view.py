@@ -25,6 +25,7 @@ from riverbed.events import (
     Think,
     with_id,
 )
+from riverbed.memory import view as view_module
 from riverbed.memory.view import HistoryReleased, Summary, View, ViewBuilder, view
 
 # --- the naive reference ----------------------------------------------------------------
@@ -296,6 +297,47 @@ def test_a_builder_that_releases_hidden_events_folds_the_same_or_says_it_cannot(
             lean.release_hidden()
         assert lean.view() == view(events, until=e.id)
     assert lean.hidden() == naive_state(events)[1]
+
+
+@FAST
+@given(logs(), st.integers(0, 60))
+def test_a_frozen_fold_thawed_and_filled_goes_on_like_the_full_fold(events: list[Event], cut: int) -> None:
+    """Freeze a fold after ``cut`` events, thaw it (in a fresh kind numbering too: codes are
+    per process), give it the events it names, and fold the rest: every view is the full
+    fold's, and what hid each event is the same."""
+    head, tail = events[:cut], events[cut:]
+    builder = ViewBuilder(head)
+    blob = builder.freeze()
+    saved_codes = dict(view_module._KIND_CODES)
+    view_module._KIND_CODES.clear()  # another process numbers kinds in another order
+    for kind in reversed(saved_codes):
+        view_module._kind_code(kind)
+    try:
+        thawed, wanted = ViewBuilder.thaw(blob)
+        by_id = {e.id: e for e in events}
+        assert set(wanted) <= set(by_id)
+        thawed.fill(by_id[i] for i in wanted)
+        assert thawed.view() == builder.view()
+        assert thawed.hidden() == builder.hidden()
+        for n, e in enumerate(tail, start=cut):
+            try:
+                thawed.append(e)
+            except HistoryReleased:
+                thawed = ViewBuilder(events[: n + 1])
+            assert thawed.view() == view(events, until=e.id)
+        assert thawed.hidden() == naive_state(events)[1]
+    finally:
+        view_module._KIND_CODES.clear()
+        view_module._KIND_CODES.update(saved_codes)
+
+
+def test_a_saved_view_that_is_not_one_is_refused_in_one_sentence() -> None:
+    with pytest.raises(InputError, match="cannot be read"):
+        ViewBuilder.thaw(b"\x93\x01\x02")
+    builder, wanted = ViewBuilder.thaw(ViewBuilder([with_id(Message(content="x"), 1)]).freeze())
+    assert wanted == [1]
+    with pytest.raises(InputError, match="did not give"):
+        builder.fill([])
 
 
 @FAST

@@ -228,22 +228,6 @@ async def wait_rebuilt(bus: Bus, session: str, forked_id: int, *, timeout: float
     return answer
 
 
-def pending_fork(history: Sequence[events.Event], until: int | None = None) -> events.Forked | None:
-    """The last ``forked`` event of a log (up to event ``until``) whose sandbox is still to
-    be built: its method is not ``empty`` and no ``sandbox_rebuilt`` answers it anywhere in
-    the log.  None when there is none."""
-    forked: events.Forked | None = None
-    built: set[int] = set()
-    for event in history:
-        if isinstance(event, events.Forked) and (until is None or (event.id or 0) <= until):
-            forked = event
-        elif isinstance(event, events.SandboxRebuilt) and event.cause is not None:
-            built.add(event.cause)
-    if forked is None or forked.workspace == "empty" or forked.id in built:
-        return None
-    return forked
-
-
 async def rebuild(
     runtime: Executor, session: str, forked: events.Forked, history: Sequence[events.Event]
 ) -> events.SandboxRebuilt:

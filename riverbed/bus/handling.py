@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+import msgspec
 from msgspec.structs import replace
 
 from riverbed import events, tracing
@@ -80,6 +81,16 @@ class OwnerStats:
             observe(seconds)
 
 
+class SavedFold(msgspec.Struct, array_like=True):
+    """A role's fold of a session's events 1..``last``, saved so that the next owner reads
+    only the log after it; ``created`` is the log's creation stamp (a log made again under
+    the same id is not the one folded)."""
+
+    created: str
+    last: int
+    blob: bytes
+
+
 class SessionContext:
     """What a handler may do for the session it serves, with the owner's fencing token."""
 
@@ -92,6 +103,7 @@ class SessionContext:
         self.log = owner.log
         self.last_seen = 0
         self.tenant: str | None = None
+        self._created_stamp: str | None = None
 
     async def answer(self, entry: Entry, observation: events.Observation, *, ack: bool = True) -> int | None:
         """Append the one observation answering ``entry`` and acknowledge the entry atomically.
@@ -161,6 +173,29 @@ class SessionContext:
     async def is_answered(self, action_id: int) -> bool:
         owner = self._owner
         return await owner.client.hexists(owner.keys.answers(self.session), str(action_id))
+
+    async def saved_fold(self) -> SavedFold | None:
+        """This role's fold of the session saved by an owner before (None: none for this log)."""
+        owner = self._owner
+        raw = await owner.client.hget(owner.keys.folds(self.session), self.role)
+        if raw is None:
+            return None
+        try:
+            saved = msgspec.msgpack.decode(raw, type=SavedFold)
+        except msgspec.DecodeError:
+            return None
+        return saved if saved.created == await self._created() else None
+
+    async def save_fold(self, last: int, blob: bytes) -> None:
+        """Save this role's fold of events 1..``last`` (derived from the log: any owner's is right)."""
+        owner = self._owner
+        saved = SavedFold(created=await self._created(), last=last, blob=blob)
+        await owner.client.hset(owner.keys.folds(self.session), self.role, msgspec.msgpack.encode(saved))
+
+    async def _created(self) -> str:
+        if self._created_stamp is None:
+            self._created_stamp = (await self.log.meta(self.session)).get("created", "")
+        return self._created_stamp
 
     async def delivered_up_to(self) -> int:
         """The last id the log already delivered to this role's group (0: none)."""

@@ -89,6 +89,10 @@ class Keys:
     def wake(self, session: str) -> str:
         return f"{self.prefix}:{{{session}}}:wake"
 
+    def folds(self, session: str) -> str:
+        """The roles' saved folds of the session (a hash: role -> saved fold)."""
+        return f"{self.prefix}:{{{session}}}:folds"
+
     def directory(self, role: str) -> str:
         return f"{self.prefix}:{{{self.prefix}}}:dir:{role}"
 

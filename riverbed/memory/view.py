@@ -45,11 +45,16 @@ cause, so pairs stay whole.
 
 from __future__ import annotations
 
+import zlib
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from riverbed.errors import InputError
 from riverbed.events import (
@@ -221,6 +226,39 @@ def _kind_code(kind: str) -> int:
     return code
 
 
+FROZEN_VERSION = 1
+
+
+def _column(raw: bytes, itemsize: int) -> npt.NDArray[np.int64]:
+    return np.frombuffer(raw, dtype=np.int32 if itemsize == 4 else np.int64).astype(np.int64)
+
+
+def _packed(values: npt.NDArray[np.int64], itemsize: int) -> bytes:
+    return values.astype(np.int32 if itemsize == 4 else np.int64).tobytes()
+
+
+class _Frozen(msgspec.Struct, array_like=True):
+    """A lean :class:`ViewBuilder` without its events (see :meth:`ViewBuilder.freeze`)."""
+
+    version: int
+    last: int
+    kinds: list[str]  # kind code - 1 -> kind (codes are this process's)
+    kind: bytes
+    itemsize: int
+    root: bytes  # id - root (-1: not folded), compressed
+    next: bytes  # next member - id (0: none), compressed
+    hidden_by: bytes
+    visible: list[int]
+    pinned: list[int]
+    requests: list[int]
+    summary: int  # the condensation whose summary the view shows (0: none)
+    anchor: int
+    units_base: int
+    units_flags: bytes
+    call_owner: list[tuple[str, int]]
+    tails: list[tuple[int, int]]
+
+
 class ViewBuilder:
     """Incremental fold: ``append`` events in id order, read :meth:`view` at any time.
 
@@ -244,6 +282,7 @@ class ViewBuilder:
         "_root",
         "_store",
         "_summary",
+        "_summary_from",
         "_tails",
         "_units",
     )
@@ -262,6 +301,7 @@ class ViewBuilder:
         self._units = _Units()
         self._requests: set[int] = set()  # condensation_request ids (hidden)
         self._summary: Summary | None = None
+        self._summary_from = 0  # (a thawed builder: the condensation whose summary it awaits)
         self._anchor = 0
         self._last = 0
         self.extend(events)
@@ -276,6 +316,89 @@ class ViewBuilder:
     def extend(self, events: Iterable[Event]) -> None:
         for event in events:
             self.append(event)
+
+    # --- saving a fold: a lean builder without its events, and back ----------------------
+
+    def freeze(self) -> bytes:
+        """This fold without any event (a few bytes per event, compressed): :meth:`thaw` and
+        :meth:`fill` with the visible events and the summary's condensation make it again."""
+        size = self._root.itemsize
+        ids = np.arange(len(self._kind), dtype=np.int64)
+        root, nxt = _column(self._root.tobytes(), size), _column(self._next.tobytes(), size)
+        frozen = _Frozen(
+            version=FROZEN_VERSION,
+            last=self._last,
+            kinds=list(_KIND_CODES),
+            kind=zlib.compress(bytes(self._kind), 1),
+            itemsize=self._root.itemsize,
+            root=zlib.compress(_packed(np.where(root > 0, ids - root, -1), size), 1),
+            next=zlib.compress(_packed(np.where(nxt > 0, nxt - ids, 0), size), 1),
+            hidden_by=zlib.compress(self._hidden_by.tobytes(), 1),
+            visible=list(self._ids),
+            pinned=sorted(self._pinned),
+            requests=sorted(self._requests),
+            summary=self._summary.cause or 0 if self._summary is not None else 0,
+            anchor=self._anchor,
+            units_base=self._units._base,
+            units_flags=zlib.compress(bytes(self._units._flags), 1),
+            call_owner=list(self._units._call_owner.items()),
+            tails=list(self._tails.items()),
+        )
+        return msgspec.msgpack.encode(frozen)
+
+    @classmethod
+    def thaw(cls, blob: bytes) -> tuple[ViewBuilder, list[int]]:
+        """A lean builder from :meth:`freeze`'s bytes, and the ids of the events it still
+        needs (:meth:`fill`).  :class:`InputError` when the bytes are not such a fold."""
+        try:
+            frozen = msgspec.msgpack.decode(blob, type=_Frozen)
+            if frozen.version != FROZEN_VERSION or frozen.itemsize not in (4, 8):
+                raise InputError(f"a saved view of format {frozen.version} cannot be read by this version")
+            codes = bytes([0, *(_kind_code(k) for k in frozen.kinds)])
+            kind = bytearray(zlib.decompress(frozen.kind).translate(codes.ljust(256, b"\0")))
+            size = frozen.itemsize
+            ids = np.arange(len(kind), dtype=np.int64)
+            root_delta = _column(zlib.decompress(frozen.root), size)
+            next_delta = _column(zlib.decompress(frozen.next), size)
+            hidden_by = zlib.decompress(frozen.hidden_by)
+            if not len(root_delta) == len(next_delta) == len(hidden_by) // size == len(kind):
+                raise InputError("a saved view's columns differ in length")
+        except (msgspec.DecodeError, zlib.error, ValueError) as exc:
+            raise InputError(f"a saved view cannot be read: {exc}") from exc
+        typecode = "i" if frozen.itemsize == 4 else "q"
+        builder = cls(keep_hidden=False)
+        builder._last = frozen.last
+        builder._kind = kind
+        builder._root = array(typecode, _packed(np.where(root_delta >= 0, ids - root_delta, 0), size))
+        builder._next = array(typecode, _packed(np.where(next_delta > 0, ids + next_delta, 0), size))
+        builder._hidden_by = array(typecode, hidden_by)
+        builder._ids = list(frozen.visible)
+        builder._pinned = set(frozen.pinned)
+        builder._requests = set(frozen.requests)
+        builder._anchor = frozen.anchor
+        builder._units._base = frozen.units_base
+        builder._units._flags = bytearray(zlib.decompress(frozen.units_flags))
+        builder._units._call_owner = dict(frozen.call_owner)
+        builder._tails = dict(frozen.tails)
+        builder._summary_from = frozen.summary
+        wanted = [*frozen.visible, frozen.summary] if frozen.summary else list(frozen.visible)
+        return builder, sorted(set(wanted))
+
+    def fill(self, events: Iterable[Event]) -> None:
+        """Give a thawed builder the events it named (more are ignored); :class:`InputError`
+        when one is missing."""
+        by_id = {e.id: e for e in events if e.id is not None}
+        missing = [i for i in self._ids if i not in by_id]
+        if missing:
+            raise InputError(f"a saved view needs events the log did not give: {missing[:5]}")
+        self._events = [by_id[i] for i in self._ids]
+        if self._summary_from:
+            cond = by_id.get(self._summary_from)
+            if not isinstance(cond, Condensation) or not cond.summary:
+                raise InputError(f"a saved view's summary is not in condensation {self._summary_from}")
+            cid = self._summary_from
+            self._summary = Summary(content=cond.summary, cause=cid, ts=cond.ts, agent=cond.agent, tenant=cond.tenant)
+        self._summary_from = 0
 
     def release_hidden(self) -> None:
         """From now on keep no hidden event (see :class:`HistoryReleased`)."""

@@ -16,15 +16,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import msgspec
 import structlog
 from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 from riverbed import events, tracing
 from riverbed.bus.consumer import Entry, SessionContext
-from riverbed.errors import ConfigError, UnavailableError
+from riverbed.errors import ConfigError, InputError, RiverbedError, UnavailableError
 from riverbed.memory.condensers import CondenserConfig, condense, should_condense
 from riverbed.memory.view import HistoryReleased, ViewBuilder
 from riverbed.settings import Settings
@@ -38,13 +39,31 @@ def _lean() -> ViewBuilder:
     return ViewBuilder(keep_hidden=False)
 
 
+SAVE_EVERY = 10_000
+"""The condenser saves its fold of a session (``SessionContext.save_fold``) when it has folded
+this many events since the last save, and when it lets the session go: a new owner reads only
+the log after the saved fold."""
+
+
 @dataclass
 class _State:
     builder: ViewBuilder = field(default_factory=_lean)
     """the session's view; hidden events are let go, so a long session costs only its context"""
     config: CondenserConfig = field(default_factory=CondenserConfig)
+    condenser: dict[str, Any] | None = None
+    """the condenser settings ``config`` came from (the latest valid ``session_config``'s)"""
     trace: str | None = None
     """the traceparent of the latest folded event that had one"""
+    saved: int = 0
+    """the last id of the fold saved last (0: none)"""
+
+
+class _Saved(msgspec.Struct, array_like=True):
+    """What the condenser saves of a session: its view without events, settings, trace."""
+
+    view: bytes
+    condenser: dict[str, Any] | None
+    trace: str | None
 
 
 class CondenserHandler:
@@ -60,13 +79,39 @@ class CondenserHandler:
         if ctx.tenant is None:
             ctx.tenant = (await ctx.log.meta(ctx.session)).get("tenant") or None
         group_next = await ctx.delivered_up_to()
-        state = _State()
+        state = await self._thawed(ctx) or _State()
+        folded = 0
         try:
-            async for event in ctx.log.read(ctx.session, 1, group_next):
+            async for event in ctx.log.read(ctx.session, state.builder.last_id + 1, group_next):
                 self._fold(state, event)
+                folded += 1
         except HistoryReleased:
             await self._refold(ctx, state, group_next)
         self.states[ctx.session] = state
+        log.info("condenser.opened", session=ctx.session, saved=state.saved, folded=folded)
+        if state.builder.last_id - state.saved >= SAVE_EVERY:
+            await self._save(ctx, state)
+
+    async def _thawed(self, ctx: SessionContext) -> _State | None:
+        """The state saved by an owner before, with the events its view shows (None: no
+        saved fold of this log, or one this version cannot read: the log is folded then)."""
+        saved = await ctx.saved_fold()
+        if saved is None:
+            return None
+        try:
+            stored = msgspec.msgpack.decode(saved.blob, type=_Saved)
+            builder, wanted = ViewBuilder.thaw(stored.view)
+            builder.fill(await _events(ctx, wanted))
+            config = CondenserConfig() if stored.condenser is None else CondenserConfig.from_dict(stored.condenser)
+        except (msgspec.DecodeError, InputError, ConfigError) as exc:
+            log.warning("fold.unreadable", session=ctx.session, role=ctx.role, error=str(exc))
+            return None
+        return _State(builder=builder, config=config, condenser=stored.condenser, trace=stored.trace, saved=saved.last)
+
+    async def _save(self, ctx: SessionContext, state: _State) -> None:
+        blob = _Saved(view=state.builder.freeze(), condenser=state.condenser, trace=state.trace)
+        await ctx.save_fold(state.builder.last_id, msgspec.msgpack.encode(blob))
+        state.saved = state.builder.last_id
 
     async def _refold(self, ctx: SessionContext, state: _State, until: int) -> None:
         """Fold ``state`` again from the log's start up to ``until``, keeping hidden events (a
@@ -76,11 +121,21 @@ class CondenserHandler:
             with contextlib.suppress(ConfigError):  # (said when the bad config was first folded)
                 self._fold(fresh, event)
         fresh.builder.release_hidden()
-        state.builder, state.config, state.trace = fresh.builder, fresh.config, fresh.trace
+        state.builder, state.config, state.condenser, state.trace = (
+            fresh.builder,
+            fresh.config,
+            fresh.condenser,
+            fresh.trace,
+        )
         log.info("session.refolded", session=ctx.session, last=state.builder.last_id)
 
     async def close(self, ctx: SessionContext) -> None:
-        self.states.pop(ctx.session, None)
+        state = self.states.pop(ctx.session, None)
+        if state is not None and state.builder.last_id > state.saved:
+            try:
+                await self._save(ctx, state)
+            except RiverbedError as exc:  # (a cache: the next owner folds more of the log)
+                log.info("fold.not_saved", session=ctx.session, error=str(exc))
 
     async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
         await self.handle(ctx, entries)
@@ -108,6 +163,7 @@ class CondenserHandler:
         view = state.builder.view()
         if not should_condense(view, state.config, requested=bool(requests)):
             await ctx.ack(others)
+            await self._save_now_and_then(ctx, state)
             return
         try:
             condensation = await condense(view, state.config, self.llm, requested=bool(requests), model=self.model)
@@ -127,6 +183,11 @@ class CondenserHandler:
             # retried on the newer history.
             await self._publish(ctx, _stamped(ctx, state, condensation, requests), requests, state.builder.last_id)
         await ctx.ack(others)
+        await self._save_now_and_then(ctx, state)
+
+    async def _save_now_and_then(self, ctx: SessionContext, state: _State) -> None:
+        if state.builder.last_id - state.saved >= SAVE_EVERY:
+            await self._save(ctx, state)
 
     async def _publish(
         self, ctx: SessionContext, condensation: events.Condensation, requests: list[Entry], last: int
@@ -173,6 +234,22 @@ class CondenserHandler:
             state.trace = event.trace
         if isinstance(event, events.SessionConfig) and event.condenser is not None:
             state.config = CondenserConfig.from_dict(event.condenser)
+            state.condenser = event.condenser
+
+
+async def _events(ctx: SessionContext, ids: Sequence[int]) -> list[events.Event]:
+    """The events with these ids (ascending), read run by run (one read over the whole span
+    when they are scattered)."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    if len(runs) > 64:
+        runs = [[ids[0], ids[-1]]]
+    wanted = set(ids)
+    return [e for start, end in runs async for e in ctx.log.read(ctx.session, start, end) if e.id in wanted]
 
 
 def _stamped(ctx: SessionContext, state: _State, event: E, requests: Sequence[Entry] = ()) -> E:

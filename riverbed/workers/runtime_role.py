@@ -16,15 +16,17 @@ take a fork while its events are still being copied).  See :mod:`riverbed.agent.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import TaskStatus
 from msgspec.structs import replace
 
 from riverbed import events
-from riverbed.agent.replay import pending_fork, rebuild
+from riverbed.agent.replay import rebuild
 from riverbed.bus.consumer import Answer, Entry, SessionContext
 from riverbed.bus.faults import crashpoint
 from riverbed.errors import InputError, RiverbedError
@@ -63,12 +65,31 @@ def for_runtime(event: events.Event) -> bool:
     return isinstance(event, events.Unknown) and event.source in ("agent", "user") and bool(event.original_kind)
 
 
+SAVE_EVERY = 10_000
+"""The runtime saves a session's settings (``SessionContext.save_fold``) every this many
+events, and when it lets the session go: a new owner reads only the log after them."""
+
+
+class _SavedEnv(msgspec.Struct, array_like=True):
+    env: dict[str, str | None]
+
+
+@dataclass
+class _Folded:
+    """A session's settings as of event ``last``, and the last id saved."""
+
+    env: dict[str, str | None]
+    last: int
+    saved: int
+
+
 class RuntimeHandler:
     role = "runtime"
     ignores_own_answers = True  # it handles actions and session settings, never observations
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        self._folds: dict[str, _Folded] = {}
 
     async def background(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """The sandbox watchdog (process limits between commands), for the worker's task group."""
@@ -80,31 +101,63 @@ class RuntimeHandler:
         await self._fold(ctx)
 
     async def _fold(self, ctx: SessionContext, until: int | None = None) -> None:
-        """Apply the session's settings from its log (up to ``until``); build a fork's
-        sandbox if that is still due."""
+        """Apply the session's settings from its log (up to ``until``; without it, from the
+        fold an owner saved before and the log after it); build a fork's sandbox if that is
+        still due."""
         env: dict[str, str | None] = {}
-        history: list[events.Event] = []
-        async for event in ctx.log.read(ctx.session):
-            history.append(event)
-            if until is not None and (event.id or 0) > until:
+        saved = await ctx.saved_fold() if until is None else None
+        if saved is not None:
+            try:
+                env = dict(msgspec.msgpack.decode(saved.blob, type=_SavedEnv).env)
+            except msgspec.DecodeError:
+                saved = None
+        start = saved.last + 1 if saved is not None else 1
+        forked: events.Forked | None = None
+        built: set[int] = set()
+        last = start - 1
+        async for event in ctx.log.read(ctx.session, start):
+            last = event.id or last
+            if isinstance(event, events.SandboxRebuilt) and event.cause is not None:
+                built.add(event.cause)
+            if until is not None and last > until:
                 continue
             if isinstance(event, events.SessionConfig):
                 env.update(event.env)
-        forked = pending_fork(history, until)
-        if forked is not None:
-            started = anyio.current_time()
-            built = await rebuild(self.runtime, ctx.session, forked, history)
-            await ctx.append([replace(built, tenant=ctx.tenant)])
-            log.info(
-                "fork.rebuilt",
-                session=ctx.session,
-                method=built.method,
-                actions=built.actions,
-                differences=len(built.differences),
-                seconds=round(anyio.current_time() - started, 3),
-            )
+            elif isinstance(event, events.Forked):
+                forked = event
+        if forked is not None and forked.workspace != "empty" and forked.id not in built:
+            await self._rebuild(ctx, forked)
         if env:
             self._set_env(ctx.session, env)
+        if until is None:
+            self._folds[ctx.session] = _Folded(env=env, last=last, saved=saved.last if saved is not None else 0)
+            log.info(
+                "runtime.opened", session=ctx.session, saved=self._folds[ctx.session].saved, folded=last - start + 1
+            )
+            if last - self._folds[ctx.session].saved >= SAVE_EVERY:
+                await self._save(ctx)
+
+    async def _rebuild(self, ctx: SessionContext, forked: events.Forked) -> None:
+        history = [e async for e in ctx.log.read(ctx.session, 1, forked.id)]
+        started = anyio.current_time()
+        built = await rebuild(self.runtime, ctx.session, forked, history)
+        await ctx.append([replace(built, tenant=ctx.tenant)])
+        log.info(
+            "fork.rebuilt",
+            session=ctx.session,
+            method=built.method,
+            actions=built.actions,
+            differences=len(built.differences),
+            seconds=round(anyio.current_time() - started, 3),
+        )
+
+    async def _save(self, ctx: SessionContext) -> None:
+        """Save the session's settings as of the last event seen (a cache of the log's fold)."""
+        folded = self._folds.get(ctx.session)
+        if folded is None or folded.last <= folded.saved:
+            return
+        await ctx.save_fold(folded.last, msgspec.msgpack.encode(_SavedEnv(env=folded.env)))
+        folded.saved = folded.last
 
     async def handle(self, ctx: SessionContext, entries: list[Entry]) -> Answer | None:
         """Run the batch's actions in order; the last entry's answer is returned, for the loop
@@ -124,8 +177,15 @@ class RuntimeHandler:
             else:
                 if isinstance(event, events.SessionConfig) and event.env:
                     self._set_env(ctx.session, event.env)
+                    if (folded := self._folds.get(ctx.session)) is not None:
+                        folded.env.update(event.env)
                 done.append(entry.id)
         await ctx.ack(done)
+        folded = self._folds.get(ctx.session)
+        if folded is not None:
+            folded.last = max(folded.last, last.id)
+            if folded.last - folded.saved >= SAVE_EVERY:
+                await self._save(ctx)
         return held
 
     def _set_env(self, session: str, env: dict[str, str | None]) -> None:
@@ -150,6 +210,12 @@ class RuntimeHandler:
         return None
 
     async def close(self, ctx: SessionContext) -> None:
+        try:
+            await self._save(ctx)
+        except RiverbedError as exc:  # (a cache: the next owner reads more of the log)
+            log.info("fold.not_saved", session=ctx.session, error=str(exc))
+        finally:
+            self._folds.pop(ctx.session, None)
         await self.runtime.close_session(ctx.session)
 
     async def _claim_and_run(self, ctx: SessionContext, entry: Entry, *, hold: bool = False) -> Answer | None:
