@@ -151,6 +151,7 @@ async def test_a_new_owner_starts_from_the_saved_fold_and_reads_only_the_log_aft
     from structlog.testing import capture_logs  # noqa: PLC0415
 
     monkeypatch.setattr(condenser_role, "SAVE_EVERY", 40)
+    monkeypatch.setattr(condenser_role, "SAVE_ON_CLOSE", 1)
     session = bus.session("saved")
     await session.append(events.SessionConfig(condenser={"strategy": "recent", "max_events": 12, "keep_first": 1}))
     first = CondenserHandler(llm=None, model=None)

@@ -211,6 +211,7 @@ async def test_the_runtime_starts_from_saved_settings_and_reads_only_the_log_aft
     from riverbed.workers import runtime_role  # noqa: PLC0415
 
     monkeypatch.setattr(runtime_role, "SAVE_EVERY", 20)
+    monkeypatch.setattr(runtime_role, "SAVE_ON_CLOSE", 1)
     session = bus.session("settled")
     await session.append(events.SessionConfig(env={"GREETING": "hello", "DROPPED": "x"}, source="user"))
     await session.append(*[events.Message(content=f"m{i}", source="user") for i in range(30)])

@@ -41,8 +41,10 @@ def _lean() -> ViewBuilder:
 
 SAVE_EVERY = 10_000
 """The condenser saves its fold of a session (``SessionContext.save_fold``) when it has folded
-this many events since the last save, and when it lets the session go: a new owner reads only
-the log after the saved fold."""
+this many events since the last save: a new owner reads only the log after the saved fold."""
+SAVE_ON_CLOSE = 1_000
+"""...and when it lets the session go with at least this many events folded since (fewer are
+quick to read again, and a drain does not wait for many small saves)."""
 
 
 @dataclass
@@ -131,7 +133,7 @@ class CondenserHandler:
 
     async def close(self, ctx: SessionContext) -> None:
         state = self.states.pop(ctx.session, None)
-        if state is not None and state.builder.last_id > state.saved:
+        if state is not None and state.builder.last_id - state.saved >= SAVE_ON_CLOSE:
             try:
                 await self._save(ctx, state)
             except RiverbedError as exc:  # (a cache: the next owner folds more of the log)

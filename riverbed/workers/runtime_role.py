@@ -67,7 +67,9 @@ def for_runtime(event: events.Event) -> bool:
 
 SAVE_EVERY = 10_000
 """The runtime saves a session's settings (``SessionContext.save_fold``) every this many
-events, and when it lets the session go: a new owner reads only the log after them."""
+events: a new owner reads only the log after them."""
+SAVE_ON_CLOSE = 1_000
+"""...and when it lets the session go with at least this many events seen since."""
 
 
 class _SavedEnv(msgspec.Struct, array_like=True):
@@ -211,7 +213,9 @@ class RuntimeHandler:
 
     async def close(self, ctx: SessionContext) -> None:
         try:
-            await self._save(ctx)
+            folded = self._folds.get(ctx.session)
+            if folded is not None and folded.last - folded.saved >= SAVE_ON_CLOSE:
+                await self._save(ctx)
         except RiverbedError as exc:  # (a cache: the next owner reads more of the log)
             log.info("fold.not_saved", session=ctx.session, error=str(exc))
         finally:
