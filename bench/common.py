@@ -30,6 +30,7 @@ MODULES = (
     "bench.memory",
     "bench.growth",
     "bench.takeover",
+    "bench.sandboxes",
     "bench.serve",
 )
 

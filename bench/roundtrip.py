@@ -181,14 +181,24 @@ class PingPong:
 
 
 class Workers:
-    """``python -m riverbed.workers runtime`` processes under one key prefix."""
+    """``python -m riverbed.workers ROLE…`` processes under one key prefix (the runtime role
+    by default); ``env`` adds variables."""
 
     def __init__(
-        self, url: str, prefix: str, workspace: Path, count: int, capacity: int, sandbox: str = "namespaces"
+        self,
+        url: str,
+        prefix: str,
+        workspace: Path,
+        count: int,
+        capacity: int,
+        sandbox: str = "namespaces",
+        *,
+        roles: tuple[str, ...] = ("runtime",),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.url = url
         self.keys = Keys(prefix)
-        self.names = [f"bench-runtime-{uuid.uuid4().hex[:6]}" for _ in range(count)]
+        self.names = [f"bench-{'-'.join(roles)}-{uuid.uuid4().hex[:6]}" for _ in range(count)]
         env = {
             **os.environ,
             "RIVERBED_REDIS_URL": url,
@@ -197,11 +207,12 @@ class Workers:
             "RIVERBED_CONCURRENCY": str(capacity),
             "RIVERBED_LOG_FORMAT": "json",
             "RIVERBED_SANDBOX": sandbox,
+            **(env or {}),
         }
         self.logs = [(workspace.parent / f"{name}.log").open("wb") for name in self.names]
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "riverbed.workers", "runtime", "--name", name],
+                [sys.executable, "-m", "riverbed.workers", *roles, "--name", name],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -216,7 +227,7 @@ class Workers:
                 for name in self.names:
                     while not await client.exists(self.keys.worker(name)):
                         if any(p.poll() is not None for p in self.procs):
-                            raise RuntimeError("a runtime worker exited early; see its log in the workspace")
+                            raise RuntimeError("a worker exited early; see its log beside the workspace")
                         await anyio.sleep(0.05)
         finally:
             await client.aclose()

@@ -9,7 +9,16 @@ takes 1,000 new sessions at once, each answering one ``file_read``; then:
 - **RSS per 1,000 sessions**: the worker's resident memory after taking them, less its
   resident memory when ready and idle (the baseline printed beside it).
 
-Run alone: ``python -m bench.scale [--quick] [--json]`` (``--quick``: 250 sessions).
+Then the roles that keep something per session for every event, memory and condenser: 10,000
+new sessions of 3 events each (a message, a thought, a message) over 4 ``python -m
+riverbed.workers memory condenser`` processes, until both roles have handled every event of
+every session (the memory role indexed it in Postgres; the texts repeat, so the embedding
+cache answers and the figure is about sessions, not the embedding model's speed).  Reported:
+how long that took (the baseline: writing the 30,000 events), each worker's Redis connections
+(the most of the 4; baseline: a connection per owned session and role) and RSS per 1,000
+owned sessions.
+
+Run alone: ``python -m bench.scale [--quick] [--json]`` (``--quick``: 250 and 2,500 sessions).
 """
 
 from __future__ import annotations
@@ -24,9 +33,12 @@ import anyio
 import redis.asyncio as aioredis
 
 import riverbed
-from bench.common import Result, run_alone
+from bench.common import Result, private_postgres, run_alone
 from bench.roundtrip import Workers, _prepare_workspace
 from riverbed import events
+
+MANY = 10_000
+MANY_WORKERS = 4
 
 TARGET_CONNECTIONS = 20
 
@@ -46,7 +58,112 @@ async def _connections_named(url: str, name: str) -> int:
         await client.aclose()
 
 
+async def _settled(bus: riverbed.Bus, roles: tuple[str, ...], sessions: list[str]) -> None:
+    """Wait until ``roles`` have read and acknowledged every event of every session.
+
+    One ``XINFO GROUPS`` per session still unsettled, every second (a settled session stays
+    settled: nothing more is written to it), so the waiting costs Redis little."""
+    remaining = list(sessions)
+    with anyio.fail_after(1800):
+        while remaining:
+            left: list[str] = []
+            for start in range(0, len(remaining), 1000):
+                chunk = remaining[start : start + 1000]
+                async with bus.redis.pipeline(transaction=False) as pipe:
+                    for session in chunk:
+                        pipe.xinfo_groups(bus.keys.log(session))
+                    replies = await pipe.execute(raise_on_error=False)
+                for session, groups in zip(chunk, replies, strict=True):
+                    done = {}
+                    if isinstance(groups, list):
+                        done = {_text(g["name"]): g["pending"] == 0 and g["lag"] == 0 for g in groups}
+                    if not all(done.get(role) for role in roles):
+                        left.append(session)
+            remaining = left
+            if remaining:
+                await anyio.sleep(1.0)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def _many(url: str, database_url: str, count: int) -> list[Result]:
+    """``count`` sessions over :data:`MANY_WORKERS` memory + condenser workers."""
+    prefix = f"bmc{uuid.uuid4().hex[:6]}"
+    roles = ("memory", "condenser")
+    sessions = [f"many-{i}" for i in range(count)]
+    with tempfile.TemporaryDirectory(prefix="riverbed-bench-many-") as tmp:
+        workspace = Path(tmp) / "workspace"
+        workspace.mkdir()
+        workers = Workers(
+            url, prefix, workspace, MANY_WORKERS, count, roles=roles, env={"RIVERBED_DATABASE_URL": database_url}
+        )
+        try:
+            await workers.wait_ready(timeout=120)
+            async with riverbed.connect(url, prefix=prefix) as bus:
+                # One session per worker first, so that what every worker loads once (the
+                # embedding model, the database pool) is in the idle figure.
+                warm = [f"warm-{i}" for i in range(5 * MANY_WORKERS)]
+                for name in warm:
+                    await bus.session(name).append(events.Message(content="warming up", source="user"))
+                await _settled(bus, roles, warm)
+                await anyio.sleep(1.0)
+                idle = [_rss_mib(p.pid) for p in workers.procs]
+                limiter = anyio.CapacityLimiter(200)
+
+                async def write(i: int) -> None:
+                    async with limiter:
+                        await bus.session(sessions[i]).append(
+                            events.Message(content=f"please look at test case {i % 50}", source="user"),
+                            events.Think(thought=f"case {i % 50} fails on the last line"),
+                            events.Message(content="done for now", source="user"),
+                        )
+
+                started = time.perf_counter()
+                async with anyio.create_task_group() as tg:
+                    for i in range(count):
+                        tg.start_soon(write, i)
+                wrote = time.perf_counter() - started
+                await _settled(bus, roles, sessions)
+                took = time.perf_counter() - started
+                connections = [await _connections_named(url, f"riverbed:{name}") for name in workers.names]
+                rss = [_rss_mib(p.pid) for p in workers.procs]
+                found = [k async for k in bus.redis.scan_iter(match=f"{prefix}:*", count=1000)]
+                for start in range(0, len(found), 500):
+                    await bus.redis.delete(*found[start : start + 500])
+        finally:
+            workers.stop()
+    owned = count / MANY_WORKERS
+    per_thousand = sum(r - i for r, i in zip(rss, idle, strict=True)) / MANY_WORKERS * 1000 / owned
+    most = max(connections)
+    return [
+        Result(
+            f"memory + condenser roles: {count:,} new sessions (3 events each) over {MANY_WORKERS} workers, "
+            "until every event is indexed and condensation-checked", "s", took, wrote,
+            f"writing the {3 * count:,} events", took / wrote, None, 1, better="lower",
+            baseline_unit="s",
+        ),
+        Result(
+            f"Redis connections of one of those workers (the most of the {MANY_WORKERS})", "connections", most,
+            2 * owned, "a connection per owned session and role", most / (2 * owned), TARGET_CONNECTIONS, 1,
+            better="lower", target_on="figure", note=f"each worker: {connections}",
+        ),
+        Result(
+            "their RSS per 1,000 owned sessions (memory + condenser)", "MiB", per_thousand,
+            sum(idle) / MANY_WORKERS, "a worker's RSS idle, warm", per_thousand / (sum(idle) / MANY_WORKERS), None, 1,
+            better="lower",
+        ),
+    ]  # fmt: skip
+
+
 async def measure(url: str, args: argparse.Namespace) -> list[Result]:
+    with private_postgres(args.database_url) as database_url:
+        many = await _many(url, database_url, MANY // 4 if args.quick else MANY)
+    return [*await _one_worker(url, args), *many]
+
+
+async def _one_worker(url: str, args: argparse.Namespace) -> list[Result]:
     count = 250 if args.quick else 1000
     prefix = f"bsc{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory(prefix="riverbed-bench-scale-") as tmp_name:
