@@ -121,7 +121,6 @@ class Session:
             (action_id,) = await self.append(stamped)
             return events.with_id(stamped, action_id)
         started = anyio.current_time()
-        stamped = self.stamp(action)
         ids, after = await self.bus.log_store.append_then_read(
             self.id, [stamped], block_ms=max(1, min(int(timeout * 1000), 1000)), tenant=self._tenant_of([stamped])
         )

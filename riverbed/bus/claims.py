@@ -1,6 +1,7 @@
 """Claims: a runtime owner's atomic "I start this action now", fenced by its token.
 
-Before it runs an action, the owner calls the CLAIM script (``scripts.CLAIM``), which in one
+Before it runs an action with a side effect (a read, ``repeatable``, is run unclaimed: running
+it twice changes nothing), the owner calls the CLAIM script (``scripts.CLAIM``), which in one
 step checks that the caller still holds the session with the current fencing token, that the
 action is not answered, and that nobody claimed it before; then records the claim in the
 session's ``claims`` hash (``keys.claims``) and pushes the owner's lease forward by a whole

@@ -251,16 +251,12 @@ def _run(fn: Callable[[], Awaitable[T]], *, interrupt_code: int | None = None) -
 
 
 def _serve(fn: Callable[[], Awaitable[T]]) -> T:
-    """Run a server's ``fn`` under anyio, leaving signals to it; on uvloop where installed
-    (it takes a tenth to a quarter off every HTTP request)."""
-    try:
-        import uvloop  # noqa: F401, PLC0415
+    """Run a server's ``fn`` under anyio on uvloop where installed (it takes a tenth to a
+    quarter off every HTTP request), leaving signals to it."""
+    from riverbed.workers.main import run_process  # noqa: PLC0415
 
-        options = {"use_uvloop": True}
-    except ImportError:
-        options = {}
     try:
-        return anyio.run(fn, backend_options=options)
+        return run_process(fn)
     except BaseExceptionGroup as group:
         raise _leaf(group) from None
 

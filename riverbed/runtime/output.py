@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import collections
 import errno
+import functools
 import os
 import re
 
@@ -84,13 +85,18 @@ class MarkerScanner:
     """
 
     def __init__(self, prefix: bytes, suffix: bytes) -> None:
-        self._pattern = re.compile(re.escape(prefix) + rb"(-?[0-9]*)" + re.escape(suffix))
         self._prefix = prefix
+        self._suffix = suffix
         self._max_len = len(prefix) + len(suffix) + 12
         self._pending = b""
         self.found = False
         self.payload = ""
         self.rest = b""
+
+    @functools.cached_property
+    def _pattern(self) -> re.Pattern[bytes]:
+        # Compiled on first use: a sandbox whose shell never runs a command never needs it.
+        return re.compile(re.escape(self._prefix) + rb"(-?[0-9]*)" + re.escape(self._suffix))
 
     def reset(self) -> None:
         self._pending = b""

@@ -5,12 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-import anyio
-
 from riverbed.errors import RiverbedError
 from riverbed.logs import configure_logging
 from riverbed.settings import Settings
-from riverbed.workers.main import parse_roles, run_worker
+from riverbed.workers.main import parse_roles, run_process, run_worker
 
 
 def main() -> None:
@@ -22,7 +20,7 @@ def main() -> None:
     configure_logging()
     try:
         settings = Settings.from_env()
-        anyio.run(lambda: run_worker(parse_roles(args.roles), settings, name=args.name, park_after=args.park_after))
+        run_process(lambda: run_worker(parse_roles(args.roles), settings, name=args.name, park_after=args.park_after))
     except RiverbedError as exc:
         sys.exit(f"riverbed worker: {exc}")
 

@@ -226,10 +226,15 @@ class RuntimeHandler:
         """Claim the action, then run it, acknowledge it (answered already) or answer it
         ``runtime_lost`` (another owner started it).  A stale owner's claim raises
         :class:`FencedError`, which ends its session loop before anything runs.  With ``hold``,
-        the answer of an action that ran is returned instead of appended."""
+        the answer of an action that ran is returned instead of appended.
+
+        A read (``repeatable``: no side effect) is run without a claim, saving a round trip:
+        running it twice changes nothing, and its answer is fenced and one-only all the same (a
+        stale owner's is refused; a second answer only acknowledges)."""
         event = entry.event
-        force = isinstance(event, events.Action) and type(event).repeatable
-        claimed = await ctx.claim(entry, force=force)
+        if isinstance(event, events.Action) and type(event).repeatable:
+            return await self._execute(ctx, entry, hold=hold)
+        claimed = await ctx.claim(entry)
         if claimed.status == "ok":
 
             async def still_ours() -> None:
@@ -238,7 +243,7 @@ class RuntimeHandler:
                 crashpoint("start_gate")
                 if claimed.fresh:
                     return
-                claimed = await ctx.claim(entry, force=force, again=claimed)
+                claimed = await ctx.claim(entry, again=claimed)
                 if claimed.status != "ok":
                     raise RiverbedError(f"action {entry.id} was {claimed.status} elsewhere while this worker stalled")
 

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
-import anyio
 import typer
 import typer.core
 import typer.main
@@ -67,7 +66,7 @@ def worker_command(
     prefix: PrefixOption = None,
 ) -> None:
     """Run a long-lived worker for the given roles until SIGTERM/SIGINT (then drain and hand over)."""
-    from riverbed.workers.main import parse_roles, run_worker  # noqa: PLC0415
+    from riverbed.workers.main import parse_roles, run_process, run_worker  # noqa: PLC0415
 
     cli = Invocation(prefix, concurrency=concurrency, metrics_port=metrics_port)
     chosen = parse_roles(roles)
@@ -76,7 +75,7 @@ def worker_command(
     settings = cli.settings
     configure_logging(settings.log_format)
     try:
-        anyio.run(lambda: run_worker(chosen, settings, name=name))
+        run_process(lambda: run_worker(chosen, settings, name=name))
     except BaseExceptionGroup as group:
         raise _leaf(group) from None
 
