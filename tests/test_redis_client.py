@@ -118,3 +118,31 @@ async def test_retry_unavailable_gives_up_once_stopping_and_leaves_other_errors_
     with pytest.raises(ValueError, match="not Redis"):
         await retry_unavailable(broken, first=0.001)
     assert calls == 2
+
+
+async def test_a_connection_closed_under_a_command_is_unavailable_and_the_next_call_goes_through(
+    bus: Bus, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py leaks a transport's internals when a connection is closed while a command is on
+    it (seen in a cluster failover: ``'NoneType' object has no attribute 'writelines'``); that is
+    a lost connection, retried like one, while any other AttributeError stays a bug."""
+    from redis.asyncio.connection import AbstractConnection  # noqa: PLC0415
+
+    send = AbstractConnection.send_packed_command
+    leaks: list[Exception] = []
+
+    async def closed_under_us(self: AbstractConnection, *args: object, **kwargs: object) -> None:
+        if leaks:
+            raise leaks.pop()
+        await send(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", closed_under_us)
+    key = f"{prefix}:{{s}}:k"
+    await bus.redis.hset(key, "f", "v")
+    leaks.append(AttributeError("'NoneType' object has no attribute 'writelines'"))
+    with pytest.raises(UnavailableError, match="closed under a command"):
+        await bus.client.hget(key, "f")
+    assert await retry_unavailable(lambda: bus.client.hget(key, "f")) == b"v"
+    leaks.append(AttributeError("'Entry' object has no attribute 'payload'"))
+    with pytest.raises(AttributeError, match="payload"):
+        await bus.client.hget(key, "f")

@@ -137,7 +137,30 @@ class _CommandTable(AsyncCommandsParser):
         await super().initialize(node)
 
 
-class Shared(aioredis.Redis):
+@contextlib.contextmanager
+def _closed_under_us() -> Iterator[None]:
+    """redis-py can leak a transport's internals when a connection is closed while a command is
+    on it (another task dropped it in a failover, or the peer reset it): ``'NoneType' object has
+    no attribute 'writelines'``, or ``... is not callable`` (redis/redis-py#4287).  That is a
+    lost connection, and :func:`translate` and every retry treat it as one."""
+    try:
+        yield
+    except (AttributeError, TypeError) as exc:
+        if "'NoneType' object" not in str(exc):
+            raise
+        raise rexc.ConnectionError(f"the connection was closed under a command ({exc})") from exc
+
+
+class Standalone(aioredis.Redis):
+    """A standalone client whose commands raise a connection closed under them as lost
+    (:func:`_closed_under_us`)."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        with _closed_under_us():
+            return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+
+
+class Shared(Standalone):
     """A standalone client shared by many tasks: at most ``limit`` commands at once, the rest
     waiting their turn in order (an ``anyio.CapacityLimiter`` is first come, first served; the
     pool's own wait is not, and under load it kept some commands waiting for half a second)."""
@@ -146,7 +169,7 @@ class Shared(aioredis.Redis):
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         async with self.limiter:
-            return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+            return await super().execute_command(*args, **options)
 
 
 class Cluster(RedisCluster):
@@ -162,9 +185,11 @@ class Cluster(RedisCluster):
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         if self.limiter is None:
-            return await super().execute_command(*args, **kwargs)
+            with _closed_under_us():
+                return await super().execute_command(*args, **kwargs)
         async with self.limiter:
-            return await super().execute_command(*args, **kwargs)
+            with _closed_under_us():
+                return await super().execute_command(*args, **kwargs)
 
     async def _determine_slot(self, command: str, *args: Any) -> int:
         keys = stream_read_keys(command, args)
@@ -243,7 +268,7 @@ async def connect_redis(
             shared_client.limiter = anyio.CapacityLimiter(max_connections)
             client: aioredis.Redis = shared_client
         else:
-            client = aioredis.Redis.from_url(url, max_connections=max_connections, **common)
+            client = Standalone.from_url(url, max_connections=max_connections, **common)
     except ValueError as exc:
         raise ConfigError(f"the Redis URL {redact(url)!r} is not valid: {exc}") from exc
     try:
