@@ -194,3 +194,23 @@ async def test_a_new_owner_starts_from_the_saved_fold_and_reads_only_the_log_aft
             await owner.drain(2)
     (opened,) = [e for e in logs if e["event"] == "condenser.opened"]
     assert opened["saved"] == 0
+
+
+async def test_an_idle_session_is_let_go_with_its_view_and_folded_again_when_it_wakes(bus: Bus) -> None:
+    handler = CondenserHandler(llm=None, model=None)
+    owner = Owner(bus.redis, bus.keys, handler, worker="c1", url=bus.url, park_after=0.3)
+    session = bus.session("idle")
+    await session.append(events.SessionConfig(condenser={"strategy": "recent", "max_events": 12, "keep_first": 1}))
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        await session.append(*[events.Message(content=f"m{i}", source="user") for i in range(30)])
+        await wait_for(bus, "idle", lambda log: any(isinstance(e, events.Condensation) for e in log))
+        with anyio.fail_after(5):
+            while "idle" in owner.owned or "idle" in handler.states:
+                await anyio.sleep(0.05)  # parked: nothing of the session is kept
+        answer = await session.act(events.CondensationRequest(), timeout=10)
+        assert isinstance(answer, events.Condensation)
+        state = handler.states["idle"]  # taken again, folded from the log
+        log = await session.events()
+        assert state.builder.view() == fold(log, until=state.builder.last_id)
+        await owner.drain(2)
