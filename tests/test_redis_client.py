@@ -12,7 +12,7 @@ from redis.backoff import NoBackoff
 from riverbed.agent.client import Bus
 from riverbed.bus.backoff import retry_unavailable
 from riverbed.bus.redis_client import RedisClient
-from riverbed.errors import UnavailableError
+from riverbed.errors import ConfigError, UnavailableError
 
 pytestmark = pytest.mark.anyio
 
@@ -146,3 +146,19 @@ async def test_a_connection_closed_under_a_command_is_unavailable_and_the_next_c
     leaks.append(AttributeError("'Entry' object has no attribute 'payload'"))
     with pytest.raises(AttributeError, match="payload"):
         await bus.client.hget(key, "f")
+
+
+async def test_a_redis_older_than_riverbed_needs_is_refused_in_one_sentence(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The append script publishes with SPUBLISH (Redis 7.0): an older server is named at connect,
+    not found out at the first append (the real server here is 7.x, so the bar is raised)."""
+    import riverbed.bus.connection as connection  # noqa: PLC0415
+
+    await (await connection.connect_redis(redis_url)).aclose()  # the server here is new enough
+    monkeypatch.setattr(connection, "REDIS_MIN_VERSION", (99, 0))
+    with pytest.raises(
+        ConfigError,
+        match=r"^the Redis at redis://127\.0\.0\.1:\d+/\d+ is 7\.[\d.]+; riverbed needs Redis 99\.0 or newer$",
+    ):
+        await connection.connect_redis(redis_url)

@@ -231,6 +231,21 @@ POOL_WAIT_SECONDS = 20.0
 CLUSTER_SPARE = 4
 
 
+REDIS_MIN_VERSION = (7, 0)
+"""The oldest Redis riverbed runs on: the append script publishes with ``SPUBLISH`` (Redis 7.0)."""
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``7.0.15`` as (7, 0, 15); what is not a number counts as 0."""
+    return tuple(int(part) if part.isdigit() else 0 for part in text.split(".")[:3])
+
+
+def _check_version(url: str, version: str) -> None:
+    if _version(version) < REDIS_MIN_VERSION:
+        wanted = ".".join(map(str, REDIS_MIN_VERSION))
+        raise ConfigError(f"the Redis at {redact(url)} is {version}; riverbed needs Redis {wanted} or newer")
+
+
 async def connect_redis(
     url: str,
     *,
@@ -273,6 +288,7 @@ async def connect_redis(
         raise ConfigError(f"the Redis URL {redact(url)!r} is not valid: {exc}") from exc
     try:
         with translate(url):
+            _check_version(url, str((await client.info("server")).get("redis_version", "0")))
             info = await client.info("cluster")
     except BaseException:
         await client.aclose()
