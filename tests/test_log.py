@@ -76,6 +76,26 @@ async def test_a_retry_announces_again_what_its_first_try_could_not(bus: Bus) ->
     assert await bus.sessions() == ["unheard"]
 
 
+async def test_the_append_script_announces_a_new_session_itself_where_it_can(bus: Bus, backend: str) -> None:
+    """On a standalone Redis the script that appends a session's first event also announces it
+    to every role and indexes it, in the same atomic step: a client that dies as the script's
+    reply comes back leaves no session nobody heard of.  On a cluster the directories live in
+    another slot, so the reply names the roles and the client announces them next."""
+    prepared = bus.log_store.prepare("told", [(events.encode(events.CmdRun(command="true")), 0)])
+    reply = await bus.log_store.append_script(prepared.keys, prepared.args)  # the reply is dropped
+    heard = {role: await bus.redis.xrange(bus.keys.directory(role)) for role in ROLES}
+    if backend == "standalone":
+        assert reply == [b"ok", 1, 1, 0]
+        assert {role: [f[b"s"] for _id, f in entries] for role, entries in heard.items()} == {
+            role: [b"told"] for role in ROLES
+        }
+        assert await bus.sessions() == ["told"]
+    else:
+        assert reply == [b"ok", 1, 1, 1, *(role.encode() for role in ROLES)]
+        assert heard == {role: [] for role in ROLES}
+        assert await bus.sessions() == []
+
+
 async def test_fencing_refuses_a_stale_token(bus: Bus) -> None:
     session = bus.session("s1")
     await session.append(events.CmdRun(command="true"))

@@ -72,6 +72,8 @@ class Owned:
     scope: anyio.CancelScope
     lost: bool = False
     """Its lease renewal failed (another owner holds it now): the loop was cancelled for it."""
+    meta: tuple[str | None, str] | None = None
+    """The session's tenant and creation stamp as the acquire read them (None: not read)."""
 
 
 class Owner:
@@ -154,9 +156,10 @@ class Owner:
         await self.wait_for(lambda: not self.owned, max(1.0, deadline))
         self._drained.set()
 
-    def start_session(self, session: str, entry: str, token: int) -> None:
-        """Serve ``session``, just acquired with ``token``, in a loop of its own."""
-        owned = self.owned[session] = Owned(entry=entry, token=token, scope=anyio.CancelScope())
+    def start_session(self, session: str, entry: str, token: int, meta: tuple[str | None, str] | None = None) -> None:
+        """Serve ``session``, just acquired with ``token``, in a loop of its own (``meta``: its
+        tenant and creation stamp, when the acquire read them)."""
+        owned = self.owned[session] = Owned(entry=entry, token=token, scope=anyio.CancelScope(), meta=meta)
         assert self._tg is not None
         self._tg.start_soon(SessionLoop(self, session, owned).serve)
 

@@ -94,7 +94,7 @@ class SavedFold(msgspec.Struct, array_like=True):
 class SessionContext:
     """What a handler may do for the session it serves, with the owner's fencing token."""
 
-    def __init__(self, owner: Owner, session: str, token: int) -> None:
+    def __init__(self, owner: Owner, session: str, token: int, meta: tuple[str | None, str] | None = None) -> None:
         self._owner = owner
         self.session = session
         self.role = owner.role
@@ -102,8 +102,9 @@ class SessionContext:
         self.fence = Fence(owner.role, token)
         self.log = owner.log
         self.last_seen = 0
-        self.tenant: str | None = None
-        self._created_stamp: str | None = None
+        self.tenant: str | None = meta[0] if meta else None
+        self._created_stamp: str | None = meta[1] if meta else None
+        self._tenant_read = meta is not None
 
     async def answer(self, entry: Entry, observation: events.Observation, *, ack: bool = True) -> int | None:
         """Append the one observation answering ``entry`` and acknowledge the entry atomically.
@@ -184,18 +185,29 @@ class SessionContext:
             saved = msgspec.msgpack.decode(raw, type=SavedFold)
         except msgspec.DecodeError:
             return None
-        return saved if saved.created == await self._created() else None
+        return saved if saved.created == await self.created() else None
 
     async def save_fold(self, last: int, blob: bytes) -> None:
         """Save this role's fold of events 1..``last`` (derived from the log: any owner's is right)."""
         owner = self._owner
-        saved = SavedFold(created=await self._created(), last=last, blob=blob)
+        saved = SavedFold(created=await self.created(), last=last, blob=blob)
         await owner.client.hset(owner.keys.folds(self.session), self.role, msgspec.msgpack.encode(saved))
 
-    async def _created(self) -> str:
+    async def created(self) -> str:
+        """The log's creation stamp ('' when the session has none: Redis lost it)."""
         if self._created_stamp is None:
             self._created_stamp = (await self.log.meta(self.session)).get("created", "")
         return self._created_stamp
+
+    async def read_tenant(self) -> None:
+        """Set :attr:`tenant` from the session's meta (fixed by its first append) unless it is
+        known: set by hand, or read by the acquire that made this context's owner."""
+        if self.tenant is None and not self._tenant_read:
+            meta = await self.log.meta(self.session)
+            self.tenant = meta.get("tenant") or None
+            if self._created_stamp is None:
+                self._created_stamp = meta.get("created", "")
+            self._tenant_read = True
 
     async def delivered_up_to(self) -> int:
         """The last id the log already delivered to this role's group (0: none)."""

@@ -178,7 +178,7 @@ class Leasing:
         if reclaimed:
             self.owner.stats.takeovers += 1
         log.info("session.acquired", role=self.role, session=claim.session, token=got.token, reclaimed=reclaimed)
-        self.owner.start_session(claim.session, claim.entry, got.token)
+        self.owner.start_session(claim.session, claim.entry, got.token, got.meta)
 
     async def _rebuild_directory(self) -> None:
         """The role's directory group is gone: create it again and let go of every session held

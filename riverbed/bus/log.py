@@ -37,7 +37,7 @@ from riverbed import events
 from riverbed.bus import scripts
 from riverbed.bus.backoff import retry_unavailable
 from riverbed.bus.exchange import stream_entries
-from riverbed.bus.keys import PAYLOAD_FIELD, Keys, require_session
+from riverbed.bus.keys import PAYLOAD_FIELD, ROLES, Keys, require_session
 from riverbed.bus.redis_client import RawClient, RedisClient, StreamEntry, as_client
 from riverbed.errors import (
     AlreadyAnswered,
@@ -127,10 +127,10 @@ class PreparedAppend:
         status = reply[0]
         if status in (b"ok", b"dup"):
             self.appended = status == b"ok"
-            first, count, created = int(reply[1]), int(reply[2]), int(reply[3])
+            first, count, index = int(reply[1]), int(reply[2]), int(reply[3])
             need = [r.decode() for r in reply[4:]]
-            if need or created:
-                await self.log.announce(self.session, need, created=bool(created))
+            if need or index:
+                await self.log.announce(self.session, need, created=bool(index))
             return list(range(first, first + count))
         if status == b"conflict":
             raise AppendConflict(self.session, self.expected_last or 0, int(reply[1]))
@@ -245,6 +245,7 @@ class Log:
             tenant or "",
             len(batch),
             "1" if pass_own else "",
+            session,
         ]
         for payload, cause in batch:
             args.append(payload)
@@ -258,6 +259,9 @@ class Log:
             keys.claims(session),
             keys.wake(session),
         ]
+        if not self.redis.cluster:
+            # Keys of other slots: on a standalone Redis the script announces the session itself.
+            script_keys += [*(keys.directory(role) for role in ROLES), keys.sessions]
         return PreparedAppend(self, session, script_keys, args, expected_last, fence, tenant)
 
     async def append_then_read(
@@ -272,6 +276,7 @@ class Log:
         prepared = self.prepare(session, [(events.encode(e), answered_cause(e)) for e in batch], tenant=tenant)
         read = ("XREAD", "COUNT", PAGE, "BLOCK", block_ms, "STREAMS", self.keys.log(session), "$")
         try:
+            await self.append_script.load()
             async with self.redis.exchange(prepared.command, read) as replies:
                 if replies is not None:
                     ids = await prepared.outcome(await replies.read())

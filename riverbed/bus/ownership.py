@@ -52,6 +52,8 @@ class Acquired:
     holder_entry: str
     left_ms: int = 0
     """With token 0: how long the holder's lease still runs."""
+    meta: tuple[str | None, str] | None = None
+    """With a token: the session's tenant and creation stamp, read by the acquire."""
 
 
 class Leases:
@@ -100,7 +102,10 @@ class Leases:
         reply = await self._acquire(
             [self.keys.meta(claim.session)], [self.role, self.worker, self.lease_ms, claim.entry]
         )
-        return Acquired(int(reply[0]), _text(reply[1]), _text(reply[2]), int(reply[3]) if len(reply) > 3 else 0)
+        token = int(reply[0])
+        if token == 0:
+            return Acquired(0, _text(reply[1]), _text(reply[2]), int(reply[3]))
+        return Acquired(token, _text(reply[1]), _text(reply[2]), meta=(_text(reply[4]) or None, _text(reply[5])))
 
     async def holds(self, session: str, token: int) -> bool:
         """Whether this worker still holds ``session`` with fencing token ``token``.  False also

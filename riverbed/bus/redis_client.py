@@ -33,9 +33,10 @@ import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Generic, TypeAlias, TypedDict, TypeVar, cast
 
+import anyio
 import redis.exceptions as rexc
 from redis.asyncio.client import Pipeline as RawPipeline
-from redis.asyncio.cluster import ClusterPipeline
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.commands.core import AsyncScript
 from redis.typing import EncodableT
 
@@ -101,6 +102,11 @@ class RedisClient:
     def __init__(self, raw: RawClient, url: str = "redis") -> None:
         self._raw = raw
         self.url = redact(url)
+
+    @property
+    def cluster(self) -> bool:
+        """Whether this is a Redis Cluster client (a script then touches one slot only)."""
+        return isinstance(self._raw, RedisCluster)
 
     @property
     def raw(self) -> RawClient:
@@ -296,6 +302,8 @@ class Script:
     def __init__(self, script: AsyncScript, url: str) -> None:
         self._script = script
         self._url = url
+        self._loaded = False
+        self._loading = anyio.Lock()
 
     @property
     def sha(self) -> str:
@@ -305,6 +313,19 @@ class Script:
         """The script's reply, as Lua returned it (riverbed's scripts document theirs)."""
         with translate(self._url):
             return await self._script(keys=list(keys), args=list(args))
+
+    async def load(self) -> None:
+        """Load the script into the server's cache once, before ``EVALSHA`` goes out by itself
+        (in an exchange, which cannot load it on ``NOSCRIPT``): a thousand first callers at once
+        wait for one ``SCRIPT LOAD`` instead of each failing and starting over.  A server that
+        lost its cache later answers ``NOSCRIPT`` again, and the caller runs the script alone."""
+        if self._loaded:
+            return
+        async with self._loading:
+            if not self._loaded:
+                with translate(self._url):
+                    await self._script.registered_client.script_load(self._script.script)
+                self._loaded = True
 
 
 class Reply(Generic[T]):

@@ -12,12 +12,17 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: log, meta, answers, idem, claims, wake (the session's shard channel: ``bus/wakeups.py``)
+# KEYS: log, meta, answers, idem, claims, wake (the session's shard channel: ``bus/wakeups.py``),
+#       and on a standalone Redis also the runtime, memory and condenser directories and the
+#       sessions index (other slots: a cluster client announces in a second step instead)
 # ARGV: expected_last ('' = any), idem_ttl_ms ('' = no idempotency key), role ('' = not an owner),
 #       token, ack_group ('' = none), ack_id, tenant, n, pass_own ('1': the acking group need not
-#       see this answer), then n pairs (payload, answered cause or 0)
-# Replies: {'ok', first, count, created, need...} | {'dup', first, count, created, need...} | {'conflict', last}
+#       see this answer), session, then n pairs (payload, answered cause or 0)
+# Replies: {'ok', first, count, index, need...} | {'dup', first, count, index, need...} | {'conflict', last}
 #          | {'fenced', current} | {'answered', cause, existing id} | {'tenant', the session's tenant ('' none)}
+# index 1: the append created the session and the caller adds it to the sessions index; need: the
+# roles the caller announces the session to.  With the directories among the KEYS, the script
+# does both itself (in the same atomic step as the append) and names neither.
 # The first append pins the session's tenant (none is a tenant too); any later append that is not
 # a role owner's must name the same one, checked before anything else (a retry included; only a
 # conflict with expected_last is told first).
@@ -63,7 +68,7 @@ if ARGV[3] ~= '' then
 end
 local n = tonumber(ARGV[8])
 for i = 0, n - 1 do
-  local cause = ARGV[11 + 2 * i]
+  local cause = ARGV[12 + 2 * i]
   if cause ~= '0' then
     local existing = redis.call('HGET', KEYS[3], cause)
     if existing then return {'answered', tonumber(cause), tonumber(existing)} end
@@ -78,8 +83,8 @@ end
 local first = last + 1
 for i = 0, n - 1 do
   last = last + 1
-  redis.call('XADD', KEYS[1], last .. '-0', 'e', ARGV[10 + 2 * i])
-  local cause = ARGV[11 + 2 * i]
+  redis.call('XADD', KEYS[1], last .. '-0', 'e', ARGV[11 + 2 * i])
+  local cause = ARGV[12 + 2 * i]
   if cause ~= '0' then
     redis.call('HSET', KEYS[3], cause, last)
     redis.call('HDEL', KEYS[5], cause)  -- answered: its claim has done its job
@@ -109,14 +114,23 @@ if ARGV[5] ~= '' then
   end
 end
 redis.call('SPUBLISH', KEYS[6], wake)
+local inline = #KEYS > 6
 local reply = {'ok', first, n, created}
-for _, role in ipairs({'runtime', 'memory', 'condenser'}) do
+if inline and created == 1 then
+  redis.call('ZADD', KEYS[10], 'NX', now / 1000, ARGV[10])
+  reply[4] = 0
+end
+for i, role in ipairs({'runtime', 'memory', 'condenser'}) do
   -- need:<role> holds when the session was last announced to that role (0: never); announce
   -- again at most every ANNOUNCE_MS while no owner has taken it (an announce may be lost).
   local announced = redis.call('HGET', KEYS[2], 'need:' .. role)
   if announced and now - tonumber(announced) >= ANNOUNCE_MS then
     redis.call('HSET', KEYS[2], 'need:' .. role, now)
-    table.insert(reply, role)
+    if inline then
+      redis.call('XADD', KEYS[6 + i], '*', 's', ARGV[10])
+    else
+      table.insert(reply, role)
+    end
   end
 end
 return reply
@@ -124,8 +138,9 @@ return reply
 )
 
 # KEYS: meta.  ARGV: role, worker, lease_ms, directory entry id.
-# Replies: {token, holder, holder's directory entry, ms left of the holder's lease}; token 0 when
-# another live worker holds it.
+# Replies: {token, holder, holder's directory entry, ms left of the holder's lease, tenant, created};
+# token 0 when another live worker holds it.  The session's tenant ('' none) and creation stamp come
+# with a new token, so the new owner starts without reading the meta hash again.
 ACQUIRE = (
     _NOW
     + """
@@ -138,7 +153,8 @@ local token = redis.call('HINCRBY', KEYS[1], 'fence:' .. ARGV[1], 1)
 redis.call('HSET', KEYS[1], 'holder:' .. ARGV[1], ARGV[2], 'expires:' .. ARGV[1], now + tonumber(ARGV[3]),
   'entry:' .. ARGV[1], ARGV[4])
 redis.call('HDEL', KEYS[1], 'need:' .. ARGV[1])
-return {token, ARGV[2], ARGV[4]}
+local meta = redis.call('HMGET', KEYS[1], 'tenant', 'created')
+return {token, ARGV[2], ARGV[4], 0, meta[1] or '', meta[2] or ''}
 """
 )
 

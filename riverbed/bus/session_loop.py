@@ -60,7 +60,7 @@ class SessionLoop:
         self.owner = owner
         self.session = session
         self.owned = owned
-        self.ctx = SessionContext(owner, session, owned.token)
+        self.ctx = SessionContext(owner, session, owned.token, owned.meta)
         self.held: Answer | None = None
         self.hot = False
         """The last read delivered entries: the next one may wait for more on a hot connection."""
@@ -206,6 +206,7 @@ class SessionLoop:
             prepared = ctx.prepare_answer(*held)
             answered = False
             try:
+                await owner.log.append_script.load()
                 async with client.exchange(prepared.command, read) as replies:
                     if replies is not None:
                         await ctx.answered(held.entry, await prepared.outcome(await replies.read()))

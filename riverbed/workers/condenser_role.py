@@ -78,8 +78,7 @@ class CondenserHandler:
         self.states: dict[str, _State] = {}
 
     async def open(self, ctx: SessionContext) -> None:
-        if ctx.tenant is None:
-            ctx.tenant = (await ctx.log.meta(ctx.session)).get("tenant") or None
+        await ctx.read_tenant()
         group_next = await ctx.delivered_up_to()
         state = await self._thawed(ctx) or _State()
         folded = 0

@@ -63,8 +63,7 @@ class MemoryHandler:
         return self.memory.cache
 
     async def open(self, ctx: SessionContext) -> None:
-        if ctx.tenant is None:
-            ctx.tenant = (await ctx.log.meta(ctx.session)).get("tenant") or None
+        await ctx.read_tenant()
 
     async def close(self, ctx: SessionContext) -> None:
         self._scanned.pop(ctx.session, None)
@@ -127,7 +126,7 @@ class MemoryHandler:
         """Once per session loop: drop the rows of an earlier log of this session id."""
         if ctx.session in self._logs:
             return
-        created = (await ctx.log.meta(ctx.session)).get("created")
+        created = await ctx.created()
         if created and await self.memory.store.start_log(ctx.session, created):
             log.warning("memory.log_restarted", session=ctx.session, detail="rows of the lost log were dropped")
         self._logs.add(ctx.session)

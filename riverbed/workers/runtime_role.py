@@ -98,8 +98,7 @@ class RuntimeHandler:
         await self.runtime.watch(task_status=task_status)
 
     async def open(self, ctx: SessionContext) -> None:
-        if ctx.tenant is None:  # the session's tenant, fixed by its first append
-            ctx.tenant = (await ctx.log.meta(ctx.session)).get("tenant") or None
+        await ctx.read_tenant()  # the session's tenant, fixed by its first append
         await self._fold(ctx)
 
     async def _fold(self, ctx: SessionContext, until: int | None = None) -> None:
