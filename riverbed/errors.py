@@ -35,6 +35,12 @@ class ConfigError(RiverbedError):
     """The configuration is wrong; the message names the setting and how to fix it."""
 
 
+REDIS_MIN_VERSION = (7, 0)
+"""The oldest Redis riverbed runs on (the append script publishes with ``SPUBLISH``, Redis 7.0):
+an older server is a :class:`ConfigError` at connect, an older ``redis-server`` binary a
+:class:`ServiceError` when the embedded services start."""
+
+
 class InputError(RiverbedError):
     """An input (JSON, event kind, field, path) is not acceptable."""
 

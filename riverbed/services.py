@@ -26,8 +26,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from riverbed.bus.connection import REDIS_MIN_VERSION
-from riverbed.errors import ServiceError
+from riverbed.errors import REDIS_MIN_VERSION, ServiceError
 
 __all__ = [
     "Services",

@@ -32,7 +32,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.cluster import PRIMARY
 
-from riverbed.errors import ConfigError, InputError, UnavailableError
+from riverbed.errors import REDIS_MIN_VERSION, ConfigError, InputError, UnavailableError
 
 __all__ = ["Cluster", "RawClient", "connect_redis", "redact", "stream_read_keys", "too_large", "translate"]
 
@@ -229,10 +229,6 @@ POOL_WAIT_SECONDS = 20.0
 #: Connections a shared cluster client may open per node beyond its command limit (pipelines
 #: and transactions are not counted by the limit).
 CLUSTER_SPARE = 4
-
-
-REDIS_MIN_VERSION = (7, 0)
-"""The oldest Redis riverbed runs on: the append script publishes with ``SPUBLISH`` (Redis 7.0)."""
 
 
 def _version(text: str) -> tuple[int, ...]:
