@@ -116,13 +116,13 @@ class Session:
         if not (timeout > 0 and math.isfinite(timeout)):
             raise InputError(f"the act timeout must be a finite number of seconds greater than 0, not {timeout}")
         stamped = self.stamp(action)
-        self.bus.check(stamped)
+        payload = self.bus.check(stamped)
         if type(action).answered_by is None:
             (action_id,) = await self.append(stamped)
             return events.with_id(stamped, action_id)
         started = anyio.current_time()
         ids, after = await self.bus.log_store.append_then_read(
-            self.id, [stamped], block_ms=max(1, min(int(timeout * 1000), 1000)), tenant=self._tenant_of([stamped])
+            self.id, [(payload, 0)], block_ms=max(1, min(int(timeout * 1000), 1000)), tenant=self._tenant_of([stamped])
         )
         action_id = ids[0]
         answer = _answer_among(after, action_id)

@@ -265,15 +265,15 @@ class Log:
         return PreparedAppend(self, session, script_keys, args, expected_last, fence, tenant)
 
     async def append_then_read(
-        self, session: str, batch: Sequence[events.Event], *, block_ms: int, tenant: str | None = None
+        self, session: str, batch: Sequence[tuple[bytes, int]], *, block_ms: int, tenant: str | None = None
     ) -> tuple[list[int], list[tuple[int, bytes]]]:
-        """Append ``batch`` and, in the same round trip, wait up to ``block_ms`` for the first
-        entries after it: (new ids, (id, payload) pairs).
+        """Append ``batch`` ((payload, answered cause) pairs of actions) and, in the same round
+        trip, wait up to ``block_ms`` for the first entries after it: (new ids, (id, payload) pairs).
 
         The pairs can miss entries that follow the append (after a broken connection, or on a
         cluster, where the two commands go one by one): callers tail from the ids to be sure.
         """
-        prepared = self.prepare(session, [(events.encode(e), answered_cause(e)) for e in batch], tenant=tenant)
+        prepared = self.prepare(session, batch, tenant=tenant)
         read = ("XREAD", "COUNT", PAGE, "BLOCK", block_ms, "STREAMS", self.keys.log(session), "$")
         try:
             await self.append_script.load()
