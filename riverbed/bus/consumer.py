@@ -39,13 +39,14 @@ from riverbed.bus.connection import RawClient
 from riverbed.bus.dispatch import Dispatcher
 from riverbed.bus.dlq import DeadLetters
 from riverbed.bus.failures import Failures
+from riverbed.bus.grouped import GroupedAnswers, GroupedReads
 from riverbed.bus.handling import Answer, Entry, Handler, OwnerStats, SessionContext
 from riverbed.bus.keys import Keys
 from riverbed.bus.leasing import Leasing
 from riverbed.bus.log import Log
 from riverbed.bus.ownership import Leases
 from riverbed.bus.redis_client import RedisClient, as_client
-from riverbed.bus.session_loop import SessionLoop
+from riverbed.bus.session_loop import READ_COUNT, SessionLoop
 from riverbed.bus.wakeups import Wakeups
 from riverbed.errors import UnavailableError
 
@@ -123,6 +124,10 @@ class Owner:
         """Shared by the worker's roles; an owner made alone runs its own."""
         self.hot = hot
         """Without it every read is a non-blocking one after a wake-up."""
+        self.reads = GroupedReads(self.client, self.role, worker, READ_COUNT)
+        self.answers = GroupedAnswers(self.client)
+        """The sessions' reads without waiting, and answers sent on their own, go together when
+        their loops were woken together (``bus/grouped.py``)."""
         self.dispatcher = Dispatcher(self)
         self.leasing = Leasing(self)
         self._changed = anyio.Event()

@@ -231,6 +231,18 @@ class RedisClient:
         with translate(self.url):
             return _stream_reply(await self._raw.xreadgroup(group, consumer, {key: after}, count=count, block=block))
 
+    async def xreadgroup_many(
+        self, group: str, consumer: str, keys: Sequence[str], *, count: int
+    ) -> dict[str, list[StreamEntry]]:
+        """New entries (``>``) of several streams for ``consumer`` in one command, by key (a
+        stream with none is absent).  Its keys must share a slot on a cluster."""
+        with translate(self.url):
+            reply = await self._raw.xreadgroup(group, consumer, dict.fromkeys(keys, ">"), count=count)
+        if not reply:
+            return {}
+        pairs = reply.items() if isinstance(reply, dict) else reply
+        return {(key.decode() if isinstance(key, bytes) else key): _entries(entries) for key, entries in pairs}
+
     async def xack(self, key: str, group: str, *ids: str) -> int:
         with translate(self.url):
             return int(await self._raw.xack(key, group, *ids))

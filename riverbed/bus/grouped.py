@@ -1,0 +1,157 @@
+"""Commands of many sessions' loops in one round trip: the loops woken in the same turn go together.
+
+An owned session's loop reads its log without blocking when its wake-up rings, and sends the
+answer it holds on its own when no blocking read can carry it (``bus/session_loop.py``).  A
+worker with hundreds of busy sessions has many bells ringing in one turn of the event loop,
+and each command alone costs a turn of the connection pool, a write, a reply and its parse.
+A :class:`Gather` lets the first loop to ask lead: it yields once, so the loops woken with it
+join, then sends everybody's commands in one write and hands each loop its own reply.
+
+- :class:`GroupedReads`: one ``XREADGROUP GROUP <role> <worker> COUNT n STREAMS k1 k2 … > > …``
+  for every session that joined (``COUNT`` applies per stream);
+- :class:`GroupedAnswers`: the answers' append scripts in one write (``bus/exchange.py``),
+  each reply read in turn.
+
+Only on a standalone Redis: a cluster command's keys must share a slot, and sessions spread
+over the slots, so there each loop sends its own.  Whatever goes wrong with a grouped round
+trip (one log whose group is gone fails a whole grouped read with ``NOGROUP``; a connection
+breaks), each loop it concerned does its own command alone and meets its own outcome, which
+its loop knows how to handle (rebuild its group, back off, retry under the same idempotency key).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import anyio
+import anyio.lowlevel
+import redis.exceptions as rexc
+
+from riverbed.bus.log import PreparedAppend
+from riverbed.bus.redis_client import RedisClient, StreamEntry
+
+__all__ = ["Gather", "GroupedAnswers", "GroupedReads"]
+
+#: How long the leader of a grouped round trip waits for its replies, shielded from its own
+#: cancellation (the loops that joined it wait for theirs), before every one of them goes alone.
+LEAD_TIMEOUT_SECONDS = 5.0
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class _Alone:
+    """The reply slot of a command that must go alone (the grouped round trip failed for it)."""
+
+
+ALONE = _Alone()
+
+
+class _Join(Generic[R]):
+    __slots__ = ("done", "reply")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.reply: R | _Alone = ALONE
+
+
+class Gather(Generic[T, R]):
+    """Items asked for in the same turn of the event loop, sent by ``send`` in one round trip.
+
+    ``send`` gets the items (two or more) and returns one reply per item, in order: a value, or
+    :data:`ALONE` for an item whose caller must do its command alone.  A lone item is never
+    sent: :meth:`join` answers :data:`ALONE` and its caller goes alone at once.
+    """
+
+    def __init__(self, send: Callable[[list[T]], Awaitable[Sequence[R | _Alone]]]) -> None:
+        self._send = send
+        self._gathering: list[tuple[T, _Join[R]]] | None = None
+        self.round_trips = 0
+        """Grouped round trips sent (each for two or more items)."""
+        self.items = 0
+        """Items those round trips carried."""
+
+    async def join(self, item: T) -> R | _Alone:
+        gathering = self._gathering
+        join: _Join[R] = _Join()
+        if gathering is not None:
+            gathering.append((item, join))
+            await join.done.wait()
+            return join.reply
+        gathering = self._gathering = [(item, join)]
+        try:
+            with anyio.CancelScope(shield=True):
+                await anyio.lowlevel.checkpoint()  # the loops woken in this turn run now, and join
+        finally:
+            self._gathering = None
+        if len(gathering) > 1:
+            with anyio.CancelScope(shield=True):
+                await self._lead(gathering)
+        return join.reply
+
+    async def _lead(self, gathering: list[tuple[T, _Join[R]]]) -> None:
+        self.round_trips += 1
+        self.items += len(gathering)
+        replies: Sequence[R | _Alone] = ()
+        try:
+            with anyio.fail_after(LEAD_TIMEOUT_SECONDS):
+                replies = await self._send([item for item, _join in gathering])
+        except Exception:  # every caller goes alone and meets its own outcome
+            replies = ()
+        for index, (_item, join) in enumerate(gathering):
+            join.reply = replies[index] if index < len(replies) else ALONE
+            join.done.set()
+
+
+class GroupedReads:
+    """New entries of one role's sessions, read together when their loops ask together."""
+
+    def __init__(self, client: RedisClient, group: str, consumer: str, count: int) -> None:
+        self._client = client
+        self._group = group
+        self._consumer = consumer
+        self._count = count
+        self.gather: Gather[str, list[StreamEntry]] = Gather(self._send)
+
+    async def read(self, key: str) -> list[StreamEntry]:
+        """The new entries of the log at ``key`` for this owner (none waited for)."""
+        if not self._client.cluster:
+            got = await self.gather.join(key)
+            if not isinstance(got, _Alone):
+                return got
+        return await self._client.xreadgroup(self._group, self._consumer, key, ">", count=self._count)
+
+    async def _send(self, keys: list[str]) -> list[list[StreamEntry] | _Alone]:
+        if len(set(keys)) < len(keys):  # one loop per session: never expected, never wrong
+            return [ALONE] * len(keys)
+        got = await self._client.xreadgroup_many(self._group, self._consumer, keys, count=self._count)
+        return [got.get(key, []) for key in keys]
+
+
+class GroupedAnswers:
+    """Answers' append scripts of one role's sessions, sent together when their loops send together."""
+
+    def __init__(self, client: RedisClient) -> None:
+        self._client = client
+        self.gather: Gather[PreparedAppend, Any] = Gather(self._send)
+
+    async def reply(self, prepared: PreparedAppend) -> Any:
+        """The script's raw reply, or :data:`ALONE`: the caller runs ``prepared`` alone (its
+        idempotency key makes that safe even if the grouped write reached Redis)."""
+        if self._client.cluster:
+            return ALONE
+        return await self.gather.join(prepared)
+
+    async def _send(self, prepared: list[PreparedAppend]) -> list[Any]:
+        await prepared[0].log.append_script.load()
+        replies: list[Any] = [ALONE] * len(prepared)
+        async with self._client.exchange(*(p.command for p in prepared)) as exchanged:
+            if exchanged is None:
+                return replies
+            for index in range(len(prepared)):
+                try:
+                    replies[index] = await exchanged.read()
+                except rexc.ResponseError:
+                    replies[index] = ALONE  # this one alone: NOSCRIPT, or a refusal it should see itself
+        return replies

@@ -1,0 +1,108 @@
+"""Commands of session loops woken together go in one round trip, each loop gets its own reply,
+and whatever fails for the group falls back to each loop's own command (``bus/grouped.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from riverbed import events
+from riverbed.agent.client import Bus
+from riverbed.bus.grouped import ALONE, GroupedAnswers, GroupedReads
+from riverbed.bus.redis_client import StreamEntry
+
+pytestmark = pytest.mark.anyio
+
+GROUP = "runtime"
+
+
+async def _logs(bus: Bus, sessions: list[str]) -> list[str]:
+    """Each session's log with the role's group and two entries of its own."""
+    keys = [bus.keys.log(s) for s in sessions]
+    for session, key in zip(sessions, keys, strict=True):
+        await bus.session(session).append(events.Think(thought=f"{session} 1"), events.Think(thought=f"{session} 2"))
+        await bus.client.xgroup_create(key, GROUP, "0")
+    return keys
+
+
+async def _together(fns: list[Any]) -> list[Any]:
+    """Run every fn at once (started in the same turn of the event loop); their results in order."""
+    out: list[Any] = [None] * len(fns)
+
+    async def run(i: int) -> None:
+        out[i] = await fns[i]()
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(fns)):
+            tg.start_soon(run, i)
+    return out
+
+
+def _thoughts(entries: list[StreamEntry]) -> list[str]:
+    return [events.decode(fields[b"e"]).thought for _id, fields in entries]  # type: ignore[attr-defined]
+
+
+async def test_reads_asked_together_go_in_one_command_and_each_gets_its_own_entries(bus: Bus, backend: str) -> None:
+    sessions = [f"g{i}" for i in range(6)]
+    keys = await _logs(bus, sessions)
+    reads = GroupedReads(bus.client, GROUP, "w1", 100)
+    got = await _together([lambda k=k: reads.read(k) for k in keys])
+    assert [_thoughts(entries) for entries in got] == [[f"{s} 1", f"{s} 2"] for s in sessions]
+    # On a cluster the sessions' logs are in other slots: each loop reads alone.
+    assert (reads.gather.round_trips, reads.gather.items) == ((1, 6) if backend == "standalone" else (0, 0))
+    # Nothing new: each gets nothing, and a loop that asks alone is never held back.
+    assert await _together([lambda k=k: reads.read(k) for k in keys]) == [[]] * 6
+    assert await reads.read(keys[0]) == []
+
+
+async def test_a_log_without_its_group_fails_only_its_own_read(bus: Bus) -> None:
+    """One missing group fails a grouped XREADGROUP as a whole (NOGROUP): every loop then reads
+    alone, the others get their entries and the one without a group meets its own error."""
+    sessions = [f"n{i}" for i in range(4)]
+    keys = await _logs(bus, sessions)
+    await bus.client.raw.xgroup_destroy(keys[2], GROUP)
+    reads = GroupedReads(bus.client, GROUP, "w1", 100)
+    out: list[Any] = [None] * 4
+
+    async def read(i: int) -> None:
+        try:
+            out[i] = _thoughts(await reads.read(keys[i]))
+        except Exception as exc:
+            out[i] = str(exc)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(read, i)
+    assert [out[0], out[1], out[3]] == [["n0 1", "n0 2"], ["n1 1", "n1 2"], ["n3 1", "n3 2"]]
+    assert out[2].startswith("NOGROUP")
+
+
+async def test_answers_sent_together_get_their_own_replies_and_a_failing_one_goes_alone(bus: Bus, backend: str) -> None:
+    """Answers' append scripts in one write: each caller's reply is its own append's; one whose
+    script fails (a log key of the wrong type) is left to run alone and see its error itself."""
+    sessions = [f"a{i}" for i in range(5)]
+    for session in sessions:
+        await bus.session(session).append(events.CmdRun(command="true"))
+    await bus.redis.delete(bus.keys.log("a3"))
+    await bus.redis.set(bus.keys.log("a3"), "not a stream")
+    answers = GroupedAnswers(bus.client)
+    prepared = [
+        bus.log_store.prepare(s, [(events.encode(events.CmdOutput(content=s, exit_code=0, cause=1)), 1)])
+        for s in sessions
+    ]
+    replies = await _together([lambda p=p: answers.reply(p) for p in prepared])
+    if backend == "cluster":
+        assert all(reply is ALONE for reply in replies)
+        return
+    assert [reply is ALONE for reply in replies] == [False, False, False, True, False]
+    for session, p, reply in zip(sessions, prepared, replies, strict=True):
+        if session != "a3":
+            assert await p.outcome(reply) == [2]
+            (answer,) = await bus.session(session).events(2, 2)
+            assert isinstance(answer, events.CmdOutput)
+            assert answer.content == session
+    assert (answers.gather.round_trips, answers.gather.items) == (1, 5)
+    with pytest.raises(Exception, match="WRONGTYPE"):
+        await prepared[3].run()
