@@ -10,7 +10,7 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.client import Bus
-from riverbed.bus.grouped import ALONE, GroupedAnswers, GroupedReads
+from riverbed.bus.grouped import ALONE, GroupedAnswers, GroupedPending, GroupedReads
 from riverbed.bus.redis_client import StreamEntry
 
 pytestmark = pytest.mark.anyio
@@ -106,3 +106,33 @@ async def test_answers_sent_together_get_their_own_replies_and_a_failing_one_goe
     assert (answers.gather.round_trips, answers.gather.items) == (1, 5)
     with pytest.raises(Exception, match="WRONGTYPE"):
         await prepared[3].run()
+
+
+async def test_stray_checks_asked_together_count_each_logs_own_pending_entries(bus: Bus, backend: str) -> None:
+    """The loops' checks for entries pending with nobody on them go in one write; each counts
+    its own log's, and a log without the group fails only its own check (NOGROUP)."""
+    sessions = [f"p{i}" for i in range(4)]
+    keys = await _logs(bus, sessions)
+    reads = GroupedReads(bus.client, GROUP, "gone-owner", 100)
+    await reads.read(keys[1])  # delivered, never acknowledged: two strays
+    await reads.read(keys[3])
+    await bus.client.xack(keys[3], GROUP, "1-0")  # one of them answered
+    await bus.client.raw.xgroup_destroy(keys[2], GROUP)
+    pending = GroupedPending(bus.client, GROUP)
+    out: list[Any] = [None] * 4
+
+    async def count(i: int) -> None:
+        try:
+            out[i] = await pending.count(keys[i])
+        except Exception as exc:
+            out[i] = str(exc)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(count, i)
+    # The count says whether any is pending (alone, it reads at most one entry's details).
+    assert [bool(out[0]), bool(out[1]), bool(out[3])] == [False, True, True]
+    assert out[2].startswith("NOGROUP")
+    if backend == "standalone":
+        assert [out[1], out[3]] == [2, 1]
+        assert (pending.gather.round_trips, pending.gather.items) == (1, 4)

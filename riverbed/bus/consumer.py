@@ -39,7 +39,7 @@ from riverbed.bus.connection import RawClient
 from riverbed.bus.dispatch import Dispatcher
 from riverbed.bus.dlq import DeadLetters
 from riverbed.bus.failures import Failures
-from riverbed.bus.grouped import GroupedAnswers, GroupedReads
+from riverbed.bus.grouped import GroupedAnswers, GroupedPending, GroupedReads
 from riverbed.bus.handling import Answer, Entry, Handler, OwnerStats, SessionContext
 from riverbed.bus.keys import Keys
 from riverbed.bus.leasing import Leasing
@@ -126,8 +126,9 @@ class Owner:
         """Without it every read is a non-blocking one after a wake-up."""
         self.reads = GroupedReads(self.client, self.role, worker, READ_COUNT)
         self.answers = GroupedAnswers(self.client)
-        """The sessions' reads without waiting, and answers sent on their own, go together when
-        their loops were woken together (``bus/grouped.py``)."""
+        self.pending = GroupedPending(self.client, self.role)
+        """The sessions' reads without waiting, answers sent on their own and checks for stray
+        entries go together when their loops ask together (``bus/grouped.py``)."""
         self.dispatcher = Dispatcher(self)
         self.leasing = Leasing(self)
         self._changed = anyio.Event()

@@ -10,7 +10,9 @@ join, then sends everybody's commands in one write and hands each loop its own r
 - :class:`GroupedReads`: one ``XREADGROUP GROUP <role> <worker> COUNT n STREAMS k1 k2 … > > …``
   for every session that joined (``COUNT`` applies per stream);
 - :class:`GroupedAnswers`: the answers' append scripts in one write (``bus/exchange.py``),
-  each reply read in turn.
+  each reply read in turn;
+- :class:`GroupedPending`: the loops' periodic checks for entries left pending with nobody
+  working on them, one ``XPENDING <log> <role>`` each in one write.
 
 Only on a standalone Redis: a cluster command's keys must share a slot, and sessions spread
 over the slots, so there each loop sends its own.  Whatever goes wrong with a grouped round
@@ -31,7 +33,7 @@ import redis.exceptions as rexc
 from riverbed.bus.log import PreparedAppend
 from riverbed.bus.redis_client import RedisClient, StreamEntry
 
-__all__ = ["Gather", "GroupedAnswers", "GroupedReads"]
+__all__ = ["Gather", "GroupedAnswers", "GroupedPending", "GroupedReads"]
 
 #: How long the leader of a grouped round trip waits for its replies, shielded from its own
 #: cancellation (the loops that joined it wait for theirs), before every one of them goes alone.
@@ -145,13 +147,41 @@ class GroupedAnswers:
 
     async def _send(self, prepared: list[PreparedAppend]) -> list[Any]:
         await prepared[0].log.append_script.load()
-        replies: list[Any] = [ALONE] * len(prepared)
-        async with self._client.exchange(*(p.command for p in prepared)) as exchanged:
-            if exchanged is None:
-                return replies
-            for index in range(len(prepared)):
-                try:
-                    replies[index] = await exchanged.read()
-                except rexc.ResponseError:
-                    replies[index] = ALONE  # this one alone: NOSCRIPT, or a refusal it should see itself
-        return replies
+        return await _exchanged(self._client, [p.command for p in prepared])
+
+
+class GroupedPending:
+    """How many entries of a session's log are pending for one role, asked together when the
+    loops check together (each check otherwise costs a detailed ``XPENDING`` of its own)."""
+
+    def __init__(self, client: RedisClient, group: str) -> None:
+        self._client = client
+        self._group = group
+        self.gather: Gather[str, int] = Gather(self._send)
+
+    async def count(self, key: str) -> int:
+        if not self._client.cluster:
+            got = await self.gather.join(key)
+            if not isinstance(got, _Alone):
+                return got
+        return len(await self._client.xpending_range(key, self._group, min="-", max="+", count=1))
+
+    async def _send(self, keys: list[str]) -> list[int | _Alone]:
+        replies = await _exchanged(self._client, [("XPENDING", key, self._group) for key in keys])
+        return [ALONE if isinstance(reply, _Alone) else int(reply[0]) for reply in replies]
+
+
+async def _exchanged(client: RedisClient, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """The replies of ``commands`` sent in one write; :data:`ALONE` for a command whose reply
+    was an error (its caller runs it alone and sees the error itself) and for every command on
+    a cluster.  A broken connection raises (every caller then goes alone)."""
+    replies: list[Any] = [ALONE] * len(commands)
+    async with client.exchange(*commands) as exchanged:
+        if exchanged is None:
+            return replies
+        for index in range(len(commands)):
+            try:
+                replies[index] = await exchanged.read()
+            except rexc.ResponseError:
+                replies[index] = ALONE
+    return replies

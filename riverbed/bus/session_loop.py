@@ -239,6 +239,8 @@ class SessionLoop:
         """Recover entries pending while this loop works on nothing: a delivery whose reply was
         lost with a broken connection, or an entry a stale owner read after this worker took
         the session over.  Nobody is working on them, so they are handled as in flight."""
+        if not await self.owner.pending.count(self.owner.keys.log(self.session)):
+            return False
         stray = await self.in_flight()
         if not stray:
             return False
