@@ -213,7 +213,16 @@ class PythonProcess:
             state_lost = True
             await self.close()
         if self._proc is None:
-            await self.start()
+            try:
+                await self.start()
+            except PythonUnavailable as exc:
+                if "loopback: Failed" not in str(exc):
+                    raise
+                # bubblewrap setting up the new namespace's loopback failed (seen once under load
+                # with the outbound network, while slirp4netns configured the same namespace):
+                # a fresh sandbox, once.
+                log.warning("python.start_retried", error=str(exc))
+                await self.start()
         self._lost = False
         assert self._proc is not None
         images_before = await anyio.to_thread.run_sync(_images, self._workspace)
