@@ -63,10 +63,12 @@ class Gather(Generic[T, R]):
 
     ``send`` gets the items (two or more) and returns one reply per item, in order: a value, or
     :data:`ALONE` for an item whose caller must do its command alone.  A lone item is never
-    sent: :meth:`join` answers :data:`ALONE` and its caller goes alone at once.
+    sent: :meth:`join` answers :data:`ALONE` and its caller goes alone at once, as every caller
+    does on a cluster client (``client.cluster``).
     """
 
-    def __init__(self, send: Callable[[list[T]], Awaitable[Sequence[R | _Alone]]]) -> None:
+    def __init__(self, client: RedisClient, send: Callable[[list[T]], Awaitable[Sequence[R | _Alone]]]) -> None:
+        self._grouping = not client.cluster
         self._send = send
         self._gathering: list[tuple[T, _Join[R]]] | None = None
         self.round_trips = 0
@@ -75,6 +77,8 @@ class Gather(Generic[T, R]):
         """Items those round trips carried."""
 
     async def join(self, item: T) -> R | _Alone:
+        if not self._grouping:
+            return ALONE
         gathering = self._gathering
         join: _Join[R] = _Join()
         if gathering is not None:
@@ -114,14 +118,13 @@ class GroupedReads:
         self._group = group
         self._consumer = consumer
         self._count = count
-        self.gather: Gather[str, list[StreamEntry]] = Gather(self._send)
+        self.gather: Gather[str, list[StreamEntry]] = Gather(client, self._send)
 
     async def read(self, key: str) -> list[StreamEntry]:
         """The new entries of the log at ``key`` for this owner (none waited for)."""
-        if not self._client.cluster:
-            got = await self.gather.join(key)
-            if not isinstance(got, _Alone):
-                return got
+        got = await self.gather.join(key)
+        if not isinstance(got, _Alone):
+            return got
         return await self._client.xreadgroup(self._group, self._consumer, key, ">", count=self._count)
 
     async def _send(self, keys: list[str]) -> list[list[StreamEntry] | _Alone]:
@@ -136,13 +139,11 @@ class GroupedAnswers:
 
     def __init__(self, client: RedisClient) -> None:
         self._client = client
-        self.gather: Gather[PreparedAppend, Any] = Gather(self._send)
+        self.gather: Gather[PreparedAppend, Any] = Gather(client, self._send)
 
     async def reply(self, prepared: PreparedAppend) -> Any:
         """The script's raw reply, or :data:`ALONE`: the caller runs ``prepared`` alone (its
         idempotency key makes that safe even if the grouped write reached Redis)."""
-        if self._client.cluster:
-            return ALONE
         return await self.gather.join(prepared)
 
     async def _send(self, prepared: list[PreparedAppend]) -> list[Any]:
@@ -157,13 +158,12 @@ class GroupedPending:
     def __init__(self, client: RedisClient, group: str) -> None:
         self._client = client
         self._group = group
-        self.gather: Gather[str, int] = Gather(self._send)
+        self.gather: Gather[str, int] = Gather(client, self._send)
 
     async def count(self, key: str) -> int:
-        if not self._client.cluster:
-            got = await self.gather.join(key)
-            if not isinstance(got, _Alone):
-                return got
+        got = await self.gather.join(key)
+        if not isinstance(got, _Alone):
+            return got
         return len(await self._client.xpending_range(key, self._group, min="-", max="+", count=1))
 
     async def _send(self, keys: list[str]) -> list[int | _Alone]:

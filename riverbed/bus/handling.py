@@ -19,6 +19,7 @@ from riverbed import events, tracing
 from riverbed.bus.backoff import retry_unavailable
 from riverbed.bus.claims import Claimed
 from riverbed.bus.faults import crashpoint
+from riverbed.bus.grouped import ALONE
 from riverbed.bus.keys import PAYLOAD_FIELD
 from riverbed.bus.log import AlreadyAnswered, Fence, PreparedAppend, decode_entry, entry_id
 from riverbed.errors import AppendConflict
@@ -106,16 +107,23 @@ class SessionContext:
         self._created_stamp: str | None = meta[1] if meta else None
         self._tenant_read = meta is not None
 
-    async def answer(self, entry: Entry, observation: events.Observation, *, ack: bool = True) -> int | None:
+    async def answer(
+        self, entry: Entry, observation: events.Observation, *, ack: bool = True, together: bool = False
+    ) -> int | None:
         """Append the one observation answering ``entry`` and acknowledge the entry atomically.
 
         Returns its id, or None when the action was answered already (then only acks).
         ``ack=False`` leaves the entry pending: the handler is not done with it yet.
+        ``together``: in one write with the answers other loops send in this turn (``bus/grouped.py``).
         """
-        # Retried until Redis answers: the one-answer guard makes a repeat of an append that did
-        # go through a no-op, and giving up here would make the loop run the action again.
         append = self.prepare_answer(entry, observation, ack=ack)
-        result = await retry_unavailable(append.run, stopping=self._owner.stopping)
+        reply = await self._owner.answers.reply(append) if together else ALONE
+        if isinstance(reply, list):
+            result = await append.outcome(reply)
+        else:  # alone: not asked to group, a cluster, a lone answer, or a grouped write that failed for it
+            # Retried until Redis answers: the one-answer guard makes a repeat of an append that did
+            # go through a no-op, and giving up here would make the loop run the action again.
+            result = await retry_unavailable(append.run, stopping=self._owner.stopping)
         if not ack:
             return None if isinstance(result, AlreadyAnswered) else result[0]
         return await self.answered(entry, result)

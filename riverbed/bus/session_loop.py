@@ -25,10 +25,9 @@ import anyio
 import redis.exceptions as rexc
 import structlog
 
-from riverbed.bus.backoff import Backoff, retry_unavailable
+from riverbed.bus.backoff import Backoff
 from riverbed.bus.exchange import stream_entries
 from riverbed.bus.faults import crashpoint
-from riverbed.bus.grouped import ALONE
 from riverbed.bus.handling import Answer, Entry, SessionContext
 from riverbed.bus.log import entry_id
 from riverbed.bus.redis_client import RedisClient, StreamEntry
@@ -159,18 +158,6 @@ class SessionLoop:
         if held is not None:
             await self.ctx.answer(*held)
 
-    async def _send_held_grouped(self) -> None:
-        """Send the held answer in one write with the answers other loops send in this turn."""
-        held, self.held = self.held, None
-        assert held is not None
-        prepared = self.ctx.prepare_answer(*held)
-        reply = await self.owner.answers.reply(prepared)
-        if reply is ALONE:  # a cluster, a lone answer, or a grouped write that failed for it
-            result = await retry_unavailable(prepared.run, stopping=self.owner.stopping)
-        else:
-            result = await prepared.outcome(reply)
-        await self.ctx.answered(held.entry, result)
-
     async def _read_and_dispatch(self) -> bool:
         """Read new entries (never blocking) and dispatch them; False when none came."""
         batch = [Entry.from_stream(raw_id, fields) for raw_id, fields in await self._read()]
@@ -208,7 +195,8 @@ class SessionLoop:
             # Not waiting: anything appended since the last read rang the bell, so the answer
             # goes without a read (with the answers of the loops woken with this one) and the
             # loop reads again only if the bell rang.
-            await self._send_held_grouped()
+            answer, self.held = self.held, None
+            await ctx.answer(*answer, together=True)
             return []
         self.mark = self.bell.rung
         held, self.held = self.held, None
