@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import pytest
 import structlog
 
@@ -199,6 +200,7 @@ async def test_one_log_line_per_action_and_closing(workspace: Path) -> None:
     with structlog.testing.capture_logs() as logs:
         await rt.execute("s", events.FileWrite(id=1, path="x", content="y"))
         await rt.execute("s", events.FileRead(id=2, path="../x"))
+        await anyio.lowlevel.checkpoint()  # the line is written once the event loop turns (after the answer went out)
     handled = [entry for entry in logs if entry["event"] == "action handled"]
     assert [(e["event_id"], e["kind"], e["result"], e["reason"]) for e in handled] == [
         (1, "file_write", "file_written", None),

@@ -14,8 +14,7 @@ error, a cancellation, a caller that stopped early) is closed rather than reused
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -23,17 +22,48 @@ import hiredis
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 
-from riverbed.bus.connection import RawClient, Shared
+from riverbed.bus.connection import RawClient, Shared, Turn, release_at_once, translate
 
 __all__ = ["Exchange", "exchange", "stream_entries"]
 
 
 class Exchange:
-    """The replies of commands sent together, in order."""
+    """Commands sent in one write and their replies, read in order with :meth:`read`.
 
-    def __init__(self, connection: Any, commands: int) -> None:
-        self._connection = connection
-        self.unread = commands
+    ``async with exchange(client, *commands) as replies``: the commands go on a connection taken
+    from the pool for the block (in turn with the client's other commands when it is
+    :class:`Shared`); ``replies`` is ``None`` on a cluster.  Errors in the block (the replies'
+    too) come out translated (:func:`~riverbed.bus.connection.translate`).  One object does what
+    nested context managers did, at a fraction of the cost: it is on both sides of every action.
+    """
+
+    __slots__ = ("_client", "_commands", "_connection", "_turn", "unread", "url")
+
+    def __init__(self, client: RawClient, commands: Sequence[Sequence[Any]], url: str) -> None:
+        self._client = client
+        self._commands = commands
+        self._connection: Any = None
+        self._turn: Turn | None = None
+        self.unread = len(commands)
+        self.url = url
+
+    async def __aenter__(self) -> Exchange | None:
+        client = self._client
+        if not isinstance(client, aioredis.Redis) or client.single_connection_client:
+            return None
+        with translate(self.url):
+            if isinstance(client, Shared):
+                self._turn = Turn(client.limiter)
+                await self._turn.__aenter__()
+            try:
+                pool = client.connection_pool
+                self._connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+                packed = b"".join(hiredis.pack_command(tuple(c)) for c in self._commands)
+                await self._connection.send_packed_command(packed)
+            except BaseException:
+                await self._finish()
+                raise
+        return self
 
     async def read(self) -> Any:
         """The next reply; an error reply raises (and counts as read)."""
@@ -45,44 +75,32 @@ class Exchange:
         self.unread -= 1
         return reply
 
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        await self._finish()
+        if exc is not None:
+            with translate(self.url):
+                raise exc
 
-@contextlib.asynccontextmanager
-async def exchange(client: RawClient, *commands: Sequence[Any]) -> AsyncIterator[Exchange | None]:
-    """Send ``commands`` in one write on a connection taken from the pool for the exchange
-    (in turn with the client's other commands when it is :class:`Shared`); yields their
-    :class:`Exchange` (``None`` on a cluster)."""
-    if not isinstance(client, aioredis.Redis) or client.single_connection_client:
-        yield None
-        return
-    turn: contextlib.AbstractAsyncContextManager[Any] = (
-        client.limiter if isinstance(client, Shared) else contextlib.nullcontext()
-    )
-    async with turn, _pooled_exchange(client, commands) as replies:
-        yield replies
-
-
-@contextlib.asynccontextmanager
-async def _pooled_exchange(client: aioredis.Redis, commands: Sequence[Sequence[Any]]) -> AsyncIterator[Exchange]:
-    pool = client.connection_pool
-    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
-    try:
-        async with _exchange(connection, commands) as replies:
-            yield replies
-    finally:
-        with anyio.CancelScope(shield=True):
-            await pool.release(connection)
+    async def _finish(self) -> None:
+        """Give the connection back (closed when replies were left unread) and the turn."""
+        connection, self._connection = self._connection, None
+        try:
+            if connection is not None:
+                pool = self._client.connection_pool  # type: ignore[union-attr]
+                if self.unread or not release_at_once(pool, connection):
+                    with anyio.CancelScope(shield=True):
+                        if self.unread:
+                            await connection.disconnect(nowait=True)
+                        await pool.release(connection)
+        finally:
+            if self._turn is not None:
+                await self._turn.__aexit__(None, None, None)
+                self._turn = None
 
 
-@contextlib.asynccontextmanager
-async def _exchange(connection: Any, commands: Sequence[Sequence[Any]]) -> AsyncIterator[Exchange]:
-    replies = Exchange(connection, len(commands))
-    try:
-        await connection.send_packed_command(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
-        yield replies
-    finally:
-        if replies.unread:
-            with anyio.CancelScope(shield=True):
-                await connection.disconnect(nowait=True)
+def exchange(client: RawClient, *commands: Sequence[Any], url: str = "") -> Exchange:
+    """:class:`Exchange` of ``commands`` on ``client`` (``url`` names it in translated errors)."""
+    return Exchange(client, commands, url)
 
 
 def stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:

@@ -134,13 +134,11 @@ class RedisClient:
         async with self._raw.pipeline(transaction=False) as pipe:
             yield Pipeline(pipe, self.url)
 
-    @contextlib.asynccontextmanager
-    async def exchange(self, *commands: Sequence[Any]) -> AsyncIterator[Exchange | None]:
-        """:func:`riverbed.bus.exchange.exchange` on this client, its errors (those of the
-        replies read in the block too) translated; ``None`` on a cluster."""
-        with translate(self.url):
-            async with exchange(self._raw, *commands) as replies:
-                yield replies
+    def exchange(self, *commands: Sequence[Any]) -> Exchange:
+        """:func:`riverbed.bus.exchange.exchange` on this client: ``async with`` it for the
+        replies (``None`` on a cluster), its errors (those of the replies read in the block
+        too) translated."""
+        return exchange(self._raw, *commands, url=self.url)
 
     # --- server -----------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ the worker's secrets do not leak into sandboxes; ``set_env`` adds to it.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import stat
@@ -273,15 +274,20 @@ class Runtime:
         obs = await self._execute(session_id, action)
         if obs.cause != action.id:
             obs = replace(obs, cause=action.id)
-        log.info(
-            "action handled",
-            session=session_id,
-            event_id=action.id,
-            kind=action.kind,
-            result=obs.kind,
-            reason=obs.reason if isinstance(obs, events.Error) else None,
-            seconds=round(anyio.current_time() - started, 3),
-            trace_id=tracing.trace_id(action.trace),
+        # Written once the event loop turns, which is after the answer went out: the line costs
+        # tens of microseconds, and an action's answer should not wait for the worker's own log.
+        asyncio.get_running_loop().call_soon(
+            partial(
+                log.info,
+                "action handled",
+                session=session_id,
+                event_id=action.id,
+                kind=action.kind,
+                result=obs.kind,
+                reason=obs.reason if isinstance(obs, events.Error) else None,
+                seconds=round(anyio.current_time() - started, 3),
+                trace_id=tracing.trace_id(action.trace),
+            )
         )
         return obs
 

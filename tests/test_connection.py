@@ -1,0 +1,148 @@
+"""The connections riverbed makes: commands written in the caller's task, under the socket
+timeout; no PING on a socket just opened; the pool's quick hand-over, and its waiters."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+import redis.asyncio as aioredis
+
+from riverbed import services
+from riverbed.agent.client import Bus
+from riverbed.bus.connection import Turn, connect_redis
+from riverbed.bus.exchange import exchange
+from riverbed.bus.redis_client import RedisClient
+from riverbed.errors import UnavailableError
+
+pytestmark = pytest.mark.anyio
+
+
+async def _note(into: list[str], what: str) -> None:
+    into.append(what)
+
+
+@pytest.fixture
+async def private(tmp_path: Path) -> AsyncIterator[tuple[str, int]]:
+    """A redis-server of the test's own (its counters and its process are the test's to use)."""
+    url, pid = services.start_redis(tmp_path / "redis", appendonly=False)
+    try:
+        yield url, pid
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        services.stop_redis(pid)
+
+
+async def test_a_command_is_written_before_the_caller_gives_up_the_event_loop(standalone_bus: Bus) -> None:
+    raw = await connect_redis(standalone_bus.url)
+    assert isinstance(raw, aioredis.Redis)
+    try:
+        connection = await raw.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+        others: list[str] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_note, others, "ran")
+            await connection.send_packed_command(connection.pack_command("PING"))
+            # redis-py's send (asyncio.wait_for: a task per command) lets other tasks run first.
+            assert others == []
+            assert await connection.read_response() in (b"PONG", "PONG")
+        assert others == ["ran"]
+        await raw.connection_pool.release(connection)
+    finally:
+        await raw.aclose()
+
+
+async def test_a_write_the_server_does_not_take_fails_within_the_socket_timeout(private: tuple[str, int]) -> None:
+    url, pid = private
+    raw = await connect_redis(url)
+    assert isinstance(raw, aioredis.Redis)
+    try:
+        connection = await raw.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+        connection.socket_timeout = 0.5
+        await raw.connection_pool.release(connection)  # the next exchange takes it
+        os.kill(pid, signal.SIGSTOP)  # the server reads nothing: the socket's buffers fill up
+        started = time.monotonic()
+        with anyio.fail_after(10), pytest.raises(UnavailableError, match="Timeout writing to socket"):
+            async with exchange(raw, ("SET", "big", b"x" * (64 << 20)), url=url) as replies:
+                assert replies is None  # (not reached: the write fails)
+        assert time.monotonic() - started < 4
+        assert connection.socket_timeout == 0.5  # the write's own timeout is given back
+        assert not connection.is_connected  # a half-written command is never reused
+        os.kill(pid, signal.SIGCONT)
+        assert await RedisClient(raw, url).ping()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        await raw.aclose()
+
+
+async def test_a_new_connection_is_not_pinged_before_its_first_command(private: tuple[str, int]) -> None:
+    url, _pid = private
+    probe = aioredis.Redis.from_url(url)
+    await probe.config_resetstat()
+    raw = await connect_redis(url, name="riverbed:test")
+    try:
+        await raw.set("k", "v")
+        async with anyio.create_task_group() as tg:  # a burst: new connections for most of them
+            for _ in range(20):
+                tg.start_soon(raw.get, "k")
+        stats = await probe.info("commandstats")
+        assert stats["cmdstat_get"]["calls"] == 20
+        assert "cmdstat_ping" not in stats
+    finally:
+        await raw.aclose()
+        await probe.aclose()
+
+
+async def test_a_command_waiting_for_the_only_connection_gets_it_when_an_exchange_gives_it_back(
+    standalone_bus: Bus,
+) -> None:
+    raw = await connect_redis(standalone_bus.url, max_connections=1, shared=True)
+    assert isinstance(raw, aioredis.Redis)  # (exchanges are standalone only)
+    client = RedisClient(raw, standalone_bus.url)
+    try:
+        order: list[str] = []
+
+        async def waiter() -> None:
+            # A pipeline takes no turn (only commands and exchanges do): it waits in the pool.
+            async with client.pipeline() as pipe:
+                got = pipe.get("nothing here")
+                await pipe.execute()
+            order.append(f"get {got.value}")
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg, client.exchange(("ECHO", "a"), ("ECHO", "b")) as replies:
+                assert replies is not None
+                tg.start_soon(waiter)
+                await anyio.sleep(0.05)
+                assert order == []  # the pool's one connection is the exchange's
+                order += [(await replies.read()).decode(), (await replies.read()).decode()]
+        assert order == ["a", "b", "get None"]
+        assert len(raw.connection_pool._in_use_connections) == 0  # type: ignore[attr-defined]
+        assert len(raw.connection_pool._available_connections) == 1  # type: ignore[attr-defined]
+    finally:
+        await raw.aclose()
+
+
+async def test_a_turn_is_taken_at_once_when_free_and_in_order_when_not() -> None:
+    limiter = anyio.CapacityLimiter(1)
+    order: list[int] = []
+    others: list[str] = []
+
+    async def take(i: int) -> None:
+        async with Turn(limiter):
+            order.append(i)
+            await anyio.sleep(0.01)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_note, others, "ran")
+        async with Turn(limiter):
+            assert others == []  # taken without giving up the event loop
+            for i in range(5):
+                tg.start_soon(take, i)
+                await anyio.sleep(0.001)
+    assert order == [0, 1, 2, 3, 4]
+    assert limiter.borrowed_tokens == 0
