@@ -38,8 +38,11 @@ async def private(tmp_path: Path) -> AsyncIterator[tuple[str, int]]:
         services.stop_redis(pid)
 
 
-async def test_a_command_is_written_before_the_caller_gives_up_the_event_loop(standalone_bus: Bus) -> None:
-    raw = await connect_redis(standalone_bus.url)
+@pytest.mark.parametrize("shared", [False, True], ids=["client", "worker"])
+async def test_a_command_is_written_before_the_caller_gives_up_the_event_loop(
+    standalone_bus: Bus, shared: bool
+) -> None:
+    raw = await connect_redis(standalone_bus.url, shared=shared)
     assert isinstance(raw, aioredis.Redis)
     try:
         connection = await raw.connection_pool.get_connection()  # type: ignore[no-untyped-call]

@@ -183,47 +183,6 @@ class Turn:
         self._limiter.release()
 
 
-class _Quick:
-    """The pool's hand-over without its ceremony: a free, connected connection is handed out
-    and taken back in a few steps, with no lock (one event loop), no probe for unread data
-    (redis-py closes a connection whose reply was not read, cancellations included) and no
-    usage counters nobody reads.  That was about 16 us per command, on each side of every
-    action.  Anything else (no free connection, one to reconnect, a waiter to wake, a
-    maintenance handover) goes the pool's own way."""
-
-    _available_connections: list[Any]
-    _in_use_connections: set[Any]
-
-    _lock: Any
-
-    def _quick(self) -> bool:
-        # A maintenance handover (redis-py's MOVING notifications) rewrites the pool under its
-        # lock, flagging a blocking pool as in maintenance: then the pool's own way, with the lock.
-        return not self._lock.locked() and not getattr(self, "_in_maintenance", False)
-
-    async def get_connection(self, command_name: Any = None, *keys: Any, **options: Any) -> Any:
-        free = self._available_connections
-        if free and free[-1].is_connected and self._quick():
-            connection = free.pop()
-            self._in_use_connections.add(connection)
-            return connection
-        return await super().get_connection()  # type: ignore[misc]
-
-    def quick_release(self, connection: Any) -> bool:
-        """Take ``connection`` back at once; False (nothing done) when the pool's own release
-        must: a waiter to wake, a connection to reconnect, a maintenance handover."""
-        condition = getattr(self, "_condition", None)
-        if (condition is not None and condition._waiters) or connection.should_reconnect() or not self._quick():
-            return False
-        self._in_use_connections.remove(connection)
-        self._available_connections.append(connection)
-        return True
-
-    async def release(self, connection: Any) -> None:
-        if not self.quick_release(connection):
-            await super().release(connection)  # type: ignore[misc]
-
-
 class _DirectSend:
     """A connection that writes a command in the caller's task, and pings no socket it just opened.
 
@@ -282,10 +241,50 @@ _DIRECT: dict[type, type] = {
 }
 
 
-def _direct(pool: aioredis.ConnectionPool) -> aioredis.ConnectionPool:
-    """``pool`` making :class:`_DirectSend` connections (a class of redis-py's own, by the URL)."""
-    pool.connection_class = _DIRECT.get(pool.connection_class, pool.connection_class)
-    return pool
+class _Quick:
+    """The pool's hand-over without its ceremony: a free, connected connection is handed out
+    and taken back in a few steps, with no lock (one event loop), no probe for unread data
+    (redis-py closes a connection whose reply was not read, cancellations included) and no
+    usage counters nobody reads.  That was about 16 us per command, on each side of every
+    action.  Anything else (no free connection, one to reconnect, a waiter to wake, a
+    maintenance handover) goes the pool's own way.  Its connections are :class:`_DirectSend`."""
+
+    _available_connections: list[Any]
+    _in_use_connections: set[Any]
+
+    _lock: Any
+    connection_class: type
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.connection_class = _DIRECT.get(self.connection_class, self.connection_class)
+
+    def _quick(self) -> bool:
+        # A maintenance handover (redis-py's MOVING notifications) rewrites the pool under its
+        # lock, flagging a blocking pool as in maintenance: then the pool's own way, with the lock.
+        return not self._lock.locked() and not getattr(self, "_in_maintenance", False)
+
+    async def get_connection(self, command_name: Any = None, *keys: Any, **options: Any) -> Any:
+        free = self._available_connections
+        if free and free[-1].is_connected and self._quick():
+            connection = free.pop()
+            self._in_use_connections.add(connection)
+            return connection
+        return await super().get_connection()  # type: ignore[misc]
+
+    def quick_release(self, connection: Any) -> bool:
+        """Take ``connection`` back at once; False (nothing done) when the pool's own release
+        must: a waiter to wake, a connection to reconnect, a maintenance handover."""
+        condition = getattr(self, "_condition", None)
+        if (condition is not None and condition._waiters) or connection.should_reconnect() or not self._quick():
+            return False
+        self._in_use_connections.remove(connection)
+        self._available_connections.append(connection)
+        return True
+
+    async def release(self, connection: Any) -> None:
+        if not self.quick_release(connection):
+            await super().release(connection)  # type: ignore[misc]
 
 
 def release_at_once(pool: Any, connection: Any) -> bool:
@@ -429,7 +428,7 @@ async def connect_redis(
             shared_client.limiter = anyio.CapacityLimiter(max_connections)
             client: aioredis.Redis = shared_client
         else:
-            client = Standalone.from_pool(_direct(_Pool.from_url(url, max_connections=max_connections, **common)))
+            client = Standalone.from_pool(_Pool.from_url(url, max_connections=max_connections, **common))
     except ValueError as exc:
         raise ConfigError(f"the Redis URL {redact(url)!r} is not valid: {exc}") from exc
     try:
