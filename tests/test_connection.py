@@ -149,3 +149,38 @@ async def test_a_turn_is_taken_at_once_when_free_and_in_order_when_not() -> None
                 await anyio.sleep(0.001)
     assert order == [0, 1, 2, 3, 4]
     assert limiter.borrowed_tokens == 0
+
+
+async def test_a_new_connection_greets_the_server_in_one_write(private: tuple[str, int]) -> None:
+    url, _pid = private
+    probe = aioredis.Redis.from_url(url)
+    await probe.acl_setuser(
+        "agent", enabled=True, passwords=["+s3cret"], commands=["+@all"], keys=["*"], channels=["*"]
+    )
+    await probe.config_set("requirepass", "other")
+    host = url.removeprefix("redis://")
+    raw = await connect_redis(f"redis://agent:s3cret@{host}/3", name="riverbed:greeter")
+    try:
+        assert isinstance(raw, aioredis.Redis)
+        connection = await raw.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+        await connection.disconnect()
+        writes: list[bytes] = []
+        send = connection.send_packed_command
+
+        async def counted(command: object, check_health: bool = True) -> None:
+            writes.append(b"".join(command) if isinstance(command, list) else command)  # type: ignore[arg-type]
+            await send(command, check_health)  # type: ignore[arg-type]
+
+        connection.send_packed_command = counted
+        await connection.connect()
+        assert len(writes) == 1
+        for command in (b"HELLO", b"AUTH", b"SETNAME", b"SETINFO", b"SELECT"):
+            assert command in writes[0]
+        await raw.connection_pool.release(connection)
+        info = await raw.client_info()
+        assert (info["name"], info["db"], info["user"], str(info["resp"])) == ("riverbed:greeter", 3, "agent", "3")
+    finally:
+        await raw.aclose()
+    with pytest.raises(UnavailableError, match=r"password|auth"):
+        await connect_redis(f"redis://agent:wrong@{host}/3")
+    await probe.aclose()

@@ -27,6 +27,7 @@ import anyio
 import redis
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
+from redis._parsers import _AsyncRESP2Parser, _AsyncRESP3Parser
 from redis._parsers.commands import AsyncCommandsParser
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
@@ -202,7 +203,66 @@ class _DirectSend:
         # before its HELLO (a round trip more for every new connection, a thousand in a burst).
         if self.health_check_interval:
             self.next_health_check = asyncio.get_running_loop().time() + self.health_check_interval
-        await super().on_connect_check_health(check_health)  # type: ignore[misc]
+        if not await self._handshake():
+            await super().on_connect_check_health(check_health)  # type: ignore[misc]
+
+    async def _handshake(self) -> bool:
+        """The greeting of a new RESP3 connection in one write: ``HELLO`` (with its ``AUTH`` and
+        ``SETNAME``), redis-py's request for maintenance notifications, ``CLIENT SETINFO`` and
+        ``SELECT``.  redis-py sends them in three to six rounds, each a turn of what may be a
+        busy event loop (a burst opening hundreds of connections).  False, with nothing sent,
+        where redis-py's own way is needed: RESP2, or a credential provider."""
+        conn: Any = self
+        if str(conn.protocol) != "3" or conn.credential_provider is not None:
+            return False
+        if hasattr(conn, "_reset_himport_state"):
+            conn._reset_himport_state()  # as redis-py does for a new server session
+        parser: Any = conn._parser
+        parser.on_connect(conn)
+        if isinstance(parser, _AsyncRESP2Parser):
+            errors = parser.EXCEPTION_CLASSES
+            conn.set_parser(_AsyncRESP3Parser)
+            conn._parser.EXCEPTION_CLASSES = errors
+            conn._parser.on_connect(conn)
+        hello: list[Any] = ["HELLO", 3]
+        if conn.username or conn.password:
+            hello += ["AUTH", conn.username or "default", conn.password or ""]
+        if conn.client_name:
+            hello += ["SETNAME", conn.client_name]
+        # (what each reply is, whether an error from the server may be passed over, the command)
+        greeting: list[tuple[str, bool, list[Any]]] = [("hello", False, hello)]
+        maint = getattr(conn, "maint_notifications_config", None)
+        if maint is not None and maint.enabled and getattr(conn, "_maint_notifications_connection_handler", None):
+            kind = maint.get_endpoint_type(conn.host, conn).value
+            greeting.append(
+                (
+                    "maint",
+                    maint.enabled == "auto",
+                    ["CLIENT", "MAINT_NOTIFICATIONS", "ON", "moving-endpoint-type", kind],
+                )
+            )
+        info = conn.driver_info
+        if info is not None and info.formatted_name:
+            greeting.append(("info", True, ["CLIENT", "SETINFO", "LIB-NAME", info.formatted_name]))
+        if info is not None and info.lib_version:
+            greeting.append(("info", True, ["CLIENT", "SETINFO", "LIB-VER", info.lib_version]))
+        if conn.db:
+            greeting.append(("select", False, ["SELECT", conn.db]))
+        await conn.send_packed_command(conn.pack_commands([command for *_, command in greeting]), check_health=False)
+        failure: Exception | None = None
+        for what, optional, _command in greeting:
+            try:
+                reply = await conn.read_response()
+            except rexc.ResponseError as exc:
+                # An older server without SETINFO or maintenance notifications: redis-py goes on too.
+                if not optional and failure is None:
+                    failure = exc
+                continue
+            if what == "select" and reply not in (b"OK", "OK") and failure is None:
+                failure = rexc.ConnectionError("Invalid Database")
+        if failure is not None:
+            raise failure  # every reply is read: the connection stays in step
+        return True
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         timeout = self.socket_timeout
