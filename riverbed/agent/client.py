@@ -19,15 +19,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import redis.exceptions as rexc
 from msgspec.structs import replace
 
 from riverbed import events, tracing
+from riverbed.agent.answers import Answers
 from riverbed.bus import stats
-from riverbed.bus.connection import RawClient, connect_redis
+from riverbed.bus.connection import RawClient, connect_redis, translate
+from riverbed.bus.exchange import stream_entries
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys
-from riverbed.bus.log import Log, answered_cause, decode_entry, entry_id
+from riverbed.bus.log import PAGE, Log, answered_cause, decode_entry, entry_id
 from riverbed.bus.redis_client import RedisClient
-from riverbed.errors import ActTimeout, AlreadyAnswered, InputError, NotFoundError
+from riverbed.bus.wakeups import Bell
+from riverbed.errors import ActTimeout, AlreadyAnswered, InputError, NotFoundError, UnavailableError
 from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
 
 if TYPE_CHECKING:
@@ -121,8 +125,14 @@ class Session:
             (action_id,) = await self.append(stamped)
             return events.with_id(stamped, action_id)
         started = anyio.current_time()
+        tenant = self._tenant_of([stamped])
+        answers = self.bus.answers
+        await self.bus.log_store.append_script.load()  # (at once when loaded: nothing comes between
+        # the look at the pool and the exchange taking a connection from it)
+        if answers is not None and answers.crowded():
+            return await self._act_crowded(answers, payload, tenant, timeout)
         ids, after = await self.bus.log_store.append_then_read(
-            self.id, [(payload, 0)], block_ms=max(1, min(int(timeout * 1000), 1000)), tenant=self._tenant_of([stamped])
+            self.id, [(payload, 0)], block_ms=max(1, min(int(timeout * 1000), 1000)), tenant=tenant
         )
         action_id = ids[0]
         answer = _answer_among(after, action_id)
@@ -133,6 +143,83 @@ class Session:
         cursor = after[-1][0] if after else action_id
         waited = anyio.current_time() - started
         return await self._answer(action_id, timeout, look_up=False, cursor=cursor, waited=waited)
+
+    async def _act_crowded(self, answers: Answers, payload: bytes, tenant: str | None, timeout: float) -> events.Event:
+        """:meth:`act` when every connection is taken: the append goes in a batch, and the
+        wait is on the session's wake-ups (:mod:`riverbed.agent.answers`)."""
+        started = anyio.current_time()
+        log_store = self.bus.log_store
+        async with answers.watch(self.id) as bell:
+            mark = bell.rung  # before the append: its answer's wake-up cannot be missed
+            prepared = log_store.prepare(self.id, [(payload, 0)], tenant=tenant)
+            try:
+                reply = await answers.call(prepared.command)
+            except (rexc.NoScriptError, UnavailableError):
+                ids = await prepared.run()  # loads the script, or retries under the same idempotency key
+            except rexc.RedisError as exc:
+                with translate(self.bus.url):
+                    raise exc from None
+            else:
+                ids = await prepared.outcome(reply)
+            assert not isinstance(ids, AlreadyAnswered)  # an action answers nothing
+            action_id = ids[0]
+            waited = anyio.current_time() - started
+            with anyio.move_on_after(max(timeout - waited, 0.0)):
+                return await self._hear(answers, bell, action_id, action_id, mark, read=False)
+        raise self._timed_out(action_id, timeout)
+
+    async def _hear(
+        self, answers: Answers, bell: Bell, action_id: int, cursor: int, mark: int, *, read: bool
+    ) -> events.Event:
+        """The answer to ``action_id``, reading the log after ``cursor`` whenever ``bell`` says
+        it moved past it (and once a second when it says nothing); ``read``: read first."""
+        log_key = self.bus.keys.log(self.id)
+        rang = True
+        while True:
+            if read:
+                mark = bell.rung
+                command = ("XREAD", "COUNT", PAGE, "STREAMS", log_key, f"{cursor}-0")
+                try:
+                    entries = stream_entries(await answers.call(command))
+                except UnavailableError:
+                    entries = await self.bus.client.xread(log_key, f"{cursor}-0", count=PAGE)  # with retries
+                except rexc.RedisError as exc:
+                    with translate(self.bus.url):
+                        raise exc from None
+                pairs = [(entry_id(raw_id), fields.get(PAYLOAD_FIELD, b"")) for raw_id, fields in entries]
+                answer = _answer_among(pairs, action_id)
+                if answer is not None:
+                    return answer
+                if pairs:
+                    cursor = pairs[-1][0]
+                elif not rang and await self._last_id(answers) < action_id:
+                    raise self._lost(action_id)
+            rang = await bell.wait(mark, 1.0)
+            # A wake-up whose news is not past what was read is this act's own append, or an
+            # answer already read: nothing to read for it.
+            read = not rang or bell.news is None or bell.news > cursor
+            if not read:
+                mark = bell.rung
+
+    async def _last_id(self, answers: Answers) -> int:
+        """:meth:`last_id` in a batch (a crowded client has no connection to spare for it)."""
+        try:
+            last = await answers.call(("HGET", self.bus.keys.meta(self.id), "last"))
+        except UnavailableError:
+            return await self.last_id()  # with retries
+        return int(last or 0)
+
+    def _lost(self, action_id: int) -> NotFoundError:
+        return NotFoundError(
+            f"action {action_id} of session {self.id!r} is no longer in its log: Redis lost "
+            "the session's data; append the action again"
+        )
+
+    def _timed_out(self, action_id: int, timeout: float) -> ActTimeout:
+        return ActTimeout(
+            f"no observation answered action {action_id} in session {self.id!r} within {timeout:g}s; "
+            "is a worker for its role running? (riverbed worker all)"
+        )
 
     def _tenant_of(self, batch: Sequence[events.Event]) -> str | None:
         """The tenant a batch of stamped events is appended as: the handle's, else the one the
@@ -169,25 +256,24 @@ class Session:
                 if known is not None:
                     async for event in bus.log_store.read(self.id, int(known), int(known)):
                         return event
+            answers = bus.answers
+            if answers is not None and answers.running:
+                # A long wait holds no connection: it listens to the session's wake-ups.
+                async with answers.watch(self.id) as bell:
+                    return await self._hear(answers, bell, action_id, cursor, bell.rung, read=True)
             while True:
                 entries = await bus.client.xread(log_key, f"{cursor}-0", count=500, block=1000)
                 if not entries and await bus.log_store.last_id(self.id) < action_id:
                     # The log is shorter than the action: Redis lost its data (a restart without
                     # persistence, a failover to an empty replica, FLUSHALL); no answer can come.
-                    raise NotFoundError(
-                        f"action {action_id} of session {self.id!r} is no longer in its log: Redis lost "
-                        "the session's data; append the action again"
-                    )
+                    raise self._lost(action_id)
                 pairs = [(entry_id(raw_id), fields.get(PAYLOAD_FIELD, b"")) for raw_id, fields in entries]
                 answer = _answer_among(pairs, action_id)
                 if answer is not None:
                     return answer
                 if pairs:
                     cursor = pairs[-1][0]
-        raise ActTimeout(
-            f"no observation answered action {action_id} in session {self.id!r} within {timeout:g}s; "
-            "is a worker for its role running? (riverbed worker all)"
-        )
+        raise self._timed_out(action_id, timeout)
 
     def log(self, start: int = 1, end: int | None = None, *, follow: bool = False) -> AsyncIterator[events.Event]:
         """Replay the log from ``start`` (to ``end``); ``follow=True`` keeps tailing."""
@@ -257,6 +343,9 @@ class Bus:
         self.archive = archive
         self.max_event_bytes = max_event_bytes
         self.log_store = Log(self.client, self.keys, archive=archive)
+        self.answers: Answers | None = None
+        """Waits for answers many to a connection (:mod:`riverbed.agent.answers`): started by
+        :func:`connect`; without it every act waits on a connection of its own."""
 
     def check(self, event: events.Event) -> bytes:
         """The payload of an event given by a user, once :func:`riverbed.events.check` (with
@@ -279,6 +368,8 @@ class Bus:
         return await stats.list_sessions(self.client, self.keys)
 
     async def aclose(self) -> None:
+        if self.answers is not None:
+            await self.answers.aclose()
         if self.archive is not None:
             await self.archive.close()
         await self.client.aclose()
@@ -303,6 +394,7 @@ async def connect(
     redis = await connect_redis(url)
     bus = Bus(redis, prefix=prefix, url=url, archive=archive, max_event_bytes=settings.max_event_bytes)
     try:
+        bus.answers = await Answers.start(redis, bus.keys, url)
         yield bus
     finally:
         with anyio.CancelScope(shield=True):

@@ -318,6 +318,13 @@ class _Quick:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.connection_class = _DIRECT.get(self.connection_class, self.connection_class)
+        self.opening = 0
+        """Commands getting a connection the pool's own way now: most are opening a new one."""
+
+    def spare(self, openings: int) -> bool:
+        """Whether a command now gets a free connection, or one of at most ``openings`` new
+        connections being opened at once."""
+        return bool(self._available_connections) or self.opening < openings
 
     def _quick(self) -> bool:
         # A maintenance handover (redis-py's MOVING notifications) rewrites the pool under its
@@ -330,7 +337,11 @@ class _Quick:
             connection = free.pop()
             self._in_use_connections.add(connection)
             return connection
-        return await super().get_connection()  # type: ignore[misc]
+        self.opening += 1
+        try:
+            return await super().get_connection()  # type: ignore[misc]
+        finally:
+            self.opening -= 1
 
     def quick_release(self, connection: Any) -> bool:
         """Take ``connection`` back at once; False (nothing done) when the pool's own release

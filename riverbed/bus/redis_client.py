@@ -314,6 +314,7 @@ class Script:
         self._url = url
         self._loaded = False
         self._loading = anyio.Lock()
+        self._loaded_event = anyio.Event()
 
     @property
     def sha(self) -> str:
@@ -331,11 +332,21 @@ class Script:
         lost its cache later answers ``NOSCRIPT`` again, and the caller runs the script alone."""
         if self._loaded:
             return
+        if self._loading.locked():
+            # Another caller is loading it: wait for that (all waiters go on in the same turn)
+            # rather than for the lock (one waiter a turn).
+            await self._loaded_event.wait()
+            if self._loaded:
+                return
         async with self._loading:
             if not self._loaded:
-                with translate(self._url):
-                    await self._script.registered_client.script_load(self._script.script)
-                self._loaded = True
+                try:
+                    with translate(self._url):
+                        await self._script.registered_client.script_load(self._script.script)
+                    self._loaded = True
+                finally:
+                    done, self._loaded_event = self._loaded_event, anyio.Event()
+                    done.set()  # (failed: each waiter tries in turn)
 
 
 class Reply(Generic[T]):

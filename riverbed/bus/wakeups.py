@@ -50,10 +50,14 @@ class Bell:
     def __init__(self, role: str) -> None:
         self.role = role
         self.rung = 0
+        self.news: int | None = None
+        """The log's last id that the latest ring brought, if it brought one (a feed that
+        reconnected rings without: then anything may have moved)."""
         self._event = anyio.Event()
 
-    def ring(self) -> None:
+    def ring(self, news: int | None = None) -> None:
         self.rung += 1
+        self.news = news
         self._event.set()
         self._event = anyio.Event()
 
@@ -137,8 +141,8 @@ class _Feed:
             if kind == "smessage":
                 # "<last id>" or "<last id> <role>": that role's group was moved past the append
                 # (a runtime answer the runtime has no use for), so its loop has nothing to read.
-                _last, _sep, skip = _text(message[2]).partition(" ")
-                self.wakeups.ring(channel, skip=skip or None)
+                last, _sep, skip = _text(message[2]).partition(" ")
+                self.wakeups.ring(channel, skip=skip or None, news=int(last) if last.isdigit() else None)
             elif kind == "ssubscribe":
                 self.wakeups.confirmed(channel)
             elif kind == "sunsubscribe" and channel in self.channels:
@@ -218,13 +222,14 @@ class Wakeups:
             except (rexc.RedisError, OSError):
                 feed.scope.cancel()  # it reconnects with the channels it should have
 
-    def ring(self, channel: str, *, skip: str | None = None) -> None:
-        """Ring the bells of ``channel``'s session, but ``skip``'s (a role with nothing new)."""
+    def ring(self, channel: str, *, skip: str | None = None, news: int | None = None) -> None:
+        """Ring the bells of ``channel``'s session, but ``skip``'s (a role with nothing new);
+        ``news``: the log's last id, where the wake-up said."""
         watched = self._watched.get(channel)
         if watched is not None:
             for bell in watched.bells:
                 if bell.role != skip:
-                    bell.ring()
+                    bell.ring(news)
 
     def ring_all(self) -> None:
         """Ring every watched session's bell (its loops look at the log, and whether to stop, now)."""
