@@ -195,3 +195,20 @@ async def test_workspace_names_are_safe_and_deterministic(rt: Runtime) -> None:
         assert name not in {".", ".."}
         assert len(name) <= 65
         assert rt.workspace(sid).parent == rt.workspace("s").parent
+
+
+async def test_a_session_that_only_touches_files_writes_no_sandbox_state(rt: Runtime) -> None:
+    # The state a sandbox process sees (/etc/passwd, group, hosts, resolv.conf) is written when
+    # the first process starts, not for every new session: a file costs ~1 ms on some disks.
+    await ok(rt, events.FileWrite(id=1, path="notes.txt", content="hi\n"))
+    await ok(rt, events.FileRead(id=2, path="notes.txt"))
+    state = rt.workspace("s").parent / ".sandbox" / rt.workspace("s").name
+    assert not state.exists()
+    ran = await ok(rt, events.CmdRun(id=3, command="cat notes.txt; id -un"))
+    assert isinstance(ran, events.CmdOutput)
+    assert ran.content.split() == ["hi", "sandbox"]
+    assert sorted(p.name for p in state.iterdir() if p.is_file()) == ["group", "hosts", "passwd", "resolv.conf"]
+    # A session whose first process is a Python cell gets the same state.
+    cell = await rt.execute("p", events.PythonRun(id=1, code="import getpass; print(getpass.getuser())"))
+    assert isinstance(cell, events.PythonOutput), cell
+    assert cell.content.strip() == "sandbox"

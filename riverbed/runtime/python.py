@@ -138,6 +138,8 @@ class PythonProcess:
         driver = DRIVER_INSIDE if self._sandbox.confined else str(DRIVER)
         self._link = link = self._sandbox.link()
         try:
+            if self._sandbox.confined:
+                await anyio.to_thread.run_sync(self._sandbox.prepare_processes, self._workspace)
             inner = self._sandbox.wrap(
                 [sys.executable, "-u", driver, str(to_r), str(from_w), self._marker.decode()],
                 workspace=self._workspace,

@@ -125,14 +125,22 @@ class Sandbox:
         """Per-session files the sandbox needs but must not write (its passwd, shell scripts)."""
         return workspace.parent / ".sandbox" / workspace.name
 
-    def prepare(self, workspace: Path) -> Path:
-        """Create the workspace (owned by the sandbox user) and its state dir; return the latter."""
+    def prepare(self, workspace: Path) -> None:
+        """Create the workspace, owned by the sandbox user (what every action needs)."""
         workspace.mkdir(parents=True, exist_ok=True)
         owner = self.owner(workspace)
         if owner is not None:
             st = workspace.stat()
             if (st.st_uid, st.st_gid) != owner:
                 _chown_tree(workspace, owner)
+
+    def prepare_processes(self, workspace: Path) -> Path:
+        """:meth:`prepare`, and the state dir with the files a sandbox process sees (its
+        ``/etc/passwd``, ``group``, ``hosts``, ``resolv.conf``); returns the state dir.  Only a
+        session that starts a process pays for them: creating a file costs about a millisecond
+        on some disks, and a thousand new sessions reading files need none of them."""
+        self.prepare(workspace)
+        owner = self.owner(workspace)
         state = self.state_dir(workspace)
         state.mkdir(parents=True, exist_ok=True)
         state.chmod(0o755)
@@ -371,7 +379,7 @@ def probe(sandbox: Sandbox, workspace_root: Path) -> None:
         return
     workspace = workspace_root / ".probe"
     try:
-        sandbox.prepare(workspace)
+        sandbox.prepare_processes(workspace)
         argv = sandbox.wrap(["/bin/sh", "-c", "test -w . && echo ok"], workspace=workspace)
         done = subprocess.run(argv, capture_output=True, timeout=15, check=False, stdin=subprocess.DEVNULL)
     except SandboxUnavailable:

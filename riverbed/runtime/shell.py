@@ -182,7 +182,7 @@ class Shell:
         from inside the sandbox, where it is mounted read-only at the same path."""
         if not self._sandbox.confined:
             return tempfile.mkdtemp(prefix="riverbed-sh-")
-        self._sandbox.prepare(self._workspace)
+        self._sandbox.prepare_processes(self._workspace)
         path = tempfile.mkdtemp(prefix="sh-", dir=self._sandbox.state_dir(self._workspace))
         os.chmod(path, 0o755)  # noqa: S103  (the sandbox user reads its command scripts; nobody else sees them)
         return path
