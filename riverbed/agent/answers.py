@@ -2,11 +2,10 @@
 
 An act normally sends its append and a blocking ``XREAD`` for the answer in one write, and
 waits on that connection: one round trip, and the connection is the act's until the answer
-comes.  That is the fastest way for an act that finds a free connection.  When a client has
-more acts in flight than connections (a burst of a thousand from one process, or acts waiting
-for long commands), a connection each would mean opening hundreds at once, each a TCP connect
-and a greeting in an event loop that the burst keeps busy.  So an act that finds no free
-connection, while :data:`OPENINGS` connections are already being opened, is *crowded*:
+comes.  That is the fastest way, and a client opens connections as its acts need them.  But a
+client with thousands of acts in flight would hold thousands of connections (and fail past
+its pool's bound).  So from :data:`MOST` connections in use, an act that finds none free is
+*crowded*:
 
 - its append goes out in a batch: every command queued in one turn of the event loop is
   written in one send on one pooled connection (:meth:`Answers.call`);
@@ -47,8 +46,8 @@ __all__ = ["Answers"]
 
 log = structlog.get_logger("riverbed.client")
 
-#: New connections an act may be opening at once before the next acts are crowded.
-OPENINGS = 8
+#: Connections in use from which an act that finds none free is crowded rather than open one.
+MOST = 1024
 #: Batches on the wire at once (each on a pooled connection of its own).
 BATCHES = 4
 #: Sessions whose wake-up channel stays subscribed while none of their acts is in flight.
@@ -83,10 +82,11 @@ class _Watch:
 class Answers:
     """Batched commands and wake-up bells for one client (:mod:`riverbed.agent.answers`)."""
 
-    def __init__(self, redis: RawClient, keys: Keys, url: str, *, openings: int = OPENINGS) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, url: str, *, most: int = MOST) -> None:
         self.redis = redis
+        self._pool: Any = redis.connection_pool
         self.url = url
-        self.openings = openings
+        self.most = most
         self.wakeups = Wakeups(redis, keys)
         self._turns = anyio.CapacityLimiter(BATCHES)
         self._queue: list[_Call] = []
@@ -128,9 +128,9 @@ class Answers:
                 await task
 
     def crowded(self) -> bool:
-        """Whether an act now would find no free connection while :attr:`openings` are
-        already being opened (then it waits here instead)."""
-        return self._tg is not None and not self.redis.connection_pool.spare(self.openings)  # type: ignore[union-attr]
+        """Whether an act now would find no free connection with :attr:`most` in use (then
+        it waits here instead of opening one more)."""
+        return self._tg is not None and not self._pool.spare(self.most)
 
     @property
     def running(self) -> bool:

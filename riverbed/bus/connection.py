@@ -318,13 +318,11 @@ class _Quick:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.connection_class = _DIRECT.get(self.connection_class, self.connection_class)
-        self.opening = 0
-        """Commands getting a connection the pool's own way now: most are opening a new one."""
 
-    def spare(self, openings: int) -> bool:
-        """Whether a command now gets a free connection, or one of at most ``openings`` new
-        connections being opened at once."""
-        return bool(self._available_connections) or self.opening < openings
+    def spare(self, most: int) -> bool:
+        """Whether a command now gets a free connection, or may open one (fewer than ``most``
+        are in use)."""
+        return bool(self._available_connections) or len(self._in_use_connections) < most
 
     def _quick(self) -> bool:
         # A maintenance handover (redis-py's MOVING notifications) rewrites the pool under its
@@ -337,11 +335,7 @@ class _Quick:
             connection = free.pop()
             self._in_use_connections.add(connection)
             return connection
-        self.opening += 1
-        try:
-            return await super().get_connection()  # type: ignore[misc]
-        finally:
-            self.opening -= 1
+        return await super().get_connection()  # type: ignore[misc]
 
     def quick_release(self, connection: Any) -> bool:
         """Take ``connection`` back at once; False (nothing done) when the pool's own release
