@@ -5,6 +5,7 @@ with a real runtime worker process and Redis:
 - the same burst while every client connection of the server is killed, twice: every act is
   answered, and no action is appended twice;
 - an act waiting longer than its first blocking read holds no connection;
+- crowded acts of one session at once share one bell (one subscription);
 - a crowded act whose log Redis lost fails with ``NotFoundError``, one with no worker with
   ``ActTimeout``.
 """
@@ -172,6 +173,32 @@ async def test_a_crowded_act_fails_clearly_without_a_worker_or_its_log(standalon
         assert "no longer in its log" in str(error)
         # The crowded acts opened no connection of their own (their batches took one at most).
         assert _connections(standalone_bus) <= before + 1
+    finally:
+        for connection in held:
+            await pool.release(connection)
+
+
+async def test_crowded_acts_of_one_session_share_its_bell(standalone_bus: Bus, worker: WorkerProcess) -> None:
+    answers = standalone_bus.answers
+    assert answers is not None
+    answers.most = 0
+    pool: Any = standalone_bus.redis.connection_pool
+    held = [await pool.get_connection() for _ in range(len(pool._available_connections))]
+    try:
+        session = standalone_bus.session("twice")
+        outputs: list[str] = []
+
+        async def act(word: str) -> None:
+            obs = await session.act(events.CmdRun(command=f"echo {word}"), timeout=30)
+            assert isinstance(obs, events.CmdOutput)
+            outputs.append(obs.content.strip())
+
+        async with anyio.create_task_group() as tg:
+            for word in ("one", "two", "three"):
+                tg.start_soon(act, word)
+        assert sorted(outputs) == ["one", "three", "two"]
+        channel = standalone_bus.keys.wake("twice")
+        assert len(answers.wakeups._watched[channel].bells) == 1
     finally:
         for connection in held:
             await pool.release(connection)

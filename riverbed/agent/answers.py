@@ -186,7 +186,12 @@ class Answers:
         used last, so a session's next act subscribes nothing."""
         watch = self._watches.get(session)
         if watch is None:
-            watch = self._watches[session] = _Watch(await self.wakeups.watch(session, ROLE))
+            bell = await self.wakeups.watch(session, ROLE)
+            watch = self._watches.get(session)
+            if watch is None:
+                watch = self._watches[session] = _Watch(bell)
+            else:  # another act of the session subscribed it meanwhile: one bell a session
+                await self.wakeups.unwatch(session, bell)
         else:
             self._watches.move_to_end(session)
         watch.waiting += 1
