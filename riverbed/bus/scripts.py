@@ -33,9 +33,12 @@ APPEND = (
     _NOW
     + f"local ANNOUNCE_MS = {ANNOUNCE_MS}\n"
     + """
-local pinned_last = tonumber(redis.call('HGET', KEYS[2], 'last') or '0')
+-- The session's meta in one read: last id, tenant, the role's fence, when each role was announced.
+local meta = redis.call('HMGET', KEYS[2], 'last', 'tenant', 'fence:' .. ARGV[3],
+  'need:runtime', 'need:memory', 'need:condenser')
+local pinned_last = tonumber(meta[1] or '0')
 if ARGV[3] == '' and pinned_last > 0 then
-  local pinned = redis.call('HGET', KEYS[2], 'tenant') or ''
+  local pinned = meta[2] or ''
   if pinned ~= ARGV[7] then
     -- A writer that expected another last id hears that first (it says nothing more).
     if ARGV[1] ~= '' and tonumber(ARGV[1]) ~= pinned_last then return {'conflict', pinned_last} end
@@ -50,18 +53,18 @@ if ARGV[2] ~= '' then
     -- The first try's announce (shared keys: another node on a cluster) may have failed: announce
     -- again to every role still without an owner, and index the session again if it created it.
     local reply = {'dup', first, tonumber(string.sub(seen, sep + 1)), first == 1 and 1 or 0}
-    for _, role in ipairs({'runtime', 'memory', 'condenser'}) do
-      if redis.call('HGET', KEYS[2], 'need:' .. role) then table.insert(reply, role) end
+    for i, role in ipairs({'runtime', 'memory', 'condenser'}) do
+      if meta[3 + i] then table.insert(reply, role) end
     end
     return reply
   end
 end
-local last = tonumber(redis.call('HGET', KEYS[2], 'last') or '0')
+local last = pinned_last
 if ARGV[1] ~= '' and tonumber(ARGV[1]) ~= last then
   return {'conflict', last}
 end
 if ARGV[3] ~= '' then
-  local current = redis.call('HGET', KEYS[2], 'fence:' .. ARGV[3]) or '0'
+  local current = meta[3] or '0'
   if current ~= ARGV[4] then
     return {'fenced', tonumber(current)}
   end
@@ -78,6 +81,7 @@ local created = 0
 if last == 0 then
   created = 1
   redis.call('HSET', KEYS[2], 'created', now, 'need:runtime', 0, 'need:memory', 0, 'need:condenser', 0)
+  meta[4], meta[5], meta[6] = '0', '0', '0'
   if ARGV[7] ~= '' then redis.call('HSET', KEYS[2], 'tenant', ARGV[7]) end
 end
 local first = last + 1
@@ -123,7 +127,7 @@ end
 for i, role in ipairs({'runtime', 'memory', 'condenser'}) do
   -- need:<role> holds when the session was last announced to that role (0: never); announce
   -- again at most every ANNOUNCE_MS while no owner has taken it (an announce may be lost).
-  local announced = redis.call('HGET', KEYS[2], 'need:' .. role)
+  local announced = meta[3 + i]
   if announced and now - tonumber(announced) >= ANNOUNCE_MS then
     redis.call('HSET', KEYS[2], 'need:' .. role, now)
     if inline then
