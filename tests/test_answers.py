@@ -12,7 +12,8 @@ with a real runtime worker process and Redis:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from riverbed import events
+from riverbed.agent.answers import Answers
 from riverbed.agent.client import Bus
 from riverbed.errors import ActTimeout, NotFoundError
 from riverbed.runtime.paths import workspace_name
@@ -140,14 +142,24 @@ async def test_a_long_wait_holds_no_connection(standalone_bus: Bus, worker: Work
     assert answer.content.strip() == "done"
 
 
-async def test_a_crowded_act_fails_clearly_without_a_worker_or_its_log(standalone_bus: Bus) -> None:
-    answers = standalone_bus.answers
+@contextlib.asynccontextmanager
+async def _crowded(bus: Bus) -> AsyncIterator[Answers]:
+    """``bus``'s answers with every free connection held and none to be opened: each act is crowded."""
+    answers = bus.answers
     assert answers is not None
     answers.most = 0
-    pool: Any = standalone_bus.redis.connection_pool
+    pool: Any = bus.redis.connection_pool
     held = [await pool.get_connection() for _ in range(len(pool._available_connections))]
     try:
         assert answers.crowded()
+        yield answers
+    finally:
+        for connection in held:
+            await pool.release(connection)
+
+
+async def test_a_crowded_act_fails_clearly_without_a_worker_or_its_log(standalone_bus: Bus) -> None:
+    async with _crowded(standalone_bus):
         before = _connections(standalone_bus)
         with pytest.raises(ActTimeout, match="no observation answered action 1 in session 'nobody'"):
             await standalone_bus.session("nobody").act(events.CmdRun(command="true"), timeout=1.5)
@@ -173,18 +185,10 @@ async def test_a_crowded_act_fails_clearly_without_a_worker_or_its_log(standalon
         assert "no longer in its log" in str(error)
         # The crowded acts opened no connection of their own (their batches took one at most).
         assert _connections(standalone_bus) <= before + 1
-    finally:
-        for connection in held:
-            await pool.release(connection)
 
 
 async def test_crowded_acts_of_one_session_share_its_bell(standalone_bus: Bus, worker: WorkerProcess) -> None:
-    answers = standalone_bus.answers
-    assert answers is not None
-    answers.most = 0
-    pool: Any = standalone_bus.redis.connection_pool
-    held = [await pool.get_connection() for _ in range(len(pool._available_connections))]
-    try:
+    async with _crowded(standalone_bus) as answers:
         session = standalone_bus.session("twice")
         outputs: list[str] = []
 
@@ -199,6 +203,3 @@ async def test_crowded_acts_of_one_session_share_its_bell(standalone_bus: Bus, w
         assert sorted(outputs) == ["one", "three", "two"]
         channel = standalone_bus.keys.wake("twice")
         assert len(answers.wakeups._watched[channel].bells) == 1
-    finally:
-        for connection in held:
-            await pool.release(connection)

@@ -29,7 +29,7 @@ from riverbed.bus.connection import RawClient, connect_redis, translate
 from riverbed.bus.exchange import stream_entries
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys
 from riverbed.bus.log import PAGE, Log, answered_cause, decode_entry, entry_id
-from riverbed.bus.redis_client import RedisClient
+from riverbed.bus.redis_client import RedisClient, StreamEntry
 from riverbed.bus.wakeups import Bell
 from riverbed.errors import ActTimeout, AlreadyAnswered, InputError, NotFoundError, UnavailableError
 from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
@@ -186,12 +186,11 @@ class Session:
                 except rexc.RedisError as exc:
                     with translate(self.bus.url):
                         raise exc from None
-                pairs = [(entry_id(raw_id), fields.get(PAYLOAD_FIELD, b"")) for raw_id, fields in entries]
-                answer = _answer_among(pairs, action_id)
+                answer, last = _answer_in(entries, action_id)
                 if answer is not None:
                     return answer
-                if pairs:
-                    cursor = pairs[-1][0]
+                if last is not None:
+                    cursor = last
                 elif not rang and await self._last_id(answers) < action_id:
                     raise self._lost(action_id)
             rang = await bell.wait(mark, 1.0)
@@ -267,12 +266,11 @@ class Session:
                     # The log is shorter than the action: Redis lost its data (a restart without
                     # persistence, a failover to an empty replica, FLUSHALL); no answer can come.
                     raise self._lost(action_id)
-                pairs = [(entry_id(raw_id), fields.get(PAYLOAD_FIELD, b"")) for raw_id, fields in entries]
-                answer = _answer_among(pairs, action_id)
+                answer, last = _answer_in(entries, action_id)
                 if answer is not None:
                     return answer
-                if pairs:
-                    cursor = pairs[-1][0]
+                if last is not None:
+                    cursor = last
         raise self._timed_out(action_id, timeout)
 
     def log(self, start: int = 1, end: int | None = None, *, follow: bool = False) -> AsyncIterator[events.Event]:
@@ -306,6 +304,13 @@ class Session:
         from riverbed.agent.context import SessionContext  # noqa: PLC0415  (memory is optional for clients)
 
         return SessionContext(self)
+
+
+def _answer_in(entries: Sequence[StreamEntry], action_id: int) -> tuple[events.Event | None, int | None]:
+    """The entry of raw stream ``entries`` that answers ``action_id``, if any, and the id of
+    the last entry (None when there are none)."""
+    pairs = [(entry_id(raw_id), fields.get(PAYLOAD_FIELD, b"")) for raw_id, fields in entries]
+    return _answer_among(pairs, action_id), (pairs[-1][0] if pairs else None)
 
 
 def _answer_among(entries: Sequence[tuple[int, bytes]], action_id: int) -> events.Event | None:
