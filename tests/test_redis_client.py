@@ -162,3 +162,31 @@ async def test_a_redis_older_than_riverbed_needs_is_refused_in_one_sentence(
         match=r"^the Redis at redis://127\.0\.0\.1:\d+/\d+ is 7\.[\d.]+; riverbed needs Redis 99\.0 or newer$",
     ):
         await connection.connect_redis(redis_url)
+
+
+async def test_first_callers_of_a_script_wait_together_for_one_load(standalone_bus: Bus, prefix: str) -> None:
+    script = standalone_bus.client.script(f"return '{prefix}'")  # a script this server has not seen
+    probe = standalone_bus.redis
+    before = (await probe.info("commandstats")).get("cmdstat_script|load", {}).get("calls", 0)
+    done: list[int] = []
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while len(done) < 200:
+            turns += 1
+            await anyio.lowlevel.checkpoint()
+
+    async def call() -> None:
+        await script.load()
+        done.append(turns)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(count_turns)
+        for _ in range(200):
+            tg.start_soon(call)
+    after = (await probe.info("commandstats"))["cmdstat_script|load"]["calls"]
+    assert after - before == 1
+    # The waiters went on together once the load ended, not one per turn of the event loop.
+    assert len(set(done)) <= 2
+    assert await script([], []) == prefix.encode()

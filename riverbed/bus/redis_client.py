@@ -313,8 +313,8 @@ class Script:
         self._script = script
         self._url = url
         self._loaded = False
-        self._loading = anyio.Lock()
-        self._loaded_event = anyio.Event()
+        self._loading: anyio.Event | None = None
+        """Set when the load under way ends (whether or not it loaded the script)."""
 
     @property
     def sha(self) -> str:
@@ -330,23 +330,20 @@ class Script:
         (in an exchange, which cannot load it on ``NOSCRIPT``): a thousand first callers at once
         wait for one ``SCRIPT LOAD`` instead of each failing and starting over.  A server that
         lost its cache later answers ``NOSCRIPT`` again, and the caller runs the script alone."""
-        if self._loaded:
-            return
-        if self._loading.locked():
-            # Another caller is loading it: wait for that (all waiters go on in the same turn)
-            # rather than for the lock (one waiter a turn).
-            await self._loaded_event.wait()
-            if self._loaded:
-                return
-        async with self._loading:
-            if not self._loaded:
-                try:
-                    with translate(self._url):
-                        await self._script.registered_client.script_load(self._script.script)
-                    self._loaded = True
-                finally:
-                    done, self._loaded_event = self._loaded_event, anyio.Event()
-                    done.set()  # (failed: each waiter tries in turn)
+        while not self._loaded:
+            if self._loading is not None:
+                # Another caller is loading it: every waiter goes on in the same turn once it
+                # ends (a lock would let one go on a turn); after a failure, one tries again.
+                await self._loading.wait()
+                continue
+            self._loading = anyio.Event()
+            try:
+                with translate(self._url):
+                    await self._script.registered_client.script_load(self._script.script)
+                self._loaded = True
+            finally:
+                done, self._loading = self._loading, None
+                done.set()
 
 
 class Reply(Generic[T]):
