@@ -125,22 +125,23 @@ class Sandbox:
         """Per-session files the sandbox needs but must not write (its passwd, shell scripts)."""
         return workspace.parent / ".sandbox" / workspace.name
 
-    def prepare(self, workspace: Path) -> None:
-        """Create the workspace, owned by the sandbox user (what every action needs)."""
+    def prepare(self, workspace: Path) -> tuple[int, int] | None:
+        """Create the workspace, owned by the sandbox user (what every action needs); returns
+        that owner (:meth:`owner`)."""
         workspace.mkdir(parents=True, exist_ok=True)
         owner = self.owner(workspace)
         if owner is not None:
             st = workspace.stat()
             if (st.st_uid, st.st_gid) != owner:
                 _chown_tree(workspace, owner)
+        return owner
 
     def prepare_processes(self, workspace: Path) -> Path:
         """:meth:`prepare`, and the state dir with the files a sandbox process sees (its
         ``/etc/passwd``, ``group``, ``hosts``, ``resolv.conf``); returns the state dir.  Only a
         session that starts a process pays for them: creating a file costs about a millisecond
         on some disks, and a thousand new sessions reading files need none of them."""
-        self.prepare(workspace)
-        owner = self.owner(workspace)
+        owner = self.prepare(workspace)
         state = self.state_dir(workspace)
         state.mkdir(parents=True, exist_ok=True)
         state.chmod(0o755)
