@@ -18,11 +18,11 @@ the worker reload the slot map and place every channel again.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import hiredis
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 import structlog
@@ -42,10 +42,16 @@ PING_SECONDS = 5.0
 #: How long :meth:`Wakeups.watch` waits for the subscription's confirmation before the loop
 #: goes on anyway (it still reads once a second).
 CONFIRM_SECONDS = 1.0
+#: How much a feed reads from its socket at once.
+_CHUNK = 1 << 16
+#: What the parser says when a message is not all there yet.
+_MORE = object()
 
 
 class Bell:
     """Rings when a session's log may have moved for one role's loop, which keeps its mark."""
+
+    __slots__ = ("_event", "news", "role", "rung")
 
     def __init__(self, role: str) -> None:
         self.role = role
@@ -53,21 +59,27 @@ class Bell:
         self.news: int | None = None
         """The log's last id that the latest ring brought, if it brought one (a feed that
         reconnected rings without: then anything may have moved)."""
-        self._event = anyio.Event()
+        self._event: anyio.Event | None = None
+        """Made by the first waiter after a ring: a loop busy with work waits on none, and its
+        wake-ups cost no event."""
 
     def ring(self, news: int | None = None) -> None:
         self.rung += 1
         self.news = news
-        self._event.set()
-        self._event = anyio.Event()
+        event, self._event = self._event, None
+        if event is not None:
+            event.set()
 
     async def wait(self, mark: int, timeout: float) -> bool:
         """Wait until the bell rang after ``mark`` (a value of :attr:`rung`), for at most
         ``timeout`` seconds; whether it did."""
         if self.rung != mark:
             return True
+        if self._event is None:
+            self._event = anyio.Event()
+        event = self._event
         with anyio.move_on_after(timeout):
-            await self._event.wait()
+            await event.wait()
         return self.rung != mark
 
 
@@ -123,31 +135,52 @@ class _Feed:
             await self.connection.send_command("SUNSUBSCRIBE", channel, check_health=False)
 
     async def _read(self) -> None:
+        """Read the connection's messages a chunk at a time and handle every message in it.
+
+        The feed owns its connection's incoming bytes (other tasks only write to it), so it
+        parses them itself: a chunk that brings a hundred wake-ups costs one wait, not a hundred
+        trips through the client's reply machinery.  Liveness is checked per window of
+        ``PING_SECONDS``, not per message: a window that heard nothing sends a PING, and three
+        such windows in a row mean the node is gone."""
+        stream = self.connection._reader  # (the connected socket's asyncio stream)
+        parser = hiredis.Reader(notEnoughData=_MORE)
         quiet = 0
         while True:
-            with anyio.move_on_after(PING_SECONDS) as waited:
-                message = await self.connection.read_response(timeout=math.inf, push_request=True)
-            if waited.cancelled_caught:
-                quiet += 1
-                if quiet >= 3:
-                    raise rexc.ConnectionError(f"no reply from {self.node} for {3 * PING_SECONDS:.0f}s")
-                await self.connection.send_command("PING", check_health=False)
+            heard = False
+            with anyio.move_on_after(PING_SECONDS):
+                while True:
+                    chunk = await stream.read(_CHUNK)
+                    if not chunk:
+                        raise rexc.ConnectionError(f"{self.node} closed the wake-up connection")
+                    heard = True
+                    parser.feed(chunk)
+                    while (message := parser.gets()) is not _MORE:
+                        self._handle(message)
+            if heard:
+                quiet = 0
                 continue
-            quiet = 0
-            if not isinstance(message, list) or len(message) < 2:
-                continue
-            kind = _text(message[0])
-            channel = _text(message[1])
-            if kind == "smessage":
-                # "<last id>" or "<last id> <role>": that role's group was moved past the append
-                # (a runtime answer the runtime has no use for), so its loop has nothing to read.
-                last, _sep, skip = _text(message[2]).partition(" ")
-                self.wakeups.ring(channel, skip=skip or None, news=int(last) if last.isdigit() else None)
-            elif kind == "ssubscribe":
-                self.wakeups.confirmed(channel)
-            elif kind == "sunsubscribe" and channel in self.channels:
-                # The node gave up a channel we still want: its slot moved elsewhere.
-                raise rexc.ConnectionError(f"the node gave up channel {channel} (its slot moved)")
+            quiet += 1
+            if quiet >= 3:
+                raise rexc.ConnectionError(f"no reply from {self.node} for {3 * PING_SECONDS:.0f}s")
+            await self.connection.send_command("PING", check_health=False)
+
+    def _handle(self, message: Any) -> None:
+        if isinstance(message, Exception):  # an error reply (hiredis hands it over, not raised)
+            raise rexc.ResponseError(str(message))
+        if not isinstance(message, list) or len(message) < 2:
+            return  # a PONG
+        kind = message[0]
+        channel = _text(message[1])
+        if kind == b"smessage":
+            # "<last id>" or "<last id> <role>": that role's group was moved past the append
+            # (a runtime answer the runtime has no use for), so its loop has nothing to read.
+            last, _sep, skip = _text(message[2]).partition(" ")
+            self.wakeups.ring(channel, skip=skip or None, news=int(last) if last.isdigit() else None)
+        elif kind == b"ssubscribe":
+            self.wakeups.confirmed(channel)
+        elif kind == b"sunsubscribe" and channel in self.channels:
+            # The node gave up a channel we still want: its slot moved elsewhere.
+            raise rexc.ConnectionError(f"the node gave up channel {channel} (its slot moved)")
 
 
 class Wakeups:
