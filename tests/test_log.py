@@ -116,7 +116,7 @@ async def test_an_answer_passes_its_own_role_but_reaches_the_others(bus: Bus) ->
         await bus.redis.xgroup_create(key, group, id="0")
     assert len((await bus.redis.xreadgroup("runtime", "w", {key: ">"}))[0][1]) == 1
     answer = events.CmdOutput(content="", exit_code=0, cause=action)
-    await bus.log_store.append("own", [answer], ack=("runtime", f"{action}-0"), pass_own=True)
+    await bus.log_store.append("own", [answer], ack=("runtime", f"{action}-0"), pass_own=action)
     assert await bus.redis.xreadgroup("runtime", "w", {key: ">"}, block=50) == []  # skipped, and acked
     assert (await bus.redis.xpending(key, "runtime"))["pending"] == 0
     memory = await bus.redis.xreadgroup("memory", "m", {key: ">"})
@@ -126,9 +126,24 @@ async def test_an_answer_passes_its_own_role_but_reaches_the_others(bus: Bus) ->
     await bus.redis.xreadgroup("runtime", "w", {key: ">"})
     (third,) = await session.append(events.CmdRun(command="true"))
     late = events.CmdOutput(content="", exit_code=0, cause=second)
-    (late_id,) = await bus.log_store.append("own", [late], ack=("runtime", f"{second}-0"), pass_own=True)
+    (late_id,) = await bus.log_store.append("own", [late], ack=("runtime", f"{second}-0"), pass_own=second)
     delivered = await bus.redis.xreadgroup("runtime", "w", {key: ">"})
     assert [entry_id for entry_id, _ in delivered[0][1]] == [f"{third}-0".encode(), f"{late_id}-0".encode()]
+
+
+async def test_an_answer_that_would_pass_a_group_deleted_under_it_is_still_appended(bus: Bus) -> None:
+    """The stream was deleted under its owner (its meta kept): the answer goes in, acking and
+    passing nothing, and the owner finds the group gone on its next read."""
+    session = bus.session("gone")
+    (action,) = await session.append(events.CmdRun(command="true"))
+    key = bus.keys.log("gone")
+    await bus.redis.xgroup_create(key, "runtime", id="0")
+    await bus.redis.xreadgroup("runtime", "w", {key: ">"})
+    await bus.redis.delete(key)
+    answer = events.CmdOutput(content="", exit_code=0, cause=action)
+    (answer_id,) = await bus.log_store.append("gone", [answer], ack=("runtime", f"{action}-0"), pass_own=action)
+    assert answer_id == action + 1
+    assert [e.cause async for e in session.log(start=answer_id)] == [action]
 
 
 async def test_an_action_is_answered_at_most_once(bus: Bus) -> None:

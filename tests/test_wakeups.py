@@ -138,7 +138,7 @@ async def test_an_answer_its_role_has_no_use_for_wakes_only_the_other_roles(bus:
         await bus.redis.xreadgroup("runtime", "w", {key: ">"}, count=10)
         marks = runtime.rung, memory.rung
         answer = events.encode(events.FileContent(path="x", content="", cause=action))
-        prepared = bus.log_store.prepare("s1", [(answer, action)], ack=("runtime", f"{action}-0"), pass_own=True)
+        prepared = bus.log_store.prepare("s1", [(answer, action)], ack=("runtime", f"{action}-0"), pass_own=action)
         await prepared.run()
         assert await memory.wait(marks[1], 5.0)
         assert runtime.rung == marks[0]

@@ -45,6 +45,7 @@ class Dispatcher:
     async def dispatch(self, ctx: SessionContext, batch: list[Entry], *, recovering: bool) -> Answer | None:
         """Hand a batch to the handler (``recover`` for entries in flight on a previous owner,
         else ``handle``); the answer the handler left for the loop to send, if any."""
+        ctx.delivered = max(ctx.delivered, batch[-1].id)
         attempts: dict[int, int] = {}
         failures: dict[int, str] = {}  # an entry's last error, for its dead letter
         todo = batch

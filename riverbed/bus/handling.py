@@ -103,6 +103,8 @@ class SessionContext:
         self.fence = Fence(owner.role, token)
         self.log = owner.log
         self.last_seen = 0
+        self.delivered = 0
+        """The last id this role's group delivered to this loop (set as each batch is dispatched)."""
         self.tenant: str | None = meta[0] if meta else None
         self._created_stamp: str | None = meta[1] if meta else None
         self._tenant_read = meta is not None
@@ -143,7 +145,7 @@ class SessionContext:
             [(events.encode(obs), entry.id)],
             fence=self.fence,
             ack=(self.role, f"{entry.id}-0") if ack else None,
-            pass_own=self._owner.handler.ignores_own_answers,
+            pass_own=self.delivered if self._owner.handler.ignores_own_answers else None,
         )
 
     async def answered(self, entry: Entry, result: list[int] | AlreadyAnswered) -> int | None:

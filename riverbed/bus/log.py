@@ -168,13 +168,14 @@ class Log:
         fence: Fence | None = None,
         ack: tuple[str, bytes | str] | None = None,
         tenant: str | None = None,
-        pass_own: bool = False,
+        pass_own: int | None = None,
     ) -> list[int] | AlreadyAnswered:
         """Append ``batch`` in one round trip; returns the new ids (or the first ids on a retry).
 
         ``ack`` (group, entry id) acknowledges the entry being answered in the same script;
-        ``pass_own`` also moves that group past the answer when nothing arrived in between
-        (for a role that never needs to see its own answers)."""
+        ``pass_own``, the last id that group delivered to the caller, also moves the group past
+        the answer when that id is the log's last (nothing arrived since), for a role that never
+        needs to see its own answers."""
         return await self.append_raw(
             session,
             [(events.encode(e), answered_cause(e)) for e in batch],
@@ -196,7 +197,7 @@ class Log:
         fence: Fence | None = None,
         ack: tuple[str, bytes | str] | None = None,
         tenant: str | None = None,
-        pass_own: bool = False,
+        pass_own: int | None = None,
     ) -> list[int] | AlreadyAnswered:
         if not batch:
             self.check_session(session)
@@ -223,7 +224,7 @@ class Log:
         fence: Fence | None = None,
         ack: tuple[str, bytes | str] | None = None,
         tenant: str | None = None,
-        pass_own: bool = False,
+        pass_own: int | None = None,
     ) -> PreparedAppend:
         """An append of (payload, answered cause) pairs, ready to run alone or in an exchange."""
         self.check_session(session)
@@ -244,7 +245,7 @@ class Log:
             "" if ack is None else ack[1],
             tenant or "",
             len(batch),
-            "1" if pass_own else "",
+            "" if pass_own is None else pass_own,
             session,
         ]
         for payload, cause in batch:

@@ -16,8 +16,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 #       and on a standalone Redis also the runtime, memory and condenser directories and the
 #       sessions index (other slots: a cluster client announces in a second step instead)
 # ARGV: expected_last ('' = any), idem_ttl_ms ('' = no idempotency key), role ('' = not an owner),
-#       token, ack_group ('' = none), ack_id, tenant, n, pass_own ('1': the acking group need not
-#       see this answer), session, then n pairs (payload, answered cause or 0)
+#       token, ack_group ('' = none), ack_id, tenant, n, pass_own (the last id the acking group delivered
+#       to the caller, '' = none: see below), session, then n pairs (payload, answered cause or 0)
 # Replies: {'ok', first, count, index, need...} | {'dup', first, count, index, need...} | {'conflict', last}
 #          | {'fenced', current} | {'answered', cause, existing id} | {'tenant', the session's tenant ('' none)}
 # index 1: the append created the session and the caller adds it to the sessions index; need: the
@@ -101,19 +101,14 @@ end
 local wake = tostring(last)  -- published on the session's shard channel: "<last>" or "<last> <role>"
 if ARGV[5] ~= '' then
   redis.call('XACK', KEYS[1], ARGV[5], ARGV[6])
-  if ARGV[9] == '1' then
-    -- The acking role has no use for its own answer: when nothing arrived in between, move its
-    -- group past the answer instead of delivering it back (a read and an ack saved per action).
-    for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-      local name, delivered
-      for j = 1, #group, 2 do
-        if group[j] == 'name' then name = group[j + 1] end
-        if group[j] == 'last-delivered-id' then delivered = group[j + 1] end
-      end
-      if name == ARGV[5] and delivered == (first - 1) .. '-0' then
-        redis.call('XGROUP', 'SETID', KEYS[1], ARGV[5], last .. '-0')
-        wake = wake .. ' ' .. ARGV[5]  -- that role's loop has nothing new to read: no need to wake it
-      end
+  if ARGV[9] ~= '' and tonumber(ARGV[9]) == first - 1 then
+    -- The acking role has no use for its own answer, and its group had delivered the whole log
+    -- before it: move the group past the answer instead of delivering it back (a read and an
+    -- ack saved per action).  A group that is gone (the stream was deleted under its owner) is
+    -- left alone: its owner finds that out on its next read.
+    local moved = redis.pcall('XGROUP', 'SETID', KEYS[1], ARGV[5], last .. '-0')
+    if type(moved) ~= 'table' or not moved.err then
+      wake = wake .. ' ' .. ARGV[5]  -- that role's loop has nothing new to read: no need to wake it
     end
   end
 end

@@ -258,6 +258,8 @@ class SessionLoop:
         """The role's group on the log, delivering the ids after ``after`` (created when missing)."""
         owner = self.owner
         await owner.client.xgroup_create(owner.keys.log(self.session), owner.role, f"{after}-0")
+        # A group made again delivers from ``after``: what the old one delivered says nothing of it.
+        self.ctx.delivered = min(self.ctx.delivered, after)
 
     async def in_flight(self) -> list[Entry]:
         """Entries delivered to some consumer of this role and never acknowledged."""
