@@ -119,12 +119,12 @@ def parts(root: Path, raw: str) -> list[str]:
 
 def _open_root(root: Path) -> int:
     """An fd of ``root``, itself not a symlink (its parent may be one: the operator's)."""
-    absolute = Path(os.path.abspath(root))
-    parent = os.open(absolute.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    head, name = os.path.split(os.path.abspath(root))  # (strings: pathlib costs more than the opens)
+    parent = os.open(head, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        if absolute.name == "":
+        if name == "":
             return os.dup(parent)
-        return _open_dir(absolute.name, parent, shown="the workspace")
+        return _open_dir(name, parent, shown="the workspace")
     finally:
         os.close(parent)
 
