@@ -276,6 +276,17 @@ async def test_redis_restart_loses_nothing_and_workers_carry_on(
     await assert_each_action_answered_once(drivers, workspace)
 
 
+#: KEYS: log, meta; ARGV: payload, consumer.  Appends an action with the next id and delivers it
+#: to ``consumer`` of the runtime's group in one step (a script: atomic on a cluster too).
+APPEND_AND_DELIVER = """
+local id = tonumber(redis.call('HGET', KEYS[2], 'last') or '0') + 1
+redis.call('XADD', KEYS[1], id .. '-0', 'e', ARGV[1])
+redis.call('HSET', KEYS[2], 'last', id)
+redis.call('XREADGROUP', 'GROUP', 'runtime', ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[1], '>')
+return id
+"""
+
+
 async def test_deliveries_nobody_works_on_are_answered(
     bus: Bus, redis_url: str, workers: list[WorkerProcess], prefix: str, workspace: Path, tmp_path: Path
 ) -> None:
@@ -292,17 +303,10 @@ async def test_deliveries_nobody_works_on_are_answered(
     key, meta = bus.keys.log(session.id), bus.keys.meta(session.id)
     lost: list[int] = []
     for consumer in ("owner", "stale-owner"):
-        # Append and deliver in one transaction, so the owner's blocking read never sees the entry.
+        # Append and deliver in one step, so the owner's blocking read never sees the entry.
         payload = events.encode(events.CmdRun(command="echo ran >> lost.txt"))
-        async with bus.redis.pipeline(transaction=True) as pipe:
-            await pipe.watch(meta)
-            action_id = int(await pipe.hget(meta, "last") or 0) + 1
-            pipe.multi()
-            pipe.xadd(key, {"e": payload}, id=f"{action_id}-0")
-            pipe.hset(meta, "last", action_id)
-            pipe.xreadgroup("runtime", consumer, {key: ">"}, count=1)
-            await pipe.execute()
-        lost.append(action_id)
+        action_id = await bus.redis.eval(APPEND_AND_DELIVER, 2, key, meta, payload, consumer)
+        lost.append(int(action_id))
     for action_id in lost:
         answer = await session.wait_for_answer(action_id, timeout=10)
         assert isinstance(answer, events.CmdOutput), answer
