@@ -146,6 +146,25 @@ async def test_an_answer_that_would_pass_a_group_deleted_under_it_is_still_appen
     assert [e.cause async for e in session.log(start=answer_id)] == [action]
 
 
+async def test_an_owners_answer_makes_no_idempotency_key_and_a_repeat_only_says_answered(bus: Bus) -> None:
+    """A repeat of an owner's answer (its reply lost with a connection) is refused as answered,
+    so on a standalone Redis the answer needs no key of its own: one key per act, not two."""
+    session = bus.session("idem")
+    (action,) = await session.append(events.CmdRun(command="true"))
+    await bus.redis.hset(bus.keys.meta("idem"), "fence:runtime", 1)
+    answer = events.encode(events.CmdOutput(content="", exit_code=0, cause=action))
+    prepared = bus.log_store.prepare("idem", [(answer, action)], fence=Fence("runtime", 1))
+    assert await prepared.run() == [action + 1]
+    cluster = isinstance(bus.redis, RedisCluster)
+    # (A cluster announces in a second step, which a lost reply would lose: there the answer
+    # keeps a key, and its repeat gives the same ids, to announce again.)
+    repeat = [action + 1] if cluster else AlreadyAnswered(cause=action, existing=action + 1)
+    assert await prepared.run() == repeat
+    assert await session.last_id() == action + 1
+    keys = [k async for k in bus.redis.scan_iter(match=bus.keys.idem("idem", "*"))]
+    assert len(keys) == (2 if cluster else 1), keys
+
+
 async def test_an_action_is_answered_at_most_once(bus: Bus) -> None:
     session = bus.session("s1")
     (action,) = await session.append(events.CmdRun(command="true"))

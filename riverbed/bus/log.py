@@ -91,7 +91,8 @@ class PreparedAppend:
     in an :func:`~riverbed.bus.exchange.exchange` and hand the reply to :meth:`outcome`.
 
     Running it again after a broken connection is safe: its idempotency key makes a repeat of
-    an append that went through return the same ids.
+    an append that went through return the same ids (an owner's answers have none: a repeat is
+    refused as answered).
     """
 
     def __init__(
@@ -230,12 +231,19 @@ class Log:
         self.check_session(session)
         if idempotency_key is not None and not (0 < len(idempotency_key) <= 200):
             raise InputError("an idempotency key must be 1 to 200 characters long")
-        ttl = IDEMPOTENCY_TTL_MS
+        ttl: int | str = IDEMPOTENCY_TTL_MS
         if idempotency_key is None:
-            # Every call gets a key of its own, kept briefly: the client retries a command whose
-            # connection broke, and a retry of an append that did go through must not append twice.
-            idempotency_key = f"auto:{secrets.token_hex(12)}"
-            ttl = AUTO_IDEMPOTENCY_TTL_MS
+            if fence is not None and all(cause for _payload, cause in batch) and not self.redis.cluster:
+                # An owner's answers need no key: a repeat of one that went through is refused as
+                # answered (the owner then only acknowledges), and on a standalone Redis the
+                # script announced the session in the same step, so the lost reply lost nothing.
+                idempotency_key, ttl = "-", ""
+            else:
+                # Every other call gets a key of its own, kept briefly: the client retries a command
+                # whose connection broke, and a retry of an append that went through must not
+                # append twice.
+                idempotency_key = f"auto:{secrets.token_hex(12)}"
+                ttl = AUTO_IDEMPOTENCY_TTL_MS
         args: list[Any] = [
             "" if expected_last is None else expected_last,
             ttl,
