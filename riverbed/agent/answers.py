@@ -36,7 +36,7 @@ import redis.exceptions as rexc
 import structlog
 from anyio.abc import TaskGroup
 
-from riverbed.bus.connection import RawClient, Turn
+from riverbed.bus.connection import RawClient, Turn, translate
 from riverbed.bus.exchange import exchange
 from riverbed.bus.keys import Keys
 from riverbed.bus.wakeups import Bell, Wakeups
@@ -140,8 +140,9 @@ class Answers:
 
     async def call(self, command: Sequence[Any]) -> Any:
         """``command``'s raw reply, sent with every other command queued in the same turn of the
-        event loop in one write; an error reply raises it (``rexc.ResponseError``), a lost
-        connection :class:`UnavailableError`."""
+        event loop in one write; an error reply raises it as every riverbed call does
+        (:func:`~riverbed.bus.connection.translate`: ``rexc.ResponseError`` unless it is riverbed's
+        to name), a lost connection :class:`UnavailableError`."""
         call = _Call(command)
         self._queue.append(call)
         if len(self._queue) == 1:
@@ -151,7 +152,8 @@ class Answers:
             self._tg.start_soon(self._flush)
         await call.done.wait()
         if call.error is not None:
-            raise call.error
+            with translate(self.url):
+                raise call.error
         return call.reply
 
     async def _flush(self) -> None:

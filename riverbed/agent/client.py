@@ -25,7 +25,7 @@ from msgspec.structs import replace
 from riverbed import events, tracing
 from riverbed.agent.answers import Answers
 from riverbed.bus import stats
-from riverbed.bus.connection import RawClient, connect_redis, translate
+from riverbed.bus.connection import RawClient, connect_redis
 from riverbed.bus.exchange import stream_entries
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys
 from riverbed.bus.log import PAGE, Log, answered_cause, decode_entry, entry_id
@@ -156,9 +156,6 @@ class Session:
                 reply = await answers.call(prepared.command)
             except (rexc.NoScriptError, UnavailableError):
                 ids = await prepared.run()  # loads the script, or retries under the same idempotency key
-            except rexc.RedisError as exc:
-                with translate(self.bus.url):
-                    raise exc from None
             else:
                 ids = await prepared.outcome(reply)
             assert not isinstance(ids, AlreadyAnswered)  # an action answers nothing
@@ -183,9 +180,6 @@ class Session:
                     entries = stream_entries(await answers.call(command))
                 except UnavailableError:
                     entries = await self.bus.client.xread(log_key, f"{cursor}-0", count=PAGE)  # with retries
-                except rexc.RedisError as exc:
-                    with translate(self.bus.url):
-                        raise exc from None
                 answer, last = _answer_in(entries, action_id)
                 if answer is not None:
                     return answer
