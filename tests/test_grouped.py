@@ -10,7 +10,7 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.client import Bus
-from riverbed.bus.grouped import ALONE, GroupedAnswers, GroupedPending, GroupedReads
+from riverbed.bus.grouped import ALONE, Batched, GroupedAnswers, GroupedPending, GroupedReads
 from riverbed.bus.redis_client import StreamEntry
 
 pytestmark = pytest.mark.anyio
@@ -136,3 +136,71 @@ async def test_stray_checks_asked_together_count_each_logs_own_pending_entries(b
     if backend == "standalone":
         assert [out[1], out[3]] == [2, 1]
         assert (pending.gather.round_trips, pending.gather.items) == (1, 4)
+
+
+async def test_the_steps_of_taking_sessions_together_go_in_one_write_each_with_its_own_reply(
+    bus: Bus, backend: str
+) -> None:
+    """A burst of sessions taken at once: each step (the acquire script, the log's group, the
+    saved fold, the log, the pending entries) is one write for all of them, and every caller
+    gets what the client's own command would have given it, a refusal included."""
+    sessions = [f"t{i}" for i in range(5)]
+    for session in sessions:
+        await bus.session(session).append(events.Think(thought=f"{session} 1"), events.Think(thought=f"{session} 2"))
+    keys = [bus.keys.log(s) for s in sessions]
+    await bus.client.xgroup_create(keys[1], GROUP, "0")  # made before: its creation says so
+    await bus.client.hset(bus.keys.folds("t2"), GROUP, b"saved")
+    batch = Batched(bus.client)
+    script = bus.client.script("return {KEYS[1], ARGV[1]}")
+
+    created = await _together([lambda k=k: batch.xgroup_create(k, GROUP, "0") for k in keys])
+    assert created == [True, False, True, True, True]
+    assert await _together([lambda s=s: batch.hget(bus.keys.folds(s), GROUP) for s in sessions]) == [
+        None, None, b"saved", None, None
+    ]  # fmt: skip
+    ranges = await _together([lambda k=k: batch.xrange(k, "2-0", "+", count=10) for k in keys])
+    assert [_thoughts(entries) for entries in ranges] == [[f"{s} 2"] for s in sessions]
+    assert ranges == [await bus.client.xrange(k, "2-0", "+", count=10) for k in keys]
+    ran = await _together([lambda k=k: batch.run(script, [k], ["x"]) for k in keys])
+    assert ran == [[k.encode(), b"x"] for k in keys]
+    await bus.client.xreadgroup(GROUP, "gone", keys[3], ">", count=1)  # one entry left pending
+    pending = await _together([lambda k=k: batch.xpending_range(k, GROUP, count=10) for k in keys])
+    assert [len(p) for p in pending] == [0, 0, 0, 1, 0]
+    alone = await bus.client.xpending_range(keys[3], GROUP, count=10)
+    assert [{**p, "time_since_delivered": 0} for p in pending[3]] == [{**p, "time_since_delivered": 0} for p in alone]
+    # Five steps of five sessions each: five writes on a standalone Redis, none grouped on a cluster.
+    expected = (5, 25) if backend == "standalone" else (0, 0)
+    assert (batch.gather.round_trips, batch.gather.items) == expected
+
+
+async def test_a_step_the_server_refuses_fails_only_its_own_caller(bus: Bus, backend: str) -> None:
+    """One log of the wrong type in a batch: its caller meets the server's error (as alone),
+    the others their replies; a script the server lost is loaded and run by its callers."""
+    sessions = [f"r{i}" for i in range(4)]
+    for session in sessions:
+        await bus.session(session).append(events.Think(thought=session))
+    keys = [bus.keys.log(s) for s in sessions]
+    await bus.redis.delete(keys[2])
+    await bus.redis.set(keys[2], "not a stream")
+    batch = Batched(bus.client)
+    out: list[Any] = [None] * 4
+
+    async def create(i: int) -> None:
+        try:
+            out[i] = await batch.xgroup_create(keys[i], GROUP, "0")
+        except Exception as exc:
+            out[i] = str(exc)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(create, i)
+    assert [out[0], out[1], out[3]] == [True, True, True]
+    assert "WRONGTYPE" in out[2] or "key" in out[2].lower()
+    script = bus.client.script("return ARGV[1]")
+    await script.load()
+    await bus.redis.script_flush()
+    assert await _together([lambda i=i: batch.run(script, [keys[0]], [str(i)]) for i in range(3)]) == [
+        b"0", b"1", b"2"
+    ]  # fmt: skip
+    if backend == "standalone":
+        assert batch.gather.items == 7

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import pytest
@@ -143,3 +144,61 @@ async def test_an_answer_its_role_has_no_use_for_wakes_only_the_other_roles(bus:
         assert await memory.wait(marks[1], 5.0)
         assert runtime.rung == marks[0]
         tg.cancel_scope.cancel()
+
+
+async def test_sessions_taken_at_once_are_taken_in_a_few_writes_per_step(bus: Bus, prefix: str, backend: str) -> None:
+    """100 new sessions at once, one worker: the acquire scripts, the logs' groups, the pending
+    checks and the wake-up subscriptions of the sessions taken together go in shared writes,
+    not one write per session and step; every session is answered."""
+    name = f"burst-{prefix}"
+    redis = await connect_redis(bus.url, shared=True, max_connections=8, name=name)
+    owner = Owner(redis, bus.keys, EchoHandler(), worker=name, url=bus.url, capacity=500, lease_seconds=5)
+    sessions = [f"burst{i}" for i in range(100)]
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(owner.run)
+            await wakeups_live(owner)
+            feed_writes: list[int] = []
+            for feed in owner.wakeups._feeds.values():
+                count_writes(feed.connection, feed_writes)
+
+            async def act(session: str) -> None:
+                obs = await bus.session(session).act(events.FileRead(path=session), timeout=30)
+                assert isinstance(obs, events.FileContent)
+                assert obs.content == name
+
+            async with anyio.create_task_group() as acts:
+                for session in sessions:
+                    acts.start_soon(act, session)
+            assert set(owner.owned) == set(sessions)
+            gather = owner.batch.gather
+            if backend == "standalone":
+                # acquire, group, pending: three steps of a hundred sessions each (the first
+                # intake round may find a session or two alone)
+                assert gather.items >= 2.5 * len(sessions)
+                assert gather.round_trips <= gather.items // 5, (gather.round_trips, gather.items)
+                assert 0 < len(feed_writes) <= len(sessions) // 5, len(feed_writes)
+            else:
+                assert gather.round_trips == 0  # keys in other slots: each command alone
+            await owner.drain(5.0)
+            tg.cancel_scope.cancel()
+    finally:
+        await redis.aclose()
+
+
+async def wakeups_live(owner: Owner) -> None:
+    """Wait until the owner's wake-ups have a live feed for a session of their own making."""
+    await owner.wakeups.watch("warm-up", owner.role)
+    with anyio.fail_after(10):
+        while owner.wakeups.connections < 1:
+            await anyio.sleep(0.01)
+
+
+def count_writes(connection: Any, into: list[int]) -> None:
+    send = connection.send_packed_command
+
+    async def counted(command: Any, check_health: bool = True) -> None:
+        into.append(1)
+        await send(command, check_health)
+
+    connection.send_packed_command = counted

@@ -39,7 +39,7 @@ from riverbed.bus.connection import RawClient
 from riverbed.bus.dispatch import Dispatcher
 from riverbed.bus.dlq import DeadLetters
 from riverbed.bus.failures import Failures
-from riverbed.bus.grouped import GroupedAnswers, GroupedPending, GroupedReads
+from riverbed.bus.grouped import Batched, GroupedAnswers, GroupedPending, GroupedReads
 from riverbed.bus.handling import Answer, Entry, Handler, OwnerStats, SessionContext
 from riverbed.bus.keys import Keys
 from riverbed.bus.leasing import Leasing
@@ -108,9 +108,11 @@ class Owner:
         self.client = as_client(redis, url)
         """The typed adapter every command goes through (``redis`` stays the redis-py client the
         wake-up feeds open their connections from)."""
-        self.log = Log(self.client, keys, url)
+        self.batch = Batched(self.client)
+        """The commands of taking a session, sent together for the sessions taken at once."""
+        self.log = Log(self.client, keys, url, batch=self.batch)
         lease_ms = math.ceil(lease_seconds * 1000)
-        self.leases = Leases(self.client, keys, self.role, worker=worker, lease_ms=lease_ms, url=url)
+        self.leases = Leases(self.client, keys, self.role, worker=worker, lease_ms=lease_ms, url=url, batch=self.batch)
         self.dlq = DeadLetters(self.client, keys, url)
         self.claims = Claims(self.client, keys, worker=worker, lease_seconds=lease_seconds, url=url)
         self.owned: dict[str, Owned] = {}

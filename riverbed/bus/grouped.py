@@ -12,7 +12,11 @@ join, then sends everybody's commands in one write and hands each loop its own r
 - :class:`GroupedAnswers`: the answers' append scripts in one write (``bus/exchange.py``),
   each reply read in turn;
 - :class:`GroupedPending`: the loops' periodic checks for entries left pending with nobody
-  working on them, one ``XPENDING <log> <role>`` each in one write.
+  working on them, one ``XPENDING <log> <role>`` each in one write;
+- :class:`Batched`: single commands of any kind, each with its own reply, in one write: the
+  steps of taking a session (acquire it, make its log's group, read the fold saved for it and
+  the log after it, look for entries in flight), which a burst of new sessions takes side by
+  side.
 
 Only on a standalone Redis: a cluster command's keys must share a slot, and sessions spread
 over the slots, so there each loop sends its own.  Whatever goes wrong with a grouped round
@@ -30,10 +34,11 @@ import anyio
 import anyio.lowlevel
 import redis.exceptions as rexc
 
+from riverbed.bus.connection import translate
 from riverbed.bus.log import PreparedAppend
-from riverbed.bus.redis_client import RedisClient, StreamEntry
+from riverbed.bus.redis_client import Arg, PendingEntry, RedisClient, Script, StreamEntry
 
-__all__ = ["Gather", "GroupedAnswers", "GroupedPending", "GroupedReads"]
+__all__ = ["Batched", "Gather", "GroupedAnswers", "GroupedPending", "GroupedReads"]
 
 #: How long the leader of a grouped round trip waits for its replies, shielded from its own
 #: cancellation (the loops that joined it wait for theirs), before every one of them goes alone.
@@ -171,10 +176,100 @@ class GroupedPending:
         return [ALONE if isinstance(reply, _Alone) else int(reply[0]) for reply in replies]
 
 
-async def _exchanged(client: RedisClient, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """The replies of ``commands`` sent in one write; :data:`ALONE` for a command whose reply
-    was an error (its caller runs it alone and sees the error itself) and for every command on
-    a cluster.  A broken connection raises (every caller then goes alone)."""
+class _Refused:
+    """The reply slot of a command the server refused with an error."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: rexc.ResponseError) -> None:
+        self.error = error
+
+
+class Batched:
+    """The few commands of taking a session, sent with the same commands of the other loops
+    asked in the same turn; each method answers as :class:`RedisClient`'s of the same name (a
+    command that cannot go with others goes alone through the client).
+
+    One write carries all of them and each caller gets its own reply or its own error, so a
+    thousand sessions taken at once cost a handful of writes per step instead of a thousand.
+    """
+
+    def __init__(self, client: RedisClient) -> None:
+        self.client = client
+        self.gather: Gather[tuple[Arg, ...], Any] = Gather(client, self._send)
+
+    async def _call(self, *command: Arg) -> Any:
+        """The raw reply of ``command`` sent with the others asked in this turn, or
+        :data:`ALONE` (send it yourself); the server's error raises (translated)."""
+        got = await self.gather.join(command)
+        if isinstance(got, _Refused):
+            with translate(self.client.url):
+                raise got.error
+        return got
+
+    async def run(self, script: Script, keys: Sequence[str], args: Sequence[Arg]) -> Any:
+        """``script``'s reply (see :meth:`Script.__call__`)."""
+        await script.load()
+        try:
+            got = await self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+        except rexc.NoScriptError:  # the server lost its scripts: the script's own call loads it
+            got = ALONE
+        return await script(keys, args) if got is ALONE else got
+
+    async def hget(self, key: str, field: str) -> bytes | None:
+        got = await self._call("HGET", key, field)
+        return await self.client.hget(key, field) if got is ALONE else got
+
+    async def xgroup_create(self, key: str, group: str, after: str) -> bool:
+        """Create ``group`` on ``key`` (and the stream), delivering after ``after``; False when
+        the group exists."""
+        try:
+            got = await self._call("XGROUP", "CREATE", key, group, after, "MKSTREAM")
+        except rexc.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+            return False
+        return await self.client.xgroup_create(key, group, after) if got is ALONE else True
+
+    async def xrange(self, key: str, min: str = "-", max: str = "+", count: int | None = None) -> list[StreamEntry]:
+        command: tuple[Arg, ...] = ("XRANGE", key, min, max) + (("COUNT", count) if count is not None else ())
+        got = await self._call(*command)
+        if got is ALONE:
+            return await self.client.xrange(key, min, max, count)
+        return [(raw_id, _fields(flat)) for raw_id, flat in got]
+
+    async def xpending_range(
+        self, key: str, group: str, *, min: str = "-", max: str = "+", count: int
+    ) -> list[PendingEntry]:
+        got = await self._call("XPENDING", key, group, min, max, count)
+        if got is ALONE:
+            return await self.client.xpending_range(key, group, min=min, max=max, count=count)
+        return [
+            PendingEntry(message_id=raw_id, consumer=consumer, time_since_delivered=int(idle), times_delivered=int(n))
+            for raw_id, consumer, idle, n in got
+        ]
+
+    async def _send(self, commands: list[tuple[Arg, ...]]) -> list[Any]:
+        return await _exchanged(self.client, commands, refused=_Refused)
+
+
+def _fields(flat: Any) -> dict[bytes, bytes]:
+    """An entry's fields from the flat list (RESP2) or map (RESP3) Redis sends."""
+    if isinstance(flat, dict):
+        return flat
+    return dict(zip(flat[::2], flat[1::2], strict=True)) if flat else {}
+
+
+async def _exchanged(
+    client: RedisClient,
+    commands: Sequence[tuple[Any, ...]],
+    *,
+    refused: Callable[[rexc.ResponseError], Any] | None = None,
+) -> list[Any]:
+    """The replies of ``commands`` sent in one write; :data:`ALONE` for every command on a
+    cluster, and for a command whose reply was an error unless ``refused`` makes that error
+    its reply (else its caller runs it alone and sees the error itself).  A broken connection
+    raises (every caller then goes alone)."""
     replies: list[Any] = [ALONE] * len(commands)
     async with client.exchange(*commands) as exchanged:
         if exchanged is None:
@@ -182,6 +277,6 @@ async def _exchanged(client: RedisClient, commands: list[tuple[Any, ...]]) -> li
         for index in range(len(commands)):
             try:
                 replies[index] = await exchanged.read()
-            except rexc.ResponseError:
-                replies[index] = ALONE
+            except rexc.ResponseError as exc:
+                replies[index] = ALONE if refused is None else refused(exc)
     return replies

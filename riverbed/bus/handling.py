@@ -188,7 +188,7 @@ class SessionContext:
     async def saved_fold(self) -> SavedFold | None:
         """This role's fold of the session saved by an owner before (None: none for this log)."""
         owner = self._owner
-        raw = await owner.client.hget(owner.keys.folds(self.session), self.role)
+        raw = await owner.batch.hget(owner.keys.folds(self.session), self.role)
         if raw is None:
             return None
         try:

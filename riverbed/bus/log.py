@@ -28,7 +28,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import redis.exceptions as rexc
@@ -49,6 +49,9 @@ from riverbed.errors import (
     TenantMismatch,
     UnavailableError,
 )
+
+if TYPE_CHECKING:
+    from riverbed.bus.grouped import Batched
 
 __all__ = ["AlreadyAnswered", "ArchiveReader", "Fence", "Log", "PreparedAppend", "entry_id"]
 
@@ -149,11 +152,20 @@ class Log:
     """Appends and reads of session logs under one key prefix."""
 
     def __init__(
-        self, redis: RedisClient | RawClient, keys: Keys, url: str = "redis", *, archive: ArchiveReader | None = None
+        self,
+        redis: RedisClient | RawClient,
+        keys: Keys,
+        url: str = "redis",
+        *,
+        archive: ArchiveReader | None = None,
+        batch: Batched | None = None,
     ) -> None:
         self.redis = as_client(redis, url)
         self.keys = keys
         self.archive = archive
+        self._pages: RedisClient | Batched = batch or self.redis
+        """Where reads page from: a worker's :class:`Batched`, so that the sessions it takes
+        at once read their logs in one write."""
         self.append_script = self.redis.script(scripts.APPEND)
 
     def check_session(self, session: str) -> None:
@@ -328,7 +340,7 @@ class Log:
         want = max(start, 1)
         hi = "+" if end is None else f"{end}-0"
         while end is None or want <= end:
-            entries = await self.redis.xrange(key, f"{want}-0", hi, count=page)
+            entries = await self._pages.xrange(key, f"{want}-0", hi, count=page)
             if not entries or entry_id(entries[0][0]) != want:
                 upto = await self._archived_upto(session, want, end, entries)
                 if upto < want:
@@ -355,7 +367,7 @@ class Log:
         hi = "+" if end is None else f"{end}-0"
         decode = events.decode
         while end is None or want <= end:
-            entries = await self.redis.xrange(key, f"{want}-0", hi, count=PAGE)
+            entries = await self._pages.xrange(key, f"{want}-0", hi, count=PAGE)
             if not entries or int(entries[0][0].partition(b"-")[0]) != want:
                 upto = await self._archived_upto(session, want, end, entries)
                 if upto < want:

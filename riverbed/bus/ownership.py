@@ -26,13 +26,16 @@ owners let their sessions go), reads answer ``NOGROUP`` (the owner creates the g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.exceptions as rexc
 
 from riverbed.bus import scripts
 from riverbed.bus.keys import Keys
-from riverbed.bus.redis_client import RawClient, RedisClient, Reply, as_client
+from riverbed.bus.redis_client import Arg, RawClient, RedisClient, Reply, as_client
+
+if TYPE_CHECKING:
+    from riverbed.bus.grouped import Batched
 
 __all__ = ["Claim", "Leases"]
 
@@ -68,8 +71,11 @@ class Leases:
         worker: str,
         lease_ms: int,
         url: str = "redis",
+        batch: Batched | None = None,
     ) -> None:
         self.redis = as_client(redis, url)
+        self._batch = batch
+        """A worker's: the sessions it takes at once are acquired in one write."""
         self.keys = keys
         self.role = role
         self.worker = worker
@@ -99,9 +105,9 @@ class Leases:
         return [_claim(entry_id, fields) for entry_id, fields in entries if fields]
 
     async def acquire(self, claim: Claim) -> Acquired:
-        reply = await self._acquire(
-            [self.keys.meta(claim.session)], [self.role, self.worker, self.lease_ms, claim.entry]
-        )
+        keys = [self.keys.meta(claim.session)]
+        args: list[Arg] = [self.role, self.worker, self.lease_ms, claim.entry]
+        reply = await (self._acquire(keys, args) if self._batch is None else self._batch.run(self._acquire, keys, args))
         token = int(reply[0])
         if token == 0:
             return Acquired(0, _text(reply[1]), _text(reply[2]), int(reply[3]))

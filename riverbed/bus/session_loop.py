@@ -257,7 +257,7 @@ class SessionLoop:
     async def ensure_group(self, *, after: int = 0) -> None:
         """The role's group on the log, delivering the ids after ``after`` (created when missing)."""
         owner = self.owner
-        await owner.client.xgroup_create(owner.keys.log(self.session), owner.role, f"{after}-0")
+        await owner.batch.xgroup_create(owner.keys.log(self.session), owner.role, f"{after}-0")
         # A group made again delivers from ``after``: what the old one delivered says nothing of it.
         self.ctx.delivered = min(self.ctx.delivered, after)
 
@@ -268,7 +268,7 @@ class SessionLoop:
         out: list[Entry] = []
         start = "-"
         while True:
-            pending = await owner.client.xpending_range(key, owner.role, min=start, max="+", count=500)
+            pending = await owner.batch.xpending_range(key, owner.role, min=start, max="+", count=500)
             if not pending:
                 return out
             ids = [p["message_id"].decode() for p in pending]

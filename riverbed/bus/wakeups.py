@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import hiredis
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
@@ -93,7 +94,8 @@ class _Feed:
     """One subscribed connection to one node, reading its messages in a task of its own.
 
     Other tasks write to it (``SSUBSCRIBE``) while the reader waits; they send without redis-py's
-    health check, which would read a reply from under the reader.
+    health check, which would read a reply from under the reader.  The channels subscribed in
+    one turn go in one write (a burst of sessions taken at once subscribes side by side).
     """
 
     def __init__(self, wakeups: Wakeups, node: str, connection: Any) -> None:
@@ -105,14 +107,15 @@ class _Feed:
         self.live = False
         self.retired = False
         """Replaced on purpose (every channel is being placed again): its end asks for nothing."""
+        self._queued: list[str] = []
+        """Channels to subscribe to in the write the first of them sends at the end of this turn."""
 
     async def run(self) -> None:
         with self.scope:
             try:
                 await self.connection.connect()
                 self.live = True
-                for channel in sorted(self.channels):
-                    await self.connection.send_command("SSUBSCRIBE", channel, check_health=False)
+                await self._send("SSUBSCRIBE", sorted(self.channels))
                 for channel in self.channels:
                     self.wakeups.ring(channel)  # anything published while this feed was away
                 await self._read()
@@ -126,8 +129,26 @@ class _Feed:
 
     async def subscribe(self, channel: str) -> None:
         self.channels.add(channel)
+        if not self.live:
+            return  # subscribed to when the feed connects
+        self._queued.append(channel)
+        if len(self._queued) > 1:
+            return  # the first channel queued in this turn sends this one too
+        try:
+            with anyio.CancelScope(shield=True):
+                await anyio.lowlevel.checkpoint()  # the loops taking sessions in this turn queue theirs
+        finally:
+            queued, self._queued = self._queued, []
         if self.live:
-            await self.connection.send_command("SSUBSCRIBE", channel, check_health=False)
+            await self._send("SSUBSCRIBE", queued)
+
+    async def _send(self, command: str, channels: list[str]) -> None:
+        """``command`` for each channel, all in one write (one channel each: on a cluster a
+        command's channels must share a slot)."""
+        if channels:
+            lines: list[tuple[Any, ...]] = [(command, channel) for channel in channels]
+            packed = b"".join(hiredis.pack_command(line) for line in lines)
+            await self.connection.send_packed_command(packed, check_health=False)
 
     async def unsubscribe(self, channel: str) -> None:
         self.channels.discard(channel)
