@@ -162,8 +162,9 @@ async def test_a_new_connection_greets_the_server_in_one_write(private: tuple[st
     raw = await connect_redis(f"redis://agent:s3cret@{host}/3", name="riverbed:greeter")
     try:
         assert isinstance(raw, aioredis.Redis)
-        connection = await raw.connection_pool.get_connection()  # type: ignore[no-untyped-call]
-        await connection.disconnect()
+        pool = raw.connection_pool
+        # A connection that knows nothing of the server yet (the pool's learn what it refuses).
+        connection = pool.connection_class(**pool.connection_kwargs)
         writes: list[bytes] = []
         send = connection.send_packed_command
 
@@ -176,7 +177,7 @@ async def test_a_new_connection_greets_the_server_in_one_write(private: tuple[st
         assert len(writes) == 1
         for command in (b"HELLO", b"AUTH", b"SETNAME", b"SETINFO", b"SELECT"):
             assert command in writes[0]
-        await raw.connection_pool.release(connection)
+        await connection.disconnect()
         info = await raw.client_info()
         assert (info["name"], info["db"], info["user"], str(info["resp"])) == ("riverbed:greeter", 3, "agent", "3")
     finally:
@@ -184,3 +185,32 @@ async def test_a_new_connection_greets_the_server_in_one_write(private: tuple[st
     with pytest.raises(UnavailableError, match=r"password|auth"):
         await connect_redis(f"redis://agent:wrong@{host}/3")
     await probe.aclose()
+
+
+async def test_a_greeting_command_the_server_refused_is_not_sent_again(private: tuple[str, int]) -> None:
+    url, _pid = private
+    probe = aioredis.Redis.from_url(url)
+    # A user barred from CLIENT is refused CLIENT SETINFO, as a server older than Redis 7.2 refuses it.
+    await probe.acl_setuser(
+        "old", enabled=True, passwords=["+pw"], commands=["+@all", "-client"], keys=["*"], channels=["*"]
+    )
+
+    async def refusals() -> int:
+        return int((await probe.info("stats"))["total_error_replies"])
+
+    host = url.removeprefix("redis://")
+    raw = await connect_redis(f"redis://old:pw@{host}")
+    try:
+        assert isinstance(raw, aioredis.Redis)
+        learned = await refusals()
+        assert learned >= 2  # the first connection's CLIENT SETINFO lines (and maintenance notifications)
+        pool = raw.connection_pool
+        connections = [await pool.get_connection() for _ in range(5)]  # type: ignore[no-untyped-call]
+        assert all(c.is_connected for c in connections)
+        assert await refusals() == learned
+        for connection in connections:
+            await pool.release(connection)
+        assert await raw.ping()
+    finally:
+        await raw.aclose()
+        await probe.aclose()

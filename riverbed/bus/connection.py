@@ -197,6 +197,10 @@ class _DirectSend:
     socket_timeout: float | None
     health_check_interval: float
     next_health_check: float
+    refused: set[str] | None = None
+    """The greeting's optional commands this connection's server refused (shared by its pool's
+    connections): an older server (Redis 7.0 knows no ``CLIENT SETINFO``, no open-source Redis
+    knows maintenance notifications) refuses them on every connection, so they are sent once."""
 
     async def on_connect_check_health(self, check_health: bool = True) -> None:
         # A socket opened this moment needs no PING to prove it is alive, and redis-py sends one
@@ -210,8 +214,9 @@ class _DirectSend:
         """The greeting of a new RESP3 connection in one write: ``HELLO`` (with its ``AUTH`` and
         ``SETNAME``), redis-py's request for maintenance notifications, ``CLIENT SETINFO`` and
         ``SELECT``.  redis-py sends them in three to six rounds, each a turn of what may be a
-        busy event loop (a burst opening hundreds of connections).  False, with nothing sent,
-        where redis-py's own way is needed: RESP2, or a credential provider."""
+        busy event loop (a burst opening hundreds of connections); an optional one the server
+        refused before (:attr:`refused`) is left out.  False, with nothing sent, where redis-py's
+        own way is needed: RESP2, or a credential provider."""
         conn: Any = self
         if str(conn.protocol) != "3" or conn.credential_provider is not None:
             return False
@@ -248,15 +253,20 @@ class _DirectSend:
             greeting.append(("info", True, ["CLIENT", "SETINFO", "LIB-VER", info.lib_version]))
         if conn.db:
             greeting.append(("select", False, ["SELECT", conn.db]))
+        refused = self.refused
+        if refused:
+            greeting = [line for line in greeting if not (line[1] and _name(line[2]) in refused)]
         await conn.send_packed_command(conn.pack_commands([command for *_, command in greeting]), check_health=False)
         failure: Exception | None = None
-        for what, optional, _command in greeting:
+        for what, optional, command in greeting:
             try:
                 reply = await conn.read_response()
             except rexc.ResponseError as exc:
                 # An older server without SETINFO or maintenance notifications: redis-py goes on too.
-                if not optional and failure is None:
-                    failure = exc
+                if not optional:
+                    failure = failure or exc
+                elif refused is not None:
+                    refused.add(_name(command))
                 continue
             if what == "select" and reply not in (b"OK", "OK") and failure is None:
                 failure = rexc.ConnectionError("Invalid Database")
@@ -280,6 +290,11 @@ class _DirectSend:
         finally:
             if self.socket_timeout is None:  # (unless redis-py changed it meanwhile)
                 self.socket_timeout = timeout
+
+
+def _name(command: list[Any]) -> str:
+    """A greeting command's name and subcommands (``CLIENT SETINFO LIB-NAME``)."""
+    return " ".join(str(word) for word in command[:3])
 
 
 class _Connection(_DirectSend, aioredis.Connection):
@@ -318,6 +333,13 @@ class _Quick:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.connection_class = _DIRECT.get(self.connection_class, self.connection_class)
+        self._refused: set[str] = set()
+
+    def make_connection(self) -> Any:
+        connection = super().make_connection()  # type: ignore[misc]
+        if isinstance(connection, _DirectSend):
+            connection.refused = self._refused
+        return connection
 
     def spare(self, most: int) -> bool:
         """Whether a command now gets a free connection, or may open one (fewer than ``most``
@@ -436,8 +458,17 @@ def _driver_info() -> dict[str, Any]:
     return {"driver_info": DriverInfo(lib_version=redis.__version__).add_upstream_driver("riverbed", ours)}
 
 
+class _Retry(Retry):
+    """redis-py deep-copies a connection's retry policy for every connection it opens (it may
+    change the errors it retries on), about a tenth of what opening one costs a client; a
+    new policy with the same (immutable) backoff is as good a copy."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Retry:
+        return _Retry(self._backoff, self._retries, self._supported_errors)
+
+
 def _retry() -> Retry:
-    return Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=6)
+    return _Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=6)
 
 
 #: How long a command of a ``shared`` client waits for a free connection before it fails.
