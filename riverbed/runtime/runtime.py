@@ -316,7 +316,10 @@ class Runtime:
         try:
             await before_start()  # the sandboxes check again right before they start a process
             if not session.workspace_made:
-                await anyio.to_thread.run_sync(self._sandbox.prepare, session.workspace)
+                # Every new session's first action: a thread hop costs more than the stat (a
+                # thousand sessions taken at once), unless a whole tree changes owner.
+                if not self._sandbox.prepare_quick(session.workspace):
+                    await anyio.to_thread.run_sync(self._sandbox.prepare, session.workspace)
                 session.workspace_made = True
             if custom is not None:
                 ctx = HandlerContext(

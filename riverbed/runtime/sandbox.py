@@ -136,6 +136,25 @@ class Sandbox:
                 _chown_tree(workspace, owner)
         return owner
 
+    def prepare_quick(self, workspace: Path) -> bool:
+        """:meth:`prepare` where it is quick enough for the event loop (a stat; for a new
+        workspace a mkdir and a chown of that one directory): whether it is done.  False when
+        an existing workspace has to be handed over to the sandbox user, a walk of its whole
+        tree: :meth:`prepare` then runs in a thread."""
+        owner = self.owner(workspace)
+        try:
+            st = os.stat(workspace)
+        except FileNotFoundError:
+            workspace.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.mkdir(workspace)
+            except FileExistsError:
+                return False  # made meanwhile by someone else: what it holds is not known
+            if owner is not None:
+                os.chown(workspace, *owner, follow_symlinks=False)
+            return True
+        return owner is None or (st.st_uid, st.st_gid) == owner
+
     def prepare_processes(self, workspace: Path) -> Path:
         """:meth:`prepare`, and the state dir with the files a sandbox process sees (its
         ``/etc/passwd``, ``group``, ``hosts``, ``resolv.conf``); returns the state dir.  Only a
