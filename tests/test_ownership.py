@@ -131,6 +131,29 @@ async def test_renewal_reloads_scripts_a_node_lost(bus: Bus) -> None:
     assert await leases.renew(owned) == {"r0"}
 
 
+async def test_a_worker_holding_more_sessions_than_a_renewal_call_takes_renews_each_and_loses_only_the_stale(
+    bus: Bus,
+) -> None:
+    """Renewing 1,100 sessions (three script calls on a standalone Redis): every lease moves on
+    but those whose token went stale or whose holder changed, which are reported lost."""
+    count = 1_100
+    names = [f"many{i}" for i in range(count)]
+    async with bus.redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.hset(bus.keys.meta(name), mapping={"holder:runtime": "w", "fence:runtime": 3, "expires:runtime": 1})
+        await pipe.execute()
+    leases = Leases(bus.redis, bus.keys, "runtime", worker="w", lease_ms=5000, url=bus.url)
+    await leases.ensure_group()
+    owned = dict.fromkeys(names, ("0-1", 3))
+    owned["many7"] = ("0-1", 2)  # a token a takeover made stale
+    owned["many1050"] = ("0-1", 4)
+    await bus.redis.hset(bus.keys.meta("many600"), "holder:runtime", "peer")
+    assert await leases.renew(owned) == {"many7", "many1050", "many600"}
+    expires = [int(await bus.redis.hget(bus.keys.meta(n), "expires:runtime")) for n in names]
+    moved = {name for name, value in zip(names, expires, strict=True) if value > 1}
+    assert moved == set(names) - {"many7", "many1050", "many600"}
+
+
 async def test_poison_entries_are_dead_lettered_and_the_worker_goes_on(bus: Bus) -> None:
     owner, _ = make_owner(bus, "w1", lease_seconds=2, max_attempts=2)
     session = bus.session("poison")

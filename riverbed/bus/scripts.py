@@ -1,4 +1,5 @@
-"""All of riverbed's Lua, in one place.  Every script touches the keys of one session only.
+"""All of riverbed's Lua, in one place.  Every script touches the keys of one session only,
+but ``RENEW_ALL``, which a worker runs only on a standalone Redis (one slot for every key).
 
 Replies are arrays whose first element is a status word, decoded by the callers in
 ``bus/log.py``, ``bus/claims.py``, ``bus/ownership.py`` and ``bus/archive.py``.
@@ -165,6 +166,28 @@ if redis.call('HGET', KEYS[1], 'holder:' .. ARGV[1]) ~= ARGV[2] then return 0 en
 if redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) ~= ARGV[3] then return 0 end
 redis.call('HSET', KEYS[1], 'expires:' .. ARGV[1], now + tonumber(ARGV[4]))
 return 1
+"""
+)
+
+# KEYS: the metas of the sessions one worker holds for a role.  ARGV: role, worker, lease_ms, then
+# the worker's token for each session.  Reply: per session 1 renewed, 0 lost.  RENEW for many
+# sessions in one call, on a standalone Redis (a cluster's sessions are in other slots).
+RENEW_ALL = (
+    _NOW
+    + """
+local holder, fence = 'holder:' .. ARGV[1], 'fence:' .. ARGV[1]
+local expires, until_ = 'expires:' .. ARGV[1], now + tonumber(ARGV[3])
+local out = {}
+for i, key in ipairs(KEYS) do
+  local got = redis.call('HMGET', key, holder, fence)
+  if got[1] == ARGV[2] and got[2] == ARGV[3 + i] then
+    redis.call('HSET', key, expires, until_)
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
 """
 )
 
