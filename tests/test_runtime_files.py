@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from riverbed import events
-from riverbed.runtime import Runtime, workspace_name
+from riverbed.runtime import Runtime, files, workspace_name
+from riverbed.runtime.limits import Limits
+from riverbed.runtime.runtime import INLINE_READ_BYTES
 
 pytestmark = pytest.mark.anyio
 
@@ -212,3 +214,29 @@ async def test_a_session_that_only_touches_files_writes_no_sandbox_state(rt: Run
     cell = await rt.execute("p", events.PythonRun(id=1, code="import getpass; print(getpass.getuser())"))
     assert isinstance(cell, events.PythonOutput), cell
     assert cell.content.strip() == "sandbox"
+
+
+async def test_a_small_file_is_read_at_once_and_a_large_one_off_the_event_loop(rt: Runtime, workspace: Path) -> None:
+    """``read_small`` answers a small file, a missing one and a directory from what it opened,
+    and gives a file over the size back unread (the runtime then reads it in a thread)."""
+    ws = workspace / workspace_name("s")
+    ws.mkdir(parents=True)
+    (ws / "small.txt").write_text("tiny\n")
+    (ws / "big.txt").write_text("x" * 99 + "\n")
+    (ws / "d").mkdir()
+    limits = Limits()
+    small = files.read_small(ws, events.FileRead(id=3, path="small.txt"), limits, 50)
+    assert small is not None
+    assert small.content == "tiny\n"
+    assert small.cause == 3
+    assert files.read_small(ws, events.FileRead(path="big.txt"), limits, 50) is None
+    for path, reason in (("nope.txt", "not_found"), ("d", "is_directory")):
+        with pytest.raises(files.FileActionError) as caught:
+            files.read_small(ws, events.FileRead(path=path), limits, 50)
+        assert caught.value.reason == reason
+    large = "y" * (INLINE_READ_BYTES + 10) + "\n"
+    (ws / "large.txt").write_text(large)
+    read = await ok(rt, events.FileRead(id=4, path="large.txt"))
+    assert isinstance(read, events.FileContent)
+    assert read.content.startswith("y" * 10_000)
+    assert read.content == files.read(ws, events.FileRead(path="large.txt"), limits).content  # (capped alike)

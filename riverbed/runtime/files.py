@@ -106,13 +106,6 @@ def _text(place: confine.Place, fd: int, st: os.stat_result, limits: Limits) -> 
         raise FileActionError("not_text", f"{place.rel} is not UTF-8 text: {exc.reason}") from exc
 
 
-def _read_text(place: confine.Place, limits: Limits) -> str:
-    with _opened(place) as found:
-        if found is None:
-            raise FileActionError("not_found", f"{place.rel} does not exist")
-        return _text(place, *found, limits)
-
-
 def _existing(place: confine.Place, limits: Limits) -> tuple[str | None, os.stat_result | None]:
     """What a write is about to replace: its text (``None`` if it is not text) and stat."""
     with _opened(place) as found:
@@ -218,8 +211,21 @@ def read_bytes(workspace: Path, raw: str, limit: int) -> bytes | None:
 
 
 def read(workspace: Path, action: events.FileRead, limits: Limits) -> events.FileContent:
-    with _walk(workspace, action.path) as place:
-        text = _read_text(place, limits)
+    content = read_small(workspace, action, limits, None)
+    assert content is not None  # (no size given, none refused)
+    return content
+
+
+def read_small(workspace: Path, action: events.FileRead, limits: Limits, most: int | None) -> events.FileContent | None:
+    """:func:`read`, or None with nothing read when the file is larger than ``most`` bytes: the
+    caller reads a large file off the event loop, and answers a small one (or a refusal) at once
+    from the file it opened, without looking at it first."""
+    with _walk(workspace, action.path) as place, _opened(place) as found:
+        if found is None:
+            raise FileActionError("not_found", f"{place.rel} does not exist")
+        if most is not None and stat.S_ISREG(found[1].st_mode) and found[1].st_size > most:
+            return None
+        text = _text(place, *found, limits)
     lines = text.splitlines(keepends=True)
     if action.start < 1:
         raise FileActionError("bad_range", f"start must be 1 or more (lines are numbered from 1), not {action.start}")

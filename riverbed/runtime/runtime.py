@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import stat
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -106,15 +105,6 @@ def _check_kind(kind: type[events.Action]) -> None:
 
 #: A ``file_read`` of a regular file up to this size runs on the event loop, not in a thread.
 INLINE_READ_BYTES = 64 * 1024
-
-
-def _small_file(workspace: Path, raw: str) -> bool:
-    """Whether ``raw`` names a small regular file (a size probe only: ``files.read`` confines)."""
-    try:
-        st = os.stat(os.path.join(workspace, raw))
-    except (OSError, ValueError, TypeError):
-        return False
-    return stat.S_ISREG(st.st_mode) and st.st_size <= INLINE_READ_BYTES
 
 
 def _error(reason: str, content: str, *, retryable: bool = False) -> events.Error:
@@ -366,9 +356,10 @@ class Runtime:
         return await session.python.run(action, session.overrides)
 
     async def _file_read(self, session: _Session, action: events.FileRead) -> events.Observation:
-        if _small_file(session.workspace, action.path):
-            # Reading a few KiB of a local file takes microseconds: less than the hop to a thread.
-            return files.read(session.workspace, action, self._limits)
+        # Reading a few KiB of a local file takes microseconds: less than the hop to a thread.
+        small = files.read_small(session.workspace, action, self._limits, INLINE_READ_BYTES)
+        if small is not None:
+            return small
         return await anyio.to_thread.run_sync(files.read, session.workspace, action, self._limits)
 
     async def _file_write(self, session: _Session, action: events.FileWrite) -> events.Observation:
