@@ -10,7 +10,7 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.client import Bus
-from riverbed.bus.grouped import ALONE, Batched, GroupedAnswers, GroupedPending, GroupedReads
+from riverbed.bus.grouped import ALONE, Batched, Gather, GroupedAnswers, GroupedPending, GroupedReads
 from riverbed.bus.redis_client import StreamEntry
 
 pytestmark = pytest.mark.anyio
@@ -204,3 +204,41 @@ async def test_a_step_the_server_refuses_fails_only_its_own_caller(bus: Bus, bac
     ]  # fmt: skip
     if backend == "standalone":
         assert batch.gather.items == 7
+
+
+async def test_when_the_leader_is_cancelled_before_it_sends_the_others_go_alone(bus: Bus, backend: str) -> None:
+    """The first caller of a turn leads; cancelled while the others join, it sends nothing and
+    each of them is told to go alone at once (none waits for a round trip that never comes)."""
+    if backend == "cluster":
+        pytest.skip("a cluster client never groups")
+    sent: list[list[str]] = []
+
+    async def send(items: list[str]) -> list[str]:
+        sent.append(items)
+        return [f"reply {item}" for item in items]
+
+    gather: Gather[str, str] = Gather(bus.client, send)
+    lead = anyio.CancelScope()
+    out: dict[str, Any] = {}
+
+    async def leader() -> None:
+        with lead:
+            out["leader"] = await gather.join("a")
+
+    async def follower(item: str) -> None:
+        out[item] = await gather.join(item)
+
+    async def cancel_leader() -> None:
+        lead.cancel()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(leader)
+            tg.start_soon(follower, "b")
+            tg.start_soon(follower, "c")
+            tg.start_soon(cancel_leader)  # runs while the leader waits for its turn to come back
+    assert out == {"b": ALONE, "c": ALONE}
+    assert sent == []
+    # The next turn groups as before, and every caller gets its own reply.
+    assert await _together([lambda i=i: gather.join(i) for i in "xyz"]) == ["reply x", "reply y", "reply z"]
+    assert sent == [["x", "y", "z"]]

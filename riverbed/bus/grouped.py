@@ -55,12 +55,23 @@ class _Alone:
 ALONE = _Alone()
 
 
-class _Join(Generic[R]):
-    __slots__ = ("done", "reply")
+class _Gathering(Generic[T, R]):
+    """The items asked for in one turn, their replies once sent, and the event their callers
+    (all but the leader) wait on: one for the whole group, made by the first to wait."""
 
-    def __init__(self) -> None:
-        self.done = anyio.Event()
-        self.reply: R | _Alone = ALONE
+    __slots__ = ("done", "items", "replies")
+
+    def __init__(self, item: T) -> None:
+        self.items: list[T] = [item]
+        self.replies: Sequence[R | _Alone] = ()
+        self.done: anyio.Event | None = None
+
+    def reply(self, index: int) -> R | _Alone:
+        return self.replies[index] if index < len(self.replies) else ALONE
+
+    def settle(self) -> None:
+        if self.done is not None:
+            self.done.set()
 
 
 class Gather(Generic[T, R]):
@@ -75,7 +86,7 @@ class Gather(Generic[T, R]):
     def __init__(self, client: RedisClient, send: Callable[[list[T]], Awaitable[Sequence[R | _Alone]]]) -> None:
         self._grouping = not client.cluster
         self._send = send
-        self._gathering: list[tuple[T, _Join[R]]] | None = None
+        self._gathering: _Gathering[T, R] | None = None
         self.round_trips = 0
         """Grouped round trips sent (each for two or more items)."""
         self.items = 0
@@ -85,34 +96,36 @@ class Gather(Generic[T, R]):
         if not self._grouping:
             return ALONE
         gathering = self._gathering
-        join: _Join[R] = _Join()
         if gathering is not None:
-            gathering.append((item, join))
-            await join.done.wait()
-            return join.reply
-        gathering = self._gathering = [(item, join)]
+            index = len(gathering.items)
+            gathering.items.append(item)
+            if gathering.done is None:
+                gathering.done = anyio.Event()
+            await gathering.done.wait()
+            return gathering.reply(index)
+        gathering = self._gathering = _Gathering(item)
         try:
-            with anyio.CancelScope(shield=True):
-                await anyio.lowlevel.checkpoint()  # the loops woken in this turn run now, and join
+            await anyio.lowlevel.checkpoint()  # the loops woken in this turn run now, and join
+        except BaseException:  # the leader was cancelled: the others go alone
+            gathering.settle()
+            raise
         finally:
             self._gathering = None
-        if len(gathering) > 1:
+        if len(gathering.items) > 1:
             with anyio.CancelScope(shield=True):
                 await self._lead(gathering)
-        return join.reply
+        return gathering.reply(0)
 
-    async def _lead(self, gathering: list[tuple[T, _Join[R]]]) -> None:
+    async def _lead(self, gathering: _Gathering[T, R]) -> None:
         self.round_trips += 1
-        self.items += len(gathering)
-        replies: Sequence[R | _Alone] = ()
+        self.items += len(gathering.items)
         try:
             with anyio.fail_after(LEAD_TIMEOUT_SECONDS):
-                replies = await self._send([item for item, _join in gathering])
+                gathering.replies = await self._send(list(gathering.items))
         except Exception:  # every caller goes alone and meets its own outcome
-            replies = ()
-        for index, (_item, join) in enumerate(gathering):
-            join.reply = replies[index] if index < len(replies) else ALONE
-            join.done.set()
+            gathering.replies = ()
+        finally:
+            gathering.settle()
 
 
 class GroupedReads:
