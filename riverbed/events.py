@@ -839,6 +839,10 @@ def _json_type(value: Any) -> str:
     return {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
 
 
+_FLAT = frozenset((str, int, float, bool, bytes, type(None)))
+"""Types that hold nothing nested (most of an event's fields): never put on the stack."""
+
+
 def _check_depth(value: Any, kind: str) -> None:
     """Refuse lists and objects nested deeper than :data:`MAX_DEPTH` (without recursing)."""
     stack: list[tuple[Any, int]] = [(value, 0)]
@@ -854,7 +858,7 @@ def _check_depth(value: Any, kind: str) -> None:
             continue
         if depth >= MAX_DEPTH:
             raise DecodeError(f"the {kind} event nests lists or objects more than {MAX_DEPTH} levels deep")
-        stack.extend((child, depth + 1) for child in children)
+        stack.extend((child, depth + 1) for child in children if type(child) not in _FLAT)
 
 
 def _codecs_union() -> Any:
