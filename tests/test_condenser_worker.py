@@ -196,6 +196,57 @@ async def test_a_new_owner_starts_from_the_saved_fold_and_reads_only_the_log_aft
     assert opened["saved"] == 0
 
 
+async def test_a_condensation_that_shrinks_the_view_saves_the_fold_so_a_new_owner_reads_only_the_view(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from structlog.testing import capture_logs  # noqa: PLC0415
+
+    monkeypatch.setattr(condenser_role, "SAVE_EVERY", 1_000)
+    monkeypatch.setattr(condenser_role, "SAVE_ON_CLOSE", 10**9)  # only the saves under test
+    monkeypatch.setattr(condenser_role, "SAVE_SHRUNK", 500)
+    session = bus.session("shrunk")
+    await session.append(events.SessionConfig(condenser={"strategy": "recent", "max_events": 60, "keep_first": 1}))
+    for start in range(0, 1_500, 250):
+        await session.append(*[events.Message(content=f"m{i}", source="user") for i in range(start, start + 250)])
+
+    # The first owner folds the long log, saving it on the way (1,000 events shown), then
+    # condenses it: the view shrinks, and the fold is saved again once the condensation is folded.
+    first = CondenserHandler(llm=None, model=None)
+    owner = Owner(bus.redis, bus.keys, first, worker="c1", url=bus.url)
+    with capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+            await tg.start(owner.run)
+            log = await wait_for(bus, "shrunk", lambda log: any(isinstance(e, events.Condensation) for e in log))
+            condensed = next(e.id for e in log if isinstance(e, events.Condensation))
+            assert condensed is not None
+            with anyio.fail_after(10):
+                while not any(e["event"] == "fold.saved" and e["last"] >= condensed for e in logs):
+                    await anyio.sleep(0.02)
+            await owner.drain(2)
+    saves = [e for e in logs if e["event"] == "fold.saved"]
+    assert saves[0]["shown"] >= 1_000
+    assert saves[-1]["last"] >= condensed
+    assert saves[-1]["shown"] <= 60
+
+    # A new owner reads the events the saved view shows, not the log.
+    second = CondenserHandler(llm=None, model=None)
+    owner = Owner(bus.redis, bus.keys, second, worker="c2", url=bus.url)
+    with capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+            await tg.start(owner.run)
+            await session.append(events.Message(content="after the takeover", source="user"))
+            with anyio.fail_after(10):
+                while "shrunk" not in second.states:
+                    await anyio.sleep(0.02)
+            log = await session.events()
+            state = second.states["shrunk"]
+            assert state.builder.view() == fold(log, until=state.builder.last_id)
+            await owner.drain(2)
+    (opened,) = [e for e in logs if e["event"] == "condenser.opened"]
+    assert opened["saved"] >= condensed
+    assert opened["filled"] + opened["folded"] <= 60 + 2
+
+
 async def test_an_idle_session_is_let_go_with_its_view_and_folded_again_when_it_wakes(bus: Bus) -> None:
     handler = CondenserHandler(llm=None, model=None)
     owner = Owner(bus.redis, bus.keys, handler, worker="c1", url=bus.url, park_after=0.3)

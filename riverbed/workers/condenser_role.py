@@ -45,6 +45,10 @@ this many events since the last save: a new owner reads only the log after the s
 SAVE_ON_CLOSE = 1_000
 """...and when it lets the session go with at least this many events folded since (fewer are
 quick to read again, and a drain does not wait for many small saves)."""
+SAVE_SHRUNK = 1_000
+"""...and when a condensation left its view showing at least this many events fewer than the
+saved fold's: a new owner reads the events the saved view shows, so a long session condensed
+for the first time would otherwise cost the next owner a read of its whole log."""
 
 
 @dataclass
@@ -58,6 +62,8 @@ class _State:
     """the traceparent of the latest folded event that had one"""
     saved: int = 0
     """the last id of the fold saved last (0: none)"""
+    saved_shown: int = 0
+    """how many events the view of the fold saved last shows (a new owner reads them)"""
 
 
 class _Saved(msgspec.Struct, array_like=True):
@@ -81,7 +87,7 @@ class CondenserHandler:
         await ctx.read_tenant()
         group_next = await ctx.delivered_up_to()
         state = await self._thawed(ctx) or _State()
-        folded = 0
+        filled, folded = state.saved_shown, 0
         try:
             async for event in ctx.log.read(ctx.session, state.builder.last_id + 1, group_next):
                 self._fold(state, event)
@@ -89,7 +95,7 @@ class CondenserHandler:
         except HistoryReleased:
             await self._refold(ctx, state, group_next)
         self.states[ctx.session] = state
-        log.info("condenser.opened", session=ctx.session, saved=state.saved, folded=folded)
+        log.info("condenser.opened", session=ctx.session, saved=state.saved, filled=filled, folded=folded)
         if state.builder.last_id - state.saved >= SAVE_EVERY:
             await self._save(ctx, state)
 
@@ -107,12 +113,20 @@ class CondenserHandler:
         except (msgspec.DecodeError, InputError, ConfigError) as exc:
             log.warning("fold.unreadable", session=ctx.session, role=ctx.role, error=str(exc))
             return None
-        return _State(builder=builder, config=config, condenser=stored.condenser, trace=stored.trace, saved=saved.last)
+        return _State(
+            builder=builder,
+            config=config,
+            condenser=stored.condenser,
+            trace=stored.trace,
+            saved=saved.last,
+            saved_shown=len(wanted),
+        )
 
     async def _save(self, ctx: SessionContext, state: _State) -> None:
         blob = _Saved(view=state.builder.freeze(), condenser=state.condenser, trace=state.trace)
         await ctx.save_fold(state.builder.last_id, msgspec.msgpack.encode(blob))
-        state.saved = state.builder.last_id
+        state.saved, state.saved_shown = state.builder.last_id, len(state.builder)
+        log.info("fold.saved", session=ctx.session, role=ctx.role, last=state.saved, shown=state.saved_shown)
 
     async def _refold(self, ctx: SessionContext, state: _State, until: int) -> None:
         """Fold ``state`` again from the log's start up to ``until``, keeping hidden events (a
@@ -187,7 +201,7 @@ class CondenserHandler:
         await self._save_now_and_then(ctx, state)
 
     async def _save_now_and_then(self, ctx: SessionContext, state: _State) -> None:
-        if state.builder.last_id - state.saved >= SAVE_EVERY:
+        if state.builder.last_id - state.saved >= SAVE_EVERY or state.saved_shown - len(state.builder) >= SAVE_SHRUNK:
             await self._save(ctx, state)
 
     async def _publish(
