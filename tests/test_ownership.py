@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import anyio
 import msgspec
@@ -132,7 +133,7 @@ async def test_renewal_reloads_scripts_a_node_lost(bus: Bus) -> None:
 
 
 async def test_a_worker_holding_more_sessions_than_a_renewal_call_takes_renews_each_and_loses_only_the_stale(
-    bus: Bus,
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Renewing 1,100 sessions (three script calls on a standalone Redis): every lease moves on
     but those whose token went stale or whose holder changed, which are reported lost."""
@@ -148,7 +149,19 @@ async def test_a_worker_holding_more_sessions_than_a_renewal_call_takes_renews_e
     owned["many7"] = ("0-1", 2)  # a token a takeover made stale
     owned["many1050"] = ("0-1", 4)
     await bus.redis.hset(bus.keys.meta("many600"), "holder:runtime", "peer")
+    pipelines = []
+    open_pipeline = leases.redis.pipeline
+
+    def counted() -> Any:
+        pipelines.append(1)
+        return open_pipeline()
+
+    monkeypatch.setattr(leases.redis, "pipeline", counted)
+    await bus.redis.script_flush()  # the round is sent again once the scripts are loaded
     assert await leases.renew(owned) == {"many7", "many1050", "many600"}
+    # Every chunk's script and XCLAIM in one write (two with the reload): a busy worker's
+    # commands each wait for a connection and a turn, and a renewal in many waits ran out.
+    assert len(pipelines) == 2
     expires = [int(await bus.redis.hget(bus.keys.meta(n), "expires:runtime")) for n in names]
     moved = {name for name, value in zip(names, expires, strict=True) if value > 1}
     assert moved == set(names) - {"many7", "many1050", "many600"}

@@ -150,15 +150,34 @@ class Leases:
     async def _renew_standalone(self, items: list[tuple[str, tuple[str, int]]]) -> set[str]:
         """On a standalone Redis, one RENEW_ALL script per :data:`RENEW_CHUNK` sessions and one
         ``XCLAIM`` of their entries: a worker holding a thousand sessions renews them in a few
-        commands, not a thousand scripts (the worker's and Redis's CPU)."""
+        commands, not a thousand scripts (the worker's and Redis's CPU).  They all go in one
+        pipeline, as the per-session calls did: a busy worker's commands wait for a connection
+        and a turn of its event loop, and leases renewed chunk after chunk, each waiting its
+        turn, ran out under a burst of new sessions."""
+        chunks = [items[start : start + RENEW_CHUNK] for start in range(0, len(items), RENEW_CHUNK)]
+        replies = await self._renew_all_round(chunks)
+        if any(isinstance(reply.error, rexc.NoScriptError) for reply in replies):
+            await self.redis.script_load(scripts.RENEW_ALL)
+            replies = await self._renew_all_round(chunks)
         lost: set[str] = set()
-        for start in range(0, len(items), RENEW_CHUNK):
-            chunk = items[start : start + RENEW_CHUNK]
-            args: list[Arg] = [self.role, self.worker, self.lease_ms, *(token for _s, (_e, token) in chunk)]
-            renewed = await self._renew_all([self.keys.meta(session) for session, _ in chunk], args)
-            lost.update(session for (session, _), ok in zip(chunk, renewed, strict=True) if int(ok) != 1)
-            await self.redis.xclaim_ids(self.directory, self.role, self.worker, [entry for _, (entry, _t) in chunk])
+        for chunk, reply in zip(chunks, replies, strict=True):
+            renewed = reply.value if reply.error is None else ()
+            lost.update(
+                session for index, (session, _) in enumerate(chunk) if index >= len(renewed) or int(renewed[index]) != 1
+            )
         return lost
+
+    async def _renew_all_round(self, chunks: list[list[tuple[str, tuple[str, int]]]]) -> list[Reply[Any]]:
+        """The RENEW_ALL replies, one per chunk (the XCLAIMs that follow each are not read)."""
+        sha = self._renew_all.sha
+        async with self.redis.pipeline() as pipe:
+            replies = []
+            for chunk in chunks:
+                args: list[Arg] = [self.role, self.worker, self.lease_ms, *(token for _s, (_e, token) in chunk)]
+                replies.append(pipe.evalsha(sha, [self.keys.meta(session) for session, _ in chunk], args))
+                pipe.xclaim_ids(self.directory, self.role, self.worker, [entry for _, (entry, _t) in chunk])
+            await pipe.execute(raise_on_error=False)
+        return replies
 
     async def _renew_round(self, items: list[tuple[str, tuple[str, int]]]) -> list[Reply[Any]]:
         """The RENEW replies, one per session (the XCLAIM that follows them is not read)."""
