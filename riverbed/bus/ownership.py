@@ -26,6 +26,7 @@ owners let their sessions go), reads answer ``NOGROUP`` (the owner creates the g
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import redis.exceptions as rexc
@@ -35,6 +36,8 @@ from riverbed.bus.keys import Keys
 from riverbed.bus.redis_client import Arg, RawClient, RedisClient, Reply, as_client
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from riverbed.bus.grouped import Batched
 
 __all__ = ["Claim", "Leases"]
@@ -139,10 +142,7 @@ class Leases:
         items = list(owned.items())
         if not self.redis.cluster:
             return await self._renew_standalone(items)
-        replies = await self._renew_round(items)
-        if any(isinstance(reply.error, rexc.NoScriptError) for reply in replies):
-            await self.redis.script_load(scripts.RENEW)
-            replies = await self._renew_round(items)
+        replies = await self._sent_with_script(partial(self._renew_round, items), scripts.RENEW)
         return {
             session for (session, _), ok in zip(items, replies, strict=True) if ok.error is not None or ok.value != 1
         }
@@ -155,10 +155,7 @@ class Leases:
         and a turn of its event loop, and leases renewed chunk after chunk, each waiting its
         turn, ran out under a burst of new sessions."""
         chunks = [items[start : start + RENEW_CHUNK] for start in range(0, len(items), RENEW_CHUNK)]
-        replies = await self._renew_all_round(chunks)
-        if any(isinstance(reply.error, rexc.NoScriptError) for reply in replies):
-            await self.redis.script_load(scripts.RENEW_ALL)
-            replies = await self._renew_all_round(chunks)
+        replies = await self._sent_with_script(partial(self._renew_all_round, chunks), scripts.RENEW_ALL)
         lost: set[str] = set()
         for chunk, reply in zip(chunks, replies, strict=True):
             renewed = reply.value if reply.error is None else ()
@@ -166,6 +163,15 @@ class Leases:
                 session for index, (session, _) in enumerate(chunk) if index >= len(renewed) or int(renewed[index]) != 1
             )
         return lost
+
+    async def _sent_with_script(self, send: Callable[[], Awaitable[list[Reply[Any]]]], script: str) -> list[Reply[Any]]:
+        """``send()``'s replies, sent once more after loading ``script`` when a node had lost it
+        (``NOSCRIPT``: a pipeline's plain ``EVALSHA`` cannot load it first)."""
+        replies = await send()
+        if any(isinstance(reply.error, rexc.NoScriptError) for reply in replies):
+            await self.redis.script_load(script)
+            replies = await send()
+        return replies
 
     async def _renew_all_round(self, chunks: list[list[tuple[str, tuple[str, int]]]]) -> list[Reply[Any]]:
         """The RENEW_ALL replies, one per chunk (the XCLAIMs that follow each are not read)."""

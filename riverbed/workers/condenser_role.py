@@ -96,8 +96,7 @@ class CondenserHandler:
             await self._refold(ctx, state, group_next)
         self.states[ctx.session] = state
         log.info("condenser.opened", session=ctx.session, saved=state.saved, filled=filled, folded=folded)
-        if state.builder.last_id - state.saved >= SAVE_EVERY:
-            await self._save(ctx, state)
+        await self._save_now_and_then(ctx, state)
 
     async def _thawed(self, ctx: SessionContext) -> _State | None:
         """The state saved by an owner before, with the events its view shows (None: no
