@@ -23,6 +23,11 @@ component was opened changes nothing, and a swap before makes the open fail.
 - Hard links cannot be seen in a path: :func:`open_file` refuses a regular file with more
   than one link (``hard_link_refused``) when asked to, since the other name may be outside.
 
+:func:`open_direct` is the walk's common case in a few system calls (a path with no symlink
+on it, every part of it there): the same opens, each with ``O_NOFOLLOW`` from the one
+before, without looking at each name first.  Anything else makes it give up with nothing
+refused, and the caller walks.
+
 :func:`read_text` is the best-effort reader for context the memory role gathers
 (``AGENTS.md``, microagents, git metadata): it never raises, caps the size, and gives
 ``None`` for anything that is not a single-link regular file inside the root.
@@ -43,7 +48,18 @@ from pathlib import Path
 
 from riverbed.errors import PathRefused
 
-__all__ = ["MAX_SYMLINKS", "Place", "check_raw", "list_files", "open_file", "parts", "read_fd", "read_text", "walk"]
+__all__ = [
+    "MAX_SYMLINKS",
+    "Place",
+    "check_raw",
+    "list_files",
+    "open_direct",
+    "open_file",
+    "parts",
+    "read_fd",
+    "read_text",
+    "walk",
+]
 
 #: Links followed in one path before it counts as a loop (Linux's own limit).
 MAX_SYMLINKS = 40
@@ -221,6 +237,41 @@ def walk(root: Path, raw: str, *, make_parents: bool = False, owner: tuple[int, 
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def open_direct(root: Path, raw: str) -> tuple[int, os.stat_result, str] | None:
+    """:func:`walk` and :func:`open_file` (read-only, single link) in one go where nothing needs
+    looking at: ``(fd, stat, rel)``, the caller closes.  None, with nothing open, for anything
+    the walk handles itself, refusals included: a symlink on the way (``O_NOFOLLOW`` makes its
+    open fail), a missing part, a file with other links, the root itself, an error."""
+    names = parts(root, raw)
+    if not names:
+        return None
+    try:
+        # The root opened by its full path: its parents are the operator's, and only the root
+        # itself must not be a symlink.
+        dir_fd = os.open(os.path.abspath(root), _DIR_FLAGS)
+    except OSError:
+        return None
+    try:
+        for name in names[:-1]:
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            except OSError:
+                return None
+            os.close(dir_fd)
+            dir_fd = fd
+        try:
+            fd = os.open(names[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError:
+            return None
+    finally:
+        os.close(dir_fd)
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        os.close(fd)
+        return None
+    return fd, st, "/".join(names)
 
 
 def _make_dir(name: str, dir_fd: int, owner: tuple[int, int] | None) -> None:

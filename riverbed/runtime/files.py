@@ -85,25 +85,26 @@ def _opened(place: confine.Place) -> Iterator[tuple[int, os.stat_result] | None]
         os.close(fd)
 
 
-def _text(place: confine.Place, fd: int, st: os.stat_result, limits: Limits) -> str:
-    """The text of an opened file, refused unless it is a regular UTF-8 file within the limit."""
+def _text(rel: str, fd: int, st: os.stat_result, limits: Limits) -> str:
+    """The text of an opened file (``rel`` as shown), refused unless it is a regular UTF-8 file
+    within the limit."""
     if stat.S_ISDIR(st.st_mode):
-        raise FileActionError("is_directory", f"{place.rel} is a directory")
+        raise FileActionError("is_directory", f"{rel} is a directory")
     if not stat.S_ISREG(st.st_mode):
-        raise FileActionError("not_a_file", f"{place.rel} is not a regular file")
+        raise FileActionError("not_a_file", f"{rel} is not a regular file")
     data = confine.read_fd(fd, limits.max_read_bytes)
     if len(data) > limits.max_read_bytes:
         raise FileActionError(
             "file_too_large",
-            f"{place.rel} is {max(st.st_size, len(data))} bytes; the limit is {limits.max_read_bytes} "
+            f"{rel} is {max(st.st_size, len(data))} bytes; the limit is {limits.max_read_bytes} "
             "(read a range with cmd_run)",
         )
     if b"\x00" in data[:8192]:
-        raise FileActionError("not_text", f"{place.rel} looks binary (it contains NUL bytes)")
+        raise FileActionError("not_text", f"{rel} looks binary (it contains NUL bytes)")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise FileActionError("not_text", f"{place.rel} is not UTF-8 text: {exc.reason}") from exc
+        raise FileActionError("not_text", f"{rel} is not UTF-8 text: {exc.reason}") from exc
 
 
 def _existing(place: confine.Place, limits: Limits) -> tuple[str | None, os.stat_result | None]:
@@ -117,7 +118,7 @@ def _existing(place: confine.Place, limits: Limits) -> tuple[str | None, os.stat
         if not stat.S_ISREG(st.st_mode):
             raise FileActionError("not_a_file", f"{place.rel} is not a regular file")
         try:
-            return _text(place, fd, st, limits), st
+            return _text(place.rel, fd, st, limits), st
         except FileActionError:
             return None, st
 
@@ -220,12 +221,23 @@ def read_small(workspace: Path, action: events.FileRead, limits: Limits, most: i
     """:func:`read`, or None with nothing read when the file is larger than ``most`` bytes: the
     caller reads a large file off the event loop, and answers a small one (or a refusal) at once
     from the file it opened, without looking at it first."""
-    with _walk(workspace, action.path) as place, _opened(place) as found:
-        if found is None:
-            raise FileActionError("not_found", f"{place.rel} does not exist")
-        if most is not None and stat.S_ISREG(found[1].st_mode) and found[1].st_size > most:
-            return None
-        text = _text(place, *found, limits)
+    direct = confine.open_direct(workspace, action.path)
+    if direct is not None:
+        fd, st, rel = direct
+        try:
+            if most is not None and stat.S_ISREG(st.st_mode) and st.st_size > most:
+                return None
+            text = _text(rel, fd, st, limits)
+        finally:
+            os.close(fd)
+    else:
+        with _walk(workspace, action.path) as place, _opened(place) as found:
+            if found is None:
+                raise FileActionError("not_found", f"{place.rel} does not exist")
+            if most is not None and stat.S_ISREG(found[1].st_mode) and found[1].st_size > most:
+                return None
+            rel = place.rel
+            text = _text(rel, *found, limits)
     lines = text.splitlines(keepends=True)
     if action.start < 1:
         raise FileActionError("bad_range", f"start must be 1 or more (lines are numbered from 1), not {action.start}")
@@ -235,7 +247,7 @@ def read_small(workspace: Path, action: events.FileRead, limits: Limits, most: i
         raise FileActionError("bad_range", f"start ({action.start}) is past the end: the file has {len(lines)} lines")
     end = len(lines) if action.end is None else min(action.end, len(lines))
     content = "".join(lines[action.start - 1 : end])
-    return events.FileContent(path=place.rel, content=_cap(content, limits), cause=action.id)
+    return events.FileContent(path=rel, content=_cap(content, limits), cause=action.id)
 
 
 def write(
@@ -293,7 +305,7 @@ def _view(place: confine.Place, action: events.FileEdit, limits: Limits) -> even
         fd, st = found
         if stat.S_ISDIR(st.st_mode):
             return events.FileContent(path=place.rel, content=_listing(fd, limits), cause=action.id)
-        text = _text(place, fd, st, limits)
+        text = _text(place.rel, fd, st, limits)
     return events.FileContent(path=place.rel, content=_cap(_numbered(text.splitlines(), 1), limits), cause=action.id)
 
 
@@ -355,7 +367,7 @@ def _current(place: confine.Place, limits: Limits) -> tuple[str, os.stat_result]
     with _opened(place) as found:
         if found is None:
             raise FileActionError("not_found", f"{place.rel} does not exist")
-        return _text(place, *found, limits), found[1]
+        return _text(place.rel, *found, limits), found[1]
 
 
 def _edited(
