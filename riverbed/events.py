@@ -839,13 +839,20 @@ def _json_type(value: Any) -> str:
     return {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
 
 
-_FLAT = frozenset((str, int, float, bool, bytes, type(None)))
+_FLAT = frozenset((str, int, float, bool, bytes, type(None), dt.datetime))
 """Types that hold nothing nested (most of an event's fields): never put on the stack."""
 
 
 def _check_depth(value: Any, kind: str) -> None:
     """Refuse lists and objects nested deeper than :data:`MAX_DEPTH` (without recursing)."""
-    stack: list[tuple[Any, int]] = [(value, 0)]
+    if isinstance(value, msgspec.Struct):
+        # Most events hold only flat values: looked at in one pass, with no stack.
+        nested = [child for child in msgspec.structs.astuple(value) if type(child) not in _FLAT]
+        if not nested:
+            return
+        stack: list[tuple[Any, int]] = [(child, 1) for child in nested]
+    else:
+        stack = [(value, 0)]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, msgspec.Struct):
