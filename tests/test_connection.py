@@ -82,6 +82,54 @@ async def test_a_write_the_server_does_not_take_fails_within_the_socket_timeout(
         await raw.aclose()
 
 
+async def test_a_reply_the_server_does_not_send_fails_within_the_socket_timeout(private: tuple[str, int]) -> None:
+    url, pid = private
+    raw = await connect_redis(url)
+    assert isinstance(raw, aioredis.Redis)
+    try:
+        connection = await raw.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+        connection.socket_timeout = 0.5
+        await raw.connection_pool.release(connection)  # the next exchange takes it
+        os.kill(pid, signal.SIGSTOP)  # the command is written, and nothing answers it
+        started = time.monotonic()
+        with anyio.fail_after(10), pytest.raises(UnavailableError, match="Timeout reading"):
+            await _ping_in_an_exchange(raw, url)
+        assert time.monotonic() - started < 4
+        assert connection.socket_timeout == 0.5  # the read's own timeout is given back
+        assert not connection.is_connected  # a connection whose reply may still come is never reused
+        os.kill(pid, signal.SIGCONT)
+        assert await RedisClient(raw, url).ping()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        await raw.aclose()
+
+
+async def _ping_in_an_exchange(raw: aioredis.Redis, url: str) -> None:
+    async with exchange(raw, ("PING",), url=url) as replies:
+        assert replies is not None
+        await replies.read()
+
+
+async def test_a_slow_reply_within_the_socket_timeout_is_read(private: tuple[str, int]) -> None:
+    """The timer bounding a read is cancelled with it: a blocking read that takes most of the
+    socket timeout gets its reply, and the connection stays open for the next command."""
+    url, _pid = private
+    raw = await connect_redis(url)
+    assert isinstance(raw, aioredis.Redis)
+    try:
+        connection = await raw.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+        connection.socket_timeout = 1.0
+        await raw.connection_pool.release(connection)
+        for _ in range(3):  # each read's timer is its own: three reads of 0.6 s outlast one timeout
+            async with exchange(raw, ("BLPOP", "nothing", 0.6), url=url) as replies:
+                assert replies is not None
+                assert await replies.read() is None
+        assert connection.is_connected
+        assert connection.socket_timeout == 1.0
+    finally:
+        await raw.aclose()
+
+
 async def test_a_new_connection_is_not_pinged_before_its_first_command(private: tuple[str, int]) -> None:
     url, _pid = private
     probe = aioredis.Redis.from_url(url)
