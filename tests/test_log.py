@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import anyio
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +15,7 @@ import riverbed
 from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.bus.keys import ROLES, Keys
-from riverbed.bus.log import AlreadyAnswered, Fence
+from riverbed.bus.log import AlreadyAnswered, Fence, auto_key
 from riverbed.errors import AppendConflict, FencedError, InputError
 
 pytestmark = pytest.mark.anyio
@@ -163,6 +165,26 @@ async def test_an_owners_answer_makes_no_idempotency_key_and_a_repeat_only_says_
     assert await session.last_id() == action + 1
     keys = [k async for k in bus.redis.scan_iter(match=bus.keys.idem("idem", "*"))]
     assert len(keys) == (2 if cluster else 1), keys
+
+
+def test_a_forked_process_makes_keys_of_its_own_for_appends_made_without_one() -> None:
+    """Keys made for appends without one are a process's prefix and a count: a child forked
+    with the parent's count must not make the parent's next keys (its appends would be
+    dropped as repeats)."""
+    parent = auto_key()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next key, to the parent
+        os.write(write_end, auto_key().encode())
+        os._exit(0)
+    os.close(write_end)
+    child = os.read(read_end, 200).decode()
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    mine = auto_key()
+    assert child.rsplit(":", 1)[0] != mine.rsplit(":", 1)[0]
+    assert mine.rsplit(":", 1)[0] == parent.rsplit(":", 1)[0]
+    assert child != mine
 
 
 async def test_an_action_is_answered_at_most_once(bus: Bus) -> None:

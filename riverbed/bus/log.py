@@ -24,6 +24,8 @@ id it asked for costs nothing extra.
 
 from __future__ import annotations
 
+import itertools
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -58,6 +60,30 @@ __all__ = ["AlreadyAnswered", "ArchiveReader", "Fence", "Log", "PreparedAppend",
 IDEMPOTENCY_TTL_MS = 24 * 3600 * 1000
 AUTO_IDEMPOTENCY_TTL_MS = 120 * 1000
 """How long the key of an append made without one guards against a transparent retry."""
+
+
+class _AutoKeys:
+    """The keys of appends made without one: a random prefix of the process's own and a count
+    (a system call for each random key cost more than the rest of the key's making).  A forked
+    child draws a prefix of its own, so parent and child never make the same key."""
+
+    def __init__(self) -> None:
+        self.renew()
+
+    def renew(self) -> None:
+        self.prefix = secrets.token_hex(12)
+        self.count = itertools.count(1)
+
+
+_auto_keys = _AutoKeys()
+os.register_at_fork(after_in_child=_auto_keys.renew)
+
+
+def auto_key() -> str:
+    """A new key for an append made without one, unique across processes and forks."""
+    return f"auto:{_auto_keys.prefix}:{next(_auto_keys.count)}"
+
+
 PAGE = 2000
 
 
@@ -254,7 +280,7 @@ class Log:
                 # Every other call gets a key of its own, kept briefly: the client retries a command
                 # whose connection broke, and a retry of an append that went through must not
                 # append twice.
-                idempotency_key = f"auto:{secrets.token_hex(12)}"
+                idempotency_key = auto_key()
                 ttl = AUTO_IDEMPOTENCY_TTL_MS
         args: list[Any] = [
             "" if expected_last is None else expected_last,

@@ -31,9 +31,17 @@ ANNOUNCE_MS = 2000
 """While a role has no owner for a session, appends re-announce it at most this often."""
 
 APPEND = (
-    _NOW
-    + f"local ANNOUNCE_MS = {ANNOUNCE_MS}\n"
+    f"local ANNOUNCE_MS = {ANNOUNCE_MS}\n"
     + """
+-- The time, asked of the server only when needed: an append to a session owned by every role needs none.
+local now = nil
+local function clock()
+  if not now then
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return now
+end
 -- The session's meta in one read: last id, tenant, the role's fence, when each role was announced.
 local meta = redis.call('HMGET', KEYS[2], 'last', 'tenant', 'fence:' .. ARGV[3],
   'need:runtime', 'need:memory', 'need:condenser')
@@ -81,7 +89,7 @@ end
 local created = 0
 if last == 0 then
   created = 1
-  redis.call('HSET', KEYS[2], 'created', now, 'need:runtime', 0, 'need:memory', 0, 'need:condenser', 0)
+  redis.call('HSET', KEYS[2], 'created', clock(), 'need:runtime', 0, 'need:memory', 0, 'need:condenser', 0)
   meta[4], meta[5], meta[6] = '0', '0', '0'
   if ARGV[7] ~= '' then redis.call('HSET', KEYS[2], 'tenant', ARGV[7]) end
 end
@@ -117,14 +125,14 @@ redis.call('SPUBLISH', KEYS[6], wake)
 local inline = #KEYS > 6
 local reply = {'ok', first, n, created}
 if inline and created == 1 then
-  redis.call('ZADD', KEYS[10], 'NX', now / 1000, ARGV[10])
+  redis.call('ZADD', KEYS[10], 'NX', clock() / 1000, ARGV[10])
   reply[4] = 0
 end
 for i, role in ipairs({'runtime', 'memory', 'condenser'}) do
   -- need:<role> holds when the session was last announced to that role (0: never); announce
   -- again at most every ANNOUNCE_MS while no owner has taken it (an announce may be lost).
   local announced = meta[3 + i]
-  if announced and now - tonumber(announced) >= ANNOUNCE_MS then
+  if announced and clock() - tonumber(announced) >= ANNOUNCE_MS then
     redis.call('HSET', KEYS[2], 'need:' .. role, now)
     if inline then
       redis.call('XADD', KEYS[6 + i], '*', 's', ARGV[10])
