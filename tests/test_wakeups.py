@@ -15,7 +15,7 @@ from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.bus.connection import CLUSTER_SPARE, connect_redis
 from riverbed.bus.consumer import Owner
-from riverbed.bus.wakeups import Wakeups
+from riverbed.bus.wakeups import Bell, Wakeups
 from tests.test_ownership import EchoHandler
 
 pytestmark = pytest.mark.anyio
@@ -64,6 +64,30 @@ async def test_a_bell_rings_when_its_session_log_moves_and_only_then(bus: Bus) -
         await wakeups.unwatch("s1", bell)
         assert wakeups.connections == 1  # s2 is still watched on the same feed
         tg.cancel_scope.cancel()
+
+
+async def test_a_bell_wait_ends_at_a_ring_or_its_timeout_and_leaves_no_waiter_behind() -> None:
+    bell = Bell("memory")
+    mark = bell.rung
+    started = anyio.current_time()
+    assert not await bell.wait(mark, 0.2)  # nobody rang
+    assert anyio.current_time() - started >= 0.19
+    woken: list[bool] = []
+
+    async def waiter() -> None:
+        woken.append(await bell.wait(mark, 5.0))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        tg.start_soon(waiter)
+        await anyio.wait_all_tasks_blocked()
+        bell.ring(7)
+    assert woken == [True, True]
+    assert bell.news == 7
+    assert await bell.wait(mark, 5.0)  # rung since the mark: at once
+    with anyio.move_on_after(0.1):  # a waiter cancelled from outside
+        await bell.wait(bell.rung, 5.0)
+    assert not bell._waiters  # (timed out, woken or cancelled: none is kept)
 
 
 async def test_a_feed_killed_under_the_worker_comes_back_and_rings(bus: Bus, prefix: str) -> None:

@@ -18,6 +18,7 @@ the worker reload the slot map and place every channel again.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,7 @@ _MORE = object()
 class Bell:
     """Rings when a session's log may have moved for one role's loop, which keeps its mark."""
 
-    __slots__ = ("_event", "news", "role", "rung")
+    __slots__ = ("_waiters", "news", "role", "rung")
 
     def __init__(self, role: str) -> None:
         self.role = role
@@ -60,28 +61,41 @@ class Bell:
         self.news: int | None = None
         """The log's last id that the latest ring brought, if it brought one (a feed that
         reconnected rings without: then anything may have moved)."""
-        self._event: anyio.Event | None = None
-        """Made by the first waiter after a ring: a loop busy with work waits on none, and its
-        wake-ups cost no event."""
+        self._waiters: list[asyncio.Future[None]] = []
+        """One future per task waiting: a loop busy with work waits on none, and its wake-ups
+        cost nothing.  Futures and a timer, not an event in a cancel scope with a deadline:
+        every action's loop waits once, and those cost several times as much."""
 
     def ring(self, news: int | None = None) -> None:
         self.rung += 1
         self.news = news
-        event, self._event = self._event, None
-        if event is not None:
-            event.set()
+        if self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     async def wait(self, mark: int, timeout: float) -> bool:
         """Wait until the bell rang after ``mark`` (a value of :attr:`rung`), for at most
         ``timeout`` seconds; whether it did."""
         if self.rung != mark:
             return True
-        if self._event is None:
-            self._event = anyio.Event()
-        event = self._event
-        with anyio.move_on_after(timeout):
-            await event.wait()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(waiter)
+        timer = loop.call_later(timeout, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            if waiter in self._waiters:  # (timed out or cancelled: not rung)
+                self._waiters.remove(waiter)
         return self.rung != mark
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 @dataclass
