@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -124,7 +125,7 @@ class Session:
         if type(action).answered_by is None:
             (action_id,) = await self.append(stamped)
             return events.with_id(stamped, action_id)
-        started = anyio.current_time()
+        started = time.monotonic()  # (the event loop's clock, without asking which loop runs)
         tenant = self._tenant_of([stamped])
         answers = self.bus.answers
         await self.bus.log_store.append_script.load()  # (at once when loaded: nothing comes between
@@ -141,13 +142,13 @@ class Session:
         # Its answer can only come after it, so tailing the log from what was read sees the
         # answer: no lookup first.
         cursor = after[-1][0] if after else action_id
-        waited = anyio.current_time() - started
+        waited = time.monotonic() - started
         return await self._answer(action_id, timeout, look_up=False, cursor=cursor, waited=waited)
 
     async def _act_crowded(self, answers: Answers, payload: bytes, tenant: str | None, timeout: float) -> events.Event:
         """:meth:`act` when every connection is taken: the append goes in a batch, and the
         wait is on the session's wake-ups (:mod:`riverbed.agent.answers`)."""
-        started = anyio.current_time()
+        started = time.monotonic()
         log_store = self.bus.log_store
         async with answers.watch(self.id) as bell:
             mark = bell.rung  # before the append: its answer's wake-up cannot be missed
@@ -160,7 +161,7 @@ class Session:
                 ids = await prepared.outcome(reply)
             assert not isinstance(ids, AlreadyAnswered)  # an action answers nothing
             action_id = ids[0]
-            waited = anyio.current_time() - started
+            waited = time.monotonic() - started
             with anyio.move_on_after(max(timeout - waited, 0.0)):
                 return await self._hear(answers, bell, action_id, action_id, mark, read=False)
         raise self._timed_out(action_id, timeout)
