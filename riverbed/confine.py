@@ -314,15 +314,17 @@ def open_file(place: Place, flags: int = os.O_RDONLY, *, single_link: bool = Tru
 
 
 def read_fd(fd: int, limit: int) -> bytes:
-    """Up to ``limit + 1`` bytes of an open file (one more than allowed tells it was longer)."""
+    """Up to ``limit + 1`` bytes of an open regular file (one more than allowed tells it was
+    longer).  A read shorter than asked for is the end of the file: no read more to hear so."""
     chunks: list[bytes] = []
     left = limit + 1
     while left > 0:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            break
+        want = min(left, 1 << 20)
+        chunk = os.read(fd, want)
         chunks.append(chunk)
         left -= len(chunk)
+        if len(chunk) < want:
+            break
     return b"".join(chunks)
 
 
