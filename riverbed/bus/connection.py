@@ -175,13 +175,15 @@ class Turn:
         self._limiter = limiter
 
     async def __aenter__(self) -> None:
+        # The turn itself borrows the token: anyio's own borrower, the current task, costs a
+        # lookup on each side of every command.
         try:
-            self._limiter.acquire_nowait()
+            self._limiter.acquire_on_behalf_of_nowait(self)
         except anyio.WouldBlock:
-            await self._limiter.acquire()
+            await self._limiter.acquire_on_behalf_of(self)
 
     async def __aexit__(self, *exc: object) -> None:
-        self._limiter.release()
+        self._limiter.release_on_behalf_of(self)
 
 
 class _DirectSend:
