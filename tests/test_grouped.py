@@ -242,3 +242,37 @@ async def test_when_the_leader_is_cancelled_before_it_sends_the_others_go_alone(
     # The next turn groups as before, and every caller gets its own reply.
     assert await _together([lambda i=i: gather.join(i) for i in "xyz"]) == ["reply x", "reply y", "reply z"]
     assert sent == [["x", "y", "z"]]
+
+
+async def test_a_caller_cancelled_while_it_waits_leaves_the_others_their_replies(bus: Bus, backend: str) -> None:
+    """Each caller waits on its own: one cancelled while the round trip is on its way does not
+    cancel the wait of the others (nor the leader's send)."""
+    if backend == "cluster":
+        pytest.skip("a cluster client never groups")
+    sending = anyio.Event()
+
+    async def send(items: list[str]) -> list[str]:
+        sending.set()
+        await anyio.sleep(0.2)
+        return [f"reply {item}" for item in items]
+
+    gather: Gather[str, str] = Gather(bus.client, send)
+    impatient = anyio.CancelScope()
+    out: dict[str, Any] = {}
+
+    async def caller(item: str, scope: anyio.CancelScope | None = None) -> None:
+        with scope or anyio.CancelScope():
+            out[item] = await gather.join(item)
+
+    async def cancel_once_sent() -> None:
+        await sending.wait()
+        impatient.cancel()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(caller, "a")
+            tg.start_soon(caller, "b", impatient)
+            tg.start_soon(caller, "c")
+            tg.start_soon(cancel_once_sent)
+    assert out == {"a": "reply a", "c": "reply c"}
+    assert gather.round_trips == 1

@@ -27,6 +27,7 @@ its loop knows how to handle (rebuild its group, back off, retry under the same 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -56,22 +57,23 @@ ALONE = _Alone()
 
 
 class _Gathering(Generic[T, R]):
-    """The items asked for in one turn, their replies once sent, and the event their callers
-    (all but the leader) wait on: one for the whole group, made by the first to wait."""
+    """The items asked for in one turn, their replies once sent, and a future for each caller
+    (all but the leader) to wait on: a caller cancelled meanwhile cancels only its own."""
 
-    __slots__ = ("done", "items", "replies")
+    __slots__ = ("items", "replies", "waiters")
 
     def __init__(self, item: T) -> None:
         self.items: list[T] = [item]
         self.replies: Sequence[R | _Alone] = ()
-        self.done: anyio.Event | None = None
+        self.waiters: list[asyncio.Future[None]] = []
 
     def reply(self, index: int) -> R | _Alone:
         return self.replies[index] if index < len(self.replies) else ALONE
 
     def settle(self) -> None:
-        if self.done is not None:
-            self.done.set()
+        for waiter in self.waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 class Gather(Generic[T, R]):
@@ -99,9 +101,9 @@ class Gather(Generic[T, R]):
         if gathering is not None:
             index = len(gathering.items)
             gathering.items.append(item)
-            if gathering.done is None:
-                gathering.done = anyio.Event()
-            await gathering.done.wait()
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            gathering.waiters.append(waiter)
+            await waiter
             return gathering.reply(index)
         gathering = self._gathering = _Gathering(item)
         try:
