@@ -115,7 +115,7 @@ class SessionLoop:
                     # idle: a thousand idle sessions must not keep the worker busy.
                     quiet = min(quiet * 2, MAX_STRAY_CHECK_SECONDS)
                     stray_check = time.monotonic() + quiet
-                    await self.flush()
+                    await self.flush(together=True)  # (with the answers other loops send in this turn)
                     if await self._recover_stray():
                         idle_since = time.monotonic()
                         continue
@@ -152,11 +152,12 @@ class SessionLoop:
             backoff.reset()
         return False
 
-    async def flush(self) -> None:
-        """Send the answer held for the next read now."""
+    async def flush(self, *, together: bool = False) -> None:
+        """Send the answer held for the next read now (``together``: in one write with the
+        answers other loops send in this turn)."""
         held, self.held = self.held, None
         if held is not None:
-            await self.ctx.answer(*held)
+            await self.ctx.answer(*held, together=together)
 
     async def _read_and_dispatch(self) -> bool:
         """Read new entries (never blocking) and dispatch them; False when none came."""
