@@ -32,6 +32,7 @@ key                                    what
 
 from __future__ import annotations
 
+import functools
 import re
 
 from riverbed.errors import InputError
@@ -43,7 +44,13 @@ PAYLOAD_FIELD = b"e"
 
 def valid_session(session: str) -> bool:
     """Whether ``session`` is a valid id, matched whole (``$`` would let a trailing newline in)."""
-    return isinstance(session, str) and _SESSION_RE.fullmatch(session) is not None
+    return isinstance(session, str) and _valid_id(session)
+
+
+@functools.lru_cache(maxsize=8192)
+def _valid_id(session: str) -> bool:
+    """(Every append checks its session: the ids in use are looked up, not matched again.)"""
+    return _SESSION_RE.fullmatch(session) is not None
 
 
 def require_session(session: str) -> str:

@@ -102,11 +102,14 @@ class RedisClient:
     def __init__(self, raw: RawClient, url: str = "redis") -> None:
         self._raw = raw
         self.url = redact(url)
+        # Asked on every append: redis-py's cluster class is a typing protocol's subclass, whose
+        # isinstance check runs Python code each time.
+        self._cluster = isinstance(raw, RedisCluster)
 
     @property
     def cluster(self) -> bool:
         """Whether this is a Redis Cluster client (a script then touches one slot only)."""
-        return isinstance(self._raw, RedisCluster)
+        return self._cluster
 
     @property
     def raw(self) -> RawClient:
