@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -59,22 +60,29 @@ async def test_a_command_is_written_before_the_caller_gives_up_the_event_loop(
         await raw.aclose()
 
 
-async def test_a_write_the_server_does_not_take_fails_within_the_socket_timeout(private: tuple[str, int]) -> None:
+@pytest.mark.parametrize(
+    ("command", "error"),
+    [
+        # The server reads nothing: the socket's buffers fill up and the write waits.
+        (("SET", "big", b"x" * (64 << 20)), "Timeout writing to socket"),
+        # The command is written, and nothing answers it.
+        (("PING",), "Timeout reading"),
+    ],
+    ids=["write", "read"],
+)
+async def test_a_server_that_stops_fails_a_command_within_the_socket_timeout(
+    private: tuple[str, int], command: tuple[object, ...], error: str
+) -> None:
     url, pid = private
-    raw = await connect_redis(url)
-    assert isinstance(raw, aioredis.Redis)
+    raw, connection = await _client_timing_out_after(url, 0.5)
     try:
-        connection = await raw.connection_pool.get_connection()  # type: ignore[no-untyped-call]
-        connection.socket_timeout = 0.5
-        await raw.connection_pool.release(connection)  # the next exchange takes it
-        os.kill(pid, signal.SIGSTOP)  # the server reads nothing: the socket's buffers fill up
+        os.kill(pid, signal.SIGSTOP)
         started = time.monotonic()
-        with anyio.fail_after(10), pytest.raises(UnavailableError, match="Timeout writing to socket"):
-            async with exchange(raw, ("SET", "big", b"x" * (64 << 20)), url=url) as replies:
-                assert replies is None  # (not reached: the write fails)
+        with anyio.fail_after(10), pytest.raises(UnavailableError, match=error):
+            await _in_an_exchange(raw, url, command)
         assert time.monotonic() - started < 4
-        assert connection.socket_timeout == 0.5  # the write's own timeout is given back
-        assert not connection.is_connected  # a half-written command is never reused
+        assert connection.socket_timeout == 0.5  # the command's own timeout is given back
+        assert not connection.is_connected  # a half-written command or a reply still due: never reused
         os.kill(pid, signal.SIGCONT)
         assert await RedisClient(raw, url).ping()
     finally:
@@ -82,30 +90,18 @@ async def test_a_write_the_server_does_not_take_fails_within_the_socket_timeout(
         await raw.aclose()
 
 
-async def test_a_reply_the_server_does_not_send_fails_within_the_socket_timeout(private: tuple[str, int]) -> None:
-    url, pid = private
+async def _client_timing_out_after(url: str, seconds: float) -> tuple[aioredis.Redis, Any]:
+    """A client whose one connection (the one its next exchange takes) has ``seconds`` of socket timeout."""
     raw = await connect_redis(url)
     assert isinstance(raw, aioredis.Redis)
-    try:
-        connection = await raw.connection_pool.get_connection()  # type: ignore[no-untyped-call]
-        connection.socket_timeout = 0.5
-        await raw.connection_pool.release(connection)  # the next exchange takes it
-        os.kill(pid, signal.SIGSTOP)  # the command is written, and nothing answers it
-        started = time.monotonic()
-        with anyio.fail_after(10), pytest.raises(UnavailableError, match="Timeout reading"):
-            await _ping_in_an_exchange(raw, url)
-        assert time.monotonic() - started < 4
-        assert connection.socket_timeout == 0.5  # the read's own timeout is given back
-        assert not connection.is_connected  # a connection whose reply may still come is never reused
-        os.kill(pid, signal.SIGCONT)
-        assert await RedisClient(raw, url).ping()
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        await raw.aclose()
+    connection = await raw.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+    connection.socket_timeout = seconds
+    await raw.connection_pool.release(connection)
+    return raw, connection
 
 
-async def _ping_in_an_exchange(raw: aioredis.Redis, url: str) -> None:
-    async with exchange(raw, ("PING",), url=url) as replies:
+async def _in_an_exchange(raw: aioredis.Redis, url: str, command: tuple[object, ...]) -> None:
+    async with exchange(raw, command, url=url) as replies:
         assert replies is not None
         await replies.read()
 
@@ -114,12 +110,8 @@ async def test_a_slow_reply_within_the_socket_timeout_is_read(private: tuple[str
     """The timer bounding a read is cancelled with it: a blocking read that takes most of the
     socket timeout gets its reply, and the connection stays open for the next command."""
     url, _pid = private
-    raw = await connect_redis(url)
-    assert isinstance(raw, aioredis.Redis)
+    raw, connection = await _client_timing_out_after(url, 1.0)
     try:
-        connection = await raw.connection_pool.get_connection()  # type: ignore[no-untyped-call]
-        connection.socket_timeout = 1.0
-        await raw.connection_pool.release(connection)
         for _ in range(3):  # each read's timer is its own: three reads of 0.6 s outlast one timeout
             async with exchange(raw, ("BLPOP", "nothing", 0.6), url=url) as replies:
                 assert replies is not None
