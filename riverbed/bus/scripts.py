@@ -7,11 +7,20 @@ Replies are arrays whose first element is a status word, decoded by the callers 
 
 from __future__ import annotations
 
-_NOW = """
+_CLOCK = """
 if redis.replicate_commands then redis.replicate_commands() end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- The server's time in ms, asked for on the first clock() call only.
+local now = nil
+local function clock()
+  if not now then
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return now
+end
 """
+_NOW = _CLOCK + "clock()\n"
+"""The time as ``now``, asked for at once (the scripts that always need it)."""
 
 # KEYS: log, meta, answers, idem, claims, wake (the session's shard channel: ``bus/wakeups.py``),
 #       and on a standalone Redis also the runtime, memory and condenser directories and the
@@ -31,17 +40,10 @@ ANNOUNCE_MS = 2000
 """While a role has no owner for a session, appends re-announce it at most this often."""
 
 APPEND = (
-    f"local ANNOUNCE_MS = {ANNOUNCE_MS}\n"
+    _CLOCK
+    + f"local ANNOUNCE_MS = {ANNOUNCE_MS}\n"
     + """
--- The time, asked of the server only when needed: an append to a session owned by every role needs none.
-local now = nil
-local function clock()
-  if not now then
-    local t = redis.call('TIME')
-    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  end
-  return now
-end
+-- clock() only where the time is needed: an append to a session every role owns asks for none.
 -- The session's meta in one read: last id, tenant, the role's fence, when each role was announced.
 local meta = redis.call('HMGET', KEYS[2], 'last', 'tenant', 'fence:' .. ARGV[3],
   'need:runtime', 'need:memory', 'need:condenser')
