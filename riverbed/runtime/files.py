@@ -107,6 +107,13 @@ def _text(rel: str, fd: int, st: os.stat_result, limits: Limits) -> str:
         raise FileActionError("not_text", f"{rel} is not UTF-8 text: {exc.reason}") from exc
 
 
+def _text_at_most(rel: str, fd: int, st: os.stat_result, limits: Limits, most: int | None) -> str | None:
+    """:func:`_text`, or None with nothing read for a regular file of more than ``most`` bytes."""
+    if most is not None and stat.S_ISREG(st.st_mode) and st.st_size > most:
+        return None
+    return _text(rel, fd, st, limits)
+
+
 def _existing(place: confine.Place, limits: Limits) -> tuple[str | None, os.stat_result | None]:
     """What a write is about to replace: its text (``None`` if it is not text) and stat."""
     with _opened(place) as found:
@@ -225,19 +232,17 @@ def read_small(workspace: Path, action: events.FileRead, limits: Limits, most: i
     if direct is not None:
         fd, st, rel = direct
         try:
-            if most is not None and stat.S_ISREG(st.st_mode) and st.st_size > most:
-                return None
-            text = _text(rel, fd, st, limits)
+            text = _text_at_most(rel, fd, st, limits, most)
         finally:
             os.close(fd)
     else:
         with _walk(workspace, action.path) as place, _opened(place) as found:
             if found is None:
                 raise FileActionError("not_found", f"{place.rel} does not exist")
-            if most is not None and stat.S_ISREG(found[1].st_mode) and found[1].st_size > most:
-                return None
             rel = place.rel
-            text = _text(rel, *found, limits)
+            text = _text_at_most(rel, *found, limits, most)
+    if text is None:
+        return None
     lines = text.splitlines(keepends=True)
     if action.start < 1:
         raise FileActionError("bad_range", f"start must be 1 or more (lines are numbered from 1), not {action.start}")
