@@ -72,8 +72,7 @@ class Bell:
         if self._waiters:
             waiters, self._waiters = self._waiters, []
             for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
+                _wake(waiter)
 
     async def wait(self, mark: int, timeout: float) -> bool:
         """Wait until the bell rang after ``mark`` (a value of :attr:`rung`), for at most
