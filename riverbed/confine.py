@@ -313,18 +313,25 @@ def open_file(place: Place, flags: int = os.O_RDONLY, *, single_link: bool = Tru
     return fd, st
 
 
-def read_fd(fd: int, limit: int) -> bytes:
+def read_fd(fd: int, limit: int, size: int) -> bytes:
     """Up to ``limit + 1`` bytes of an open regular file (one more than allowed tells it was
-    longer).  A read shorter than asked for is the end of the file: no read more to hear so."""
+    longer); ``size`` is its size as ``fstat`` saw it.  A read shorter than asked for is the end
+    of the file: no read more to hear so.
+
+    The first read asks for one byte more than ``size``, so a file that did not change is read
+    in one call, and a small file costs no large buffer (``os.read`` allocates all it asks for:
+    a megabyte for a 200-byte file took ~15 µs more); a file that grew since is read on in
+    chunks of up to a megabyte."""
     chunks: list[bytes] = []
     left = limit + 1
+    want = min(left, max(size, 0) + 1)
     while left > 0:
-        want = min(left, 1 << 20)
         chunk = os.read(fd, want)
         chunks.append(chunk)
         left -= len(chunk)
         if len(chunk) < want:
             break
+        want = min(left, 1 << 20)
     return b"".join(chunks)
 
 
@@ -341,7 +348,7 @@ def read_text(root: Path, raw: str, *, limit: int, truncate: bool = False) -> st
             try:
                 if not stat.S_ISREG(st.st_mode):
                     return None
-                data = read_fd(fd, limit)
+                data = read_fd(fd, limit, st.st_size)
             finally:
                 os.close(fd)
         if len(data) <= limit:

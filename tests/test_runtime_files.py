@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from riverbed import events
+from riverbed import confine, events
 from riverbed.runtime import Runtime, files, workspace_name
 from riverbed.runtime.limits import Limits
 from riverbed.runtime.runtime import INLINE_READ_BYTES
@@ -240,3 +240,23 @@ async def test_a_small_file_is_read_at_once_and_a_large_one_off_the_event_loop(r
     assert isinstance(read, events.FileContent)
     assert read.content.startswith("y" * 10_000)
     assert read.content == files.read(ws, events.FileRead(path="large.txt"), limits).content  # (capped alike)
+
+
+def test_read_fd_reads_the_whole_file_whatever_its_stat_said(tmp_path: Path) -> None:
+    """The stat size only sizes the first read: a file that grew or shrank after it is read to
+    its end, and never past one byte over the limit."""
+    path = tmp_path / "f"
+    text = b"abcdefghij" * 300_000  # 3 MB: more than one of the later reads
+    path.write_bytes(text)
+    for size in (0, 5, len(text) - 1, len(text), len(text) + 100):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert confine.read_fd(fd, 10_000_000, size) == text, size
+        finally:
+            os.close(fd)
+    for size in (0, 10, 2_000_000):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert confine.read_fd(fd, 1_500_000, size) == text[:1_500_001], size
+        finally:
+            os.close(fd)

@@ -92,7 +92,7 @@ def _text(rel: str, fd: int, st: os.stat_result, limits: Limits) -> str:
         raise FileActionError("is_directory", f"{rel} is a directory")
     if not stat.S_ISREG(st.st_mode):
         raise FileActionError("not_a_file", f"{rel} is not a regular file")
-    data = confine.read_fd(fd, limits.max_read_bytes)
+    data = confine.read_fd(fd, limits.max_read_bytes, st.st_size)
     if len(data) > limits.max_read_bytes:
         raise FileActionError(
             "file_too_large",
@@ -210,7 +210,7 @@ def read_bytes(workspace: Path, raw: str, limit: int) -> bytes | None:
             try:
                 if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
                     return None
-                data = confine.read_fd(fd, limit)
+                data = confine.read_fd(fd, limit, st.st_size)
             finally:
                 os.close(fd)
     except (PathRefused, OSError):
