@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from riverbed import services
 from riverbed.agent.client import Bus
-from riverbed.bus.connection import Turn, connect_redis
+from riverbed.bus.connection import RECEIVE_BYTES, Turn, connect_redis
 from riverbed.bus.exchange import exchange
 from riverbed.bus.redis_client import RedisClient
 from riverbed.errors import UnavailableError
@@ -118,6 +118,24 @@ async def test_a_slow_reply_within_the_socket_timeout_is_read(private: tuple[str
                 assert await replies.read() is None
         assert connection.is_connected
         assert connection.socket_timeout == 1.0
+    finally:
+        await raw.aclose()
+
+
+async def test_a_connection_receives_at_most_64_kib_at_a_time_and_still_reads_large_replies(
+    private: tuple[str, int],
+) -> None:
+    """On asyncio's own event loop a receive asks for 64 KiB, not the transport's 256 KiB (each
+    receive allocates what it asks for), and a reply of several megabytes still arrives whole."""
+    url, _pid = private
+    raw = await connect_redis(url)
+    try:
+        big = os.urandom(3 * 1024 * 1024 + 17)
+        await raw.set("big", big)
+        assert await raw.get("big") == big
+        connection = await raw.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+        assert connection._writer.transport.max_size == RECEIVE_BYTES == 64 * 1024
+        await raw.connection_pool.release(connection)
     finally:
         await raw.aclose()
 
