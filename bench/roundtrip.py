@@ -19,7 +19,9 @@ command at a time, makes four; the floor's responder does pipeline its ``XADD`` 
   roles, as in a full deployment; one more row shows a runtime-only deployment, where the
   session stays announced to those roles (re-announced at most every 2 s);
 - throughput: 200 concurrent sessions (closed loop, one action in flight each) over 2
-  worker processes vs 200 ping-pong pairs over 2 responder processes: actions/s and p99;
+  worker processes vs 200 ping-pong pairs over 2 responder processes: actions/s and p99; the
+  ratio is the median over 2 × ``--repeats`` pairs of rounds (10 actions per session each),
+  riverbed first in every other pair;
 - scale: 1,000 concurrent sessions over 4 worker processes vs 1,000 pairs over 4
   responders: p99 and the slowest round trip (nobody starved); ``--quick`` runs 250;
 - sandbox: ``act(CmdRun("true"))`` through a worker whose sandboxes are bubblewrap
@@ -57,6 +59,10 @@ FILE_NAME = "small.txt"
 FILE_TEXT = "riverbed benchmark file\n" + "0123456789abcdef" * 11 + "\n"
 GROUP = "responder"
 LATENCY_SAMPLES = 300  # per round
+THROUGHPUT_ROUNDS_PER_REPEAT = 2
+"""Throughput rounds (each a pair: floor and riverbed, under a second apiece) per ``--repeats``.
+A round's ratio moves by up to ±0.3 on these machines as their speed drifts, so the figure is
+the median of many short pairs rather than of a few."""
 
 
 # --- the raw floor ----------------------------------------------------------------------
@@ -352,13 +358,18 @@ async def _phase(
                         for sid in session_ids:
                             pipe.hdel(bus.keys.meta(sid), "need:memory", "need:condenser")
                         await pipe.execute()
-                for _ in range(rounds):
-                    rate, lat = await _concurrent(list(pairs), per_session)
-                    raw_rates.append(rate)
-                    raw_lat += lat
-                    rate, lat = await _concurrent(actors, per_session)
-                    rb_rates.append(rate)
-                    rb_lat += lat
+                for index in range(rounds):
+                    # Every other round riverbed goes first, so a machine slowing down or speeding
+                    # up across a pair of rounds favours neither side.
+                    for side in (("floor", "riverbed") if index % 2 == 0 else ("riverbed", "floor")):
+                        if side == "floor":
+                            rate, lat = await _concurrent(list(pairs), per_session)
+                            raw_rates.append(rate)
+                            raw_lat += lat
+                        else:
+                            rate, lat = await _concurrent(actors, per_session)
+                            rb_rates.append(rate)
+                            rb_lat += lat
                     if one_write_lat is not None:
                         _rate, lat = await _concurrent(list(ow_pairs), per_session)
                         one_write_lat += lat
@@ -448,7 +459,7 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
         # Throughput: 200 sessions over 2 workers.
         sessions = 100 if args.quick else 200
         raw_rates, rb_rates, raw_lat, rb_lat, _w = await _phase(
-            url, tmp, sessions, 2, rounds=min(repeats, 3), per_session=10
+            url, tmp, sessions, 2, rounds=THROUGHPUT_ROUNDS_PER_REPEAT * repeats, per_session=10
         )
         ratios = [b / a for a, b in zip(raw_rates, rb_rates, strict=True)]
         results.append(
