@@ -61,6 +61,24 @@ async def test_idempotent_retry_returns_first_ids_and_appends_nothing(bus: Bus) 
     assert await session.append(events.Think(thought="c"), idempotency_key="req-2") == [3]
 
 
+async def test_a_refused_append_keeps_no_idempotency_key(bus: Bus) -> None:
+    """An append refused (a conflict, an answered action) leaves its key unused: the same key
+    then appends once the cause is gone, or is refused again, never taken as done."""
+    session = bus.session("s1")
+    await session.append(events.Think(thought="a"))
+    with pytest.raises(AppendConflict):
+        await session.append(events.Think(thought="b"), expected_last=0, idempotency_key="req-b")
+    assert await session.append(events.Think(thought="b"), expected_last=1, idempotency_key="req-b") == [2]
+    assert [e.thought for e in await session.events() if isinstance(e, events.Think)] == ["a", "b"]
+    (action,) = await session.append(events.CmdRun(command="true"))
+    await bus.log_store.append("s1", [events.CmdOutput(content="", exit_code=0, cause=action)])
+    late = [events.Error(content="late", cause=action)]
+    for _ in range(2):
+        refused = await bus.log_store.append("s1", late, idempotency_key="req-late")
+        assert refused == AlreadyAnswered(cause=action, existing=action + 1)
+    assert await session.last_id() == action + 1
+
+
 async def test_a_retry_announces_again_what_its_first_try_could_not(bus: Bus) -> None:
     """The announce follows the append script and writes shared keys, which a cluster keeps on
     another node than the session's: when it fails, the append went through but nobody heard of
