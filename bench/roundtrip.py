@@ -20,7 +20,7 @@ command at a time, makes four; the floor's responder does pipeline its ``XADD`` 
   session stays announced to those roles (re-announced at most every 2 s);
 - throughput: 200 concurrent sessions (closed loop, one action in flight each) over 2
   worker processes vs 200 ping-pong pairs over 2 responder processes: actions/s and p99; the
-  ratio is the median over 2 × ``--repeats`` pairs of rounds (10 actions per session each),
+  ratio is the median over twice ``--repeats`` pairs of rounds (10 actions per session each),
   riverbed first in every other pair;
 - scale: 1,000 concurrent sessions over 4 worker processes vs 1,000 pairs over 4
   responders: p99 and the slowest round trip (nobody starved); ``--quick`` runs 250;
@@ -361,7 +361,7 @@ async def _phase(
                 for index in range(rounds):
                     # Every other round riverbed goes first, so a machine slowing down or speeding
                     # up across a pair of rounds favours neither side.
-                    for side in (("floor", "riverbed") if index % 2 == 0 else ("riverbed", "floor")):
+                    for side in ("floor", "riverbed") if index % 2 == 0 else ("riverbed", "floor"):
                         if side == "floor":
                             rate, lat = await _concurrent(list(pairs), per_session)
                             raw_rates.append(rate)
