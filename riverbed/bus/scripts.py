@@ -56,12 +56,8 @@ if ARGV[3] == '' and pinned_last > 0 then
     return {'tenant', pinned}
   end
 end
-local n = tonumber(ARGV[8])
-local keyed = ARGV[2] ~= ''
-if keyed then
-  -- The idempotency key is set at once to the ids this append takes (one call where a GET and a
-  -- SET were two); a refusal below takes it back, so a retry is refused again, not told 'dup'.
-  local seen = redis.call('SET', KEYS[4], (pinned_last + 1) .. ':' .. n, 'NX', 'PX', ARGV[2], 'GET')
+if ARGV[2] ~= '' then
+  local seen = redis.call('GET', KEYS[4])
   if seen then
     local sep = string.find(seen, ':')
     local first = tonumber(string.sub(seen, 1, sep - 1))
@@ -74,25 +70,22 @@ if keyed then
     return reply
   end
 end
-local function refuse(reply)
-  if keyed then redis.call('DEL', KEYS[4]) end
-  return reply
-end
 local last = pinned_last
 if ARGV[1] ~= '' and tonumber(ARGV[1]) ~= last then
-  return refuse({'conflict', last})
+  return {'conflict', last}
 end
 if ARGV[3] ~= '' then
   local current = meta[3] or '0'
   if current ~= ARGV[4] then
-    return refuse({'fenced', tonumber(current)})
+    return {'fenced', tonumber(current)}
   end
 end
+local n = tonumber(ARGV[8])
 for i = 0, n - 1 do
   local cause = ARGV[12 + 2 * i]
   if cause ~= '0' then
     local existing = redis.call('HGET', KEYS[3], cause)
-    if existing then return refuse({'answered', tonumber(cause), tonumber(existing)}) end
+    if existing then return {'answered', tonumber(cause), tonumber(existing)} end
   end
 end
 local created = 0
@@ -113,6 +106,9 @@ for i = 0, n - 1 do
   end
 end
 redis.call('HSET', KEYS[2], 'last', last)
+if ARGV[2] ~= '' then
+  redis.call('SET', KEYS[4], first .. ':' .. n, 'PX', ARGV[2])
+end
 local wake = tostring(last)  -- published on the session's shard channel: "<last>" or "<last> <role>"
 if ARGV[5] ~= '' then
   redis.call('XACK', KEYS[1], ARGV[5], ARGV[6])
