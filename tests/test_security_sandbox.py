@@ -12,6 +12,7 @@ fork loop passes the limit).
 from __future__ import annotations
 
 import base64
+import errno
 import io
 import os
 import shutil
@@ -30,7 +31,7 @@ from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.runtime import Limits, Runtime, Sandbox, SandboxUnavailable
 from riverbed.runtime.paths import workspace_name
-from riverbed.runtime.sandbox import probe
+from riverbed.runtime.sandbox import NetworkSetupFailed, Outbound, probe
 from tests.workerproc import WorkerProcess
 
 pytestmark = [pytest.mark.anyio, pytest.mark.security]
@@ -368,6 +369,37 @@ async def test_outbound_network_reaches_out_but_not_this_hosts_services(
         assert cell.result not in (None, "0")
     finally:
         await rt.aclose()
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "slirp4netns"]
+
+
+async def test_a_sandbox_that_exits_while_its_network_is_set_up_is_started_once_more(
+    workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under load, bubblewrap may exit while slirp4netns configures its namespace: the shell and
+    the Python driver then start a fresh sandbox once, and the action runs."""
+    if shutil.which("slirp4netns") is None:
+        pytest.skip("slirp4netns is not installed (.ci/run installs it)")
+    attach = Outbound.attach
+    attempts: list[str] = []
+
+    def flaky(self: Outbound, timeout: float = 10.0) -> None:
+        attempts.append("failed" if len(attempts) in (0, 2) else "attached")
+        if attempts[-1] == "failed":  # the first try of the shell, then of the Python driver
+            raise NetworkSetupFailed(errno.EPIPE, "the sandbox exited while its network was set up")
+        attach(self, timeout)
+
+    monkeypatch.setattr(Outbound, "attach", flaky)
+    rt = Runtime(workspace_root=workspace, sandbox=Sandbox(network="outbound"))
+    try:
+        out = await rt.execute("s", events.CmdRun(id=1, command="echo up", timeout=20, blocking=True))
+        assert isinstance(out, events.CmdOutput), out
+        assert out.content == "up\n"
+        cell = await rt.execute("s", events.PythonRun(id=2, code="6 * 7"))
+        assert isinstance(cell, events.PythonOutput), cell
+        assert cell.result == "42"
+    finally:
+        await rt.aclose()
+    assert attempts == ["failed", "attached", "failed", "attached"]
     assert not [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "slirp4netns"]
 
 

@@ -49,7 +49,7 @@ from riverbed.runtime.limits import (
     wait_exit,
 )
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
-from riverbed.runtime.sandbox import DRIVER_INSIDE, Outbound, Sandbox
+from riverbed.runtime.sandbox import DRIVER_INSIDE, NetworkSetupFailed, Outbound, Sandbox
 
 log = structlog.get_logger("riverbed.runtime.python")
 
@@ -217,12 +217,12 @@ class PythonProcess:
         if self._proc is None:
             try:
                 await self.start()
-            except PythonUnavailable as exc:
-                if "loopback: Failed" not in str(exc):
+            except (PythonUnavailable, NetworkSetupFailed) as exc:
+                if isinstance(exc, PythonUnavailable) and "loopback: Failed" not in str(exc):
                     raise
-                # bubblewrap setting up the new namespace's loopback failed (seen once under load
-                # with the outbound network, while slirp4netns configured the same namespace):
-                # a fresh sandbox, once.
+                # bubblewrap setting up the new namespace's loopback failed (seen under load with
+                # the outbound network, while slirp4netns configured the same namespace; the
+                # sandbox says so, or exits before its network is up): a fresh sandbox, once.
                 log.warning("python.start_retried", error=str(exc))
                 await self.start()
         self._lost = False

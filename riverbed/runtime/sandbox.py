@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import io
@@ -87,6 +88,13 @@ _SYSTEM_DIRS = ("/usr", _TMP, "/proc", "/dev")
 
 class SandboxUnavailable(ConfigError):
     """A namespaces sandbox cannot be built on this machine."""
+
+
+class NetworkSetupFailed(OSError):
+    """The sandbox exited while its network was being set up.  Seen under load with the outbound
+    network: bubblewrap bringing up the new namespace's loopback fails while slirp4netns
+    configures the same namespace.  A fresh sandbox starts, so the shell and the Python driver
+    try once more; a second failure is an OS error of the action (retryable)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -295,7 +303,10 @@ class Outbound:
             )
         with os.fdopen(self._info_r, "rb") as info:
             self._info_r = -1
-            pid = int(json.loads(_read_json_object(info))["child-pid"])
+            reported = _read_json_object(info)
+        if not reported:
+            raise NetworkSetupFailed(errno.EPIPE, "the sandbox exited before it reported its process")
+        pid = int(json.loads(reported)["child-pid"])
         ready_r, ready_w = os.pipe()
         try:
             self._proc = subprocess.Popen(
@@ -315,7 +326,10 @@ class Outbound:
                 os.close(ready_w)
         if not done:
             raise SandboxUnavailable("slirp4netns did not bring the sandbox's network up")
-        os.write(self._block_w, b"1")
+        try:
+            os.write(self._block_w, b"1")
+        except BrokenPipeError:
+            raise NetworkSetupFailed(errno.EPIPE, "the sandbox exited while its network was set up") from None
 
     def close(self) -> None:
         for fd in (self._info_r, self._info_w, self._block_r, self._block_w, self._exit_r, self._exit_w):

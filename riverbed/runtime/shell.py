@@ -56,7 +56,7 @@ from riverbed.runtime.limits import (
     wait_exit,
 )
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
-from riverbed.runtime.sandbox import Outbound, Sandbox
+from riverbed.runtime.sandbox import NetworkSetupFailed, Outbound, Sandbox
 
 log = structlog.get_logger("riverbed.runtime.shell")
 
@@ -202,7 +202,11 @@ class Shell:
             if self._proc is not None:
                 notes.append("[the previous shell had exited; this is a new shell: cwd and variables were reset]")
                 await self.close()
-            await self.start()
+            try:
+                await self.start()
+            except NetworkSetupFailed as exc:  # (a race of the outbound network's setup: once more)
+                log.warning("shell.start_retried", error=str(exc))
+                await self.start()
         if action.is_input:
             if not self._running:
                 return _error("no_running_command", "no command is running, so there is nothing to send input to")
