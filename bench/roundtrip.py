@@ -358,18 +358,14 @@ async def _phase(
                         for sid in session_ids:
                             pipe.hdel(bus.keys.meta(sid), "need:memory", "need:condenser")
                         await pipe.execute()
+                sides = [(list(pairs), raw_rates, raw_lat), (actors, rb_rates, rb_lat)]
                 for index in range(rounds):
                     # Every other round riverbed goes first, so a machine slowing down or speeding
                     # up across a pair of rounds favours neither side.
-                    for side in ("floor", "riverbed") if index % 2 == 0 else ("riverbed", "floor"):
-                        if side == "floor":
-                            rate, lat = await _concurrent(list(pairs), per_session)
-                            raw_rates.append(rate)
-                            raw_lat += lat
-                        else:
-                            rate, lat = await _concurrent(actors, per_session)
-                            rb_rates.append(rate)
-                            rb_lat += lat
+                    for fns, rates, latencies in sides if index % 2 == 0 else sides[::-1]:
+                        rate, lat = await _concurrent(fns, per_session)
+                        rates.append(rate)
+                        latencies.extend(lat)
                     if one_write_lat is not None:
                         _rate, lat = await _concurrent(list(ow_pairs), per_session)
                         one_write_lat += lat

@@ -248,15 +248,15 @@ def test_read_fd_reads_the_whole_file_whatever_its_stat_said(tmp_path: Path) -> 
     path = tmp_path / "f"
     text = b"abcdefghij" * 300_000  # 3 MB: more than one of the later reads
     path.write_bytes(text)
+
+    def read(limit: int, size: int) -> bytes:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return confine.read_fd(fd, limit, size)
+        finally:
+            os.close(fd)
+
     for size in (0, 5, len(text) - 1, len(text), len(text) + 100):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            assert confine.read_fd(fd, 10_000_000, size) == text, size
-        finally:
-            os.close(fd)
+        assert read(10_000_000, size) == text, size
     for size in (0, 10, 2_000_000):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            assert confine.read_fd(fd, 1_500_000, size) == text[:1_500_001], size
-        finally:
-            os.close(fd)
+        assert read(1_500_000, size) == text[:1_500_001], size
