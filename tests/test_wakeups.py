@@ -15,6 +15,7 @@ from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.bus.connection import CLUSTER_SPARE, connect_redis
 from riverbed.bus.consumer import Owner
+from riverbed.bus.redis_client import RedisClient
 from riverbed.bus.wakeups import Bell, Wakeups
 from tests.test_ownership import EchoHandler
 
@@ -147,6 +148,34 @@ async def test_a_worker_serving_many_sessions_holds_a_handful_of_connections(bus
             tg.cancel_scope.cancel()
     finally:
         await redis.aclose()
+
+
+async def test_pipelines_beyond_the_spare_connections_wait_their_turn_instead_of_failing(bus: Bus, prefix: str) -> None:
+    """200 pipelines at once on a worker's shared client (releases, parks, renewals of many
+    sessions): each runs, and no node holds more than the pool and its spare connections.  On
+    a cluster, redis-py fails a pipeline that finds a node's pool full, and then closes every
+    connection of the client under the other commands."""
+    name = f"pipes-{prefix}"
+    pool = 6
+    raw = await connect_redis(bus.url, shared=True, max_connections=pool, name=name)
+    client = RedisClient(raw, bus.url)
+    try:
+
+        async def pipelined(i: int) -> None:
+            async with client.pipeline() as pipe:
+                replies = [pipe.set(f"{prefix}:p{i}:{k}", k) for k in range(12)]  # keys on every node
+                await pipe.execute()
+            assert all(reply.value for reply in replies)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(200):
+                tg.start_soon(pipelined, i)
+        counts = await connections_named(bus.url, name)
+        spare = 0 if isinstance(raw, aioredis.Redis) else CLUSTER_SPARE
+        assert counts, "the client's connections are not named"
+        assert max(counts.values()) <= pool + spare, counts
+    finally:
+        await raw.aclose()
 
 
 async def test_an_answer_its_role_has_no_use_for_wakes_only_the_other_roles(bus: Bus) -> None:

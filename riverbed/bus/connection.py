@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 import redis.exceptions as rexc
 from redis._parsers import _AsyncRESP2Parser, _AsyncRESP3Parser
 from redis._parsers.commands import AsyncCommandsParser
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.cluster import PRIMARY
@@ -481,13 +481,23 @@ class Shared(Standalone):
 class Cluster(RedisCluster):
     """``RedisCluster`` that routes stream reads by their keys without asking a server, loads its
     command table from a live primary (:class:`_CommandTable`) and, when ``limit`` is set, runs
-    at most that many commands at once (each node's pool then never opens more connections:
-    redis-py's cluster client fails a command beyond ``max_connections`` instead of waiting)."""
+    at most that many commands and ``spare`` pipelines at once (each node's pool then never
+    opens more than ``limit + spare`` connections: redis-py's cluster client fails a command
+    beyond ``max_connections`` instead of waiting, and a pipeline that fails so closes every
+    connection of the client, the other commands' included)."""
 
-    def __init__(self, *args: Any, limit: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limit: int | None = None, spare: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.commands_parser = _CommandTable(self)
         self.limiter = anyio.CapacityLimiter(limit) if limit is not None else None
+        # A pipeline takes at most one connection per node: with no spare ones, it takes a
+        # command's turn.
+        self.pipelines = anyio.CapacityLimiter(spare) if spare > 0 else self.limiter
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
+        if self.pipelines is None or transaction or shard_hint:
+            return super().pipeline(transaction, shard_hint)
+        return _TurnTakingPipeline(self, self.pipelines)  # type: ignore[abstract]
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         if self.limiter is None:
@@ -505,6 +515,19 @@ class Cluster(RedisCluster):
         if len(slots) != 1:
             raise rexc.RedisClusterException(f"{command} - all keys must map to the same key slot")
         return slots.pop()
+
+
+class _TurnTakingPipeline(ClusterPipeline):
+    """A cluster pipeline that runs when one of ``turns``'s tokens is free."""
+
+    def __init__(self, client: Cluster, turns: anyio.CapacityLimiter) -> None:
+        super().__init__(client)
+        self.turns = turns
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        async with Turn(self.turns):
+            with _closed_under_us():
+                return await super().execute(raise_on_error, allow_redirections)
 
 
 RawClient: TypeAlias = aioredis.Redis | RedisCluster
@@ -606,7 +629,9 @@ async def connect_redis(
         return client
     await client.aclose()
     if shared:
-        cluster = Cluster.from_url(url, max_connections=max_connections + spare, limit=max_connections, **common)
+        cluster = Cluster.from_url(
+            url, max_connections=max_connections + spare, limit=max_connections, spare=spare, **common
+        )
     else:
         cluster = Cluster.from_url(url, max_connections=max_connections, **common)
     with translate(url):
