@@ -38,6 +38,7 @@ import riverbed
 from riverbed import events, services
 from riverbed.agent.client import Bus
 from riverbed.bus.keys import Keys
+from riverbed.bus.ownership import Leases
 from tests.test_fault_redis import Driver, assert_each_action_answered_once, assert_in_log, wait_for
 from tests.workerproc import WorkerProcess
 
@@ -238,3 +239,40 @@ async def test_a_master_failover_loses_no_replicated_append_and_everyone_reconne
     assert all(w.proc.poll() is None for w in workers), "a worker exited during the failover"
 
     await assert_each_action_answered_once(drivers, workspace)
+
+
+async def test_a_renewal_whose_master_dies_under_it_reports_none_of_its_sessions_lost(
+    bus: Bus, cluster: ReplicatedCluster
+) -> None:
+    """A master killed while a lease renewal waits for its replies: those replies are a lost
+    connection, not a refusal.  Its sessions are not reported lost (the next round asks again,
+    and their fencing tokens guard their writes meanwhile), and the other masters' sessions are
+    renewed.  Reported lost, every session of a node that dropped one connection was abandoned."""
+    probe = session_names(cluster, bus.keys, cluster.master_of(bus.keys.log("c0")))
+    victim = cluster.master_of(bus.keys.log(probe[0]))
+    for name in probe:
+        await bus.session(name).append(events.Think(thought="x"))
+    leases = Leases(bus.redis, bus.keys, "runtime", worker="w", lease_ms=30_000, url=bus.url)
+    await leases.ensure_group()
+    owned: dict[str, tuple[str, int]] = {}
+    for claim in await leases.read_new(20, 100):
+        owned[claim.session] = (claim.entry, (await leases.acquire(claim)).token)
+    assert sorted(owned) == sorted(probe)
+    assert await leases.renew(owned) == set()  # (the renewal's script is on every master now)
+    elsewhere = [name for name in probe if cluster.port_of(bus.keys.meta(name)) != victim.port]
+    before = {name: int(await bus.redis.hget(bus.keys.meta(name), "expires:runtime")) for name in elsewhere}
+
+    os.kill(victim.pid, signal.SIGSTOP)  # the renewal's commands reach it and wait for replies
+    async with anyio.create_task_group() as tg:
+        lost: list[set[str]] = []
+
+        async def renew() -> None:
+            lost.append(await leases.renew(owned))
+
+        tg.start_soon(renew)
+        await anyio.sleep(0.3)
+        assert not lost, "the renewal did not wait for the stopped master"
+        os.kill(victim.pid, signal.SIGKILL)
+    assert lost == [set()]
+    for name in elsewhere:
+        assert int(await bus.redis.hget(bus.keys.meta(name), "expires:runtime")) > before[name]

@@ -129,7 +129,8 @@ class Leases:
         return holder is not None and _text(holder) == self.worker and fence is not None and int(fence) == token
 
     async def renew(self, owned: dict[str, tuple[str, int]]) -> set[str]:
-        """Renew every owned session (session -> (entry, token)); returns the sessions lost.
+        """Renew every owned session (session -> (entry, token)); returns the sessions lost (not
+        those whose reply was a lost connection: :func:`_unanswered`).
 
         On a standalone Redis, one script renews them all (:meth:`_renew_standalone`).  On a
         cluster, one pipeline of RENEW calls, one round trip per node (the client splits it by
@@ -144,7 +145,9 @@ class Leases:
             return await self._renew_standalone(items)
         replies = await self._sent_with_script(partial(self._renew_round, items), scripts.RENEW)
         return {
-            session for (session, _), ok in zip(items, replies, strict=True) if ok.error is not None or ok.value != 1
+            session
+            for (session, _), ok in zip(items, replies, strict=True)
+            if not _unanswered(ok) and (ok.error is not None or ok.value != 1)
         }
 
     async def _renew_standalone(self, items: list[tuple[str, tuple[str, int]]]) -> set[str]:
@@ -158,6 +161,8 @@ class Leases:
         replies = await self._sent_with_script(partial(self._renew_all_round, chunks), scripts.RENEW_ALL)
         lost: set[str] = set()
         for chunk, reply in zip(chunks, replies, strict=True):
+            if _unanswered(reply):
+                continue
             renewed = reply.value if reply.error is None else ()
             lost.update(
                 session for index, (session, _) in enumerate(chunk) if index >= len(renewed) or int(renewed[index]) != 1
@@ -241,6 +246,13 @@ class Leases:
         cluster, where they go to different nodes.)"""
         idle = max(0, self.lease_ms - left_ms)
         await self.redis.xclaim_ids(self.directory, self.role, holder, [claim.entry], idle_ms=idle)
+
+
+def _unanswered(reply: Reply[Any]) -> bool:
+    """Whether a renewal's reply is a lost connection rather than the script's answer: the
+    sessions it renewed are not known to be lost (the next round asks again, and their fencing
+    tokens guard their writes meanwhile)."""
+    return isinstance(reply.error, rexc.ConnectionError | rexc.TimeoutError)
 
 
 def _text(value: bytes | str | int) -> str:
