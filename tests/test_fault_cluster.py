@@ -38,8 +38,8 @@ import riverbed
 from riverbed import events, services
 from riverbed.agent.client import Bus
 from riverbed.bus.keys import Keys
-from riverbed.bus.ownership import Leases
 from tests.test_fault_redis import Driver, assert_each_action_answered_once, assert_in_log, wait_for
+from tests.test_ownership import acquired
 from tests.workerproc import WorkerProcess
 
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]
@@ -250,14 +250,7 @@ async def test_a_renewal_whose_master_dies_under_it_reports_none_of_its_sessions
     renewed.  Reported lost, every session of a node that dropped one connection was abandoned."""
     probe = session_names(cluster, bus.keys, cluster.master_of(bus.keys.log("c0")))
     victim = cluster.master_of(bus.keys.log(probe[0]))
-    for name in probe:
-        await bus.session(name).append(events.Think(thought="x"))
-    leases = Leases(bus.redis, bus.keys, "runtime", worker="w", lease_ms=30_000, url=bus.url)
-    await leases.ensure_group()
-    owned: dict[str, tuple[str, int]] = {}
-    for claim in await leases.read_new(20, 100):
-        owned[claim.session] = (claim.entry, (await leases.acquire(claim)).token)
-    assert sorted(owned) == sorted(probe)
+    leases, owned = await acquired(bus, probe, 30_000)
     assert await leases.renew(owned) == set()  # (the renewal's script is on every master now)
     elsewhere = [name for name in probe if cluster.port_of(bus.keys.meta(name)) != victim.port]
     before = {name: int(await bus.redis.hget(bus.keys.meta(name), "expires:runtime")) for name in elsewhere}

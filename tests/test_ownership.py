@@ -110,18 +110,24 @@ async def test_takeover_bumps_the_fencing_token(bus: Bus) -> None:
     assert await old.renew({"t": ("0-1", got_old.token)}) == {"t"}
 
 
-async def test_renewal_reloads_scripts_a_node_lost(bus: Bus) -> None:
-    """A restarted or failed-over node has no scripts; renewing still works (and finds no loss)."""
-    names = [f"r{i}" for i in range(6)]  # spread over the nodes of a cluster
+async def acquired(bus: Bus, names: list[str], lease_ms: int) -> tuple[Leases, dict[str, tuple[str, int]]]:
+    """The runtime role's leases of worker "w" on new sessions ``names``, and what it owns
+    (session -> (entry, token)), as :meth:`Leases.renew` takes it."""
     for name in names:
         await bus.session(name).append(events.Think(thought="x"))
-    leases = Leases(bus.redis, bus.keys, "runtime", worker="w", lease_ms=5000, url=bus.url)
+    leases = Leases(bus.redis, bus.keys, "runtime", worker="w", lease_ms=lease_ms, url=bus.url)
     await leases.ensure_group()
     owned: dict[str, tuple[str, int]] = {}
     for claim in await leases.read_new(20, 100):
-        got = await leases.acquire(claim)
-        owned[claim.session] = (claim.entry, got.token)
-    assert sorted(owned) == names
+        owned[claim.session] = (claim.entry, (await leases.acquire(claim)).token)
+    assert sorted(owned) == sorted(names)
+    return leases, owned
+
+
+async def test_renewal_reloads_scripts_a_node_lost(bus: Bus) -> None:
+    """A restarted or failed-over node has no scripts; renewing still works (and finds no loss)."""
+    names = [f"r{i}" for i in range(6)]  # spread over the nodes of a cluster
+    leases, owned = await acquired(bus, names, 5000)
     before = [int(await bus.redis.hget(bus.keys.meta(n), "expires:runtime")) for n in names]
     await bus.redis.script_flush()
     await anyio.sleep(0.01)
