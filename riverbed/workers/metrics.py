@@ -27,10 +27,8 @@ at scrape time, so they are never stale and cost nothing between scrapes.  The t
 gauges need Redis reads; :meth:`WorkerMetrics.refresh` updates them (the HTTP server calls it
 every few seconds, see :mod:`riverbed.workers.http`).
 
-Handler latency reaches the histogram in one of two ways, whichever the owner's stats offer:
-a list of observer callbacks (``OwnerStats.observers``), called once per handler call; or,
-failing that, the ``handler_seconds`` list, which is drained into the histogram (and
-emptied, so it stays bounded) at every scrape and refresh.
+Handler latency reaches the histogram through the owner's observer callbacks
+(``OwnerStats.observers``), called once per handler call.
 
 Embedding cache ratios: ``lru`` is the share of all lookups answered by the in-process LRU;
 ``shared`` is the share of the lookups that reached the shared Postgres level and were
@@ -154,9 +152,8 @@ class WorkerMetrics:
         for role, owner in worker.owners.items():
             for cache in _discover_caches(owner.handler):
                 self.watch_cache(role, cache)
-            observers = getattr(owner.stats, "observers", None)
-            if isinstance(observers, list) and id(owner.stats) not in self._observing:
-                observers.append(self.handler_seconds.labels(role, worker.name).observe)
+            if id(owner.stats) not in self._observing:
+                owner.stats.observers.append(self.handler_seconds.labels(role, worker.name).observe)
                 self._observing.add(id(owner.stats))
         for label in self._label_sets():
             for gauge in (self.lag, self.pending, self.oldest_pending):
@@ -177,7 +174,6 @@ class WorkerMetrics:
         bound = self._worker
         if bound is None:
             return
-        self.drain_timings()
         with anyio.fail_after(timeout):
             now = await bound.client.time()  # also proves Redis answers when nothing is owned
             for role, owner in list(bound.owners.items()):
@@ -188,23 +184,6 @@ class WorkerMetrics:
                 self.oldest_pending.labels(role, bound.name).set(
                     max((b.oldest_pending_seconds for b in backlogs), default=0.0)
                 )
-
-    def drain_timings(self) -> None:
-        """Move durations an owner kept in its ``handler_seconds`` list into the histogram."""
-        bound = self._worker
-        if bound is None:
-            return
-        for role, owner in bound.owners.items():
-            if id(owner.stats) in self._observing:
-                continue
-            samples = getattr(owner.stats, "handler_seconds", None)
-            if not isinstance(samples, list) or not samples:
-                continue
-            count = len(samples)
-            child = self.handler_seconds.labels(role, bound.name)
-            for seconds in samples[:count]:
-                child.observe(float(seconds))
-            del samples[:count]
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this worker."""
@@ -220,7 +199,6 @@ class WorkerMetrics:
 
     def scrape(self) -> Iterator[Metric]:
         """The families read at scrape time (counters, owned sessions, cache ratios)."""
-        self.drain_timings()
         bound = self._worker
         owners = dict(bound.owners) if bound is not None else {}
         worker = bound.name if bound is not None else ""
