@@ -20,8 +20,9 @@ import signal
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import anyio
@@ -372,6 +373,19 @@ async def test_outbound_network_reaches_out_but_not_this_hosts_services(
     assert not [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "slirp4netns"]
 
 
+async def _runs_a_command_and_a_cell(rt: Runtime) -> None:
+    """A session of ``rt`` runs a shell command and a Python cell (then ``rt`` is closed)."""
+    try:
+        out = await rt.execute("s", events.CmdRun(id=1, command="echo up", timeout=20, blocking=True))
+        assert isinstance(out, events.CmdOutput), out
+        assert out.content == "up\n"
+        cell = await rt.execute("s", events.PythonRun(id=2, code="6 * 7"))
+        assert isinstance(cell, events.PythonOutput), cell
+        assert cell.result == "42"
+    finally:
+        await rt.aclose()
+
+
 async def test_a_sandbox_that_exits_while_its_network_is_set_up_is_started_once_more(
     workspace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -390,17 +404,44 @@ async def test_a_sandbox_that_exits_while_its_network_is_set_up_is_started_once_
 
     monkeypatch.setattr(Outbound, "attach", flaky)
     rt = Runtime(workspace_root=workspace, sandbox=Sandbox(network="outbound"))
-    try:
-        out = await rt.execute("s", events.CmdRun(id=1, command="echo up", timeout=20, blocking=True))
-        assert isinstance(out, events.CmdOutput), out
-        assert out.content == "up\n"
-        cell = await rt.execute("s", events.PythonRun(id=2, code="6 * 7"))
-        assert isinstance(cell, events.PythonOutput), cell
-        assert cell.result == "42"
-    finally:
-        await rt.aclose()
+    await _runs_a_command_and_a_cell(rt)
     assert attempts == ["failed", "attached", "failed", "attached"]
     assert not [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "slirp4netns"]
+
+
+async def test_a_sandbox_whose_loopback_setup_failed_is_started_once_more(
+    workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same race caught earlier: bubblewrap says it failed to bring up the namespace's
+    loopback and exits.  The shell and the Python driver start a fresh sandbox once, and the
+    action runs; any other start failure is the action's, with what the sandbox said."""
+    wrap = Sandbox.wrap
+    attempts: list[str] = []
+    complaint = "bwrap: loopback: Failed RTM_NEWADDR: Operation not permitted"
+
+    def flaky(self: Sandbox, argv: Sequence[str], **kw: Any) -> list[str]:
+        attempts.append("failed" if len(attempts) in (0, 2) else "started")
+        if attempts[-1] == "failed":  # the first sandbox of the shell, then of the Python driver
+            return ["/bin/sh", "-c", f"echo '{complaint}' >&2; exit 1"]
+        return wrap(self, argv, **kw)
+
+    monkeypatch.setattr(Sandbox, "wrap", flaky)
+    rt = Runtime(workspace_root=workspace, sandbox=Sandbox())
+    await _runs_a_command_and_a_cell(rt)
+    assert attempts == ["failed", "started", "failed", "started"]
+
+    def broken(self: Sandbox, argv: Sequence[str], **kw: Any) -> list[str]:
+        return ["/bin/sh", "-c", "echo 'bwrap: No permissions to create new namespace' >&2; exit 1"]
+
+    monkeypatch.setattr(Sandbox, "wrap", broken)
+    rt = Runtime(workspace_root=workspace / "other", sandbox=Sandbox())
+    try:
+        out = await rt.execute("t", events.CmdRun(id=1, command="echo up", timeout=20, blocking=True))
+    finally:
+        await rt.aclose()
+    assert isinstance(out, events.Error), out
+    assert out.reason == "sandbox_unavailable"
+    assert out.content.endswith("bash did not start in time: bwrap: No permissions to create new namespace"), out
 
 
 def _comm(pid: str) -> str:

@@ -49,7 +49,7 @@ from riverbed.runtime.limits import (
     wait_exit,
 )
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
-from riverbed.runtime.sandbox import DRIVER_INSIDE, NetworkSetupFailed, Outbound, Sandbox
+from riverbed.runtime.sandbox import DRIVER_INSIDE, Outbound, Sandbox, start_once_more_on_a_network_race
 
 log = structlog.get_logger("riverbed.runtime.python")
 
@@ -215,16 +215,7 @@ class PythonProcess:
             state_lost = True
             await self.close()
         if self._proc is None:
-            try:
-                await self.start()
-            except (PythonUnavailable, NetworkSetupFailed) as exc:
-                if isinstance(exc, PythonUnavailable) and "loopback: Failed" not in str(exc):
-                    raise
-                # bubblewrap setting up the new namespace's loopback failed (seen under load with
-                # the outbound network, while slirp4netns configured the same namespace; the
-                # sandbox says so, or exits before its network is up): a fresh sandbox, once.
-                log.warning("python.start_retried", error=str(exc))
-                await self.start()
+            await start_once_more_on_a_network_race(self.start, "python")
         self._lost = False
         assert self._proc is not None
         images_before = await anyio.to_thread.run_sync(_images, self._workspace)

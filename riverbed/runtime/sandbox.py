@@ -48,11 +48,15 @@ import select
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
+import structlog
+
 from riverbed.errors import ConfigError
+
+log = structlog.get_logger("riverbed.runtime.sandbox")
 
 Mode = Literal["namespaces", "process"]
 Network = Literal["none", "outbound", "host"]
@@ -94,7 +98,26 @@ class NetworkSetupFailed(OSError):
     """The sandbox exited while its network was being set up.  Seen under load with the outbound
     network: bubblewrap bringing up the new namespace's loopback fails while slirp4netns
     configures the same namespace.  A fresh sandbox starts, so the shell and the Python driver
-    try once more; a second failure is an OS error of the action (retryable)."""
+    try once more (:func:`start_once_more_on_a_network_race`); a second failure is an OS error
+    of the action (retryable)."""
+
+
+#: What bubblewrap says when bringing up the loopback of the sandbox's network namespace
+#: failed (the same race, seen before the sandbox got as far as reporting its pid).
+LOOPBACK_FAILED = "loopback: Failed"
+
+
+async def start_once_more_on_a_network_race(start: Callable[[], Awaitable[None]], what: str) -> None:
+    """``start()`` a sandboxed process; when its sandbox lost the race with its network's setup
+    (:class:`NetworkSetupFailed`, or bubblewrap's :data:`LOOPBACK_FAILED` in the error), start
+    a fresh one once.  Any other failure, and a second one, is the caller's."""
+    try:
+        await start()
+    except Exception as exc:
+        if not isinstance(exc, NetworkSetupFailed) and LOOPBACK_FAILED not in str(exc):
+            raise
+        log.warning("sandbox.start_retried", process=what, error=str(exc))
+        await start()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -56,7 +56,7 @@ from riverbed.runtime.limits import (
     wait_exit,
 )
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
-from riverbed.runtime.sandbox import NetworkSetupFailed, Outbound, Sandbox
+from riverbed.runtime.sandbox import Outbound, Sandbox, start_once_more_on_a_network_race
 
 log = structlog.get_logger("riverbed.runtime.shell")
 
@@ -149,10 +149,12 @@ class Shell:
         self._applied = {}
         self._running = False
         self._scanner.reset()
-        ok = await self._hidden("export -n PS1 PS2 PROMPT_COMMAND HISTFILE; set +o history", first=True)
+        said = CappedText(300)  # what the sandbox or bash said before it gave up
+        ok = await self._hidden("export -n PS1 PS2 PROMPT_COMMAND HISTFILE; set +o history", first=True, said=said)
         if not ok:
             await self.close()
-            raise ShellUnavailable("bash did not start in time")
+            last = said.render().strip().splitlines()
+            raise ShellUnavailable("bash did not start in time" + (f": {last[-1]}" if last else ""))
         with contextlib.suppress(OSError):
             self._shell_pgrp = os.tcgetpgrp(master)
         self._core = frozenset(pid for pid, _ in await anyio.to_thread.run_sync(self._processes, self._sid()))
@@ -202,11 +204,7 @@ class Shell:
             if self._proc is not None:
                 notes.append("[the previous shell had exited; this is a new shell: cwd and variables were reset]")
                 await self.close()
-            try:
-                await self.start()
-            except NetworkSetupFailed as exc:  # (a race of the outbound network's setup: once more)
-                log.warning("shell.start_retried", error=str(exc))
-                await self.start()
+            await start_once_more_on_a_network_race(self.start, "shell")
         if action.is_input:
             if not self._running:
                 return _error("no_running_command", "no command is running, so there is nothing to send input to")
@@ -375,9 +373,9 @@ class Shell:
 
     # --- hidden helpers -----------------------------------------------------------------------
 
-    async def _hidden(self, line: str, *, first: bool = False) -> bool:
-        """Run a line whose output nobody sees; True when the shell answered."""
-        sink = CappedText(1000)
+    async def _hidden(self, line: str, *, first: bool = False, said: CappedText | None = None) -> bool:
+        """Run a line whose output nobody sees (but ``said``); True when the shell answered."""
+        sink = said if said is not None else CappedText(1000)
         if first and not await self._wait_marker(sink, self._limits.start_timeout):
             return False
         self._scanner.reset()
