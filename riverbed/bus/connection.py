@@ -490,9 +490,9 @@ class Cluster(RedisCluster):
         super().__init__(*args, **kwargs)
         self.commands_parser = _CommandTable(self)
         self.limiter = anyio.CapacityLimiter(limit) if limit is not None else None
-        # A pipeline takes at most one connection per node: with no spare ones, it takes a
-        # command's turn.
-        self.pipelines = anyio.CapacityLimiter(spare) if spare > 0 else self.limiter
+        # A pipeline takes at most one connection per node.  Not a command's turn: a pipeline
+        # that redis-py redirects sends its commands again one by one, each taking a turn.
+        self.pipelines = anyio.CapacityLimiter(spare) if limit is not None and spare > 0 else None
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
         if self.pipelines is None or transaction or shard_hint:
