@@ -31,6 +31,7 @@ import structlog
 from anyio.abc import TaskGroup, TaskStatus
 from redis.asyncio.cluster import RedisCluster
 
+from riverbed.bus.backoff import Backoff
 from riverbed.bus.connection import RawClient
 from riverbed.bus.keys import Keys
 
@@ -237,19 +238,18 @@ class Wakeups:
         async with anyio.create_task_group() as tg:
             self._tg = tg
             task_status.started()
-            backoff = 0.1
+            backoff = Backoff(first=0.1, cap=2.0)
             while True:
                 await self._replace.wait()
                 self._replace = anyio.Event()
-                await anyio.sleep(backoff)  # a node that just failed: give the cluster a moment
+                await backoff.pause()  # a node that just failed: give the cluster a moment
                 try:
                     await self._place_all()
                 except (rexc.RedisError, OSError) as exc:
-                    log.warning("wakeups.replace_failed", error=str(exc), retry_in=backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    log.warning("wakeups.replace_failed", error=str(exc), retry_in=backoff.next)
                     self._replace.set()
                     continue
-                backoff = 0.1
+                backoff.reset()
 
     async def watch(self, session: str, role: str) -> Bell:
         """Subscribe to ``session``'s wake-ups (once per worker, however many roles watch it) and
