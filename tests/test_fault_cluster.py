@@ -37,7 +37,10 @@ from redis.crc import key_slot
 import riverbed
 from riverbed import events, services
 from riverbed.agent.client import Bus
+from riverbed.bus.connection import Cluster, connect_redis
 from riverbed.bus.keys import Keys
+from riverbed.bus.ownership import Leases
+from riverbed.bus.redis_client import RedisClient
 from tests.test_fault_redis import Driver, assert_each_action_answered_once, assert_in_log, wait_for
 from tests.test_ownership import acquired
 from tests.workerproc import WorkerProcess
@@ -269,3 +272,48 @@ async def test_a_renewal_whose_master_dies_under_it_reports_none_of_its_sessions
     assert lost == [set()]
     for name in elsewhere:
         assert int(await bus.redis.hget(bus.keys.meta(name), "expires:runtime")) > before[name]
+
+
+async def test_pipelines_held_up_by_a_stopped_master_do_not_hold_up_renewals_elsewhere(
+    bus: Bus, cluster: ReplicatedCluster, prefix: str
+) -> None:
+    """A master stops answering while a worker's pipelines wait on it, as many as its cluster
+    client lets run at once (each waits a socket timeout per try, and redis-py tries again): the
+    renewal of the sessions on the other masters still goes out at once, on the connection kept
+    for renewals, and renews them."""
+    directory_port = cluster.port_of(bus.keys.directory("runtime"))
+    bystander = next(f"v{i}" for i in range(1000) if cluster.port_of(bus.keys.log(f"v{i}")) != directory_port)
+    victim = cluster.master_of(bus.keys.log(bystander))
+    probe = session_names(cluster, bus.keys, victim)
+    elsewhere = [name for name in probe if cluster.port_of(bus.keys.meta(name)) != victim.port]
+    _leases, owned = await acquired(bus, elsewhere, 30_000)
+    raw = await connect_redis(cluster.url, shared=True, max_connections=6, name=f"held-{prefix}")
+    client = RedisClient(raw, cluster.url)
+    leases = Leases(client, bus.keys, "runtime", worker="w", lease_ms=30_000, url=cluster.url)
+    assert await leases.renew(owned) == set()  # (the script is loaded, the connections open)
+    assert isinstance(raw, Cluster)
+    assert raw.pipelines is not None
+    held = int(raw.pipelines.total_tokens)
+
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def stuck() -> None:
+                async with client.pipeline() as pipe:
+                    pipe.set(f"{prefix}:{{{bystander}}}:x", 1)
+                    await pipe.execute()
+
+            for _ in range(held):
+                tg.start_soon(stuck)
+            await anyio.sleep(0.3)
+            assert raw.pipelines.borrowed_tokens == held, "the pipelines are not waiting on the stopped master"
+            before = {name: int(await bus.redis.hget(bus.keys.meta(name), "expires:runtime")) for name in elsewhere}
+            with anyio.fail_after(3):
+                assert await leases.renew(owned) == set()
+            for name in elsewhere:
+                assert int(await bus.redis.hget(bus.keys.meta(name), "expires:runtime")) > before[name]
+            tg.cancel_scope.cancel()
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+        await raw.aclose()

@@ -158,9 +158,9 @@ async def test_a_worker_holding_more_sessions_than_a_renewal_call_takes_renews_e
     pipelines = []
     open_pipeline = leases.redis.pipeline
 
-    def counted() -> Any:
+    def counted(**options: Any) -> Any:
         pipelines.append(1)
-        return open_pipeline()
+        return open_pipeline(**options)
 
     monkeypatch.setattr(leases.redis, "pipeline", counted)
     await bus.redis.script_flush()  # the round is sent again once the scripts are loaded

@@ -149,16 +149,22 @@ class _CommandTable(AsyncCommandsParser):
         await super().initialize(node)
 
 
+def closed_under_us(exc: BaseException) -> bool:
+    """Whether ``exc`` is redis-py leaking a transport's internals because a connection was
+    closed while a command was on it (another task dropped it in a failover, or the peer reset
+    it): ``'NoneType' object has no attribute 'writelines'``, or ``... is not callable``
+    (redis/redis-py#4287).  That is a lost connection."""
+    return isinstance(exc, AttributeError | TypeError) and "'NoneType' object" in str(exc)
+
+
 @contextlib.contextmanager
 def _closed_under_us() -> Iterator[None]:
-    """redis-py can leak a transport's internals when a connection is closed while a command is
-    on it (another task dropped it in a failover, or the peer reset it): ``'NoneType' object has
-    no attribute 'writelines'``, or ``... is not callable`` (redis/redis-py#4287).  That is a
-    lost connection, and :func:`translate` and every retry treat it as one."""
+    """A connection closed under a command (:func:`closed_under_us`) raises a ConnectionError,
+    so that :func:`translate` and every retry treat it as the lost connection it is."""
     try:
         yield
     except (AttributeError, TypeError) as exc:
-        if "'NoneType' object" not in str(exc):
+        if not closed_under_us(exc):
             raise
         raise rexc.ConnectionError(f"the connection was closed under a command ({exc})") from exc
 
@@ -481,23 +487,33 @@ class Shared(Standalone):
 class Cluster(RedisCluster):
     """``RedisCluster`` that routes stream reads by their keys without asking a server, loads its
     command table from a live primary (:class:`_CommandTable`) and, when ``limit`` is set, runs
-    at most that many commands and ``spare`` pipelines at once (each node's pool then never
-    opens more than ``limit + spare`` connections: redis-py's cluster client fails a command
-    beyond ``max_connections`` instead of waiting, and a pipeline that fails so closes every
-    connection of the client, the other commands' included)."""
+    at most that many commands and ``spare`` pipelines at once, one of them kept for lease
+    renewals (each node's pool then never opens more than ``limit + spare`` connections:
+    redis-py's cluster client fails a command beyond ``max_connections`` instead of waiting, and
+    a pipeline that fails so closes every connection of the client, the other commands'
+    included)."""
 
     def __init__(self, *args: Any, limit: int | None = None, spare: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.commands_parser = _CommandTable(self)
         self.limiter = anyio.CapacityLimiter(limit) if limit is not None else None
         # A pipeline takes at most one connection per node.  Not a command's turn: a pipeline
-        # that redis-py redirects sends its commands again one by one, each taking a turn.
-        self.pipelines = anyio.CapacityLimiter(spare) if limit is not None and spare > 0 else None
+        # that redis-py redirects sends its commands again one by one, each taking a turn.  One
+        # spare connection is kept for the lease renewals: pipelines held up by a node that
+        # stopped answering (up to a socket timeout per try, and redis-py tries again) must not
+        # hold up the renewals of the sessions on the other nodes.
+        limited = limit is not None and spare > 0
+        self.pipelines = anyio.CapacityLimiter(max(1, spare - 1)) if limited else None
+        self.renewals = anyio.CapacityLimiter(1) if limited and spare > 1 else self.pipelines
 
-    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
-        if self.pipelines is None or transaction or shard_hint:
+    def pipeline(
+        self, transaction: Any | None = None, shard_hint: Any | None = None, *, renewal: bool = False
+    ) -> ClusterPipeline:
+        """``renewal``: the pipeline renews leases and runs on the connection kept for that."""
+        turns = self.renewals if renewal else self.pipelines
+        if turns is None or transaction or shard_hint:
             return super().pipeline(transaction, shard_hint)
-        return _TurnTakingPipeline(self, self.pipelines)  # type: ignore[abstract]
+        return _TurnTakingPipeline(self, turns)  # type: ignore[abstract]
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         if self.limiter is None:

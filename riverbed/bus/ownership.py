@@ -30,8 +30,10 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import redis.exceptions as rexc
+import structlog
 
 from riverbed.bus import scripts
+from riverbed.bus.connection import closed_under_us
 from riverbed.bus.keys import Keys
 from riverbed.bus.redis_client import Arg, RawClient, RedisClient, Reply, as_client
 
@@ -41,6 +43,8 @@ if TYPE_CHECKING:
     from riverbed.bus.grouped import Batched
 
 __all__ = ["Claim", "Leases"]
+
+log = structlog.get_logger("riverbed.worker")
 
 #: Sessions renewed by one script call on a standalone Redis (a call blocks the server while it
 #: runs: about a millisecond for this many).
@@ -144,6 +148,7 @@ class Leases:
         if not self.redis.cluster:
             return await self._renew_standalone(items)
         replies = await self._sent_with_script(partial(self._renew_round, items), scripts.RENEW)
+        _warn_unanswered(self.role, len(items), replies)
         return {
             session
             for (session, _), ok in zip(items, replies, strict=True)
@@ -159,6 +164,7 @@ class Leases:
         turn, ran out under a burst of new sessions."""
         chunks = [items[start : start + RENEW_CHUNK] for start in range(0, len(items), RENEW_CHUNK)]
         replies = await self._sent_with_script(partial(self._renew_all_round, chunks), scripts.RENEW_ALL)
+        _warn_unanswered(self.role, len(items), replies)
         lost: set[str] = set()
         for chunk, reply in zip(chunks, replies, strict=True):
             if _unanswered(reply):
@@ -181,7 +187,7 @@ class Leases:
     async def _renew_all_round(self, chunks: list[list[tuple[str, tuple[str, int]]]]) -> list[Reply[Any]]:
         """The RENEW_ALL replies, one per chunk (the XCLAIMs that follow each are not read)."""
         sha = self._renew_all.sha
-        async with self.redis.pipeline() as pipe:
+        async with self.redis.pipeline(renewal=True) as pipe:
             replies = []
             for chunk in chunks:
                 args: list[Arg] = [self.role, self.worker, self.lease_ms, *(token for _s, (_e, token) in chunk)]
@@ -193,7 +199,7 @@ class Leases:
     async def _renew_round(self, items: list[tuple[str, tuple[str, int]]]) -> list[Reply[Any]]:
         """The RENEW replies, one per session (the XCLAIM that follows them is not read)."""
         sha = self._renew.sha
-        async with self.redis.pipeline() as pipe:
+        async with self.redis.pipeline(renewal=True) as pipe:
             replies = [
                 pipe.evalsha(sha, [self.keys.meta(session)], [self.role, self.worker, token, self.lease_ms])
                 for session, (_entry, token) in items
@@ -252,7 +258,17 @@ def _unanswered(reply: Reply[Any]) -> bool:
     """Whether a renewal's reply is a lost connection rather than the script's answer: the
     sessions it renewed are not known to be lost (the next round asks again, and their fencing
     tokens guard their writes meanwhile)."""
-    return isinstance(reply.error, rexc.ConnectionError | rexc.TimeoutError)
+    error = reply.error
+    return error is not None and (isinstance(error, rexc.ConnectionError | rexc.TimeoutError) or closed_under_us(error))
+
+
+def _warn_unanswered(role: str, sessions: int, replies: list[Reply[Any]]) -> None:
+    """One line for a round whose replies were partly lost with their connections."""
+    unanswered = [reply.error for reply in replies if _unanswered(reply)]
+    if unanswered:
+        log.warning(
+            "lease.renewal_unanswered", role=role, sessions=sessions, replies=len(unanswered), error=str(unanswered[0])
+        )
 
 
 def _text(value: bytes | str | int) -> str:

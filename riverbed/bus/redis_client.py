@@ -40,7 +40,7 @@ from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.commands.core import AsyncScript
 from redis.typing import EncodableT
 
-from riverbed.bus.connection import RawClient, redact, translate
+from riverbed.bus.connection import Cluster, RawClient, redact, translate
 from riverbed.bus.exchange import Exchange, exchange
 
 __all__ = [
@@ -132,9 +132,16 @@ class RedisClient:
             return await self._raw.script_load(source)
 
     @contextlib.asynccontextmanager
-    async def pipeline(self) -> AsyncIterator[Pipeline]:
-        """Commands queued in the block, sent by :meth:`Pipeline.execute` (no transaction)."""
-        async with self._raw.pipeline(transaction=False) as pipe:
+    async def pipeline(self, *, renewal: bool = False) -> AsyncIterator[Pipeline]:
+        """Commands queued in the block, sent by :meth:`Pipeline.execute` (no transaction).
+        ``renewal``: lease renewals, which a worker's cluster client sends on a connection kept
+        for them (:class:`~riverbed.bus.connection.Cluster`)."""
+        raw = self._raw
+        if renewal and isinstance(raw, Cluster):
+            opened: RawPipeline | ClusterPipeline = raw.pipeline(transaction=False, renewal=True)
+        else:
+            opened = raw.pipeline(transaction=False)
+        async with opened as pipe:
             yield Pipeline(pipe, self.url)
 
     def exchange(self, *commands: Sequence[Any]) -> Exchange:
