@@ -124,15 +124,20 @@ async def acquired(bus: Bus, names: list[str], lease_ms: int) -> tuple[Leases, d
     return leases, owned
 
 
+async def expiries(bus: Bus, names: list[str]) -> list[int]:
+    """When the runtime role's lease of each of ``names`` runs out (ms)."""
+    return [int(await bus.redis.hget(bus.keys.meta(name), "expires:runtime")) for name in names]
+
+
 async def test_renewal_reloads_scripts_a_node_lost(bus: Bus) -> None:
     """A restarted or failed-over node has no scripts; renewing still works (and finds no loss)."""
     names = [f"r{i}" for i in range(6)]  # spread over the nodes of a cluster
     leases, owned = await acquired(bus, names, 5000)
-    before = [int(await bus.redis.hget(bus.keys.meta(n), "expires:runtime")) for n in names]
+    before = await expiries(bus, names)
     await bus.redis.script_flush()
     await anyio.sleep(0.01)
     assert await leases.renew(owned) == set()
-    after = [int(await bus.redis.hget(bus.keys.meta(n), "expires:runtime")) for n in names]
+    after = await expiries(bus, names)
     assert all(a > b for a, b in zip(after, before, strict=True))
     owned["r0"] = (owned["r0"][0], owned["r0"][1] + 1)  # a stale token is a lost lease
     assert await leases.renew(owned) == {"r0"}
@@ -168,7 +173,7 @@ async def test_a_worker_holding_more_sessions_than_a_renewal_call_takes_renews_e
     # Every chunk's script and XCLAIM in one write (two with the reload): a busy worker's
     # commands each wait for a connection and a turn, and a renewal in many waits ran out.
     assert len(pipelines) == 2
-    expires = [int(await bus.redis.hget(bus.keys.meta(n), "expires:runtime")) for n in names]
+    expires = await expiries(bus, names)
     moved = {name for name, value in zip(names, expires, strict=True) if value > 1}
     assert moved == set(names) - {"many7", "many1050", "many600"}
 
