@@ -134,7 +134,7 @@ class Leases:
 
     async def renew(self, owned: dict[str, tuple[str, int]]) -> set[str]:
         """Renew every owned session (session -> (entry, token)); returns the sessions lost (not
-        those whose reply was a lost connection: :func:`_unanswered`).
+        those whose reply was a lost connection: :func:`_unanswered`, logged once a round).
 
         On a standalone Redis, one script renews them all (:meth:`_renew_standalone`).  On a
         cluster, one pipeline of RENEW calls, one round trip per node (the client splits it by
@@ -148,12 +148,15 @@ class Leases:
         if not self.redis.cluster:
             return await self._renew_standalone(items)
         replies = await self._sent_with_script(partial(self._renew_round, items), scripts.RENEW)
-        _warn_unanswered(self.role, len(items), replies)
-        return {
-            session
-            for (session, _), ok in zip(items, replies, strict=True)
-            if not _unanswered(ok) and (ok.error is not None or ok.value != 1)
-        }
+        lost: set[str] = set()
+        unanswered: list[Exception] = []
+        for (session, _), ok in zip(items, replies, strict=True):
+            if (error := _unanswered(ok)) is not None:
+                unanswered.append(error)
+            elif ok.error is not None or ok.value != 1:
+                lost.add(session)
+        _warn_unanswered(self.role, len(items), unanswered)
+        return lost
 
     async def _renew_standalone(self, items: list[tuple[str, tuple[str, int]]]) -> set[str]:
         """On a standalone Redis, one RENEW_ALL script per :data:`RENEW_CHUNK` sessions and one
@@ -164,15 +167,17 @@ class Leases:
         turn, ran out under a burst of new sessions."""
         chunks = [items[start : start + RENEW_CHUNK] for start in range(0, len(items), RENEW_CHUNK)]
         replies = await self._sent_with_script(partial(self._renew_all_round, chunks), scripts.RENEW_ALL)
-        _warn_unanswered(self.role, len(items), replies)
         lost: set[str] = set()
+        unanswered: list[Exception] = []
         for chunk, reply in zip(chunks, replies, strict=True):
-            if _unanswered(reply):
+            if (error := _unanswered(reply)) is not None:
+                unanswered.append(error)
                 continue
             renewed = reply.value if reply.error is None else ()
             lost.update(
                 session for index, (session, _) in enumerate(chunk) if index >= len(renewed) or int(renewed[index]) != 1
             )
+        _warn_unanswered(self.role, len(items), unanswered)
         return lost
 
     async def _sent_with_script(self, send: Callable[[], Awaitable[list[Reply[Any]]]], script: str) -> list[Reply[Any]]:
@@ -254,17 +259,18 @@ class Leases:
         await self.redis.xclaim_ids(self.directory, self.role, holder, [claim.entry], idle_ms=idle)
 
 
-def _unanswered(reply: Reply[Any]) -> bool:
-    """Whether a renewal's reply is a lost connection rather than the script's answer: the
-    sessions it renewed are not known to be lost (the next round asks again, and their fencing
-    tokens guard their writes meanwhile)."""
+def _unanswered(reply: Reply[Any]) -> Exception | None:
+    """The lost connection a renewal's reply is, rather than the script's answer (None for an
+    answer, a refusal included): the sessions it renewed are not known to be lost (the next
+    round asks again, and their fencing tokens guard their writes meanwhile)."""
     error = reply.error
-    return error is not None and (isinstance(error, rexc.ConnectionError | rexc.TimeoutError) or closed_under_us(error))
+    if error is not None and (isinstance(error, rexc.ConnectionError | rexc.TimeoutError) or closed_under_us(error)):
+        return error
+    return None
 
 
-def _warn_unanswered(role: str, sessions: int, replies: list[Reply[Any]]) -> None:
+def _warn_unanswered(role: str, sessions: int, unanswered: list[Exception]) -> None:
     """One line for a round whose replies were partly lost with their connections."""
-    unanswered = [reply.error for reply in replies if _unanswered(reply)]
     if unanswered:
         log.warning(
             "lease.renewal_unanswered", role=role, sessions=sessions, replies=len(unanswered), error=str(unanswered[0])
