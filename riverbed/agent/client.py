@@ -33,6 +33,7 @@ from riverbed.bus.log import PAGE, Log, answered_cause, decode_entry, entry_id
 from riverbed.bus.redis_client import RedisClient, StreamEntry
 from riverbed.bus.wakeups import Bell
 from riverbed.errors import ActTimeout, AlreadyAnswered, InputError, NotFoundError, UnavailableError
+from riverbed.extras import needs_extra
 from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
 
 if TYPE_CHECKING:
@@ -388,7 +389,8 @@ async def connect(
     prefix = prefix or settings.prefix
     archive: Archive | None = None
     if settings.database_url:
-        from riverbed.bus.archive import Archive  # noqa: PLC0415  (asyncpg only with a database)
+        with needs_extra():
+            from riverbed.bus.archive import Archive  # noqa: PLC0415  (asyncpg only with a database)
 
         archive = Archive(settings.database_url, schema=prefix)
     redis = await connect_redis(url)

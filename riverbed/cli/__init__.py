@@ -60,6 +60,7 @@ from riverbed.cli.commands import (  # noqa: F401  (importing a command module r
 )
 from riverbed.cli.output import _fail
 from riverbed.errors import ActTimeout, RiverbedError, ServiceError, UnavailableError
+from riverbed.extras import missing_extra
 from riverbed.logs import configure_logging
 
 __all__ = ["app", "exit_code", "main"]
@@ -97,6 +98,7 @@ def main() -> None:
             raise SystemExit(130) from None
         if isinstance(exc, SystemExit):
             raise exc from None
+        exc = missing_extra(exc) or exc
         if isinstance(exc, RiverbedError):
             _fail(f"{exc}{_hint(exc)}", exit_code(exc))
         if os.environ.get("RIVERBED_DEBUG"):
