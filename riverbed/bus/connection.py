@@ -31,9 +31,9 @@ from redis._parsers import _AsyncRESP2Parser, _AsyncRESP3Parser
 from redis._parsers.commands import AsyncCommandsParser
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 from redis.cluster import PRIMARY
 
+from riverbed.bus.backoff import RedisBackoff
 from riverbed.errors import REDIS_MIN_VERSION, ConfigError, InputError, UnavailableError
 
 __all__ = [
@@ -575,7 +575,7 @@ class _Retry(Retry):
 
 
 def _retry() -> Retry:
-    return _Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=6)
+    return _Retry(RedisBackoff(first=0.05, cap=1.0), retries=6)
 
 
 #: How long a command of a ``shared`` client waits for a free connection before it fails.
