@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -85,9 +84,11 @@ def _line_writer(stream: BinaryIO) -> LineWriter:
 
 
 def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
-    """Configure structlog for a process (``RIVERBED_LOG_FORMAT``: ``json`` or ``console``)."""
-    fmt = fmt or os.environ.get("RIVERBED_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
-    level_name = (level or os.environ.get("RIVERBED_LOG_LEVEL") or "info").upper()
+    """Configure structlog for a process: ``fmt`` ``json`` or ``console`` (default: console on a
+    terminal), ``level`` a level name (default info); callers pass ``RIVERBED_LOG_FORMAT`` and
+    ``RIVERBED_LOG_LEVEL`` as their settings read them."""
+    fmt = fmt or ("console" if sys.stderr.isatty() else "json")
+    level_name = (level or "info").upper()
     factory: Callable[..., Any]
     if fmt == "json" and hasattr(sys.stderr, "buffer"):
         renderer: structlog.typing.Processor = structlog.processors.JSONRenderer(serializer=_json)

@@ -1,46 +1,11 @@
-"""Settings: one frozen Struct loaded from the environment.
+"""Settings: one frozen Struct loaded from the environment, the only reader of ``RIVERBED_*``.
 
-==============================  ===============================================================
-variable                        meaning
-==============================  ===============================================================
-RIVERBED_REDIS_URL              Redis URL (``redis://``, ``rediss://``, ``unix://``); unset: the
-                                embedded services started by ``riverbed services up`` (or on demand)
-RIVERBED_DATABASE_URL           Postgres URL (pgvector needed); unset: the embedded Postgres
-RIVERBED_PREFIX                 key namespace in Redis and schema prefix in Postgres (default ``rb``)
-RIVERBED_WORKSPACE              sandbox root; one directory per session below it
-RIVERBED_SANDBOX                ``namespaces`` (default: bubblewrap, see the README's security model)
-                                or ``process`` (no isolation, for machines without user namespaces)
-RIVERBED_SANDBOX_NETWORK        ``none`` (default), ``outbound`` (internet, not this host) or ``host``
-                                (the worker's own network: unsafe)
-RIVERBED_SERVICES_DIR           where ``riverbed services`` keeps embedded data
-RIVERBED_EMBEDDER               ``local`` (default, offline MiniLM) or ``openai:<model>``
-RIVERBED_LLM_MODEL              chat model for the LLM agent and LLM condensers
-RIVERBED_LEASE_SECONDS          ownership lease; a dead owner's sessions move after this
-RIVERBED_CONCURRENCY            sessions a worker owns at most (per role)
-RIVERBED_REDIS_CONNECTIONS      connections a worker's commands share per Redis node (default 12)
-RIVERBED_DRAIN_SECONDS          how long SIGTERM waits for in-flight work
-RIVERBED_MAX_ATTEMPTS           deliveries before an entry is dead-lettered
-RIVERBED_METRICS_PORT           port of a worker's /metrics, /healthz, /readyz (0: off)
-RIVERBED_RETENTION_SECONDS      memory workers archive events older than this to Postgres and trim
-                                them from Redis (0, the default: off; needs RIVERBED_DATABASE_URL)
-RIVERBED_RETENTION_KEEP_LAST    events retention always leaves in Redis per session (default 1000)
-RIVERBED_LOG_FORMAT             ``json`` or ``console`` (default: console on a terminal)
-RIVERBED_MAX_EVENT_BYTES        the largest event a user or agent may append, in bytes of its
-                                msgpack payload (default 4 MiB; at least 1 KiB); a larger one is
-                                refused before anything is written
-RIVERBED_PRICES                 price table of ``riverbed usage``: JSON, USD per million tokens per
-                                model, e.g. ``{"gpt-4o-mini": {"prompt": 0.15, "cached": 0.075,
-                                "completion": 0.6}}`` (``"*"``: any other model)
-RIVERBED_SUGGEST_MODEL          model of ``riverbed context SESSION suggest`` (default: RIVERBED_LLM_MODEL;
-                                may be a cheaper one)
-RIVERBED_PROMPT_CACHE           ``none`` (default; OpenAI caches prompt prefixes by itself) or ``anthropic``:
-                                ``cache_control`` breakpoints on the system message and the last message
-RIVERBED_LLM_VISION             ``0`` (default: images are not sent), ``1`` (the LLM agent's model sees
-                                images) or a comma-separated list of the models that see images
-RIVERBED_MAX_IMAGE_BYTES        largest image file sent to a model (default 5 MiB); larger ones are left out
-OPENAI_API_KEY                  key for OpenAI or any compatible server
-OPENAI_BASE_URL                 base URL of an OpenAI-compatible server
-==============================  ===============================================================
+Each field is a variable (``RIVERBED_<FIELD>``; ``openai_*`` fields read ``OPENAI_*``), its
+bounds and choices declared in its type (msgspec ``Meta`` and ``Literal``), so a bad value is
+one sentence naming the variable and what it takes.  What each one means is the manual's
+configuration page (``docs/configuration.md``), which the tests check against these fields.
+(``RIVERBED_CRASH_AT`` and ``RIVERBED_PAUSE_AT`` are the fault suite's hooks, read by
+``bus/faults.py`` in worker processes under test, and no setting.)
 """
 
 from __future__ import annotations
@@ -50,8 +15,11 @@ import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import msgspec
+import msgspec.inspect
+from msgspec import Meta
 
 from riverbed.errors import ConfigError
 
@@ -66,32 +34,39 @@ def default_services_dir() -> Path:
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Every ``RIVERBED_*`` setting (and ``OPENAI_*``), its bounds and choices in its type: a
+    value outside them is one sentence naming the variable (:meth:`from_env`)."""
+
     redis_url: str | None = None
     database_url: str | None = None
-    prefix: str = "rb"
+    prefix: Annotated[str, Meta(pattern=_PREFIX_RE.pattern)] = "rb"
     workspace: str = str(Path(tempfile.gettempdir()) / f"riverbed-{os.getuid()}" / "workspace")
     services_dir: str = str(default_services_dir())
-    sandbox: str = "namespaces"
-    sandbox_network: str = "none"
-    embedder: str = "local"
+    sandbox: Literal["namespaces", "process"] = "namespaces"
+    sandbox_network: Literal["none", "outbound", "host"] = "none"
+    embedder: Annotated[str, Meta(pattern=r"^(local|openai:.+)$")] = "local"
     llm_model: str = "gpt-4o-mini"
-    lease_seconds: float = 5.0
-    concurrency: int = 100
-    redis_connections: int = 12
-    drain_seconds: float = 10.0
-    max_attempts: int = 3
-    metrics_port: int = 0
-    retention_seconds: float = 0
-    retention_keep_last: int = 1000
-    log_format: str | None = None
-    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES
+    lease_seconds: Annotated[float, Meta(gt=0.2)] = 5.0
+    concurrency: Annotated[int, Meta(ge=1)] = 100
+    redis_connections: Annotated[int, Meta(ge=4)] = 12
+    drain_seconds: Annotated[float, Meta(ge=0)] = 10.0
+    max_attempts: Annotated[int, Meta(ge=1)] = 3
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    retention_seconds: Annotated[float, Meta(ge=0)] = 0
+    retention_keep_last: Annotated[int, Meta(ge=1)] = 1000
+    log_format: Literal["json", "console"] | None = None
+    log_level: Literal["debug", "info", "warning", "error", "critical"] | None = None
+    debug: bool = False
+    max_event_bytes: Annotated[int, Meta(ge=1024)] = DEFAULT_MAX_EVENT_BYTES
     openai_api_key: str | None = None
     openai_base_url: str | None = None
     prices: str | None = None
     suggest_model: str | None = None
-    prompt_cache: str = "none"
+    prompt_cache: Literal["none", "anthropic"] = "none"
     llm_vision: str = "0"
-    max_image_bytes: int = 5 * 1024 * 1024
+    max_image_bytes: Annotated[int, Meta(ge=1)] = 5 * 1024 * 1024
+    serve_host: str = "127.0.0.1"
+    serve_port: Annotated[int, Meta(ge=0, le=65535)] = 8300
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
@@ -104,58 +79,86 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             if value is not None and value != "":
                 raw[field] = value
         raw.update({k: v for k, v in overrides.items() if v is not None})
+        given = dict(raw)
+        if isinstance(raw.get("log_level"), str):
+            raw["log_level"] = str(raw["log_level"]).lower()
         try:
             settings = msgspec.convert(raw, cls, strict=False)
         except msgspec.ValidationError as exc:
-            raise ConfigError(f"bad configuration: {_explain(exc)}") from exc
+            raise ConfigError(_explain(exc, given)) from exc
         settings.validate()
         return settings
 
+    @classmethod
+    def one(cls, field: str, env: Mapping[str, str] | None = None) -> Any:
+        """One setting from the environment, checked as :meth:`from_env` checks it, for a
+        place that must not fail on the others (the logging of ``--help``)."""
+        env = os.environ if env is None else env
+        value = env.get(cls.variable(field))
+        if not value:
+            return getattr(_DEFAULTS, field)
+        raw: dict[str, object] = {field: value.lower() if field == "log_level" else value}
+        try:
+            return getattr(msgspec.convert(raw, cls, strict=False), field)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(_explain(exc, {field: value})) from exc
+
+    @staticmethod
+    def variable(field: str) -> str:
+        """The environment variable of a field (``OPENAI_*`` keep their own names)."""
+        return field.upper() if field.startswith("openai_") else f"RIVERBED_{field.upper()}"
+
     def validate(self) -> None:
-        if not _PREFIX_RE.fullmatch(self.prefix):
-            raise ConfigError(
-                f"RIVERBED_PREFIX={self.prefix!r} is not valid: use 1-31 lowercase letters, "
-                "digits or underscores, starting with a letter"
-            )
+        """What a type cannot say: the URLs' schemes."""
         for name, url, schemes in (
             ("RIVERBED_REDIS_URL", self.redis_url, ("redis://", "rediss://", "unix://")),
             ("RIVERBED_DATABASE_URL", self.database_url, ("postgres://", "postgresql://")),
         ):
             if url is not None and not url.startswith(schemes):
                 raise ConfigError(f"{name}={url!r} is not a valid URL: it must start with {' or '.join(schemes)}")
-        if self.lease_seconds <= 0.2:
-            raise ConfigError("RIVERBED_LEASE_SECONDS must be greater than 0.2")
-        if self.concurrency < 1:
-            raise ConfigError("RIVERBED_CONCURRENCY must be at least 1")
-        if self.redis_connections < 4:
-            raise ConfigError("RIVERBED_REDIS_CONNECTIONS must be at least 4")
-        if self.max_attempts < 1:
-            raise ConfigError("RIVERBED_MAX_ATTEMPTS must be at least 1")
-        if not self.retention_seconds >= 0:
-            raise ConfigError("RIVERBED_RETENTION_SECONDS must be 0 (off) or a number of seconds")
-        if self.max_event_bytes < 1024:
-            raise ConfigError("RIVERBED_MAX_EVENT_BYTES must be at least 1024 (bytes)")
-        if self.retention_keep_last < 1:
-            raise ConfigError("RIVERBED_RETENTION_KEEP_LAST must be at least 1")
-        if self.sandbox not in ("namespaces", "process"):
-            raise ConfigError(f"RIVERBED_SANDBOX={self.sandbox!r} is not valid: use 'namespaces' or 'process'")
-        if self.sandbox_network not in ("none", "outbound", "host"):
-            raise ConfigError(
-                f"RIVERBED_SANDBOX_NETWORK={self.sandbox_network!r} is not valid: use 'none', 'outbound' or 'host'"
-            )
-        if self.max_image_bytes < 1:
-            raise ConfigError("RIVERBED_MAX_IMAGE_BYTES must be at least 1")
-        if self.prompt_cache not in ("none", "anthropic"):
-            raise ConfigError(f"RIVERBED_PROMPT_CACHE={self.prompt_cache!r} is not valid: use 'none' or 'anthropic'")
-        if not (self.embedder == "local" or self.embedder.startswith("openai:")):
-            raise ConfigError(f"RIVERBED_EMBEDDER={self.embedder!r} is not valid: use 'local' or 'openai:<model>'")
 
 
-def _explain(exc: msgspec.ValidationError) -> str:
-    text = str(exc)
-    match = re.search(r"at `\$\.(\w+)`", text)
-    if match:
-        field = match.group(1)
-        var = field.upper() if field.startswith("openai_") else f"RIVERBED_{field.upper()}"
-        return f"{var} has an invalid value ({text.split(' - at', maxsplit=1)[0]})"
-    return text
+_DEFAULTS = Settings()
+
+_PREFIX_RULE = "use 1-31 lowercase letters, digits or underscores, starting with a letter"
+
+
+def _explain(exc: msgspec.ValidationError, raw: Mapping[str, object]) -> str:
+    """One sentence for a value outside its field's type: the variable, the value and what it
+    takes, read from the declared type (its choices or its bounds)."""
+    match = re.search(r"at `\$\.(\w+)`", str(exc))
+    if match is None:
+        return f"bad configuration: {exc}"
+    field = match.group(1)
+    shown = f"{Settings.variable(field)}={raw.get(field)!r}"
+    info = msgspec.inspect.type_info(Settings)
+    assert isinstance(info, msgspec.inspect.StructType)
+    declared = {f.name: f.type for f in info.fields}[field]
+    return f"{shown} is not valid: {_takes(declared, field)}"
+
+
+def _takes(declared: msgspec.inspect.Type, field: str) -> str:
+    """What a field takes, in words."""
+    if isinstance(declared, msgspec.inspect.UnionType):
+        kinds = [t for t in declared.types if not isinstance(t, msgspec.inspect.NoneType)]
+        return _takes(kinds[0], field) if len(kinds) == 1 else "see docs/configuration.md"
+    if isinstance(declared, msgspec.inspect.LiteralType):
+        choices = [repr(v) for v in declared.values]
+        return "use " + (", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0])
+    if field == "prefix":
+        return _PREFIX_RULE
+    if field == "embedder":
+        return "use 'local' or 'openai:<model>'"
+    if isinstance(declared, msgspec.inspect.IntType | msgspec.inspect.FloatType):
+        noun = "a whole number" if isinstance(declared, msgspec.inspect.IntType) else "a number"
+        bounds = []
+        if declared.ge is not None:
+            bounds.append(f"at least {declared.ge}")
+        if declared.gt is not None:
+            bounds.append(f"greater than {declared.gt}")
+        if declared.le is not None:
+            bounds.append(f"at most {declared.le}")
+        return f"it must be {noun}" + (f", {' and '.join(bounds)}" if bounds else "")
+    if isinstance(declared, msgspec.inspect.BoolType):
+        return "use 1 or 0 (true or false)"
+    return "see docs/configuration.md"

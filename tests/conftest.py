@@ -19,24 +19,62 @@ BACKENDS = ("standalone", "cluster")
 _SERVER_FIXTURES = {"standalone": "standalone_redis_url", "cluster": "redis_cluster_url"}
 _BACKENDS_ENV = "RIVERBED_TEST_REDIS"
 
+#: The modules about the Redis layer (the log, its scripts, ownership, wake-ups, connections,
+#: the keys a session spreads over slots): they run on both deployments.  Every other test that
+#: uses Redis runs on the standalone one, unless the run asks for ``--redis all`` (every test on
+#: both) or ``--redis cluster``; what is about the cluster alone asks for it by name.
+REDIS_LAYER = {
+    "test_archive",
+    "test_backends",
+    "test_claims",
+    "test_connection",
+    "test_exchange",
+    "test_failover",
+    "test_fault_redis",
+    "test_fork_state",
+    "test_grouped",
+    "test_log",
+    "test_ownership",
+    "test_redis_client",
+    "test_serve",
+    "test_tenants",
+    "test_wakeups",
+}
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--redis",
-        choices=[*BACKENDS, "both"],
+        choices=[*BACKENDS, "both", "all"],
         default=None,
-        help=f"the Redis deployment(s) the tests run against (default: ${_BACKENDS_ENV}, else both)",
+        help=(
+            "the Redis deployment(s) the tests run against: both (the default, or $"
+            f"{_BACKENDS_ENV}) runs the Redis layer's tests on standalone and cluster and the "
+            "rest on standalone; all runs every test on both"
+        ),
     )
+
+
+def _chosen(config: pytest.Config) -> str:
+    chosen: str = config.getoption("--redis") or os.environ.get(_BACKENDS_ENV) or "both"
+    if chosen not in (*BACKENDS, "both", "all"):
+        raise pytest.UsageError(f"{_BACKENDS_ENV}={chosen!r}: expected standalone, cluster, both or all")
+    return chosen
 
 
 def selected_backends(config: pytest.Config) -> list[str]:
     """The backends of this run: ``--redis``, else ``$RIVERBED_TEST_REDIS``, else both."""
-    chosen = config.getoption("--redis") or os.environ.get(_BACKENDS_ENV) or "both"
-    if chosen == "both":
-        return list(BACKENDS)
-    if chosen not in BACKENDS:
-        raise pytest.UsageError(f"{_BACKENDS_ENV}={chosen!r}: expected standalone, cluster or both")
-    return [chosen]
+    chosen = _chosen(config)
+    return list(BACKENDS) if chosen in ("both", "all") else [chosen]
+
+
+def backends_of(metafunc: pytest.Metafunc) -> list[str]:
+    """The backends one test runs on: both for the Redis layer's modules (and for every test
+    with ``--redis all``), else the standalone one of those selected."""
+    selected = selected_backends(metafunc.config)
+    if _chosen(metafunc.config) == "all" or metafunc.module.__name__.rpartition(".")[2] in REDIS_LAYER:
+        return selected
+    return selected[:1]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -46,7 +84,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Run every test that uses Redis (through ``redis_url``) once per selected backend."""
     if "backend" in metafunc.fixturenames:
-        metafunc.parametrize("backend", selected_backends(metafunc.config), indirect=True, scope="session")
+        metafunc.parametrize("backend", backends_of(metafunc), indirect=True, scope="session")
 
 
 @pytest.fixture(scope="session")

@@ -308,6 +308,10 @@ BAD_CONFIG = [
     ({"RIVERBED_LEASE_SECONDS": "soon"}, ["sessions"], "RIVERBED_LEASE_SECONDS"),
     ({}, ["export", "x", "--prefix", "UPPER"], "RIVERBED_PREFIX='UPPER'"),
     ({}, ["log", "has space"], "not a valid session id"),
+    ({"RIVERBED_CONCURRENCY": "abc"}, ["worker", "runtime"], "RIVERBED_CONCURRENCY='abc' is not valid: it must"),
+    ({"RIVERBED_SANDBOX": "docker"}, ["worker", "runtime"], "use 'namespaces' or 'process'"),
+    ({"RIVERBED_SERVE_PORT": "http"}, ["serve"], "RIVERBED_SERVE_PORT='http' is not valid"),
+    ({"RIVERBED_LOG_LEVEL": "LOUD"}, ["sessions"], "RIVERBED_LOG_LEVEL='LOUD' is not valid"),
 ]
 
 

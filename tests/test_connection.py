@@ -12,14 +12,16 @@ from typing import Any
 
 import anyio
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from riverbed import services
 from riverbed.agent.client import Bus
+from riverbed.bus import _redispy
 from riverbed.bus.connection import RECEIVE_BYTES, Turn, connect_redis
 from riverbed.bus.exchange import exchange
 from riverbed.bus.redis_client import RedisClient
-from riverbed.errors import UnavailableError
+from riverbed.errors import ConfigError, UnavailableError
 
 pytestmark = pytest.mark.anyio
 
@@ -272,3 +274,25 @@ async def test_a_greeting_command_the_server_refused_is_not_sent_again(private: 
     finally:
         await raw.aclose()
         await probe.aclose()
+
+
+def test_the_redis_py_internals_riverbed_uses_are_all_there() -> None:
+    missing = _redispy.missing_internals()
+    assert not missing, (
+        f"redis-py {redis.__version__} lacks {', '.join(missing)}: riverbed/bus/_redispy.py was written for "
+        f"{_redispy.KNOWN}; adapt it to this version or pin redis-py"
+    )
+
+
+async def test_a_redis_py_without_an_internal_it_needs_is_refused_in_one_sentence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_redispy, "_AsyncRESP3Parser", object)  # as if an upgrade took its on_connect away
+    _redispy.check_internals.cache_clear()
+    with pytest.raises(ConfigError) as refused:
+        await connect_redis("redis://127.0.0.1:1")  # refused before it connects
+    message = str(refused.value)
+    assert "_AsyncRESP3Parser.on_connect" in message
+    assert _redispy.KNOWN in message
+    assert "\n" not in message
+    _redispy.check_internals.cache_clear()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from riverbed import events
 from riverbed.errors import AppendConflict, InputError
@@ -32,9 +32,20 @@ from riverbed.memory.suggest import Proposal, suggest
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
 
-    from riverbed.agent.client import Session
-
 __all__ = ["SessionContext"]
+
+
+class _Session(Protocol):
+    """What the context operations use of a session handle (``agent.client.Session``)."""
+
+    def stamp(self, event: events.Event) -> events.Event: ...
+
+    async def append(
+        self, *batch: events.Event, expected_last: int | None = None, idempotency_key: str | None = None
+    ) -> list[int]: ...
+
+    async def events(self, start: int = 1, end: int | None = None) -> list[events.Event]: ...
+
 
 _ATTEMPTS = 5
 
@@ -42,7 +53,7 @@ _ATTEMPTS = 5
 class SessionContext:
     """The context operations of one session (see the module docstring)."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: _Session) -> None:
         self.session = session
 
     async def show(self, until: int | None = None) -> ContextReport:

@@ -8,41 +8,74 @@ logging each failure, and gives up only once ``stopping`` is set, so a stopping 
 held by a Redis that does not come back.  Any other error is the caller's.  A loop that
 decides for itself what to retry paces its tries with a :class:`Backoff`.
 
+Every retry schedule of riverbed is :func:`delay`: exponential from ``first`` up to ``cap``,
+with "equal jitter" (each pause is drawn between half and all of its step), so that the
+workers a Redis restart failed together do not all come back in the same millisecond.  The
+same schedule paces a failing role loop (``bus/failures.py``) and redis-py's own retries of a
+command (:class:`RedisBackoff`, in ``bus/connection.py``).
+
 A call that is repeated must be safe to repeat: riverbed's writes are (an append's idempotency
 key, a claim's value, a lease's fencing token).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
 import structlog
+from redis.backoff import AbstractBackoff
 
 from riverbed.errors import UnavailableError
 
-__all__ = ["Backoff", "retry_unavailable"]
+__all__ = ["Backoff", "RedisBackoff", "delay", "retry_unavailable"]
 
 log = structlog.get_logger("riverbed.bus")
 
 T = TypeVar("T")
 
 
+def delay(failures: int, *, first: float = 0.1, cap: float = 2.0) -> float:
+    """The pause after ``failures`` failed tries in a row (1 or more): its step is ``first``
+    doubled once per earlier failure, at most ``cap``, and the pause is drawn uniformly
+    between half the step and the step."""
+    step = min(first * 2.0 ** min(max(failures - 1, 0), 62), cap)
+    return step / 2 + random.uniform(0, step / 2)
+
+
 class Backoff:
-    """Exponential pauses between tries: ``first``, doubling up to ``cap``; :meth:`reset` after a success."""
+    """Pauses between tries by :func:`delay`; :meth:`reset` after a success."""
 
     def __init__(self, first: float = 0.1, cap: float = 2.0) -> None:
         self.first = first
         self.cap = cap
-        self.next = first
+        self.failures = 0
+        self.next = delay(1, first=first, cap=cap)
 
     async def pause(self) -> None:
         await anyio.sleep(self.next)
-        self.next = min(self.next * 2, self.cap)
+        self.failures += 1
+        self.next = delay(self.failures + 1, first=self.first, cap=self.cap)
 
     def reset(self) -> None:
-        self.next = self.first
+        self.failures = 0
+        self.next = delay(1, first=self.first, cap=self.cap)
+
+
+class RedisBackoff(AbstractBackoff):
+    """:func:`delay` as redis-py's retry policy wants it (``compute`` takes the failures so far)."""
+
+    def __init__(self, first: float, cap: float) -> None:
+        self.first = first
+        self.cap = cap
+
+    def reset(self) -> None:
+        pass  # the schedule is a function of the failures redis-py counts
+
+    def compute(self, failures: int) -> float:
+        return delay(failures, first=self.first, cap=self.cap)
 
 
 async def retry_unavailable(

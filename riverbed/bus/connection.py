@@ -14,7 +14,6 @@ down, even when its slot moved to a live replica long ago.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import re
@@ -27,16 +26,21 @@ import anyio
 import redis
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
-from redis._parsers import _AsyncRESP2Parser, _AsyncRESP3Parser
-from redis._parsers.commands import AsyncCommandsParser
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.cluster import PRIMARY
 
+from riverbed.bus._redispy import (
+    RECEIVE_BYTES,
+    BlockingPool,
+    CommandTable,
+    Pool,
+    check_internals,
+    release_at_once,
+    retry_policy,
+)
 from riverbed.errors import REDIS_MIN_VERSION, ConfigError, InputError, UnavailableError
 
 __all__ = [
+    "RECEIVE_BYTES",
     "Cluster",
     "RawClient",
     "Turn",
@@ -121,34 +125,6 @@ def _word(value: Any) -> str:
     return str(value).upper()
 
 
-class _CommandTable(AsyncCommandsParser):
-    """redis-py's command table, loaded from any live primary.
-
-    redis-py loads it from the cluster's default node whenever it re-reads the topology.  Right
-    after a master fails over, a node that has not heard yet can still name the dead master as
-    that default; the load then fails, redis-py closes every connection (also those in use by
-    other commands) and fails the caller's command, although the cluster is whole again.
-    """
-
-    def __init__(self, cluster: RedisCluster) -> None:
-        super().__init__()
-        self._cluster = cluster
-
-    async def initialize(self, node: Any = None) -> None:
-        primaries = self._cluster.nodes_manager.get_nodes_by_server_type(PRIMARY)
-        candidates = [node, *(n for n in primaries if n is not node)] if node is not None else primaries
-        failure: Exception | None = None
-        for candidate in candidates:
-            try:
-                await super().initialize(candidate)
-                return
-            except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
-                failure = exc
-        if failure is not None:
-            raise failure
-        await super().initialize(node)
-
-
 def closed_under_us(exc: BaseException) -> bool:
     """Whether ``exc`` is redis-py leaking a transport's internals because a connection was
     closed while a command was on it (another task dropped it in a failover, or the peer reset
@@ -192,277 +168,6 @@ class Turn:
         self._limiter.release_on_behalf_of(self)
 
 
-RECEIVE_BYTES = 64 * 1024
-"""The most one receive on a connection asks the kernel for, on asyncio's own event loop."""
-
-
-def _receive_at_most(writer: asyncio.StreamWriter | None, size: int) -> None:
-    """Make the transport under ``writer`` receive at most ``size`` bytes at a time.
-
-    asyncio's socket transport receives up to 256 KiB at a time, and Python allocates all of
-    that for every receive before it shrinks it to what came: measured here, a 300-byte reply
-    cost about 12 us more than a receive of at most 64 KiB (as much as the rest of the receive).
-    redis-py parses 64 KiB at a time anyway.  uvloop's and TLS transports have no such
-    attribute and receive into buffers of their own: they are left alone."""
-    transport = writer.transport if writer is not None else None
-    if transport is not None and isinstance(getattr(transport, "max_size", None), int):
-        transport.max_size = size  # type: ignore[attr-defined]
-
-
-class _DirectSend:
-    """A connection that writes a command in the caller's task, bounds its reads and writes with
-    a timer, and pings no socket it just opened.
-
-    redis-py wraps every write in ``asyncio.wait_for`` while ``socket_timeout`` is set (its
-    default is 5 s), and on Python 3.11 that starts a task per command and gives up the event
-    loop before the bytes leave: a burst of a thousand actions from one client then waits for
-    all of them to be prepared before the first goes out.  Here the write happens at once.
-
-    redis-py bounds every read with ``asyncio.timeout`` too: about 6 us each, and an action
-    reads two replies on each side.  Here a write or a read that outlasts ``socket_timeout``
-    has its connection closed by a timer instead (about 1 us), and fails as redis-py's would
-    (the connection closed, ``TimeoutError``)."""
-
-    socket_timeout: float | None
-    health_check_interval: float
-    next_health_check: float
-    _writer: asyncio.StreamWriter | None
-    _read_expired = False
-    _write_expired = False
-    refused: set[str] | None = None
-    """The greeting's optional commands this connection's server refused (shared by its pool's
-    connections): an older server (Redis 7.0 knows no ``CLIENT SETINFO``, no open-source Redis
-    knows maintenance notifications) refuses them on every connection, so they are sent once."""
-
-    async def on_connect_check_health(self, check_health: bool = True) -> None:
-        _receive_at_most(self._writer, RECEIVE_BYTES)
-        # A socket opened this moment needs no PING to prove it is alive, and redis-py sends one
-        # before its HELLO (a round trip more for every new connection, a thousand in a burst).
-        if self.health_check_interval:
-            self.next_health_check = asyncio.get_running_loop().time() + self.health_check_interval
-        if not await self._handshake():
-            await super().on_connect_check_health(check_health)  # type: ignore[misc]
-
-    async def _handshake(self) -> bool:
-        """The greeting of a new RESP3 connection in one write: ``HELLO`` (with its ``AUTH`` and
-        ``SETNAME``), redis-py's request for maintenance notifications, ``CLIENT SETINFO`` and
-        ``SELECT``.  redis-py sends them in three to six rounds, each a turn of what may be a
-        busy event loop (a burst opening hundreds of connections); an optional one the server
-        refused before (:attr:`refused`) is left out.  False, with nothing sent, where redis-py's
-        own way is needed: RESP2, or a credential provider."""
-        conn: Any = self
-        if str(conn.protocol) != "3" or conn.credential_provider is not None:
-            return False
-        if hasattr(conn, "_reset_himport_state"):
-            conn._reset_himport_state()  # as redis-py does for a new server session
-        parser: Any = conn._parser
-        parser.on_connect(conn)
-        if isinstance(parser, _AsyncRESP2Parser):
-            errors = parser.EXCEPTION_CLASSES
-            conn.set_parser(_AsyncRESP3Parser)
-            conn._parser.EXCEPTION_CLASSES = errors
-            conn._parser.on_connect(conn)
-        hello: list[Any] = ["HELLO", 3]
-        if conn.username or conn.password:
-            hello += ["AUTH", conn.username or "default", conn.password or ""]
-        if conn.client_name:
-            hello += ["SETNAME", conn.client_name]
-        # (what each reply is, whether an error from the server may be passed over, the command)
-        greeting: list[tuple[str, bool, list[Any]]] = [("hello", False, hello)]
-        maint = getattr(conn, "maint_notifications_config", None)
-        if maint is not None and maint.enabled and getattr(conn, "_maint_notifications_connection_handler", None):
-            kind = maint.get_endpoint_type(conn.host, conn).value
-            greeting.append(
-                (
-                    "maint",
-                    maint.enabled == "auto",
-                    ["CLIENT", "MAINT_NOTIFICATIONS", "ON", "moving-endpoint-type", kind],
-                )
-            )
-        info = conn.driver_info
-        if info is not None and info.formatted_name:
-            greeting.append(("info", True, ["CLIENT", "SETINFO", "LIB-NAME", info.formatted_name]))
-        if info is not None and info.lib_version:
-            greeting.append(("info", True, ["CLIENT", "SETINFO", "LIB-VER", info.lib_version]))
-        if conn.db:
-            greeting.append(("select", False, ["SELECT", conn.db]))
-        refused = self.refused
-        if refused:
-            greeting = [line for line in greeting if not (line[1] and _name(line[2]) in refused)]
-        await conn.send_packed_command(conn.pack_commands([command for *_, command in greeting]), check_health=False)
-        failure: Exception | None = None
-        for what, optional, command in greeting:
-            try:
-                reply = await conn.read_response()
-            except rexc.ResponseError as exc:
-                # An older server without SETINFO or maintenance notifications: redis-py goes on too.
-                if not optional:
-                    failure = failure or exc
-                elif refused is not None:
-                    refused.add(_name(command))
-                continue
-            if what == "select" and reply not in (b"OK", "OK") and failure is None:
-                failure = rexc.ConnectionError("Invalid Database")
-        if failure is not None:
-            raise failure  # every reply is read: the connection stays in step
-        return True
-
-    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        timeout = self.socket_timeout
-        if not timeout or self._writer is None:
-            await super().send_packed_command(command, check_health)  # type: ignore[misc]
-            return
-        # redis-py writes at once when it has no socket timeout; the one it would have had
-        # bounds the write here instead, in this task.
-        self.socket_timeout = None
-        self._write_expired = False
-        timer = asyncio.get_running_loop().call_later(timeout, self._expire_write)
-        try:
-            await super().send_packed_command(command, check_health)  # type: ignore[misc]
-        except rexc.ConnectionError:
-            if self._write_expired:
-                raise rexc.TimeoutError("Timeout writing to socket") from None
-            raise
-        finally:
-            timer.cancel()
-            if self.socket_timeout is None:  # (unless redis-py changed it meanwhile)
-                self.socket_timeout = timeout
-        if self._write_expired:  # (a write waiting for the socket ends quietly when it closes)
-            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
-            raise rexc.TimeoutError("Timeout writing to socket")
-
-    async def read_response(self, disable_decoding: bool = False, timeout: float | None = None, **options: Any) -> Any:
-        limit = self.socket_timeout
-        if timeout is not None or not limit or self._writer is None:
-            return await super().read_response(disable_decoding, timeout, **options)  # type: ignore[misc]
-        self.socket_timeout = None
-        self._read_expired = False
-        timer = asyncio.get_running_loop().call_later(limit, self._expire_read)
-        try:
-            response = await super().read_response(disable_decoding, None, **options)  # type: ignore[misc]
-        except rexc.ConnectionError:
-            if self._read_expired:
-                raise rexc.TimeoutError("Timeout reading from the Redis server") from None
-            raise
-        finally:
-            timer.cancel()
-            if self.socket_timeout is None:
-                self.socket_timeout = limit
-        if self._read_expired:  # the reply came as the timer closed the connection: not reused
-            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
-        return response
-
-    def _expire_write(self) -> None:
-        self._write_expired = True
-        self._abort()
-
-    def _expire_read(self) -> None:
-        self._read_expired = True
-        self._abort()
-
-    def _abort(self) -> None:
-        """Close the connection under a write or read that took too long: it fails at once."""
-        if self._writer is not None:
-            self._writer.transport.abort()
-
-
-def _name(command: list[Any]) -> str:
-    """A greeting command's name and subcommands (``CLIENT SETINFO LIB-NAME``)."""
-    return " ".join(str(word) for word in command[:3])
-
-
-class _Connection(_DirectSend, aioredis.Connection):
-    pass
-
-
-class _SSLConnection(_DirectSend, aioredis.SSLConnection):
-    pass
-
-
-class _UnixConnection(_DirectSend, aioredis.UnixDomainSocketConnection):
-    pass
-
-
-_DIRECT: dict[type, type] = {
-    aioredis.Connection: _Connection,
-    aioredis.SSLConnection: _SSLConnection,
-    aioredis.UnixDomainSocketConnection: _UnixConnection,
-}
-
-
-class _Quick:
-    """The pool's hand-over without its ceremony: a free, connected connection is handed out
-    and taken back in a few steps, with no lock (one event loop), no probe for unread data
-    (redis-py closes a connection whose reply was not read, cancellations included) and no
-    usage counters nobody reads.  That was about 16 us per command, on each side of every
-    action.  Anything else (no free connection, one to reconnect, a waiter to wake, a
-    maintenance handover) goes the pool's own way.  Its connections are :class:`_DirectSend`."""
-
-    _available_connections: list[Any]
-    _in_use_connections: set[Any]
-
-    _lock: Any
-    connection_class: type
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.connection_class = _DIRECT.get(self.connection_class, self.connection_class)
-        self._refused: set[str] = set()
-
-    def make_connection(self) -> Any:
-        connection = super().make_connection()  # type: ignore[misc]
-        if isinstance(connection, _DirectSend):
-            connection.refused = self._refused
-        return connection
-
-    def spare(self, most: int) -> bool:
-        """Whether a command now gets a free connection, or may open one (fewer than ``most``
-        are in use)."""
-        return bool(self._available_connections) or len(self._in_use_connections) < most
-
-    def _quick(self) -> bool:
-        # A maintenance handover (redis-py's MOVING notifications) rewrites the pool under its
-        # lock, flagging a blocking pool as in maintenance: then the pool's own way, with the lock.
-        return not self._lock.locked() and not getattr(self, "_in_maintenance", False)
-
-    async def get_connection(self, command_name: Any = None, *keys: Any, **options: Any) -> Any:
-        free = self._available_connections
-        if free and free[-1].is_connected and self._quick():
-            connection = free.pop()
-            self._in_use_connections.add(connection)
-            return connection
-        return await super().get_connection()  # type: ignore[misc]
-
-    def quick_release(self, connection: Any) -> bool:
-        """Take ``connection`` back at once; False (nothing done) when the pool's own release
-        must: a waiter to wake, a connection to reconnect, a maintenance handover."""
-        condition = getattr(self, "_condition", None)
-        if (condition is not None and condition._waiters) or connection.should_reconnect() or not self._quick():
-            return False
-        self._in_use_connections.remove(connection)
-        self._available_connections.append(connection)
-        return True
-
-    async def release(self, connection: Any) -> None:
-        if not self.quick_release(connection):
-            await super().release(connection)  # type: ignore[misc]
-
-
-def release_at_once(pool: Any, connection: Any) -> bool:
-    """Hand ``connection`` back to ``pool`` now, without waiting, where the pool allows
-    (:class:`_Quick`: nobody waits, nothing to reconnect); False when the caller must
-    ``await pool.release``."""
-    return isinstance(pool, _Quick) and pool.quick_release(connection)
-
-
-class _Pool(_Quick, aioredis.ConnectionPool):
-    pass
-
-
-class _BlockingPool(_Quick, aioredis.BlockingConnectionPool):
-    pass
-
-
 class Standalone(aioredis.Redis):
     """A standalone client whose commands raise a connection closed under them as lost
     (:func:`_closed_under_us`)."""
@@ -486,7 +191,7 @@ class Shared(Standalone):
 
 class Cluster(RedisCluster):
     """``RedisCluster`` that routes stream reads by their keys without asking a server, loads its
-    command table from a live primary (:class:`_CommandTable`) and, when ``limit`` is set, runs
+    command table from a live primary (:class:`~riverbed.bus._redispy.CommandTable`) and, when ``limit`` is set, runs
     at most that many commands and ``spare`` pipelines at once, one of them kept for lease
     renewals (each node's pool then never opens more than ``limit + spare`` connections:
     redis-py's cluster client fails a command beyond ``max_connections`` instead of waiting, and
@@ -495,7 +200,7 @@ class Cluster(RedisCluster):
 
     def __init__(self, *args: Any, limit: int | None = None, spare: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.commands_parser = _CommandTable(self)
+        self.commands_parser = CommandTable(self)
         self.limiter = anyio.CapacityLimiter(limit) if limit is not None else None
         # A pipeline takes at most one connection per node.  Not a command's turn: a pipeline
         # that redis-py redirects sends its commands again one by one, each taking a turn.  One
@@ -565,19 +270,6 @@ def _driver_info() -> dict[str, Any]:
     return {"driver_info": DriverInfo(lib_version=redis.__version__).add_upstream_driver("riverbed", ours)}
 
 
-class _Retry(Retry):
-    """redis-py deep-copies a connection's retry policy for every connection it opens (it may
-    change the errors it retries on), about a tenth of what opening one costs a client; a
-    new policy with the same (immutable) backoff is as good a copy."""
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Retry:
-        return _Retry(self._backoff, self._retries, self._supported_errors)
-
-
-def _retry() -> Retry:
-    return _Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=6)
-
-
 #: How long a command of a ``shared`` client waits for a free connection before it fails.
 POOL_WAIT_SECONDS = 20.0
 #: Connections a shared cluster client may open per node beyond its command limit (pipelines
@@ -613,8 +305,9 @@ async def connect_redis(
     connections a shared cluster client may open per node beyond ``max_connections`` for
     pipelines (0 for a client that sends none).
     """
+    check_internals()
     common: dict[str, Any] = {
-        "retry": _retry(),
+        "retry": retry_policy(),
         "retry_on_error": [rexc.ConnectionError, rexc.TimeoutError],
         "socket_connect_timeout": 5,
         "health_check_interval": 15,
@@ -626,12 +319,12 @@ async def connect_redis(
         if shared:
             # The pool still waits (rather than fails) for what the limiter does not count:
             # pipelines and the exchanges of ``bus/exchange.py``, which take a connection themselves.
-            pool = _BlockingPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_SECONDS, **common)
+            pool = BlockingPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_SECONDS, **common)
             shared_client = cast(Shared, Shared.from_pool(pool))
             shared_client.limiter = anyio.CapacityLimiter(max_connections)
             client: aioredis.Redis = shared_client
         else:
-            client = Standalone.from_pool(_Pool.from_url(url, max_connections=max_connections, **common))
+            client = Standalone.from_pool(Pool.from_url(url, max_connections=max_connections, **common))
     except ValueError as exc:
         raise ConfigError(f"the Redis URL {redact(url)!r} is not valid: {exc}") from exc
     try:

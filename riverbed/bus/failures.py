@@ -7,8 +7,8 @@ While a record stands, the worker's ``/readyz`` answers 503 naming the loop, its
 and since when, and the heartbeat publishes the records for ``riverbed status``.
 
 The record also paces the retries: :attr:`Failure.retry_in` grows with the failures in a row
-(0.1 s, doubling, at most :data:`MAX_RETRY_SECONDS`), so a loop that keeps failing neither
-spins nor waits long once the cause is gone.
+(the shared schedule of ``bus/backoff.py``: 0.1 s, doubling, at most :data:`MAX_RETRY_SECONDS`,
+jittered), so a loop that keeps failing neither spins nor waits long once the cause is gone.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from riverbed.bus.backoff import delay
 
 __all__ = ["MAX_RETRY_SECONDS", "Failure", "Failures"]
 
@@ -33,11 +35,8 @@ class Failure:
     """Unix time of the first failed round of the run."""
     attempts: int
     """Failed rounds in a row."""
-
-    @property
-    def retry_in(self) -> float:
-        """How long the loop waits before its next round."""
-        return min(FIRST_RETRY_SECONDS * 2.0 ** (self.attempts - 1), MAX_RETRY_SECONDS)
+    retry_in: float
+    """How long the loop waits before its next round (drawn once, so the log says the wait)."""
 
     def reason(self, role: str, loop: str) -> str:
         """One sentence for ``/readyz``."""
@@ -55,10 +54,12 @@ class Failures:
         """Note a failed round of ``loop``; returns its run so far."""
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         previous = self._current.get(loop)
+        attempts = previous.attempts + 1 if previous else 1
         failure = Failure(
             error=error,
             since=previous.since if previous else time.time(),
-            attempts=previous.attempts + 1 if previous else 1,
+            attempts=attempts,
+            retry_in=delay(attempts, first=FIRST_RETRY_SECONDS, cap=MAX_RETRY_SECONDS),
         )
         self._current[loop] = failure
         return failure

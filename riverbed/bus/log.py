@@ -30,7 +30,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import anyio
 import redis.exceptions as rexc
@@ -51,9 +51,6 @@ from riverbed.errors import (
     TenantMismatch,
     UnavailableError,
 )
-
-if TYPE_CHECKING:
-    from riverbed.bus.grouped import Batched
 
 __all__ = ["AlreadyAnswered", "ArchiveReader", "Fence", "Log", "PreparedAppend", "entry_id"]
 
@@ -99,6 +96,12 @@ class ArchiveReader(Protocol):
     """Where events trimmed from a stream are read from (``bus.archive.Archive``)."""
 
     def read(self, session: str, start: int, end: int) -> AsyncIterator[tuple[int, bytes]]: ...
+
+
+class Pages(Protocol):
+    """Where a log's reads page from: the client, or a worker's ``bus.grouped.Batched``."""
+
+    async def xrange(self, key: str, min: str = "-", max: str = "+", count: int | None = None) -> list[StreamEntry]: ...
 
 
 def entry_id(raw: bytes | str) -> int:
@@ -184,14 +187,14 @@ class Log:
         url: str = "redis",
         *,
         archive: ArchiveReader | None = None,
-        batch: Batched | None = None,
+        batch: Pages | None = None,
     ) -> None:
         self.redis = as_client(redis, url)
         self.keys = keys
         self.archive = archive
-        self._pages: RedisClient | Batched = batch or self.redis
-        """Where reads page from: a worker's :class:`Batched`, so that the sessions it takes
-        at once read their logs in one write."""
+        self._pages: Pages = batch or self.redis
+        """Where reads page from: a worker's ``Batched``, so that the sessions it takes at
+        once read their logs in one write."""
         self.append_script = self.redis.script(scripts.APPEND)
 
     def check_session(self, session: str) -> None:

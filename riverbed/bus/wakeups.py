@@ -31,6 +31,7 @@ import structlog
 from anyio.abc import TaskGroup, TaskStatus
 from redis.asyncio.cluster import RedisCluster
 
+from riverbed.bus._redispy import socket_stream
 from riverbed.bus.backoff import Backoff
 from riverbed.bus.connection import RawClient
 from riverbed.bus.keys import Keys
@@ -177,7 +178,7 @@ class _Feed:
         trips through the client's reply machinery.  Liveness is checked per window of
         ``PING_SECONDS``, not per message: a window that heard nothing sends a PING, and three
         such windows in a row mean the node is gone."""
-        stream = self.connection._reader  # (the connected socket's asyncio stream)
+        stream = socket_stream(self.connection)
         parser = hiredis.Reader(notEnoughData=_MORE)
         quiet = 0
         while True:

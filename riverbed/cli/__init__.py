@@ -62,6 +62,7 @@ from riverbed.cli.output import _fail
 from riverbed.errors import ActTimeout, RiverbedError, ServiceError, UnavailableError
 from riverbed.extras import missing_extra
 from riverbed.logs import configure_logging
+from riverbed.settings import Settings
 
 __all__ = ["app", "exit_code", "main"]
 
@@ -79,11 +80,19 @@ def _hint(exc: RiverbedError) -> str:
     return ""
 
 
+def _debugging() -> bool:
+    """``RIVERBED_DEBUG``: an unexpected error shows its traceback."""
+    try:
+        return bool(Settings.one("debug"))
+    except RiverbedError:
+        return False
+
+
 def main() -> None:
     """Entry point of the ``riverbed`` console script."""
     # Commands log warnings only (to stderr); `worker` reconfigures for its own service logs.
-    configure_logging(level=os.environ.get("RIVERBED_LOG_LEVEL") or "warning")
     try:
+        configure_logging(level=Settings.one("log_level") or "warning")
         _plain_help(typer.main.get_command(app))()
     except SystemExit:
         raise
@@ -101,6 +110,6 @@ def main() -> None:
         exc = missing_extra(exc) or exc
         if isinstance(exc, RiverbedError):
             _fail(f"{exc}{_hint(exc)}", exit_code(exc))
-        if os.environ.get("RIVERBED_DEBUG"):
+        if _debugging():
             raise
         _fail(f"unexpected error ({type(exc).__name__}: {exc}); set RIVERBED_DEBUG=1 to see the traceback", 1)

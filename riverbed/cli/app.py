@@ -106,7 +106,7 @@ app.add_typer(services_app, name="services")
 
 PrefixOption = Annotated[
     str | None,
-    typer.Option("--prefix", envvar="RIVERBED_PREFIX", help="Key namespace in Redis (default rb).", show_default=False),
+    typer.Option("--prefix", help="Key namespace in Redis (default RIVERBED_PREFIX, else rb).", show_default=False),
 ]
 SessionArg = Annotated[str, typer.Argument(help="Session id.", callback=require_session)]
 JsonOption = Annotated[bool, typer.Option("--json", help="One JSON object per line.")]
@@ -114,8 +114,7 @@ DirOption = Annotated[
     Path | None,
     typer.Option(
         "--dir",
-        envvar="RIVERBED_SERVICES_DIR",
-        help="Where the embedded services keep their data.",
+        help="Where the embedded services keep their data (default RIVERBED_SERVICES_DIR).",
         show_default=False,
         file_okay=False,
     ),

@@ -17,9 +17,9 @@ def main() -> None:
     parser.add_argument("--name")
     parser.add_argument("--park-after", type=float, default=60.0)
     args = parser.parse_args()
-    configure_logging()
     try:
         settings = Settings.from_env()
+        configure_logging(settings.log_format, settings.log_level)
         run_process(lambda: run_worker(parse_roles(args.roles), settings, name=args.name, park_after=args.park_after))
     except RiverbedError as exc:
         sys.exit(f"riverbed worker: {exc}")

@@ -30,8 +30,7 @@ def archive_command(
         int | None,
         typer.Option(
             "--keep-last",
-            envvar="RIVERBED_RETENTION_KEEP_LAST",
-            help="Events always left in Redis (default 1000).",
+            help="Events always left in Redis (default RIVERBED_RETENTION_KEEP_LAST, else 1000).",
             show_default=False,
         ),
     ] = None,

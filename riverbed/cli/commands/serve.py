@@ -24,21 +24,29 @@ app.add_typer(keys_app, name="keys")
 
 @app.command("serve")
 def serve_command(
-    host: Annotated[str, typer.Option("--host", envvar="RIVERBED_SERVE_HOST", help="Address to listen on.")] = (
-        "127.0.0.1"
-    ),
+    host: Annotated[
+        str | None,
+        typer.Option(
+            "--host", help="Address to listen on (default RIVERBED_SERVE_HOST, else 127.0.0.1).", show_default=False
+        ),
+    ] = None,
     port: Annotated[
-        int, typer.Option("--port", envvar="RIVERBED_SERVE_PORT", help="Port to listen on (0: any free port).")
-    ] = 8300,
+        int | None,
+        typer.Option(
+            "--port",
+            help="Port to listen on, 0: any free one (default RIVERBED_SERVE_PORT, else 8300).",
+            show_default=False,
+        ),
+    ] = None,
     prefix: PrefixOption = None,
 ) -> None:
     """Serve the HTTP API (/v1, /openapi.json) and the web console (/) until SIGINT/SIGTERM."""
     from riverbed.serve import Api, ServeConfig, serve  # noqa: PLC0415
     from riverbed.workers.memory_role import build_memory  # noqa: PLC0415
 
-    cli = Invocation(prefix)
+    cli = Invocation(prefix, serve_host=host, serve_port=port)
     settings = cli.settings
-    configure_logging(settings.log_format)
+    configure_logging(settings.log_format, settings.log_level)
     # A body holds at least one event of RIVERBED_MAX_EVENT_BYTES (JSON is larger than msgpack).
     config = ServeConfig(
         max_body_bytes=max(ServeConfig.max_body_bytes, 2 * settings.max_event_bytes), prices=settings.prices
@@ -46,6 +54,8 @@ def serve_command(
     from riverbed.agent.usage import parse_prices  # noqa: PLC0415
 
     parse_prices(settings.prices)  # a bad price table is refused before anything listens
+
+    host, port = settings.serve_host, settings.serve_port
 
     async def go() -> None:
         bus = await cli.bus()

@@ -56,12 +56,12 @@ def worker_command(
     roles: Annotated[list[str], typer.Argument(help="runtime, memory, condenser, or all.")],
     concurrency: Annotated[
         int | None,
-        typer.Option("--concurrency", envvar="RIVERBED_CONCURRENCY", help="Sessions owned at most per role."),
+        typer.Option("--concurrency", help="Sessions owned at most per role (default RIVERBED_CONCURRENCY)."),
     ] = None,
     name: Annotated[str | None, typer.Option("--name", help="Worker name (default host-pid).")] = None,
     metrics_port: Annotated[
         int | None,
-        typer.Option("--metrics-port", envvar="RIVERBED_METRICS_PORT", help="Serve /metrics, /healthz, /readyz."),
+        typer.Option("--metrics-port", help="Serve /metrics, /healthz, /readyz (default RIVERBED_METRICS_PORT)."),
     ] = None,
     prefix: PrefixOption = None,
 ) -> None:
@@ -73,7 +73,7 @@ def worker_command(
     if not cli.settings.redis_url:
         cli.with_settings(redis_url=cli.redis_url())
     settings = cli.settings
-    configure_logging(settings.log_format)
+    configure_logging(settings.log_format, settings.log_level)
     try:
         run_process(lambda: run_worker(chosen, settings, name=name))
     except BaseExceptionGroup as group:
@@ -92,7 +92,7 @@ def demo_command(prefix: PrefixOption = None) -> None:
     url = cli.redis_url()
     if not settings.database_url:
         _progress("RIVERBED_DATABASE_URL is not set: using the embedded Postgres")
-    configure_logging(settings.log_format, level="warning")
+    configure_logging(settings.log_format, level=settings.log_level or "warning")
     console = Console(highlight=False)
 
     async def go() -> Any:
