@@ -10,8 +10,10 @@ RIVERBED_PREFIX                 key namespace in Redis and schema prefix in Post
 RIVERBED_WORKSPACE              sandbox root; one directory per session below it
 RIVERBED_SANDBOX                ``namespaces`` (default: bubblewrap, see the README's security model)
                                 or ``process`` (no isolation, for machines without user namespaces)
-RIVERBED_SANDBOX_NETWORK        ``none`` (default), ``outbound`` (internet, not this host) or ``host``
-                                (the worker's own network: unsafe)
+RIVERBED_SANDBOX_NETWORK        ``none`` (default), ``outbound`` (internet, not this host; needs
+                                ``slirp4netns``) or ``host`` (the worker's own network: unsafe)
+RIVERBED_BWRAP                  the bubblewrap binary of namespaces sandboxes (default: the system's
+                                ``bwrap`` on PATH if 0.8.0 or newer, else the one riverbed installs)
 RIVERBED_SERVICES_DIR           where ``riverbed services`` keeps embedded data
 RIVERBED_EMBEDDER               ``local`` (default, offline MiniLM) or ``openai:<model>``
 RIVERBED_LLM_MODEL              chat model for the LLM agent and LLM condensers
@@ -73,6 +75,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     services_dir: str = str(default_services_dir())
     sandbox: str = "namespaces"
     sandbox_network: str = "none"
+    bwrap: str = ""
     embedder: str = "local"
     llm_model: str = "gpt-4o-mini"
     lease_seconds: float = 5.0
