@@ -19,6 +19,8 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.client import Bus
+from riverbed.runtime import Sandbox, SandboxUnavailable
+from riverbed.runtime.sandbox import probe
 from riverbed.runtime.seccomp import ARCHES
 from tests.workerproc import WorkerProcess
 
@@ -157,3 +159,19 @@ async def test_ordinary_work_runs_under_the_filter(standalone_bus: Bus, worker: 
             "git -c user.name=a -c user.email=a@b commit -qm first && git log --oneline | wc -l",
         )
         assert git.strip().endswith("1"), git
+
+
+def test_a_bwrap_that_does_not_load_the_filter_is_refused(tmp_path: Path) -> None:
+    """RIVERBED_BWRAP pointing at a wrapper that drops ``--seccomp``: the probe sees no filter
+    in force and the worker would refuse to start, instead of running sandboxes unfiltered."""
+    real = Sandbox().binary().path
+    wrapper = tmp_path / "bwrap"
+    wrapper.write_text(
+        "#!/bin/bash\nargs=()\nwhile [ $# -gt 0 ]; do\n"
+        '  if [ "$1" = --seccomp ]; then shift 2; else args+=("$1"); shift; fi\ndone\n'
+        f'exec {real} "${{args[@]}}"\n'
+    )
+    wrapper.chmod(0o755)
+    with pytest.raises(SandboxUnavailable, match="its seccomp filter is not in force"):
+        probe(Sandbox(bwrap=str(wrapper)), tmp_path / "ws")
+    probe(Sandbox(), tmp_path / "ws")

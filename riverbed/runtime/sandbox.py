@@ -25,6 +25,12 @@ session's bash, its Python driver) is started inside ``bwrap`` with:
   A non-root worker uses an unprivileged user namespace, mapped to itself.  Either way the
   kernel counts ``RLIMIT_NPROC`` per uid and user namespace, so the limit the sandbox sets
   on itself is a per-session process limit, enforced at ``fork`` with no polling.
+- **a seccomp filter** (:mod:`riverbed.runtime.seccomp`), loaded by bubblewrap right before
+  the command runs: the system calls an agent never needs (nested namespaces, mounts,
+  keyrings, bpf, ptrace …) answer ``EPERM``.
+
+Which ``bwrap`` runs them (the system's or the one riverbed installs) is
+:mod:`riverbed.runtime.bwrap`'s choice.
 
 ``process`` mode is the old behaviour (a POSIX session with rlimits, the worker's user,
 the host's filesystem and network) for machines without user namespaces; it has to be
@@ -240,9 +246,9 @@ class Sandbox:
 
         ``readonly`` lists extra ``(host path, path inside)`` pairs to mount read-only; ``link``
         (from :meth:`link`, one per process) carries the seccomp filter and makes the sandbox
-        wait until its outbound network is up; ``nproc``
-        is the sandbox's process limit, set inside as ``RLIMIT_NPROC``: the kernel counts it
-        per uid and user namespace, so there it counts this sandbox's processes only.
+        wait until its outbound network is up; ``nproc`` is the sandbox's process limit, set
+        inside as ``RLIMIT_NPROC``: the kernel counts it per uid and user namespace, so there
+        it counts this sandbox's processes only.
         """
         if not self.confined:
             return list(argv)
@@ -500,6 +506,12 @@ def _chown_tree(path: Path, owner: tuple[int, int]) -> None:
     os.chown(path, *owner, follow_symlinks=False)
 
 
+_PROBE = (
+    "test -w . && { grep -q '^Seccomp:[[:space:]]*2' /proc/self/status || "
+    "{ echo 'its seccomp filter is not in force' >&2; exit 1; }; } && echo ok"
+)
+
+
 def probe(sandbox: Sandbox, workspace_root: Path) -> None:
     """Build one real sandbox, its seccomp filter loaded, and run a command in it;
     :class:`SandboxUnavailable` if that fails, or if its network needs a tool that is missing."""
@@ -511,7 +523,7 @@ def probe(sandbox: Sandbox, workspace_root: Path) -> None:
     link = Link()
     try:
         sandbox.prepare_processes(workspace)
-        argv = sandbox.wrap(["/bin/sh", "-c", "test -w . && echo ok"], workspace=workspace, link=link)
+        argv = sandbox.wrap(["/bin/sh", "-c", _PROBE], workspace=workspace, link=link)
         done = subprocess.run(
             argv, capture_output=True, timeout=15, check=False, stdin=subprocess.DEVNULL, pass_fds=link.child_fds
         )
