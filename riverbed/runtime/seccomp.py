@@ -58,7 +58,7 @@ import struct
 
 from riverbed.errors import ConfigError
 
-__all__ = ["REFUSED", "UnknownArchitecture", "program"]
+__all__ = ["ARCHES", "REFUSED", "Arch", "UnknownArchitecture", "program"]
 
 
 class UnknownArchitecture(ConfigError):
@@ -111,7 +111,9 @@ REFUSED: tuple[str, ...] = (
 
 
 @dataclasses.dataclass(frozen=True)
-class _Arch:
+class Arch:
+    """What the filter needs to know of one architecture."""
+
     audit: int
     """``AUDIT_ARCH_*``: what the kernel puts in ``seccomp_data.arch``"""
     numbers: dict[str, int]
@@ -135,8 +137,8 @@ _COMMON_NEW = {  # numbered alike on every architecture since Linux 5.1
     "io_uring_register": 427,
 }
 
-ARCHES: dict[str, _Arch] = {
-    "x86_64": _Arch(
+ARCHES: dict[str, Arch] = {
+    "x86_64": Arch(
         audit=0xC000003E,
         x32=True,
         numbers={
@@ -174,7 +176,7 @@ ARCHES: dict[str, _Arch] = {
             **_COMMON_NEW,
         },
     ),
-    "aarch64": _Arch(
+    "aarch64": Arch(
         audit=0xC00000B7,
         numbers={
             "umount2": 39,
