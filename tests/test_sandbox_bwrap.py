@@ -144,7 +144,7 @@ def test_the_demo_runs_confined_with_no_bwrap_or_slirp4netns_installed(
     env["RIVERBED_WORKSPACE"] = str(tmp_path / "ws")
     try:
         done = subprocess.run(
-            [*without_apt_tools, *riverbed_command(), "demo"], env=env, capture_output=True, timeout=180, check=False
+            [*without_apt_tools, *riverbed_command(), "demo"], env=env, capture_output=True, timeout=110, check=False
         )
         out = done.stdout.decode()
         assert done.returncode == 0, out + done.stderr.decode()
