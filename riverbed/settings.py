@@ -44,6 +44,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     services_dir: str = str(default_services_dir())
     sandbox: Literal["namespaces", "process"] = "namespaces"
     sandbox_network: Literal["none", "outbound", "host"] = "none"
+    bwrap: str = ""
     embedder: Annotated[str, Meta(pattern=r"^(local|openai:.+)$")] = "local"
     llm_model: str = "gpt-4o-mini"
     lease_seconds: Annotated[float, Meta(gt=0.2)] = 5.0

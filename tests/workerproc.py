@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -39,7 +40,9 @@ class WorkerProcess:
         lease: float = 1.0,
         extra_env: dict[str, str] | None = None,
         log_dir: Path | None = None,
+        wrapper: Sequence[str] = (),
     ) -> None:
+        """``wrapper``: a command line that the worker's is appended to, and that ends by exec-ing it."""
         self.name = name
         self.redis_url = redis_url
         self.keys = Keys(prefix)
@@ -57,7 +60,7 @@ class WorkerProcess:
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "riverbed.workers", *roles, "--name", name],
+            [*wrapper, sys.executable, "-m", "riverbed.workers", *roles, "--name", name],
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -49,7 +49,7 @@ from riverbed.runtime.limits import (
     wait_exit,
 )
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
-from riverbed.runtime.sandbox import DRIVER_INSIDE, Outbound, Sandbox, start_once_more_on_a_network_race
+from riverbed.runtime.sandbox import DRIVER_INSIDE, Link, Sandbox, start_once_more_on_a_network_race
 
 log = structlog.get_logger("riverbed.runtime.python")
 
@@ -114,7 +114,7 @@ class PythonProcess:
         self._core: frozenset[int] = frozenset()
         """the sandbox's own processes (bubblewrap's and the driver), never killed as strays"""
         self._driver_pid = -1
-        self._link: Outbound | None = None
+        self._link: Link | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._fds: list[int] = []
         self._to_driver = -1

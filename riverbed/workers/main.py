@@ -150,7 +150,7 @@ class Worker:
             tg.start_soon(self._heartbeat)
             if self.retention is not None:
                 await tg.start(self.retention.run, self.name)
-            log.info("worker.ready", worker=self.name, roles=self.roles)
+            log.info("worker.ready", worker=self.name, roles=self.roles, sandbox=self._sandbox(), bwrap=self._bwrap())
             task_status.started()
             await self._stop.wait()
             log.info("worker.draining", worker=self.name, deadline=self.settings.drain_seconds)
@@ -171,6 +171,7 @@ class Worker:
             "started": self.started,
             "owned": {role: sorted(o.owned) for role, o in self.owners.items()},
             "sandbox": self._sandbox(),
+            "bwrap": self._bwrap(),
             "stats": {
                 role: {
                     "handled": o.stats.handled,
@@ -186,9 +187,21 @@ class Worker:
 
     def _sandbox(self) -> str | None:
         """``mode/network`` of the runtime role's sandboxes (``riverbed status`` shows it)."""
+        sandbox = self._runtime_sandbox()
+        return f"{sandbox.mode}/{sandbox.network}" if sandbox is not None else None
+
+    def _bwrap(self) -> str | None:
+        """The bubblewrap binary of the runtime role's sandboxes: version, origin and path."""
+        sandbox = self._runtime_sandbox()
+        if sandbox is None or not sandbox.confined:
+            return None
+        binary = sandbox.binary()
+        return f"{binary.describe()} {binary.path}"
+
+    def _runtime_sandbox(self) -> Any:
         owner = self.owners.get("runtime")
         runtime = getattr(owner.handler, "runtime", None) if owner is not None else None
-        return f"{runtime.sandbox.mode}/{runtime.sandbox.network}" if runtime is not None else None
+        return runtime.sandbox if runtime is not None else None
 
     async def _heartbeat(self) -> None:
         while True:

@@ -45,7 +45,7 @@ def checked_sandbox(settings: Settings) -> Sandbox:
     are asked for and cannot be built: a worker refuses to start rather than run commands
     without the isolation it was configured for.
     """
-    sandbox = Sandbox(mode=settings.sandbox, network=settings.sandbox_network)
+    sandbox = Sandbox(mode=settings.sandbox, network=settings.sandbox_network, bwrap=settings.bwrap)
     probe(sandbox, Path(settings.workspace))
     if not sandbox.confined:
         log.warning(

@@ -82,14 +82,16 @@ def status_command(json_out: JsonOption = False, prefix: PrefixOption = None) ->
             str(role.directory.lag),
         )
     console.print(table)
-    workers = Table("worker", "roles", "heartbeat age (s)", "owned")
+    workers = Table("worker", "roles", "heartbeat age (s)", "owned", "sandbox")
     for w in snapshot.workers:
         owned_by_role = w.description.get("owned", {})
+        sandbox = " ".join(str(w.description[key]) for key in ("sandbox", "bwrap") if w.description.get(key))
         workers.add_row(
             _cell(w.name),
             ",".join(w.description.get("roles", [])),
             f"{w.age_seconds:.1f}",
             ", ".join(f"{r}:{len(s)}" for r, s in owned_by_role.items()),
+            _cell(sandbox),
         )
     console.print(workers)
     for failure in snapshot.failing:  # a loop that keeps failing says so (and /readyz is red)
