@@ -12,7 +12,8 @@ worker usually runs as root):
   process (``RLIMIT_CPU``), open files
   (``RLIMIT_NOFILE``), no core dumps, and ``RLIMIT_NPROC`` when the worker is *not* root
   (the kernel ignores it for root, and it counts every process of the user, not just ours).
-  Using a launcher rather than ``preexec_fn`` keeps spawning safe in a threaded worker.
+  Using a launcher rather than ``preexec_fn`` keeps spawning safe in a threaded worker;
+  the fork itself happens on the worker's one spawner thread (:mod:`~riverbed.runtime.spawner`).
 - **Process count.**  Because ``RLIMIT_NPROC`` does nothing for root, the runtime counts the
   processes of each sandbox session (``/proc/*/stat`` session id) while a command runs and
   from :meth:`Runtime.watch`; above ``max_processes`` every process of the sandbox except
@@ -38,7 +39,6 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -231,11 +231,6 @@ def kill_processes(
                     os.kill(pid, sig)
         killed.update(targets)
     return len(killed)
-
-
-def spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-    """Start a sandbox process (call it in a worker thread: forking a big process takes time)."""
-    return subprocess.Popen(argv, close_fds=True, **kwargs)
 
 
 def wait_exit(proc: subprocess.Popen[bytes], seconds: float) -> bool:

@@ -44,12 +44,12 @@ from riverbed.runtime.limits import (
     kill_processes,
     launcher_argv,
     session_processes,
-    spawn,
     tree_processes,
     wait_exit,
 )
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
 from riverbed.runtime.sandbox import DRIVER_INSIDE, Link, Sandbox, start_once_more_on_a_network_race
+from riverbed.runtime.spawner import spawn
 
 log = structlog.get_logger("riverbed.runtime.python")
 
@@ -155,8 +155,7 @@ class PythonProcess:
         argv = launcher_argv(self._limits, inner, confined=self._sandbox.confined)
         env = {"MPLBACKEND": "Agg", **self._env}
         try:
-            popen = partial(
-                spawn,
+            self._proc = await spawn(
                 argv,
                 stdin=subprocess.DEVNULL,
                 stdout=out_w,
@@ -165,7 +164,6 @@ class PythonProcess:
                 cwd=self._workspace,
                 env=env,
             )
-            self._proc = await anyio.to_thread.run_sync(popen)
             if link is not None:
                 await anyio.to_thread.run_sync(link.attach)
         except BaseException:

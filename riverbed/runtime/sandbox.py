@@ -12,7 +12,8 @@ session's bash, its Python driver) is started inside ``bwrap`` with:
   paths mean the same inside and out.  No other workspace, no worker file, no service
   socket or data directory exists in there;
 - **its own PID namespace**: the worker and other sessions' processes do not exist, and
-  when the sandbox's first process dies (``--die-with-parent`` ties it to the worker, so a
+  when the sandbox's first process dies (``--die-with-parent`` ties it to the worker's
+  spawner thread, which lives as long as the worker: :mod:`~riverbed.runtime.spawner`; so a
   SIGKILLed worker counts) the kernel kills every process left in it, ``nohup`` jobs too;
 - **its own network namespace** unless ``network`` says otherwise: ``none`` has only a
   private loopback (the worker's Redis and Postgres on 127.0.0.1 are not there);

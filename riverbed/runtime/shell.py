@@ -51,12 +51,12 @@ from riverbed.runtime.limits import (
     launcher_argv,
     session_processes,
     signal_group,
-    spawn,
     tree_processes,
     wait_exit,
 )
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
 from riverbed.runtime.sandbox import Link, Sandbox, start_once_more_on_a_network_race
+from riverbed.runtime.spawner import spawn
 
 log = structlog.get_logger("riverbed.runtime.shell")
 
@@ -125,8 +125,7 @@ class Shell:
                 bash, workspace=self._workspace, readonly=readonly, link=link, nproc=self._limits.max_processes
             )
             argv = launcher_argv(self._limits, inner, ctty=True, confined=self._sandbox.confined)
-            popen = partial(
-                spawn,
+            self._proc = await spawn(
                 argv,
                 stdin=slave,
                 stdout=slave,
@@ -135,7 +134,6 @@ class Shell:
                 env=env,
                 pass_fds=link.child_fds if link is not None else (),
             )
-            self._proc = await anyio.to_thread.run_sync(popen)
             if link is not None:
                 await anyio.to_thread.run_sync(link.attach)
         except BaseException:
