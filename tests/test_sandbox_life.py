@@ -16,6 +16,7 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.client import Bus
+from riverbed.runtime.runtime import SANDBOX_PATH
 from tests.workerproc import WorkerProcess
 
 pytestmark = [pytest.mark.anyio]
@@ -88,3 +89,31 @@ async def test_sandboxes_started_together_outlive_the_threads_that_started_them(
         assert cell.result == str(i * 6), cell
         assert not cell.state_lost, cell
 
+
+# --- 4. a fixed PATH ---------------------------------------------------------------------------------
+
+
+@pytest.mark.security
+async def test_the_workers_path_does_not_reach_its_sandboxes(
+    standalone_redis_url: str, prefix: str, workspace: Path, tmp_path: Path, standalone_bus: Bus
+) -> None:
+    private = tmp_path / ("worker-only-" + os.urandom(4).hex())
+    private.mkdir()
+    proc = WorkerProcess(
+        ["runtime"],
+        name="pathy",
+        redis_url=standalone_redis_url,
+        prefix=prefix,
+        workspace=workspace,
+        extra_env={"PATH": f"{private}:{os.environ['PATH']}"},
+        log_dir=tmp_path,
+    )
+    try:
+        proc.wait_ready()
+        shell = await sh(standalone_bus, "p", "echo $PATH")
+        cell = await py(standalone_bus, "p", "import os; os.environ['PATH']")
+    finally:
+        proc.close()
+    assert shell.content == f"{SANDBOX_PATH}\n"
+    assert cell.result == repr(SANDBOX_PATH)
+    assert private.name not in shell.content + (cell.result or "")

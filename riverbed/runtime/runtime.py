@@ -29,16 +29,15 @@ A handler gets a :class:`HandlerContext` (session id, workspace, environment, li
 a path resolver confined to the workspace).  Its exceptions become ``error``
 observations; ``cause`` is set to the action's id for it.
 
-The sandbox environment starts from a small fixed base (``PATH``, ``HOME`` = the
-workspace, ``LANG``, ``TERM=dumb``, ``PAGER=cat``), not from the worker's environment, so
-the worker's secrets do not leak into sandboxes; ``set_env`` adds to it.
+The sandbox environment starts from a small fixed base (``PATH`` = :data:`SANDBOX_PATH`,
+``HOME`` = the workspace, ``LANG``, ``TERM=dumb``, ``PAGER=cat``), not from the worker's
+environment, so the worker's secrets and paths do not leak into sandboxes; ``set_env`` adds to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
@@ -103,6 +102,10 @@ def _check_kind(kind: type[events.Action]) -> None:
     if events.kinds().get(events.kind_of(kind)) is not kind:
         raise ValueError(f"register {kind.__name__} with riverbed.events.register first")
 
+
+#: Every sandbox's ``PATH``: the system's directories, never the worker's own ``PATH`` (which may
+#: name the worker's virtual environment, tool caches or home; ``set_env`` may change it).
+SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 #: A ``file_read`` of a regular file up to this size runs on the event loop, not in a thread.
 INLINE_READ_BYTES = 64 * 1024
@@ -208,7 +211,7 @@ class Runtime:
         if self._base_env is not None:
             return {"HOME": str(workspace), **self._base_env}
         return {
-            "PATH": os.environ.get("PATH", os.defpath),
+            "PATH": SANDBOX_PATH,
             "HOME": str(workspace),
             "LANG": "C.UTF-8",
             "TERM": "dumb",
