@@ -27,6 +27,7 @@ _PREFIX_RE = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
 
 
 DEFAULT_MAX_EVENT_BYTES = 4 * 1024 * 1024
+DEFAULT_SANDBOX_TMP_BYTES = 128 * 1024 * 1024
 
 
 def default_services_dir() -> Path:
@@ -44,6 +45,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     services_dir: str = str(default_services_dir())
     sandbox: Literal["namespaces", "process"] = "namespaces"
     sandbox_network: Literal["none", "outbound", "host"] = "none"
+    sandbox_tmp_bytes: Annotated[int, Meta(ge=1024 * 1024)] = DEFAULT_SANDBOX_TMP_BYTES
     bwrap: str = ""
     embedder: Annotated[str, Meta(pattern=r"^(local|openai:.+)$")] = "local"
     llm_model: str = "gpt-4o-mini"

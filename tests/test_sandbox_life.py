@@ -7,6 +7,8 @@ Each test runs a real runtime worker process (``tests/workerproc.py``) or a real
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +18,10 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.client import Bus
+from riverbed.runtime import Sandbox
+from riverbed.runtime.paths import workspace_name
 from riverbed.runtime.runtime import SANDBOX_PATH
-from tests.workerproc import WorkerProcess
+from tests.workerproc import WorkerProcess, sync_client
 
 pytestmark = [pytest.mark.anyio]
 
@@ -117,3 +121,135 @@ async def test_the_workers_path_does_not_reach_its_sandboxes(
     assert shell.content == f"{SANDBOX_PATH}\n"
     assert cell.result == repr(SANDBOX_PATH)
     assert private.name not in shell.content + (cell.result or "")
+
+
+# --- 2. a uid of its own per session -------------------------------------------------------------
+
+
+def _hashed_uid(workspace: Path) -> int:
+    """The uid a root worker gave a session before uids were handed out: a hash of its path."""
+    digest = hashlib.sha256(os.fsencode(os.path.abspath(workspace))).hexdigest()
+    return Sandbox().uid_base + int(digest[:8], 16) % (1 << 20)
+
+
+def _colliding_ids(root: Path) -> tuple[str, str]:
+    """Two session ids whose workspaces hashed to the same uid (a birthday search)."""
+    seen: dict[int, str] = {}
+    for i in range(1 << 16):
+        session = f"twin-{i}"
+        uid = _hashed_uid(root / workspace_name(session))
+        if uid in seen:
+            return seen[uid], session
+        seen[uid] = session
+    raise AssertionError("no two ids share a hashed uid")
+
+
+@pytest.mark.security
+@pytest.mark.skipif(os.geteuid() != 0, reason="a non-root worker's sandboxes run in user namespaces of their own")
+@pytest.mark.timeout(180)
+async def test_a_session_id_chosen_to_share_a_uid_gets_its_own(
+    standalone_bus: Bus, worker: WorkerProcess, workspace: Path
+) -> None:
+    bus = standalone_bus
+    victim, attacker = _colliding_ids(workspace)
+    assert (await sh(bus, victim, "echo ready")).content == "ready\n"
+    # the attacker fills its process limit (RLIMIT_NPROC counts the processes of its uid)
+    bomb = await py(
+        bus,
+        attacker,
+        "import subprocess\nheld = []\ntry:\n    for _ in range(400):\n"
+        "        held.append(subprocess.Popen(['sleep', '4321']))\nexcept OSError:\n    pass\nlen(held)",
+    )
+    assert bomb.result is not None, bomb
+    assert 0 < int(bomb.result) < 400, bomb
+    forked = await sh(bus, victim, "/bin/true && echo forked; echo $UID", timeout=60)
+    assert forked.content.startswith("forked\n"), forked
+    uid_victim = int(forked.content.split()[-1])
+    uid_attacker = int((await sh(bus, attacker, "echo $UID")).content)
+    assert uid_victim != uid_attacker
+    assert _hashed_uid(workspace / workspace_name(victim)) == _hashed_uid(workspace / workspace_name(attacker))
+    # each session keeps its uid (kept in its meta: a takeover runs it as the same user)
+    client = sync_client(worker.redis_url)
+    try:
+        numbers = [client.hget(worker.keys.meta(s), "uid") for s in (victim, attacker)]
+    finally:
+        client.close()
+    assert None not in numbers
+    assert len(set(numbers)) == 2
+
+
+# --- 5. a workspace belongs to one log -------------------------------------------------------------
+
+
+@pytest.mark.security
+async def test_a_log_made_again_under_the_same_id_starts_with_an_empty_workspace(
+    standalone_bus: Bus, worker: WorkerProcess, workspace: Path
+) -> None:
+    bus = standalone_bus
+    assert (await sh(bus, "again", "echo old-secret > secret.txt; echo kept > /tmp/t; echo ok")).content == "ok\n"
+    assert (workspace / workspace_name("again") / "secret.txt").exists()
+    client = sync_client(worker.redis_url)
+    try:
+        doomed = list(client.scan_iter(match=f"{worker.keys.prefix}:{{again}}:*"))
+        assert doomed
+        client.delete(*doomed)  # the log and everything of it, as a wipe leaves it
+    finally:
+        client.close()
+    fresh = await sh(bus, "again", "ls -A; cat secret.txt /tmp/t 2>&1; echo end")
+    assert "old-secret" not in fresh.content, fresh
+    assert "kept" not in fresh.content, fresh
+    assert fresh.content.endswith("end\n")
+    assert not (workspace / workspace_name("again") / "secret.txt").exists()
+    # the new log's workspace is its own from now on, and is kept
+    assert (await sh(bus, "again", "echo new > mine.txt; cat mine.txt")).content == "new\n"
+
+
+# --- 3. one bounded /tmp per session ------------------------------------------------------------------
+
+
+def _tmpfs_mounts(pid: int) -> list[str]:
+    """The tmpfs mounts a process sees, by device (``major:minor``) and mount point."""
+    with open(f"/proc/{pid}/mountinfo", encoding="utf-8") as fh:
+        rows = [line.split() for line in fh]
+    return [f"{row[2]} {row[4]}" for row in rows if row[row.index("-") + 1] == "tmpfs"]
+
+
+@pytest.mark.security
+@pytest.mark.skipif(os.geteuid() != 0, reason="a non-root worker gives each sandbox process a tmpfs of its own")
+async def test_a_session_has_one_bounded_tmp_and_writing_past_it_fails(
+    standalone_redis_url: str, prefix: str, workspace: Path, tmp_path: Path, standalone_bus: Bus
+) -> None:
+    bus = standalone_bus
+    proc = WorkerProcess(
+        ["runtime"],
+        name="tmpy",
+        redis_url=standalone_redis_url,
+        prefix=prefix,
+        workspace=workspace,
+        extra_env={"RIVERBED_SANDBOX_TMP_BYTES": str(8 << 20)},
+        log_dir=tmp_path,
+    )
+    try:
+        proc.wait_ready()
+        shell = await sh(bus, "t", "head -c 6M /dev/zero > /tmp/from-shell && echo wrote; stat -c %d /tmp")
+        assert shell.content.startswith("wrote\n"), shell
+        cell = await py(
+            bus,
+            "t",
+            "import os, errno\ntry:\n    with open('/tmp/from-cell', 'wb') as fh:\n"
+            "        fh.write(b'x' * (4 << 20))\n    outcome = 'wrote'\nexcept OSError as exc:\n"
+            "    outcome = errno.errorcode[exc.errno]\n"
+            "(outcome, os.path.getsize('/tmp/from-shell'), os.stat('/tmp').st_dev)",
+        )
+        assert cell.exception is None, cell  # (the shell's file not found: another /tmp)
+        outcome, seen, device = ast.literal_eval(cell.result or "")
+        assert outcome == "ENOSPC", cell  # 6 MiB from the shell + 4 MiB from the cell > 8 MiB
+        assert seen == 6 << 20  # the shell's file: the same /tmp
+        assert device == int(shell.content.split()[1])
+        again = await sh(bus, "t", "rm /tmp/from-shell /tmp/from-cell; head -c 9M /dev/zero > /tmp/big; echo rc=$?")
+        assert "No space left on device" in again.content, again
+        assert "rc=1" in again.content, again
+        # seen from the host: no tmpfs of the session is mounted where the worker is
+        assert not [m for m in _tmpfs_mounts(os.getpid()) if workspace.name in m or str(workspace) in m]
+    finally:
+        proc.close()

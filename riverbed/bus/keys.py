@@ -9,7 +9,8 @@ their own hash tag.
 key                                    what
 =====================================  =======================================================
 ``{p}:{s}:log``                        the session log (stream; entry id ``<n>-0`` is event n)
-``{p}:{s}:meta``                       hash: ``last`` id, ``tenant``, ``created``, per role
+``{p}:{s}:meta``                       hash: ``last`` id, ``tenant``, ``created``, ``uid`` (the number of
+                                       the session's sandbox user, from ``{p}:{p}:uids``), per role
                                        ``fence:<role>``, ``holder:<role>``, ``expires:<role>``,
                                        ``need:<role>`` (no owner yet: when it was last announced),
                                        ``archived_to`` (events up to it are in the archive)
@@ -22,6 +23,7 @@ key                                    what
 ``{p}:{p}:dir:<role>``                 stream: sessions waiting for / held by a role owner
 ``{p}:{p}:sessions``                   sorted set: every session, scored by creation time
 ``{p}:{p}:workers``                    sorted set: worker name -> last heartbeat (unix seconds)
+``{p}:{p}:uids``                       string: the last sandbox user number handed out (``INCR``)
 ``{p}:{p}:worker:<name>``              hash: a worker's roles, owned sessions, start time
 ``{p}:{p}:dlq``                        stream: dead letters
 ``{p}:{p}:retention``                  string: the worker running this round's retention pass
@@ -77,6 +79,7 @@ class Keys:
         self.workers = f"{prefix}:{{{prefix}}}:workers"
         self.retention = f"{prefix}:{{{prefix}}}:retention"
         self.api_keys = f"{prefix}:{{{prefix}}}:apikeys"
+        self.uids = f"{prefix}:{{{prefix}}}:uids"
 
     def log(self, session: str) -> str:
         return f"{self.prefix}:{{{session}}}:log"

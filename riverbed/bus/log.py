@@ -196,6 +196,7 @@ class Log:
         """Where reads page from: a worker's ``Batched``, so that the sessions it takes at
         once read their logs in one write."""
         self.append_script = self.redis.script(scripts.APPEND)
+        self._sandbox_user = self.redis.script(scripts.SANDBOX_USER)
 
     def check_session(self, session: str) -> None:
         require_session(session)
@@ -360,6 +361,19 @@ class Log:
 
     async def exists(self, session: str) -> bool:
         return await self.last_id(session) > 0
+
+    async def sandbox_user(self, session: str) -> int:
+        """The number of the session's sandbox user (1, 2, 3…): unique under this prefix, taken
+        from a counter the first time and kept in the session's meta, so that every owner of the
+        session (a takeover too) runs its sandbox as the same user, and no two sessions share one
+        (a user's process limit is the kernel's count of that user's processes)."""
+        meta = self.keys.meta(session)
+        held = await self.redis.hget(meta, "uid")
+        if held is not None:
+            return int(held)
+        number = await self.redis.incr(self.keys.uids)
+        kept = int(await self._sandbox_user(keys=[meta], args=[number]))
+        return number if kept < 0 else kept
 
     async def read_raw(
         self, session: str, start: int = 1, end: int | None = None, *, page: int = PAGE

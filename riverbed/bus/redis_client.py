@@ -172,6 +172,10 @@ class RedisClient:
         with translate(self.url):
             return bool(await self._raw.set(key, value, nx=nx, px=px))
 
+    async def incr(self, key: str) -> int:
+        with translate(self.url):
+            return int(await self._raw.incr(key))
+
     # --- hashes -----------------------------------------------------------------------------
 
     async def hget(self, key: str, field: str) -> bytes | None:

@@ -238,6 +238,17 @@ redis.call('HSET', KEYS[1], 'holder:' .. ARGV[1], '', 'expires:' .. ARGV[1], 0)
 return 1
 """
 
+# KEYS: meta.  ARGV: a sandbox user number just taken from the prefix's counter (``INCR``, another slot).
+# Reply: the session's number: the one it holds, else this one, now held.  -1: the session has no log
+# (its meta was lost), so nothing is recorded and the caller uses the new number for this time only.
+SANDBOX_USER = """
+local held = redis.call('HGET', KEYS[1], 'uid')
+if held then return tonumber(held) end
+if redis.call('HEXISTS', KEYS[1], 'created') == 0 then return -1 end
+redis.call('HSET', KEYS[1], 'uid', ARGV[1])
+return tonumber(ARGV[1])
+"""
+
 # KEYS: log, meta.  ARGV: to (last archived event id).
 # Trims the log to events after ``to`` (exact MINID) and records ``archived_to`` (never lowered);
 # refuses to empty the stream (the last event always stays).  Reply: {'ok', trimmed} | {'last', last}

@@ -5,6 +5,12 @@ strings, so the directory name is a readable slug of the id (letters, digits, ``
 ``-``; at most 48 characters) followed by 16 hex digits of the id's SHA-256: deterministic,
 safe on any filesystem, and two ids never share a directory in practice.
 
+A workspace belongs to one log: the log's creation stamp (``created`` in its meta, set by the
+append that made it) is kept beside it (:func:`stamp_file`, outside every sandbox), and a log
+made again under the same id (after a Redis wipe, or a delete) never sees the files of the
+old one: the runtime puts the old workspace away when it opens the new log, and the memory
+role reads no workspace whose stamp is another log's (:func:`belongs_to`).
+
 Every path an action names is confined to its session's workspace: relative paths resolve
 from the workspace; absolute paths must lie inside it; ``..`` and symlinks are resolved
 first, so neither can lead out.  NUL bytes, over-long names and non-paths are refused.
@@ -28,7 +34,7 @@ from pathlib import Path
 from riverbed.confine import check_raw
 from riverbed.errors import PathRefused
 
-__all__ = ["PathRefused", "confine", "display", "workspace_name"]
+__all__ = ["PathRefused", "belongs_to", "confine", "display", "stamp_file", "stamp_of", "workspace_name"]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -38,6 +44,27 @@ def workspace_name(session_id: str) -> str:
     digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     slug = _UNSAFE.sub("_", session_id).strip("._-")[:48] or "session"
     return f"{slug}-{digest}"
+
+
+def stamp_file(workspace: Path) -> Path:
+    """Where the creation stamp of the log a workspace belongs to is kept (beside the
+    workspaces, in a directory no sandbox sees)."""
+    return workspace.parent / ".logs" / workspace.name
+
+
+def stamp_of(workspace: Path) -> str | None:
+    """The creation stamp of the log ``workspace`` belongs to (None: none recorded)."""
+    try:
+        return stamp_file(workspace).read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def belongs_to(workspace: Path, created: str) -> bool:
+    """Whether ``workspace`` may be shown to the log created at ``created``: its stamp is that
+    log's, or it has none (made before stamps were kept, or the log's stamp is unknown)."""
+    stamp = stamp_of(workspace)
+    return stamp is None or not created or stamp == created
 
 
 @functools.lru_cache(maxsize=4096)

@@ -50,6 +50,7 @@ from riverbed.runtime.limits import (
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
 from riverbed.runtime.sandbox import DRIVER_INSIDE, Link, Sandbox, start_once_more_on_a_network_race
 from riverbed.runtime.spawner import spawn
+from riverbed.runtime.tmp import SessionTmp
 
 log = structlog.get_logger("riverbed.runtime.python")
 
@@ -104,11 +105,20 @@ class _Cell:
 class PythonProcess:
     """The session's Python driver; not safe for concurrent use (the caller locks)."""
 
-    def __init__(self, workspace: Path, env: Mapping[str, str], limits: Limits, sandbox: Sandbox) -> None:
+    def __init__(
+        self,
+        workspace: Path,
+        env: Mapping[str, str],
+        limits: Limits,
+        sandbox: Sandbox,
+        tmp: SessionTmp | None = None,
+    ) -> None:
         self._workspace = workspace
         self._env = dict(env)
         self._limits = limits
         self._sandbox = sandbox
+        self._tmp = tmp
+        """the session's one /tmp (None: a private one)"""
         self._kernel_nproc = sandbox.confined
         self._processes: Lister = tree_processes if sandbox.confined else session_processes
         self._core: frozenset[int] = frozenset()
@@ -140,12 +150,14 @@ class PythonProcess:
         try:
             if self._sandbox.confined:
                 await anyio.to_thread.run_sync(self._sandbox.prepare_processes, self._workspace)
+            tmp = await self._tmp.enter() if self._tmp is not None else None
             inner = self._sandbox.wrap(
                 [sys.executable, "-u", driver, str(to_r), str(from_w), self._marker.decode()],
                 workspace=self._workspace,
                 readonly=[(str(DRIVER), DRIVER_INSIDE)],
                 link=link,
                 nproc=self._limits.max_processes,
+                tmp=tmp,
             )
         except BaseException:
             for fd in (to_r, to_w, from_r, from_w, out_r, out_w):

@@ -38,6 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import secrets
+import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
@@ -55,10 +58,11 @@ from riverbed.errors import RiverbedError
 from riverbed.runtime import files
 from riverbed.runtime.gate import before_start
 from riverbed.runtime.limits import Limits
-from riverbed.runtime.paths import PathRefused, confine, workspace_name
+from riverbed.runtime.paths import PathRefused, confine, stamp_file, stamp_of, workspace_name
 from riverbed.runtime.python import PythonProcess, PythonUnavailable
 from riverbed.runtime.sandbox import Sandbox, SandboxUnavailable
 from riverbed.runtime.shell import Shell, ShellUnavailable
+from riverbed.runtime.tmp import SessionTmp
 
 log = structlog.get_logger("riverbed.runtime")
 
@@ -123,15 +127,19 @@ class _Session:
         self.workspace = workspace
         self.lock = anyio.Lock()
         self.overrides: dict[str, str | None] = {}
-        self.shell = Shell(workspace, base_env, limits, sandbox)
-        self.python = PythonProcess(workspace, base_env, limits, sandbox)
+        self.tmp = SessionTmp(sandbox, workspace)
+        self.shell = Shell(workspace, base_env, limits, sandbox, self.tmp)
+        self.python = PythonProcess(workspace, base_env, limits, sandbox, self.tmp)
         self.history = files.EditHistory(limits.edit_history)
         self.workspace_made = False
+        self.created: str | None = None
+        """the creation stamp of the log this session was opened for (None: opened by no owner)"""
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
             await self.shell.close()
             await self.python.close()
+            await self.tmp.close()
 
 
 class Runtime:
@@ -236,11 +244,55 @@ class Runtime:
             self._sessions[session_id] = session
         return session
 
+    async def open_session(
+        self, session_id: str, *, created: str, user: Callable[[], Awaitable[int]] | None = None
+    ) -> None:
+        """Bind a session to its log, as its owner opens it: ``created`` is the log's creation
+        stamp, ``user`` gives the number of the session's sandbox user (``Log.sandbox_user``).
+
+        A workspace left by an earlier log under the same id (Redis wiped, the session deleted)
+        is put away, so the new log starts with an empty one; sandboxes still running for that
+        earlier log are closed first.
+        """
+        session = self._sessions.get(session_id)
+        if session is not None and session.created is not None and session.created != created:
+            await self.close_session(session_id)
+        session = self._session(session_id)
+        session.created = created
+        if user is not None and self._sandbox.users_per_session:
+            self._sandbox.assign(session.workspace, await user())
+        if created and stamp_of(session.workspace) != created:
+            put_away = await anyio.to_thread.run_sync(self._bind, session.workspace, created)
+            if put_away:
+                log.warning("workspace.put_away", session=session_id, detail="it belonged to an earlier log")
+
+    def _bind(self, workspace: Path, created: str) -> bool:
+        """Record that ``workspace`` belongs to the log created at ``created``; an earlier
+        log's workspace (and sandbox state) is removed first.  Whether one was."""
+        stamp, put_away = stamp_of(workspace), False
+        if stamp is not None and stamp != created:
+            trash = workspace.parent / ".trash"
+            trash.mkdir(mode=0o700, exist_ok=True)
+            for old in (workspace, self._sandbox.state_dir(workspace)):
+                if old.exists() or old.is_symlink():
+                    # (a rename is atomic: nothing of the old tree is seen at the path after it)
+                    away = trash / f"{old.name}-{secrets.token_hex(6)}"
+                    os.rename(old, away)
+                    shutil.rmtree(away, ignore_errors=True)
+                    put_away = True
+        path = stamp_file(workspace)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+        temp.write_text(created, encoding="utf-8")
+        os.replace(temp, path)
+        return put_away
+
     async def close_session(self, session_id: str) -> None:
         """Stop a session's shell and Python process (its workspace stays)."""
         session = self._sessions.pop(session_id, None)
         if session is not None:
             await session.close()
+            self._sandbox.unassign(session.workspace)
 
     async def aclose(self) -> None:
         """Stop every sandbox; later actions get a retryable ``runtime_closed`` error."""
@@ -248,6 +300,7 @@ class Runtime:
         sessions, self._sessions = list(self._sessions.values()), {}
         for session in sessions:
             await session.close()
+            self._sandbox.unassign(session.workspace)
 
     async def watch(self, *, interval: float = 1.0, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Enforce the process limit of idle sandboxes too (a fork loop left in the

@@ -7,7 +7,8 @@ session's bash, its Python driver) is started inside ``bwrap`` with:
 - **its own mount namespace**: a read-only ``/usr`` (and the ``/bin``, ``/lib`` links), a
   few read-only files of ``/etc`` (certificates, ``ld.so.cache``, alternatives, time zone)
   plus a ``passwd``/``group`` naming the sandbox user, a private ``/proc`` and ``/dev``, a
-  private size-bounded ``/tmp``, the interpreter the Python driver needs (read-only), and
+  size-bounded ``/tmp`` (one per session: :mod:`~riverbed.runtime.tmp`), the interpreter
+  the Python driver needs (read-only), and
   the session's workspace as the one writable host directory, mounted at its own path so
   paths mean the same inside and out.  No other workspace, no worker file, no service
   socket or data directory exists in there;
@@ -21,8 +22,12 @@ session's bash, its Python driver) is started inside ``bwrap`` with:
   disabled) that reaches the internet but not this host's services; ``host`` shares the
   worker's network and is unsafe: a command can then reach everything the worker can;
 - **an unprivileged user**.  A root worker runs bubblewrap in its privileged mode and drops
-  the sandbox to a uid of its own per session (``uid_base`` + a hash of the workspace's
-  path), with no capabilities and ``no_new_privs``; the workspace belongs to that uid.
+  the sandbox to a uid of its own per session, with no capabilities and ``no_new_privs``;
+  the workspace belongs to that uid.  The uid is handed out, not derived from the session
+  id: the session's owner takes a number from a counter in Redis the first time and keeps it
+  in the session's meta (``Log.sandbox_user``, :meth:`Sandbox.assign`), so no session id can
+  be chosen to share another session's uid, and with it its process limit.  (A hash of the
+  workspace's path, in a range of its own, is left for a runtime used without a bus.)
   A non-root worker uses an unprivileged user namespace, mapped to itself.  Either way the
   kernel counts ``RLIMIT_NPROC`` per uid and user namespace, so the limit the sandbox sets
   on itself is a per-session process limit, enforced at ``fork`` with no polling.
@@ -95,6 +100,7 @@ _ETC = (
     "magic",
 )
 _UID_SPAN = 1 << 20
+_NUMBERED_SPAN = 1 << 30  # uids handed out: uid_base + _UID_SPAN + number, wrapping after a billion
 _TMP = "/tmp"  # noqa: S108  (the sandbox's own private tmpfs, not the host's)
 _SYSTEM_DIRS = ("/usr", _TMP, "/proc", "/dev")
 
@@ -129,6 +135,16 @@ async def start_once_more_on_a_network_race(start: Callable[[], Awaitable[None]]
         await start()
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedTmp:
+    """Where a sandbox process finds its session's one ``/tmp`` (:mod:`~riverbed.runtime.tmp`):
+    the mount namespace that holds it (``/proc/<pid>/ns/mnt``) and, in there, the directory the
+    tmpfs is mounted on."""
+
+    namespace: str
+    source: str
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sandbox:
     """The confinement of every sandbox process a :class:`~riverbed.runtime.Runtime` starts."""
@@ -137,10 +153,12 @@ class Sandbox:
     network: Network = "none"
     uid_base: int = 2_000_000
     """first host uid of the per-session users of a root worker"""
-    tmp_bytes: int = 512 * 1024 * 1024
-    """size of each sandbox process's private ``/tmp`` (memory-backed)"""
+    tmp_bytes: int = 128 * 1024 * 1024
+    """size of a session's ``/tmp`` (memory-backed, one per session: :mod:`~riverbed.runtime.tmp`)"""
     bwrap: str = ""
     """``RIVERBED_BWRAP``: the bubblewrap binary; empty chooses one (:mod:`riverbed.runtime.bwrap`)"""
+    _users: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    """workspace -> the uid/gid handed out to its session (:meth:`assign`)"""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -155,11 +173,32 @@ class Sandbox:
     def confined(self) -> bool:
         return self.mode == "namespaces"
 
+    @property
+    def users_per_session(self) -> bool:
+        """Whether each session's sandbox runs as a host user of its own (a root worker's
+        namespaces sandbox): then :meth:`assign` names it."""
+        return self.confined and os.geteuid() == 0
+
+    def assign(self, workspace: Path, number: int) -> None:
+        """Run the sandbox of ``workspace`` as user ``number`` (1, 2, 3…, unique per session:
+        ``Log.sandbox_user``), until :meth:`unassign`."""
+        uid = self.uid_base + _UID_SPAN + (number - 1) % _NUMBERED_SPAN
+        self._users[os.path.abspath(workspace)] = (uid, uid)
+
+    def unassign(self, workspace: Path) -> None:
+        self._users.pop(os.path.abspath(workspace), None)
+
     def owner(self, workspace: Path) -> tuple[int, int] | None:
         """The uid/gid that owns a workspace's files, when it is not the worker's own."""
-        if not self.confined or os.geteuid() != 0:
+        if not self.users_per_session:
             return None
-        digest = hashlib.sha256(os.fsencode(os.path.abspath(workspace))).hexdigest()
+        path = os.path.abspath(workspace)
+        assigned = self._users.get(path)
+        if assigned is not None:
+            return assigned
+        # a session no owner opened (a runtime used without a bus): a hash of the path, below
+        # the numbers handed out
+        digest = hashlib.sha256(os.fsencode(path)).hexdigest()
         uid = self.uid_base + int(digest[:8], 16) % _UID_SPAN
         return uid, uid
 
@@ -242,6 +281,7 @@ class Sandbox:
         readonly: Sequence[tuple[str, str]] = (),
         link: Link | None = None,
         nproc: int | None = None,
+        tmp: SharedTmp | None = None,
     ) -> list[str]:
         """The command line that runs ``argv`` in this sandbox (``argv`` itself in process mode).
 
@@ -249,7 +289,8 @@ class Sandbox:
         (from :meth:`link`, one per process) carries the seccomp filter and makes the sandbox
         wait until its outbound network is up; ``nproc`` is the sandbox's process limit, set
         inside as ``RLIMIT_NPROC``: the kernel counts it per uid and user namespace, so there
-        it counts this sandbox's processes only.
+        it counts this sandbox's processes only; ``tmp`` is the session's shared ``/tmp``
+        (without it, the process gets a private tmpfs).
         """
         if not self.confined:
             return list(argv)
@@ -281,7 +322,10 @@ class Sandbox:
         if link.outbound is not None:
             args += ["--ro-bind", str(state / "resolv.conf"), "/etc/resolv.conf"]
         args += ["--proc", "/proc", "--dev", "/dev"]
-        args += ["--size", str(self.tmp_bytes), "--perms", "1777", "--tmpfs", _TMP]
+        if tmp is None:
+            args += ["--size", str(self.tmp_bytes), "--perms", "1777", "--tmpfs", _TMP]
+        else:
+            args += ["--bind", tmp.source, _TMP]
         for host, inside in (*_python_mounts(), *readonly):
             args += _dirs_for(inside)
             args += ["--ro-bind", host, inside]
@@ -311,6 +355,11 @@ class Sandbox:
             if prlimit is None:
                 raise SandboxUnavailable("prlimit (util-linux) is missing; it sets the sandbox's process limit")
             args += [prlimit, f"--nproc={nproc}", "--"]
+        if tmp is not None:  # bubblewrap builds the sandbox from the namespace holding the /tmp
+            nsenter = _which("nsenter")
+            if nsenter is None:
+                raise SandboxUnavailable("nsenter (util-linux) is missing; it joins a session's /tmp")
+            args = [nsenter, f"--mount={tmp.namespace}", "--", *args]
         return [*args, *argv]
 
 

@@ -57,6 +57,7 @@ from riverbed.runtime.limits import (
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
 from riverbed.runtime.sandbox import Link, Sandbox, start_once_more_on_a_network_race
 from riverbed.runtime.spawner import spawn
+from riverbed.runtime.tmp import SessionTmp
 
 log = structlog.get_logger("riverbed.runtime.shell")
 
@@ -71,11 +72,20 @@ class ShellUnavailable(Exception):
 class Shell:
     """A persistent bash in ``workspace``; not safe for concurrent use (the caller locks)."""
 
-    def __init__(self, workspace: Path, env: Mapping[str, str], limits: Limits, sandbox: Sandbox) -> None:
+    def __init__(
+        self,
+        workspace: Path,
+        env: Mapping[str, str],
+        limits: Limits,
+        sandbox: Sandbox,
+        tmp: SessionTmp | None = None,
+    ) -> None:
         self._workspace = workspace
         self._env = dict(env)
         self._limits = limits
         self._sandbox = sandbox
+        self._tmp = tmp
+        """the session's one /tmp (None: a private one)"""
         self._kernel_nproc = sandbox.confined
         self._processes: Lister = tree_processes if sandbox.confined else session_processes
         self._nonce = secrets.token_hex(8)
@@ -121,8 +131,14 @@ class Shell:
             bash = ["bash", "--norc", "--noprofile", "--noediting", "-i"]
             self._link = link = self._sandbox.link()
             readonly = [(self._ctl_dir, self._ctl_dir)]
+            tmp = await self._tmp.enter() if self._tmp is not None else None
             inner = self._sandbox.wrap(
-                bash, workspace=self._workspace, readonly=readonly, link=link, nproc=self._limits.max_processes
+                bash,
+                workspace=self._workspace,
+                readonly=readonly,
+                link=link,
+                nproc=self._limits.max_processes,
+                tmp=tmp,
             )
             argv = launcher_argv(self._limits, inner, ctty=True, confined=self._sandbox.confined)
             self._proc = await spawn(

@@ -34,7 +34,7 @@ from riverbed.errors import DataError, RiverbedError, UnavailableError
 from riverbed.memory.embedders import make_embedder
 from riverbed.memory.recall import Memory
 from riverbed.memory.store import Store
-from riverbed.runtime.paths import workspace_name
+from riverbed.runtime.paths import belongs_to, workspace_name
 from riverbed.settings import Settings
 
 log = structlog.get_logger("riverbed.worker")
@@ -138,6 +138,8 @@ class MemoryHandler:
         action = entry.event
         assert isinstance(action, events.Recall)
         workspace = self.workspace_root / workspace_name(ctx.session) if self.workspace_root else None
+        if workspace is not None and not belongs_to(workspace, await ctx.created()):
+            workspace = None  # an earlier log's, under the same id: not this one's to read
         try:
             result: events.Observation = await self.memory.recall(
                 action,

@@ -17,6 +17,7 @@ take a fork while its events are still being copied).  See :mod:`riverbed.agent.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -45,7 +46,12 @@ def checked_sandbox(settings: Settings) -> Sandbox:
     are asked for and cannot be built: a worker refuses to start rather than run commands
     without the isolation it was configured for.
     """
-    sandbox = Sandbox(mode=settings.sandbox, network=settings.sandbox_network, bwrap=settings.bwrap)
+    sandbox = Sandbox(
+        mode=settings.sandbox,
+        network=settings.sandbox_network,
+        bwrap=settings.bwrap,
+        tmp_bytes=settings.sandbox_tmp_bytes,
+    )
     probe(sandbox, Path(settings.workspace))
     if not sandbox.confined:
         log.warning(
@@ -99,6 +105,10 @@ class RuntimeHandler:
 
     async def open(self, ctx: SessionContext) -> None:
         await ctx.read_tenant()  # the session's tenant, fixed by its first append
+        # the workspace of this log (not an earlier one's under the same id), the sandbox's user
+        await self.runtime.open_session(
+            ctx.session, created=await ctx.created(), user=partial(ctx.log.sandbox_user, ctx.session)
+        )
         await self._fold(ctx)
 
     async def _fold(self, ctx: SessionContext, until: int | None = None) -> None:
