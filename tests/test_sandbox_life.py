@@ -249,7 +249,30 @@ async def test_a_session_has_one_bounded_tmp_and_writing_past_it_fails(
         again = await sh(bus, "t", "rm /tmp/from-shell /tmp/from-cell; head -c 9M /dev/zero > /tmp/big; echo rc=$?")
         assert "No space left on device" in again.content, again
         assert "rc=1" in again.content, again
-        # seen from the host: no tmpfs of the session is mounted where the worker is
+        # seen from the host: no tmpfs of the session is mounted where the worker is; one holder
+        # process keeps the session's, and it goes with a SIGKILLed worker
         assert not [m for m in _tmpfs_mounts(os.getpid()) if workspace.name in m or str(workspace) in m]
+        (holder,) = [pid for pid in _children(proc.proc.pid) if _comm(pid) == "cat"]
     finally:
         proc.close()
+    with anyio.fail_after(10):
+        while _comm(holder) == "cat":
+            await anyio.sleep(0.05)
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children", encoding="utf-8") as fh:
+            found += [int(child) for child in fh.read().split()]
+    return found
+
+
+def _comm(pid: int) -> str | None:
+    """A live process's name (None: gone, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            head, _, rest = fh.read().rpartition(")")
+    except OSError:
+        return None
+    return None if rest.split()[0] == "Z" else head.partition("(")[2]
