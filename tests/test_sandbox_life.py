@@ -148,7 +148,7 @@ def _colliding_ids(root: Path) -> tuple[str, str]:
 @pytest.mark.skipif(os.geteuid() != 0, reason="a non-root worker's sandboxes run in user namespaces of their own")
 @pytest.mark.timeout(180)
 async def test_a_session_id_chosen_to_share_a_uid_gets_its_own(
-    standalone_bus: Bus, worker: WorkerProcess, workspace: Path
+    standalone_bus: Bus, worker: WorkerProcess, workspace: Path, prefix: str, tmp_path: Path
 ) -> None:
     bus = standalone_bus
     victim, attacker = _colliding_ids(workspace)
@@ -176,6 +176,16 @@ async def test_a_session_id_chosen_to_share_a_uid_gets_its_own(
         client.close()
     assert None not in numbers
     assert len(set(numbers)) == 2
+    # a takeover runs the session as the same user
+    worker.kill()
+    heir = WorkerProcess(
+        ["runtime"], name="heir", redis_url=worker.redis_url, prefix=prefix, workspace=workspace, log_dir=tmp_path
+    )
+    try:
+        heir.wait_ready()
+        assert int((await sh(bus, victim, "echo $UID")).content) == uid_victim
+    finally:
+        heir.close()
 
 
 # --- 5. a workspace belongs to one log -------------------------------------------------------------
