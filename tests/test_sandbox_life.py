@@ -18,8 +18,8 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.client import Bus
-from riverbed.runtime import Sandbox
-from riverbed.runtime.paths import workspace_name
+from riverbed.runtime import Runtime, Sandbox
+from riverbed.runtime.paths import belongs_to, workspace_name
 from riverbed.runtime.runtime import SANDBOX_PATH
 from tests.workerproc import WorkerProcess, sync_client
 
@@ -286,3 +286,24 @@ def _comm(pid: int) -> str | None:
     except OSError:
         return None
     return None if rest.split()[0] == "Z" else head.partition("(")[2]
+
+
+async def test_an_earlier_logs_workspace_is_put_away_and_not_read_for_context(workspace: Path) -> None:
+    rt = Runtime(workspace_root=workspace)
+    try:
+        await rt.open_session("s", created="1000")
+        wrote = await rt.execute("s", events.FileWrite(id=1, path="AGENTS.md", content="the old log's notes"))
+        assert isinstance(wrote, events.FileWritten), wrote
+        ws = rt.workspace("s")
+        # what the memory role asks before it reads a workspace for context
+        assert belongs_to(ws, "1000")
+        assert not belongs_to(ws, "2000")
+        await rt.close_session("s")
+        await rt.open_session("s", created="2000")  # the same id, a new log
+        assert not (ws / "AGENTS.md").exists()
+        assert belongs_to(ws, "2000")
+        listed = await rt.execute("s", events.CmdRun(id=1, command="ls -A | wc -l", blocking=True))
+        assert isinstance(listed, events.CmdOutput), listed
+        assert listed.content == "0\n"
+    finally:
+        await rt.aclose()
