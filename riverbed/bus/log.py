@@ -366,7 +366,9 @@ class Log:
         """The number of the session's sandbox user (1, 2, 3…): unique under this prefix, taken
         from a counter the first time and kept in the session's meta, so that every owner of the
         session (a takeover too) runs its sandbox as the same user, and no two sessions share one
-        (a user's process limit is the kernel's count of that user's processes)."""
+        (a user's process limit is the kernel's count of that user's processes).  A Redis that
+        lost its data starts the count over; the sessions that held those numbers lost their
+        logs too, and their owners close their sandboxes when their leases fail."""
         meta = self.keys.meta(session)
         held = await self.redis.hget(meta, "uid")
         if held is not None:

@@ -180,10 +180,16 @@ class Sandbox:
         return self.confined and os.geteuid() == 0
 
     def assign(self, workspace: Path, number: int) -> None:
-        """Run the sandbox of ``workspace`` as user ``number`` (1, 2, 3…, unique per session:
-        ``Log.sandbox_user``), until :meth:`unassign`."""
-        uid = self.uid_base + _UID_SPAN + (number - 1) % _NUMBERED_SPAN
-        self._users[os.path.abspath(workspace)] = (uid, uid)
+        """Run the sandbox of ``workspace`` as user ``number`` (1, 2, 3…, unique per session
+        under a prefix: ``Log.sandbox_user``), until :meth:`unassign`.
+
+        The numbers of one workspace root start at a point drawn from the root's path: two
+        deployments on one host (each has a root of its own; a root is never shared, or they
+        would share workspaces) do not run their first sessions as the same uid."""
+        path = os.path.abspath(workspace)
+        start = int(hashlib.sha256(os.fsencode(os.path.dirname(path))).hexdigest()[:8], 16)
+        uid = self.uid_base + _UID_SPAN + (start + number - 1) % _NUMBERED_SPAN
+        self._users[path] = (uid, uid)
 
     def unassign(self, workspace: Path) -> None:
         self._users.pop(os.path.abspath(workspace), None)
