@@ -80,12 +80,20 @@ async def test_sandboxes_started_together_outlive_the_threads_that_started_them(
     async with anyio.create_task_group() as tg:  # started at once: one thread each, then idle
         for i, session in enumerate(sessions):
             tg.start_soon(begin, i, session)
-    # Other work for three idle times over: every thread hop may retire the threads idle since.
-    deadline = anyio.current_time() + 3 * _ANYIO_IDLE
-    while anyio.current_time() < deadline:
-        assert (await sh(bus, "busy", "echo ok")).content == "ok\n"
-        await py(bus, "busy", "1")
-        await anyio.sleep(0.5)
+    await sh(bus, "long", "echo ready")
+
+    async def long_command() -> None:  # running all along, in a shell started from an idle thread
+        out = await sh(bus, "long", f"sleep {3 * _ANYIO_IDLE:g}; echo finished", timeout=120)
+        assert out.content == "finished\n", out
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(long_command)
+        # Other work for three idle times over: every thread hop may retire the threads idle since.
+        deadline = anyio.current_time() + 3 * _ANYIO_IDLE
+        while anyio.current_time() < deadline:
+            assert (await sh(bus, "busy", "echo ok")).content == "ok\n"
+            await py(bus, "busy", "1")
+            await anyio.sleep(0.5)
     for i, session in enumerate(sessions):
         out = await sh(bus, session, "echo $KEPT; jobs -r | wc -l")
         assert out.content == f"v{i}\n1\n", out
