@@ -315,3 +315,16 @@ async def test_an_earlier_logs_workspace_is_put_away_and_not_read_for_context(wo
         assert listed.content == "0\n"
     finally:
         await rt.aclose()
+
+
+async def test_sandbox_user_numbers_are_one_per_session_and_kept(bus: Bus) -> None:
+    log = bus.log_store
+    for session in ("n-1", "n-2"):
+        await bus.session(session).append(events.Message(content="hi", source="user"))
+    first, second = await log.sandbox_user("n-1"), await log.sandbox_user("n-2")
+    assert first != second
+    assert await log.sandbox_user("n-1") == first  # kept in the session's meta
+    # a session whose log is gone gets a number of its own, recorded nowhere
+    lost = await log.sandbox_user("n-gone")
+    assert lost not in (first, second)
+    assert await bus.redis.hget(bus.keys.meta("n-gone"), "uid") is None

@@ -1,5 +1,6 @@
 """All of riverbed's Lua, in one place.  Every script touches the keys of one session only,
-but ``RENEW_ALL``, which a worker runs only on a standalone Redis (one slot for every key).
+but ``RENEW_ALL``, which a worker runs only on a standalone Redis (one slot for every key), and
+``APPEND`` and ``SANDBOX_USER``, which reach a key of the prefix too on a standalone Redis only.
 
 Replies are arrays whose first element is a status word, decoded by the callers in
 ``bus/log.py``, ``bus/claims.py``, ``bus/ownership.py`` and ``bus/archive.py``.
@@ -238,15 +239,17 @@ redis.call('HSET', KEYS[1], 'holder:' .. ARGV[1], '', 'expires:' .. ARGV[1], 0)
 return 1
 """
 
-# KEYS: meta.  ARGV: a sandbox user number just taken from the prefix's counter (``INCR``, another slot).
-# Reply: the session's number: the one it holds, else this one, now held.  -1: the session has no log
-# (its meta was lost), so nothing is recorded and the caller uses the new number for this time only.
+# KEYS: meta, and on a standalone Redis the prefix's counter of sandbox user numbers (another slot).
+# ARGV: a number just taken from that counter by the caller (a cluster: ``INCR`` first), or '' to take
+# one here.  Reply: the session's number, the one it holds or the new one, now held; negated when the
+# session has no log (its meta was lost): nothing is recorded, the caller uses it for this time only.
 SANDBOX_USER = """
 local held = redis.call('HGET', KEYS[1], 'uid')
 if held then return tonumber(held) end
-if redis.call('HEXISTS', KEYS[1], 'created') == 0 then return -1 end
-redis.call('HSET', KEYS[1], 'uid', ARGV[1])
-return tonumber(ARGV[1])
+local number = tonumber(ARGV[1] ~= '' and ARGV[1] or redis.call('INCR', KEYS[2]))
+if redis.call('HEXISTS', KEYS[1], 'created') == 0 then return -number end
+redis.call('HSET', KEYS[1], 'uid', number)
+return number
 """
 
 # KEYS: log, meta.  ARGV: to (last archived event id).
