@@ -435,7 +435,8 @@ class SandboxRebuilt(Event, frozen=True, kw_only=True, tag="sandbox_rebuilt"):
 
     ``method`` is the fork's ``workspace``; ``actions`` counts the recorded actions re-run
     (``replay``); ``differences`` lists every observation that came out differently from
-    the recording; ``note`` says what else happened (a missing source workspace).
+    the recording; ``note`` says what else happened (a missing source workspace, a fork
+    the runtime refused to build).
     """
 
     source: Source = "runtime"

@@ -4,7 +4,8 @@ The attack that got through: a tenant appends a hand-written ``forked`` event (`
 copy``, ``source_session`` = another tenant's session) to its own session, and the runtime
 copies the victim's workspace into the attacker's.  Here it is tried through every client
 door (a real ``riverbed serve``, the real CLI, the Python client acting for a tenant), each
-refused with one sentence.
+refused with one sentence; then as if it had slipped past them (written straight into the
+log), where the runtime itself refuses to build anything from it and says why.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -21,12 +23,17 @@ import pytest
 
 from riverbed import SystemEventRefused, events
 from riverbed.agent.client import Bus
+from riverbed.agent.replay import FORK_MARK, fork, wait_rebuilt
 from riverbed.errors import InputError
+from riverbed.runtime.paths import workspace_name
 from tests.servekit import bearer, new_key, serve_process
 from tests.test_cli import assert_one_sentence, run
 from tests.test_serve import assert_problem
+from tests.workerproc import WorkerProcess
 
 pytestmark = [pytest.mark.security, pytest.mark.anyio]
+
+SECRET = "VICTIM-SECRET-5c1e"
 
 #: What an attacker writes by hand: "copy the victim's workspace into mine".
 FORGED_FORK = {"kind": "forked", "source_session": "victim", "at": 1, "workspace": "copy"}
@@ -56,6 +63,32 @@ CLIENT_KINDS = [
     {"kind": "error", "content": "the model call failed", "reason": "llm_error", "source": "agent"},
     {"kind": "condensation", "source": "user", "forgotten": [[1, 1]]},
 ]
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    root = tmp_path / "ws"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture
+def runtime_worker(redis_url: str, prefix: str, ws: Path, tmp_path: Path) -> Iterator[WorkerProcess]:
+    proc = WorkerProcess(
+        ["runtime"], name="walls-w1", redis_url=redis_url, prefix=prefix, workspace=ws, log_dir=tmp_path
+    )
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.close()
+
+
+async def victim_with_a_secret(bus: Bus) -> None:
+    """Another tenant's session whose workspace holds a secret file."""
+    victim = bus.session("victim", tenant="globex")
+    written = await victim.act(events.FileWrite(path="secret.txt", content=SECRET), timeout=30)
+    assert isinstance(written, events.FileWritten), written
 
 
 async def test_http_clients_cannot_append_system_events(bus: Bus, redis_url: str, prefix: str, tmp_path: Path) -> None:
@@ -126,3 +159,52 @@ async def test_a_python_handle_acting_for_a_tenant_cannot_append_system_events(b
     assert await mine.last_id() == 0
     ids = await mine.append(*(events.from_builtins(e) for e in CLIENT_KINDS))
     assert len(ids) == len(CLIENT_KINDS)
+
+
+async def forge_fork_in_the_log(bus: Bus, *, marked: bool) -> int:
+    """A forked event naming the victim, written straight into the attacker's log as only
+    riverbed's own writers can (what slipped past every client door); with ``marked``, the
+    fork mark too, as if fork() itself had been fooled.  Returns its id."""
+    attacker = bus.session("mine", tenant="acme")
+    await attacker.append(events.Message(content="hello", source="user"))
+    at = await attacker.last_id()
+    if marked:
+        await bus.client.hset(bus.keys.meta("mine"), FORK_MARK, at + 1)
+    forged = events.Forked(source_session="victim", at=1, workspace="copy", tenant="acme")
+    result = await bus.log_store.append("mine", [forged], tenant="acme")
+    assert result == [at + 1]
+    return at + 1
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["not-written-by-fork", "other-tenants-source"])
+async def test_the_runtime_builds_nothing_from_a_forged_fork(
+    bus: Bus, ws: Path, runtime_worker: WorkerProcess, marked: bool
+) -> None:
+    await victim_with_a_secret(bus)
+    forked_id = await forge_fork_in_the_log(bus, marked=marked)
+
+    record = await wait_rebuilt(bus, "mine", forked_id, timeout=30)
+    assert record.method == "empty"
+    assert record.tenant == "acme"
+    why = "is not this session's tenant's" if marked else "was not written by fork()"
+    assert why in record.note, record.note
+    assert "nothing was copied or replayed" in record.note
+    read = await bus.session("mine", tenant="acme").act(events.FileRead(path="secret.txt"), timeout=30)
+    assert isinstance(read, events.Error), read
+    listing = await bus.session("mine", tenant="acme").act(events.CmdRun(command="ls -A; grep -r . . || true"))
+    assert isinstance(listing, events.CmdOutput)
+    assert SECRET not in listing.content
+    mine = ws / workspace_name("mine")
+    assert not any(SECRET in p.read_text(errors="replace") for p in mine.rglob("*") if p.is_file())
+
+
+async def test_a_fork_of_the_same_tenant_still_copies(bus: Bus, runtime_worker: WorkerProcess) -> None:
+    """The wall lets the real thing through: fork() of one's own session, workspace copy."""
+    own = bus.session("own", tenant="globex")
+    await own.act(events.FileWrite(path="notes.txt", content="mine to copy"), timeout=30)
+    forked_id = await fork(bus, "own", await own.last_id(), "own-copy", workspace="copy")
+    record = await wait_rebuilt(bus, "own-copy", forked_id, timeout=30)
+    assert (record.method, record.note) == ("copy", "")
+    read = await bus.session("own-copy", tenant="globex").act(events.FileRead(path="notes.txt"), timeout=30)
+    assert isinstance(read, events.FileContent)
+    assert read.content == "mine to copy"

@@ -29,6 +29,14 @@ effects twice.  So the log drives it:
 4. :func:`wait_rebuilt` waits for that event (``riverbed fork`` prints it, and exits 3 when
    anything differed).
 
+Only :func:`fork` writes a ``forked`` event that gets built: it marks the new session's meta
+hash with the event's id (``forked``) before it copies anything, and clients cannot append
+``forked`` at all (``events.check_client``).  The runtime builds the sandbox only for the
+marked event, and only when the source session is of the fork's tenant
+(:func:`fork_refusal`); any other ``forked`` event that comes its way is answered with a
+``sandbox_rebuilt`` that says why nothing was built.  A copied ``forked`` event below the
+mark is the source's history, not an instruction.
+
 After the rebuild the fork is served like any session: its shell and Python state last as
 long as the worker keeps the session (a new owner after a crash starts them afresh, with
 the files in place, as for every session).  Caveat: a copied action that was still
@@ -56,7 +64,7 @@ from msgspec.structs import replace
 
 from riverbed import events
 from riverbed.agent.client import Bus
-from riverbed.bus.log import answered_cause, decode_entry
+from riverbed.bus.log import Log, answered_cause, decode_entry
 from riverbed.errors import ActTimeout, AlreadyAnswered, InputError
 
 __all__ = [
@@ -65,6 +73,8 @@ __all__ = [
     "Executor",
     "RuntimeStart",
     "fork",
+    "fork_mark",
+    "fork_refusal",
     "observation_fields",
     "rebuild",
     "rerun",
@@ -120,6 +130,9 @@ async def fork(bus: Bus, source: str, at: int, into: str, *, workspace: events.W
         raise InputError(f"cannot fork into {into!r}: that session exists already; choose a new session id")
     tenant = (await store.meta(source)).get("tenant") or None
     await start_runtime_after(bus, into, await _runtime_start(bus, source, at))
+    # The runtime builds a sandbox only for the forked event marked here (see the module
+    # docstring), marked before anything is copied: a worker may see the events at once.
+    await bus.client.hset(bus.keys.meta(into), FORK_MARK, at + 1)
 
     async def copies() -> AsyncIterator[tuple[bytes, int]]:
         expected = 1
@@ -135,6 +148,34 @@ async def fork(bus: Bus, source: str, at: int, into: str, *, workspace: events.W
     forked = events.Forked(source_session=source, at=at, tenant=tenant, workspace=workspace)
     (forked_id,) = await _append(bus, into, [(events.encode(forked), 0)], expected_last=at, tenant=tenant)
     return forked_id
+
+
+FORK_MARK = "forked"
+"""The field of a fork's meta hash that holds the id of the ``forked`` event :func:`fork` wrote."""
+
+
+def fork_mark(meta: Mapping[str, str]) -> int:
+    """The id of the ``forked`` event :func:`fork` wrote into a session (0: none), from its meta."""
+    raw = meta.get(FORK_MARK, "")
+    return int(raw) if raw.isdigit() else 0
+
+
+async def fork_refusal(log: Log, session: str, tenant: str | None, forked: events.Forked) -> str | None:
+    """Why the runtime must not build the sandbox that the ``forked`` event of ``session`` (of
+    ``tenant``) asks for; None when it may: :func:`fork` wrote the event, and the source
+    session is of the same tenant (checked again here, whatever slipped past the append)."""
+    if forked.id is None or forked.id != fork_mark(await log.meta(session)):
+        return (
+            f"the forked event {forked.id} was not written by fork(), so its sandbox was not built "
+            "(nothing was copied or replayed)"
+        )
+    source_tenant = (await log.meta(forked.source_session)).get("tenant") or None
+    if source_tenant != tenant:
+        return (
+            f"the source session {forked.source_session!r} is not this session's tenant's, so the sandbox "
+            "was not built (nothing was copied or replayed)"
+        )
+    return None
 
 
 class RuntimeStart:
