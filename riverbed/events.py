@@ -54,6 +54,7 @@ from riverbed.errors import DecodeError, InputError, SystemEventRefused
 __all__ = [
     "MAX_DEPTH",
     "MAX_K",
+    "MAX_SKIPPED",
     "MAX_TIMEOUT",
     "RESERVED_ENV",
     "Action",
@@ -85,6 +86,7 @@ __all__ = [
     "RecallResult",
     "SandboxRebuilt",
     "SessionConfig",
+    "Skipped",
     "Source",
     "Think",
     "Unknown",
@@ -429,6 +431,20 @@ class Divergence(msgspec.Struct, frozen=True, kw_only=True):
     new: Any = None
 
 
+MAX_SKIPPED = 100
+"""The most skipped files a ``sandbox_rebuilt`` event lists."""
+
+
+class Skipped(msgspec.Struct, frozen=True, kw_only=True):
+    """A file of a source workspace that a ``copy`` left out: ``path`` (relative to the
+    workspace) and ``reason``: ``fifo``, ``socket`` or ``device`` (special files are never
+    copied), ``changed`` (replaced while it was copied, by a symlink or something else:
+    never followed) or ``unreadable``."""
+
+    path: str
+    reason: str
+
+
 class SandboxRebuilt(Event, frozen=True, kw_only=True, tag="sandbox_rebuilt"):
     """How the runtime built a fork's sandbox, appended once (``cause`` = the ``forked``
     event) before it runs any new action of the fork.
@@ -436,7 +452,7 @@ class SandboxRebuilt(Event, frozen=True, kw_only=True, tag="sandbox_rebuilt"):
     ``method`` is the fork's ``workspace``; ``actions`` counts the recorded actions re-run
     (``replay``); ``differences`` lists every observation that came out differently from
     the recording; ``note`` says what else happened (a missing source workspace, a fork
-    the runtime refused to build).
+    the runtime refused to build); ``skipped`` lists what a ``copy`` left out.
     """
 
     source: Source = "runtime"
@@ -446,6 +462,10 @@ class SandboxRebuilt(Event, frozen=True, kw_only=True, tag="sandbox_rebuilt"):
     actions: int = 0
     differences: list[Divergence] = msgspec.field(default_factory=list)
     note: str = ""
+    skipped: list[Skipped] | msgspec.UnsetType = msgspec.UNSET
+    """Files of the source's workspace a ``copy`` did not copy (the first
+    :data:`MAX_SKIPPED`; ``note`` counts them all).  Unset (not written) when it skipped
+    none, so records from before this field existed read and export byte for byte."""
 
 
 class SessionConfig(Event, frozen=True, kw_only=True, tag="session_config"):

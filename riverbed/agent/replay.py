@@ -19,7 +19,9 @@ effects twice.  So the log drives it:
    new action of the fork, calls :func:`rebuild`: ``replay`` empties the fork's workspace
    and re-executes the recorded runtime actions 1..``at`` in it, in order, silently (the
    ``session_config`` environment applied where it occurs), with the same machinery as
-   :func:`rerun`; ``copy`` copies the source's current workspace instead (files only);
+   :func:`rerun`; ``copy`` copies the source's current workspace instead (files and
+   symlinks, by file descriptor: nothing is followed out of it, and special files are
+   skipped and listed, see :mod:`riverbed.runtime.trees`);
 3. it appends one ``sandbox_rebuilt`` event (``cause`` = the ``forked`` event): the method,
    how many actions ran, and every observation that came out differently from the
    recording.  The append is fenced like any answer, and a new owner that finds the event
@@ -53,7 +55,7 @@ to a new session, so the rerun can be inspected like any other log.
 
 from __future__ import annotations
 
-import shutil
+import functools
 from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -66,6 +68,7 @@ from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.bus.log import Log, answered_cause, decode_entry
 from riverbed.errors import ActTimeout, AlreadyAnswered, InputError
+from riverbed.runtime.trees import Copied, copy_tree, empty_tree
 
 __all__ = [
     "WORKSPACE_METHODS",
@@ -91,6 +94,8 @@ class Executor(Protocol):
     """What :func:`rerun` needs of a sandbox (``riverbed.runtime.Runtime`` fits)."""
 
     def workspace(self, session_id: str) -> Path: ...
+
+    def workspace_owner(self, session_id: str) -> tuple[int, int] | None: ...
 
     def set_env(self, session_id: str, env: Mapping[str, str | None]) -> None: ...
 
@@ -282,13 +287,19 @@ async def rebuild(
     """
     workspace = runtime.workspace(session)
     await runtime.close_session(session)
-    await anyio.to_thread.run_sync(_empty, workspace)
+    await anyio.to_thread.run_sync(empty_tree, workspace)
     done = events.SandboxRebuilt(method=forked.workspace, at=forked.at, cause=forked.id, trace=forked.trace)
     if forked.workspace == "copy":
         source = runtime.workspace(forked.source_session)
-        copied = await anyio.to_thread.run_sync(_copy_workspace, source, workspace)
-        note = "" if copied else f"the source's workspace {str(source)!r} does not exist here; the fork starts empty"
-        return replace(done, note=note)
+        owner = runtime.workspace_owner(session)
+        copied = await anyio.to_thread.run_sync(
+            functools.partial(copy_tree, source, workspace, owner=owner, keep=events.MAX_SKIPPED)
+        )
+        if copied is None:
+            return replace(
+                done, note=f"the source's workspace {str(source)!r} does not exist here; the fork starts empty"
+            )
+        return _with_skipped(done, copied)
     if forked.workspace != "replay":
         return done
     steps: list[events.Event] = []
@@ -348,21 +359,18 @@ def _good_env(env: Mapping[str, str | None]) -> dict[str, str | None]:
     return good
 
 
-def _empty(workspace: Path) -> None:
-    if not workspace.is_dir():
-        return
-    for child in workspace.iterdir():
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
-
-
-def _copy_workspace(source: Path, workspace: Path) -> bool:
-    if not source.is_dir():
-        return False
-    shutil.copytree(source, workspace, symlinks=True, dirs_exist_ok=True)
-    return True
+def _with_skipped(done: events.SandboxRebuilt, copied: Copied) -> events.SandboxRebuilt:
+    """``done`` listing what the copy skipped (special files, files that changed under it)."""
+    if not copied.skipped_count:
+        return done
+    listed = [events.Skipped(path=path, reason=reason) for path, reason in copied.skipped]
+    more = f" (the first {len(listed)} are listed)" if copied.skipped_count > len(listed) else ""
+    count = copied.skipped_count
+    note = (
+        f"{count} {'file was' if count == 1 else 'files were'} not copied{more}: special files (FIFOs, "
+        "sockets, devices) are never copied, nor files that changed kind during the copy"
+    )
+    return replace(done, skipped=listed, note=note)
 
 
 # --- rerun -------------------------------------------------------------------------------
@@ -487,9 +495,8 @@ def _has_files(path: Path) -> bool:
 
 
 def _copy_seed(seed: Path, workspace: Path) -> None:
-    if not seed.is_dir():
+    if copy_tree(seed.resolve(), workspace) is None:  # (the operator's directory: its own symlinks count)
         raise InputError(f"the rerun seed {str(seed)!r} is not a directory")
-    shutil.copytree(seed, workspace, symlinks=True, dirs_exist_ok=True)
 
 
 async def _write_log(bus: Bus, into: str, written: list[events.Event], *, tenant: str | None) -> None:
