@@ -11,6 +11,7 @@ from riverbed.errors import (
     InputError,
     NotFoundError,
     RiverbedError,
+    SystemEventRefused,
     TenantMismatch,
     UnavailableError,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "NotFoundError",
     "RiverbedError",
     "Session",
+    "SystemEventRefused",
     "TenantMismatch",
     "UnavailableError",
     "connect",

@@ -9,6 +9,7 @@
     │   ├── DecodeError               a payload is not a valid event (bytes, JSON, a field's value)
     │   ├── AlreadyAnswered           an answer to an action that already has its one answer
     │   ├── TenantMismatch            an append names another tenant than the session's own
+    │   ├── SystemEventRefused        a client appended an event only riverbed itself writes
     │   └── PathRefused               a path leads out of a workspace or is not usable (``reason``)
     ├── UnavailableError  (retryable) Redis, Postgres or the embedder cannot be reached
     ├── AppendConflict                ``expected_last`` did not match the log's last id
@@ -69,6 +70,13 @@ class AlreadyAnswered(InputError):
 
     def __hash__(self) -> int:
         return hash((self.cause, self.existing))
+
+
+class SystemEventRefused(InputError):
+    """A client (the HTTP API, ``riverbed append``/``act``, a handle acting for a tenant)
+    appended an event that only riverbed itself writes: ``forked``, ``sandbox_rebuilt``, a
+    role's observation, or a kind with a ``source`` it does not take from clients
+    (``riverbed.events.check_client``).  Nothing of the batch is appended."""
 
 
 class TenantMismatch(InputError):

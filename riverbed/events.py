@@ -25,7 +25,14 @@ Input from users and agents is checked at the boundary, before anything is appen
   a "did you mean" hint; the log's own decoders (:func:`decode`, :func:`decode_json`)
   still ignore fields a newer version wrote, so old workers read new logs;
 - :func:`check` refuses nesting deeper than :data:`MAX_DEPTH`, a payload over a size
-  limit, and a ``session_config`` that sets a name in :data:`RESERVED_ENV`.
+  limit, and a ``session_config`` that sets a name in :data:`RESERVED_ENV`;
+- :func:`check_client` refuses what only the system writes.  Clients (the HTTP API,
+  ``riverbed append`` and ``act``, a handle acting for a tenant) append actions, messages,
+  ``session_config``, context edits, an agent's ``llm_response`` and ``error`` and a user's
+  ``condensation``; every other kind (``forked``, ``sandbox_rebuilt``, the roles'
+  observations) and every other ``source`` comes only from a role, ``fork()`` or import,
+  which append through the log itself (``Log.append``), not through a client handle.  Each
+  kind says who may write it in :attr:`Event.client_sources`.
 
 An event written before a bound existed and outside it reads back as ``unknown`` (its raw
 payload kept): it is never dropped, and never executed with the bad value.
@@ -42,11 +49,12 @@ from typing import Annotated, Any, ClassVar, Literal, TypeAlias, Union
 import msgspec
 from msgspec.structs import force_setattr, replace
 
-from riverbed.errors import DecodeError, InputError
+from riverbed.errors import DecodeError, InputError, SystemEventRefused
 
 __all__ = [
     "MAX_DEPTH",
     "MAX_K",
+    "MAX_SKIPPED",
     "MAX_TIMEOUT",
     "RESERVED_ENV",
     "Action",
@@ -78,11 +86,13 @@ __all__ = [
     "RecallResult",
     "SandboxRebuilt",
     "SessionConfig",
+    "Skipped",
     "Source",
     "Think",
     "Unknown",
     "WorkspaceMethod",
     "check",
+    "check_client",
     "check_env",
     "decode",
     "decode_json",
@@ -157,6 +167,10 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     """Fields every event has.  ``id`` is the per-session event id (None until appended)."""
 
     version: ClassVar[int] = 1
+    client_sources: ClassVar[frozenset[str]] = frozenset()
+    """The sources a client may append this kind with (:func:`check_client`); empty: only
+    the system writes it (a role, ``fork()``, import).  A custom kind that clients append
+    names its sources here (an :class:`Action` has ``agent`` and ``user`` already)."""
 
     id: int | None = None
     source: Source = "agent"
@@ -182,6 +196,7 @@ class Action(Event, frozen=True, kw_only=True):
 
     answered_by: ClassVar[Role | None] = "runtime"
     repeatable: ClassVar[bool] = False
+    client_sources: ClassVar[frozenset[str]] = frozenset(("agent", "user"))
 
     tool_call_id: str | msgspec.UnsetType = msgspec.UNSET
     """The id of the model's tool call this action answers (an agent that calls tools records
@@ -356,7 +371,12 @@ class RecallResult(Observation, frozen=True, kw_only=True, tag="recall_result"):
 
 
 class Error(Observation, frozen=True, kw_only=True, tag="error"):
-    """Something went wrong; ``retryable`` says whether the same action may succeed later."""
+    """Something went wrong; ``retryable`` says whether the same action may succeed later.
+
+    A client writes one only as ``source: agent``: an agent's own failure (the model call,
+    its limits, an action it gave up waiting for)."""
+
+    client_sources: ClassVar[frozenset[str]] = frozenset(("agent",))
 
     content: str
     reason: str = "error"
@@ -365,7 +385,10 @@ class Error(Observation, frozen=True, kw_only=True, tag="error"):
 
 class Condensation(Observation, frozen=True, kw_only=True, tag="condensation"):
     """Drop ``forgotten`` id ranges (inclusive) from the view; insert ``summary`` at
-    ``summary_offset`` (an index into the condensed view)."""
+    ``summary_offset`` (an index into the condensed view).  A client writes one only as
+    ``source: user`` (a proposal it applies: ``riverbed context suggest --apply``)."""
+
+    client_sources: ClassVar[frozenset[str]] = frozenset(("user",))
 
     source: Source = "condenser"
 
@@ -408,13 +431,28 @@ class Divergence(msgspec.Struct, frozen=True, kw_only=True):
     new: Any = None
 
 
+MAX_SKIPPED = 100
+"""The most skipped files a ``sandbox_rebuilt`` event lists."""
+
+
+class Skipped(msgspec.Struct, frozen=True, kw_only=True):
+    """A file of a source workspace that a ``copy`` left out: ``path`` (relative to the
+    workspace) and ``reason``: ``fifo``, ``socket`` or ``device`` (special files are never
+    copied), ``changed`` (replaced while it was copied, by a symlink or something else:
+    never followed) or ``unreadable``."""
+
+    path: str
+    reason: str
+
+
 class SandboxRebuilt(Event, frozen=True, kw_only=True, tag="sandbox_rebuilt"):
     """How the runtime built a fork's sandbox, appended once (``cause`` = the ``forked``
     event) before it runs any new action of the fork.
 
     ``method`` is the fork's ``workspace``; ``actions`` counts the recorded actions re-run
     (``replay``); ``differences`` lists every observation that came out differently from
-    the recording; ``note`` says what else happened (a missing source workspace).
+    the recording; ``note`` says what else happened (a missing source workspace, a fork
+    the runtime refused to build); ``skipped`` lists what a ``copy`` left out.
     """
 
     source: Source = "runtime"
@@ -424,11 +462,17 @@ class SandboxRebuilt(Event, frozen=True, kw_only=True, tag="sandbox_rebuilt"):
     actions: int = 0
     differences: list[Divergence] = msgspec.field(default_factory=list)
     note: str = ""
+    skipped: list[Skipped] | msgspec.UnsetType = msgspec.UNSET
+    """Files of the source's workspace a ``copy`` did not copy (the first
+    :data:`MAX_SKIPPED`; ``note`` counts them all).  Unset (not written) when it skipped
+    none, so records from before this field existed read and export byte for byte."""
 
 
 class SessionConfig(Event, frozen=True, kw_only=True, tag="session_config"):
     """Session settings, folded from the log: environment variables for the sandbox
     (later values win; ``None`` unsets) and the condenser configuration."""
+
+    client_sources: ClassVar[frozenset[str]] = frozenset(("agent", "user"))
 
     env: dict[str, str | None] = msgspec.field(default_factory=dict)
     condenser: dict[str, Any] | None = None
@@ -450,6 +494,8 @@ class ContextEdit(Event, frozen=True, kw_only=True, tag="context_edit"):
     edit that touches one member applies to the whole unit.  ``note`` says why (free text).
     """
 
+    client_sources: ClassVar[frozenset[str]] = frozenset(("agent", "user"))
+
     source: Source = "user"
 
     op: Literal["forget", "restore", "pin", "unpin"]
@@ -460,6 +506,8 @@ class ContextEdit(Event, frozen=True, kw_only=True, tag="context_edit"):
 
 class LlmResponse(Event, frozen=True, kw_only=True, tag="llm_response"):
     """A model's raw response, recorded before its actions so replay needs no model."""
+
+    client_sources: ClassVar[frozenset[str]] = frozenset(("agent",))
 
     model: str
     content: str | None = None
@@ -796,6 +844,24 @@ def check(event: Event, *, max_bytes: int | None = None) -> bytes:
     if isinstance(event, SessionConfig):
         check_env(event.env)
     return payload
+
+
+def check_client(event: Event) -> None:
+    """Refuse (:class:`~riverbed.errors.SystemEventRefused`) an event a client may not
+    append: a kind only the system writes, or a ``source`` the kind does not take from
+    clients (:attr:`Event.client_sources`)."""
+    allowed = type(event).client_sources
+    if event.source in allowed:
+        return
+    kind = (event.original_kind or "unknown") if isinstance(event, Unknown) else event.kind
+    if not allowed:
+        raise SystemEventRefused(
+            f"a client cannot append a {kind!r} event: only riverbed itself writes them (a role, fork or import)"
+        )
+    raise SystemEventRefused(
+        f"a client cannot append a {kind!r} event with source {event.source!r}: "
+        f"clients write it as {' or '.join(repr(s) for s in sorted(allowed))}"
+    )
 
 
 def check_env(env: Mapping[str, str | None]) -> None:

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import anyio
 
-from riverbed.agent.client import Bus
+from riverbed import events
+from riverbed.agent.client import Bus, Session
 from riverbed.bus.consumer import Handler, Owner
+from riverbed.errors import AlreadyAnswered
 from riverbed.runtime import Runtime
 from riverbed.workers.runtime_role import RuntimeHandler
 
@@ -39,3 +41,13 @@ async def runtime_worker(bus: Bus, workspace: Path, *, name: str = "w1") -> Asyn
     finally:
         with anyio.CancelScope(shield=True):
             await runtime.aclose()
+
+
+async def record(session: Session, *batch: events.Event) -> list[int]:
+    """Append ``batch`` as riverbed itself writes it (a role's observations, a condenser's
+    condensation), stamped like the handle's own appends: through the log, since a handle
+    acting for a tenant takes only what clients may append (``events.check_client``)."""
+    result = await session.bus.log_store.append(session.id, [session.stamp(e) for e in batch], tenant=session.tenant)
+    if isinstance(result, AlreadyAnswered):
+        raise result
+    return result

@@ -20,6 +20,7 @@ import redis
 
 import riverbed
 from riverbed import events
+from tests.agentkit import record
 
 GOLDEN = Path(__file__).parent / "golden" / "events.jsonl"
 
@@ -96,7 +97,7 @@ def fill(redis_url: str, prefix: str, session: str, batch: list[events.Event]) -
         async with riverbed.connect(redis_url, prefix=prefix) as bus:
             handle = bus.session(session, tenant="acme")
             for begin in range(0, len(batch), 500):
-                await handle.append(*batch[begin : begin + 500])
+                await record(handle, *batch[begin : begin + 500])
 
     anyio.run(go)
 

@@ -162,7 +162,7 @@ def test_cli_drops_every_error_restores_it_and_pins_through_a_condensation(
     assert view_ids(cli_env, "ctx", 10) == everything
 
     assert json.loads(ok(cli_env, "context", "ctx", "pin", "7"))["pinned"] == [7]
-    ok(cli_env, "append", "ctx", '{"kind": "condensation", "source": "condenser", "forgotten": [[1, 8]]}')
+    ok(cli_env, "append", "ctx", '{"kind": "condensation", "source": "user", "forgotten": [[1, 8]]}')
     assert view_ids(cli_env, "ctx", 11) == everything
     assert view_ids(cli_env, "ctx", 12) == [7]
     shown = context_json(cli_env, "ctx")

@@ -35,6 +35,7 @@ from riverbed.agent.client import Bus, Session
 from riverbed.memory.embedders import LocalEmbedder
 from riverbed.memory.recall import Memory
 from riverbed.memory.store import Store
+from tests.agentkit import record
 from tests.test_memory_worker import chunk_rows, tracked, wait_indexed, work_script
 from tests.workerproc import WorkerProcess
 
@@ -177,7 +178,7 @@ async def test_sigkill_after_index_before_ack_indexes_every_event_once(
     doomed.wait_ready()
     session = bus.session("crash-after-index", tenant="acme")
     batch = [*work_script(), events.Recall(query="which test failed?", k=3)]
-    ids = await session.append(*batch)
+    ids = await record(session, *batch)
     recall_id = ids[-1]
 
     assert await wait_exit(doomed, 30) == -signal.SIGKILL
@@ -315,7 +316,7 @@ async def test_postgres_outage_recalls_fail_fast_and_indexing_catches_up(
     )
     worker.wait_ready()
     session = bus.session("outage", tenant="acme")
-    await session.append(*work_script())
+    await record(session, *work_script())
     warm = await session.act(events.Recall(query="which pods are running?"), timeout=RECALL_TIMEOUT)
     assert isinstance(warm, events.RecallResult), warm
     await wait_indexed(url, prefix, session)
@@ -327,7 +328,8 @@ async def test_postgres_outage_recalls_fail_fast_and_indexing_catches_up(
     round_no = 0
     while True:
         round_no += 1
-        during += await session.append(
+        during += await record(
+            session,
             *(
                 events.Message(source="user", content=f"outage note {round_no}.{i}: the VPN gateway is flapping")
                 for i in range(5)
@@ -401,7 +403,7 @@ async def test_postgres_hanging_recalls_answer_within_their_timeout(
     )
     worker.wait_ready()
     session = bus.session("hanging", tenant="acme")
-    await session.append(*work_script())
+    await record(session, *work_script())
     warm = await session.act(events.Recall(query="which pods are running?"), timeout=RECALL_TIMEOUT)
     assert isinstance(warm, events.RecallResult), warm
     await wait_indexed(url, prefix, session)

@@ -29,6 +29,7 @@ from riverbed.memory.embedders import Embedder, LocalEmbedder, Vectors
 from riverbed.memory.recall import Memory
 from riverbed.memory.store import Store
 from riverbed.workers.memory_role import MemoryHandler
+from tests.agentkit import record
 from tests.test_memory_worker import tracked, wait_indexed, work_script
 
 pytestmark = pytest.mark.anyio
@@ -89,7 +90,8 @@ async def test_every_byte_value_is_indexed_and_recalled(
 ) -> None:
     session = bus.session("bytes", tenant="acme")
     async with worker(bus, database_url, prefix, local):
-        ids = await session.append(
+        ids = await record(
+            session,
             events.Message(source="user", content=f"wombat notes {EVERY_BYTE} end of wombat notes"),
             events.CmdRun(command="find . -print0"),
             events.CmdOutput(command="find . -print0", content=f"wombat listing {EVERY_BYTE}", exit_code=0),
@@ -204,7 +206,7 @@ async def test_recalls_answer_within_their_timeout_while_postgres_hangs(
     recall_timeout = 2.0
     session = bus.session("hang", tenant="acme")
     async with worker(bus, database_url, prefix, local, recall_timeout=recall_timeout):
-        await session.append(*work_script())
+        await record(session, *work_script())
         await wait_indexed(database_url, prefix, session)
         async with memory_tables_locked(database_url, prefix):
             await session.append(events.Message(source="user", content="a note written while Postgres hangs"))
@@ -256,7 +258,7 @@ async def test_recall_results_do_not_crowd_out_the_events_they_quote(
     session = bus.session("echo", tenant="acme")
     question = "which pods are running in the cluster?"
     async with worker(bus, database_url, prefix, local):
-        await session.append(*work_script())
+        await record(session, *work_script())
         await wait_indexed(database_url, prefix, session)
         first = await recall(session, question, k=3)
         for _ in range(4):

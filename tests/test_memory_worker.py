@@ -31,6 +31,7 @@ from riverbed.settings import Settings
 from riverbed.workers.main import Worker
 from riverbed.workers.memory_role import MemoryHandler
 from riverbed.workers.metrics import USAGE_METRIC_NAMES, WorkerMetrics
+from tests.agentkit import record
 from tests.test_metrics import samples, value
 
 pytestmark = pytest.mark.anyio
@@ -107,7 +108,7 @@ async def append_session(session: Session, script: Sequence[events.Event]) -> li
     for event in script:
         if isinstance(event, events.Observation) and event.cause is None:
             event = replace(event, cause=last_action)  # noqa: PLW2901
-        (new_id,) = await session.append(event)
+        (new_id,) = await record(session, event)
         if isinstance(event, events.Action):
             last_action = new_id
         ids.append(new_id)
@@ -216,12 +217,13 @@ async def test_every_event_is_indexed_and_semantic_recall_finds_it(
     complaint = id_of(script, ids, "message", "Checkout got really slow")
     # the condenser forgot the test run and the edit; recall must still bring them back
     forgotten = (2, pool_edit + 1)
-    (condensation,) = await session.append(
+    (condensation,) = await record(
+        session,
         events.Condensation(
             forgotten=[forgotten],
             summary="Looked at recent commits, ran the tests, read the nginx config and changed the database pool.",
             summary_offset=1,
-        )
+        ),
     )
     assert forgotten[0] <= pytest_output <= forgotten[1]
     assert forgotten[0] <= pool_edit <= forgotten[1]

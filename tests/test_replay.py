@@ -47,7 +47,7 @@ async def test_fork_copies_the_same_ids_and_bytes_then_diverges(bus: Bus, worksp
         assert action_id is not None
         fork_session = bus.session("copy", tenant="acme")  # the fork keeps the source's tenant
         with pytest.raises(InputError, match="already answered"):
-            await fork_session.append(events.CmdOutput(content="again", cause=action_id))
+            await fork_session.append(events.Error(content="again", source="agent", cause=action_id))
 
         # The copied actions are not run again: with workspace="empty" the fork's workspace starts empty.
         obs = await fork_session.act(events.CmdRun(command="echo y >> count.txt && wc -l < count.txt"), timeout=20)

@@ -12,6 +12,7 @@ import pytest
 from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.serve import KeyStore, ServeConfig
+from tests.agentkit import record
 from tests.servekit import bearer, new_key, running
 from tests.workerproc import WorkerProcess
 
@@ -238,7 +239,8 @@ async def test_sse_follows_live_and_resumes_after_last_event_id(bus: Bus) -> Non
 async def test_view_fork_status_and_the_open_endpoints(bus: Bus) -> None:
     key, admin = await new_key(bus, "acme"), await new_key(bus, None, admin=True)
     session = bus.session("v", tenant="acme")
-    await session.append(
+    await record(
+        session,
         events.Message(content="a", source="user"),
         events.Think(thought="b"),
         events.Think(thought="c"),
@@ -294,7 +296,8 @@ async def test_recall_searches_the_session_without_writing_to_it(bus: Bus, datab
 
     acme, other = await new_key(bus, "acme"), await new_key(bus, "globex")
     session = bus.session("r", tenant="acme")
-    await session.append(
+    await record(
+        session,
         events.Message(content="Please fix the failing login test.", source="user"),
         events.CmdRun(command="pytest tests/test_login.py"),
         events.CmdOutput(

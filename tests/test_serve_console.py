@@ -22,6 +22,7 @@ from riverbed.agent.client import Bus
 from riverbed.memory.embedders import LocalEmbedder
 from riverbed.memory.recall import Memory
 from riverbed.memory.store import Store
+from tests.agentkit import record
 from tests.servekit import new_key, riverbed_command, running
 
 pytestmark = pytest.mark.anyio
@@ -33,12 +34,14 @@ async def record_session(bus: Bus, name: str) -> None:
     """A short agent session: a failing test found, a fix, a condensation that hid the early steps."""
     s = bus.session(name, tenant="acme", agent="coder")
     usage = {"prompt_tokens": 812, "completion_tokens": 41, "total_tokens": 853}
-    await s.append(
+    await record(
+        s,
         events.Message(content="The test for calc.add fails. Please fix it.", source="user"),
         events.LlmResponse(model="gpt-4o-mini", content="Let me run the tests first.", usage=usage),
         events.CmdRun(command="pytest -q"),
     )
-    await s.append(
+    await record(
+        s,
         events.CmdOutput(
             content="F.\nFAILED test_calc.py::test_add - assert -1 == 5\n1 failed, 1 passed in 0.02s",
             exit_code=1,
@@ -47,7 +50,8 @@ async def record_session(bus: Bus, name: str) -> None:
         ),
         events.FileRead(path="calc.py"),
     )
-    await s.append(
+    await record(
+        s,
         events.FileContent(path="calc.py", content="def add(a, b):\n    return a - b\n", cause=5),
         events.Think(thought="add() subtracts: the operator is wrong."),
         events.FileEdit(command="str_replace", path="calc.py", old_str="a - b", new_str="a + b"),
@@ -58,11 +62,13 @@ async def record_session(bus: Bus, name: str) -> None:
         "total_tokens": 1412,
         "prompt_tokens_details": {"cached_tokens": 768},
     }
-    await s.append(
+    await record(
+        s,
         events.FileEdited(path="calc.py", diff="-    return a - b\n+    return a + b", cause=8),
         events.CmdRun(command="pytest -q"),
     )
-    await s.append(
+    await record(
+        s,
         events.CmdOutput(content="..\n2 passed in 0.01s", exit_code=0, command="pytest -q", cause=10),
         events.Condensation(
             forgotten=[(3, 6)], summary="Ran pytest: test_add failed (-1 != 5); calc.add used '-' instead of '+'."

@@ -9,6 +9,7 @@ from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.memory.context import context_edit, preview, report
 from riverbed.serve import ServeConfig
+from tests import agentkit
 from tests.servekit import bearer, new_key, running
 from tests.test_serve import assert_problem
 
@@ -22,7 +23,7 @@ async def record(bus: Bus, name: str) -> None:
         events.LlmResponse(model="m", content="run it", usage={"prompt_tokens": 100, "completion_tokens": 10}),
         events.CmdRun(command="pytest"),
     )
-    await s.append(events.Error(content="boom", reason="runtime_lost", retryable=True, cause=3))
+    await agentkit.record(s, events.Error(content="boom", reason="runtime_lost", retryable=True, cause=3))
     await s.append(
         events.Think(thought="again"),
         events.LlmResponse(

@@ -65,6 +65,12 @@ class Session:
     The first append fixes the session's tenant (the handle's, or none): every later append
     must come from a handle with the same tenant, else :class:`TenantMismatch` and nothing is
     appended.  An event may carry a tenant itself only when it is the handle's.
+
+    A handle acting for a tenant is a client: it appends only what clients may
+    (:func:`riverbed.events.check_client`: actions, messages, settings, context edits, an
+    agent's own errors), else :class:`~riverbed.errors.SystemEventRefused`.  What only
+    riverbed writes (``forked``, ``sandbox_rebuilt``, a role's observations) goes through the
+    log itself (``bus.log_store.append``), as roles, ``fork()`` and import do.
     """
 
     def __init__(self, bus: Bus, session_id: str, *, tenant: str | None = None, agent: str | None = None) -> None:
@@ -97,8 +103,13 @@ class Session:
         Every event is checked first (:func:`riverbed.events.check`: the schema's bounds,
         nesting, size, reserved environment names): a bad one appends nothing of the batch
         and raises :class:`InputError`; a second answer to an action raises :class:`AlreadyAnswered`.
+        A handle acting for a tenant refuses events only riverbed writes (:class:`SystemEventRefused`).
         """
         stamped = [self.stamp(e) if isinstance(e, events.Event) else e for e in batch]
+        if self.tenant is not None:
+            for event in stamped:
+                if isinstance(event, events.Event):  # (anything else is refused by the check below)
+                    events.check_client(event)
         payloads = [(self.bus.check(e), answered_cause(e)) for e in stamped]
         result = await self.bus.log_store.append_raw(
             self.id,
@@ -122,6 +133,8 @@ class Session:
         if not (timeout > 0 and math.isfinite(timeout)):
             raise InputError(f"the act timeout must be a finite number of seconds greater than 0, not {timeout}")
         stamped = self.stamp(action)
+        if self.tenant is not None:
+            events.check_client(stamped)
         payload = self.bus.check(stamped)
         if type(action).answered_by is None:
             (action_id,) = await self.append(stamped)

@@ -19,7 +19,9 @@ effects twice.  So the log drives it:
    new action of the fork, calls :func:`rebuild`: ``replay`` empties the fork's workspace
    and re-executes the recorded runtime actions 1..``at`` in it, in order, silently (the
    ``session_config`` environment applied where it occurs), with the same machinery as
-   :func:`rerun`; ``copy`` copies the source's current workspace instead (files only);
+   :func:`rerun`; ``copy`` copies the source's current workspace instead (files and
+   symlinks, by file descriptor: nothing is followed out of it, and special files are
+   skipped and listed, see :mod:`riverbed.runtime.trees`);
 3. it appends one ``sandbox_rebuilt`` event (``cause`` = the ``forked`` event): the method,
    how many actions ran, and every observation that came out differently from the
    recording.  The append is fenced like any answer, and a new owner that finds the event
@@ -28,6 +30,14 @@ effects twice.  So the log drives it:
    the re-executed actions' observations are compared, not logged;
 4. :func:`wait_rebuilt` waits for that event (``riverbed fork`` prints it, and exits 3 when
    anything differed).
+
+Only :func:`fork` writes a ``forked`` event that gets built: it marks the new session's meta
+hash with the event's id (``forked``) before it copies anything, and clients cannot append
+``forked`` at all (``events.check_client``).  The runtime builds the sandbox only for the
+marked event, and only when the source session is of the fork's tenant
+(:func:`fork_refusal`); any other ``forked`` event that comes its way is answered with a
+``sandbox_rebuilt`` that says why nothing was built.  A copied ``forked`` event below the
+mark is the source's history, not an instruction.
 
 After the rebuild the fork is served like any session: its shell and Python state last as
 long as the worker keeps the session (a new owner after a crash starts them afresh, with
@@ -45,7 +55,7 @@ to a new session, so the rerun can be inspected like any other log.
 
 from __future__ import annotations
 
-import shutil
+import functools
 from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -56,8 +66,9 @@ from msgspec.structs import replace
 
 from riverbed import events
 from riverbed.agent.client import Bus
-from riverbed.bus.log import answered_cause, decode_entry
+from riverbed.bus.log import Log, answered_cause, decode_entry
 from riverbed.errors import ActTimeout, AlreadyAnswered, InputError
+from riverbed.runtime.trees import Copied, copy_tree, empty_tree
 
 __all__ = [
     "WORKSPACE_METHODS",
@@ -65,6 +76,8 @@ __all__ = [
     "Executor",
     "RuntimeStart",
     "fork",
+    "fork_mark",
+    "fork_refusal",
     "observation_fields",
     "rebuild",
     "rerun",
@@ -81,6 +94,8 @@ class Executor(Protocol):
     """What :func:`rerun` needs of a sandbox (``riverbed.runtime.Runtime`` fits)."""
 
     def workspace(self, session_id: str) -> Path: ...
+
+    def workspace_owner(self, session_id: str) -> tuple[int, int] | None: ...
 
     def set_env(self, session_id: str, env: Mapping[str, str | None]) -> None: ...
 
@@ -120,6 +135,9 @@ async def fork(bus: Bus, source: str, at: int, into: str, *, workspace: events.W
         raise InputError(f"cannot fork into {into!r}: that session exists already; choose a new session id")
     tenant = (await store.meta(source)).get("tenant") or None
     await start_runtime_after(bus, into, await _runtime_start(bus, source, at))
+    # The runtime builds a sandbox only for the forked event marked here (see the module
+    # docstring), marked before anything is copied: a worker may see the events at once.
+    await bus.client.hset(bus.keys.meta(into), FORK_MARK, at + 1)
 
     async def copies() -> AsyncIterator[tuple[bytes, int]]:
         expected = 1
@@ -135,6 +153,34 @@ async def fork(bus: Bus, source: str, at: int, into: str, *, workspace: events.W
     forked = events.Forked(source_session=source, at=at, tenant=tenant, workspace=workspace)
     (forked_id,) = await _append(bus, into, [(events.encode(forked), 0)], expected_last=at, tenant=tenant)
     return forked_id
+
+
+FORK_MARK = "forked"
+"""The field of a fork's meta hash that holds the id of the ``forked`` event :func:`fork` wrote."""
+
+
+def fork_mark(meta: Mapping[str, str]) -> int:
+    """The id of the ``forked`` event :func:`fork` wrote into a session (0: none), from its meta."""
+    raw = meta.get(FORK_MARK, "")
+    return int(raw) if raw.isdigit() else 0
+
+
+async def fork_refusal(log: Log, session: str, tenant: str | None, forked: events.Forked) -> str | None:
+    """Why the runtime must not build the sandbox that the ``forked`` event of ``session`` (of
+    ``tenant``) asks for; None when it may: :func:`fork` wrote the event, and the source
+    session is of the same tenant (checked again here, whatever slipped past the append)."""
+    if forked.id is None or forked.id != fork_mark(await log.meta(session)):
+        return (
+            f"the forked event {forked.id} was not written by fork(), so its sandbox was not built "
+            "(nothing was copied or replayed)"
+        )
+    source_tenant = (await log.meta(forked.source_session)).get("tenant") or None
+    if source_tenant != tenant:
+        return (
+            f"the source session {forked.source_session!r} is not this session's tenant's, so the sandbox "
+            "was not built (nothing was copied or replayed)"
+        )
+    return None
 
 
 class RuntimeStart:
@@ -241,13 +287,19 @@ async def rebuild(
     """
     workspace = runtime.workspace(session)
     await runtime.close_session(session)
-    await anyio.to_thread.run_sync(_empty, workspace)
+    await anyio.to_thread.run_sync(empty_tree, workspace)
     done = events.SandboxRebuilt(method=forked.workspace, at=forked.at, cause=forked.id, trace=forked.trace)
     if forked.workspace == "copy":
         source = runtime.workspace(forked.source_session)
-        copied = await anyio.to_thread.run_sync(_copy_workspace, source, workspace)
-        note = "" if copied else f"the source's workspace {str(source)!r} does not exist here; the fork starts empty"
-        return replace(done, note=note)
+        owner = runtime.workspace_owner(session)
+        copied = await anyio.to_thread.run_sync(
+            functools.partial(copy_tree, source, workspace, owner=owner, keep=events.MAX_SKIPPED)
+        )
+        if copied is None:
+            return replace(
+                done, note=f"the source's workspace {str(source)!r} does not exist here; the fork starts empty"
+            )
+        return _with_skipped(done, copied)
     if forked.workspace != "replay":
         return done
     steps: list[events.Event] = []
@@ -307,21 +359,18 @@ def _good_env(env: Mapping[str, str | None]) -> dict[str, str | None]:
     return good
 
 
-def _empty(workspace: Path) -> None:
-    if not workspace.is_dir():
-        return
-    for child in workspace.iterdir():
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
-
-
-def _copy_workspace(source: Path, workspace: Path) -> bool:
-    if not source.is_dir():
-        return False
-    shutil.copytree(source, workspace, symlinks=True, dirs_exist_ok=True)
-    return True
+def _with_skipped(done: events.SandboxRebuilt, copied: Copied) -> events.SandboxRebuilt:
+    """``done`` listing what the copy skipped (special files, files that changed under it)."""
+    if not copied.skipped_count:
+        return done
+    listed = [events.Skipped(path=path, reason=reason) for path, reason in copied.skipped]
+    more = f" (the first {len(listed)} are listed)" if copied.skipped_count > len(listed) else ""
+    count = copied.skipped_count
+    note = (
+        f"{count} {'file was' if count == 1 else 'files were'} not copied{more}: special files (FIFOs, "
+        "sockets, devices) are never copied, nor files that changed kind during the copy"
+    )
+    return replace(done, skipped=listed, note=note)
 
 
 # --- rerun -------------------------------------------------------------------------------
@@ -446,9 +495,8 @@ def _has_files(path: Path) -> bool:
 
 
 def _copy_seed(seed: Path, workspace: Path) -> None:
-    if not seed.is_dir():
+    if copy_tree(seed.resolve(), workspace) is None:  # (the operator's directory: its own symlinks count)
         raise InputError(f"the rerun seed {str(seed)!r} is not a directory")
-    shutil.copytree(seed, workspace, symlinks=True, dirs_exist_ok=True)
 
 
 async def _write_log(bus: Bus, into: str, written: list[events.Event], *, tenant: str | None) -> None:

@@ -13,7 +13,8 @@ key                                    what
                                        the session's sandbox user, from ``{p}:{p}:uids``), per role
                                        ``fence:<role>``, ``holder:<role>``, ``expires:<role>``,
                                        ``need:<role>`` (no owner yet: when it was last announced),
-                                       ``archived_to`` (events up to it are in the archive)
+                                       ``archived_to`` (events up to it are in the archive),
+                                       ``forked`` (the id of the ``forked`` event ``fork()`` wrote)
 ``{p}:{s}:answers``                    hash: action id -> id of its one answering observation
 ``{p}:{s}:claims``                     hash: action id -> ``worker:token:nonce`` of the runtime owner
                                        that started it (removed when the action is answered)

@@ -55,6 +55,8 @@ from riverbed.runtime.tmp import SessionTmp
 log = structlog.get_logger("riverbed.runtime.python")
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".gif", ".svg"})
+_SCAN_MAX_DEPTH = 32
+"""How deep below the workspace a cell's saved images are looked for."""
 _SCAN_MAX_FILES = 20_000
 _WATCH_EVERY = 1.0
 
@@ -387,10 +389,15 @@ def _cut(text: str, limit: int) -> str:
 
 
 def _images(workspace: Path) -> dict[str, int]:
-    """Image files below ``workspace`` (relative path -> mtime_ns and size), skipping dot-dirs."""
+    """Image files below ``workspace`` (relative path -> mtime_ns and size), skipping dot-dirs
+    and anything deeper than :data:`_SCAN_MAX_DEPTH` (``os.walk`` recurses: a deeper tree
+    would raise ``RecursionError``)."""
     found: dict[str, int] = {}
     seen = 0
+    base = str(workspace).rstrip(os.sep).count(os.sep)
     for top, dirs, files in os.walk(workspace):
+        if top.count(os.sep) - base >= _SCAN_MAX_DEPTH:
+            dirs[:] = []
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in {"node_modules", "__pycache__"}]
         for name in files:
             seen += 1

@@ -198,6 +198,10 @@ class Runtime:
         """The workspace directory of a session (pure: nothing is created)."""
         return self._root / workspace_name(session_id)
 
+    def workspace_owner(self, session_id: str) -> tuple[int, int] | None:
+        """The uid/gid that owns a session's files (None: the worker's own user)."""
+        return self._sandbox.owner(self.workspace(session_id))
+
     def sessions(self) -> list[str]:
         return list(self._sessions)
 

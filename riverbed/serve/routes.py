@@ -4,7 +4,9 @@ Handlers are thin: the log, the View fold, fork and the backlog statistics live 
 packages that own them.  Every route that names a session answers 404 alike for a session
 that does not exist and for one of another tenant, so a key learns nothing about other
 tenants' sessions.  Appends through the API set ``tenant`` on every event to the session's
-tenant (for a new session: the key's), whatever the client sent.
+tenant (for a new session: the key's), whatever the client sent, and take only what a
+client may write (``events.check_client``: no ``forked``, no role's observation), from an
+admin key too.
 """
 
 from __future__ import annotations
@@ -194,6 +196,8 @@ async def append(request: Request) -> Response:
     session = request.path_params["session"]
     tenant = await _session_tenant(api, who, session, create=True)
     batch = [replace(e, tenant=tenant) for e in events.events_from_json(await _body(request))]
+    for event in batch:
+        events.check_client(event)
     expected_last = _int_param(request, "expected_last", minimum=0)
     key = request.headers.get("idempotency-key")
     ids = await api.bus.session(session, tenant=tenant).append(*batch, expected_last=expected_last, idempotency_key=key)
@@ -218,6 +222,7 @@ async def _act(request: Request, api: Api, timeout: float) -> Response:
     action = events.from_json(await _body(request))
     if not isinstance(action, events.Action):
         raise InputError(f"{action.kind!r} is not an action (see `riverbed schema`); POST it to /events instead")
+    events.check_client(action)
     answer = await api.bus.session(session, tenant=tenant).act(replace(action, tenant=tenant), timeout=timeout)
     api.tenants.remember(session, tenant)
     return Response(events.encode_json(answer), media_type="application/json")

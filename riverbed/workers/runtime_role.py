@@ -11,7 +11,11 @@ have happened.
 A fork whose ``forked`` event asks for its sandbox (``workspace`` = ``replay`` or
 ``copy``) and has no ``sandbox_rebuilt`` answer yet is rebuilt first, before any new action
 of it runs: when the session is opened, or when the ``forked`` event arrives (a worker may
-take a fork while its events are still being copied).  See :mod:`riverbed.agent.replay`.
+take a fork while its events are still being copied).  It is built only for the ``forked``
+event that ``fork()`` wrote (the fork's meta marks its id) and only when the source session
+is of the fork's tenant; any other ``forked`` event is answered with a ``sandbox_rebuilt``
+that says why nothing was built, and a copied one below the mark is history.  See
+:mod:`riverbed.agent.replay`.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from anyio.abc import TaskStatus
 from msgspec.structs import replace
 
 from riverbed import events
-from riverbed.agent.replay import rebuild
+from riverbed.agent.replay import fork_mark, fork_refusal, rebuild
 from riverbed.bus.consumer import Answer, Entry, SessionContext
 from riverbed.bus.faults import crashpoint
 from riverbed.errors import InputError, RiverbedError
@@ -123,7 +127,7 @@ class RuntimeHandler:
             except msgspec.DecodeError:
                 saved = None
         start = saved.last + 1 if saved is not None else 1
-        forked: events.Forked | None = None
+        forks: list[events.Forked] = []
         built: set[int] = set()
         last = start - 1
         async for event in ctx.log.read(ctx.session, start):
@@ -134,10 +138,14 @@ class RuntimeHandler:
                 continue
             if isinstance(event, events.SessionConfig):
                 env.update(event.env)
-            elif isinstance(event, events.Forked):
-                forked = event
-        if forked is not None and forked.workspace != "empty" and forked.id not in built:
-            await self._rebuild(ctx, forked)
+            elif isinstance(event, events.Forked) and event.workspace != "empty":
+                forks.append(event)
+        if forks:
+            # The marked one (fork()'s) and any after it; a copied one below the mark is history.
+            mark = fork_mark(await ctx.log.meta(ctx.session))
+            for forked in forks:
+                if (forked.id or 0) >= mark and forked.id not in built:
+                    await self._rebuild(ctx, forked)
         if env:
             self._set_env(ctx.session, env)
         if until is None:
@@ -149,6 +157,12 @@ class RuntimeHandler:
                 await self._save(ctx)
 
     async def _rebuild(self, ctx: SessionContext, forked: events.Forked) -> None:
+        refused = await fork_refusal(ctx.log, ctx.session, ctx.tenant, forked)
+        if refused is not None:
+            log.warning("fork.refused", session=ctx.session, event_id=forked.id, source=forked.source_session)
+            record = events.SandboxRebuilt(method="empty", at=forked.at, cause=forked.id, note=refused)
+            await ctx.append([replace(record, tenant=ctx.tenant, trace=forked.trace)])
+            return
         history = [e async for e in ctx.log.read(ctx.session, 1, forked.id)]
         started = anyio.current_time()
         built = await rebuild(self.runtime, ctx.session, forked, history)
@@ -173,9 +187,9 @@ class RuntimeHandler:
     async def handle(self, ctx: SessionContext, entries: list[Entry]) -> Answer | None:
         """Run the batch's actions in order; the last entry's answer is returned, for the loop
         to send with its next read."""
-        forked = next((e for e in entries if isinstance(e.event, events.Forked) and e.event.workspace != "empty"), None)
-        if forked is not None:
-            await self._fold(ctx, forked.id)  # before the copied actions still unanswered in this batch
+        forks = [e for e in entries if isinstance(e.event, events.Forked) and e.event.workspace != "empty"]
+        if forks:
+            await self._fold(ctx, forks[-1].id)  # before the copied actions still unanswered in this batch
         done: list[int] = []
         last = entries[-1]
         held: Answer | None = None

@@ -35,8 +35,9 @@ def _action_from_json(text: str) -> events.Action:
     event = events.from_json(_json_argument(text))
     if not isinstance(event, events.Action):
         raise InputError(
-            f"{event.kind!r} is not an action (see `riverbed schema`); `riverbed append` appends any event"
+            f"{event.kind!r} is not an action (see `riverbed schema`); `riverbed append` appends other events"
         )
+    events.check_client(event)
     return event
 
 
@@ -104,8 +105,13 @@ def append_command(
     as_json: Annotated[bool, typer.Option("--json", help='Print {"session": …, "ids": […]}.')] = False,
     prefix: PrefixOption = None,
 ) -> None:
-    """Append any event(s) without waiting for an answer; prints the new id(s), one a line."""
+    """Append event(s) without waiting for an answer; prints the new id(s), one a line.
+
+    Events only riverbed writes (forked, sandbox_rebuilt, a role's observations) are refused.
+    """
     batch = events.events_from_json(_json_argument(event))
+    for one in batch:
+        events.check_client(one)
     cli = Invocation(prefix)
 
     async def go() -> list[int]:
