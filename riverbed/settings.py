@@ -125,8 +125,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 raise ConfigError(f"{name}={url!r} is not a valid URL: it must start with {' or '.join(schemes)}")
         if self.lease_seconds <= 0.2:
             raise ConfigError("RIVERBED_LEASE_SECONDS must be greater than 0.2")
-        if self.concurrency < 1:
-            raise ConfigError("RIVERBED_CONCURRENCY must be at least 1")
+        if not 1 <= self.concurrency <= 1_000_000:
+            raise ConfigError("RIVERBED_CONCURRENCY must be between 1 and 1000000 (sessions per role)")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError("RIVERBED_METRICS_PORT must be a port number from 0 (off) to 65535")
         if self.redis_connections < 4:
             raise ConfigError("RIVERBED_REDIS_CONNECTIONS must be at least 4")
         if self.max_attempts < 1:

@@ -28,7 +28,10 @@ def serve_command(
         "127.0.0.1"
     ),
     port: Annotated[
-        int, typer.Option("--port", envvar="RIVERBED_SERVE_PORT", help="Port to listen on (0: any free port).")
+        int,
+        typer.Option(
+            "--port", envvar="RIVERBED_SERVE_PORT", min=0, max=65535, help="Port to listen on (0: any free port)."
+        ),
     ] = 8300,
     prefix: PrefixOption = None,
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,11 +61,10 @@ def _output(path: Path | None) -> Iterator[Any]:
         sys.stdout.buffer.flush()
         return
     try:
-        handle = path.open("wb")
+        with path.open("wb") as handle:
+            yield handle
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    with handle:
-        yield handle
 
 
 # --- import ----------------------------------------------------------------------------------
@@ -150,8 +150,8 @@ def fork_command(
     from riverbed.agent.replay import fork, rebuild_needed, wait_rebuilt  # noqa: PLC0415
 
     cli = Invocation(prefix)
-    if timeout < 0:
-        raise InputError(f"--timeout must be 0 or more, not {timeout:g}")
+    if not 0 <= timeout < math.inf:
+        raise InputError(f"--timeout must be a number of seconds, 0 or more, not {timeout:g}")
 
     async def go() -> tuple[int, str | events.SandboxRebuilt]:
         bus = await cli.bus()
