@@ -72,6 +72,7 @@ from riverbed.events import (
     Source,
     kind_of,
 )
+from riverbed.events import kinds as event_kinds
 
 __all__ = ["HistoryReleased", "Masked", "Summary", "View", "ViewBuilder", "unit_links", "view"]
 
@@ -188,13 +189,7 @@ class _Units:
             flag = _ANSWERABLE
         elif isinstance(event, LlmResponse):
             flag = _RESPONSE
-            for call in event.tool_calls:
-                call_id = call.get("id") if isinstance(call, dict) else None
-                if isinstance(call_id, str):
-                    self._call_owner.pop(call_id, None)
-                    self._call_owner[call_id] = eid
-            while len(self._call_owner) > CALL_IDS_KEPT:
-                del self._call_owner[next(iter(self._call_owner))]
+            self.name_calls(event, eid)
         else:
             return
         if self._base < 0:
@@ -203,6 +198,17 @@ class _Units:
         if at >= len(self._flags):
             self._flags.extend(bytes(at + 1 - len(self._flags)))
         self._flags[at] = flag
+
+    def name_calls(self, response: LlmResponse, eid: int) -> None:
+        """Actions naming one of the tool calls of ``response`` (event ``eid``) join it."""
+        owners = self._call_owner
+        for call in response.tool_calls:
+            call_id = call.get("id") if isinstance(call, dict) else None
+            if isinstance(call_id, str):
+                owners.pop(call_id, None)
+                owners[call_id] = eid
+        while len(owners) > CALL_IDS_KEPT:
+            del owners[next(iter(owners))]
 
 
 def unit_links(events: Sequence[Event]) -> list[tuple[int, int]]:
@@ -286,6 +292,7 @@ class ViewBuilder:
     __slots__ = (
         "_anchor",
         "_events",
+        "_flag_of",
         "_hidden_by",
         "_ids",
         "_keep_hidden",
@@ -323,6 +330,7 @@ class ViewBuilder:
         self._last = 0
         self._pending: list[Event] = []  # appended, not folded yet (see _fold)
         self._types: dict[type[Event], int] = {}  # event class -> its kind code | its role << 8
+        self._flag_of = bytearray(256)  # kind code -> _ANSWERABLE | _RESPONSE: what other events join
         self.extend(events)
 
     @property
@@ -371,8 +379,8 @@ class ViewBuilder:
             requests=sorted(self._requests),
             summary=self._summary.cause or 0 if self._summary is not None else 0,
             anchor=self._anchor,
-            units_base=self._units._base,
-            units_flags=zlib.compress(bytes(self._units._flags), 1),
+            units_base=0,
+            units_flags=zlib.compress(bytes(self._kind).translate(bytes(self._flag_of)), 1),
             call_owner=list(self._units._call_owner.items()),
             tails=list(self._tails.items()),
         )
@@ -408,9 +416,11 @@ class ViewBuilder:
         builder._pinned = set(frozen.pinned)
         builder._requests = set(frozen.requests)
         builder._anchor = frozen.anchor
-        builder._units._base = frozen.units_base
-        builder._units._flags = bytearray(zlib.decompress(frozen.units_flags))
         builder._units._call_owner = dict(frozen.call_owner)
+        known = event_kinds()
+        for name in frozen.kinds:  # (what joins what follows from the kinds, see _learn)
+            if name in known:
+                builder._learn(known[name])
         builder._tails = dict(frozen.tails)
         builder._summary_from = frozen.summary
         wanted = [*frozen.visible, frozen.summary] if frozen.summary else list(frozen.visible)
@@ -476,7 +486,9 @@ class ViewBuilder:
             role = _LLM_RESPONSE
         else:
             role = _OTHER
-        info = self._types[cls] = _kind_code(kind_of(cls)) | role << 8
+        code = _kind_code(kind_of(cls))
+        self._flag_of[code] = _ANSWERABLE if role == _ANSWERABLE_ACTION else _RESPONSE if role == _LLM_RESPONSE else 0
+        info = self._types[cls] = code | role << 8
         return info
 
     def _fold(self, batch: list[Event]) -> None:
@@ -484,20 +496,17 @@ class ViewBuilder:
 
         The unit rule is :class:`_Units`' (an observation joins the action or response it
         answers; an action joins the response it names), inlined here over the builder's
-        columns: folding is most of the CPU an agent's step spends on its context.
+        columns (whether an event can be joined follows from its kind: ``_flag_of``):
+        folding is most of the CPU an agent's step spends on its context.
         """
         last = batch[-1].id
         assert last is not None
         self._grow(last)
-        units = self._units
-        units._base = max(units._base, 0)
-        base, flags, owners = units._base, units._flags, units._call_owner
-        if len(flags) <= last - base:
-            flags.extend(bytes(last - base + 1 - len(flags)))
-        n_flags = len(flags)
+        units, flag_of = self._units, self._flag_of
+        owners = units._call_owner
         kind, root, nxt, hidden_by, tails = self._kind, self._root, self._next, self._hidden_by, self._tails
         ids, evs, store, requests, types = self._ids, self._events, self._store, self._requests, self._types
-        keep_hidden = self._keep_hidden
+        keep_hidden, n_kind = self._keep_hidden, len(self._kind)
         # (The roles are written as numbers in the loop: see the constants above.)
         for event in batch:
             eid: int = event.id  # type: ignore[assignment]
@@ -510,23 +519,19 @@ class ViewBuilder:
             if role == 2:  # _OBSERVATION
                 cause = event.cause
                 if cause is not None:
-                    at = cause - base
-                    if 0 <= at < n_flags and flags[at]:
+                    if 0 < cause < n_kind and flag_of[kind[cause]]:
                         parent = cause
                     elif cause in requests:
                         continue  # the answer to a condensation request
             elif role < 2:  # _ACTION, _ANSWERABLE_ACTION
                 cause = event.cause
                 if cause is not None:
-                    at = cause - base
-                    if 0 <= at < n_flags and flags[at] == 2:  # _RESPONSE
+                    if 0 < cause < n_kind and flag_of[kind[cause]] == 2:  # _RESPONSE
                         parent = cause
                 else:
                     call_id = event.tool_call_id  # type: ignore[attr-defined]
                     if call_id is not UNSET and isinstance(call_id, str):
                         parent = owners.get(call_id, 0)
-                if role:
-                    flags[eid - base] = 1  # _ANSWERABLE
             elif role == 4:  # _CONDENSATION
                 self._condense(event, eid)  # type: ignore[arg-type]
                 continue
@@ -534,7 +539,7 @@ class ViewBuilder:
                 requests.add(eid)
                 continue
             elif role == 3:  # _LLM_RESPONSE
-                units.add(event)
+                units.name_calls(event, eid)  # type: ignore[arg-type]
             elif role == 7:  # _EDIT
                 self._edit(event, eid)  # type: ignore[arg-type]
                 continue
