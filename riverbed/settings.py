@@ -123,8 +123,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         ):
             if url is not None and not url.startswith(schemes):
                 raise ConfigError(f"{name}={url!r} is not a valid URL: it must start with {' or '.join(schemes)}")
-        if self.lease_seconds <= 0.2:
-            raise ConfigError("RIVERBED_LEASE_SECONDS must be greater than 0.2")
+        if not 0.2 < self.lease_seconds <= 86_400:
+            raise ConfigError("RIVERBED_LEASE_SECONDS must be a number of seconds greater than 0.2, at most 86400")
+        if not 0 <= self.drain_seconds <= 86_400:
+            raise ConfigError("RIVERBED_DRAIN_SECONDS must be a number of seconds from 0 to 86400")
         if not 1 <= self.concurrency <= 1_000_000:
             raise ConfigError("RIVERBED_CONCURRENCY must be between 1 and 1000000 (sessions per role)")
         if not 0 <= self.metrics_port <= 65535:

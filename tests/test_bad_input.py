@@ -215,12 +215,16 @@ UNEXPECTED_ONCE: list[tuple[list[str], str]] = [
     (["export", "s1", "--out", "/dev/full"], "cannot write /dev/full"),
     (["fork", "s1", "--at", "1", "--into", "s1-f", "--timeout", "nan"], "--timeout must be a number of seconds"),
     (["context", "s1", "forget", "999"], "event 999 is beyond the log of 's1' (its last event is 2)"),
+    (["worker", "runtime", "--prefix", "rb_lease_nan"], "RIVERBED_LEASE_SECONDS must be a number of seconds"),
+    (["worker", "runtime", "--prefix", "rb_drain_nan"], "RIVERBED_DRAIN_SECONDS must be a number of seconds"),
 ]
+#: The environment of the cases above that need a variable of their own (by their --prefix).
+CASE_ENV = {"rb_lease_nan": {"RIVERBED_LEASE_SECONDS": "nan"}, "rb_drain_nan": {"RIVERBED_DRAIN_SECONDS": "nan"}}
 
 
 def test_inputs_that_were_unexpected_errors_exit_2_in_one_sentence(cli_env: dict[str, str]) -> None:
     ok(cli_env, "append", "s1", '[{"kind": "message", "content": "hi"}, {"kind": "think", "thought": "t"}]')
-    results = run_all([(cli_env, args) for args, _ in UNEXPECTED_ONCE])
+    results = run_all([({**cli_env, **CASE_ENV.get(args[-1], {})}, args) for args, _ in UNEXPECTED_ONCE])
     for (args, fragment), result in zip(UNEXPECTED_ONCE, results, strict=True):
         assert "unexpected error" not in result.stderr.decode(), args
         assert_one_sentence(result, 2, fragment)
