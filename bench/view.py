@@ -11,6 +11,17 @@ condenser writes).
 - incremental: ``ViewBuilder.append`` per event over the same session (µs per event,
   condensations included), against ``list.append`` in the same loop.
 
+And against the peer: the first 10,000 events of that session (10 condensations), folded by
+riverbed and by the OpenHands SDK's ``View.from_events`` (``bench/openhands_view.py``, one
+SDK event per riverbed event) in the same run, in thread CPU (``time.thread_time``):
+
+- the fold (target <= 0.4x the peer's);
+- ``ViewBuilder.append`` of every event, then ``view()`` (target <= 0.5 µs per event).
+
+The SDK needs Python >= 3.12: it runs in its own environment, ``.venv-openhands`` (made here
+on first use with a Python 3.12 found on PATH or under pyenv, or ``RIVERBED_BENCH_PYTHON312``;
+``--no-peer`` skips it).
+
 Medians of ``--repeats`` runs, alternating.  Run alone: ``python -m bench.view``.
 """
 
@@ -18,14 +29,26 @@ from __future__ import annotations
 
 import argparse
 import gc
+import glob
+import json
+import os
+import shutil
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-from bench.common import Result, run_alone
+from bench.common import Result, options, print_results, private_redis
 from riverbed import events
+from riverbed.cli.output import json_bytes
 from riverbed.memory.view import ViewBuilder, view
 
 EVENTS = 100_000
+PEER_EVENTS = 10_000
+PEER_SDK = "openhands-sdk==1.58.0"
+ROOT = Path(__file__).resolve().parent.parent
+PEER_VENV = ROOT / ".venv-openhands"
 CONDENSE_EVERY = 1000
 KEEP_HEAD = 4
 KEEP_TAIL = 200
@@ -107,11 +130,35 @@ def _appends(evs: list[events.Event]) -> float:
     started = time.perf_counter()
     for event in evs:
         append(event)
+    builder.view()  # (folding is lazy: the view is where appended events are folded)
     return time.perf_counter() - started
+
+
+def _cpu_fold(evs: list[events.Event]) -> float:
+    started = time.thread_time()
+    view(evs)
+    return time.thread_time() - started
+
+
+def _cpu_appends(evs: list[events.Event]) -> float:
+    builder = ViewBuilder()
+    append = builder.append
+    started = time.thread_time()
+    for event in evs:
+        append(event)
+    builder.view()
+    return time.thread_time() - started
 
 
 async def measure(_url: str, args: argparse.Namespace) -> list[Result]:
     repeats = max(args.repeats, 3)
+    results = _against_a_loop(repeats)
+    if getattr(args, "no_peer", False):
+        return results
+    return results + _against_openhands(repeats)
+
+
+def _against_a_loop(repeats: int) -> list[Result]:
     evs = session_events()
     conds = sum(isinstance(e, events.Condensation) for e in evs)
     folded = view(evs)
@@ -154,8 +201,110 @@ async def measure(_url: str, args: argparse.Namespace) -> list[Result]:
     ]
 
 
+def _against_openhands(repeats: int) -> list[Result]:
+    evs = session_events(PEER_EVENTS)
+    conds = sum(isinstance(e, events.Condensation) for e in evs)
+    python = peer_python()
+    if isinstance(python, str):
+        print(f"bench.view: the OpenHands SDK comparison is skipped: {python}", file=sys.stderr)
+        return []
+    history = b"".join(json_bytes(e) + b"\n" for e in evs)
+    folds: list[float] = []
+    appends: list[float] = []
+    peer: list[float] = []
+    peer_length = 0
+    gc.collect()
+    for _ in range(2):  # riverbed, the peer, riverbed again: a load change hits both alike
+        for _ in range(repeats):
+            folds.append(_cpu_fold(evs))
+            appends.append(_cpu_appends(evs))
+        if not peer:
+            peer, peer_length = _peer_folds(python, history, repeats * 2)
+    fold_ms, peer_ms = statistics.median(folds) * 1000, statistics.median(peer) * 1000
+    append_us = statistics.median(appends) / len(evs) * 1e6
+    note = f"OpenHands SDK 1.58 view: {peer_length} events (one summary per condensation), riverbed's: {len(view(evs))}"
+    return [
+        Result(
+            f"view fold, {len(evs):,} events / {conds} condensations, thread CPU",
+            "ms",
+            fold_ms,
+            peer_ms,
+            "OpenHands SDK View.from_events",
+            fold_ms / peer_ms,
+            0.4,
+            repeats * 2,
+            better="lower",
+            note=note,
+        ),
+        Result(
+            "ViewBuilder.append per event, then view(), thread CPU",
+            "µs",
+            append_us,
+            peer_ms * 1000 / len(evs),
+            "OpenHands SDK, per event",
+            append_us / (peer_ms * 1000 / len(evs)),
+            0.5,
+            repeats * 2,
+            better="lower",
+            target_on="figure",
+        ),
+    ]
+
+
+def _peer_folds(python: Path, history: bytes, repeats: int) -> tuple[list[float], int]:
+    env = {**os.environ, "OPENHANDS_SUPPRESS_BANNER": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    script = Path(__file__).with_name("openhands_view.py")
+    done = subprocess.run(
+        [str(python), str(script), str(repeats)], input=history, capture_output=True, env=env, check=False
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"the OpenHands SDK fold failed: {done.stderr.decode(errors='replace')[-2000:]}")
+    answer = json.loads(done.stdout)
+    return answer["fold_seconds"], answer["view_length"]
+
+
+def peer_python() -> Path | str:
+    """The Python of ``.venv-openhands`` with the SDK installed (made now if need be), or why not."""
+    python = PEER_VENV / "bin" / "python"
+    check = [str(python), "-c", "import openhands.sdk"]
+    if python.exists() and subprocess.run(check, capture_output=True, check=False).returncode == 0:
+        return python
+    base = _python312()
+    if base is None:
+        return (
+            "no Python >= 3.12 found (PATH, pyenv, RIVERBED_BENCH_PYTHON312), which the SDK needs; "
+            "install one (pyenv install 3.12) or pass --no-peer"
+        )
+    print(f"bench.view: installing {PEER_SDK} into {PEER_VENV} (once) …", file=sys.stderr)
+    subprocess.run([base, "-m", "venv", str(PEER_VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", PEER_SDK], check=True)
+    return python
+
+
+def _python312() -> str | None:
+    given = os.environ.get("RIVERBED_BENCH_PYTHON312")
+    if given:
+        return given
+    pyenv_root = os.environ.get("PYENV_ROOT") or str(Path.home() / ".pyenv")
+    candidates = [shutil.which(f"python3.{minor}") for minor in (12, 13)]
+    candidates += sorted(glob.glob(f"{pyenv_root}/versions/3.1[23]*/bin/python3"))
+    for candidate in candidates:
+        found = candidate and subprocess.run([candidate, "-c", "import venv"], capture_output=True, check=False)
+        if found and found.returncode == 0:
+            return candidate
+    return None
+
+
 def main() -> int:
-    return run_alone(measure, "The View fold against a plain loop over the same events.")
+    parser = options("The View fold against a plain loop and against the OpenHands SDK's, on the same events.")
+    parser.add_argument("--no-peer", action="store_true", help="skip the OpenHands SDK comparison")
+    args = parser.parse_args()
+    import anyio  # noqa: PLC0415
+
+    with private_redis(args.redis_url) as url:
+        results = anyio.run(measure, url, args)
+    print_results(results, as_json=args.json)
+    return 0
 
 
 if __name__ == "__main__":

@@ -368,6 +368,9 @@ class RecallResult(Observation, frozen=True, kw_only=True, tag="recall_result"):
     conversation_instructions: str | None = None
     knowledge: list[Knowledge] = msgspec.field(default_factory=list)
     hits: list[Hit] = msgspec.field(default_factory=list)
+    #: Set when the answer could not wait for indexing to reach the recall: the index held
+    #: the session's events 1..indexed_to, not the later ones (None: every event before it).
+    indexed_to: int | None = None
 
 
 class Error(Observation, frozen=True, kw_only=True, tag="error"):
@@ -809,6 +812,8 @@ def _user_json(data: bytes | str) -> Any:
         raise DecodeError(f"the JSON is nested too deeply (events nest at most {MAX_DEPTH} levels)") from None
     except msgspec.DecodeError as exc:
         raise DecodeError(f"not valid JSON ({exc})") from exc
+    except UnicodeDecodeError as exc:  # (msgspec checks the UTF-8 of strings as it decodes them)
+        raise DecodeError("not valid JSON: the text is not UTF-8") from exc
 
 
 def check(event: Event, *, max_bytes: int | None = None) -> bytes:

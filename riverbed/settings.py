@@ -49,10 +49,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     bwrap: str = ""
     embedder: Annotated[str, Meta(pattern=r"^(local|openai:.+)$")] = "local"
     llm_model: str = "gpt-4o-mini"
-    lease_seconds: Annotated[float, Meta(gt=0.2)] = 5.0
-    concurrency: Annotated[int, Meta(ge=1)] = 100
+    lease_seconds: Annotated[float, Meta(gt=0.2, le=86_400)] = 5.0
+    concurrency: Annotated[int, Meta(ge=1, le=1_000_000)] = 100
     redis_connections: Annotated[int, Meta(ge=4)] = 12
-    drain_seconds: Annotated[float, Meta(ge=0)] = 10.0
+    drain_seconds: Annotated[float, Meta(ge=0, le=86_400)] = 10.0
     max_attempts: Annotated[int, Meta(ge=1)] = 3
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     retention_seconds: Annotated[float, Meta(ge=0)] = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -200,6 +201,45 @@ def test_bad_input_through_the_cli_is_one_sentence_appends_nothing_and_the_worke
     # ... and the worker still answers.
     answer = json.loads(ok(cli_env, "act", "s1", '{"kind": "cmd_run", "command": "echo still-here"}'))
     assert "still-here" in answer["content"]
+
+
+HUGE = str(2**70)  # past every 64-bit id
+
+#: Inputs that once ended in "unexpected error" (exit 1): now one sentence and exit 2.
+UNEXPECTED_ONCE: list[tuple[list[str], str]] = [
+    (["dlq", "requeue", "abc"], "no dead letter with id 'abc'"),
+    (["dlq", "requeue", HUGE], "no dead letter"),
+    (["worker", "runtime", "--concurrency", HUGE], "RIVERBED_CONCURRENCY must be between 1 and"),
+    (["worker", "runtime", "--metrics-port", "99999"], "RIVERBED_METRICS_PORT must be a port number"),
+    (["append", "s1", os.fsdecode(b'{"kind": "message", "content": "\xff"}')], "not UTF-8"),
+    (["export", "s1", "--out", "/dev/full"], "cannot write /dev/full"),
+    (["fork", "s1", "--at", "1", "--into", "s1-f", "--timeout", "nan"], "--timeout must be a number of seconds"),
+    (["context", "s1", "forget", "999"], "event 999 is beyond the log of 's1' (its last event is 2)"),
+    (["worker", "runtime", "--prefix", "rb_lease_nan"], "RIVERBED_LEASE_SECONDS must be a number of seconds"),
+    (["worker", "runtime", "--prefix", "rb_drain_nan"], "RIVERBED_DRAIN_SECONDS must be a number of seconds"),
+]
+#: The environment of the cases above that need a variable of their own (by their --prefix).
+CASE_ENV = {"rb_lease_nan": {"RIVERBED_LEASE_SECONDS": "nan"}, "rb_drain_nan": {"RIVERBED_DRAIN_SECONDS": "nan"}}
+
+
+def test_inputs_that_were_unexpected_errors_exit_2_in_one_sentence(cli_env: dict[str, str]) -> None:
+    ok(cli_env, "append", "s1", '[{"kind": "message", "content": "hi"}, {"kind": "think", "thought": "t"}]')
+    results = run_all([({**cli_env, **CASE_ENV.get(args[-1], {})}, args) for args, _ in UNEXPECTED_ONCE])
+    for (args, fragment), result in zip(UNEXPECTED_ONCE, results, strict=True):
+        assert "unexpected error" not in result.stderr.decode(), args
+        assert_one_sentence(result, 2, fragment)
+    port = run(cli_env, "serve", "--port", "99999")  # (it used to listen on 99999 % 65536)
+    assert port.returncode == 2, port.stderr.decode()
+    assert "--port" in port.stderr.decode()
+    # Ids past 2**64 read what the log has.
+    assert ok(cli_env, "log", "s1", "--json", "--until", HUGE).count(b"\n") == 2
+    assert ok(cli_env, "log", "s1", "--json", "--from", HUGE) == b""
+    assert b"think" in ok(cli_env, "context", "s1", "--until", HUGE)
+    assert last_id_of(cli_env, "s1") == 2  # nothing was appended by the refused inputs
+
+
+def last_id_of(env: dict[str, str], session: str) -> int:
+    return len(ok(env, "log", session, "--json").splitlines())
 
 
 def test_act_and_append_read_json_from_a_file_or_stdin(

@@ -433,3 +433,47 @@ async def test_postgres_hanging_recalls_answer_within_their_timeout(
     log = await session.events()
     every_recall_answered_once(log)
     assert {e.id for e in log} <= set(await tracked(url, prefix, session.id))
+
+
+#: Events appended at once before a recall: far more than the memory role indexes within
+#: the recall's timeout (about 350 embeddings/s on 2 cores).
+BACKLOG = 20_000
+
+
+async def test_a_recall_behind_an_indexing_backlog_is_answered_within_its_timeout(
+    bus: Bus,
+    workers: list[WorkerProcess],
+    redis_url: str,
+    database_url: str,
+    prefix: str,
+    workspace: Path,
+    tmp_path: Path,
+) -> None:
+    """The recall does not queue behind indexing of the 20,000 events before it: it is
+    answered from the index as it is, and says how far that is."""
+    session = bus.session("backlog", tenant="acme")
+    await session.append(events.Message(source="user", content="the deploy key rotates every 90 days"))
+    worker = spawn(
+        workers, "memory", redis_url=redis_url, database_url=database_url, prefix=prefix, workspace=workspace,
+        log_dir=tmp_path,
+    )  # fmt: skip
+    worker.wait_ready()
+    await settled(bus, session)
+    for start in range(0, BACKLOG, 1000):
+        await session.append(
+            *(
+                events.Message(source="user", content=f"note {i}: runner {i % 97} built commit {i * 7919 % 10007}")
+                for i in range(start, start + 1000)
+            )
+        )
+    started = time.monotonic()
+    answer = await session.act(events.Recall(query="when does the deploy key rotate?", k=3), timeout=RECALL_TIMEOUT)
+    took = time.monotonic() - started
+    assert isinstance(answer, events.RecallResult), answer
+    assert took < RECALL_TIMEOUT
+    assert answer.indexed_to is not None
+    assert 1 <= answer.indexed_to < BACKLOG  # the index was behind, and the answer says so
+    assert 1 in {h.event_id for h in answer.hits}  # what was indexed is found
+    log = await session.events()
+    assert len([e for e in log if isinstance(e, events.Observation) and e.cause == answer.cause]) == 1
+    assert worker.proc.poll() is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -199,6 +200,46 @@ async def test_without_a_runtime_worker_the_fork_is_made_and_the_wait_says_why(b
         await wait_rebuilt(bus, "alone-2", forked_id, timeout=0.3)
     with pytest.raises(InputError, match="replay, copy or empty"):
         await fork(bus, "alone", 1, "alone-3", workspace="clone")  # type: ignore[arg-type]
+
+
+async def test_a_message_only_fork_returns_at_once_without_a_runtime_worker(bus: Bus, cli_env: dict[str, str]) -> None:
+    """Nothing to replay (no runtime action in 1..N): fork does not wait for a worker."""
+    await bus.session("chat").append(*[events.Message(content=f"m{i}", source="user") for i in range(80)])
+    started = time.perf_counter()
+    result = await cli(cli_env, "fork", "chat", "--at", "50", "--into", "chat-2")
+    took = time.perf_counter() - started
+    err = result.stderr.decode()
+    assert result.returncode == 0, err
+    assert "forked chat at event 50 into chat-2" in err
+    assert "hold no runtime action" in err
+    assert took < 10, f"fork took {took:.1f}s"  # milliseconds of work and an interpreter start-up
+    scripted = await cli(cli_env, "fork", "chat", "--at", "50", "--into", "chat-3", "--json")
+    assert scripted.returncode == 0, scripted.stderr.decode()
+    assert json.loads(scripted.stdout)["rebuild"] == "not needed"
+
+
+async def test_a_fork_to_replay_without_a_runtime_worker_says_when_it_is_rebuilt(
+    bus: Bus, cli_env: dict[str, str], start_worker: functools.partial[WorkerProcess]
+) -> None:
+    worker = start_worker()
+    at = await record_then_move_on(bus, "src")
+    assert await anyio.to_thread.run_sync(worker.terminate) == 0  # (it leaves the registry)
+
+    made = await cli(cli_env, "fork", "src", "--at", str(at), "--into", "later")
+    err = made.stderr.decode()
+    assert made.returncode == 0, err
+    assert "its sandbox is rebuilt (replay) when a runtime worker takes later" in err
+    assert "no runtime worker is running now" in err
+
+    waited = await cli(cli_env, "fork", "src", "--at", str(at), "--into", "later-2", "--wait", "--timeout", "0.5")
+    assert waited.returncode == 1, waited.stderr.decode()
+    assert "no runtime worker rebuilt its sandbox within 0.5s" in waited.stderr.decode()
+
+    # The rebuild happens when a worker takes the fork; --wait then reports it.
+    start_worker("fork-w2")
+    assert await state(bus.session("later", tenant="acme")) == ("as of the fork\n", "early sub", "1")
+    rebuilt = [e for e in await bus.session("later", tenant="acme").events() if isinstance(e, events.SandboxRebuilt)]
+    assert [(e.actions, e.differences) for e in rebuilt] == [(3, [])]
 
 
 async def test_the_runtime_starts_from_saved_settings_and_reads_only_the_log_after_it(

@@ -38,6 +38,8 @@ __all__ = ["SessionContext"]
 class _Session(Protocol):
     """What the context operations use of a session handle (``agent.client.Session``)."""
 
+    id: str
+
     def stamp(self, event: events.Event) -> events.Event: ...
 
     async def append(
@@ -129,6 +131,12 @@ class SessionContext:
         for attempt in range(_ATTEMPTS):
             log = await self.session.events()
             last = log[-1].id if log else 0
+            beyond = [first for first, _ in spans if first > (last or 0)]
+            if beyond:
+                raise InputError(
+                    f"event {min(beyond)} is beyond the log of {self.session.id!r} (its last event is {last}): "
+                    "an edit names events that exist"
+                )
             try:
                 (edit_id,) = await self.session.append(edit, expected_last=last)
             except AppendConflict:

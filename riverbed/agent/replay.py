@@ -80,6 +80,7 @@ __all__ = [
     "fork_refusal",
     "observation_fields",
     "rebuild",
+    "rebuild_needed",
     "rerun",
     "start_runtime_after",
     "wait_rebuilt",
@@ -272,6 +273,21 @@ async def wait_rebuilt(bus: Bus, session: str, forked_id: int, *, timeout: float
     if not isinstance(answer, events.SandboxRebuilt):
         raise InputError(f"event {forked_id} of {session!r} is answered by a {answer.kind!r}, not by sandbox_rebuilt")
     return answer
+
+
+async def rebuild_needed(bus: Bus, session: str, at: int, workspace: events.WorkspaceMethod) -> bool:
+    """Whether the fork ``session`` (its events 1..``at`` copied) waits for a rebuild that can
+    tell anything: ``copy`` always does; ``replay`` only when events 1..``at`` hold a runtime
+    action with its recorded answer (what :func:`rebuild` re-executes); ``empty`` never."""
+    if workspace != "replay":
+        return workspace == "copy"
+    actions: set[int] = set()
+    async for event in bus.log_store.read(session, 1, at):
+        if _is_runtime_action(event) and event.id is not None:
+            actions.add(event.id)
+        elif isinstance(event, events.Observation) and event.cause in actions:
+            return True
+    return False
 
 
 async def rebuild(

@@ -81,7 +81,9 @@ class DeadLetters:
         return await self.redis.xlen(self.key)
 
     async def get(self, letter_id: str) -> DeadLetter:
-        entries = await self.redis.xrange(self.key, letter_id, letter_id)
+        ms, dash, seq = letter_id.partition("-")
+        well_formed = dash and ms.isdigit() and seq.isdigit() and int(ms) < 2**64 and int(seq) < 2**64
+        entries = await self.redis.xrange(self.key, letter_id, letter_id) if well_formed else []
         if not entries:
             raise NotFoundError(f"no dead letter with id {letter_id!r} (see riverbed dlq list)")
         return _letter(*entries[0])

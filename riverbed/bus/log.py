@@ -82,6 +82,9 @@ def auto_key() -> str:
 
 
 PAGE = 2000
+LAST_ID = 2**63 - 1
+"""The largest event id a read asks for (Redis stream ids and the archive's bigint end there):
+a range past it reads what the log has, not an error."""
 
 
 @dataclass(frozen=True)
@@ -384,6 +387,9 @@ class Log:
         """(id, payload) pairs of events start..end (inclusive), page by page, archive included."""
         key = self.keys.log(session)
         want = max(start, 1)
+        if want > LAST_ID:
+            return
+        end = None if end is None or end >= LAST_ID else end
         hi = "+" if end is None else f"{end}-0"
         while end is None or want <= end:
             entries = await self._pages.xrange(key, f"{want}-0", hi, count=page)
@@ -410,6 +416,9 @@ class Log:
         """
         key = self.keys.log(session)
         want = max(start, 1)
+        if want > LAST_ID:
+            return
+        end = None if end is None or end >= LAST_ID else end
         hi = "+" if end is None else f"{end}-0"
         decode = events.decode
         while end is None or want <= end:
@@ -469,7 +478,7 @@ class Log:
         self, session: str, start: int = 1, *, block_ms: int = 1000, stop: anyio.Event | None = None
     ) -> AsyncIterator[events.Event]:
         """Events from ``start`` on, then new ones as they arrive, until ``stop`` is set."""
-        next_id = max(start, 1)
+        next_id = min(max(start, 1), LAST_ID)
         key = self.keys.log(session)
 
         async def read() -> list[StreamEntry]:

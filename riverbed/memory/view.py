@@ -37,7 +37,9 @@ The fold, event by event in id order:
 
 :class:`ViewBuilder` folds incrementally (amortized O(1) per event, plus O(log n) per
 unit member a condensation hides; a user's edit costs O(n)), and :func:`view` is the full
-fold; :meth:`ViewBuilder.hidden` says which condensation or edit hid each hidden event.
+fold.  ``append`` checks the id and queues the event; the queue is folded in one pass when
+anything is read (a context edit folds it first), which costs a fraction of a call per
+event; :meth:`ViewBuilder.hidden` says which condensation or edit hid each hidden event.
 :class:`Masked` is the synthetic observation that observation masking puts in place of an
 old observation's content (see ``riverbed.memory.condensers.mask_observations``); it keeps the original id and
 cause, so pairs stay whole.
@@ -50,11 +52,13 @@ from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import compress, takewhile
 from typing import overload
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
+from msgspec import UNSET
 
 from riverbed.errors import InputError
 from riverbed.events import (
@@ -66,7 +70,9 @@ from riverbed.events import (
     LlmResponse,
     Observation,
     Source,
+    kind_of,
 )
+from riverbed.events import kinds as event_kinds
 
 __all__ = ["HistoryReleased", "Masked", "Summary", "View", "ViewBuilder", "unit_links", "view"]
 
@@ -133,6 +139,16 @@ class View(Sequence[Event]):
 
 _ANSWERABLE = 1
 _RESPONSE = 2
+
+# How the fold treats an event class (ViewBuilder._learn); the two kinds of actions first.
+_ACTION = 0  # joins the response it names; nothing joins it
+_ANSWERABLE_ACTION = 1  # joins the response it names; its observations join it
+_OBSERVATION = 2
+_LLM_RESPONSE = 3
+_CONDENSATION = 4
+_REQUEST = 5
+_OTHER = 6
+_EDIT = 7  # (a subclass of ContextEdit: ContextEdit itself is folded when appended)
 CALL_IDS_KEPT = 4096
 """Tool call ids remembered (the latest responses'): an action names a call of a recent response."""
 
@@ -173,13 +189,7 @@ class _Units:
             flag = _ANSWERABLE
         elif isinstance(event, LlmResponse):
             flag = _RESPONSE
-            for call in event.tool_calls:
-                call_id = call.get("id") if isinstance(call, dict) else None
-                if isinstance(call_id, str):
-                    self._call_owner.pop(call_id, None)
-                    self._call_owner[call_id] = eid
-            while len(self._call_owner) > CALL_IDS_KEPT:
-                del self._call_owner[next(iter(self._call_owner))]
+            self.name_calls(event, eid)
         else:
             return
         if self._base < 0:
@@ -188,6 +198,17 @@ class _Units:
         if at >= len(self._flags):
             self._flags.extend(bytes(at + 1 - len(self._flags)))
         self._flags[at] = flag
+
+    def name_calls(self, response: LlmResponse, eid: int) -> None:
+        """Actions naming one of the tool calls of ``response`` (event ``eid``) join it."""
+        owners = self._call_owner
+        for call in response.tool_calls:
+            call_id = call.get("id") if isinstance(call, dict) else None
+            if isinstance(call_id, str):
+                owners.pop(call_id, None)
+                owners[call_id] = eid
+        while len(owners) > CALL_IDS_KEPT:
+            del owners[next(iter(owners))]
 
 
 def unit_links(events: Sequence[Event]) -> list[tuple[int, int]]:
@@ -271,12 +292,14 @@ class ViewBuilder:
     __slots__ = (
         "_anchor",
         "_events",
+        "_flag_of",
         "_hidden_by",
         "_ids",
         "_keep_hidden",
         "_kind",
         "_last",
         "_next",
+        "_pending",
         "_pinned",
         "_requests",
         "_root",
@@ -284,6 +307,7 @@ class ViewBuilder:
         "_summary",
         "_summary_from",
         "_tails",
+        "_types",
         "_units",
     )
 
@@ -292,7 +316,7 @@ class ViewBuilder:
         self._ids: list[int] = []  # visible event ids, ascending
         self._events: list[Event] = []  # visible events, parallel to _ids
         self._kind = bytearray(1)  # event id -> kind code (0: not folded, e.g. a condensation)
-        self._root = array("i", [0])  # event id -> its unit's first event id
+        self._root = array("i", [0])  # event id -> its unit's first event id (0: itself, or not folded)
         self._next = array("i", [0])  # event id -> the next member of its unit (0: none)
         self._hidden_by = array("i", [0])  # unit root -> the condensation or edit hiding it (0: none)
         self._tails: dict[int, int] = {}  # unit root -> its last member, for the latest units
@@ -304,6 +328,9 @@ class ViewBuilder:
         self._summary_from = 0  # (a thawed builder: the condensation whose summary it awaits)
         self._anchor = 0
         self._last = 0
+        self._pending: list[Event] = []  # appended, not folded yet (see _fold)
+        self._types: dict[type[Event], int] = {}  # event class -> its kind code | its role << 8
+        self._flag_of = bytearray(256)  # kind code -> _ANSWERABLE | _RESPONSE: what other events join
         self.extend(events)
 
     @property
@@ -311,20 +338,33 @@ class ViewBuilder:
         return self._last
 
     def __len__(self) -> int:
+        self._flush()
         return len(self._ids) + (self._summary is not None)
 
     def extend(self, events: Iterable[Event]) -> None:
+        pending, last = self._pending, self._last
         for event in events:
-            self.append(event)
+            eid = event.id
+            if eid is None or eid <= last or type(event) is ContextEdit:
+                self._last = last
+                self.append(event)  # (raises, or folds the edit at once)
+                pending, last = self._pending, self._last
+                continue
+            last = eid
+            pending.append(event)
+        self._last = last
 
     # --- saving a fold: a lean builder without its events, and back ----------------------
 
     def freeze(self) -> bytes:
         """This fold without any event (a few bytes per event, compressed): :meth:`thaw` and
         :meth:`fill` with the visible events and the summary's condensation make it again."""
+        self._flush()
         size = self._root.itemsize
         ids = np.arange(len(self._kind), dtype=np.int64)
         root, nxt = _column(self._root.tobytes(), size), _column(self._next.tobytes(), size)
+        folded = np.frombuffer(bytes(self._kind), dtype=np.uint8) > 0
+        root = np.where(root > 0, root, np.where(folded, ids, 0))  # (a unit's first event: 0 in the column)
         frozen = _Frozen(
             version=FROZEN_VERSION,
             last=self._last,
@@ -339,8 +379,8 @@ class ViewBuilder:
             requests=sorted(self._requests),
             summary=self._summary.cause or 0 if self._summary is not None else 0,
             anchor=self._anchor,
-            units_base=self._units._base,
-            units_flags=zlib.compress(bytes(self._units._flags), 1),
+            units_base=0,
+            units_flags=zlib.compress(bytes(self._kind).translate(bytes(self._flag_of)), 1),
             call_owner=list(self._units._call_owner.items()),
             tails=list(self._tails.items()),
         )
@@ -376,9 +416,11 @@ class ViewBuilder:
         builder._pinned = set(frozen.pinned)
         builder._requests = set(frozen.requests)
         builder._anchor = frozen.anchor
-        builder._units._base = frozen.units_base
-        builder._units._flags = bytearray(zlib.decompress(frozen.units_flags))
         builder._units._call_owner = dict(frozen.call_owner)
+        known = event_kinds()
+        for name in frozen.kinds:  # (what joins what follows from the kinds, see _learn)
+            if name in known:
+                builder._learn(known[name])
         builder._tails = dict(frozen.tails)
         builder._summary_from = frozen.summary
         wanted = [*frozen.visible, frozen.summary] if frozen.summary else list(frozen.visible)
@@ -387,6 +429,7 @@ class ViewBuilder:
     def fill(self, events: Iterable[Event]) -> None:
         """Give a thawed builder the events it named (more are ignored); :class:`InputError`
         when one is missing."""
+        self._flush()
         by_id = {e.id: e for e in events if e.id is not None}
         missing = [i for i in self._ids if i not in by_id]
         if missing:
@@ -402,6 +445,7 @@ class ViewBuilder:
 
     def release_hidden(self) -> None:
         """From now on keep no hidden event (see :class:`HistoryReleased`)."""
+        self._flush()
         self._keep_hidden = False
         self._store.clear()
 
@@ -413,39 +457,116 @@ class ViewBuilder:
             raise InputError(
                 f"event {eid} arrived after event {self._last}: a view folds events in increasing id order"
             )
-        if isinstance(event, ContextEdit):
+        if type(event) is ContextEdit:  # (a subclass is folded in its turn, see _fold)
+            self._flush()
             self._edit(event, eid)  # (first: a restore that cannot be done changes nothing)
-            self._last = eid
-            return
-        self._last = eid
-        if isinstance(event, Condensation):
-            self._condense(event, eid)
-            return
-        if isinstance(event, CondensationRequest):
-            self._requests.add(eid)
-            return
-        if isinstance(event, Observation) and event.cause is not None and event.cause in self._requests:
-            return
-        parent = self._units.parent(event)
-        self._units.add(event)
-        self._grow(eid)
-        self._kind[eid] = _kind_code(event.kind)
-        root = eid if parent is None else self._root[parent]
-        self._root[eid] = root
-        if root != eid:
-            tail = self._tails.pop(root, root)
-            while self._next[tail]:  # (only for a unit that was not among the latest ones)
-                tail = self._next[tail]
-            self._next[tail] = eid
-            self._tails[root] = eid
-            if len(self._tails) > TAILS_KEPT:
-                del self._tails[next(iter(self._tails))]
-        if self._hidden_by[root]:
-            if self._keep_hidden:
-                self._store[eid] = event
         else:
-            self._ids.append(eid)
-            self._events.append(event)
+            self._pending.append(event)
+        self._last = eid
+
+    def _flush(self) -> None:
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self._fold(batch)
+
+    def _learn(self, cls: type[Event]) -> int:
+        """The kind code and fold role of an event class (this builder's table: kind codes
+        are this process's, see :meth:`thaw`)."""
+        if issubclass(cls, ContextEdit):
+            role = _EDIT
+        elif issubclass(cls, Condensation):
+            role = _CONDENSATION
+        elif issubclass(cls, CondensationRequest):
+            role = _REQUEST
+        elif issubclass(cls, Observation):
+            role = _OBSERVATION
+        elif issubclass(cls, Action):
+            role = _ANSWERABLE_ACTION if cls.answered_by is not None else _ACTION
+        elif issubclass(cls, LlmResponse):
+            role = _LLM_RESPONSE
+        else:
+            role = _OTHER
+        code = _kind_code(kind_of(cls))
+        self._flag_of[code] = _ANSWERABLE if role == _ANSWERABLE_ACTION else _RESPONSE if role == _LLM_RESPONSE else 0
+        info = self._types[cls] = code | role << 8
+        return info
+
+    def _fold(self, batch: list[Event]) -> None:
+        """Fold appended events (ids increasing, no context edit among them) in one pass.
+
+        The unit rule is :class:`_Units`' (an observation joins the action or response it
+        answers; an action joins the response it names), inlined here over the builder's
+        columns (whether an event can be joined follows from its kind: ``_flag_of``):
+        folding is most of the CPU an agent's step spends on its context.
+        """
+        last = batch[-1].id
+        assert last is not None
+        self._grow(last)
+        units, flag_of = self._units, self._flag_of
+        owners = units._call_owner
+        kind, root, nxt, hidden_by, tails = self._kind, self._root, self._next, self._hidden_by, self._tails
+        ids, evs, store, requests, types = self._ids, self._events, self._store, self._requests, self._types
+        keep_hidden, n_kind = self._keep_hidden, len(self._kind)
+        # (The roles are written as numbers in the loop: see the constants above.)
+        for event in batch:
+            eid: int = event.id  # type: ignore[assignment]
+            try:
+                info = types[type(event)]
+            except KeyError:
+                info = self._learn(type(event))
+            role = info >> 8
+            parent = 0
+            if role == 2:  # _OBSERVATION
+                cause = event.cause
+                if cause is not None:
+                    if 0 < cause < n_kind and flag_of[kind[cause]]:
+                        parent = cause
+                    elif cause in requests:
+                        continue  # the answer to a condensation request
+            elif role < 2:  # _ACTION, _ANSWERABLE_ACTION
+                cause = event.cause
+                if cause is not None:
+                    if 0 < cause < n_kind and flag_of[kind[cause]] == 2:  # _RESPONSE
+                        parent = cause
+                else:
+                    call_id = event.tool_call_id  # type: ignore[attr-defined]
+                    if call_id is not UNSET and isinstance(call_id, str):
+                        parent = owners.get(call_id, 0)
+            elif role == 4:  # _CONDENSATION
+                self._condense(event, eid)  # type: ignore[arg-type]
+                continue
+            elif role == 5:  # _REQUEST
+                requests.add(eid)
+                continue
+            elif role == 3:  # _LLM_RESPONSE
+                units.name_calls(event, eid)  # type: ignore[arg-type]
+            elif role == 7:  # _EDIT
+                self._edit(event, eid)  # type: ignore[arg-type]
+                continue
+            kind[eid] = info & 255
+            if not parent:
+                ids.append(eid)
+                evs.append(event)
+                continue
+            top = root[parent] or parent
+            root[eid] = top
+            if nxt[top]:  # a unit's third member on (long units keep their tail in _tails)
+                tail = tails.get(top, top)
+                while nxt[tail]:
+                    tail = nxt[tail]
+                nxt[tail] = eid
+                tails.pop(top, None)
+                tails[top] = eid
+                if len(tails) > TAILS_KEPT:
+                    del tails[next(iter(tails))]
+            else:
+                nxt[top] = eid
+            if hidden_by[top]:
+                if keep_hidden:
+                    store[eid] = event
+            else:
+                ids.append(eid)
+                evs.append(event)
 
     def _grow(self, eid: int) -> None:
         """Make room for ids up to ``eid`` (4 bytes an id, 8 past 2**31 - 1)."""
@@ -460,6 +581,7 @@ class ViewBuilder:
             column.frombytes(zeros)
 
     def view(self) -> View:
+        self._flush()
         pinned = frozenset(m for root in self._pinned for m in self._members(root))
         if self._summary is None:
             return View(tuple(self._events), self._last, None, pinned)
@@ -469,8 +591,9 @@ class ViewBuilder:
 
     def hidden(self) -> dict[int, int]:
         """Every hidden event's id, mapped to the id of the condensation or context edit that hid it."""
+        self._flush()
         kind, root, hidden_by = self._kind, self._root, self._hidden_by
-        return {i: hidden_by[root[i]] for i in range(1, len(kind)) if kind[i] and hidden_by[root[i]]}
+        return {i: hidden_by[root[i] or i] for i in range(1, len(kind)) if kind[i] and hidden_by[root[i] or i]}
 
     def _members(self, root: int) -> Iterator[int]:
         member = root
@@ -482,11 +605,13 @@ class ViewBuilder:
 
     def _condense(self, cond: Condensation, cid: int) -> None:
         ids = self._ids
-        roots: set[int] = set()
-        for start, end in _merge(cond.forgotten, cid - 1):
-            lo, hi = bisect_left(ids, start), bisect_right(ids, end)
-            roots.update(self._root[i] for i in ids[lo:hi])
-        removed = self._hide(roots - self._pinned, cid)
+        spans = [(bisect_left(ids, start), bisect_right(ids, end)) for start, end in _merge(cond.forgotten, cid - 1)]
+        if self._pinned:
+            root, pinned = self._root, self._pinned
+            roots = [r for lo, hi in spans for r in [root[i] or i for i in ids[lo:hi]] if r not in pinned]
+            removed = self._hide(roots, cid)
+        else:
+            removed = self._hide_spans([(lo, hi) for lo, hi in spans if lo < hi], cid)
         if cond.summary is None:
             return
         if not cond.summary:
@@ -512,8 +637,8 @@ class ViewBuilder:
             candidates = range(1, limit + 1)
         if edit.kinds:
             codes = {_KIND_CODES[k] for k in edit.kinds if k in _KIND_CODES}
-            return {self._root[i] for i in candidates if kind[i] in codes}
-        return {self._root[i] for i in candidates if kind[i]}
+            return {self._root[i] or i for i in candidates if kind[i] in codes}
+        return {self._root[i] or i for i in candidates if kind[i]}
 
     def _edit(self, edit: ContextEdit, eid: int) -> None:
         roots = self._targets(edit, eid)
@@ -526,14 +651,22 @@ class ViewBuilder:
         elif edit.op == "unpin":
             self._pinned -= roots
 
-    def _hide(self, roots: set[int], by: int) -> list[int]:
+    def _hide(self, roots: Iterable[int], by: int) -> list[int]:
         """Hide these units (the visible ones); return the ids that were visible."""
-        wanted: set[int] = set()
+        hidden_by, nxt = self._hidden_by, self._next
+        fresh: list[int] = []
         for root in roots:
-            if self._hidden_by[root]:
-                continue
-            self._hidden_by[root] = by
-            wanted.update(self._members(root))
+            if not hidden_by[root]:
+                hidden_by[root] = by
+                fresh.append(root)
+        wanted: set[int] = set()
+        for root in fresh:
+            member = root
+            while member:
+                wanted.add(member)
+                member = nxt[member]
+            if len(wanted) > 64:
+                return self._remove_hidden()
         return self._remove(wanted)
 
     def _show(self, roots: set[int]) -> None:
@@ -561,19 +694,6 @@ class ViewBuilder:
         ids, events = self._ids, self._events
         keep = self._store if self._keep_hidden else None
         out: list[int] = []
-        if len(wanted) > 64:
-            keep_ids: list[int] = []
-            keep_events: list[Event] = []
-            for i, e in zip(ids, events, strict=True):
-                if i in wanted:
-                    out.append(i)
-                    if keep is not None:
-                        keep[i] = e
-                else:
-                    keep_ids.append(i)
-                    keep_events.append(e)
-            ids[:], events[:] = keep_ids, keep_events
-            return out
         for wid in sorted(wanted, reverse=True):
             pos = bisect_left(ids, wid)
             if pos < len(ids) and ids[pos] == wid:
@@ -581,6 +701,51 @@ class ViewBuilder:
                 if keep is not None:
                     keep[wid] = events[pos]
                 del ids[pos], events[pos]
+        return out
+
+    def _hide_spans(self, spans: list[tuple[int, int]], by: int) -> list[int]:
+        """Hide the units of the visible events ``ids[lo:hi]`` of each span (a condensation's
+        ranges, nothing pinned); return the ids that were visible.  Every event in a span
+        goes; outside them only the other members of those units (few) are looked for."""
+        if not spans:
+            return []
+        ids, events, root, hidden_by = self._ids, self._events, self._root, self._hidden_by
+        for lo, hi in spans:
+            for i in ids[lo:hi]:
+                top = root[i] or i
+                if not hidden_by[top]:
+                    hidden_by[top] = by
+        keep = self._store if self._keep_hidden else None
+        kept_ids: list[int] = []
+        kept_events: list[Event] = []
+        out: list[int] = []
+        at = 0
+        for lo, hi in [*spans, (len(ids), len(ids))]:
+            if at < lo:  # between spans: members of a hidden unit go too
+                stays = [not hidden_by[root[i] or i] for i in ids[at:lo]]
+                kept_ids += compress(ids[at:lo], stays)
+                kept_events += compress(events[at:lo], stays)
+                if not all(stays):
+                    gone = [not s for s in stays]
+                    out += compress(ids[at:lo], gone)
+                    if keep is not None:
+                        keep.update(compress(zip(ids[at:lo], events[at:lo], strict=True), gone))
+            out += ids[lo:hi]
+            if keep is not None:
+                keep.update(zip(ids[lo:hi], events[lo:hi], strict=True))
+            at = hi
+        ids[:], events[:] = kept_ids, kept_events
+        return out
+
+    def _remove_hidden(self) -> list[int]:
+        """Remove the visible events whose unit was just hidden, in one pass (for many)."""
+        ids, events, root, hidden_by = self._ids, self._events, self._root, self._hidden_by
+        stays = [not hidden_by[root[i] or i] for i in ids]
+        gone = [not s for s in stays]
+        if self._keep_hidden:
+            self._store.update(compress(zip(ids, events, strict=True), gone))
+        out = list(compress(ids, gone))
+        ids[:], events[:] = compress(ids, stays), compress(events, stays)
         return out
 
 
@@ -600,8 +765,8 @@ def _merge(ranges: Iterable[tuple[int, int]], limit: int) -> list[tuple[int, int
 def view(events: Iterable[Event], until: int | None = None) -> View:
     """The condensed view of a log (events with ids, in order), as it was right after ``until``."""
     builder = ViewBuilder()
-    for event in events:
-        if until is not None and event.id is not None and event.id > until:
-            break
-        builder.append(event)
+    if until is None:
+        builder.extend(events)
+    else:
+        builder.extend(takewhile(lambda e: e.id is None or e.id <= until, events))
     return builder.view()

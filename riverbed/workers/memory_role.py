@@ -13,6 +13,12 @@ went through indexing like any other.
   batch, and those queued behind it, that are still waiting at that deadline, while the
   indexing goes on (bounded by its own timeouts).  When the batch is a retry after memory
   was found unavailable, the watcher answers queued recalls at once.
+- **An indexing backlog** (a long log arriving at once, a worker catching up): a recall
+  never waits for indexing of the events before it for more than :data:`AHEAD_AFTER` of
+  ``Memory.recall_timeout``.  While a batch is indexed, a watcher reads the recalls queued
+  behind it; one still queued that long is answered from the index as it is, and its
+  ``recall_result`` says how far that is (``indexed_to``), or with a retryable error when
+  even that does not come in time.
 - **A value Postgres cannot hold** (:class:`DataError`, after the texts were cleaned): the
   rest of the batch is indexed and acknowledged; the guilty events fail, are counted by the
   consumer loop, and are dead-lettered with the reason after its attempts.
@@ -25,6 +31,7 @@ from pathlib import Path
 
 import anyio
 import structlog
+from msgspec.structs import replace
 
 from riverbed import events
 from riverbed.agent.usage import UsageCounters, parse_prices
@@ -39,8 +46,11 @@ from riverbed.settings import Settings
 
 log = structlog.get_logger("riverbed.worker")
 
-#: After a batch's recall deadline, how often the watcher looks for recalls queued behind it.
+#: How often the watcher looks for recalls queued behind the batch being indexed.
 LATE_CHECK_SECONDS = 0.5
+#: The part of ``Memory.recall_timeout`` a recall queued behind indexing waits for it; then
+#: it is answered from the index as it is, within the rest of its timeout.
+AHEAD_AFTER = 0.5
 
 
 class MemoryHandler:
@@ -55,6 +65,8 @@ class MemoryHandler:
         self.usage = usage if usage is not None else UsageCounters()
         """Tokens and cost of the model calls this worker indexed (the worker's usage counters)."""
         self._scanned: dict[str, int] = {}  # session -> last id looked at for queued recalls
+        # session -> recalls queued behind the batch being indexed, unanswered: id -> (first seen, recall)
+        self._queued: dict[str, dict[int, tuple[float, events.Recall]]] = {}
         self._failing: set[str] = set()  # sessions whose last indexing attempt found memory unavailable
         self._logs: set[str] = set()  # sessions whose log's creation stamp the store has seen
 
@@ -67,6 +79,7 @@ class MemoryHandler:
 
     async def close(self, ctx: SessionContext) -> None:
         self._scanned.pop(ctx.session, None)
+        self._queued.pop(ctx.session, None)
         self._failing.discard(ctx.session)
         self._logs.discard(ctx.session)
 
@@ -79,7 +92,7 @@ class MemoryHandler:
         failure: Exception | None = None
         async with anyio.create_task_group() as tg:
             # while a retried batch waits on memory, recalls queued behind it are answered at once
-            tg.start_soon(self._answer_late, ctx, entries, now if ctx.session in self._failing else deadline)
+            tg.start_soon(self._watch, ctx, entries, now if ctx.session in self._failing else deadline)
             try:
                 await self._index_and_answer(ctx, entries, deadline)
             except Exception as exc:  # re-raised below, outside the task group (no ExceptionGroup)
@@ -137,16 +150,9 @@ class MemoryHandler:
             return
         action = entry.event
         assert isinstance(action, events.Recall)
-        workspace = self.workspace_root / workspace_name(ctx.session) if self.workspace_root else None
-        if workspace is not None and not belongs_to(workspace, await ctx.created()):
-            workspace = None  # an earlier log's, under the same id: not this one's to read
         try:
-            result: events.Observation = await self.memory.recall(
-                action,
-                session=ctx.session,
-                tenant=ctx.tenant,
-                workspace=workspace,
-                timeout=max(0.1, deadline - anyio.current_time()),
+            result: events.Observation = await self._search(
+                ctx, action, timeout=max(0.1, deadline - anyio.current_time())
             )
         except UnavailableError as exc:
             await self._answer_error(ctx, entry, exc)
@@ -154,34 +160,83 @@ class MemoryHandler:
             return
         await ctx.answer(entry, result)
 
-    async def _answer_late(self, ctx: SessionContext, entries: Sequence[Entry], deadline: float) -> None:
-        """From ``deadline`` on, answer with an error the recalls of the batch still waiting,
-        and those queued behind it, until the batch is done (then this task is cancelled)."""
-        await anyio.sleep_until(deadline)
-        late = UnavailableError(
-            f"memory cannot answer within {self.memory.recall_timeout:g}s: Postgres or the embedder is "
-            "slow, hanging or down, or indexing is behind; try again"
+    async def _search(self, ctx: SessionContext, action: events.Recall, *, timeout: float) -> events.RecallResult:
+        workspace = self.workspace_root / workspace_name(ctx.session) if self.workspace_root else None
+        if workspace is not None and not belongs_to(workspace, await ctx.created()):
+            workspace = None  # an earlier log's, under the same id: not this one's to read
+        return await self.memory.recall(
+            action, session=ctx.session, tenant=ctx.tenant, workspace=workspace, timeout=timeout
         )
+
+    async def _watch(self, ctx: SessionContext, entries: Sequence[Entry], deadline: float) -> None:
+        """Until ``deadline``, answer the recalls queued behind the batch that waited too long
+        for indexing, from the index as it is; from ``deadline`` on, answer with an error the
+        recalls of the batch still waiting, and those queued behind it, until the batch is
+        done (then this task is cancelled)."""
+        after = entries[-1].id
         try:
+            while (now := anyio.current_time()) < deadline:
+                await self._answer_ahead(ctx, after, indexed_to=entries[0].id - 1)
+                await anyio.sleep(min(LATE_CHECK_SECONDS, deadline - now))
+            late = UnavailableError(
+                f"memory cannot answer within {self.memory.recall_timeout:g}s: Postgres or the embedder is "
+                "slow, hanging or down, or indexing is behind; try again"
+            )
             for entry in entries:
                 if isinstance(entry.event, events.Recall) and not await ctx.is_answered(entry.id):
                     await self._answer_error(ctx, entry, late)
             while True:
-                await self._answer_queued_recalls(ctx, entries[-1].id, late)
+                await self._answer_queued_recalls(ctx, after, late)
                 await anyio.sleep(LATE_CHECK_SECONDS)
         except RiverbedError as exc:  # Redis down or the session lost: the loop finds out too
             log.warning("memory.late_answers_failed", session=ctx.session, error=str(exc))
 
-    async def _answer_queued_recalls(self, ctx: SessionContext, after: int, exc: UnavailableError) -> None:
-        """Answer with an error the recalls appended after ``after`` (not read yet: the session
-        loop is still on the batch).  They are acknowledged once they are read and indexed."""
+    async def _queue(self, ctx: SessionContext, after: int) -> dict[int, tuple[float, events.Recall]]:
+        """The unanswered recalls appended after ``after`` (the session loop is still on the
+        batch that ends there), with when this worker first saw each."""
+        queued = self._queued.setdefault(ctx.session, {})
+        for reached in [i for i in queued if i <= after]:
+            del queued[reached]  # the session loop has them now
         start = max(after, self._scanned.get(ctx.session, 0)) + 1
+        now = anyio.current_time()
         async for event in ctx.log.read(ctx.session, start):
             if event.id is None:
                 continue
             if isinstance(event, events.Recall):
-                await self._answer_error(ctx, Entry(id=event.id, event=event, payload=b""), exc)
+                queued[event.id] = (now, event)
             self._scanned[ctx.session] = event.id
+        return queued
+
+    async def _answer_ahead(self, ctx: SessionContext, after: int, *, indexed_to: int) -> None:
+        """Answer the recalls queued behind ``after`` for :data:`AHEAD_AFTER` of their
+        timeout from the index as it is (it holds events 1..``indexed_to``), leaving them
+        pending until they are read and indexed in their turn."""
+        queued = await self._queue(ctx, after)
+        timeout = self.memory.recall_timeout
+        now = anyio.current_time()
+        for event_id, (seen, action) in sorted(queued.items()):
+            if now - seen < timeout * AHEAD_AFTER:
+                break  # (later ones were seen no earlier)
+            del queued[event_id]
+            if await ctx.is_answered(event_id):
+                continue
+            entry = Entry(id=event_id, event=action, payload=b"")
+            try:
+                result = await self._search(ctx, action, timeout=max(0.1, seen + timeout - anyio.current_time()))
+            except UnavailableError as exc:
+                await self._answer_error(ctx, entry, exc)
+                continue
+            log.info("memory.recall_ahead", session=ctx.session, recall=event_id, indexed_to=indexed_to)
+            await ctx.answer(entry, replace(result, indexed_to=indexed_to), ack=False)
+
+    async def _answer_queued_recalls(self, ctx: SessionContext, after: int, exc: UnavailableError) -> None:
+        """Answer with an error the recalls appended after ``after`` (not read yet: the session
+        loop is still on the batch).  They are acknowledged once they are read and indexed."""
+        queued = await self._queue(ctx, after)
+        for event_id, (_, action) in sorted(queued.items()):
+            del queued[event_id]
+            if not await ctx.is_answered(event_id):
+                await self._answer_error(ctx, Entry(id=event_id, event=action, payload=b""), exc)
 
     async def _answer_error(self, ctx: SessionContext, entry: Entry, exc: UnavailableError) -> None:
         """Answer ``entry`` with a retryable error, leaving it pending until it is indexed."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,9 @@ import typer.main
 from rich.text import Text
 
 from riverbed import events
+from riverbed.agent.client import Bus
 from riverbed.agent.transfer import import_session, parse_import
+from riverbed.bus import stats
 from riverbed.bus.keys import require_session
 from riverbed.cli.app import Invocation, JsonOption, PrefixOption, SessionArg, _progress, _require_events, app
 from riverbed.cli.output import _one_line, _stdout_lines, err_console, json_bytes, visible
@@ -58,11 +61,10 @@ def _output(path: Path | None) -> Iterator[Any]:
         sys.stdout.buffer.flush()
         return
     try:
-        handle = path.open("wb")
+        with path.open("wb") as handle:
+            yield handle
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    with handle:
-        yield handle
 
 
 # --- import ----------------------------------------------------------------------------------
@@ -133,22 +135,31 @@ def fork_command(
         float,
         typer.Option("--timeout", help="Seconds to wait for a runtime worker to rebuild the sandbox (0: do not wait)."),
     ] = 60.0,
+    wait: Annotated[
+        bool,
+        typer.Option("--wait", help="Wait for the rebuild (up to --timeout) even when no runtime worker is running."),
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: the fork and its rebuild.")] = False,
     prefix: PrefixOption = None,
 ) -> None:
     """New session whose log is events 1..N of the source (same ids), then a `forked` event;
-    its sandbox is rebuilt as it was at N. Exit 3 when an observation came out differently."""
-    from riverbed.agent.replay import fork, wait_rebuilt  # noqa: PLC0415
+    its sandbox is rebuilt as it was at N. Exit 3 when an observation came out differently.
+
+    fork waits for the rebuild only when there is one to report (events 1..N hold a runtime
+    action, or `copy`) and a runtime worker is running (or with --wait)."""
+    from riverbed.agent.replay import fork, rebuild_needed, wait_rebuilt  # noqa: PLC0415
 
     cli = Invocation(prefix)
-    if timeout < 0:
-        raise InputError(f"--timeout must be 0 or more, not {timeout:g}")
+    if not 0 <= timeout < math.inf:
+        raise InputError(f"--timeout must be a number of seconds, 0 or more, not {timeout:g}")
 
-    async def go() -> tuple[int, events.SandboxRebuilt | None]:
+    async def go() -> tuple[int, str | events.SandboxRebuilt]:
         bus = await cli.bus()
         forked_id = await fork(bus, session, at, into, workspace=workspace)  # type: ignore[arg-type]
-        if workspace == "empty" or timeout == 0:
-            return forked_id, None
+        if not await rebuild_needed(bus, into, at, workspace):  # type: ignore[arg-type]
+            return forked_id, "not needed"
+        if timeout == 0 or not (wait or await _runtime_worker_alive(bus)):
+            return forked_id, "pending"
         err_console.print(
             f"forked {session} at event {at} into {into}; waiting for a runtime worker to rebuild its sandbox …",
             style="dim",
@@ -157,18 +168,39 @@ def fork_command(
 
     forked_id, built = cli.run(go)
     if json_out:
-        report = {"session": into, "source": session, "at": at, "forked_id": forked_id, "workspace": workspace}
-        if built is not None:
+        report: dict[str, Any] = {
+            "session": into,
+            "source": session,
+            "at": at,
+            "forked_id": forked_id,
+            "workspace": workspace,
+        }
+        if isinstance(built, str):
+            report["rebuild"] = built
+        else:
             report |= {"actions": built.actions, "differences": built.differences, "note": built.note}
         _stdout_lines([json_bytes(report)])
     else:
         err_console.print(f"forked {session} at event {at} into {into} (its last event is {forked_id})")
-        if built is None and workspace != "empty":
-            err_console.print(f"its sandbox is rebuilt ({workspace}) when a runtime worker takes {into}")
-        elif built is not None:
+        if built == "not needed" and workspace == "replay":
+            err_console.print(f"events 1..{at} hold no runtime action: its sandbox starts empty, nothing to replay")
+        elif built == "pending":
+            err_console.print(
+                f"its sandbox is rebuilt ({workspace}) when a runtime worker takes {into} "
+                "(no runtime worker is running now; --wait waits for one)"
+                if timeout
+                else f"its sandbox is rebuilt ({workspace}) when a runtime worker takes {into}"
+            )
+        elif isinstance(built, events.SandboxRebuilt):
             err_console.print(_rebuilt_summary(built))
-    if built is not None and built.differences:
+    if isinstance(built, events.SandboxRebuilt) and built.differences:
         raise typer.Exit(3)
+
+
+async def _runtime_worker_alive(bus: Bus) -> bool:
+    """Whether a worker with the runtime role sent a heartbeat lately (what `riverbed status` lists)."""
+    workers = await stats.live_workers(bus.client, bus.keys)
+    return any("runtime" in w.description.get("roles", ()) for w in workers)
 
 
 def _rebuilt_summary(built: events.SandboxRebuilt) -> Text:
