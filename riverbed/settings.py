@@ -38,6 +38,13 @@ RIVERBED_PROMPT_CACHE           ``none`` (default; OpenAI caches prompt prefixes
 RIVERBED_LLM_VISION             ``0`` (default: images are not sent), ``1`` (the LLM agent's model sees
                                 images) or a comma-separated list of the models that see images
 RIVERBED_MAX_IMAGE_BYTES        largest image file sent to a model (default 5 MiB); larger ones are left out
+RIVERBED_MAX_EVENTS_PER_APPEND  events one append may carry (default 10,000): the client API refuses
+                                more, ``riverbed serve`` answers 413 (one append is one Redis call)
+RIVERBED_SERVE_MAX_STREAMS_PER_KEY  event streams (SSE) one API key may hold open on one ``serve``
+                                process (default 500); one more is answered 429
+RIVERBED_SERVE_RATE             requests per second an API key may make, summed over every ``serve``
+                                process of the prefix (a token bucket in Redis; default 50; 0: off)
+RIVERBED_SERVE_BURST            requests an API key may make at once above that rate (default 200)
 OPENAI_API_KEY                  key for OpenAI or any compatible server
 OPENAI_BASE_URL                 base URL of an OpenAI-compatible server
 ==============================  ===============================================================
@@ -45,6 +52,7 @@ OPENAI_BASE_URL                 base URL of an OpenAI-compatible server
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tempfile
@@ -59,6 +67,7 @@ _PREFIX_RE = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
 
 
 DEFAULT_MAX_EVENT_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_EVENTS_PER_APPEND = 10_000
 
 
 def default_services_dir() -> Path:
@@ -92,6 +101,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     prompt_cache: str = "none"
     llm_vision: str = "0"
     max_image_bytes: int = 5 * 1024 * 1024
+    max_events_per_append: int = DEFAULT_MAX_EVENTS_PER_APPEND
+    serve_max_streams_per_key: int = 500
+    serve_rate: float = 50.0
+    serve_burst: int = 200
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
@@ -143,6 +156,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError(
                 f"RIVERBED_SANDBOX_NETWORK={self.sandbox_network!r} is not valid: use 'none', 'outbound' or 'host'"
             )
+        if self.max_events_per_append < 1:
+            raise ConfigError("RIVERBED_MAX_EVENTS_PER_APPEND must be at least 1")
+        if self.serve_max_streams_per_key < 1:
+            raise ConfigError("RIVERBED_SERVE_MAX_STREAMS_PER_KEY must be at least 1")
+        if not (self.serve_rate >= 0 and math.isfinite(self.serve_rate)):
+            raise ConfigError("RIVERBED_SERVE_RATE must be 0 (off) or a number of requests per second")
+        if self.serve_burst < 1:
+            raise ConfigError("RIVERBED_SERVE_BURST must be at least 1")
         if self.max_image_bytes < 1:
             raise ConfigError("RIVERBED_MAX_IMAGE_BYTES must be at least 1")
         if self.prompt_cache not in ("none", "anthropic"):
