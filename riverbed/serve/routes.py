@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -158,24 +159,34 @@ async def _session_tenant(api: Api, who: Principal, session: str, *, create: boo
     raise NotFoundError(f"no session {session!r} is visible to this key")
 
 
+_DIGITS = re.compile(r"[0-9]{1,19}")
+MAX_ID = 2**63 - 1
+"""The largest event id a parameter may name (a stream entry id is 64 bits)."""
+
+
+def _whole_number(raw: str, what: str, *, minimum: int) -> int:
+    """``raw`` as a whole number of ASCII digits from ``minimum`` to :data:`MAX_ID`, else 400."""
+    if not _DIGITS.fullmatch(raw):
+        shown = raw if len(raw) <= 40 else raw[:40] + "…"
+        raise InputError(f"{what} must be a whole number, not {shown!r}")
+    value = int(raw)
+    if not minimum <= value <= MAX_ID:
+        raise InputError(f"{what} must be from {minimum} to {MAX_ID}, not {value}")
+    return value
+
+
 def _int_param(request: Request, name: str, *, minimum: int = 1) -> int | None:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InputError(f"the {name} parameter must be a whole number, not {raw!r}") from None
-    if value < minimum:
-        raise InputError(f"the {name} parameter must be at least {minimum}, not {value}")
-    return value
+    return _whole_number(raw, f"the {name} parameter", minimum=minimum)
 
 
 async def _body(request: Request) -> bytes:
     """The request body, refused (413) above the configured size."""
     limit = _api(request).config.max_body_bytes
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise HTTPException(413, f"the request body is {int(declared):,} bytes, over the limit of {limit:,}")
     chunks: list[bytes] = []
     size = 0
@@ -303,9 +314,7 @@ async def read_events(request: Request) -> Response:
     if "text/event-stream" in request.headers.get("accept", ""):
         last_seen = request.headers.get("last-event-id", "").strip()
         if last_seen:
-            if not last_seen.isdigit():
-                raise InputError(f"Last-Event-ID must be an event id, not {last_seen!r}")
-            start = int(last_seen) + 1
+            start = _whole_number(last_seen, "Last-Event-ID (an event id)", minimum=0) + 1
         slot = api.streams.take(who)
         return _Raw(
             EventStream(
