@@ -49,11 +49,13 @@ async def open_stream(host: str, port: int, key: str, session: str) -> SocketStr
 
 
 async def read_until(sock: SocketStream, needle: bytes, seconds: float = 30) -> bytes:
-    seen = b""
+    seen = bytearray()
     with anyio.fail_after(seconds):
-        while needle not in seen:
-            seen += await sock.receive()
-    return seen
+        while True:
+            start = max(0, len(seen) - len(needle))
+            seen += await sock.receive(1 << 20)
+            if needle in seen[start:]:
+                return bytes(seen)
 
 
 async def redis_clients(bus: Bus) -> int:
@@ -118,6 +120,34 @@ async def test_thousands_of_streams_hold_no_redis_connection_and_another_tenant_
             finally:
                 for sock in sockets.values():
                     await sock.aclose()
+
+
+def ids_in(body: bytes) -> list[int]:
+    return [int(line[4:]) for line in body.split(b"\n") if line.startswith(b"id: ")]
+
+
+async def test_streams_of_one_session_share_its_reader_and_a_slow_one_catches_up_in_order(bus: Bus) -> None:
+    key = await new_key(bus, "acme")
+    session = bus.session("s", tenant="acme")
+    await session.append(events.Think(thought="1"), events.Think(thought="2"))
+    async with running(bus, ServeConfig(rate=0)) as base:
+        url = httpx.URL(base)
+        assert url.port is not None
+        fast = [await open_stream(url.host, url.port, key, "s") for _ in range(5)]
+        slow = await open_stream(url.host, url.port, key, "s")  # read only at the end
+        async with httpx.AsyncClient(base_url=base, headers=bearer(key), timeout=30) as http:
+            async with http.stream("GET", "/v1/sessions/s/events?until=4", headers=SSE) as bounded:
+                # More than every buffer between the reader and the slow client holds.
+                for start in range(0, 3000, 500):
+                    await session.append(
+                        *(events.Think(thought=f"{n:05d}" + "x" * 2000) for n in range(start, start + 500))
+                    )
+                body = await bounded.aread()  # ``until`` beyond the log's end when it opened: ends at 4
+            assert ids_in(body) == [1, 2, 3, 4]
+        for sock in [*fast, slow]:
+            body = await read_until(sock, b"id: 3002\n", 60)
+            assert ids_in(body) == list(range(1, 3003))
+            await sock.aclose()
 
 
 @pytest.mark.fault
@@ -259,6 +289,18 @@ async def test_a_tenant_lists_its_sessions_from_its_own_index_not_every_tenants(
     assert status.json()["sessions"] == 3
     # Reading every tenant's sessions would take a command per session at least.
     assert used < 200, f"listing 3 sessions took {used} Redis commands"
+
+
+async def test_sessions_older_than_the_tenant_indexes_are_indexed_once_when_serve_starts(bus: Bus) -> None:
+    key = await new_key(bus, "acme")
+    await bus.session("old", tenant="acme").append(events.Think(thought="before the index"))
+    await bus.session("theirs", tenant="globex").append(events.Think(thought="x"))
+    # As a session written by a version without the tenant indexes.
+    await bus.redis.delete(bus.keys.tenant_sessions("acme"), bus.keys.tenant_sessions("globex"))
+    async with running(bus) as base, httpx.AsyncClient(base_url=base, headers=bearer(key)) as http:
+        listed = (await http.get("/v1/sessions")).json()["sessions"]
+    assert [s["session"] for s in listed] == ["old"]
+    assert await bus.redis.hget(bus.keys.tenant_index, "done") == b"2"
 
 
 # --- answers that leak nothing ------------------------------------------------------------------

@@ -30,6 +30,8 @@ key                                    what
 ``{p}:{p}:rate:<key id>``              hash: an API key's request token bucket (``tokens``, ``at`` ms)
 ``{p}:{p}:tenant:<t>:sessions``        sorted set: the sessions of tenant ``t``, scored by creation
                                        time (written with ``sessions``; a tenant's list reads only it)
+``{p}:{p}:tenant-index``               hash: ``done`` once the sessions made before the tenant indexes
+                                       existed were added to them (``serve/sessions.py``)
 =====================================  =======================================================
 """
 
@@ -80,6 +82,7 @@ class Keys:
         self.workers = f"{prefix}:{{{prefix}}}:workers"
         self.retention = f"{prefix}:{{{prefix}}}:retention"
         self.api_keys = f"{prefix}:{{{prefix}}}:apikeys"
+        self.tenant_index = f"{prefix}:{{{prefix}}}:tenant-index"
 
     def rate(self, key_id: str) -> str:
         """An HTTP API key's request token bucket."""

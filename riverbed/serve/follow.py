@@ -104,7 +104,8 @@ class Followers:
                 tail = await self._join(session, inbox_tx)
                 try:
                     seen = await self._catch_up(session, seen, until, tx)
-                    seen = await self._live(session, seen, until, inbox, tx)
+                    if until is None or seen < until:
+                        seen = await self._live(session, seen, until, inbox, tx)
                 finally:
                     self._leave(tail, inbox_tx)
                     inbox.close()
@@ -116,14 +117,18 @@ class Followers:
     ) -> int:
         """Frames from the reader after ``seen``, until ``until`` or the reader drops this stream."""
         async for event_id, message in inbox:
-            if until is not None and seen >= until:
-                break
             if event_id <= seen:
                 continue
             if event_id > seen + 1:  # a gap: read it from the log (the archive, a lost batch)
-                seen = await self._catch_up(session, seen, event_id - 1, tx)
+                seen = await self._catch_up(
+                    session, seen, event_id - 1 if until is None else min(event_id - 1, until), tx
+                )
+            if until is not None and event_id > until:
+                break
             await tx.send((event_id, message))
             seen = event_id
+            if until is not None and seen >= until:
+                break
         return seen
 
     async def _catch_up(self, session: str, seen: int, upto: int | None, tx: ObjectSendStream[Frame]) -> int:

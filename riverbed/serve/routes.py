@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
+import structlog
 from anyio.abc import TaskStatus
 from msgspec.structs import replace
 from starlette.exceptions import HTTPException
@@ -37,7 +38,7 @@ from riverbed.errors import InputError, NotFoundError, UnavailableError
 from riverbed.serve.auth import KeyStore, Principal
 from riverbed.serve.follow import Followers
 from riverbed.serve.limits import RateLimit, Streams
-from riverbed.serve.sessions import Tenants, session_infos, session_names
+from riverbed.serve.sessions import Tenants, index_older_sessions, session_infos, session_names
 from riverbed.serve.sse import EventStream
 from riverbed.settings import DEFAULT_MAX_EVENTS_PER_APPEND, Settings
 
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from riverbed.memory.recall import Memory
 
 __all__ = ["Api", "ServeConfig", "handlers"]
+
+log = structlog.get_logger("riverbed.serve")
 
 MAX_QUERY_CHARS = 2000
 MAX_HITS = 50
@@ -106,7 +109,10 @@ class Api:
         """Set when the server starts shutting down: event streams end then."""
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """What the handlers need running: the followed sessions' readers and the revocation check."""
+        """What the handlers need running: the followed sessions' readers and the revocation check
+        (and, once per prefix, the sessions older than the tenant indexes indexed)."""
+        if indexed := await index_older_sessions(self.bus):
+            log.info("serve.tenant_indexes_built", sessions=indexed)
         async with anyio.create_task_group() as tg:
             await tg.start(self.followers.run)
             await tg.start(self.streams.run)

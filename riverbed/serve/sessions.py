@@ -19,7 +19,7 @@ from riverbed.bus import stats
 from riverbed.bus.keys import PAYLOAD_FIELD, ROLES
 from riverbed.bus.log import decode_entry, entry_id
 
-__all__ = ["SessionInfo", "Tenants", "session_infos", "session_names"]
+__all__ = ["SessionInfo", "Tenants", "index_older_sessions", "session_infos", "session_names"]
 
 CHUNK = 500
 
@@ -82,6 +82,26 @@ async def session_names(bus: Bus, tenant: str | None, *, admin: bool) -> list[st
     if tenant is None:
         return []
     return [name.decode() for name in await bus.client.zrange(bus.keys.tenant_sessions(tenant))]
+
+
+async def index_older_sessions(bus: Bus) -> int:
+    """Add the sessions created before the tenant indexes existed to their tenant's index, once
+    per prefix (``Keys.tenant_index`` marks it done; running it twice adds nothing); how many
+    sessions it read."""
+    if await bus.client.hget(bus.keys.tenant_index, "done") is not None:
+        return 0
+    scores = {name.decode(): score for name, score in await bus.client.zrange_scores(bus.keys.sessions)}
+    names = list(scores)
+    for begin in range(0, len(names), CHUNK):
+        metas = await stats.session_metas(bus.client, bus.keys, names[begin : begin + CHUNK])
+        async with bus.client.pipeline() as pipe:
+            for meta in metas:
+                tenant = meta.tenant if meta.tenant is not None else await _first_event_tenant(bus, meta.session)
+                if meta.last and tenant:
+                    pipe.zadd(bus.keys.tenant_sessions(tenant), {meta.session: scores[meta.session]}, nx=True)
+            await pipe.execute()
+    await bus.client.hset(bus.keys.tenant_index, "done", len(names))
+    return len(names)
 
 
 async def _first_event_tenant(bus: Bus, session: str) -> str | None:
