@@ -78,11 +78,6 @@ class Followers:
         self._catch_ups = anyio.CapacityLimiter(CATCH_UPS)
         self._tg: TaskGroup | None = None
 
-    @property
-    def sessions(self) -> int:
-        """Sessions followed now (one reader each)."""
-        return len(self._tails)
-
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(self.wakeups.run)

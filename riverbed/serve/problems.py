@@ -7,7 +7,7 @@ extension members where they help a program (``last`` on an append conflict, ``r
 ==========================  ======  ============================================================
 error                       status  when
 ==========================  ======  ============================================================
-HTTPException               its own a route's own refusal: 401 no or bad key, 413, 415, 404 path
+HTTPException               its own a route's own refusal: 401 no or bad key, 413, 415, 429, 404 path
 InputError (DecodeError)    400     bad JSON, kind, field, bound, session id
 AlreadyAnswered             409     a second answer to an action
 AppendConflict              409     ``expected_last`` did not match
