@@ -405,6 +405,7 @@ BAD_HTTP: list[tuple[str, str, bytes | None, dict[str, str], set[int]]] = [
 
 
 @pytest.mark.anyio
+@pytest.mark.security
 async def test_malformed_http_input_is_a_400_or_413_never_a_500(bus: Bus) -> None:
     import httpx  # noqa: PLC0415
 
@@ -479,6 +480,7 @@ _ODD_JSON: list[object] = [
 
 
 @pytest.mark.anyio
+@pytest.mark.security
 async def test_random_headers_parameters_and_bodies_on_every_route_never_give_500(bus: Bus) -> None:
     import random  # noqa: PLC0415
 

@@ -126,6 +126,7 @@ def ids_in(body: bytes) -> list[int]:
     return [int(line[4:]) for line in body.split(b"\n") if line.startswith(b"id: ")]
 
 
+@pytest.mark.fault
 async def test_streams_of_one_session_share_its_reader_and_a_slow_one_catches_up_in_order(bus: Bus) -> None:
     key = await new_key(bus, "acme")
     session = bus.session("s", tenant="acme")
@@ -376,9 +377,24 @@ async def test_serve_reads_the_tenant_of_a_log_created_again_under_the_same_id(b
         created = await http.post("/v1/sessions/s/events", json={"kind": "think", "thought": "1"}, headers=bearer(old))
         assert created.status_code == 201
         assert (await http.get("/v1/sessions/s/events", headers=bearer(old))).status_code == 200
+        url = httpx.URL(base)
+        assert url.port is not None
+        following = await open_stream(url.host, url.port, old, "s")  # open across the wipe
+        await http.post("/v1/sessions/s/events", json={"kind": "think", "thought": "2"}, headers=bearer(old))
+        await read_until(following, b"id: 2\n")  # (live on the old log)
         # Redis loses the session (a wipe, FLUSHALL without the keys); another tenant creates it again.
         await bus.redis.delete(bus.keys.log("s"), bus.keys.meta("s"))
         await bus.session("s", tenant="new-owner").append(events.Message(content="new secret", source="user"))
+        await bus.session("s", tenant="new-owner").append(
+            events.Think(thought="more"), events.Think(thought="new secret 2")
+        )
         stale = await http.get("/v1/sessions/s/events", headers=bearer(old))
         assert_problem(stale, 404, "no session 's'")
         assert "new secret" in (await http.get("/v1/sessions/s/events", headers=bearer(new))).text
+        # The stream opened on the old log ends (within the reader's poll) and never carries the new one.
+        seen = b""
+        with anyio.fail_after(15):
+            while not seen.endswith(b"0\r\n\r\n"):
+                seen += await following.receive()
+        assert b"new secret" not in seen
+        await following.aclose()

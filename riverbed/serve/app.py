@@ -17,9 +17,7 @@ or on SIGINT/SIGTERM: open event streams end at once, other requests get
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
 
 import anyio
 import msgspec
@@ -216,24 +214,8 @@ async def serve(
             sock.close()
             done.set()
 
-    async with anyio.create_task_group() as background:
-        await background.start(api.run)
-        try:
-            await _serve_until_done(server, run, done, api, host, bound, task_status)
-        finally:
-            background.cancel_scope.cancel()
-
-
-async def _serve_until_done(
-    server: _Server,
-    run: Callable[[], Coroutine[Any, Any, None]],
-    done: anyio.Event,
-    api: Api,
-    host: str,
-    bound: int,
-    task_status: TaskStatus[int],
-) -> None:
     async with anyio.create_task_group() as tg:
+        await tg.start(api.run)  # the followed sessions' readers and the revocation check
         tg.start_soon(run)
         try:
             with anyio.fail_after(STARTUP_SECONDS), anyio.CancelScope() as waiting:
@@ -248,6 +230,7 @@ async def _serve_until_done(
         finally:
             server.should_exit = True
             api.stopping.set()
+        tg.cancel_scope.cancel()  # (api.run runs until cancelled)
 
 
 async def _cancel_when(event: anyio.Event, scope: anyio.CancelScope) -> None:

@@ -10,9 +10,11 @@ A stream joins, then reads what it missed itself (paged ``XRANGE``, at most
 :data:`CATCH_UPS` streams at once), then takes the reader's frames, skipping those it read.
 A stream too slow for its buffer is dropped from the fan-out and reads its way back the same
 way, so one slow client never holds the others up; a gap in the ids (events the archive
-took meanwhile) is read from the log too.  Pub/Sub delivers at most once: a feed that
-reconnects rings every bell, and a reader that hears nothing reads every
-:data:`POLL_SECONDS` anyway.
+took meanwhile) is read from the log too.  A log deleted and created again under the same id
+(its meta ``created`` changed: it may be another tenant's now) ends its streams.
+
+Pub/Sub delivers at most once: a feed that reconnects rings every bell, and a reader that
+hears nothing reads every :data:`POLL_SECONDS` anyway.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ class _Tail:
     ready: anyio.Event = field(default_factory=anyio.Event)
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     failed: BaseException | None = None
+    created: bytes | None = None
+    """The log's creation stamp when the reader started (meta ``created``)."""
+    gone: bool = False
+    """The log was deleted or created again under the same id: its streams end."""
 
 
 class Followers:
@@ -91,6 +97,7 @@ class Followers:
     async def follow(self, session: str, start: int, until: int | None, tx: ObjectSendStream[Frame]) -> None:
         """Send the frames of ``session``'s events ``start``..``until`` (None: on and on) to ``tx``."""
         seen = start - 1
+        created = await self._created(session)  # the log the request was allowed to read
         async with tx:
             if until is not None:  # a log that holds ``until`` already needs no reader
                 seen = await self._catch_up(session, seen, until, tx)
@@ -98,12 +105,16 @@ class Followers:
                 inbox_tx, inbox = anyio.create_memory_object_stream[Frame](BUFFER)
                 tail = await self._join(session, inbox_tx)
                 try:
+                    if tail.created != created or tail.gone:
+                        return  # another log under the same id now: it may be another tenant's
                     seen = await self._catch_up(session, seen, until, tx)
                     if until is None or seen < until:
                         seen = await self._live(session, seen, until, inbox, tx)
                 finally:
                     self._leave(tail, inbox_tx)
                     inbox.close()
+                if tail.gone:
+                    return
                 if tail.failed is not None:
                     await anyio.sleep(RETRY_SECONDS)  # (the reader said why) then a new reader tries
 
@@ -172,6 +183,7 @@ class Followers:
                 return
             try:
                 key = self.log.keys.log(tail.session)
+                tail.created = await self._created(tail.session)
                 tail.cursor = await self.log.last_id(tail.session)
                 tail.ready.set()
                 mark = bell.rung
@@ -183,6 +195,9 @@ class Followers:
                         if rang and bell.news is not None and bell.news <= tail.cursor:
                             continue
                     entries = await self.redis.xread(key, f"{tail.cursor}-0", count=PAGE)
+                    if await self._created(tail.session) != tail.created:  # (read after the entries)
+                        self._end(tail, failed=None)
+                        return
                     more = len(entries) == PAGE
                     for raw_id, fields in entries:
                         item = frame(decode_entry(fields.get(PAYLOAD_FIELD, b""), entry_id(raw_id)))
@@ -199,9 +214,18 @@ class Followers:
                 with anyio.CancelScope(shield=True):
                     await self.wakeups.unwatch(tail.session, bell)
 
+    async def _created(self, session: str) -> bytes | None:
+        return await self.redis.hget(self.log.keys.meta(session), "created")
+
     def _fail(self, tail: _Tail, exc: BaseException) -> None:
         log.warning("serve.follow_failed", session=tail.session, error=str(exc))
-        tail.failed = exc
+        self._end(tail, failed=exc)
+
+    def _end(self, tail: _Tail, *, failed: BaseException | None) -> None:
+        """Close every stream of ``tail``: after a failure they join a new reader, after the
+        log went (``failed`` None) they end."""
+        tail.failed = failed
+        tail.gone = failed is None
         tail.ready.set()
         for inbox in list(tail.streams):
             inbox.close()
