@@ -195,7 +195,9 @@ class Followers:
                         if rang and bell.news is not None and bell.news <= tail.cursor:
                             continue
                     entries = await self.redis.xread(key, f"{tail.cursor}-0", count=PAGE)
-                    if await self._created(tail.session) != tail.created:  # (read after the entries)
+                    # Entries to hand out: from the log the streams were allowed to read? (Asked after
+                    # the read: a stamp unchanged then was unchanged when the entries were read.)
+                    if entries and await self._created(tail.session) != tail.created:
                         self._end(tail, failed=None)
                         return
                     more = len(entries) == PAGE
