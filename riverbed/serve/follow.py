@@ -183,10 +183,10 @@ class Followers:
                 return
             try:
                 key = self.log.keys.log(tail.session)
+                mark = bell.rung  # (before the cursor: an append after it rings after the mark)
                 tail.created = await self._created(tail.session)
                 tail.cursor = await self.log.last_id(tail.session)
                 tail.ready.set()
-                mark = bell.rung
                 more = False
                 while True:
                     if not more:
