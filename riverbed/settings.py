@@ -42,6 +42,8 @@ RIVERBED_MAX_EVENTS_PER_APPEND  events one append may carry (default 10,000): th
                                 more, ``riverbed serve`` answers 413 (one append is one Redis call)
 RIVERBED_SERVE_MAX_STREAMS_PER_KEY  event streams (SSE) one API key may hold open on one ``serve``
                                 process (default 500); one more is answered 429
+RIVERBED_SERVE_MAX_ACTS_PER_KEY  acts one API key may have waiting for their answer on one ``serve``
+                                process (default 100); one more is answered 429
 RIVERBED_SERVE_RATE             requests per second an API key may make, summed over every ``serve``
                                 process of the prefix (a token bucket in Redis; default 50; 0: off)
 RIVERBED_SERVE_BURST            requests an API key may make at once above that rate (default 200)
@@ -103,6 +105,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_image_bytes: int = 5 * 1024 * 1024
     max_events_per_append: int = DEFAULT_MAX_EVENTS_PER_APPEND
     serve_max_streams_per_key: int = 500
+    serve_max_acts_per_key: int = 100
     serve_rate: float = 50.0
     serve_burst: int = 200
 
@@ -160,6 +163,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError("RIVERBED_MAX_EVENTS_PER_APPEND must be at least 1")
         if self.serve_max_streams_per_key < 1:
             raise ConfigError("RIVERBED_SERVE_MAX_STREAMS_PER_KEY must be at least 1")
+        if self.serve_max_acts_per_key < 1:
+            raise ConfigError("RIVERBED_SERVE_MAX_ACTS_PER_KEY must be at least 1")
         if not (self.serve_rate >= 0 and math.isfinite(self.serve_rate)):
             raise ConfigError("RIVERBED_SERVE_RATE must be 0 (off) or a number of requests per second")
         if self.serve_burst < 1:

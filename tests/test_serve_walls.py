@@ -180,6 +180,33 @@ async def test_a_key_holds_a_bounded_number_of_streams_and_the_429_names_the_lim
             await sock.aclose()
 
 
+@pytest.mark.fault
+async def test_a_key_has_a_bounded_number_of_acts_waiting_and_the_429_names_the_limit(bus: Bus) -> None:
+    key, other = await new_key(bus, "acme"), await new_key(bus, "acme")
+    async with (
+        running(bus, ServeConfig(max_acts_per_key=2)) as base,
+        httpx.AsyncClient(base_url=base, headers=bearer(key), timeout=30) as http,
+    ):
+        said = {"kind": "message", "content": "answered at once"}
+        waiting: list[int] = []
+
+        async def wait_for_nothing() -> None:  # no worker runs: it waits its whole timeout
+            late = await http.post("/v1/sessions/s/act?timeout=3", json={"kind": "cmd_run", "command": "true"})
+            waiting.append(late.status_code)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_for_nothing)
+            tg.start_soon(wait_for_nothing)
+            with anyio.fail_after(10):
+                while (third := await http.post("/v1/sessions/s/act", json=said)).status_code != 429:
+                    await anyio.sleep(0.05)
+            assert_problem(third, 429, "2 acts waiting for their answer", "RIVERBED_SERVE_MAX_ACTS_PER_KEY=2")
+            # Another key has slots of its own.
+            assert (await http.post("/v1/sessions/s/act", json=said, headers=bearer(other))).status_code == 200
+        assert waiting == [504, 504]
+        assert (await http.post("/v1/sessions/s/act", json=said)).status_code == 200  # the slots came back
+
+
 @pytest.mark.security
 async def test_revoking_a_key_ends_its_open_streams_within_seconds(bus: Bus) -> None:
     store = KeyStore(bus.redis, bus.keys, bus.url)

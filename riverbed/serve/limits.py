@@ -1,12 +1,14 @@
-"""The walls between API keys on the HTTP side: a request rate and open event streams per key.
+"""The walls between API keys on the HTTP side: a request rate, open streams and acts per key.
 
 - **Rate.**  Every request draws a token from its key's bucket (``scripts.TAKE_TOKEN``: it
   fills at ``RIVERBED_SERVE_RATE`` a second up to ``RIVERBED_SERVE_BURST``).  The bucket is in
   Redis, so every ``serve`` process of a prefix draws from the same one.  An empty bucket is
   429 with ``Retry-After`` and the limit in the body.
-- **Streams.**  Open event streams are counted per key in this process (a stream is a
-  connection to this process): one past ``RIVERBED_SERVE_MAX_STREAMS_PER_KEY`` is 429.  With
-  N ``serve`` processes behind a balancer, a key may hold N times as many.
+- **Long requests.**  Open event streams and acts waiting for their answer are counted per
+  key in this process (each is a connection to this process, and on a Redis Cluster an act
+  waits on a pooled Redis connection): one past ``RIVERBED_SERVE_MAX_STREAMS_PER_KEY`` or
+  ``RIVERBED_SERVE_MAX_ACTS_PER_KEY`` is 429.  With N ``serve`` processes behind a balancer,
+  a key may hold N times as many.
 - **Revocation.**  Every :data:`CHECK_SECONDS` the keys that hold open streams are read in one
   call, and the streams of a key revoked since end.
 """
@@ -27,7 +29,7 @@ from riverbed.bus.redis_client import RedisClient
 from riverbed.errors import RiverbedError
 from riverbed.serve.auth import KeyStore, Principal
 
-__all__ = ["CHECK_SECONDS", "RateLimit", "StreamSlot", "Streams"]
+__all__ = ["CHECK_SECONDS", "RateLimit", "Slot", "Slots", "Streams"]
 
 log = structlog.get_logger("riverbed.serve")
 
@@ -62,50 +64,60 @@ class RateLimit:
 
 
 @dataclass(eq=False)
-class StreamSlot:
-    """One open event stream of a key: :attr:`revoked` is set when the key is revoked."""
+class Slot:
+    """One long request of a key (an open stream, an act waiting for its answer); :attr:`revoked`
+    is set when the key is revoked (streams end then)."""
 
-    streams: Streams
+    slots: Slots
     key_id: str
     revoked: anyio.Event
 
     def release(self) -> None:
-        self.streams.release(self)
+        self.slots.release(self)
 
 
-class Streams:
-    """The event streams open on this process, per key."""
+class Slots:
+    """Long requests of one kind open on this process, per key, at most ``most`` each."""
 
-    def __init__(self, keys: KeyStore, *, most: int, check_seconds: float = CHECK_SECONDS) -> None:
-        self.keys = keys
+    def __init__(self, what: str, setting: str, *, most: int) -> None:
+        self.what = what
+        self.setting = setting
         self.most = most
-        self.check_seconds = check_seconds
-        self._held: dict[str, set[StreamSlot]] = {}
+        self._held: dict[str, set[Slot]] = {}
 
     def open(self, key_id: str) -> int:
-        """The streams ``key_id`` holds open here now."""
+        """The requests of this kind ``key_id`` holds open here now."""
         return len(self._held.get(key_id, ()))
 
-    def take(self, who: Principal) -> StreamSlot:
-        """A slot for one more stream of ``who``; 429 when the key holds its limit."""
+    def take(self, who: Principal) -> Slot:
+        """A slot for one more request of ``who``; 429 when the key holds its limit."""
         held = self._held.setdefault(who.key_id, set())
         if len(held) >= self.most:
             raise HTTPException(
                 429,
-                f"this API key holds {len(held)} event streams open, the limit of this server "
-                f"(RIVERBED_SERVE_MAX_STREAMS_PER_KEY={self.most}); close one first",
+                f"this API key holds {len(held)} {self.what}, the limit of this server "
+                f"({self.setting}={self.most}); wait for one to end",
                 headers={"Retry-After": "1"},
             )
-        slot = StreamSlot(self, who.key_id, anyio.Event())
+        slot = Slot(self, who.key_id, anyio.Event())
         held.add(slot)
         return slot
 
-    def release(self, slot: StreamSlot) -> None:
+    def release(self, slot: Slot) -> None:
         held = self._held.get(slot.key_id)
         if held is not None:
             held.discard(slot)
             if not held:
                 del self._held[slot.key_id]
+
+
+class Streams(Slots):
+    """The event streams open on this process, per key, and the end of a revoked key's."""
+
+    def __init__(self, keys: KeyStore, *, most: int, check_seconds: float = CHECK_SECONDS) -> None:
+        super().__init__("event streams open", "RIVERBED_SERVE_MAX_STREAMS_PER_KEY", most=most)
+        self.keys = keys
+        self.check_seconds = check_seconds
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """End the streams of revoked keys, checking every :attr:`check_seconds`."""

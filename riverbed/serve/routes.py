@@ -37,7 +37,7 @@ from riverbed.bus.keys import ROLES, require_session
 from riverbed.errors import InputError, NotFoundError, UnavailableError
 from riverbed.serve.auth import KeyStore, Principal
 from riverbed.serve.follow import Followers
-from riverbed.serve.limits import RateLimit, Streams
+from riverbed.serve.limits import RateLimit, Slots, Streams
 from riverbed.serve.sessions import Tenants, index_older_sessions, session_infos, session_names
 from riverbed.serve.sse import EventStream
 from riverbed.settings import DEFAULT_MAX_EVENTS_PER_APPEND, Settings
@@ -73,6 +73,8 @@ class ServeConfig:
     """The most events one append may carry (413 above it)."""
     max_streams_per_key: int = 500
     """Event streams one key may hold open on this process (429 above it)."""
+    max_acts_per_key: int = 100
+    """Acts of one key waiting for their answer on this process at once (429 above it)."""
     rate: float = 50.0
     """Requests a second per key, over every process of the prefix (0: no limit; 429 above it)."""
     burst: int = 200
@@ -87,6 +89,7 @@ class ServeConfig:
             prices=settings.prices,
             max_events_per_append=settings.max_events_per_append,
             max_streams_per_key=settings.serve_max_streams_per_key,
+            max_acts_per_key=settings.serve_max_acts_per_key,
             rate=settings.serve_rate,
             burst=settings.serve_burst,
         )
@@ -104,6 +107,9 @@ class Api:
         self.tenants = Tenants(bus)
         self.rate = RateLimit(bus.client, bus.keys, rate=self.config.rate, burst=self.config.burst)
         self.streams = Streams(self.keys, most=self.config.max_streams_per_key)
+        self.acts = Slots(
+            "acts waiting for their answer", "RIVERBED_SERVE_MAX_ACTS_PER_KEY", most=self.config.max_acts_per_key
+        )
         self.followers = Followers(bus.log_store, bus.client)
         self.stopping = anyio.Event()
         """Set when the server starts shutting down: event streams end then."""
@@ -284,6 +290,14 @@ async def act(request: Request) -> Response:
 
 async def _act(request: Request, api: Api, timeout: float) -> Response:
     who = await principal(request)
+    slot = api.acts.take(who)
+    try:
+        return await _act_as(request, api, who, timeout)
+    finally:
+        slot.release()
+
+
+async def _act_as(request: Request, api: Api, who: Principal, timeout: float) -> Response:
     session = request.path_params["session"]
     tenant = await _session_tenant(api, who, session, create=True)
     action = events.from_json(await _body(request))
