@@ -10,6 +10,7 @@
     │   ├── AlreadyAnswered           an answer to an action that already has its one answer
     │   ├── TenantMismatch            an append names another tenant than the session's own
     │   ├── SystemEventRefused        a client appended an event only riverbed itself writes
+    │   ├── IdempotencyKeyReused      an idempotency key used again with another request
     │   └── PathRefused               a path leads out of a workspace or is not usable (``reason``)
     ├── UnavailableError  (retryable) Redis, Postgres or the embedder cannot be reached
     ├── AppendConflict                ``expected_last`` did not match the log's last id
@@ -95,6 +96,19 @@ class TenantMismatch(InputError):
         )
         self.session = session
         self.tenant = tenant
+
+
+class IdempotencyKeyReused(InputError):
+    """An idempotency key bound to one request (the HTTP API binds it to a hash of the body)
+    came again with another: nothing was appended, and the first request's ids stand."""
+
+    def __init__(self, session: str, first: int) -> None:
+        super().__init__(
+            f"append to session {session!r} refused: this idempotency key was used for another request "
+            f"(the one that appended from event {first}); use a new key for a new request"
+        )
+        self.session = session
+        self.first = first
 
 
 class UnavailableError(RiverbedError):

@@ -812,8 +812,10 @@ def _user_json(data: bytes | str) -> Any:
         raise DecodeError(f"the JSON is nested too deeply (events nest at most {MAX_DEPTH} levels)") from None
     except msgspec.DecodeError as exc:
         raise DecodeError(f"not valid JSON ({exc})") from exc
-    except UnicodeDecodeError as exc:  # (msgspec checks the UTF-8 of strings as it decodes them)
-        raise DecodeError("not valid JSON: the text is not UTF-8") from exc
+    except UnicodeDecodeError as exc:  # (msgspec decodes a string's bytes with Python's codec)
+        raise DecodeError(
+            f"not valid JSON: a string holds bytes that are not UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
 
 
 def check(event: Event, *, max_bytes: int | None = None) -> bytes:

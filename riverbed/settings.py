@@ -28,6 +28,7 @@ _PREFIX_RE = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
 
 DEFAULT_MAX_EVENT_BYTES = 4 * 1024 * 1024
 DEFAULT_SANDBOX_TMP_BYTES = 128 * 1024 * 1024
+DEFAULT_MAX_EVENTS_PER_APPEND = 10_000
 
 
 def default_services_dir() -> Path:
@@ -70,6 +71,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_image_bytes: Annotated[int, Meta(ge=1)] = 5 * 1024 * 1024
     serve_host: str = "127.0.0.1"
     serve_port: Annotated[int, Meta(ge=0, le=65535)] = 8300
+    max_events_per_append: Annotated[int, Meta(ge=1)] = DEFAULT_MAX_EVENTS_PER_APPEND
+    serve_max_streams_per_key: Annotated[int, Meta(ge=1)] = 500
+    serve_max_acts_per_key: Annotated[int, Meta(ge=1)] = 100
+    serve_rate: Annotated[float, Meta(ge=0, le=1e9)] = 50.0
+    serve_burst: Annotated[int, Meta(ge=1)] = 200
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:

@@ -44,10 +44,12 @@ def riverbed_command() -> list[str]:
 
 
 @contextlib.contextmanager
-def serve_process(redis_url: str, prefix: str, log_path: Path) -> Iterator[str]:
+def serve_process(
+    redis_url: str, prefix: str, log_path: Path, extra_env: dict[str, str] | None = None
+) -> Iterator[str]:
     """``riverbed serve --port 0`` as a subprocess; yields its base URL once it listens."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RIVERBED_")}
-    env.update(RIVERBED_REDIS_URL=redis_url, RIVERBED_PREFIX=prefix, RIVERBED_LOG_FORMAT="json")
+    env.update(RIVERBED_REDIS_URL=redis_url, RIVERBED_PREFIX=prefix, RIVERBED_LOG_FORMAT="json", **(extra_env or {}))
     with log_path.open("wb") as log:
         proc = subprocess.Popen([*riverbed_command(), "serve", "--port", "0"], env=env, stdout=log, stderr=log)
         try:

@@ -34,7 +34,7 @@ from riverbed.bus.redis_client import RedisClient, StreamEntry
 from riverbed.bus.wakeups import Bell
 from riverbed.errors import ActTimeout, AlreadyAnswered, InputError, NotFoundError, UnavailableError
 from riverbed.extras import needs_extra
-from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
+from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, DEFAULT_MAX_EVENTS_PER_APPEND, Settings
 
 if TYPE_CHECKING:
     from riverbed.agent.context import SessionContext
@@ -94,17 +94,31 @@ class Session:
         return replace(event, **changes) if changes else event
 
     async def append(
-        self, *batch: events.Event, expected_last: int | None = None, idempotency_key: str | None = None
+        self,
+        *batch: events.Event,
+        expected_last: int | None = None,
+        idempotency_key: str | None = None,
+        idempotency_digest: str | None = None,
     ) -> list[int]:
         """Append events in one round trip; returns their ids.
 
         ``expected_last``: refuse (:class:`AppendConflict`) unless the log's last id is this;
-        ``idempotency_key``: a retry with the same key returns the first ids and appends nothing.
-        Every event is checked first (:func:`riverbed.events.check`: the schema's bounds,
-        nesting, size, reserved environment names): a bad one appends nothing of the batch
-        and raises :class:`InputError`; a second answer to an action raises :class:`AlreadyAnswered`.
+        ``idempotency_key``: a retry with the same key returns the first ids and appends nothing;
+        ``idempotency_digest`` binds the key to one request (a hash of it): the key used again with
+        another digest raises :class:`IdempotencyKeyReused`.  One call carries at most
+        ``RIVERBED_MAX_EVENTS_PER_APPEND`` events (one Redis call each: a bigger one would hold
+        Redis up for every other session).  Every event is checked first
+        (:func:`riverbed.events.check`: the schema's bounds, nesting, size, reserved environment
+        names): a bad one appends nothing of the batch and raises :class:`InputError`; a second
+        answer to an action raises :class:`AlreadyAnswered`.
         A handle acting for a tenant refuses events only riverbed writes (:class:`SystemEventRefused`).
         """
+        most = self.bus.max_events_per_append
+        if len(batch) > most:
+            raise InputError(
+                f"one append may carry at most {most:,} events (RIVERBED_MAX_EVENTS_PER_APPEND), not "
+                f"{len(batch):,}; append them in several calls"
+            )
         stamped = [self.stamp(e) if isinstance(e, events.Event) else e for e in batch]
         if self.tenant is not None:
             for event in stamped:
@@ -117,6 +131,7 @@ class Session:
             expected_last=expected_last,
             idempotency_key=idempotency_key,
             tenant=self._tenant_of(stamped),
+            digest=idempotency_digest,
         )
         if isinstance(result, AlreadyAnswered):
             raise result
@@ -349,6 +364,7 @@ class Bus:
         url: str = "redis",
         archive: Archive | None = None,
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        max_events_per_append: int = DEFAULT_MAX_EVENTS_PER_APPEND,
     ) -> None:
         self.redis = redis
         self.client = RedisClient(redis, url)
@@ -356,6 +372,7 @@ class Bus:
         self.keys = Keys(prefix)
         self.archive = archive
         self.max_event_bytes = max_event_bytes
+        self.max_events_per_append = max_events_per_append
         self.log_store = Log(self.client, self.keys, archive=archive)
         self.answers: Answers | None = None
         """Waits for answers many to a connection (:mod:`riverbed.agent.answers`): started by
@@ -407,7 +424,14 @@ async def connect(
 
         archive = Archive(settings.database_url, schema=prefix)
     redis = await connect_redis(url)
-    bus = Bus(redis, prefix=prefix, url=url, archive=archive, max_event_bytes=settings.max_event_bytes)
+    bus = Bus(
+        redis,
+        prefix=prefix,
+        url=url,
+        archive=archive,
+        max_event_bytes=settings.max_event_bytes,
+        max_events_per_append=settings.max_events_per_append,
+    )
     try:
         bus.answers = await Answers.start(redis, bus.keys, url)
         yield bus

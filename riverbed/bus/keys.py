@@ -30,6 +30,11 @@ key                                    what
 ``{p}:{p}:retention``                  string: the worker running this round's retention pass
 ``{p}:{p}:apikeys``                    hash: HTTP API key id -> JSON record (tenant, admin, the
                                        key's sha256, created, revoked); the key itself is never kept
+``{p}:{p}:rate:<key id>``              hash: an API key's request token bucket (``tokens``, ``at`` ms)
+``{p}:{p}:tenant:<t>:sessions``        sorted set: the sessions of tenant ``t``, scored by creation
+                                       time (written with ``sessions``; a tenant's list reads only it)
+``{p}:{p}:tenant-index``               hash: ``done`` once the sessions made before the tenant indexes
+                                       existed were added to them (``serve/sessions.py``)
 =====================================  =======================================================
 """
 
@@ -81,6 +86,15 @@ class Keys:
         self.retention = f"{prefix}:{{{prefix}}}:retention"
         self.api_keys = f"{prefix}:{{{prefix}}}:apikeys"
         self.uids = f"{prefix}:{{{prefix}}}:uids"
+        self.tenant_index = f"{prefix}:{{{prefix}}}:tenant-index"
+
+    def rate(self, key_id: str) -> str:
+        """An HTTP API key's request token bucket."""
+        return f"{self.prefix}:{{{self.prefix}}}:rate:{key_id}"
+
+    def tenant_sessions(self, tenant: str) -> str:
+        """The sorted set of ``tenant``'s sessions (the sessions index, one tenant's part)."""
+        return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:sessions"
 
     def log(self, session: str) -> str:
         return f"{self.prefix}:{{{session}}}:log"

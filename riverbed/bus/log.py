@@ -46,6 +46,7 @@ from riverbed.errors import (
     AppendConflict,
     ConfigError,
     FencedError,
+    IdempotencyKeyReused,
     InputError,
     NotFoundError,
     TenantMismatch,
@@ -166,7 +167,7 @@ class PreparedAppend:
             first, count, index = int(reply[1]), int(reply[2]), int(reply[3])
             need = [r.decode() for r in reply[4:]]
             if need or index:
-                await self.log.announce(self.session, need, created=bool(index))
+                await self.log.announce(self.session, need, created=bool(index), tenant=self.tenant)
             return list(range(first, first + count))
         if status == b"conflict":
             raise AppendConflict(self.session, self.expected_last or 0, int(reply[1]))
@@ -177,6 +178,8 @@ class PreparedAppend:
             return AlreadyAnswered(cause=int(reply[1]), existing=int(reply[2]))
         if status == b"tenant":
             raise TenantMismatch(self.session, self.tenant)
+        if status == b"reused":
+            raise IdempotencyKeyReused(self.session, int(reply[1]))
         raise RuntimeError(f"unexpected append reply {reply!r}")
 
 
@@ -215,6 +218,7 @@ class Log:
         ack: tuple[str, bytes | str] | None = None,
         tenant: str | None = None,
         pass_own: int | None = None,
+        digest: str | None = None,
     ) -> list[int] | AlreadyAnswered:
         """Append ``batch`` in one round trip; returns the new ids (or the first ids on a retry).
 
@@ -231,6 +235,7 @@ class Log:
             ack=ack,
             tenant=tenant,
             pass_own=pass_own,
+            digest=digest,
         )
 
     async def append_raw(
@@ -244,6 +249,7 @@ class Log:
         ack: tuple[str, bytes | str] | None = None,
         tenant: str | None = None,
         pass_own: int | None = None,
+        digest: str | None = None,
     ) -> list[int] | AlreadyAnswered:
         if not batch:
             self.check_session(session)
@@ -257,6 +263,7 @@ class Log:
             ack=ack,
             tenant=tenant,
             pass_own=pass_own,
+            digest=digest,
         )
         return await prepared.run()
 
@@ -271,8 +278,12 @@ class Log:
         ack: tuple[str, bytes | str] | None = None,
         tenant: str | None = None,
         pass_own: int | None = None,
+        digest: str | None = None,
     ) -> PreparedAppend:
-        """An append of (payload, answered cause) pairs, ready to run alone or in an exchange."""
+        """An append of (payload, answered cause) pairs, ready to run alone or in an exchange.
+
+        ``digest`` binds ``idempotency_key`` to the request it came with (the HTTP API: a hash of
+        the body): the key used again with another digest is :class:`IdempotencyKeyReused`."""
         self.check_session(session)
         if idempotency_key is not None and not (0 < len(idempotency_key) <= 200):
             raise InputError("an idempotency key must be 1 to 200 characters long")
@@ -300,6 +311,7 @@ class Log:
             len(batch),
             "" if pass_own is None else pass_own,
             session,
+            digest or "",
         ]
         for payload, cause in batch:
             args.append(payload)
@@ -316,6 +328,8 @@ class Log:
         if not self.redis.cluster:
             # Keys of other slots: on a standalone Redis the script announces the session itself.
             script_keys += [*(keys.directory(role) for role in ROLES), keys.sessions]
+            if tenant:
+                script_keys.append(keys.tenant_sessions(tenant))
         return PreparedAppend(self, session, script_keys, args, expected_last, fence, tenant)
 
     async def append_then_read(
@@ -345,13 +359,16 @@ class Log:
         assert not isinstance(ids, AlreadyAnswered)
         return ids, []
 
-    async def announce(self, session: str, roles: Sequence[str], *, created: bool) -> None:
-        """Tell role workers that ``session`` needs an owner (the ownership scripts clear the flag)."""
+    async def announce(self, session: str, roles: Sequence[str], *, created: bool, tenant: str | None = None) -> None:
+        """Tell role workers that ``session`` needs an owner (the ownership scripts clear the flag);
+        ``created``: add it to the sessions index (and to its ``tenant``'s)."""
         async with self.redis.pipeline() as pipe:
             for role in roles:
                 pipe.xadd(self.keys.directory(role), {"s": session})
             if created:
                 pipe.zadd(self.keys.sessions, {session: time.time()}, nx=True)
+                if tenant:
+                    pipe.zadd(self.keys.tenant_sessions(tenant), {session: time.time()}, nx=True)
             await pipe.execute()
 
     async def last_id(self, session: str) -> int:

@@ -24,13 +24,16 @@ _NOW = _CLOCK + "clock()\n"
 """The time as ``now``, asked for at once (the scripts that always need it)."""
 
 # KEYS: log, meta, answers, idem, claims, wake (the session's shard channel: ``bus/wakeups.py``),
-#       and on a standalone Redis also the runtime, memory and condenser directories and the
-#       sessions index (other slots: a cluster client announces in a second step instead)
+#       and on a standalone Redis also the runtime, memory and condenser directories, the
+#       sessions index and, for a session with a tenant, the tenant's index (other slots: a
+#       cluster client announces in a second step instead)
 # ARGV: expected_last ('' = any), idem_ttl_ms ('' = no idempotency key), role ('' = not an owner),
 #       token, ack_group ('' = none), ack_id, tenant, n, pass_own (the last id the acking group delivered
-#       to the caller, '' = none: see below), session, then n pairs (payload, answered cause or 0)
+#       to the caller, '' = none: see below), session, digest (of the request the idempotency key is
+#       bound to, '' = none), then n pairs (payload, answered cause or 0)
 # Replies: {'ok', first, count, index, need...} | {'dup', first, count, index, need...} | {'conflict', last}
 #          | {'fenced', current} | {'answered', cause, existing id} | {'tenant', the session's tenant ('' none)}
+#          | {'reused', first}: the idempotency key was used with another digest (nothing appended)
 # index 1: the append created the session and the caller adds it to the sessions index; need: the
 # roles the caller announces the session to.  With the directories among the KEYS, the script
 # does both itself (in the same atomic step as the append) and names neither.
@@ -60,11 +63,16 @@ end
 if ARGV[2] ~= '' then
   local seen = redis.call('GET', KEYS[4])
   if seen then
+    -- "first:count", or "first:count:digest" for a key bound to its request's digest
     local sep = string.find(seen, ':')
     local first = tonumber(string.sub(seen, 1, sep - 1))
+    local count, digest = string.sub(seen, sep + 1), ''
+    local sep2 = string.find(count, ':')
+    if sep2 then count, digest = string.sub(count, 1, sep2 - 1), string.sub(count, sep2 + 1) end
+    if ARGV[11] ~= '' and digest ~= ARGV[11] then return {'reused', first} end
     -- The first try's announce (shared keys: another node on a cluster) may have failed: announce
     -- again to every role still without an owner, and index the session again if it created it.
-    local reply = {'dup', first, tonumber(string.sub(seen, sep + 1)), first == 1 and 1 or 0}
+    local reply = {'dup', first, tonumber(count), first == 1 and 1 or 0}
     for i, role in ipairs({'runtime', 'memory', 'condenser'}) do
       if meta[3 + i] then table.insert(reply, role) end
     end
@@ -83,7 +91,7 @@ if ARGV[3] ~= '' then
 end
 local n = tonumber(ARGV[8])
 for i = 0, n - 1 do
-  local cause = ARGV[12 + 2 * i]
+  local cause = ARGV[13 + 2 * i]
   if cause ~= '0' then
     local existing = redis.call('HGET', KEYS[3], cause)
     if existing then return {'answered', tonumber(cause), tonumber(existing)} end
@@ -99,8 +107,8 @@ end
 local first = last + 1
 for i = 0, n - 1 do
   last = last + 1
-  redis.call('XADD', KEYS[1], last .. '-0', 'e', ARGV[11 + 2 * i])
-  local cause = ARGV[12 + 2 * i]
+  redis.call('XADD', KEYS[1], last .. '-0', 'e', ARGV[12 + 2 * i])
+  local cause = ARGV[13 + 2 * i]
   if cause ~= '0' then
     redis.call('HSET', KEYS[3], cause, last)
     redis.call('HDEL', KEYS[5], cause)  -- answered: its claim has done its job
@@ -108,7 +116,8 @@ for i = 0, n - 1 do
 end
 redis.call('HSET', KEYS[2], 'last', last)
 if ARGV[2] ~= '' then
-  redis.call('SET', KEYS[4], first .. ':' .. n, 'PX', ARGV[2])
+  local bound = ARGV[11] ~= '' and (':' .. ARGV[11]) or ''
+  redis.call('SET', KEYS[4], first .. ':' .. n .. bound, 'PX', ARGV[2])
 end
 local wake = tostring(last)  -- published on the session's shard channel: "<last>" or "<last> <role>"
 if ARGV[5] ~= '' then
@@ -129,6 +138,7 @@ local inline = #KEYS > 6
 local reply = {'ok', first, n, created}
 if inline and created == 1 then
   redis.call('ZADD', KEYS[10], 'NX', clock() / 1000, ARGV[10])
+  if KEYS[11] then redis.call('ZADD', KEYS[11], 'NX', clock() / 1000, ARGV[10]) end  -- the tenant's index
   reply[4] = 0
 end
 for i, role in ipairs({'runtime', 'memory', 'condenser'}) do
@@ -264,3 +274,23 @@ local archived = tonumber(redis.call('HGET', KEYS[2], 'archived_to') or '0')
 if to > archived then redis.call('HSET', KEYS[2], 'archived_to', to) end
 return {'ok', trimmed}
 """
+
+# KEYS: a token bucket (hash: tokens, at ms).  ARGV: rate (tokens a second), burst (the bucket's size).
+# Reply: {1, 0} a token taken | {0, ms until the next token}.  An API key's request rate (``serve/limits.py``):
+# the bucket fills at ``rate`` up to ``burst``; a refused request takes nothing.
+TAKE_TOKEN = (
+    _NOW
+    + """
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local got = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local tokens = tonumber(got[1] or ARGV[2])
+local at = tonumber(got[2] or now)
+if now > at then tokens = math.min(burst, tokens + (now - at) * rate / 1000) end
+if tokens < 1 then
+  return {0, math.ceil((1 - tokens) * 1000 / rate)}
+end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - 1), 'at', math.max(now, at))
+redis.call('PEXPIRE', KEYS[1], math.ceil(burst * 1000 / rate) + 1000)
+return {1, 0}
+"""
+)

@@ -8,6 +8,8 @@ routes          the ``/v1`` handlers and their bounds (:class:`ServeConfig`)
 auth            API keys: create, list, revoke, check (stored hashed in Redis)
 sessions        a session's tenant, and the session list with owners and lag
 sse             a session's log as Server-Sent Events, resumable with ``Last-Event-ID``
+follow          one reader per followed session, fanning out to every event stream
+limits          per key: request rate (a token bucket in Redis), open streams, revocation
 problems        errors as ``application/problem+json``, translated in one place
 openapi         the OpenAPI document, with the event schemas msgspec generates
 static/         the console: plain HTML, CSS and JavaScript, no build step

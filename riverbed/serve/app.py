@@ -215,6 +215,7 @@ async def serve(
             done.set()
 
     async with anyio.create_task_group() as tg:
+        await tg.start(api.run)  # the followed sessions' readers and the revocation check
         tg.start_soon(run)
         try:
             with anyio.fail_after(STARTUP_SECONDS), anyio.CancelScope() as waiting:
@@ -229,6 +230,7 @@ async def serve(
         finally:
             server.should_exit = True
             api.stopping.set()
+        tg.cancel_scope.cancel()  # (api.run runs until cancelled)
 
 
 async def _cancel_when(event: anyio.Event, scope: anyio.CancelScope) -> None:

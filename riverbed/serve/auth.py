@@ -16,6 +16,7 @@ import hmac
 import re
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -119,6 +120,11 @@ class KeyStore:
             record = msgspec.structs.replace(record, revoked=time.time())
             await self.redis.hset(self.key, key_id, msgspec.json.encode(record))
         return record
+
+    async def live(self, key_ids: Sequence[str]) -> set[str]:
+        """Those of ``key_ids`` that are still valid (neither revoked nor deleted), in one call."""
+        raws = await self.redis.hmget(self.key, key_ids)
+        return {k for k, raw in zip(key_ids, raws, strict=True) if raw and _decode_record(raw).revoked is None}
 
     async def check(self, key: str) -> Principal | None:
         """The principal of a presented key; None when it is malformed, unknown or revoked."""

@@ -38,13 +38,17 @@ def _problems(*codes: int) -> dict[str, Any]:
         400: "bad input (JSON, kind, field, bound)",
         401: "no key, or a key that is not valid or was revoked",
         404: "no such session for this key (also another tenant's session)",
-        409: "the log moved (expected_last) or the action is answered already",
-        413: "the body is over the size limit",
+        409: "the log moved (expected_last), the action is answered already, or the Idempotency-Key came "
+        "with another body",
+        413: "the body is over the size limit, or an append carries more events than allowed",
+        429: "the key's request rate or open event streams are at their limit (Retry-After says when to try again)",
         503: "Redis (or, for recall, Postgres) is unavailable",
         504: "no answer in time",
     }
+    if 401 in codes:  # every request with a key counts against its limits
+        codes = (*codes, 429)
     problem = {"application/problem+json": {"schema": _ref("Problem")}}
-    return {str(c): {"description": reasons[c], "content": problem} for c in codes}
+    return {str(c): {"description": reasons[c], "content": problem} for c in sorted(codes)}
 
 
 _SESSION = {"name": "session", "in": "path", "required": True, "schema": {"type": "string", "maxLength": 128}}

@@ -7,10 +7,11 @@ extension members where they help a program (``last`` on an append conflict, ``r
 ==========================  ======  ============================================================
 error                       status  when
 ==========================  ======  ============================================================
-HTTPException               its own a route's own refusal: 401 no or bad key, 413, 415, 404 path
+HTTPException               its own a route's own refusal: 401 no or bad key, 413, 415, 429, 404 path
 InputError (DecodeError)    400     bad JSON, kind, field, bound, session id
 AlreadyAnswered             409     a second answer to an action
 AppendConflict              409     ``expected_last`` did not match
+IdempotencyKeyReused        409     an ``Idempotency-Key`` sent again with another body
 FencedError                 409     (not reachable through the API: it appends with no fence)
 NotFoundError               404     no such session for this key (or another tenant's)
 TenantMismatch              404     an append to another tenant's session: it is not there for this key
@@ -36,6 +37,7 @@ from riverbed.errors import (
     AlreadyAnswered,
     AppendConflict,
     FencedError,
+    IdempotencyKeyReused,
     InputError,
     NotFoundError,
     RiverbedError,
@@ -60,7 +62,7 @@ def problem(
 
 
 def _status(exc: RiverbedError) -> int:
-    if isinstance(exc, AlreadyAnswered | AppendConflict | FencedError):
+    if isinstance(exc, AlreadyAnswered | AppendConflict | FencedError | IdempotencyKeyReused):
         return 409
     if isinstance(exc, InputError):
         return 400

@@ -12,13 +12,17 @@ admin key too.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
+import structlog
+from anyio.abc import TaskStatus
 from msgspec.structs import replace
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -34,13 +38,18 @@ from riverbed.bus import stats
 from riverbed.bus.keys import ROLES, require_session
 from riverbed.errors import InputError, NotFoundError, UnavailableError
 from riverbed.serve.auth import KeyStore, Principal
-from riverbed.serve.sessions import Tenants, session_infos
+from riverbed.serve.follow import Followers
+from riverbed.serve.limits import RateLimit, Slots, Streams
+from riverbed.serve.sessions import Tenants, index_older_sessions, session_infos, session_names
 from riverbed.serve.sse import EventStream
+from riverbed.settings import DEFAULT_MAX_EVENTS_PER_APPEND, Settings
 
 if TYPE_CHECKING:
     from riverbed.memory.recall import Memory
 
 __all__ = ["Api", "ServeConfig", "handlers"]
+
+log = structlog.get_logger("riverbed.serve")
 
 MAX_QUERY_CHARS = 2000
 MAX_HITS = 50
@@ -62,6 +71,30 @@ class ServeConfig:
     """An event stream sends a comment line after this long without an event."""
     prices: str | None = None
     """The price table of ``/usage`` (``RIVERBED_PRICES``'s JSON form); none: no costs."""
+    max_events_per_append: int = DEFAULT_MAX_EVENTS_PER_APPEND
+    """The most events one append may carry (413 above it)."""
+    max_streams_per_key: int = 500
+    """Event streams one key may hold open on this process (429 above it)."""
+    max_acts_per_key: int = 100
+    """Acts of one key waiting for their answer on this process at once (429 above it)."""
+    rate: float = 50.0
+    """Requests a second per key, over every process of the prefix (0: no limit; 429 above it)."""
+    burst: int = 200
+    """Requests a key may make at once above ``rate``."""
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ServeConfig:
+        """The bounds ``riverbed serve`` takes from the environment."""
+        return cls(
+            # A body holds at least one event of RIVERBED_MAX_EVENT_BYTES (JSON is larger than msgpack).
+            max_body_bytes=max(cls.max_body_bytes, 2 * settings.max_event_bytes),
+            prices=settings.prices,
+            max_events_per_append=settings.max_events_per_append,
+            max_streams_per_key=settings.serve_max_streams_per_key,
+            max_acts_per_key=settings.serve_max_acts_per_key,
+            rate=settings.serve_rate,
+            burst=settings.serve_burst,
+        )
 
 
 class Api:
@@ -74,8 +107,24 @@ class Api:
         self.memory = memory
         self.keys = KeyStore(bus.client, bus.keys)
         self.tenants = Tenants(bus)
+        self.rate = RateLimit(bus.client, bus.keys, rate=self.config.rate, burst=self.config.burst)
+        self.streams = Streams(self.keys, most=self.config.max_streams_per_key)
+        self.acts = Slots(
+            "acts waiting for their answer", "RIVERBED_SERVE_MAX_ACTS_PER_KEY", most=self.config.max_acts_per_key
+        )
+        self.followers = Followers(bus.log_store, bus.client)
         self.stopping = anyio.Event()
         """Set when the server starts shutting down: event streams end then."""
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """What the handlers need running: the followed sessions' readers and the revocation check
+        (and, once per prefix, the sessions older than the tenant indexes indexed)."""
+        if indexed := await index_older_sessions(self.bus):
+            log.info("serve.tenant_indexes_built", sessions=indexed)
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.followers.run)
+            await tg.start(self.streams.run)
+            task_status.started()
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -100,11 +149,13 @@ async def principal(request: Request) -> Principal:
             "this API needs a key: send 'Authorization: Bearer <key>' (riverbed keys create --tenant T)",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    who = await _api(request).keys.check(key.strip())
+    api = _api(request)
+    who = await api.keys.check(key.strip())
     if who is None:
         raise HTTPException(
             401, "the API key is not valid or was revoked; ask for a new one", headers={"WWW-Authenticate": "Bearer"}
         )
+    await api.rate.take(who)
     return who
 
 
@@ -122,24 +173,34 @@ async def _session_tenant(api: Api, who: Principal, session: str, *, create: boo
     raise NotFoundError(f"no session {session!r} is visible to this key")
 
 
+_DIGITS = re.compile(r"[0-9]{1,19}")
+MAX_ID = 2**63 - 1
+"""The largest event id a parameter may name (a stream entry id is 64 bits)."""
+
+
+def _whole_number(raw: str, what: str, *, minimum: int) -> int:
+    """``raw`` as a whole number of ASCII digits from ``minimum`` to :data:`MAX_ID`, else 400."""
+    if not _DIGITS.fullmatch(raw):
+        shown = raw if len(raw) <= 40 else raw[:40] + "…"
+        raise InputError(f"{what} must be a whole number, not {shown!r}")
+    value = int(raw)
+    if not minimum <= value <= MAX_ID:
+        raise InputError(f"{what} must be from {minimum} to {MAX_ID}, not {value}")
+    return value
+
+
 def _int_param(request: Request, name: str, *, minimum: int = 1) -> int | None:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InputError(f"the {name} parameter must be a whole number, not {raw!r}") from None
-    if value < minimum:
-        raise InputError(f"the {name} parameter must be at least {minimum}, not {value}")
-    return value
+    return _whole_number(raw, f"the {name} parameter", minimum=minimum)
 
 
 async def _body(request: Request) -> bytes:
     """The request body, refused (413) above the configured size."""
     limit = _api(request).config.max_body_bytes
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise HTTPException(413, f"the request body is {int(declared):,} bytes, over the limit of {limit:,}")
     chunks: list[bytes] = []
     size = 0
@@ -150,7 +211,20 @@ async def _body(request: Request) -> bytes:
         chunks.append(chunk)
     if not size:
         raise InputError("the request needs a JSON body")
-    return b"".join(chunks)
+    body = b"".join(chunks)
+    request.state.body_digest = hashlib.sha256(body).hexdigest()  # what an Idempotency-Key is bound to
+    return body
+
+
+def _within_append_limit(api: Api, batch: list[events.Event]) -> None:
+    """413 for more events than one append may carry (one append is one Redis call)."""
+    most = api.config.max_events_per_append
+    if len(batch) > most:
+        raise HTTPException(
+            413,
+            f"one append may carry at most {most:,} events (RIVERBED_MAX_EVENTS_PER_APPEND), not {len(batch):,}; "
+            "send them in several requests",
+        )
 
 
 def bounded(handler: Handler) -> Handler:
@@ -183,7 +257,7 @@ async def list_sessions(request: Request) -> Response:
     """The sessions the key may see: tenant, last id, last event time, owner and lag per role."""
     who = await principal(request)
     bus = _api(request).bus
-    names = await stats.list_sessions(bus.client, bus.keys)
+    names = await session_names(bus, who.tenant, admin=who.admin)
     infos = await session_infos(bus, names, visible=who.may_see)
     return _json({"sessions": [info.as_dict() for info in infos]})
 
@@ -194,14 +268,17 @@ async def append(request: Request) -> Response:
     who = await principal(request)
     api = _api(request)
     session = request.path_params["session"]
-    tenant = await _session_tenant(api, who, session, create=True)
+    expected_last = _int_param(request, "expected_last", minimum=0)
+    # An append that expects events creates nothing: to it a free id is as missing as another tenant's.
+    tenant = await _session_tenant(api, who, session, create=expected_last in (None, 0))
     batch = [replace(e, tenant=tenant) for e in events.events_from_json(await _body(request))]
+    _within_append_limit(api, batch)
     for event in batch:
         events.check_client(event)
-    expected_last = _int_param(request, "expected_last", minimum=0)
     key = request.headers.get("idempotency-key")
-    ids = await api.bus.session(session, tenant=tenant).append(*batch, expected_last=expected_last, idempotency_key=key)
-    api.tenants.remember(session, tenant)
+    ids = await api.bus.session(session, tenant=tenant).append(
+        *batch, expected_last=expected_last, idempotency_key=key, idempotency_digest=request.state.body_digest
+    )
     return _json({"session": session, "ids": ids}, status=201)
 
 
@@ -217,6 +294,14 @@ async def act(request: Request) -> Response:
 
 async def _act(request: Request, api: Api, timeout: float) -> Response:
     who = await principal(request)
+    slot = api.acts.take(who)
+    try:
+        return await _act_as(request, api, who, timeout)
+    finally:
+        slot.release()
+
+
+async def _act_as(request: Request, api: Api, who: Principal, timeout: float) -> Response:
     session = request.path_params["session"]
     tenant = await _session_tenant(api, who, session, create=True)
     action = events.from_json(await _body(request))
@@ -224,7 +309,6 @@ async def _act(request: Request, api: Api, timeout: float) -> Response:
         raise InputError(f"{action.kind!r} is not an action (see `riverbed schema`); POST it to /events instead")
     events.check_client(action)
     answer = await api.bus.session(session, tenant=tenant).act(replace(action, tenant=tenant), timeout=timeout)
-    api.tenants.remember(session, tenant)
     return Response(events.encode_json(answer), media_type="application/json")
 
 
@@ -255,17 +339,18 @@ async def read_events(request: Request) -> Response:
     if "text/event-stream" in request.headers.get("accept", ""):
         last_seen = request.headers.get("last-event-id", "").strip()
         if last_seen:
-            if not last_seen.isdigit():
-                raise InputError(f"Last-Event-ID must be an event id, not {last_seen!r}")
-            start = int(last_seen) + 1
+            start = _whole_number(last_seen, "Last-Event-ID (an event id)", minimum=0) + 1
+        slot = api.streams.take(who)
         return _Raw(
             EventStream(
-                api.bus.log_store,
+                api.followers,
                 session,
                 start,
                 until,
                 heartbeat=api.config.heartbeat_seconds,
                 stopping=api.stopping,
+                revoked=slot.revoked,
+                done=slot.release,
             )
         )
 
@@ -409,7 +494,7 @@ async def fork_session(request: Request) -> Response:
     who = await principal(request)
     api = _api(request)
     session = request.path_params["session"]
-    tenant = await _session_tenant(api, who, session)
+    await _session_tenant(api, who, session)
     try:
         body = msgspec.json.decode(await _body(request), type=_ForkBody)
     except msgspec.DecodeError as exc:
@@ -418,7 +503,6 @@ async def fork_session(request: Request) -> Response:
         ) from exc
     require_session(body.into)
     forked = await fork(api.bus, session, body.at, body.into, workspace=body.workspace)
-    api.tenants.remember(body.into, tenant)
     return _json({"session": body.into, "source": session, "at": body.at, "forked": forked}, status=201)
 
 
@@ -430,7 +514,7 @@ async def status(request: Request) -> Response:
     if who.admin:
         snapshot = await stats.status(bus.client, bus.keys)
         return _json(dataclasses.asdict(snapshot))
-    names = await stats.list_sessions(bus.client, bus.keys)
+    names = await session_names(bus, who.tenant, admin=False)
     mine = [info.session for info in await session_infos(bus, names, visible=who.may_see, roles=())]
     roles = [await stats.role_backlog(bus.client, bus.keys, role, mine) for role in ROLES]
     body: dict[str, Any] = {

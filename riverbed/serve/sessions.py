@@ -2,9 +2,9 @@
 
 A session's tenant is fixed by its first append: the meta hash's ``tenant`` (written by the
 append script when the log is created), else the ``tenant`` of event 1 (a session created by
-a handle without a tenant but with tenant-stamped events).  Because it never changes once the
-log exists, :class:`Tenants` remembers it per session and answers later requests without a
-round trip.
+a handle without a tenant but with tenant-stamped events).  It never changes while the log
+exists, but a log can be deleted and created again under the same id, so :class:`Tenants`
+reads it on every request.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from riverbed.bus import stats
 from riverbed.bus.keys import PAYLOAD_FIELD, ROLES
 from riverbed.bus.log import decode_entry, entry_id
 
-__all__ = ["SessionInfo", "Tenants", "session_infos"]
+__all__ = ["SessionInfo", "Tenants", "index_older_sessions", "session_infos", "session_names"]
 
 CHUNK = 500
 
@@ -47,27 +47,61 @@ class SessionInfo:
 
 
 class Tenants:
-    """The tenant of each session, read once per session (``None``: a tenant-less session)."""
+    """The tenant of each session, read from its meta hash on every request.
+
+    The meta hash is read each time (one ``HMGET``), never remembered: a log that was deleted
+    and created again (a Redis wipe, a new session under an old id) has a new tenant, and a
+    remembered one would let its old tenant's key read it.  Only the fallback for logs whose
+    meta hash names no tenant (event 1's) is remembered, keyed by the log's creation stamp.
+    """
 
     def __init__(self, bus: Bus, *, size: int = 100_000) -> None:
         self.bus = bus
-        self._known: LRUCache[str, str | None] = LRUCache(maxsize=size)
+        self._first: LRUCache[tuple[str, bytes | None], str | None] = LRUCache(maxsize=size)
 
     async def of(self, session: str) -> tuple[bool, str | None]:
         """(whether the session exists, its tenant)."""
-        if session in self._known:
-            return True, self._known[session]
         bus = self.bus
-        last, tenant = await bus.client.hmget(bus.keys.meta(session), ["last", "tenant"])
+        last, tenant, created = await bus.client.hmget(bus.keys.meta(session), ["last", "tenant", "created"])
         if not last or int(last) == 0:
             return False, None
-        value = tenant.decode() if tenant else await _first_event_tenant(bus, session)
-        self._known[session] = value
-        return True, value
+        if tenant:
+            return True, tenant.decode()
+        stamp = (session, created)
+        if stamp not in self._first:
+            self._first[stamp] = await _first_event_tenant(bus, session)
+        return True, self._first[stamp]
 
-    def remember(self, session: str, tenant: str | None) -> None:
-        """A session this process just created with ``tenant``."""
-        self._known[session] = tenant
+
+async def session_names(bus: Bus, tenant: str | None, *, admin: bool) -> list[str]:
+    """The ids a key may list, oldest first: every session for an admin key, else its tenant's
+    index only (``Keys.tenant_sessions``), so a tenant with few sessions reads few, however
+    many other tenants have."""
+    if admin:
+        return await stats.list_sessions(bus.client, bus.keys)
+    if tenant is None:
+        return []
+    return [name.decode() for name in await bus.client.zrange(bus.keys.tenant_sessions(tenant))]
+
+
+async def index_older_sessions(bus: Bus) -> int:
+    """Add the sessions created before the tenant indexes existed to their tenant's index, once
+    per prefix (``Keys.tenant_index`` marks it done; running it twice adds nothing); how many
+    sessions it read."""
+    if await bus.client.hget(bus.keys.tenant_index, "done") is not None:
+        return 0
+    scores = {name.decode(): score for name, score in await bus.client.zrange_scores(bus.keys.sessions)}
+    names = list(scores)
+    for begin in range(0, len(names), CHUNK):
+        metas = await stats.session_metas(bus.client, bus.keys, names[begin : begin + CHUNK])
+        async with bus.client.pipeline() as pipe:
+            for meta in metas:
+                tenant = meta.tenant if meta.tenant is not None else await _first_event_tenant(bus, meta.session)
+                if meta.last and tenant:
+                    pipe.zadd(bus.keys.tenant_sessions(tenant), {meta.session: scores[meta.session]}, nx=True)
+            await pipe.execute()
+    await bus.client.hset(bus.keys.tenant_index, "done", len(names))
+    return len(names)
 
 
 async def _first_event_tenant(bus: Bus, session: str) -> str | None:

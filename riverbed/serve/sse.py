@@ -6,21 +6,24 @@ last id it saw as ``Last-Event-ID`` and the stream resumes right after it: the l
 dense and ordered, so nothing is missed or repeated.
 
 The response is a plain ASGI callable rather than a generator, so that its three jobs run in
-one task group with a clear end: following the log (``Log.follow``, a bounded blocking
-``XREAD``), noticing the client leave (``http.disconnect``) or the server stop, and sending
-a comment line when the session is quiet (so proxies keep the connection and a dead client is
-noticed).  Whichever ends first cancels the others.
+one task group with a clear end: following the log (:class:`~riverbed.serve.follow.Followers`:
+one reader per session fans out to every stream, so a stream holds no Redis connection),
+noticing the client leave (``http.disconnect``), the server stop or the key be revoked, and
+sending a comment line when the session is quiet (so proxies keep the connection and a dead
+client is noticed).  Whichever ends first cancels the others.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import anyio
 import structlog
 from anyio.abc import ObjectSendStream
 from starlette.types import Message, Receive, Scope, Send
 
-from riverbed import events
-from riverbed.bus.log import Log
+from riverbed.errors import RiverbedError
+from riverbed.serve.follow import Followers, Frame, frame
 
 __all__ = ["EventStream", "frame"]
 
@@ -30,32 +33,38 @@ BUFFER = 256
 """Events read ahead of a slow client before following pauses."""
 
 
-def frame(event: events.Event) -> bytes:
-    """One SSE message for an event."""
-    return b"id: %d\ndata: %s\n\n" % (event.id or 0, events.encode_json(event))
-
-
 class EventStream:
     """``GET /v1/sessions/{id}/events`` with ``Accept: text/event-stream``."""
 
     def __init__(
         self,
-        store: Log,
+        followers: Followers,
         session: str,
         start: int,
         until: int | None,
         *,
         heartbeat: float = 15.0,
         stopping: anyio.Event | None = None,
+        revoked: anyio.Event | None = None,
+        done: Callable[[], None] = lambda: None,
     ) -> None:
-        self.store = store
+        self.followers = followers
         self.session = session
         self.start = start
         self.until = until
         self.heartbeat = heartbeat
         self.stopping = stopping or anyio.Event()
+        self.revoked = revoked or anyio.Event()
+        self.done = done
+        """Called once the stream has ended (its slot is given back)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._stream(receive, send)
+        finally:
+            self.done()
+
+    async def _stream(self, receive: Receive, send: Send) -> None:
         headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-store"),
@@ -66,40 +75,36 @@ class EventStream:
         try:
             await send({"type": "http.response.body", "body": b"retry: 1000\n\n", "more_body": True})
             async with anyio.create_task_group() as tg:
-                tx, rx = anyio.create_memory_object_stream[events.Event](BUFFER)
+                tx, rx = anyio.create_memory_object_stream[Frame](BUFFER)
                 tg.start_soon(self._follow, tx)
                 tg.start_soon(self._watch, receive, tg.cancel_scope)
                 async with rx:
                     while True:
                         with anyio.move_on_after(self.heartbeat) as quiet:
                             try:
-                                event = await rx.receive()
+                                _id, message = await rx.receive()
                             except anyio.EndOfStream:
                                 break  # ``until`` reached
                         if quiet.cancelled_caught:
                             await send({"type": "http.response.body", "body": b": ping\n\n", "more_body": True})
                             continue
-                        chunk = [frame(event)]
+                        chunk = [message]
                         while True:  # whatever else is ready goes in the same write
                             try:
-                                chunk.append(frame(rx.receive_nowait()))
+                                chunk.append(rx.receive_nowait()[1])
                             except (anyio.WouldBlock, anyio.EndOfStream):
                                 break
                         await send({"type": "http.response.body", "body": b"".join(chunk), "more_body": True})
                 tg.cancel_scope.cancel()
-        except OSError:  # the client went away while we wrote
+        except* OSError:  # the client went away while we wrote
             gone = True
+        except* RiverbedError as group:  # Redis failed under the stream: the client resumes later
+            log.warning("serve.stream_failed", session=self.session, error=str(group.exceptions[0]))
         if not gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _follow(self, tx: ObjectSendStream[events.Event]) -> None:
-        async with tx:
-            async for event in self.store.follow(self.session, self.start):
-                if self.until is not None and (event.id or 0) > self.until:
-                    return
-                await tx.send(event)
-                if self.until is not None and event.id == self.until:
-                    return
+    async def _follow(self, tx: ObjectSendStream[Frame]) -> None:
+        await self.followers.follow(self.session, self.start, self.until, tx)
 
     async def _watch(self, receive: Receive, scope: anyio.CancelScope) -> None:
         """Cancel the stream when the client disconnects or the server stops."""
@@ -113,10 +118,11 @@ class EventStream:
                         tg.cancel_scope.cancel()
                         return
 
-            async def stopping() -> None:
-                await self.stopping.wait()
+            async def ended(event: anyio.Event) -> None:
+                await event.wait()
                 scope.cancel()
                 tg.cancel_scope.cancel()
 
             tg.start_soon(disconnected)
-            tg.start_soon(stopping)
+            tg.start_soon(ended, self.stopping)
+            tg.start_soon(ended, self.revoked)

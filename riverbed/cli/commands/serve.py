@@ -47,10 +47,7 @@ def serve_command(
     cli = Invocation(prefix, serve_host=host, serve_port=port)
     settings = cli.settings
     configure_logging(settings.log_format, settings.log_level)
-    # A body holds at least one event of RIVERBED_MAX_EVENT_BYTES (JSON is larger than msgpack).
-    config = ServeConfig(
-        max_body_bytes=max(ServeConfig.max_body_bytes, 2 * settings.max_event_bytes), prices=settings.prices
-    )
+    config = ServeConfig.from_settings(settings)
     from riverbed.agent.usage import parse_prices  # noqa: PLC0415
 
     parse_prices(settings.prices)  # a bad price table is refused before anything listens
