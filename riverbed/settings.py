@@ -38,6 +38,10 @@ RIVERBED_PROMPT_CACHE           ``none`` (default; OpenAI caches prompt prefixes
 RIVERBED_LLM_VISION             ``0`` (default: images are not sent), ``1`` (the LLM agent's model sees
                                 images) or a comma-separated list of the models that see images
 RIVERBED_MAX_IMAGE_BYTES        largest image file sent to a model (default 5 MiB); larger ones are left out
+RIVERBED_AGENT_LLM_TIMEOUT      seconds one model call of the agent role may take (default 120)
+RIVERBED_AGENT_LLM_RETRY_SECONDS  how long the agent role retries a model server that is down or
+                                answers 5xx/429, backing off, before the run ends with ``llm_error``
+                                (default 60)
 OPENAI_API_KEY                  key for OpenAI or any compatible server
 OPENAI_BASE_URL                 base URL of an OpenAI-compatible server
 ==============================  ===============================================================
@@ -92,6 +96,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     prompt_cache: str = "none"
     llm_vision: str = "0"
     max_image_bytes: int = 5 * 1024 * 1024
+    agent_llm_timeout: float = 120.0
+    agent_llm_retry_seconds: float = 60.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
@@ -110,6 +116,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError(f"bad configuration: {_explain(exc)}") from exc
         settings.validate()
         return settings
+
+    @property
+    def model_configured(self) -> bool:
+        """Whether a model server is configured (``OPENAI_BASE_URL`` or ``OPENAI_API_KEY``)."""
+        return bool(self.openai_api_key or self.openai_base_url)
 
     def validate(self) -> None:
         if not _PREFIX_RE.fullmatch(self.prefix):
@@ -143,6 +154,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError(
                 f"RIVERBED_SANDBOX_NETWORK={self.sandbox_network!r} is not valid: use 'none', 'outbound' or 'host'"
             )
+        if not self.agent_llm_timeout > 0:
+            raise ConfigError("RIVERBED_AGENT_LLM_TIMEOUT must be a number of seconds greater than 0")
+        if not self.agent_llm_retry_seconds >= 0:
+            raise ConfigError("RIVERBED_AGENT_LLM_RETRY_SECONDS must be 0 (no retry) or a number of seconds")
         if self.max_image_bytes < 1:
             raise ConfigError("RIVERBED_MAX_IMAGE_BYTES must be at least 1")
         if self.prompt_cache not in ("none", "anthropic"):
