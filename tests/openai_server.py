@@ -102,6 +102,11 @@ class OpenAIServer:
         for _ in range(times):
             self._push(Scripted(responder=responder))
 
+    def clear(self) -> None:
+        """Drop every queued answer."""
+        with self._lock:
+            self._queue.clear()
+
     def pending(self) -> int:
         with self._lock:
             return len(self._queue)
