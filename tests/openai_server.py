@@ -68,6 +68,8 @@ class OpenAIServer:
         self.model = model
         self.embedding_dim = embedding_dim
         self.requests: list[dict[str, Any]] = []
+        self.received: list[float] = []
+        """When each chat request arrived (unix seconds), in the order of ``requests``."""
         self.embedding_requests: list[dict[str, Any]] = []
         self.unexpected = 0
         self._previous: list[Any] = []
@@ -173,6 +175,7 @@ class OpenAIServer:
     def _chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self._lock:
             self.requests.append(body)
+            self.received.append(time.time())
         item = self._pop()
         if item is None:
             self.unexpected += 1
