@@ -198,3 +198,18 @@ async def test_only_sessions_with_a_run_are_announced_to_the_agent_role(
         await anyio.sleep(0.3)
         assert "plain" not in agent.sessions
         assert await bus.client.xlen(directory) == before
+
+
+async def test_cancel_gives_up_a_model_call_in_flight(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
+    server.reply("too late", delay=10)
+    async with roles(bus, workspace, server):
+        opened = await open_run(bus, "s8", "think slowly")
+        with anyio.fail_after(10):
+            while not server.requests:
+                await anyio.sleep(0.02)
+        await cancel_run(bus, "s8")
+        seen = await ended(bus, "s8", opened.opened, timeout=3)  # well before the model answers
+    last = seen[-1]
+    assert isinstance(last, events.Error)
+    assert last.reason == "cancelled"
+    assert not any(isinstance(e, events.LlmResponse) for e in seen)

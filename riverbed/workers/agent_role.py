@@ -22,8 +22,8 @@ a call in flight when its worker died is repeated, once.
 
 A model server that is down, times out or answers 5xx/429 is tried again with backoff for
 ``RIVERBED_AGENT_LLM_RETRY_SECONDS``, then the run ends with ``llm_error`` saying what the
-server said.  A ``run_cancel`` ends the run at the next move (a model call in flight is let
-finish and its response dropped; a command in flight is not interrupted).  Once the run ended
+server said.  A ``run_cancel`` ends the run at the next move; a model call in flight is given
+up within :data:`CANCEL_POLL_SECONDS` (a command in flight is not interrupted).  Once the run ended
 the idle session is *retired* (released without being announced again until another run opens).
 
 Each move rewrites the session's run summary (``keys.run``), which ``riverbed runs`` lists.
@@ -72,6 +72,8 @@ log = structlog.get_logger("riverbed.worker")
 
 AGENT_NAME = "llm"
 """The ``agent`` of what the role appends."""
+CANCEL_POLL_SECONDS = 0.5
+"""How often the log is looked at for a ``run_cancel`` while a model call is in flight."""
 
 
 class RunSummary(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -270,8 +272,7 @@ class AgentHandler:
         while True:
             tries += 1
             try:
-                with anyio.fail_after(self.llm_timeout):
-                    response = await self.client.chat.completions.create(**request)
+                response = await self._call_once(ctx, state, request)
             except (TimeoutError, openai.OpenAIError) as exc:
                 said = _said(exc, self.llm_timeout)
                 if not _retryable(exc) or time.monotonic() + backoff.next > deadline:
@@ -287,6 +288,39 @@ class AgentHandler:
             if not (getattr(response, "choices", None) or []):
                 raise _ModelFailed("the model call failed (the model returned no choices)")
             return response
+
+    async def _call_once(self, ctx: SessionContext, state: _Session, request: dict[str, Any]) -> Any:
+        """One model call, given up (:class:`_ModelFailed`) when the run is cancelled meanwhile:
+        the log is looked at every :data:`CANCEL_POLL_SECONDS` while the call is in flight."""
+        outcome: list[Any] = []
+        failure: list[BaseException] = []
+
+        async with anyio.create_task_group() as tg:
+
+            async def call() -> None:
+                try:
+                    with anyio.fail_after(self.llm_timeout):
+                        outcome.append(await self.client.chat.completions.create(**request))
+                except (TimeoutError, openai.OpenAIError) as exc:
+                    failure.append(exc)
+                tg.cancel_scope.cancel()
+
+            async def watch() -> None:
+                while True:
+                    await anyio.sleep(CANCEL_POLL_SECONDS)
+                    await self._catch_up(ctx, state)
+                    run = state.fold.run
+                    if run is None or not run.open or run.cancel_requested is not None:
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(call)
+            tg.start_soon(watch)
+        if failure:
+            raise failure[0]
+        if not outcome:
+            raise _ModelFailed("the model call was given up: the run was cancelled")
+        return outcome[0]
 
     async def _save_summary(self, ctx: SessionContext, state: _Session) -> None:
         run = state.fold.run
