@@ -1,8 +1,11 @@
-"""The run fold and the agent's next move: pure functions of the log (no Redis)."""
+"""The run fold and the agent's next move: pure functions of the log (no Redis); which roles a
+worker runs."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from riverbed import events
 from riverbed.agent.runs import (
@@ -15,6 +18,8 @@ from riverbed.agent.runs import (
     next_move,
 )
 from riverbed.agent.usage import Price
+from riverbed.errors import ConfigError
+from riverbed.workers.main import parse_roles
 
 
 def numbered(*batch: events.Event) -> list[events.Event]:
@@ -160,3 +165,11 @@ def test_a_second_run_starts_afresh_once_the_first_ended() -> None:
     assert fold.run is not None
     assert fold.runs == 1
     assert fold.run.opened == 2
+
+
+def test_worker_all_includes_the_agent_role_only_when_a_model_is_configured() -> None:
+    assert parse_roles(["all"]) == ["runtime", "memory", "condenser"]
+    assert parse_roles(["all"], model_configured=True) == ["runtime", "memory", "condenser", "agent"]
+    assert parse_roles(["agent,runtime"], model_configured=True) == ["agent", "runtime"]
+    with pytest.raises(ConfigError, match="OPENAI_BASE_URL"):
+        parse_roles(["agent"])
