@@ -192,18 +192,19 @@ class AgentHandler:
 
     async def _advance(self, ctx: SessionContext, state: _Session) -> None:
         """Make the moves the log calls for, until the run must wait for the log (or ended)."""
-        made: tuple[object, int] | None = None
+        made: tuple[str, int] | None = None
         while True:
             run = state.fold.run
             move = next_move(run)
             if isinstance(move, Wait) or run is None:
                 break
-            if made == (move, state.fold.last):
-                # The append was a repeat, yet the log does not show it (a log made again under the
-                # same id while its idempotency key lived): stop rather than spin.
+            if made == (type(move).__name__, state.fold.last):
+                # The same kind of move again with the log where it was: its append was a repeat the
+                # log does not show (a log made again under the same id while the key lived).
+                # Stop rather than spin; the next event wakes the session again.
                 log.error("agent.move_repeated", session=ctx.session, move=type(move).__name__, last=state.fold.last)
                 break
-            made = (move, state.fold.last)
+            made = (type(move).__name__, state.fold.last)
             if isinstance(move, EndRun):
                 await self._end(ctx, state, run, move.reason, move.content)
             elif isinstance(move, RejectCalls):
