@@ -84,6 +84,8 @@ __all__ = [
     "PythonRun",
     "Recall",
     "RecallResult",
+    "RunCancel",
+    "RunStarted",
     "SandboxRebuilt",
     "SessionConfig",
     "Skipped",
@@ -120,6 +122,8 @@ MAX_K = 100
 """The most hits one recall may ask for."""
 MAX_DEPTH = 64
 """How deeply lists and objects may nest inside an event given by a user."""
+MAX_RUN_STEPS = 10_000
+"""The most model calls one run may be given."""
 
 Timeout: TypeAlias = Annotated[
     float,
@@ -518,6 +522,40 @@ class LlmResponse(Event, frozen=True, kw_only=True, tag="llm_response"):
     usage: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+# --- runs ---------------------------------------------------------------------------------
+# Client-written: a client opens a run (``run_started``) and may ask for its end
+# (``run_cancel``).  What the agent role writes for a run (``llm_response``, the actions, the
+# ``error`` from ``source: agent`` that ends it) is system-written.
+
+
+class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
+    """Opens a run on the session: the agent role works on the log's user messages (the task
+    is the one appended just before) until ``finish`` or an ``error`` from ``source: agent``
+    with reason ``step_limit``, ``budget_exhausted``, ``cancelled`` or ``llm_error``.
+
+    Limits are checked before each model call (a run overspends by at most one call):
+    ``max_steps`` model calls, ``max_tokens`` prompt + completion tokens, ``max_cost`` USD
+    (priced by ``RIVERBED_PRICES``).  ``model`` None: the worker's ``RIVERBED_LLM_MODEL``.
+    """
+
+    source: Source = "user"
+    client_sources: ClassVar[frozenset[str]] = frozenset(("user",))
+
+    model: str | None = None
+    max_steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_RUN_STEPS, description="model calls at most")] = 30
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, description="prompt + completion tokens at most")] | None = None
+    max_cost: Annotated[float, msgspec.Meta(gt=0, le=1_000_000, description="USD at most")] | None = None
+
+
+class RunCancel(Event, frozen=True, kw_only=True, tag="run_cancel"):
+    """Asks the agent role to end the session's open run (with an ``error``, reason ``cancelled``)."""
+
+    source: Source = "user"
+    client_sources: ClassVar[frozenset[str]] = frozenset(("user",))
+
+    note: str = ""
+
+
 class Unknown(Event, frozen=True, kw_only=True, tag="unknown"):
     """An event whose kind (or version) this version cannot decode; ``payload`` keeps it all."""
 
@@ -553,6 +591,8 @@ _BUILTIN: tuple[type[Event], ...] = (
     SessionConfig,
     LlmResponse,
     ContextEdit,
+    RunStarted,
+    RunCancel,
     Unknown,
 )
 

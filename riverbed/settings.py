@@ -76,6 +76,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     serve_max_acts_per_key: Annotated[int, Meta(ge=1)] = 100
     serve_rate: Annotated[float, Meta(ge=0, le=1e9)] = 50.0
     serve_burst: Annotated[int, Meta(ge=1)] = 200
+    agent_llm_timeout: Annotated[float, Meta(gt=0, le=86_400)] = 120.0
+    agent_llm_retry_seconds: Annotated[float, Meta(ge=0, le=86_400)] = 60.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
@@ -116,6 +118,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def variable(field: str) -> str:
         """The environment variable of a field (``OPENAI_*`` keep their own names)."""
         return field.upper() if field.startswith("openai_") else f"RIVERBED_{field.upper()}"
+
+    @property
+    def model_configured(self) -> bool:
+        """Whether a model server is configured (``OPENAI_BASE_URL`` or ``OPENAI_API_KEY``)."""
+        return bool(self.openai_api_key or self.openai_base_url)
 
     def validate(self) -> None:
         """What a type cannot say: the URLs' schemes."""

@@ -68,6 +68,8 @@ class OpenAIServer:
         self.model = model
         self.embedding_dim = embedding_dim
         self.requests: list[dict[str, Any]] = []
+        self.received: list[float] = []
+        """When each chat request arrived (unix seconds), in the order of ``requests``."""
         self.embedding_requests: list[dict[str, Any]] = []
         self.unexpected = 0
         self._previous: list[Any] = []
@@ -101,6 +103,11 @@ class OpenAIServer:
         """Queue answers computed from the request body: the function returns ``reply`` keywords."""
         for _ in range(times):
             self._push(Scripted(responder=responder))
+
+    def clear(self) -> None:
+        """Drop every queued answer."""
+        with self._lock:
+            self._queue.clear()
 
     def pending(self) -> int:
         with self._lock:
@@ -168,6 +175,7 @@ class OpenAIServer:
     def _chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self._lock:
             self.requests.append(body)
+            self.received.append(time.time())
         item = self._pop()
         if item is None:
             self.unexpected += 1

@@ -5,7 +5,8 @@ the first) it passes ``crashpoint(<point>)``; ``RIVERBED_PAUSE_AT=<point>[:<n>]`
 SIGSTOP itself there instead (a GC stall, a frozen VM: the test sends SIGCONT).  Unset
 (always, in production) the check is one comparison.  Points: ``after_read``,
 ``after_claim``, ``start_gate`` (each check before a start), ``after_side_effect``,
-``after_append``, ``before_ack``, ``during_renew``, ``after_index``.
+``after_append``, ``before_ack``, ``during_renew``, ``after_index``; the agent role's ``agent_before_llm``,
+``agent_after_response``, ``agent_between_actions``.
 """
 
 from __future__ import annotations

@@ -156,10 +156,15 @@ class SessionContext:
             return None
         return result[0]
 
-    async def append(self, batch: Sequence[events.Event], *, expected_last: int | None = None) -> list[int]:
-        """Append ``batch`` with the owner's fencing token; counts an :class:`AppendConflict`."""
+    async def append(
+        self, batch: Sequence[events.Event], *, expected_last: int | None = None, idempotency_key: str | None = None
+    ) -> list[int]:
+        """Append ``batch`` with the owner's fencing token; counts an :class:`AppendConflict`.
+        With ``idempotency_key``, a repeat returns the ids of the first append."""
         try:
-            result = await self.log.append(self.session, batch, fence=self.fence, expected_last=expected_last)
+            result = await self.log.append(
+                self.session, batch, fence=self.fence, expected_last=expected_last, idempotency_key=idempotency_key
+            )
         except AppendConflict:
             self._owner.stats.append_conflicts += 1
             raise

@@ -18,6 +18,8 @@ key                                    what
 ``{p}:{s}:answers``                    hash: action id -> id of its one answering observation
 ``{p}:{s}:claims``                     hash: action id -> ``worker:token:nonce`` of the runtime owner
                                        that started it (removed when the action is answered)
+``{p}:{s}:run``                        hash: the agent role's summary of the session's latest run
+                                       (``riverbed runs``; derived from the log, rewritten each step)
 ``{p}:{s}:idem:<key>``                 string ``first:count`` for a retried append (with TTL)
 ``{p}:{s}:wake``                       shard Pub/Sub channel (not a key): the append script publishes
                                        the log's last id on it (``bus/wakeups.py``)
@@ -26,6 +28,7 @@ key                                    what
 ``{p}:{p}:workers``                    sorted set: worker name -> last heartbeat (unix seconds)
 ``{p}:{p}:uids``                       string: the last sandbox user number handed out (``INCR``)
 ``{p}:{p}:worker:<name>``              hash: a worker's roles, owned sessions, start time
+``{p}:{p}:runs``                        sorted set: sessions that had a run, scored by its opening time
 ``{p}:{p}:dlq``                        stream: dead letters
 ``{p}:{p}:retention``                  string: the worker running this round's retention pass
 ``{p}:{p}:apikeys``                    hash: HTTP API key id -> JSON record (tenant, admin, the
@@ -46,6 +49,9 @@ import re
 from riverbed.errors import InputError
 
 ROLES = ("runtime", "memory", "condenser")
+"""The roles every session is announced to when it is created."""
+AGENT_ROLE = "agent"
+"""The role serving runs: a session is announced to it only when a run opens (``bus/scripts.py``)."""
 _SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@=+-]{0,127}")
 PAYLOAD_FIELD = b"e"
 
@@ -87,6 +93,7 @@ class Keys:
         self.api_keys = f"{prefix}:{{{prefix}}}:apikeys"
         self.uids = f"{prefix}:{{{prefix}}}:uids"
         self.tenant_index = f"{prefix}:{{{prefix}}}:tenant-index"
+        self.runs = f"{prefix}:{{{prefix}}}:runs"
 
     def rate(self, key_id: str) -> str:
         """An HTTP API key's request token bucket."""
@@ -113,6 +120,10 @@ class Keys:
 
     def wake(self, session: str) -> str:
         return f"{self.prefix}:{{{session}}}:wake"
+
+    def run(self, session: str) -> str:
+        """The agent role's summary of the session's latest run (a hash)."""
+        return f"{self.prefix}:{{{session}}}:run"
 
     def folds(self, session: str) -> str:
         """The roles' saved folds of the session (a hash: role -> saved fold)."""

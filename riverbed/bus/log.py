@@ -33,13 +33,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
+import msgspec
 import redis.exceptions as rexc
 
 from riverbed import events
 from riverbed.bus import scripts
 from riverbed.bus.backoff import retry_unavailable
 from riverbed.bus.exchange import stream_entries
-from riverbed.bus.keys import PAYLOAD_FIELD, ROLES, Keys, require_session
+from riverbed.bus.keys import AGENT_ROLE, PAYLOAD_FIELD, ROLES, Keys, require_session
 from riverbed.bus.redis_client import RawClient, RedisClient, StreamEntry, as_client
 from riverbed.errors import (
     AlreadyAnswered,
@@ -113,6 +114,20 @@ def entry_id(raw: bytes | str) -> int:
     if isinstance(raw, bytes):
         return int(raw.partition(b"-")[0])
     return int(raw.partition("-")[0])
+
+
+_RUN_KINDS = tuple(
+    b"\xa4kind" + msgspec.msgpack.encode(events.kind_of(cls)) for cls in (events.RunStarted, events.RunCancel)
+)
+
+
+def wakes_agent(payload: bytes) -> bool:
+    """Whether an event's payload opens or cancels a run (the agent role is announced for it).
+
+    An event's msgpack form starts with its ``kind`` (the union's tag is encoded first), so a
+    look at its first bytes tells, without decoding it."""
+    head = payload[:24]
+    return any(mark in head for mark in _RUN_KINDS)
 
 
 def answered_cause(event: events.Event) -> int:
@@ -313,9 +328,12 @@ class Log:
             session,
             digest or "",
         ]
+        wake_agent = False
         for payload, cause in batch:
             args.append(payload)
             args.append(cause)
+            wake_agent = wake_agent or wakes_agent(payload)
+        args.append("1" if wake_agent else "")
         keys = self.keys
         script_keys = [
             keys.log(session),
@@ -327,7 +345,7 @@ class Log:
         ]
         if not self.redis.cluster:
             # Keys of other slots: on a standalone Redis the script announces the session itself.
-            script_keys += [*(keys.directory(role) for role in ROLES), keys.sessions]
+            script_keys += [*(keys.directory(role) for role in ROLES), keys.sessions, keys.directory(AGENT_ROLE)]
             if tenant:
                 script_keys.append(keys.tenant_sessions(tenant))
         return PreparedAppend(self, session, script_keys, args, expected_last, fence, tenant)

@@ -12,7 +12,9 @@ group named after the role.  A session that needs an owner for a role has an ent
   merely stalled) owner can no longer append;
 - an owner that stops gracefully releases the session and re-announces it (a fresh
   entry), so a peer takes it at once; an owner whose session is idle *parks* it: it
-  releases it and marks it ``need:<role>``, and the next append announces it again.
+  releases it and marks it ``need:<role>``, and the next append announces it again.  The agent
+  role is announced only when a run opens (or is cancelled), and *retires* a session whose run
+  ended: released without the mark, so later appends do not announce it to that role.
 
 Duplicated entries (a crash between announce and acquire) are harmless: a worker whose
 acquire finds another live holder acknowledges and deletes the duplicate.
@@ -213,15 +215,18 @@ class Leases:
             await pipe.execute(raise_on_error=False)
         return replies
 
-    async def release(self, session: str, entry: str, token: int, *, park: bool = False, seen_last: int = 0) -> int:
+    async def release(
+        self, session: str, entry: str, token: int, *, park: bool = False, seen_last: int = 0, retire: bool = False
+    ) -> int:
         """Give the session up.  Graceful release re-announces it so a peer takes it at once.
 
-        Returns 1 when released, 0 when this worker was not the owner any more, and -1 when a
-        park was refused because new events arrived (the caller keeps serving).
+        ``park``: the next append announces it again; ``park`` with ``retire``: only an append that
+        asks for this role does (the agent role's, when a run opens).  Returns 1 when released, 0
+        when this worker was not the owner any more, and -1 when a park was refused because new
+        events arrived (the caller keeps serving).
         """
-        result = int(
-            await self._release([self.keys.meta(session)], [self.role, self.worker, token, 1 if park else 0, seen_last])
-        )
+        mode = (2 if retire else 1) if park else 0
+        result = int(await self._release([self.keys.meta(session)], [self.role, self.worker, token, mode, seen_last]))
         if result != 1:
             # -1: not parked, keep serving.  0: someone else owns the session now, and the
             # entry may be its lease handle (a reclaim moves it): leave it alone.

@@ -25,17 +25,20 @@ _NOW = _CLOCK + "clock()\n"
 
 # KEYS: log, meta, answers, idem, claims, wake (the session's shard channel: ``bus/wakeups.py``),
 #       and on a standalone Redis also the runtime, memory and condenser directories, the
-#       sessions index and, for a session with a tenant, the tenant's index (other slots: a
-#       cluster client announces in a second step instead)
+#       sessions index, the agent directory and, for a session with a tenant, the tenant's index
+#       (other slots: a cluster client announces in a second step instead)
 # ARGV: expected_last ('' = any), idem_ttl_ms ('' = no idempotency key), role ('' = not an owner),
 #       token, ack_group ('' = none), ack_id, tenant, n, pass_own (the last id the acking group delivered
 #       to the caller, '' = none: see below), session, digest (of the request the idempotency key is
-#       bound to, '' = none), then n pairs (payload, answered cause or 0)
+#       bound to, '' = none), then n pairs (payload, answered cause or 0), then wake_agent ('1': the
+#       batch opens or cancels a run, so the agent role is announced unless it holds the session or
+#       was announced already; the agent role is never announced otherwise)
 # Replies: {'ok', first, count, index, need...} | {'dup', first, count, index, need...} | {'conflict', last}
 #          | {'fenced', current} | {'answered', cause, existing id} | {'tenant', the session's tenant ('' none)}
 #          | {'reused', first}: the idempotency key was used with another digest (nothing appended)
 # index 1: the append created the session and the caller adds it to the sessions index; need: the
-# roles the caller announces the session to.  With the directories among the KEYS, the script
+# roles the caller announces the session to.  With the directories among the KEYS (runtime, memory,
+# condenser, then the sessions index, then agent), the script
 # does both itself (in the same atomic step as the append) and names neither.
 # The first append pins the session's tenant (none is a tenant too); any later append that is not
 # a role owner's must name the same one, checked before anything else (a retry included; only a
@@ -50,7 +53,9 @@ APPEND = (
 -- clock() only where the time is needed: an append to a session every role owns asks for none.
 -- The session's meta in one read: last id, tenant, the role's fence, when each role was announced.
 local meta = redis.call('HMGET', KEYS[2], 'last', 'tenant', 'fence:' .. ARGV[3],
-  'need:runtime', 'need:memory', 'need:condenser')
+  'need:runtime', 'need:memory', 'need:condenser', 'need:agent', 'holder:agent')
+local ROLES = {'runtime', 'memory', 'condenser', 'agent'}
+local DIRECTORY = {7, 8, 9, 11}  -- the KEYS index of each role's directory (10: the sessions index)
 local pinned_last = tonumber(meta[1] or '0')
 if ARGV[3] == '' and pinned_last > 0 then
   local pinned = meta[2] or ''
@@ -73,7 +78,7 @@ if ARGV[2] ~= '' then
     -- The first try's announce (shared keys: another node on a cluster) may have failed: announce
     -- again to every role still without an owner, and index the session again if it created it.
     local reply = {'dup', first, tonumber(count), first == 1 and 1 or 0}
-    for i, role in ipairs({'runtime', 'memory', 'condenser'}) do
+    for i, role in ipairs(ROLES) do
       if meta[3 + i] then table.insert(reply, role) end
     end
     return reply
@@ -115,6 +120,9 @@ for i = 0, n - 1 do
   end
 end
 redis.call('HSET', KEYS[2], 'last', last)
+if ARGV[12 + 2 * n] == '1' and not meta[7] and (not meta[8] or meta[8] == '') then
+  meta[7] = '0'  -- a run opens (or is cancelled) with no agent owner: announce it below
+end
 if ARGV[2] ~= '' then
   local bound = ARGV[11] ~= '' and (':' .. ARGV[11]) or ''
   redis.call('SET', KEYS[4], first .. ':' .. n .. bound, 'PX', ARGV[2])
@@ -138,17 +146,17 @@ local inline = #KEYS > 6
 local reply = {'ok', first, n, created}
 if inline and created == 1 then
   redis.call('ZADD', KEYS[10], 'NX', clock() / 1000, ARGV[10])
-  if KEYS[11] then redis.call('ZADD', KEYS[11], 'NX', clock() / 1000, ARGV[10]) end  -- the tenant's index
+  if KEYS[12] then redis.call('ZADD', KEYS[12], 'NX', clock() / 1000, ARGV[10]) end  -- the tenant's index
   reply[4] = 0
 end
-for i, role in ipairs({'runtime', 'memory', 'condenser'}) do
+for i, role in ipairs(ROLES) do
   -- need:<role> holds when the session was last announced to that role (0: never); announce
   -- again at most every ANNOUNCE_MS while no owner has taken it (an announce may be lost).
   local announced = meta[3 + i]
   if announced and clock() - tonumber(announced) >= ANNOUNCE_MS then
     redis.call('HSET', KEYS[2], 'need:' .. role, now)
     if inline then
-      redis.call('XADD', KEYS[6 + i], '*', 's', ARGV[10])
+      redis.call('XADD', KEYS[DIRECTORY[i]], '*', 's', ARGV[10])
     else
       table.insert(reply, role)
     end
@@ -235,15 +243,21 @@ return {'ok'}
 """
 )
 
-# KEYS: meta.  ARGV: role, worker, token, park (0/1), seen_last.
-# Reply: 1 released, 0 not the owner, -1 not parked because the log moved past seen_last.
+# KEYS: meta.  ARGV: role, worker, token, park (0 release, 1 park, 2 retire), seen_last.
+# Reply: 1 released, 0 not the owner, -1 not parked (or retired) because the log moved past seen_last.
+# A parked session is announced again by its next append; a retired one only when an append asks
+# for the role (the agent role's, when a run opens: see APPEND).
 RELEASE = """
 if redis.call('HGET', KEYS[1], 'holder:' .. ARGV[1]) ~= ARGV[2] then return 0 end
 if redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) ~= ARGV[3] then return 0 end
-if ARGV[4] == '1' then
+if ARGV[4] ~= '0' then
   local last = tonumber(redis.call('HGET', KEYS[1], 'last') or '0')
   if last > tonumber(ARGV[5]) then return -1 end
-  redis.call('HSET', KEYS[1], 'need:' .. ARGV[1], 0)
+  if ARGV[4] == '1' then
+    redis.call('HSET', KEYS[1], 'need:' .. ARGV[1], 0)
+  else
+    redis.call('HDEL', KEYS[1], 'need:' .. ARGV[1])
+  end
 end
 redis.call('HSET', KEYS[1], 'holder:' .. ARGV[1], '', 'expires:' .. ARGV[1], 0)
 return 1

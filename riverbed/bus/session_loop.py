@@ -10,7 +10,10 @@ the handler returned (:class:`~riverbed.bus.handling.Answer`) goes out in one wr
 next read (``bus/exchange.py``); anything else the loop does first sends it on its own.
 
 A session idle for ``park_after`` is parked: released without an owner until its next append
-announces it again.  When the log's group is gone, or the log delivers ids at or before the
+announces it again.  One whose handler says it ``retires`` (the agent role, once the run ended)
+is released when idle, and announced to that role again only by an append that asks for it.
+
+When the log's group is gone, or the log delivers ids at or before the
 last one this loop handled (the log started over), the loop checks its lease and ends if it
 was lost with Redis's data, never re-creating a group that would hand a stale owner the new
 log's actions.
@@ -19,6 +22,7 @@ log's actions.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -69,6 +73,9 @@ class SessionLoop:
         self.log = log.bind(role=owner.role, session=session, worker=owner.worker)
         self.bell = Bell(owner.role)
         """The session's wake-up bell (a placeholder until :meth:`serve` watches the session)."""
+        self.retires: Callable[[SessionContext], bool] | None = getattr(owner.handler, "retires", None)
+        """The handler's "nothing more to do here until the role is asked for again" (the agent
+        role's, once a run ended): the idle session is then retired, not parked."""
 
     async def serve(self) -> None:
         owner, ctx = self.owner, self.ctx
@@ -125,13 +132,19 @@ class SessionLoop:
                     stray_check = min(stray_check, idle_since + quiet)
                     backoff.reset()
                     continue
-                if time.monotonic() - idle_since > owner.park_after:
+                retire = self.retires is not None and self.held is None and self.retires(ctx)
+                if retire or time.monotonic() - idle_since > owner.park_after:
                     await self.flush()
                     parked = await owner.leases.release(
-                        self.session, self.owned.entry, self.owned.token, park=True, seen_last=ctx.last_seen
+                        self.session,
+                        self.owned.entry,
+                        self.owned.token,
+                        park=True,
+                        seen_last=ctx.last_seen,
+                        retire=retire,
                     )
                     if parked == 1:
-                        self.log.info("session.parked")
+                        self.log.info("session.retired" if retire else "session.parked")
                         return True
                     if parked == 0:
                         raise FencedError(self.session, owner.role, self.owned.token, -1)

@@ -20,7 +20,8 @@ def main() -> None:
     try:
         settings = Settings.from_env()
         configure_logging(settings.log_format, settings.log_level)
-        run_process(lambda: run_worker(parse_roles(args.roles), settings, name=args.name, park_after=args.park_after))
+        roles = parse_roles(args.roles, model_configured=settings.model_configured)
+        run_process(lambda: run_worker(roles, settings, name=args.name, park_after=args.park_after))
     except RiverbedError as exc:
         sys.exit(f"riverbed worker: {exc}")
 

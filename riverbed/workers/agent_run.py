@@ -36,7 +36,7 @@ from riverbed.errors import ConfigError, UnavailableError
 from riverbed.settings import Settings
 from riverbed.workers.main import Worker, build_handlers
 
-__all__ = ["AgentRun", "check_model_server", "run_agent"]
+__all__ = ["AgentRun", "check_model_server", "require_workers", "run_agent"]
 
 PROBE_TIMEOUT = 10.0
 """Seconds the model server has to answer the first check."""
@@ -76,10 +76,15 @@ async def check_model_server(client: AsyncOpenAI, settings: Settings) -> None:
         return  # it answered: reachable
 
 
-async def _require_runtime_worker(bus: Bus) -> None:
+async def require_workers(bus: Bus, roles: Sequence[str] = ("runtime",)) -> None:
+    """:class:`UnavailableError` unless a live worker serves each of ``roles``."""
     workers = await live_workers(bus.client, bus.keys)
-    if not any("runtime" in w.description.get("roles", []) for w in workers):
-        raise UnavailableError("no runtime worker is running: start workers (riverbed worker all) or pass --in-process")
+    for role in roles:
+        if not any(role in w.description.get("roles", []) for w in workers):
+            needs = " with a model configured (OPENAI_BASE_URL / OPENAI_API_KEY)" if role == "agent" else ""
+            raise UnavailableError(
+                f"no {role} worker is running: start workers{needs} (riverbed worker all) or pass --in-process"
+            )
 
 
 async def run_agent(
@@ -125,7 +130,7 @@ async def run_agent(
                 )
                 await tg.start(worker.run)
             else:
-                await _require_runtime_worker(bus)
+                await require_workers(bus)
             shown = _Follower(bus, session_id, start, on_event)
             if on_event is not None:
                 tg.start_soon(shown.run)

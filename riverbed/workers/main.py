@@ -1,6 +1,6 @@
 """A worker process: one :class:`Owner` per role, a heartbeat, signals, graceful drain.
 
-``riverbed worker runtime memory condenser`` (or ``all``) runs :func:`run_worker`.
+``riverbed worker runtime memory condenser agent`` (or ``all``) runs :func:`run_worker`.
 SIGTERM or SIGINT stops intake, lets in-flight work finish within ``drain_seconds``,
 then cancels and releases every session so peers take them over at once.
 
@@ -29,7 +29,7 @@ from anyio.abc import TaskStatus
 from riverbed.bus.archive import Archive, Retention
 from riverbed.bus.connection import RawClient, connect_redis
 from riverbed.bus.consumer import Handler, HotReads, Owner
-from riverbed.bus.keys import ROLES, Keys
+from riverbed.bus.keys import AGENT_ROLE, ROLES, Keys
 from riverbed.bus.redis_client import RedisClient
 from riverbed.bus.wakeups import Wakeups
 from riverbed.errors import ConfigError, UnavailableError
@@ -52,20 +52,25 @@ def default_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def parse_roles(names: Sequence[str]) -> list[str]:
+def parse_roles(names: Sequence[str], *, model_configured: bool = False) -> list[str]:
+    """The roles named (``all``: runtime, memory and condenser, and agent when a model server is
+    configured: ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``)."""
+    every = (*ROLES, AGENT_ROLE) if model_configured else ROLES
     roles: list[str] = []
     for name in names:
         for raw in name.split(","):
             part = raw.strip().lower()
             if part == "all":
-                roles.extend(r for r in ROLES if r not in roles)
-            elif part in ROLES:
+                roles.extend(r for r in every if r not in roles)
+            elif part in (*ROLES, AGENT_ROLE):
                 if part not in roles:
                     roles.append(part)
             elif part:
-                raise ConfigError(f"unknown role {part!r}: use runtime, memory, condenser or all")
+                raise ConfigError(f"unknown role {part!r}: use runtime, memory, condenser, agent or all")
     if not roles:
-        raise ConfigError("name at least one role: runtime, memory, condenser or all")
+        raise ConfigError("name at least one role: runtime, memory, condenser, agent or all")
+    if AGENT_ROLE in roles and not model_configured:
+        raise ConfigError("the agent role needs a model server: set OPENAI_BASE_URL and/or OPENAI_API_KEY")
     return roles
 
 
@@ -246,6 +251,12 @@ def build_handlers(roles: Sequence[str], settings: Settings) -> tuple[dict[str, 
         from riverbed.workers.condenser_role import build_condenser_handler  # noqa: PLC0415
 
         handlers["condenser"] = build_condenser_handler(settings)
+    if AGENT_ROLE in roles:
+        from riverbed.workers.agent_role import build_agent_handler  # noqa: PLC0415
+
+        agent = build_agent_handler(settings)
+        handlers[AGENT_ROLE] = agent
+        closers.append(agent.aclose)
     return handlers, closers
 
 

@@ -1,18 +1,30 @@
-"""`riverbed agent`: the reference LLM agent from the command line."""
+"""`riverbed agent`: a run handed to the agent role (or the in-process loop), and `riverbed runs`."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
 import anyio
+import msgspec
 import typer
 import typer.core
 import typer.main
 from rich.console import Console
+from rich.table import Table
 
 from riverbed import events
-from riverbed.cli.app import CONNECT_TIMEOUT, Invocation, PrefixOption, SessionArg, _probe, _progress, app
-from riverbed.cli.output import _fail, err_console, render
+from riverbed.agent.hosted import RunLimits
+from riverbed.cli.app import (
+    CONNECT_TIMEOUT,
+    Invocation,
+    JsonOption,
+    PrefixOption,
+    SessionArg,
+    _probe,
+    _progress,
+    app,
+)
+from riverbed.cli.output import _fail, _stdout_lines, err_console, json_bytes, render
 
 # --- agent: the reference LLM agent from the command line (issue 17) ----------------------------
 # Self-contained: moves into the cli/ package as one room.
@@ -21,26 +33,143 @@ from riverbed.cli.output import _fail, err_console, render
 @app.command("agent")
 def agent_command(
     session: SessionArg,
-    task: Annotated[str, typer.Argument(help="What the agent should do (appended as the user's message).")],
-    max_steps: Annotated[int, typer.Option("--max-steps", help="Model calls at most.", min=1)] = 30,
+    task: Annotated[
+        str | None,
+        typer.Argument(help="What the agent should do (appended as the user's message).", show_default=False),
+    ] = None,
+    detach: Annotated[
+        bool, typer.Option("--detach", help="Record the run for the agent role and return at once.")
+    ] = False,
+    cancel: Annotated[bool, typer.Option("--cancel", help="End the session's open run (reason cancelled).")] = False,
+    max_steps: Annotated[int, typer.Option("--max-steps", help="Model calls at most.", min=1, max=10_000)] = 30,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option("--max-tokens", help="Prompt + completion tokens at most.", min=1, show_default=False),
+    ] = None,
+    max_cost: Annotated[
+        float | None,
+        typer.Option("--max-cost", help="USD at most, priced by RIVERBED_PRICES (agent role).", show_default=False),
+    ] = None,
     model: Annotated[
         str | None, typer.Option("--model", help="Chat model (default RIVERBED_LLM_MODEL).", show_default=False)
     ] = None,
     in_process: Annotated[
-        bool, typer.Option("--in-process", help="Run the runtime, memory and condenser roles in this process.")
+        bool,
+        typer.Option(
+            "--in-process", help="Run the agent loop and the runtime, memory and condenser roles in this process."
+        ),
     ] = False,
     tenant: Annotated[str | None, typer.Option("--tenant", help="The session's tenant.", show_default=False)] = None,
     image: Annotated[
         list[str] | None,
-        typer.Option("--image", help="An image for the task: URL or workspace path (repeatable).", show_default=False),
+        typer.Option(
+            "--image", help="An image for the task (--in-process): URL or workspace path.", show_default=False
+        ),
     ] = None,
     prefix: PrefixOption = None,
 ) -> None:
-    """Run the reference LLM agent on TASK, printing each event as the log grows.
+    """Hand TASK to the agent role as a run on SESSION and follow it live (Ctrl-C detaches).
 
-    Needs OPENAI_BASE_URL and/or OPENAI_API_KEY, and workers (riverbed worker all) unless
-    --in-process.  Exits 0 when the agent finishes, asks the user or reaches --max-steps.
+    The run is recorded on the log (the task message and a run_started event with the limits),
+    so it survives this command and any worker: --detach returns at once.  Workers with the
+    agent role (riverbed worker all, with OPENAI_BASE_URL and/or OPENAI_API_KEY set) serve it.
+    --in-process runs the loop here instead, with the runtime, memory and condenser roles.
+    Exits 0 when the run finishes or reaches --max-steps.
     """
+    if cancel:
+        if task is not None:
+            _fail("--cancel takes no task", 2)
+        _cancel(session, tenant, prefix)
+        return
+    if task is None:
+        _fail("say what the agent should do (the TASK argument), or pass --cancel", 2)
+    if in_process:
+        if detach or max_tokens is not None or max_cost is not None:
+            _fail("--detach, --max-tokens and --max-cost are for runs served by the agent role, not --in-process", 2)
+        _in_process(session, task, max_steps, model, tenant, image or [], prefix)
+        return
+    if image:
+        _fail("--image is for --in-process runs", 2)
+    if max_cost is not None and not max_cost > 0:
+        _fail("--max-cost must be a number of USD greater than 0", 2)
+    _hosted(session, task, RunLimits(model=model, max_steps=max_steps, max_tokens=max_tokens, max_cost=max_cost),
+            detach=detach, tenant=tenant, prefix=prefix)  # fmt: skip
+
+
+def _cancel(session: str, tenant: str | None, prefix: str | None) -> None:
+    from riverbed.agent.hosted import cancel_run  # noqa: PLC0415
+
+    cli = Invocation(prefix)
+
+    async def go() -> int:
+        return await cancel_run(await cli.bus(), session, tenant=tenant)
+
+    cancel_id = cli.run(go)
+    _progress(f"asked the agent to end the run of {session} (event {cancel_id})")
+
+
+def _hosted(
+    session: str, task: str, limits: RunLimits, *, detach: bool, tenant: str | None, prefix: str | None
+) -> None:
+    from riverbed.agent.hosted import follow_run, open_run  # noqa: PLC0415
+    from riverbed.agent.llm import make_client  # noqa: PLC0415
+    from riverbed.workers.agent_run import check_model_server, require_workers  # noqa: PLC0415
+
+    cli = Invocation(prefix)
+    settings = cli.settings
+    if not detach:
+        make_client(settings)  # the model server is checked before anything is appended
+    console = Console(highlight=False, soft_wrap=True)
+
+    async def go() -> list[events.Event]:
+        if not detach:
+            async with make_client(settings) as client:
+                await check_model_server(client, settings)
+        bus = await cli.bus()
+        if not detach:
+            await require_workers(bus, ["runtime", "agent"])
+        opened = await open_run(bus, session, task, limits=limits, tenant=tenant)
+        if detach:
+            _progress(f"run opened on {session} (event {opened.opened}): `riverbed runs` shows it")
+            return []
+        _progress(f"run opened on {session} (event {opened.opened}); following it (Ctrl-C detaches, the run goes on)")
+        seen: list[events.Event] = []
+        async for event in follow_run(bus, session, opened.task):
+            console.print(render(event))
+            seen.append(event)
+        return seen
+
+    seen = cli.run(go, interrupt_code=0)
+    if detach or not seen:
+        return
+    _report(seen, settings.prices)
+
+
+def _report(seen: list[events.Event], prices: str | None) -> None:
+    from riverbed.agent.usage import parse_prices, usage  # noqa: PLC0415
+
+    spent = usage(seen, parse_prices(prices))
+    ended = seen[-1]
+    _summary(ended, spent)
+    if isinstance(ended, events.Error) and ended.reason != "step_limit":
+        _fail(f"the agent stopped: {ended.content}", 1)
+
+
+def _summary(ended: events.Event | None, spent: Any) -> None:
+    cost = "" if spent.cost is None else f", cost {spent.cost:.6f} USD"
+    what = ended.kind if ended is not None else "nothing"
+    if isinstance(ended, events.Error):
+        what = f"{what} ({ended.reason})"
+    err_console.print(
+        f"agent ended by {what} after {len(spent.steps)} model calls: {spent.prompt_tokens} prompt tokens "
+        f"({spent.cached_tokens} cached), {spent.completion_tokens} completion tokens{cost}",
+        markup=False,
+    )
+
+
+def _in_process(
+    session: str, task: str, max_steps: int, model: str | None, tenant: str | None, image: list[str], prefix: str | None
+) -> None:
     from riverbed.agent.llm import make_client  # noqa: PLC0415
     from riverbed.workers.agent_run import check_model_server, run_agent  # noqa: PLC0415
 
@@ -48,42 +177,80 @@ def agent_command(
     settings = cli.settings
     make_client(settings)
     url = cli.redis_url()
-    if in_process and not settings.database_url:
+    if not settings.database_url:
         _progress("RIVERBED_DATABASE_URL is not set: using the embedded Postgres")
     console = Console(highlight=False, soft_wrap=True)
 
     async def go() -> Any:
         async with make_client(settings) as client:
-            return await _agent_run(client)
-
-    async def _agent_run(client: Any) -> Any:
-        await check_model_server(client, settings)
-        with anyio.fail_after(CONNECT_TIMEOUT):
-            await _probe(url)
-        return await run_agent(
-            settings,
-            url,
-            session,
-            task,
-            client=client,
-            max_steps=max_steps,
-            in_process=in_process,
-            tenant=tenant,
-            images=image or (),
-            on_event=lambda event: console.print(render(event)),
-        )
+            await check_model_server(client, settings)
+            with anyio.fail_after(CONNECT_TIMEOUT):
+                await _probe(url)
+            return await run_agent(
+                settings,
+                url,
+                session,
+                task,
+                client=client,
+                max_steps=max_steps,
+                in_process=True,
+                tenant=tenant,
+                images=image,
+                on_event=lambda event: console.print(render(event)),
+            )
 
     run = cli.run(go)
-    spent = run.usage
-    cost = "" if spent.cost is None else f", cost {spent.cost:.6f} USD"
-    ended = run.ended.kind if run.ended is not None else "nothing"
-    if isinstance(run.ended, events.Error):
-        ended = f"{ended} ({run.ended.reason})"
-    err_console.print(
-        f"agent ended by {ended} after {len(spent.steps)} model calls: {spent.prompt_tokens} prompt tokens "
-        f"({spent.cached_tokens} cached), {spent.completion_tokens} completion tokens{cost}",
-        markup=False,
-    )
+    _summary(run.ended, run.usage)
     if not run.ok:
         detail = run.ended.content if isinstance(run.ended, events.Error) else "the run failed"
         _fail(f"the agent stopped: {detail}", 1)
+
+
+# --- runs ------------------------------------------------------------------------------------
+
+
+@app.command("runs")
+def runs_command(
+    state: Annotated[
+        str | None,
+        typer.Option("--state", help="running, finished, failed or cancelled.", show_default=False),
+    ] = None,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant's runs.", show_default=False)] = None,
+    as_json: JsonOption = False,
+    prefix: PrefixOption = None,
+) -> None:
+    """Runs handed to the agent role, newest first: session, tenant, state, steps, tokens, cost,
+    owning worker, age."""
+    from riverbed.agent.hosted import list_runs  # noqa: PLC0415
+    from riverbed.agent.usage import parse_prices  # noqa: PLC0415
+
+    cli = Invocation(prefix)
+
+    async def go() -> Any:
+        return await list_runs(await cli.bus(), state=state, tenant=tenant, prices=parse_prices(cli.settings.prices))
+
+    rows = cli.run(go)
+    if as_json:
+        _stdout_lines(json_bytes(msgspec.to_builtins(row)) for row in rows)
+        return
+    if not rows:
+        _progress("no runs" + (f" in state {state}" if state else ""))
+        return
+    columns = ("session", "tenant", "state", "steps", "tokens", "cost", "worker", "age")
+    table = Table(*columns, box=None, header_style="bold")
+    for row in rows:
+        cost = "" if row.cost is None else f"{row.cost:.4f}"
+        state_text = row.state if row.state in ("running", "finished") else f"{row.state} ({row.reason})"
+        table.add_row(
+            row.session, row.tenant or "", state_text, str(row.steps), str(row.tokens), cost, row.worker or "",
+            _age(row.age),
+        )  # fmt: skip
+    Console(highlight=False).print(table)
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"

@@ -53,7 +53,10 @@ def services_down(directory: DirOption = None) -> None:
 
 @app.command("worker")
 def worker_command(
-    roles: Annotated[list[str], typer.Argument(help="runtime, memory, condenser, or all.")],
+    roles: Annotated[
+        list[str],
+        typer.Argument(help="runtime, memory, condenser, agent, or all (with agent when a model is configured)."),
+    ],
     concurrency: Annotated[
         int | None,
         typer.Option("--concurrency", help="Sessions owned at most per role (default RIVERBED_CONCURRENCY)."),
@@ -69,7 +72,7 @@ def worker_command(
     from riverbed.workers.main import parse_roles, run_process, run_worker  # noqa: PLC0415
 
     cli = Invocation(prefix, concurrency=concurrency, metrics_port=metrics_port)
-    chosen = parse_roles(roles)
+    chosen = parse_roles(roles, model_configured=cli.settings.model_configured)
     if not cli.settings.redis_url:
         cli.with_settings(redis_url=cli.redis_url())
     settings = cli.settings

@@ -1,0 +1,190 @@
+"""Runs handed to the agent role: open one, cancel it, follow it, list them.
+
+::
+
+    async with riverbed.connect() as bus:
+        opened = await open_run(bus, "s-42", "Fix the failing test", limits=RunLimits(max_steps=20))
+        async for event in follow_run(bus, "s-42", opened.opened):   # until the run ends
+            ...
+        await cancel_run(bus, "s-42")
+        for row in await list_runs(bus, state="running"):
+            ...
+
+A run is two events on the session's log, appended in one write: the task as the user's
+``message`` and a ``run_started`` holding the limits and model.  That append announces the
+session to the agent role (``bus/scripts.py``), which works on the run from then on; the
+caller may go away.  Whether a run is open is read from the log (:mod:`riverbed.agent.runs`).
+``riverbed runs`` reads the summaries the agent role keeps (``keys.run``), and folds the log
+of a run that no agent worker has picked up yet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+
+from riverbed import events
+from riverbed.agent.client import Bus
+from riverbed.agent.runs import Run, RunFold, RunState, fold_runs
+from riverbed.agent.usage import Price
+from riverbed.errors import InputError
+
+__all__ = ["STATES", "OpenedRun", "RunLimits", "RunRow", "cancel_run", "follow_run", "list_runs", "open_run"]
+
+STATES: tuple[RunState, ...] = ("running", "finished", "failed", "cancelled")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunLimits:
+    model: str | None = None
+    max_steps: int = 30
+    max_tokens: int | None = None
+    max_cost: float | None = None
+
+
+@dataclass(frozen=True)
+class OpenedRun:
+    session: str
+    task: int
+    """the id of the task's ``message``"""
+    opened: int
+    """the id of the ``run_started``"""
+
+
+class RunRow(msgspec.Struct, kw_only=True):
+    """One line of ``riverbed runs``."""
+
+    session: str
+    tenant: str | None
+    state: str
+    steps: int
+    tokens: int
+    cost: float | None
+    worker: str | None
+    age: float
+    """seconds since the run opened"""
+    reason: str | None = None
+
+
+async def _fold(bus: Bus, session: str, prices: dict[str, Price] | None = None) -> RunFold:
+    return fold_runs([e async for e in bus.log_store.read(session, 1)], prices)
+
+
+async def open_run(
+    bus: Bus, session_id: str, task: str, *, limits: RunLimits | None = None, tenant: str | None = None
+) -> OpenedRun:
+    """Record a run on the log (task message + ``run_started``) and return at once.
+
+    :class:`InputError` when the session has a run open already, or when the task is empty."""
+    limits = limits or RunLimits()
+    if not task.strip():
+        raise InputError("the task is empty: say what the agent should do")
+    session = await bus.operate(session_id, tenant=tenant)
+    fold = await _fold(bus, session_id)
+    if fold.run is not None and fold.run.open:
+        raise InputError(
+            f"session {session_id} has a run open already (event {fold.run.opened}): wait for it to end, "
+            f"or cancel it with `riverbed agent {session_id} --cancel`"
+        )
+    started = events.RunStarted(
+        model=limits.model, max_steps=limits.max_steps, max_tokens=limits.max_tokens, max_cost=limits.max_cost
+    )
+    # expected_last: two callers opening a run at once cannot both succeed.
+    task_id, opened = await session.append(
+        events.Message(content=task, source="user"), started, expected_last=fold.last
+    )
+    async with bus.client.pipeline() as pipe:  # (the agent role adds it too, when it picks the run up)
+        pipe.zadd(bus.keys.runs, {session_id: time.time()}, nx=True)
+        await pipe.execute()
+    return OpenedRun(session_id, task_id, opened)
+
+
+async def cancel_run(bus: Bus, session_id: str, *, note: str = "", tenant: str | None = None) -> int:
+    """Ask the agent role to end the session's open run; returns the ``run_cancel``'s id.
+    :class:`InputError` when no run is open."""
+    fold = await _fold(bus, session_id)
+    if fold.run is None or not fold.run.open:
+        raise InputError(f"session {session_id} has no open run to cancel")
+    session = await bus.operate(session_id, tenant=tenant)
+    (cancel_id,) = await session.append(events.RunCancel(note=note))
+    return cancel_id
+
+
+async def follow_run(bus: Bus, session_id: str, start: int) -> AsyncIterator[events.Event]:
+    """The session's events from ``start`` on, as they are appended, until a run ends at or
+    after ``start`` (the run open then, or the next one); the ending event is the last yielded."""
+    fold = RunFold()
+    async for event in bus.session(session_id).log(1, follow=True):
+        fold.add(event)
+        if event.id is not None and event.id >= start:
+            yield event
+            run = fold.run
+            if run is not None and run.ended is not None and run.ended >= start:
+                return
+
+
+async def list_runs(
+    bus: Bus, *, state: str | None = None, tenant: str | None = None, prices: dict[str, Price] | None = None
+) -> list[RunRow]:
+    """The sessions' latest runs, newest first (filtered by ``state`` and ``tenant``)."""
+    if state is not None and state not in STATES:
+        raise InputError(f"unknown run state {state!r}: use {', '.join(STATES)}")
+    sessions = [s.decode() for s, _score in reversed(await bus.client.zrange_scores(bus.keys.runs))]
+    async with bus.client.pipeline() as pipe:
+        replies = [pipe.get(bus.keys.run(s)) for s in sessions]
+        await pipe.execute()
+    summaries = [reply.value for reply in replies]
+    now = time.time()
+    rows: list[RunRow] = []
+    for session, raw in zip(sessions, summaries, strict=True):
+        row = _row(session, raw, now)
+        if row is None:  # no agent worker has picked the run up yet: its log says where it is
+            fold = await _fold(bus, session, prices)
+            if fold.run is None:
+                continue
+            row = _folded_row(session, fold.run, now)
+        if (state is None or row.state == state) and (tenant is None or row.tenant == tenant):
+            rows.append(row)
+    return rows
+
+
+def _row(session: str, raw: bytes | None, now: float) -> RunRow | None:
+    if raw is None:
+        return None
+    try:
+        summary = msgspec.json.decode(raw, type=dict[str, object])
+    except msgspec.DecodeError:
+        return None
+    opened_at = summary.get("opened_at")
+    return msgspec.convert(
+        {
+            "session": session,
+            "tenant": summary.get("tenant"),
+            "state": summary.get("state", "running"),
+            "steps": summary.get("steps", 0),
+            "tokens": summary.get("tokens", 0),
+            "cost": summary.get("cost"),
+            "worker": summary.get("worker"),
+            "age": max(0.0, now - opened_at) if isinstance(opened_at, float | int) else 0.0,
+            "reason": summary.get("reason"),
+        },
+        RunRow,
+        strict=False,
+    )
+
+
+def _folded_row(session: str, run: Run, now: float) -> RunRow:
+    return RunRow(
+        session=session,
+        tenant=run.tenant,
+        state=run.state,
+        steps=run.steps,
+        tokens=run.tokens,
+        cost=run.cost if run.priced else None,
+        worker=None,
+        age=max(0.0, now - run.opened_at),
+        reason=run.end_reason,
+    )

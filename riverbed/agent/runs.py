@@ -1,0 +1,309 @@
+"""A session's run as a pure fold of its log: open or ended, steps, tokens, cost, what is owed.
+
+A client opens a run with a ``run_started`` event (its limits and model) after the task's user
+``message``, and may append ``run_cancel``.  The agent role (``workers/agent_role.py``) works
+on the run; everything it needs to decide its next move is here, folded from the log, never
+from the memory of a worker::
+
+    fold = RunFold(prices)
+    for event in log_events:
+        fold.add(event)
+    fold.run            # the latest run (None: the session never had one)
+    fold.run.state      # running | finished | failed | cancelled
+
+A run ends with ``finish`` (finished), or with an ``error`` from ``source: agent`` whose
+reason is in :data:`END_REASONS` (``cancelled``: cancelled, else failed).  Its steps are its
+``llm_response`` events; tokens and cost are their recorded ``usage``, priced by
+``RIVERBED_PRICES`` (a model without a price costs nothing that a cost limit could count:
+:attr:`Run.priced` says so).
+
+The tool calls of the run's last response are its *moves*: action ``i`` of the response is the
+``i``-th action the agent appended with ``cause`` = the response (the role appends them one
+by one, under its fencing token, each with an idempotency key naming the response and ``i``).
+A response whose tool calls do not parse is answered by one ``error`` (reason
+``bad_tool_call``) instead, and a response without tool calls by a ``finish``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from msgspec.structs import replace
+
+from riverbed import events
+from riverbed.agent.tools import action_from_call
+from riverbed.agent.usage import Price, step
+from riverbed.errors import InputError
+
+__all__ = [
+    "END_REASONS",
+    "AppendAction",
+    "CallModel",
+    "EndRun",
+    "Move",
+    "RejectCalls",
+    "Run",
+    "RunFold",
+    "RunState",
+    "Wait",
+    "fold_runs",
+    "next_move",
+    "planned_actions",
+]
+
+RunState = Literal["running", "finished", "failed", "cancelled"]
+
+END_REASONS = frozenset({"step_limit", "budget_exhausted", "cancelled", "llm_error"})
+"""Reasons of an ``error`` from ``source: agent`` that end a run."""
+
+
+@dataclass
+class Run:
+    """One run of a session, as folded so far."""
+
+    opened: int
+    """the id of its ``run_started``"""
+    model: str | None
+    max_steps: int
+    max_tokens: int | None
+    max_cost: float | None
+    opened_at: float = 0.0
+    """when it opened (unix seconds)"""
+    tenant: str | None = None
+    task: int | None = None
+    """the id of the last user message before it opened (its task)"""
+    steps: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost: float = 0.0
+    priced: bool = True
+    """every step had a price (otherwise ``cost`` counts only those that had one)"""
+    response: events.LlmResponse | None = None
+    """the run's last ``llm_response`` (with its id)"""
+    actions: list[events.Action] = field(default_factory=list)
+    """the actions appended for that response, in call order"""
+    rejected: bool = False
+    """that response's tool calls did not parse, and an ``error`` said so"""
+    answered: set[int] = field(default_factory=set)
+    """ids of the run's actions that have their answer"""
+    cancel_requested: int | None = None
+    """the id of a ``run_cancel`` that came while it was open"""
+    ended: int | None = None
+    """the id of the event that ended it"""
+    end_reason: str | None = None
+    """``finish``, or the ending error's reason"""
+    end_content: str = ""
+    last_event: int = 0
+
+    @property
+    def open(self) -> bool:
+        return self.ended is None
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def state(self) -> RunState:
+        if self.ended is None:
+            return "running"
+        if self.end_reason == "finish":
+            return "finished"
+        return "cancelled" if self.end_reason == "cancelled" else "failed"
+
+    @property
+    def unanswered(self) -> list[int]:
+        """Ids of the last response's appended actions that still wait for their answer."""
+        return [
+            a.id
+            for a in self.actions
+            if a.id is not None and type(a).answered_by is not None and a.id not in self.answered
+        ]
+
+    def over_limit(self) -> tuple[str, str] | None:
+        """(reason, sentence) when the next model call would go past a limit, else None."""
+        if self.steps >= self.max_steps:
+            return "step_limit", f"the run stopped after {self.steps} model calls (its limit is {self.max_steps})"
+        if self.max_tokens is not None and self.tokens >= self.max_tokens:
+            return "budget_exhausted", f"the run used {self.tokens} tokens (its limit is {self.max_tokens})"
+        if self.max_cost is not None and self.cost >= self.max_cost:
+            return "budget_exhausted", f"the run spent {self.cost:.6f} USD (its limit is {self.max_cost:g} USD)"
+        return None
+
+
+class RunFold:
+    """Incremental fold of a session's runs: :meth:`add` events in id order."""
+
+    def __init__(self, prices: Mapping[str, Price] | None = None) -> None:
+        self.prices = dict(prices or {})
+        self.run: Run | None = None
+        """the latest run (open or ended)"""
+        self.runs = 0
+        """how many runs the session had"""
+        self.last = 0
+        """the last event id folded"""
+        self._last_user_message: int | None = None
+
+    def add(self, event: events.Event) -> None:
+        event_id = event.id
+        if event_id is None or event_id <= self.last:
+            return
+        self.last = event_id
+        run = self.run
+        if isinstance(event, events.Message) and event.source == "user":
+            self._last_user_message = event_id
+        if isinstance(event, events.RunStarted):
+            if run is None or not run.open:
+                self.run = Run(
+                    opened=event_id,
+                    model=event.model,
+                    max_steps=event.max_steps,
+                    max_tokens=event.max_tokens,
+                    max_cost=event.max_cost,
+                    opened_at=event.ts.timestamp(),
+                    tenant=event.tenant,
+                    task=self._last_user_message,
+                    last_event=event_id,
+                )
+                self.runs += 1
+            return
+        if run is None or not run.open:
+            return
+        run.last_event = event_id
+        match event:
+            case events.RunCancel():
+                if run.cancel_requested is None:
+                    run.cancel_requested = event_id
+            case events.LlmResponse():
+                counted = step(event, event_id, self.prices)
+                run.steps += 1
+                run.prompt_tokens += counted.prompt_tokens
+                run.completion_tokens += counted.completion_tokens
+                if counted.cost is None:
+                    run.priced = False
+                else:
+                    run.cost += counted.cost
+                run.response = event
+                run.actions = []
+                run.rejected = False
+            case events.Finish() if event.source == "agent":
+                self._own_action(run, event)
+                run.ended, run.end_reason, run.end_content = event_id, "finish", event.final_thought
+            case events.Error() if event.source == "agent" and event.reason in END_REASONS:
+                run.ended, run.end_reason, run.end_content = event_id, event.reason, event.content
+            case events.Error() if (
+                event.source == "agent"
+                and event.reason == "bad_tool_call"
+                and run.response is not None
+                and event.cause == run.response.id
+            ):
+                run.rejected = True
+            case events.Observation() if event.cause is not None:
+                run.answered.add(event.cause)
+            case events.Action() if event.source == "agent":
+                self._own_action(run, event)
+
+    @staticmethod
+    def _own_action(run: Run, event: events.Action) -> None:
+        if run.response is not None and event.cause == run.response.id:
+            run.actions.append(event)
+
+
+def fold_runs(log_events: Iterable[events.Event], prices: Mapping[str, Price] | None = None) -> RunFold:
+    """The fold of a whole log (events with ids, in order)."""
+    fold = RunFold(prices)
+    for event in log_events:
+        fold.add(event)
+    return fold
+
+
+# --- the next move ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do until the log moves: no open run, or an action waits for its answer."""
+
+
+@dataclass(frozen=True)
+class EndRun:
+    """End the open run with an ``error`` from ``source: agent`` (``reason`` in END_REASONS)."""
+
+    reason: str
+    content: str
+
+
+@dataclass(frozen=True)
+class CallModel:
+    """Every action of the last response is answered and no limit is reached: call the model."""
+
+
+@dataclass(frozen=True)
+class AppendAction:
+    """Append call ``index`` of ``response`` (a ``finish`` made of its text when it has no calls)."""
+
+    response: int
+    index: int
+    action: events.Action
+
+
+@dataclass(frozen=True)
+class RejectCalls:
+    """The response's tool calls do not parse: one ``error`` (``bad_tool_call``) says why."""
+
+    response: int
+    content: str
+
+
+Move = Wait | EndRun | CallModel | AppendAction | RejectCalls
+
+
+def planned_actions(response: events.LlmResponse) -> tuple[list[events.Action], list[str]]:
+    """The actions a response asks for, in call order (``cause`` = the response, with each
+    call's ``tool_call_id``), and what is wrong with the calls that do not parse.  A response
+    without tool calls asks for a ``finish`` with its text."""
+    if not response.tool_calls:
+        return [events.Finish(final_thought=response.content or "", cause=response.id)], []
+    actions: list[events.Action] = []
+    problems: list[str] = []
+    for raw in response.tool_calls:
+        function = raw.get("function") if isinstance(raw, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        arguments = function.get("arguments") if isinstance(function, Mapping) else None
+        call_id = raw.get("id") if isinstance(raw, Mapping) else None
+        try:
+            action = action_from_call(str(name or ""), arguments if isinstance(arguments, str) else "{}")
+        except InputError as exc:
+            problems.append(f"tool call {call_id}: {exc}")
+            continue
+        if isinstance(call_id, str) and call_id:
+            action = replace(action, tool_call_id=call_id)
+        actions.append(replace(action, cause=response.id))
+    return actions, problems
+
+
+def next_move(run: Run | None) -> Move:
+    """What the agent does next for ``run``, decided from the fold alone."""
+    if run is None or not run.open:
+        return Wait()
+    if run.cancel_requested is not None:
+        return EndRun("cancelled", f"the run was cancelled (event {run.cancel_requested})")
+    response = run.response
+    if response is not None and response.id is not None:
+        planned, problems = planned_actions(response)
+        if problems:
+            if not run.rejected:
+                text = "; ".join(problems) + ". None of the tool calls of that response were run; call the tools again."
+                return RejectCalls(response.id, text)
+        else:
+            if run.unanswered:
+                return Wait()
+            done = len(run.actions)
+            if done < len(planned):
+                return AppendAction(response.id, done, planned[done])
+    over = run.over_limit()
+    if over is not None:
+        return EndRun(*over)
+    return CallModel()

@@ -1,0 +1,215 @@
+"""The agent role in-process against the scripted OpenAI-compatible server, with a real runtime
+role and Redis: runs opened on the log end with finish, step_limit, budget_exhausted,
+llm_error or cancelled; a session is announced to the role only when a run opens, and retired
+once it ended."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from riverbed import events
+from riverbed.agent.client import Bus
+from riverbed.agent.hosted import RunLimits, cancel_run, follow_run, list_runs, open_run
+from riverbed.agent.usage import parse_prices
+from riverbed.bus.keys import AGENT_ROLE
+from riverbed.errors import InputError
+from riverbed.runtime import Runtime
+from riverbed.workers.agent_role import AgentHandler
+from riverbed.workers.runtime_role import RuntimeHandler
+from tests.agentkit import owners
+from tests.openai_server import OpenAIServer
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def server() -> Iterator[OpenAIServer]:
+    with OpenAIServer(model="test-model") as server:
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def roles(
+    bus: Bus, workspace: Path, server: OpenAIServer, *, retry_seconds: float = 5.0, prices: str | None = None
+) -> AsyncIterator[AgentHandler]:
+    runtime = Runtime(workspace_root=workspace)
+    agent = AgentHandler(
+        client=server.client(), model="test-model", retry_seconds=retry_seconds, prices=parse_prices(prices)
+    )
+    try:
+        async with owners(bus, [RuntimeHandler(runtime), agent]):
+            yield agent
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runtime.aclose()
+            await agent.aclose()
+
+
+async def ended(bus: Bus, session: str, start: int, timeout: float = 30.0) -> list[events.Event]:
+    """The events from ``start`` until the run ends (the ending event last)."""
+    with anyio.fail_after(timeout):
+        return [event async for event in follow_run(bus, session, start)]
+
+
+async def test_a_run_works_through_tool_calls_to_finish(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
+    server.reply(tool_calls=[("cmd_run", {"command": "echo hello > a.txt"}), ("cmd_run", {"command": "cat a.txt"})])
+    server.reply(tool_calls=[("finish", {"final_thought": "wrote a.txt"})])
+    async with roles(bus, workspace, server):
+        opened = await open_run(bus, "s1", "write a file", limits=RunLimits(max_steps=5))
+        seen = await ended(bus, "s1", opened.task)
+    kinds = [e.kind for e in seen]
+    assert kinds == [
+        "message",
+        "run_started",
+        "llm_response",
+        "cmd_run",
+        "cmd_output",
+        "cmd_run",
+        "cmd_output",
+        "llm_response",
+        "finish",
+    ]
+    outputs = [e for e in seen if isinstance(e, events.CmdOutput)]
+    assert outputs[1].content.strip() == "hello"
+    assert len(server.requests) == 2
+    # The second prompt holds the first step's calls and results.
+    assert "hello" in server.prompts()[1]
+    rows = await list_runs(bus)
+    assert [(r.session, r.state, r.steps) for r in rows] == [("s1", "finished", 2)]
+    assert rows[0].tokens > 0
+    assert rows[0].worker is None
+    assert await list_runs(bus, state="running") == []
+
+
+async def test_a_second_run_is_refused_while_one_is_open(bus: Bus) -> None:
+    await open_run(bus, "s2", "one")
+    with pytest.raises(InputError, match="has a run open already"):
+        await open_run(bus, "s2", "two")
+    (row,) = await list_runs(bus)  # not picked up by an agent worker: folded from its log
+    assert (row.session, row.state, row.worker) == ("s2", "running", None)
+
+
+async def test_the_step_limit_ends_a_run(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
+    for i in range(2):
+        server.reply(tool_calls=[("think", {"thought": f"step {i}"})])
+    async with roles(bus, workspace, server):
+        opened = await open_run(bus, "s3", "think forever", limits=RunLimits(max_steps=2))
+        seen = await ended(bus, "s3", opened.opened)
+    last = seen[-1]
+    assert isinstance(last, events.Error)
+    assert last.source == "agent"
+    assert last.reason == "step_limit"
+    assert len(server.requests) == 2
+    assert server.unexpected == 0
+
+
+async def test_a_budget_ends_a_run_after_at_most_one_call_over(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
+    usage = {"prompt_tokens": 1000, "completion_tokens": 10, "total_tokens": 1010}
+    for _ in range(3):
+        server.reply(tool_calls=[("think", {"thought": "spend"})], usage=usage)
+    prices = '{"test-model": {"prompt": 1.0, "completion": 1.0}}'  # 1010 tokens: 0.00101 USD a call
+    async with roles(bus, workspace, server, prices=prices):
+        opened = await open_run(bus, "s4", "spend", limits=RunLimits(max_steps=10, max_cost=0.0015))
+        seen = await ended(bus, "s4", opened.opened)
+    last = seen[-1]
+    assert isinstance(last, events.Error)
+    assert last.reason == "budget_exhausted"
+    assert "USD" in last.content
+    assert len(server.requests) == 2  # the second call went over the budget; no third
+    (row,) = await list_runs(bus, state="failed")
+    assert row.cost is not None
+    assert row.cost > 0.0015
+    assert row.steps == 2
+
+
+async def test_a_server_answering_500_ends_the_run_with_llm_error(
+    bus: Bus, workspace: Path, server: OpenAIServer
+) -> None:
+    server.fail(500, "the GPU caught fire", times=50)
+    async with roles(bus, workspace, server, retry_seconds=1.5):
+        opened = await open_run(bus, "s5", "try")
+        seen = await ended(bus, "s5", opened.opened)
+    last = seen[-1]
+    assert isinstance(last, events.Error)
+    assert last.reason == "llm_error"
+    assert "HTTP 500" in last.content
+    assert "the GPU caught fire" in last.content
+    assert len(server.requests) >= 2  # retried with backoff before giving up
+    assert not any(isinstance(e, events.LlmResponse) for e in seen)
+
+
+async def test_a_server_that_recovers_is_retried(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
+    server.fail(503, "overloaded", times=2)
+    server.reply("done")
+    async with roles(bus, workspace, server):
+        opened = await open_run(bus, "s6", "try")
+        seen = await ended(bus, "s6", opened.opened)
+    assert isinstance(seen[-1], events.Finish)
+    assert seen[-1].final_thought == "done"
+    assert len(server.requests) == 3
+
+
+async def test_cancel_ends_the_run(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
+    server.reply(tool_calls=[("cmd_run", {"command": "sleep 3", "timeout": 30})])
+    async with roles(bus, workspace, server):
+        opened = await open_run(bus, "s7", "wait")
+        with anyio.fail_after(20):
+            async for event in bus.session("s7").log(opened.opened, follow=True):
+                if isinstance(event, events.CmdRun):
+                    break
+        await cancel_run(bus, "s7", note="enough")
+        seen = await ended(bus, "s7", opened.opened)
+    last = seen[-1]
+    assert isinstance(last, events.Error)
+    assert last.source == "agent"
+    assert last.reason == "cancelled"
+    assert len(server.requests) == 1
+    with pytest.raises(InputError, match="no open run"):
+        await cancel_run(bus, "s7")
+    (row,) = await list_runs(bus, state="cancelled")
+    assert row.session == "s7"
+
+
+async def test_only_sessions_with_a_run_are_announced_to_the_agent_role(
+    bus: Bus, workspace: Path, server: OpenAIServer
+) -> None:
+    directory = bus.keys.directory(AGENT_ROLE)
+    session = bus.session("plain")
+    await session.append(events.Message(content="no run here", source="user"))
+    assert await bus.client.xlen(directory) == 0
+    server.reply("ok")
+    async with roles(bus, workspace, server) as agent:
+        opened = await open_run(bus, "plain", "now a run")
+        await ended(bus, "plain", opened.opened)
+        # Once the run ended the session is retired: released, and not marked as needing the role.
+        with anyio.fail_after(10):
+            while "plain" in agent.sessions:
+                await anyio.sleep(0.02)
+        meta = await bus.log_store.meta("plain")
+        assert meta.get(f"holder:{AGENT_ROLE}") == ""
+        assert f"need:{AGENT_ROLE}" not in meta
+        before = await bus.client.xlen(directory)
+        await session.append(events.Message(content="later", source="user"))
+        await anyio.sleep(0.3)
+        assert "plain" not in agent.sessions
+        assert await bus.client.xlen(directory) == before
+
+
+async def test_cancel_gives_up_a_model_call_in_flight(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
+    server.reply("too late", delay=10)
+    async with roles(bus, workspace, server):
+        opened = await open_run(bus, "s8", "think slowly")
+        with anyio.fail_after(10):
+            while not server.requests:
+                await anyio.sleep(0.02)
+        await cancel_run(bus, "s8")
+        seen = await ended(bus, "s8", opened.opened, timeout=3)  # well before the model answers
+    last = seen[-1]
+    assert isinstance(last, events.Error)
+    assert last.reason == "cancelled"
+    assert not any(isinstance(e, events.LlmResponse) for e in seen)
