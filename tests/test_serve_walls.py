@@ -7,6 +7,7 @@ revoked keys' streams ended, tenants read again when a log is created again)."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -267,12 +268,15 @@ async def test_a_keys_request_rate_is_limited_across_serve_processes_with_retry_
         serve_process(redis_url, prefix, tmp_path / "b.log", env) as second,
     ):
         async with httpx.AsyncClient(timeout=10) as http:
-            answers = [(await http.get(f"{first}/v1/me", headers=bearer(flooder))).status_code for _ in range(15)]
-            answers += [(await http.get(f"{second}/v1/me", headers=bearer(flooder))).status_code for _ in range(15)]
-            # One bucket for both processes: about 20 pass (and the ~1 a second refilled meanwhile).
-            assert 20 <= answers.count(200) <= 26, answers
-            assert answers[-1] == 429
-            refused = await http.get(f"{second}/v1/me", headers=bearer(flooder))
+            started = time.monotonic()
+            answers = [(await http.get(f"{first}/v1/me", headers=bearer(flooder))).status_code for _ in range(20)]
+            answers += [(await http.get(f"{second}/v1/me", headers=bearer(flooder))).status_code for _ in range(20)]
+            refilled = math.ceil(time.monotonic() - started) + 1  # (a token a second came back meanwhile)
+            # One bucket for both processes: the burst of 20 and what refilled pass, no more.
+            assert 20 <= answers.count(200) <= 20 + refilled, answers
+            with anyio.fail_after(30):
+                while (refused := await http.get(f"{second}/v1/me", headers=bearer(flooder))).status_code != 429:
+                    pass
             assert_problem(refused, 429, "1 requests a second", "bursts of 20", "RIVERBED_SERVE_RATE")
             assert 1 <= int(refused.headers["retry-after"]) <= 2
             # Another key, even on the same process, is not held up.
