@@ -153,6 +153,11 @@ def _explain(exc: msgspec.ValidationError, raw: Mapping[str, object]) -> str:
     return f"{shown} is not valid: {_takes(declared, field)}"
 
 
+def _number(bound: float) -> str:
+    """A bound as a reader writes it: 86400, 0.2."""
+    return f"{int(bound)}" if float(bound).is_integer() else f"{bound:g}"
+
+
 def _takes(declared: msgspec.inspect.Type, field: str) -> str:
     """What a field takes, in words."""
     if isinstance(declared, msgspec.inspect.UnionType):
@@ -169,11 +174,11 @@ def _takes(declared: msgspec.inspect.Type, field: str) -> str:
         noun = "a whole number" if isinstance(declared, msgspec.inspect.IntType) else "a number"
         bounds = []
         if declared.ge is not None:
-            bounds.append(f"at least {declared.ge}")
+            bounds.append(f"at least {_number(declared.ge)}")
         if declared.gt is not None:
-            bounds.append(f"greater than {declared.gt}")
+            bounds.append(f"greater than {_number(declared.gt)}")
         if declared.le is not None:
-            bounds.append(f"at most {declared.le}")
+            bounds.append(f"at most {_number(declared.le)}")
         return f"it must be {noun}" + (f", {' and '.join(bounds)}" if bounds else "")
     if isinstance(declared, msgspec.inspect.BoolType):
         return "use 1 or 0 (true or false)"

@@ -209,14 +209,14 @@ HUGE = str(2**70)  # past every 64-bit id
 UNEXPECTED_ONCE: list[tuple[list[str], str]] = [
     (["dlq", "requeue", "abc"], "no dead letter with id 'abc'"),
     (["dlq", "requeue", HUGE], "no dead letter"),
-    (["worker", "runtime", "--concurrency", HUGE], "RIVERBED_CONCURRENCY must be between 1 and"),
-    (["worker", "runtime", "--metrics-port", "99999"], "RIVERBED_METRICS_PORT must be a port number"),
+    (["worker", "runtime", "--concurrency", HUGE], "is not valid: it must be a whole number, at least 1 and at most"),
+    (["worker", "runtime", "--metrics-port", "99999"], "RIVERBED_METRICS_PORT='99999' is not valid"),
     (["append", "s1", os.fsdecode(b'{"kind": "message", "content": "\xff"}')], "not UTF-8"),
     (["export", "s1", "--out", "/dev/full"], "cannot write /dev/full"),
     (["fork", "s1", "--at", "1", "--into", "s1-f", "--timeout", "nan"], "--timeout must be a number of seconds"),
     (["context", "s1", "forget", "999"], "event 999 is beyond the log of 's1' (its last event is 2)"),
-    (["worker", "runtime", "--prefix", "rb_lease_nan"], "RIVERBED_LEASE_SECONDS must be a number of seconds"),
-    (["worker", "runtime", "--prefix", "rb_drain_nan"], "RIVERBED_DRAIN_SECONDS must be a number of seconds"),
+    (["worker", "runtime", "--prefix", "rb_lease_nan"], "RIVERBED_LEASE_SECONDS='nan' is not valid"),
+    (["worker", "runtime", "--prefix", "rb_drain_nan"], "RIVERBED_DRAIN_SECONDS='nan' is not valid"),
 ]
 #: The environment of the cases above that need a variable of their own (by their --prefix).
 CASE_ENV = {"rb_lease_nan": {"RIVERBED_LEASE_SECONDS": "nan"}, "rb_drain_nan": {"RIVERBED_DRAIN_SECONDS": "nan"}}
