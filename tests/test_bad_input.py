@@ -210,7 +210,7 @@ UNEXPECTED_ONCE: list[tuple[list[str], str]] = [
     (["dlq", "requeue", "abc"], "no dead letter with id 'abc'"),
     (["dlq", "requeue", HUGE], "no dead letter"),
     (["worker", "runtime", "--concurrency", HUGE], "is not valid: it must be a whole number, at least 1 and at most"),
-    (["worker", "runtime", "--metrics-port", "99999"], "RIVERBED_METRICS_PORT='99999' is not valid"),
+    (["worker", "runtime", "--metrics-port", "99999"], "RIVERBED_METRICS_PORT=99999 is not valid"),
     (["append", "s1", os.fsdecode(b'{"kind": "message", "content": "\xff"}')], "not UTF-8"),
     (["export", "s1", "--out", "/dev/full"], "cannot write /dev/full"),
     (["fork", "s1", "--at", "1", "--into", "s1-f", "--timeout", "nan"], "--timeout must be a number of seconds"),
