@@ -80,8 +80,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     agent_llm_retry_seconds: Annotated[float, Meta(ge=0, le=86_400)] = 60.0
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
-        """Read ``RIVERBED_*`` (and ``OPENAI_*``) variables; raise :class:`ConfigError` on bad values."""
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, *, flags: Mapping[str, str] | None = None, **overrides: object
+    ) -> Settings:
+        """Read ``RIVERBED_*`` (and ``OPENAI_*``) variables, ``overrides`` (a command's flags)
+        over them; raise :class:`ConfigError` on bad values, naming the flag (``flags``: the
+        flag of each override) when the value came from one."""
         env = os.environ if env is None else env
         raw: dict[str, object] = {}
         for field in cls.__struct_fields__:
@@ -89,14 +93,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             value = env.get(name)
             if value is not None and value != "":
                 raw[field] = value
-        raw.update({k: v for k, v in overrides.items() if v is not None})
+        flagged = {k: v for k, v in overrides.items() if v is not None}
+        raw.update(flagged)
         given = dict(raw)
         if isinstance(raw.get("log_level"), str):
             raw["log_level"] = str(raw["log_level"]).lower()
         try:
             settings = msgspec.convert(raw, cls, strict=False)
         except msgspec.ValidationError as exc:
-            raise ConfigError(_explain(exc, given)) from exc
+            named = {field: flag for field, flag in (flags or {}).items() if field in flagged}
+            raise ConfigError(_explain(exc, given, named)) from exc
         settings.validate()
         return settings
 
@@ -139,14 +145,17 @@ _DEFAULTS = Settings()
 _PREFIX_RULE = "use 1-31 lowercase letters, digits or underscores, starting with a letter"
 
 
-def _explain(exc: msgspec.ValidationError, raw: Mapping[str, object]) -> str:
-    """One sentence for a value outside its field's type: the variable, the value and what it
-    takes, read from the declared type (its choices or its bounds)."""
+def _explain(exc: msgspec.ValidationError, raw: Mapping[str, object], flags: Mapping[str, str] | None = None) -> str:
+    """One sentence for a value outside its field's type: the variable (or the flag it came
+    from), the value and what it takes, read from the declared type (its choices or bounds)."""
     match = re.search(r"at `\$\.(\w+)`", str(exc))
     if match is None:
         return f"bad configuration: {exc}"
     field = match.group(1)
+    flag = (flags or {}).get(field)
     shown = f"{Settings.variable(field)}={raw.get(field)!r}"
+    if flag is not None:
+        shown = f"{flag} {raw.get(field)!r} ({Settings.variable(field)})"
     info = msgspec.inspect.type_info(Settings)
     assert isinstance(info, msgspec.inspect.StructType)
     declared = {f.name: f.type for f in info.fields}[field]

@@ -209,8 +209,8 @@ HUGE = str(2**70)  # past every 64-bit id
 UNEXPECTED_ONCE: list[tuple[list[str], str]] = [
     (["dlq", "requeue", "abc"], "no dead letter with id 'abc'"),
     (["dlq", "requeue", HUGE], "no dead letter"),
-    (["worker", "runtime", "--concurrency", HUGE], "is not valid: it must be a whole number, at least 1 and at most"),
-    (["worker", "runtime", "--metrics-port", "99999"], "RIVERBED_METRICS_PORT=99999 is not valid"),
+    (["worker", "runtime", "--concurrency", HUGE], "(RIVERBED_CONCURRENCY) is not valid: it must be a whole number"),
+    (["worker", "runtime", "--metrics-port", "99999"], "--metrics-port 99999 (RIVERBED_METRICS_PORT) is not valid"),
     (["append", "s1", os.fsdecode(b'{"kind": "message", "content": "\xff"}')], "not UTF-8"),
     (["export", "s1", "--out", "/dev/full"], "cannot write /dev/full"),
     (["fork", "s1", "--at", "1", "--into", "s1-f", "--timeout", "nan"], "--timeout must be a number of seconds"),

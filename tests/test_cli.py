@@ -307,7 +307,7 @@ BAD_CONFIG = [
     ({"RIVERBED_REDIS_URL": "http://localhost:6379"}, ["sessions"], "is not a valid URL: it must start with redis://"),
     ({"RIVERBED_REDIS_URL": "redis://localhost:notaport"}, ["sessions"], "is not valid"),
     ({"RIVERBED_LEASE_SECONDS": "soon"}, ["sessions"], "RIVERBED_LEASE_SECONDS"),
-    ({}, ["export", "x", "--prefix", "UPPER"], "RIVERBED_PREFIX='UPPER'"),
+    ({}, ["export", "x", "--prefix", "UPPER"], "--prefix 'UPPER' (RIVERBED_PREFIX) is not valid"),
     ({}, ["log", "has space"], "not a valid session id"),
     ({"RIVERBED_CONCURRENCY": "abc"}, ["worker", "runtime"], "RIVERBED_CONCURRENCY='abc' is not valid: it must"),
     ({"RIVERBED_SANDBOX": "docker"}, ["worker", "runtime"], "use 'namespaces' or 'process'"),

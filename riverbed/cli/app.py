@@ -128,6 +128,18 @@ def _progress(message: str) -> None:
     err_console.print(message, style="dim")
 
 
+FLAGS = {
+    "prefix": "--prefix",
+    "concurrency": "--concurrency",
+    "metrics_port": "--metrics-port",
+    "serve_host": "--host",
+    "serve_port": "--port",
+    "retention_keep_last": "--keep-last",
+    "llm_model": "--model",
+}
+"""The flag that overrides each setting, for the sentence that refuses a bad value."""
+
+
 class Invocation:
     """One run of a command, built once at its start: the configuration (``RIVERBED_*``
     variables, overridden by the command's flags) and the bus, connected on first use inside
@@ -145,7 +157,7 @@ class Invocation:
     def __init__(self, prefix: str | None = None, **overrides: object) -> None:
         self._prefix = prefix
         self._overrides = overrides
-        self.settings = Settings.from_env(os.environ, prefix=prefix, **overrides)
+        self.settings = Settings.from_env(os.environ, flags=FLAGS, prefix=prefix, **overrides)
         self._url: str | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._bus: Bus | None = None
@@ -154,7 +166,7 @@ class Invocation:
         """Override more of the configuration (before the bus is connected)."""
         assert self._bus is None, "the bus is connected with the settings it had"
         self._overrides = {**self._overrides, **overrides}
-        self.settings = Settings.from_env(os.environ, prefix=self._prefix, **self._overrides)
+        self.settings = Settings.from_env(os.environ, flags=FLAGS, prefix=self._prefix, **self._overrides)
 
     def redis_url(self) -> str:
         """``RIVERBED_REDIS_URL``, or the embedded services' (started now if they are not running)."""
