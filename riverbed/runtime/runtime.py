@@ -10,8 +10,10 @@
 
 A session's sandbox is its workspace directory (see :mod:`riverbed.runtime.paths`), a
 persistent bash (:mod:`~riverbed.runtime.shell`) and a persistent Python process
-(:mod:`~riverbed.runtime.python`), both started lazily and bounded as described in
-:mod:`~riverbed.runtime.limits`.  Actions of one session run one at a time, in arrival
+(:mod:`~riverbed.runtime.python`) sharing one ``/tmp`` (:mod:`~riverbed.runtime.tmp`), both
+started lazily and bounded as described in :mod:`~riverbed.runtime.limits`.  The runtime
+role's owner binds a session to its log when it opens it (:meth:`Runtime.open_session`: the
+workspace of that log, the sandbox user kept for the session).  Actions of one session run one at a time, in arrival
 order; sessions run concurrently.
 
 :meth:`Runtime.execute` turns every failure into an ``error`` observation whose

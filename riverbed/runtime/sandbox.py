@@ -575,6 +575,8 @@ def probe(sandbox: Sandbox, workspace_root: Path) -> None:
         return
     if sandbox.network == "outbound" and _which("slirp4netns") is None:
         raise SandboxUnavailable(_MISSING_SLIRP)
+    if sandbox.users_per_session and (missing := [n for n in ("unshare", "mount", "nsenter") if _which(n) is None]):
+        raise SandboxUnavailable(f"{' and '.join(missing)} (util-linux) must be installed for the sessions' /tmp")
     workspace = workspace_root / ".probe"
     link = Link()
     try:

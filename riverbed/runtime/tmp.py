@@ -79,7 +79,7 @@ class SessionTmp:
     async def _start(self) -> None:
         unshare, mount = _which("unshare"), _which("mount")
         if unshare is None or mount is None:
-            raise SandboxUnavailable("unshare and mount (util-linux) are needed for the sandboxes' /tmp")
+            raise SandboxUnavailable("unshare and mount (util-linux) must be installed: they mount the sessions' /tmp")
         source = self._source()
         source.mkdir(mode=0o755, exist_ok=True)
         script = (
