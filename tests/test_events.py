@@ -287,3 +287,15 @@ def test_ids_are_not_stored_in_the_payload() -> None:
     assert msgspec.msgpack.decode(events.encode(event)).get("id") is None
     assert events.decode(events.encode(event)).id is None
     assert events.decode(events.encode(event), 12).id == 12
+
+
+def test_what_a_copy_skipped_is_written_only_when_it_skipped_something() -> None:
+    (line,) = [line for line in golden_lines() if b'"kind":"sandbox_rebuilt"' in line and b'"skipped"' not in line]
+    older = events.decode_json(line)
+    assert isinstance(older, events.SandboxRebuilt)
+    assert older.skipped is msgspec.UNSET
+    assert events.encode_json(older) == line  # a record from before the field exports byte for byte
+    newer = msgspec.structs.replace(older, skipped=[events.Skipped(path="logs/pipe", reason="fifo")])
+    assert events.decode(events.encode(newer), newer.id) == newer
+    assert events.decode_json(events.encode_json(newer)) == newer
+    assert b'"skipped":[{"path":"logs/pipe","reason":"fifo"}]' in events.encode_json(newer)
