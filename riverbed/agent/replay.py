@@ -464,7 +464,7 @@ async def rerun(
     if await anyio.to_thread.run_sync(_has_files, workspace):
         raise InputError(f"the rerun workspace {str(workspace)!r} is not empty; choose another session id")
     if seed is not None:
-        await anyio.to_thread.run_sync(_copy_seed, Path(seed), workspace)
+        await anyio.to_thread.run_sync(_copy_seed, Path(seed), workspace, runtime.workspace_owner(workspace_id))
 
     recorded: dict[int, events.Event] = {}
     pending: list[events.Event] = []
@@ -510,8 +510,8 @@ def _has_files(path: Path) -> bool:
     return path.is_dir() and any(path.iterdir())
 
 
-def _copy_seed(seed: Path, workspace: Path) -> None:
-    if copy_tree(seed.resolve(), workspace) is None:  # (the operator's directory: its own symlinks count)
+def _copy_seed(seed: Path, workspace: Path, owner: tuple[int, int] | None) -> None:
+    if copy_tree(seed.resolve(), workspace, owner=owner) is None:  # (the operator's directory: its own symlinks count)
         raise InputError(f"the rerun seed {str(seed)!r} is not a directory")
 
 
