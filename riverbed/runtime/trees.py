@@ -182,7 +182,12 @@ def _enter(parent: _Dir, name: str, done: Copied, owner: tuple[int, int] | None)
 def _list(frame: _Dir, done: Copied, owner: tuple[int, int] | None) -> None:
     """Copy the files and symlinks of ``frame``, skip its special files, and note its
     subdirectories for the walk."""
-    with os.scandir(frame.src) as entries:
+    try:
+        entries = os.scandir(frame.src)
+    except OSError:
+        done.skip(frame.rel or ".", "unreadable")
+        return
+    with entries:
         for entry in entries:
             rel = _join(frame.rel, entry.name)
             try:
