@@ -373,8 +373,9 @@ class RecallResult(Observation, frozen=True, kw_only=True, tag="recall_result"):
     knowledge: list[Knowledge] = msgspec.field(default_factory=list)
     hits: list[Hit] = msgspec.field(default_factory=list)
     #: Set when the answer could not wait for indexing to reach the recall: the index held
-    #: the session's events 1..indexed_to, not the later ones (None: every event before it).
-    indexed_to: int | None = None
+    #: the session's events 1..indexed_to, not the later ones (unset: every event before it;
+    #: unset is not written, so records from before the field read back byte for byte).
+    indexed_to: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class Error(Observation, frozen=True, kw_only=True, tag="error"):
