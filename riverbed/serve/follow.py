@@ -103,16 +103,16 @@ class Followers:
                 seen = await self._catch_up(session, seen, until, tx)
             while until is None or seen < until:
                 inbox_tx, inbox = anyio.create_memory_object_stream[Frame](BUFFER)
-                tail = await self._join(session, inbox_tx)
-                try:
-                    if tail.created != created or tail.gone:
-                        return  # another log under the same id now: it may be another tenant's
-                    seen = await self._catch_up(session, seen, until, tx)
-                    if until is None or seen < until:
-                        seen = await self._live(session, seen, until, inbox, tx)
-                finally:
-                    self._leave(tail, inbox_tx)
-                    inbox.close()
+                with inbox_tx, inbox:  # closed also when joining fails or is cancelled
+                    tail = await self._join(session, inbox_tx)
+                    try:
+                        if tail.created != created or tail.gone:
+                            return  # another log under the same id now: it may be another tenant's
+                        seen = await self._catch_up(session, seen, until, tx)
+                        if until is None or seen < until:
+                            seen = await self._live(session, seen, until, inbox, tx)
+                    finally:
+                        self._leave(tail, inbox_tx)
                 if tail.gone:
                     return
                 if tail.failed is not None:
