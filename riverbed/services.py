@@ -26,7 +26,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from riverbed.errors import REDIS_MIN_VERSION, ServiceError
+from riverbed.errors import REDIS_MIN_VERSION, ConfigError, ServiceError
 from riverbed.extras import needs_extra
 
 __all__ = [
@@ -378,7 +378,10 @@ def up(directory: Path) -> Services:
     running = load(directory)
     if running is not None:
         return running
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot use {directory} for the services' data: {exc.strerror or exc}") from exc
     redis_url, pid = start_redis(directory / "redis")
     try:
         database_url = start_postgres(directory / "pg")

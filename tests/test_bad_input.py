@@ -215,6 +215,7 @@ UNEXPECTED_ONCE: list[tuple[list[str], str]] = [
     (["export", "s1", "--out", "/dev/full"], "cannot write /dev/full"),
     (["fork", "s1", "--at", "1", "--into", "s1-f", "--timeout", "nan"], "--timeout must be a number of seconds"),
     (["context", "s1", "forget", "999"], "event 999 is beyond the log of 's1' (its last event is 2)"),
+    (["keys", "revoke", os.fsdecode(b"\xff")], "an argument or input is not UTF-8 text"),
     (["worker", "runtime", "--prefix", "rb_lease_nan"], "RIVERBED_LEASE_SECONDS='nan' is not valid"),
     (["worker", "runtime", "--prefix", "rb_drain_nan"], "RIVERBED_DRAIN_SECONDS='nan' is not valid"),
 ]
@@ -228,6 +229,9 @@ def test_inputs_that_were_unexpected_errors_exit_2_in_one_sentence(cli_env: dict
     for (args, fragment), result in zip(UNEXPECTED_ONCE, results, strict=True):
         assert "unexpected error" not in result.stderr.decode(), args
         assert_one_sentence(result, 2, fragment)
+    services = run(cli_env, "services", "up", "--dir", "/proc/riverbed-none")  # (after a progress line)
+    assert services.returncode == 2, services.stderr.decode()
+    assert "riverbed: cannot use /proc/riverbed-none for the services' data" in services.stderr.decode()
     port = run(cli_env, "serve", "--port", "99999")  # (it used to listen on 99999 % 65536)
     assert port.returncode == 2, port.stderr.decode()
     assert "--port" in port.stderr.decode()

@@ -110,6 +110,8 @@ def main() -> None:
         exc = missing_extra(exc) or exc
         if isinstance(exc, RiverbedError):
             _fail(f"{exc}{_hint(exc)}", exit_code(exc))
+        if isinstance(exc, UnicodeEncodeError | UnicodeDecodeError):  # an argument or a file met on the way
+            _fail(f"an argument or input is not UTF-8 text ({exc.reason} at character {exc.start})", 2)
         if _debugging():
             raise
         _fail(f"unexpected error ({type(exc).__name__}: {exc}); set RIVERBED_DEBUG=1 to see the traceback", 1)
