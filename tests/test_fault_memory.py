@@ -35,6 +35,7 @@ from riverbed.agent.client import Bus, Session
 from riverbed.memory.embedders import LocalEmbedder
 from riverbed.memory.recall import Memory
 from riverbed.memory.store import Store
+from riverbed.memory.tokens import event_text
 from tests.agentkit import record
 from tests.test_memory_worker import chunk_rows, tracked, wait_indexed, work_script
 from tests.workerproc import WorkerProcess
@@ -474,6 +475,7 @@ async def test_a_recall_behind_an_indexing_backlog_is_answered_within_its_timeou
     assert isinstance(answer.indexed_to, int)
     assert 1 <= answer.indexed_to < BACKLOG  # the index was behind, and the answer says so
     assert 1 in {h.event_id for h in answer.hits}  # what was indexed is found
+    assert f"searched events 1..{answer.indexed_to} only" in event_text(answer)  # and the model is told
     log = await session.events()
     assert len([e for e in log if isinstance(e, events.Observation) and e.cause == answer.cause]) == 1
     assert worker.proc.poll() is None

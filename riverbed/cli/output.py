@@ -112,8 +112,9 @@ def _summary(event: events.Event) -> str:
             return f"{path}: {diff}"
         case events.Recall(recall_type=recall_type, query=query, k=k):
             return f"{recall_type} k={k}: {query}"
-        case events.RecallResult(recall_type=recall_type, hits=hits, knowledge=knowledge):
-            return f"{recall_type}: {len(hits)} hits, {len(knowledge)} knowledge"
+        case events.RecallResult(recall_type=recall_type, hits=hits, knowledge=knowledge, indexed_to=indexed_to):
+            behind = f" (index up to event {indexed_to})" if isinstance(indexed_to, int) else ""
+            return f"{recall_type}: {len(hits)} hits, {len(knowledge)} knowledge{behind}"
         case events.Error(reason=reason, content=content, retryable=retryable):
             return f"{reason}{' (retryable)' if retryable else ''}: {content}"
         case events.Condensation(forgotten=forgotten, summary=summary):

@@ -135,6 +135,8 @@ def _recall_result(event: RecallResult) -> str:
         parts.append(f"runtime: {_json(event.runtime_info)}")
     parts.extend(f"[{k.name}] {k.content}" for k in event.knowledge)
     parts.extend(f"[{h.session}#{h.event_id} {h.kind} {h.score:.2f}] {h.text}" for h in event.hits)
+    if isinstance(event.indexed_to, int):  # answered before indexing reached the recall
+        parts.append(f"(searched events 1..{event.indexed_to} only: later ones are not indexed yet)")
     return "\n".join(parts) if parts else "(nothing found)"
 
 
