@@ -147,6 +147,9 @@ def options(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=5, help="runs per measurement (the median is reported)")
     parser.add_argument("--quick", action="store_true", help="smaller runs (fewer sessions, events and rows)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--no-peer", action="store_true", help="skip the peer in its own environment (bench.view: the OpenHands SDK)"
+    )
     return parser
 
 

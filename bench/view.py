@@ -153,7 +153,7 @@ def _cpu_appends(evs: list[events.Event]) -> float:
 async def measure(_url: str, args: argparse.Namespace) -> list[Result]:
     repeats = max(args.repeats, 3)
     results = _against_a_loop(repeats)
-    if getattr(args, "no_peer", False):
+    if args.no_peer:
         return results
     return results + _against_openhands(repeats)
 
@@ -296,9 +296,7 @@ def _python312() -> str | None:
 
 
 def main() -> int:
-    parser = options("The View fold against a plain loop and against the OpenHands SDK's, on the same events.")
-    parser.add_argument("--no-peer", action="store_true", help="skip the OpenHands SDK comparison")
-    args = parser.parse_args()
+    args = options("The View fold against a plain loop and the OpenHands SDK's, on the same events.").parse_args()
     import anyio  # noqa: PLC0415
 
     with private_redis(args.redis_url) as url:
