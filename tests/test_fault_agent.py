@@ -31,7 +31,7 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.client import Bus
-from riverbed.agent.hosted import RunLimits, follow_run, open_run
+from riverbed.agent.hosted import RunLimits, follow_run, list_runs, open_run
 from riverbed.runtime.paths import workspace_name
 from tests.openai_server import OpenAIServer
 from tests.test_cli import run as run_cli
@@ -309,3 +309,32 @@ async def test_cli_detach_runs_and_cancel(
     result = run_cli(env, "agent", "cli-3", "--cancel")
     assert result.returncode == 2
     assert b"no open run" in result.stderr
+
+
+async def test_a_draining_worker_hands_its_runs_to_a_peer(
+    bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer, workspace: Path
+) -> None:
+    def slowly(request: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(2.0)  # the runs outlast a peer's start-up (seconds on a loaded machine)
+        return script(request)
+
+    server.clear()
+    server.respond(slowly, times=10_000)
+    runtime = start("rt", ["runtime"])
+    draining = start("a1", ["agent"])
+    await ready(runtime, draining)
+    sessions = [f"drain-{i}" for i in range(RUNS)]
+    await open_runs(bus, sessions)
+    with anyio.fail_after(30):  # under way: the first run has had a model call
+        async for event in bus.session(sessions[0]).log(1, follow=True):
+            if isinstance(event, events.LlmResponse):
+                break
+    peer = start("a2", ["agent"])
+    await ready(peer)
+    assert await anyio.to_thread.run_sync(draining.terminate) == 0
+    running = [row.session for row in await list_runs(bus, state="running")]
+    assert running, "every run ended before the drain: nothing was handed over"
+    await all_finished(bus, sessions)
+    await check_runs(bus, server, sessions, workspace)
+    taken = peer.log_path.read_text()
+    assert all(f'"session": "{s}"' in taken or f'"session":"{s}"' in taken for s in running), taken[-2000:]
