@@ -13,7 +13,9 @@ every run:
   one request per step; only a call in flight when its worker died may be repeated, once);
 - a frozen worker, resumed after its runs were taken over, appends nothing.
 
-The CLI is driven too: ``riverbed agent --detach``, ``riverbed runs``, ``riverbed agent --cancel``.
+A worker drained by SIGTERM hands its open runs to a peer, which finishes them.  The CLI is
+driven too: ``riverbed agent --detach``, ``riverbed runs``, ``riverbed agent --cancel``, and a
+followed run that Ctrl-C detaches from goes on.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +37,7 @@ from riverbed.agent.client import Bus
 from riverbed.agent.hosted import RunLimits, follow_run, list_runs, open_run
 from riverbed.runtime.paths import workspace_name
 from tests.openai_server import OpenAIServer
+from tests.test_cli import riverbed_command
 from tests.test_cli import run as run_cli
 from tests.test_failover import check_exactly_one_answer
 from tests.workerproc import WorkerProcess
@@ -338,3 +342,46 @@ async def test_a_draining_worker_hands_its_runs_to_a_peer(
     await check_runs(bus, server, sessions, workspace)
     taken = peer.log_path.read_text()
     assert all(f'"session": "{s}"' in taken or f'"session":"{s}"' in taken for s in running), taken[-2000:]
+
+
+async def test_ctrl_c_detaches_from_a_followed_run_which_goes_on(
+    bus: Bus,
+    start: Callable[..., WorkerProcess],
+    server: OpenAIServer,
+    cli_env: dict[str, str],
+    model_env: dict[str, str],
+    workspace: Path,
+) -> None:
+    def slowly(request: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(0.5)
+        return script(request)
+
+    server.clear()
+    server.respond(slowly, times=10_000)
+    runtime = start("rt", ["runtime"])
+    agent = start("a1", ["agent"])
+    await ready(runtime, agent)
+    follower = await anyio.to_thread.run_sync(
+        lambda: subprocess.Popen(
+            [*riverbed_command(), "agent", "ctrl-c", "task for ctrl-c"],
+            env={**cli_env, **model_env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+    )
+    try:
+        with anyio.fail_after(30):  # it follows: the run's first model response is on the log
+            async for event in bus.session("ctrl-c").log(1, follow=True):
+                if isinstance(event, events.LlmResponse):
+                    break
+        follower.send_signal(signal.SIGINT)
+        out, err = await anyio.to_thread.run_sync(lambda: follower.communicate(timeout=20))
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+    assert follower.returncode == 0, err.decode()
+    assert b"llm_response" in out
+    assert b"Ctrl-C detaches" in err
+    await all_finished(bus, ["ctrl-c"])  # the run went on without its follower
+    await check_runs(bus, server, ["ctrl-c"], workspace)
