@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+import msgspec
 from msgspec.structs import replace
 
 from riverbed import events
@@ -47,10 +48,12 @@ __all__ = [
     "Run",
     "RunFold",
     "RunState",
+    "RunSummary",
     "Wait",
     "fold_runs",
     "next_move",
     "planned_actions",
+    "summarize",
 ]
 
 RunState = Literal["running", "finished", "failed", "cancelled"]
@@ -217,6 +220,44 @@ def fold_runs(log_events: Iterable[events.Event], prices: Mapping[str, Price] | 
     for event in log_events:
         fold.add(event)
     return fold
+
+
+class RunSummary(msgspec.Struct, kw_only=True):
+    """What ``riverbed runs`` shows of a session's latest run, derived from its log: the agent
+    role saves it at each move (``keys.run``); ``worker`` is its owner while it is open."""
+
+    session: str
+    tenant: str | None = None
+    state: str = "running"
+    steps: int = 0
+    tokens: int = 0
+    cost: float | None = None
+    model: str | None = None
+    worker: str | None = None
+    opened: int = 0
+    opened_at: float = 0.0
+    ended: int | None = None
+    reason: str | None = None
+    detail: str = ""
+    updated: float = 0.0
+
+
+def summarize(session: str, run: Run, *, worker: str | None = None, model: str | None = None) -> RunSummary:
+    return RunSummary(
+        session=session,
+        tenant=run.tenant,
+        state=run.state,
+        steps=run.steps,
+        tokens=run.tokens,
+        cost=run.cost if run.priced else None,
+        model=run.model or model,
+        worker=worker if run.open else None,
+        opened=run.opened,
+        opened_at=run.opened_at,
+        ended=run.ended,
+        reason=run.end_reason,
+        detail=run.end_content[:500],
+    )
 
 
 # --- the next move ---------------------------------------------------------------------------

@@ -55,8 +55,10 @@ from riverbed.agent.runs import (
     RejectCalls,
     Run,
     RunFold,
+    RunSummary,
     Wait,
     next_move,
+    summarize,
 )
 from riverbed.agent.tools import tools
 from riverbed.agent.usage import Price, parse_prices
@@ -66,7 +68,7 @@ from riverbed.bus.handling import Entry, SessionContext
 from riverbed.bus.keys import AGENT_ROLE
 from riverbed.settings import Settings
 
-__all__ = ["AgentHandler", "RunSummary", "build_agent_handler"]
+__all__ = ["AgentHandler", "build_agent_handler"]
 
 log = structlog.get_logger("riverbed.worker")
 
@@ -74,43 +76,6 @@ AGENT_NAME = "llm"
 """The ``agent`` of what the role appends."""
 CANCEL_POLL_SECONDS = 0.5
 """How often the log is looked at for a ``run_cancel`` while a model call is in flight."""
-
-
-class RunSummary(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
-    """What ``riverbed runs`` shows of a session's latest run (derived from its log)."""
-
-    session: str
-    tenant: str | None = None
-    state: str = "running"
-    steps: int = 0
-    tokens: int = 0
-    cost: float | None = None
-    model: str | None = None
-    worker: str | None = None
-    opened: int = 0
-    opened_at: float = 0.0
-    ended: int | None = None
-    reason: str | None = None
-    detail: str = ""
-    updated: float = 0.0
-
-
-def summarize(session: str, run: Run, *, worker: str | None, model: str | None) -> RunSummary:
-    return RunSummary(
-        session=session,
-        tenant=run.tenant,
-        state=run.state,
-        steps=run.steps,
-        tokens=run.tokens,
-        cost=run.cost if run.priced else None,
-        model=run.model or model,
-        worker=worker if run.open else None,
-        opened=run.opened,
-        opened_at=run.opened_at,
-        ended=run.ended,
-        reason=run.end_reason,
-        detail=run.end_content[:500],
-    )
 
 
 class _ModelFailed(Exception):
