@@ -287,6 +287,8 @@ async def test_cli_detach_runs_and_cancel(
     agent = start("a1", ["agent"])
     await ready(runtime, agent)
     await all_finished(bus, ["cli-1"])
+    status = json.loads(run_cli(env, "status", "--json").stdout)
+    assert [r["role"] for r in status["roles"]] == ["runtime", "memory", "condenser", "agent"]
     rows = [json.loads(line) for line in run_cli(env, "runs", "--json", "--state", "finished").stdout.splitlines()]
     assert [(r["session"], r["steps"]) for r in rows] == [("cli-1", STEPS + 1)]
     assert rows[0]["tokens"] > 0
