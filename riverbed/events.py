@@ -472,9 +472,9 @@ class LlmResponse(Event, frozen=True, kw_only=True, tag="llm_response"):
 
 
 # --- runs ---------------------------------------------------------------------------------
-# Client-written: a client opens a run (``run_started``) and may ask for its end
-# (``run_cancel``).  What the agent role writes for a run (``llm_response``, the actions, the
-# ``error`` from ``source: agent`` that ends it) is system-written.
+# Client-written (``client_sources``: user): a client opens a run (``run_started``) and may
+# ask for its end (``run_cancel``).  What the agent role writes for a run (``llm_response``,
+# the actions, the ``error`` from ``source: agent`` that ends it) is system-written.
 
 
 class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
@@ -488,6 +488,8 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     """
 
     source: Source = "user"
+    client_sources: ClassVar[frozenset[str]] = frozenset(("user",))
+    """Client-written: a client appends it as ``user`` (see the note above the runs' kinds)."""
 
     model: str | None = None
     max_steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_RUN_STEPS, description="model calls at most")] = 30
@@ -499,6 +501,7 @@ class RunCancel(Event, frozen=True, kw_only=True, tag="run_cancel"):
     """Asks the agent role to end the session's open run (with an ``error``, reason ``cancelled``)."""
 
     source: Source = "user"
+    client_sources: ClassVar[frozenset[str]] = frozenset(("user",))
 
     note: str = ""
 

@@ -213,3 +213,10 @@ async def test_cancel_gives_up_a_model_call_in_flight(bus: Bus, workspace: Path,
     assert isinstance(last, events.Error)
     assert last.reason == "cancelled"
     assert not any(isinstance(e, events.LlmResponse) for e in seen)
+
+
+async def test_a_tenant_opens_and_cancels_a_run_on_its_session(bus: Bus) -> None:
+    opened = await open_run(bus, "t1", "a tenant's task", tenant="acme")
+    assert await cancel_run(bus, "t1", tenant="acme") == opened.opened + 1
+    log = await bus.session("t1").events()
+    assert {e.tenant for e in log} == {"acme"}
