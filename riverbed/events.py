@@ -489,7 +489,6 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
 
     source: Source = "user"
     client_sources: ClassVar[frozenset[str]] = frozenset(("user",))
-    """Client-written: a client appends it as ``user`` (see the note above the runs' kinds)."""
 
     model: str | None = None
     max_steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_RUN_STEPS, description="model calls at most")] = 30
