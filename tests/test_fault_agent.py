@@ -11,7 +11,8 @@ every run:
 - each action has exactly one answer, and each command ran once (it appends a line to a file);
 - no model call whose ``llm_response`` is in the log is made again (the server's journal holds
   one request per step; only a call in flight when its worker died may be repeated, once);
-- a frozen worker, resumed after its runs were taken over, appends nothing.
+- a frozen worker, resumed after its runs were taken over, appends nothing;
+- with two agent workers sharing eight runs, either one killed at a random moment costs nothing.
 
 A worker drained by SIGTERM hands its open runs to a peer, which finishes them.  The CLI is
 driven too: ``riverbed agent --detach``, ``riverbed runs``, ``riverbed agent --cancel``, and a
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -387,3 +389,26 @@ async def test_ctrl_c_detaches_from_a_followed_run_which_goes_on(
     assert b"Ctrl-C detaches" in err
     await all_finished(bus, ["ctrl-c"])  # the run went on without its follower
     await check_runs(bus, server, ["ctrl-c"], workspace)
+
+
+async def test_two_agent_workers_share_runs_and_one_is_killed_at_a_random_moment(
+    bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer, workspace: Path
+) -> None:
+    runtime = start("rt", ["runtime"])
+    first, second = start("a1", ["agent"]), start("a2", ["agent"])
+    await ready(runtime, first, second)
+    sessions = [f"shared-{i}" for i in range(2 * RUNS)]
+    await open_runs(bus, sessions)
+    responses = 0
+    with anyio.fail_after(60):  # some way into the runs: a third of their model responses are in
+        while responses < len(sessions) * (STEPS + 1) // 3:
+            responses = 0
+            for session in sessions:
+                responses += sum(isinstance(e, events.LlmResponse) for e in await bus.session(session).events())
+            await anyio.sleep(random.uniform(0.0, 0.1))
+    victim = random.choice([first, second])
+    victim.kill()
+    await all_finished(bus, sessions)
+    await check_runs(bus, server, sessions, workspace)
+    survivor = second if victim is first else first
+    assert survivor.proc.poll() is None
