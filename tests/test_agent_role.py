@@ -15,6 +15,7 @@ import pytest
 from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.agent.hosted import RunLimits, cancel_run, follow_run, list_runs, open_run
+from riverbed.agent.replay import fork
 from riverbed.agent.usage import parse_prices
 from riverbed.bus.keys import AGENT_ROLE
 from riverbed.errors import InputError
@@ -220,3 +221,20 @@ async def test_a_tenant_opens_and_cancels_a_run_on_its_session(bus: Bus) -> None
     assert await cancel_run(bus, "t1", tenant="acme") == opened.opened + 1
     log = await bus.session("t1").events()
     assert {e.tenant for e in log} == {"acme"}
+
+
+async def test_a_fork_taken_mid_run_does_not_continue_the_run(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
+    opened = await open_run(bus, "src", "the source's task")
+    await fork(bus, "src", opened.opened, "copy", workspace="empty")
+    server.reply("done")  # one model call: the source's
+    async with roles(bus, workspace, server) as agent:
+        seen = await ended(bus, "src", opened.opened)
+        assert isinstance(seen[-1], events.Finish)
+        with anyio.fail_after(10):  # the fork was announced (its copy holds run_started), then retired
+            while await bus.log_store.meta("copy") and "copy" in agent.sessions:
+                await anyio.sleep(0.02)
+    assert len(server.requests) == 1
+    (row,) = [r for r in await list_runs(bus) if r.session == "copy"] or [None]
+    copy_log = await bus.session("copy").events()
+    assert not any(isinstance(e, events.LlmResponse) for e in copy_log)
+    assert row is None or row.state == "cancelled"

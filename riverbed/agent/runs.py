@@ -12,7 +12,8 @@ from the memory of a worker::
     fold.run.state      # running | finished | failed | cancelled
 
 A run ends with ``finish`` (finished), or with an ``error`` from ``source: agent`` whose
-reason is in :data:`END_REASONS` (``cancelled``: cancelled, else failed).  Its steps are its
+reason is in :data:`END_REASONS` (``cancelled``: cancelled, else failed).  In a fork, a run
+that was open at the fork's point is not continued (its ``forked`` event ends it: cancelled).  Its steps are its
 ``llm_response`` events; tokens and cost are their recorded ``usage``, priced by
 ``RIVERBED_PRICES`` (a model without a price costs nothing that a cost limit could count:
 :attr:`Run.priced` says so).
@@ -114,7 +115,7 @@ class Run:
             return "running"
         if self.end_reason == "finish":
             return "finished"
-        return "cancelled" if self.end_reason == "cancelled" else "failed"
+        return "cancelled" if self.end_reason in ("cancelled", "forked") else "failed"
 
     @property
     def unanswered(self) -> list[int]:
@@ -176,6 +177,10 @@ class RunFold:
             return
         run.last_event = event_id
         match event:
+            case events.Forked():
+                # A fork copies the log up to a point, not the work in progress: a run open there
+                # is not continued in the fork (a new run may be opened on it).
+                run.ended, run.end_reason, run.end_content = event_id, "forked", "the session was forked mid-run"
             case events.RunCancel():
                 if run.cancel_requested is None:
                     run.cancel_requested = event_id
