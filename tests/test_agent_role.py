@@ -20,10 +20,14 @@ from riverbed.agent.usage import parse_prices
 from riverbed.bus.keys import AGENT_ROLE
 from riverbed.errors import InputError
 from riverbed.runtime import Runtime
+from riverbed.settings import Settings
 from riverbed.workers.agent_role import AgentHandler
+from riverbed.workers.main import Worker
+from riverbed.workers.metrics import WorkerMetrics
 from riverbed.workers.runtime_role import RuntimeHandler
 from tests.agentkit import owners
 from tests.openai_server import OpenAIServer
+from tests.test_metrics import samples, value
 
 pytestmark = pytest.mark.anyio
 
@@ -51,6 +55,14 @@ async def roles(
             await agent.aclose()
 
 
+def scrape(bus: Bus, agent: AgentHandler) -> list[tuple[str, dict[str, str]]]:
+    """The agent role's series in a worker's Prometheus scrape."""
+    worker = Worker(bus.redis, Settings(prefix=bus.keys.prefix), ["agent"], name="w-agent", handlers={"agent": agent})
+    metrics = WorkerMetrics()
+    metrics.bind(worker)
+    return samples(metrics.render().decode())
+
+
 async def ended(bus: Bus, session: str, start: int, timeout: float = 30.0) -> list[events.Event]:
     """The events from ``start`` until the run ends (the ending event last)."""
     with anyio.fail_after(timeout):
@@ -60,7 +72,7 @@ async def ended(bus: Bus, session: str, start: int, timeout: float = 30.0) -> li
 async def test_a_run_works_through_tool_calls_to_finish(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
     server.reply(tool_calls=[("cmd_run", {"command": "echo hello > a.txt"}), ("cmd_run", {"command": "cat a.txt"})])
     server.reply(tool_calls=[("finish", {"final_thought": "wrote a.txt"})])
-    async with roles(bus, workspace, server):
+    async with roles(bus, workspace, server) as agent:
         opened = await open_run(bus, "s1", "write a file", limits=RunLimits(max_steps=5))
         seen = await ended(bus, "s1", opened.task)
     kinds = [e.kind for e in seen]
@@ -82,6 +94,10 @@ async def test_a_run_works_through_tool_calls_to_finish(bus: Bus, workspace: Pat
     assert "hello" in server.prompts()[1]
     rows = await list_runs(bus)
     assert [(r.session, r.state, r.steps) for r in rows] == [("s1", "finished", 2)]
+    scraped = scrape(bus, agent)
+    assert value(scraped, "riverbed_agent_runs_ended_total", reason="finish") == 1
+    assert value(scraped, "riverbed_agent_model_calls_total") == 2
+    assert value(scraped, "riverbed_agent_model_failures_total") == 0
     assert rows[0].tokens > 0
     assert rows[0].worker is None
     assert await list_runs(bus, state="running") == []
@@ -132,7 +148,7 @@ async def test_a_server_answering_500_ends_the_run_with_llm_error(
     bus: Bus, workspace: Path, server: OpenAIServer
 ) -> None:
     server.fail(500, "the GPU caught fire", times=50)
-    async with roles(bus, workspace, server, retry_seconds=1.5):
+    async with roles(bus, workspace, server, retry_seconds=1.5) as agent:
         opened = await open_run(bus, "s5", "try")
         seen = await ended(bus, "s5", opened.opened)
     last = seen[-1]
@@ -142,6 +158,9 @@ async def test_a_server_answering_500_ends_the_run_with_llm_error(
     assert "the GPU caught fire" in last.content
     assert len(server.requests) >= 2  # retried with backoff before giving up
     assert not any(isinstance(e, events.LlmResponse) for e in seen)
+    scraped = scrape(bus, agent)
+    assert value(scraped, "riverbed_agent_runs_ended_total", reason="llm_error") == 1
+    assert value(scraped, "riverbed_agent_model_failures_total") == len(server.requests)
 
 
 async def test_a_server_that_recovers_is_retried(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
