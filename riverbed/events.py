@@ -524,9 +524,9 @@ class LlmResponse(Event, frozen=True, kw_only=True, tag="llm_response"):
 
 
 # --- runs ---------------------------------------------------------------------------------
-# Client-written: a client opens a run (``run_started``) and may ask for its end
-# (``run_cancel``).  What the agent role writes for a run (``llm_response``, the actions, the
-# ``error`` from ``source: agent`` that ends it) is system-written.
+# Client-written (``client_sources``: user): a client opens a run (``run_started``) and may
+# ask for its end (``run_cancel``).  What the agent role writes for a run (``llm_response``,
+# the actions, the ``error`` from ``source: agent`` that ends it) is system-written.
 
 
 class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):

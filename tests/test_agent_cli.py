@@ -114,3 +114,16 @@ def test_a_vision_model_gets_the_task_image_from_the_workspace_and_others_do_not
     assert result.returncode == 0, result.stderr.decode()
     task = next(m for m in server.requests[-1]["messages"] if m["role"] == "user")
     assert task["content"] == "what is this?\n[images not shown to this model: shot.png]"
+
+
+def test_bad_run_options_are_one_sentence(offline_env: dict[str, str]) -> None:
+    cases = [
+        (["agent", "b1"], "TASK"),
+        (["agent", "b1", "task", "--cancel"], "--cancel takes no task"),
+        (["agent", "b1", "task", "--in-process", "--detach"], "--detach"),
+        (["agent", "b1", "task", "--image", "x.png", "--detach"], "--image"),
+        (["agent", "b1", "task", "--detach", "--max-cost", "0"], "--max-cost"),
+        (["runs", "--state", "sleeping"], "unknown run state"),
+    ]
+    for args, fragment in cases:
+        assert_one_sentence(run(offline_env, *args), 2, fragment)

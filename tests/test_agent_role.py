@@ -15,14 +15,19 @@ import pytest
 from riverbed import events
 from riverbed.agent.client import Bus
 from riverbed.agent.hosted import RunLimits, cancel_run, follow_run, list_runs, open_run
+from riverbed.agent.replay import fork
 from riverbed.agent.usage import parse_prices
 from riverbed.bus.keys import AGENT_ROLE
 from riverbed.errors import InputError
 from riverbed.runtime import Runtime
+from riverbed.settings import Settings
 from riverbed.workers.agent_role import AgentHandler
+from riverbed.workers.main import Worker
+from riverbed.workers.metrics import WorkerMetrics
 from riverbed.workers.runtime_role import RuntimeHandler
 from tests.agentkit import owners
 from tests.openai_server import OpenAIServer
+from tests.test_metrics import samples, value
 
 pytestmark = pytest.mark.anyio
 
@@ -50,6 +55,14 @@ async def roles(
             await agent.aclose()
 
 
+def scrape(bus: Bus, agent: AgentHandler) -> list[tuple[str, dict[str, str]]]:
+    """The agent role's series in a worker's Prometheus scrape."""
+    worker = Worker(bus.redis, Settings(prefix=bus.keys.prefix), ["agent"], name="w-agent", handlers={"agent": agent})
+    metrics = WorkerMetrics()
+    metrics.bind(worker)
+    return samples(metrics.render().decode())
+
+
 async def ended(bus: Bus, session: str, start: int, timeout: float = 30.0) -> list[events.Event]:
     """The events from ``start`` until the run ends (the ending event last)."""
     with anyio.fail_after(timeout):
@@ -59,7 +72,7 @@ async def ended(bus: Bus, session: str, start: int, timeout: float = 30.0) -> li
 async def test_a_run_works_through_tool_calls_to_finish(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
     server.reply(tool_calls=[("cmd_run", {"command": "echo hello > a.txt"}), ("cmd_run", {"command": "cat a.txt"})])
     server.reply(tool_calls=[("finish", {"final_thought": "wrote a.txt"})])
-    async with roles(bus, workspace, server):
+    async with roles(bus, workspace, server) as agent:
         opened = await open_run(bus, "s1", "write a file", limits=RunLimits(max_steps=5))
         seen = await ended(bus, "s1", opened.task)
     kinds = [e.kind for e in seen]
@@ -81,6 +94,10 @@ async def test_a_run_works_through_tool_calls_to_finish(bus: Bus, workspace: Pat
     assert "hello" in server.prompts()[1]
     rows = await list_runs(bus)
     assert [(r.session, r.state, r.steps) for r in rows] == [("s1", "finished", 2)]
+    scraped = scrape(bus, agent)
+    assert value(scraped, "riverbed_agent_runs_ended_total", reason="finish") == 1
+    assert value(scraped, "riverbed_agent_model_calls_total") == 2
+    assert value(scraped, "riverbed_agent_model_failures_total") == 0
     assert rows[0].tokens > 0
     assert rows[0].worker is None
     assert await list_runs(bus, state="running") == []
@@ -131,7 +148,7 @@ async def test_a_server_answering_500_ends_the_run_with_llm_error(
     bus: Bus, workspace: Path, server: OpenAIServer
 ) -> None:
     server.fail(500, "the GPU caught fire", times=50)
-    async with roles(bus, workspace, server, retry_seconds=1.5):
+    async with roles(bus, workspace, server, retry_seconds=1.5) as agent:
         opened = await open_run(bus, "s5", "try")
         seen = await ended(bus, "s5", opened.opened)
     last = seen[-1]
@@ -141,6 +158,9 @@ async def test_a_server_answering_500_ends_the_run_with_llm_error(
     assert "the GPU caught fire" in last.content
     assert len(server.requests) >= 2  # retried with backoff before giving up
     assert not any(isinstance(e, events.LlmResponse) for e in seen)
+    scraped = scrape(bus, agent)
+    assert value(scraped, "riverbed_agent_runs_ended_total", reason="llm_error") == 1
+    assert value(scraped, "riverbed_agent_model_failures_total") == len(server.requests)
 
 
 async def test_a_server_that_recovers_is_retried(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
@@ -213,3 +233,27 @@ async def test_cancel_gives_up_a_model_call_in_flight(bus: Bus, workspace: Path,
     assert isinstance(last, events.Error)
     assert last.reason == "cancelled"
     assert not any(isinstance(e, events.LlmResponse) for e in seen)
+
+
+async def test_a_tenant_opens_and_cancels_a_run_on_its_session(bus: Bus) -> None:
+    opened = await open_run(bus, "t1", "a tenant's task", tenant="acme")
+    assert await cancel_run(bus, "t1", tenant="acme") == opened.opened + 1
+    log = await bus.session("t1").events()
+    assert {e.tenant for e in log} == {"acme"}
+
+
+async def test_a_fork_taken_mid_run_does_not_continue_the_run(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
+    opened = await open_run(bus, "src", "the source's task")
+    await fork(bus, "src", opened.opened, "copy", workspace="empty")
+    server.reply("done")  # one model call: the source's
+    async with roles(bus, workspace, server) as agent:
+        seen = await ended(bus, "src", opened.opened)
+        assert isinstance(seen[-1], events.Finish)
+        with anyio.fail_after(10):  # the fork was announced (its copy holds run_started), then retired
+            while await bus.log_store.meta("copy") and "copy" in agent.sessions:
+                await anyio.sleep(0.02)
+    assert len(server.requests) == 1
+    (row,) = [r for r in await list_runs(bus) if r.session == "copy"] or [None]
+    copy_log = await bus.session("copy").events()
+    assert not any(isinstance(e, events.LlmResponse) for e in copy_log)
+    assert row is None or row.state == "cancelled"

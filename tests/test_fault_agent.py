@@ -11,16 +11,21 @@ every run:
 - each action has exactly one answer, and each command ran once (it appends a line to a file);
 - no model call whose ``llm_response`` is in the log is made again (the server's journal holds
   one request per step; only a call in flight when its worker died may be repeated, once);
-- a frozen worker, resumed after its runs were taken over, appends nothing.
+- a frozen worker, resumed after its runs were taken over, appends nothing;
+- with two agent workers sharing eight runs, either one killed at a random moment costs nothing.
 
-The CLI is driven too: ``riverbed agent --detach``, ``riverbed runs``, ``riverbed agent --cancel``.
+A worker drained by SIGTERM hands its open runs to a peer, which finishes them.  The CLI is
+driven too: ``riverbed agent --detach``, ``riverbed runs``, ``riverbed agent --cancel``, and a
+followed run that Ctrl-C detaches from goes on.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,9 +36,10 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.client import Bus
-from riverbed.agent.hosted import RunLimits, follow_run, open_run
+from riverbed.agent.hosted import RunLimits, follow_run, list_runs, open_run
 from riverbed.runtime.paths import workspace_name
 from tests.openai_server import OpenAIServer
+from tests.test_cli import riverbed_command
 from tests.test_cli import run as run_cli
 from tests.test_failover import check_exactly_one_answer
 from tests.workerproc import WorkerProcess
@@ -283,6 +289,8 @@ async def test_cli_detach_runs_and_cancel(
     agent = start("a1", ["agent"])
     await ready(runtime, agent)
     await all_finished(bus, ["cli-1"])
+    status = json.loads(run_cli(env, "status", "--json").stdout)
+    assert [r["role"] for r in status["roles"]] == ["runtime", "memory", "condenser", "agent"]
     rows = [json.loads(line) for line in run_cli(env, "runs", "--json", "--state", "finished").stdout.splitlines()]
     assert [(r["session"], r["steps"]) for r in rows] == [("cli-1", STEPS + 1)]
     assert rows[0]["tokens"] > 0
@@ -309,3 +317,98 @@ async def test_cli_detach_runs_and_cancel(
     result = run_cli(env, "agent", "cli-3", "--cancel")
     assert result.returncode == 2
     assert b"no open run" in result.stderr
+
+
+async def test_a_draining_worker_hands_its_runs_to_a_peer(
+    bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer, workspace: Path
+) -> None:
+    def slowly(request: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(2.0)  # the runs outlast a peer's start-up (seconds on a loaded machine)
+        return script(request)
+
+    server.clear()
+    server.respond(slowly, times=10_000)
+    runtime = start("rt", ["runtime"])
+    draining = start("a1", ["agent"])
+    await ready(runtime, draining)
+    sessions = [f"drain-{i}" for i in range(RUNS)]
+    await open_runs(bus, sessions)
+    with anyio.fail_after(30):  # under way: the first run has had a model call
+        async for event in bus.session(sessions[0]).log(1, follow=True):
+            if isinstance(event, events.LlmResponse):
+                break
+    peer = start("a2", ["agent"])
+    await ready(peer)
+    assert await anyio.to_thread.run_sync(draining.terminate) == 0
+    running = [row.session for row in await list_runs(bus, state="running")]
+    assert running, "every run ended before the drain: nothing was handed over"
+    await all_finished(bus, sessions)
+    await check_runs(bus, server, sessions, workspace)
+    taken = peer.log_path.read_text()
+    assert all(f'"session": "{s}"' in taken or f'"session":"{s}"' in taken for s in running), taken[-2000:]
+
+
+async def test_ctrl_c_detaches_from_a_followed_run_which_goes_on(
+    bus: Bus,
+    start: Callable[..., WorkerProcess],
+    server: OpenAIServer,
+    cli_env: dict[str, str],
+    model_env: dict[str, str],
+    workspace: Path,
+) -> None:
+    def slowly(request: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(0.5)
+        return script(request)
+
+    server.clear()
+    server.respond(slowly, times=10_000)
+    runtime = start("rt", ["runtime"])
+    agent = start("a1", ["agent"])
+    await ready(runtime, agent)
+    follower = await anyio.to_thread.run_sync(
+        lambda: subprocess.Popen(
+            [*riverbed_command(), "agent", "ctrl-c", "task for ctrl-c"],
+            env={**cli_env, **model_env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+    )
+    try:
+        with anyio.fail_after(30):  # it follows: the run's first model response is on the log
+            async for event in bus.session("ctrl-c").log(1, follow=True):
+                if isinstance(event, events.LlmResponse):
+                    break
+        follower.send_signal(signal.SIGINT)
+        out, err = await anyio.to_thread.run_sync(lambda: follower.communicate(timeout=20))
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+    assert follower.returncode == 0, err.decode()
+    assert b"llm_response" in out
+    assert b"Ctrl-C detaches" in err
+    await all_finished(bus, ["ctrl-c"])  # the run went on without its follower
+    await check_runs(bus, server, ["ctrl-c"], workspace)
+
+
+async def test_two_agent_workers_share_runs_and_one_is_killed_at_a_random_moment(
+    bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer, workspace: Path
+) -> None:
+    runtime = start("rt", ["runtime"])
+    first, second = start("a1", ["agent"]), start("a2", ["agent"])
+    await ready(runtime, first, second)
+    sessions = [f"shared-{i}" for i in range(2 * RUNS)]
+    await open_runs(bus, sessions)
+    responses = 0
+    with anyio.fail_after(60):  # some way into the runs: a third of their model responses are in
+        while responses < len(sessions) * (STEPS + 1) // 3:
+            responses = 0
+            for session in sessions:
+                responses += sum(isinstance(e, events.LlmResponse) for e in await bus.session(session).events())
+            await anyio.sleep(random.uniform(0.0, 0.1))
+    victim = random.choice([first, second])
+    victim.kill()
+    await all_finished(bus, sessions)
+    await check_runs(bus, server, sessions, workspace)
+    survivor = second if victim is first else first
+    assert survivor.proc.poll() is None

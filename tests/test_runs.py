@@ -173,3 +173,13 @@ def test_worker_all_includes_the_agent_role_only_when_a_model_is_configured() ->
     assert parse_roles(["agent,runtime"], model_configured=True) == ["agent", "runtime"]
     with pytest.raises(ConfigError, match="OPENAI_BASE_URL"):
         parse_roles(["agent"])
+
+
+def test_a_run_open_at_a_fork_point_is_not_continued_in_the_fork() -> None:
+    fold = fold_runs(numbered(*opened(), events.Forked(source_session="s", at=2)))
+    assert fold.run is not None
+    assert (fold.run.state, fold.run.end_reason) == ("cancelled", "forked")
+    assert next_move(fold.run) == Wait()
+    again = fold_runs(numbered(*opened(), events.Forked(source_session="s", at=2), events.RunStarted()))
+    assert again.run is not None
+    assert again.run.open

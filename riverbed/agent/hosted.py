@@ -28,7 +28,7 @@ import msgspec
 
 from riverbed import events
 from riverbed.agent.client import Bus
-from riverbed.agent.runs import Run, RunFold, RunState, fold_runs
+from riverbed.agent.runs import RunFold, RunState, RunSummary, fold_runs, summarize
 from riverbed.agent.usage import Price
 from riverbed.errors import InputError
 
@@ -140,51 +140,36 @@ async def list_runs(
     now = time.time()
     rows: list[RunRow] = []
     for session, raw in zip(sessions, summaries, strict=True):
-        row = _row(session, raw, now)
-        if row is None:  # no agent worker has picked the run up yet: its log says where it is
+        summary = _saved(raw)
+        if summary is None:  # no agent worker has picked the run up yet: its log says where it is
             fold = await _fold(bus, session, prices)
             if fold.run is None:
                 continue
-            row = _folded_row(session, fold.run, now)
+            summary = summarize(session, fold.run)
+        row = _row(summary, now)
         if (state is None or row.state == state) and (tenant is None or row.tenant == tenant):
             rows.append(row)
     return rows
 
 
-def _row(session: str, raw: bytes | None, now: float) -> RunRow | None:
+def _row(summary: RunSummary, now: float) -> RunRow:
+    return RunRow(
+        session=summary.session,
+        tenant=summary.tenant,
+        state=summary.state,
+        steps=summary.steps,
+        tokens=summary.tokens,
+        cost=summary.cost,
+        worker=summary.worker,
+        age=max(0.0, now - summary.opened_at),
+        reason=summary.reason,
+    )
+
+
+def _saved(raw: bytes | None) -> RunSummary | None:
     if raw is None:
         return None
     try:
-        summary = msgspec.json.decode(raw, type=dict[str, object])
-    except msgspec.DecodeError:
+        return msgspec.json.decode(raw, type=RunSummary)
+    except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    opened_at = summary.get("opened_at")
-    return msgspec.convert(
-        {
-            "session": session,
-            "tenant": summary.get("tenant"),
-            "state": summary.get("state", "running"),
-            "steps": summary.get("steps", 0),
-            "tokens": summary.get("tokens", 0),
-            "cost": summary.get("cost"),
-            "worker": summary.get("worker"),
-            "age": max(0.0, now - opened_at) if isinstance(opened_at, float | int) else 0.0,
-            "reason": summary.get("reason"),
-        },
-        RunRow,
-        strict=False,
-    )
-
-
-def _folded_row(session: str, run: Run, now: float) -> RunRow:
-    return RunRow(
-        session=session,
-        tenant=run.tenant,
-        state=run.state,
-        steps=run.steps,
-        tokens=run.tokens,
-        cost=run.cost if run.priced else None,
-        worker=None,
-        age=max(0.0, now - run.opened_at),
-        reason=run.end_reason,
-    )

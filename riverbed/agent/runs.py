@@ -12,7 +12,8 @@ from the memory of a worker::
     fold.run.state      # running | finished | failed | cancelled
 
 A run ends with ``finish`` (finished), or with an ``error`` from ``source: agent`` whose
-reason is in :data:`END_REASONS` (``cancelled``: cancelled, else failed).  Its steps are its
+reason is in :data:`END_REASONS` (``cancelled``: cancelled, else failed).  In a fork, a run
+that was open at the fork's point is not continued (its ``forked`` event ends it: cancelled).  Its steps are its
 ``llm_response`` events; tokens and cost are their recorded ``usage``, priced by
 ``RIVERBED_PRICES`` (a model without a price costs nothing that a cost limit could count:
 :attr:`Run.priced` says so).
@@ -30,6 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+import msgspec
 from msgspec.structs import replace
 
 from riverbed import events
@@ -47,10 +49,12 @@ __all__ = [
     "Run",
     "RunFold",
     "RunState",
+    "RunSummary",
     "Wait",
     "fold_runs",
     "next_move",
     "planned_actions",
+    "summarize",
 ]
 
 RunState = Literal["running", "finished", "failed", "cancelled"]
@@ -111,7 +115,7 @@ class Run:
             return "running"
         if self.end_reason == "finish":
             return "finished"
-        return "cancelled" if self.end_reason == "cancelled" else "failed"
+        return "cancelled" if self.end_reason in ("cancelled", "forked") else "failed"
 
     @property
     def unanswered(self) -> list[int]:
@@ -173,6 +177,10 @@ class RunFold:
             return
         run.last_event = event_id
         match event:
+            case events.Forked():
+                # A fork copies the log up to a point, not the work in progress: a run open there
+                # is not continued in the fork (a new run may be opened on it).
+                run.ended, run.end_reason, run.end_content = event_id, "forked", "the session was forked mid-run"
             case events.RunCancel():
                 if run.cancel_requested is None:
                     run.cancel_requested = event_id
@@ -217,6 +225,44 @@ def fold_runs(log_events: Iterable[events.Event], prices: Mapping[str, Price] | 
     for event in log_events:
         fold.add(event)
     return fold
+
+
+class RunSummary(msgspec.Struct, kw_only=True):
+    """What ``riverbed runs`` shows of a session's latest run, derived from its log: the agent
+    role saves it at each move (``keys.run``); ``worker`` is its owner while it is open."""
+
+    session: str
+    tenant: str | None = None
+    state: str = "running"
+    steps: int = 0
+    tokens: int = 0
+    cost: float | None = None
+    model: str | None = None
+    worker: str | None = None
+    opened: int = 0
+    opened_at: float = 0.0
+    ended: int | None = None
+    reason: str | None = None
+    detail: str = ""
+    updated: float = 0.0
+
+
+def summarize(session: str, run: Run, *, worker: str | None = None, model: str | None = None) -> RunSummary:
+    return RunSummary(
+        session=session,
+        tenant=run.tenant,
+        state=run.state,
+        steps=run.steps,
+        tokens=run.tokens,
+        cost=run.cost if run.priced else None,
+        model=run.model or model,
+        worker=worker if run.open else None,
+        opened=run.opened,
+        opened_at=run.opened_at,
+        ended=run.ended,
+        reason=run.end_reason,
+        detail=run.end_content[:500],
+    )
 
 
 # --- the next move ---------------------------------------------------------------------------

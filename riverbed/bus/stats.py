@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import redis.exceptions as rexc
 
-from riverbed.bus.keys import ROLES, Keys
+from riverbed.bus.keys import AGENT_ROLE, ROLES, Keys
 from riverbed.bus.redis_client import GroupInfo, PendingEntry, PendingSummary, RawClient, RedisClient, Reply, as_client
 
 __all__ = [
@@ -363,16 +363,20 @@ async def status(
     redis: RedisClient | RawClient,
     keys: Keys,
     *,
-    roles: Sequence[str] = ROLES,
+    roles: Sequence[str] | None = None,
     worker_window: float = 10.0,
     url: str = "redis",
 ) -> Status:
-    """Everything ``riverbed status`` shows, in one snapshot."""
+    """Everything ``riverbed status`` shows, in one snapshot (``roles`` None: runtime, memory,
+    condenser, and agent when a live worker runs it)."""
     client = as_client(redis, url)
     now = await client.time()
     sessions = await list_sessions(client, keys)
-    backlogs = [await role_backlog(client, keys, role, sessions, now=now) for role in roles]
     workers = tuple(await live_workers(client, keys, window=worker_window, now=now))
+    if roles is None:
+        agents = any(AGENT_ROLE in w.description.get("roles", []) for w in workers)
+        roles = (*ROLES, AGENT_ROLE) if agents else ROLES
+    backlogs = [await role_backlog(client, keys, role, sessions, now=now) for role in roles]
     return Status(
         roles=tuple(backlogs),
         workers=workers,

@@ -55,8 +55,10 @@ from riverbed.agent.runs import (
     RejectCalls,
     Run,
     RunFold,
+    RunSummary,
     Wait,
     next_move,
+    summarize,
 )
 from riverbed.agent.tools import tools
 from riverbed.agent.usage import Price, parse_prices
@@ -66,7 +68,7 @@ from riverbed.bus.handling import Entry, SessionContext
 from riverbed.bus.keys import AGENT_ROLE
 from riverbed.settings import Settings
 
-__all__ = ["AgentHandler", "RunSummary", "build_agent_handler"]
+__all__ = ["AgentCounters", "AgentHandler", "build_agent_handler"]
 
 log = structlog.get_logger("riverbed.worker")
 
@@ -76,41 +78,19 @@ CANCEL_POLL_SECONDS = 0.5
 """How often the log is looked at for a ``run_cancel`` while a model call is in flight."""
 
 
-class RunSummary(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
-    """What ``riverbed runs`` shows of a session's latest run (derived from its log)."""
+@dataclass
+class AgentCounters:
+    """What the role's Prometheus metrics read at scrape time (``workers/metrics.py``)."""
 
-    session: str
-    tenant: str | None = None
-    state: str = "running"
-    steps: int = 0
-    tokens: int = 0
-    cost: float | None = None
-    model: str | None = None
-    worker: str | None = None
-    opened: int = 0
-    opened_at: float = 0.0
-    ended: int | None = None
-    reason: str | None = None
-    detail: str = ""
-    updated: float = 0.0
-
-
-def summarize(session: str, run: Run, *, worker: str | None, model: str | None) -> RunSummary:
-    return RunSummary(
-        session=session,
-        tenant=run.tenant,
-        state=run.state,
-        steps=run.steps,
-        tokens=run.tokens,
-        cost=run.cost if run.priced else None,
-        model=run.model or model,
-        worker=worker if run.open else None,
-        opened=run.opened,
-        opened_at=run.opened_at,
-        ended=run.ended,
-        reason=run.end_reason,
-        detail=run.end_content[:500],
-    )
+    ended: dict[str, int] = field(default_factory=dict)
+    """runs this worker ended, by reason (``finish`` for a finished run)"""
+    model_calls: int = 0
+    model_failures: int = 0
+    """model calls that failed (each try of a retried call counts)"""
+    model_seconds: float = 0.0
+    """the time model calls took, summed"""
+    taken_over: int = 0
+    """open runs this worker picked up with model calls already made (from a lost or drained owner)"""
 
 
 class _ModelFailed(Exception):
@@ -152,6 +132,7 @@ class AgentHandler:
         self.prompt_cache = prompt_cache
         self.tools = tools()
         self.sessions: dict[str, _Session] = {}
+        self.counters = AgentCounters()
 
     # --- the Handler protocol -----------------------------------------------------------------
 
@@ -162,6 +143,8 @@ class AgentHandler:
             state.add(event)
         self.sessions[ctx.session] = state
         run = state.fold.run
+        if run is not None and run.open and run.steps > 0:
+            self.counters.taken_over += 1
         log.info("agent.opened", session=ctx.session, run=run.opened if run else None, open=bool(run and run.open))
 
     async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
@@ -214,6 +197,8 @@ class AgentHandler:
                 if move.index > 0:
                     crashpoint("agent_between_actions")
                 await self._append(ctx, state, move.action, f"resp-{move.response}-call-{move.index}")
+                if isinstance(move.action, events.Finish):
+                    self._count_end("finish")
             elif isinstance(move, CallModel):
                 await self._step(ctx, state, run)
         await self._save_summary(ctx, state)
@@ -241,7 +226,11 @@ class AgentHandler:
     async def _end(self, ctx: SessionContext, state: _Session, run: Run, reason: str, content: str) -> None:
         error = events.Error(source="agent", content=content, reason=reason, retryable=reason != "cancelled")
         await self._append(ctx, state, error, f"run-{run.opened}-end")
+        self._count_end(reason)
         log.info("agent.run_ended", session=ctx.session, run=run.opened, reason=reason, steps=run.steps)
+
+    def _count_end(self, reason: str) -> None:
+        self.counters.ended[reason] = self.counters.ended.get(reason, 0) + 1
 
     async def _append(self, ctx: SessionContext, state: _Session, event: events.Event, key: str) -> None:
         """Append one event with the owner's fencing token under ``key``, then fold the log up to it."""
@@ -299,11 +288,16 @@ class AgentHandler:
         async with anyio.create_task_group() as tg:
 
             async def call() -> None:
+                started = time.monotonic()
                 try:
                     with anyio.fail_after(self.llm_timeout):
                         outcome.append(await self.client.chat.completions.create(**request))
                 except (TimeoutError, openai.OpenAIError) as exc:
                     failure.append(exc)
+                    self.counters.model_failures += 1
+                finally:
+                    self.counters.model_calls += 1
+                    self.counters.model_seconds += time.monotonic() - started
                 tg.cancel_scope.cancel()
 
             async def watch() -> None:

@@ -20,6 +20,10 @@ riverbed_llm_tokens_total             counter    worker, model, kind (``prompt``
                                                  events the memory role indexed
 riverbed_llm_cost_usd_total           counter    worker, model: their cost (``RIVERBED_PRICES``;
                                                  models without a price are left out)
+riverbed_agent_runs_ended_total       counter    worker, reason: runs the agent role ended here
+riverbed_agent_model_calls_total      counter    worker: model calls (every try); also
+                                                 ``_failures_total`` and ``_call_seconds_total``
+riverbed_agent_runs_taken_over_total  counter    worker: open runs picked up after a crash or drain
 ====================================  =========  ===============================================
 
 Counters and ``owned_sessions`` are read from each :class:`~riverbed.bus.consumer.OwnerStats`
@@ -223,6 +227,29 @@ class WorkerMetrics:
             ratio.add_metric([role, worker, "shared"], shared)
         yield ratio
         yield from self._usage(owners, worker)
+        yield from self._agent(owners, worker)
+
+    @staticmethod
+    def _agent(owners: Mapping[str, Any], worker: str) -> Iterator[Metric]:
+        """The agent role's runs and model calls, from its handler's counters."""
+        counters = getattr(owners["agent"].handler, "counters", None) if "agent" in owners else None
+        if counters is None:
+            return
+        ended = CounterMetricFamily(
+            "riverbed_agent_runs_ended", "Runs this worker ended, by reason.", labels=("worker", "reason")
+        )
+        for reason, count in sorted(counters.ended.items()):
+            ended.add_metric([worker, reason], float(count))
+        yield ended
+        for name, attr, doc in (
+            ("riverbed_agent_model_calls", "model_calls", "Model calls the agent role made (every try)."),
+            ("riverbed_agent_model_failures", "model_failures", "Model calls that failed (every try)."),
+            ("riverbed_agent_model_call_seconds", "model_seconds", "Time the model calls took, summed."),
+            ("riverbed_agent_runs_taken_over", "taken_over", "Open runs picked up from a lost or drained owner."),
+        ):
+            family = CounterMetricFamily(name, doc, labels=("worker",))
+            family.add_metric([worker], float(getattr(counters, attr)))
+            yield family
 
     @staticmethod
     def _usage(owners: Mapping[str, Any], worker: str) -> Iterator[Metric]:

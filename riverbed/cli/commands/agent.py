@@ -221,9 +221,11 @@ def runs_command(
 ) -> None:
     """Runs handed to the agent role, newest first: session, tenant, state, steps, tokens, cost,
     owning worker, age."""
-    from riverbed.agent.hosted import list_runs  # noqa: PLC0415
+    from riverbed.agent.hosted import STATES, list_runs  # noqa: PLC0415
     from riverbed.agent.usage import parse_prices  # noqa: PLC0415
 
+    if state is not None and state not in STATES:
+        _fail(f"unknown run state {state!r}: use {', '.join(STATES)}", 2)
     cli = Invocation(prefix)
 
     async def go() -> Any:
