@@ -188,12 +188,15 @@ def test_the_readme_api_names_are_public() -> None:
 
 
 def readme_tested_blocks() -> list[str]:
-    """The fenced python blocks of the README that follow a ``<!-- tested`` marker."""
-    text = (PACKAGE.parent / "README.md").read_text()
-    blocks = []
-    for part in text.split("<!-- tested")[1:]:
-        body = part.split("```python\n", 1)[1]
-        blocks.append(body.split("\n```", 1)[0])
+    """The fenced python blocks of the README and docs/ that follow a ``<!-- tested`` marker
+    (the same program shown on two pages is run once)."""
+    pages = [PACKAGE.parent / "README.md", *sorted((PACKAGE.parent / "docs").glob("*.md"))]
+    blocks: list[str] = []
+    for page in pages:
+        for part in page.read_text().split("<!-- tested")[1:]:
+            body = part.split("```python\n", 1)[1].split("\n```", 1)[0]
+            if body not in blocks:
+                blocks.append(body)
     return blocks
 
 

@@ -597,5 +597,5 @@ def probe(sandbox: Sandbox, workspace_root: Path) -> None:
             "a namespaces sandbox could not be started"
             + (f" ({reason[-1]})" if reason else "")
             + ": user namespaces may be disabled here, or a container's seccomp/AppArmor profile blocks them "
-            "(see the README's security model); set RIVERBED_SANDBOX=process to run without isolation"
+            "(see docs/security.md); set RIVERBED_SANDBOX=process to run without isolation"
         )
