@@ -68,7 +68,7 @@ from riverbed.memory.view import view as fold
 from riverbed.runtime.paths import workspace_name
 from riverbed.settings import Settings
 
-__all__ = ["AgentOptions", "build_messages", "make_client", "render", "run_llm_agent"]
+__all__ = ["AgentOptions", "build_messages", "call_record", "make_client", "render", "run_llm_agent"]
 
 log = structlog.get_logger("riverbed.agent")
 
@@ -178,7 +178,7 @@ def make_client(settings: Settings) -> AsyncOpenAI:
     )
 
 
-def _call_record(call: Any) -> dict[str, Any]:
+def call_record(call: Any) -> dict[str, Any]:
     """A tool call in the wire form it was received in (id, type, function name and arguments)."""
     function = getattr(call, "function", None)
     return {
@@ -341,7 +341,7 @@ class _Run:
             events.LlmResponse(
                 model=getattr(response, "model", None) or self.model,
                 content=message.content,
-                tool_calls=[_call_record(c) for c in calls],
+                tool_calls=[call_record(c) for c in calls],
                 usage=_usage(response),
                 cause=until,
             )
@@ -354,7 +354,7 @@ class _Run:
         actions: list[events.Action] = []
         problems: list[str] = []
         for call in calls:
-            record = _call_record(call)
+            record = call_record(call)
             try:
                 action = action_from_call(record["function"]["name"], record["function"]["arguments"])
             except InputError as exc:

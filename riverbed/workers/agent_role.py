@@ -46,7 +46,7 @@ from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 from riverbed import events
-from riverbed.agent.llm import build_messages
+from riverbed.agent.llm import build_messages, call_record
 from riverbed.agent.messages import cache_breakpoints
 from riverbed.agent.runs import (
     AppendAction,
@@ -341,22 +341,10 @@ def _recorded(response: Any, model: str, until: int) -> events.LlmResponse:
         source="agent",
         model=getattr(response, "model", None) or model,
         content=message.content,
-        tool_calls=[_call_record(c) for c in calls],
+        tool_calls=[call_record(c) for c in calls],
         usage=usage.model_dump(exclude_none=True) if usage is not None else {},
         cause=until or None,
     )
-
-
-def _call_record(call: Any) -> dict[str, Any]:
-    function = getattr(call, "function", None)
-    return {
-        "id": call.id,
-        "type": getattr(call, "type", "function"),
-        "function": {
-            "name": getattr(function, "name", "") if function is not None else "",
-            "arguments": getattr(function, "arguments", "") if function is not None else "",
-        },
-    }
 
 
 def _retryable(exc: BaseException) -> bool:
