@@ -290,6 +290,14 @@ def test_log_follow_picks_up_new_events_and_stops_cleanly(
                 proc.kill()
 
 
+def test_version_prints_the_package_version(offline_env: dict[str, str]) -> None:
+    from riverbed import __version__  # noqa: PLC0415
+
+    result = run(offline_env, "--version")
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode().strip() == f"riverbed {__version__}"
+
+
 # --- configuration errors ---------------------------------------------------------------------
 
 

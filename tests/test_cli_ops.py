@@ -125,8 +125,16 @@ def test_demo_runs_on_embedded_services_and_exits_zero(offline_env: dict[str, st
         assert "→ 42" in out  # the cell's value
         assert "demo: hello from riverbed from app" in out
         assert not any(line.count("python3 greet.py") > 0 and "cmd_output" in line for line in out.splitlines())
-        # It ends by saying how to look at the session and how to stop what it started.
+        # It ends by saying how to look at the session and how to stop what it started, with a
+        # command that works in the user's shell (this venv is not on its PATH).
         assert "riverbed log demo-" in out
+        assert "workspace None" not in out
+        look = next(line.strip() for line in out.splitlines() if "log demo-" in line and "every event" in line)
+        shell = subprocess.run(
+            look.removesuffix("every event").strip(), shell=True, env=env, capture_output=True, timeout=60, check=False
+        )
+        assert shell.returncode == 0, shell.stderr.decode()
+        assert b"message" in shell.stdout
         assert f"riverbed services down --dir {env['RIVERBED_SERVICES_DIR']}" in out
     finally:
         run(env, "services", "down", "--dir", env["RIVERBED_SERVICES_DIR"])

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
+import shutil
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -101,6 +104,37 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(asked: bool) -> None:
+    if asked:
+        from riverbed import __version__  # noqa: PLC0415  (the package imports this module)
+
+        typer.echo(f"riverbed {__version__}")
+        raise typer.Exit
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", help="Print riverbed's version and exit.", callback=_version, is_eager=True)
+    ] = False,
+) -> None:
+    pass
+
+
+def command_name() -> str:
+    """How a user's shell runs this ``riverbed``: ``riverbed`` when that is the one on PATH,
+    else its full path (a virtual environment that is not activated)."""
+    me = Path(sys.argv[0])
+    if me.name != "riverbed":
+        return f"{shlex.quote(sys.executable)} -m riverbed.cli"
+    found = shutil.which("riverbed")
+    if found is not None and Path(found).resolve() == me.resolve():
+        return "riverbed"
+    return shlex.quote(str(me.absolute()))
+
+
 services_app = typer.Typer(help="Embedded Redis + Postgres for development.", no_args_is_help=True)
 app.add_typer(services_app, name="services")
 

@@ -65,7 +65,7 @@ def _brief(event: events.Event, limit: int = 90) -> str:
             if hits:
                 text = f"top hit: event {hits[0].event_id} ({hits[0].kind}) {hits[0].text!r}"
             elif repo or date:
-                text = f"workspace {repo}, date {date}"
+                text = f"{f'git repository {repo}' if repo else 'no git repository'}, date {date}"
             else:
                 text = f"{len(knowledge)} knowledge items"
         case events.Condensation(forgotten=forgotten):

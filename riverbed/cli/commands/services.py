@@ -14,7 +14,7 @@ import typer.main
 from rich.console import Console
 
 from riverbed import services
-from riverbed.cli.app import DirOption, Invocation, PrefixOption, _leaf, _progress, app, services_app
+from riverbed.cli.app import DirOption, Invocation, PrefixOption, _leaf, _progress, app, command_name, services_app
 from riverbed.logs import configure_logging
 
 # --- services ------------------------------------------------------------------------------
@@ -102,6 +102,7 @@ def demo_command(prefix: PrefixOption = None) -> None:
         return await run_demo(settings, console, redis_url=url)
 
     result = cli.run(go)
+    me = command_name()  # the command that works in the user's shell (a venv may not be activated)
     console.print()
     for check, passed in result.checks.items():
         console.print(("[green]✔[/] " if passed else "[red]✘[/] ") + check)
@@ -110,20 +111,16 @@ def demo_command(prefix: PrefixOption = None) -> None:
         f"\nsession [bold]{result.session}[/] ({result.events} events, view {result.view_size}), "
         f"fork [bold]{result.fork}[/]; done in {seconds:.1f}s.\n"
         f"\nLook at it:\n"
-        f"  riverbed log {result.session}                 every event\n"
-        f"  riverbed view {result.session} --until 8      the agent's context right after event 8\n"
-        f"  riverbed log {result.fork}            the fork, rebuilt at event 12"
-        + (
-            f"\n  riverbed usage {result.agent_session}    the LLM agent's tokens and cost"
-            if result.agent_session
-            else ""
-        )
+        f"  {me} log {result.session}                 every event\n"
+        f"  {me} view {result.session} --until 8      the agent's context right after event 8\n"
+        f"  {me} log {result.fork}            the fork, rebuilt at event 12"
+        + (f"\n  {me} usage {result.agent_session}    the LLM agent's tokens and cost" if result.agent_session else "")
     )
     if embedded:
         where = shlex.quote(str(_services_dir(None)))
         console.print(
             f"\nThe demo started Redis and Postgres in {where}; they keep running for the commands above.\n"
-            f"Stop them: riverbed services down --dir {where}"
+            f"Stop them: {me} services down --dir {where}"
         )
     if not result.ok:
         raise typer.Exit(1)
