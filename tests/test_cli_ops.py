@@ -74,6 +74,7 @@ def test_act_refuses_bad_input_in_one_sentence(cli_env: dict[str, str]) -> None:
     assert_one_sentence(run(cli_env, "act", "s1", '{"kind": "nope"}'), 2, "unknown event kind")
     timed_out = run(cli_env, "act", "nobody-home", '{"kind": "file_read", "path": "x"}', "--timeout", "0.5")
     assert_one_sentence(timed_out, 1, "no observation answered action 1")
+    assert b"it stays on the log and runs when a worker for its role takes the session" in timed_out.stderr
 
 
 def test_worker_with_an_unknown_role_fails_in_one_sentence(offline_env: dict[str, str]) -> None:

@@ -241,7 +241,8 @@ class Session:
     def _timed_out(self, action_id: int, timeout: float) -> ActTimeout:
         return ActTimeout(
             f"no observation answered action {action_id} in session {self.id!r} within {timeout:g}s; "
-            "is a worker for its role running? (riverbed worker all)"
+            "it stays on the log and runs when a worker for its role takes the session "
+            "(is one running? riverbed worker all)"
         )
 
     def _tenant_of(self, batch: Sequence[events.Event]) -> str | None:
