@@ -186,6 +186,7 @@ async def test_ordinary_work_still_works(standalone_bus: Bus, worker: WorkerProc
     written = await session.act(events.FileWrite(path="src/app.py", content="print('app ran')\n"), timeout=20)
     assert isinstance(written, events.FileWritten)
     assert (await sh(bus, "dev", "python3 app.py && echo data > out.txt")).content == "app ran\n"
+    assert (await sh(bus, "dev", "python app.py")).content == "app ran\n"  # models call `python`
     read = await session.act(events.FileRead(path="src/out.txt"), timeout=20)
     assert isinstance(read, events.FileContent)
     assert read.content == "data\n"

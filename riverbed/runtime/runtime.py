@@ -111,7 +111,8 @@ def _check_kind(kind: type[events.Action]) -> None:
 
 #: Every sandbox's ``PATH``: the system's directories, never the worker's own ``PATH`` (which may
 #: name the worker's virtual environment, tool caches or home; ``set_env`` may change it).
-SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: Its last directory holds what the sandbox adds to the system (``python``, see ``runtime/sandbox.py``).
+SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/opt/riverbed/bin"
 
 #: A ``file_read`` of a regular file up to this size runs on the event loop, not in a thread.
 INLINE_READ_BYTES = 64 * 1024

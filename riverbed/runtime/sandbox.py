@@ -320,6 +320,9 @@ class Sandbox:
                 args += ["--symlink", os.readlink(path), str(path)]
             elif path.is_dir():
                 args += ["--ro-bind", str(path), str(path)]
+        if not Path("/usr/bin/python").exists() and Path("/usr/bin/python3").exists():
+            # models call `python`, and Debian has only `python3` without python-is-python3
+            args += ["--dir", "/opt/riverbed/bin", "--symlink", "/usr/bin/python3", "/opt/riverbed/bin/python"]
         args += ["--perms", "0755", "--dir", "/etc"]
         for name in _ETC:
             args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
