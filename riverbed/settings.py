@@ -10,8 +10,10 @@ configuration page (``docs/configuration.md``), which the tests check against th
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,8 +33,14 @@ DEFAULT_SANDBOX_TMP_BYTES = 128 * 1024 * 1024
 DEFAULT_MAX_EVENTS_PER_APPEND = 10_000
 
 
-def default_services_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"riverbed-{os.getuid()}" / "services"
+def default_services_dir(environment: str | None = None) -> Path:
+    """Where the embedded services of this Python environment (``sys.prefix``: a virtual
+    environment, a checkout's ``.venv``) keep their data: one directory per environment, so
+    two checkouts never share (or stop) each other's services.  Under the temp directory, since
+    the embedded Postgres running as root opens up every ancestor of its data directory."""
+    where = environment if environment is not None else sys.prefix
+    tag = hashlib.sha256(os.path.realpath(where).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"riverbed-{os.getuid()}" / f"services-{tag}"
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -389,6 +389,10 @@ def test_services_up_prints_working_exports_and_down_stops_them(
     # `up` again adopts the running services.
     again = run(env, "services", "up", "--dir", str(services_dir), timeout=60)
     assert again.stdout == result.stdout
+    # A command without a Redis URL says it uses the services already running there.
+    reused = run({**env, "RIVERBED_SERVICES_DIR": str(services_dir)}, "sessions")
+    assert reused.returncode == 0, reused.stderr.decode()
+    assert f"using the embedded services already running in {services_dir}" in reused.stderr.decode()
     # The shell line works as documented.
     shell = subprocess.run(
         ["bash", "-c", f'eval "$({" ".join(riverbed_command())} services up --dir {services_dir})"; '

@@ -8,7 +8,7 @@ import msgspec.inspect
 import pytest
 
 from riverbed.errors import ConfigError
-from riverbed.settings import Settings
+from riverbed.settings import Settings, default_services_dir
 
 
 def _fields() -> list[msgspec.inspect.Field]:
@@ -72,3 +72,10 @@ def test_one_setting_is_read_as_all_of_them_are() -> None:
     assert Settings.one("serve_port", {}) == 8300
     with pytest.raises(ConfigError, match="RIVERBED_DEBUG='maybe' is not valid"):
         Settings.one("debug", {"RIVERBED_DEBUG": "maybe"})
+
+
+def test_each_python_environment_keeps_its_own_embedded_services() -> None:
+    one, other = default_services_dir("/srv/a/.venv"), default_services_dir("/srv/b/.venv")
+    assert one != other  # two checkouts never share, or stop, each other's services
+    assert default_services_dir("/srv/a/.venv") == one
+    assert Settings.from_env({}).services_dir == str(default_services_dir())

@@ -56,6 +56,8 @@ def resolve_redis_url(settings: Settings, *, progress: Callable[[str], None] | N
         if progress is not None:
             progress(f"RIVERBED_REDIS_URL is not set: starting the embedded services in {directory}")
         running = services.up(directory)
+    elif progress is not None:
+        progress(f"RIVERBED_REDIS_URL is not set: using the embedded services already running in {directory}")
     return running.redis_url
 
 
