@@ -10,6 +10,7 @@ import shutil
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -108,9 +109,7 @@ app = typer.Typer(
 
 def _version(asked: bool) -> None:
     if asked:
-        from riverbed import __version__  # noqa: PLC0415  (the package imports this module)
-
-        typer.echo(f"riverbed {__version__}")
+        typer.echo(f"riverbed {metadata.version('riverbed')}")
         raise typer.Exit
 
 
