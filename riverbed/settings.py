@@ -97,8 +97,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         env = os.environ if env is None else env
         raw: dict[str, object] = {}
         for field in cls.__struct_fields__:
-            name = field.upper() if field.startswith("openai_") else f"RIVERBED_{field.upper()}"
-            value = env.get(name)
+            value = env.get(cls.variable(field))
             if value is not None and value != "":
                 raw[field] = value
         flagged = {k: v for k, v in overrides.items() if v is not None}
