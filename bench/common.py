@@ -32,6 +32,7 @@ MODULES = (
     "bench.takeover",
     "bench.sandboxes",
     "bench.serve",
+    "bench.agents",
 )
 
 
@@ -149,6 +150,16 @@ def options(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
         "--no-peer", action="store_true", help="skip the peer in its own environment (bench.view: the OpenHands SDK)"
+    )
+    agents = parser.add_argument_group("bench.agents")
+    agents.add_argument("--runs", type=int, help="detached runs opened at once (default 1,000; --quick: 100)")
+    agents.add_argument("--steps", type=int, help="model calls per run (default 10)")
+    agents.add_argument("--workers", type=int, help="agent worker processes (default 4)")
+    agents.add_argument(
+        "--runtime-workers", type=int, help="runtime worker processes answering the actions (default 2)"
+    )
+    agents.add_argument(
+        "--action", choices=("file_read", "cmd_run"), help="the tool each step calls (default file_read; cmd_run: true)"
     )
     return parser
 

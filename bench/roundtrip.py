@@ -188,7 +188,8 @@ class PingPong:
 
 class Workers:
     """``python -m riverbed.workers ROLE…`` processes under one key prefix (the runtime role
-    by default); ``env`` adds variables."""
+    by default); ``env`` adds variables; with ``profile`` (a directory) each runs under
+    ``cProfile`` and writes ``NAME.prof`` there when it stops."""
 
     def __init__(
         self,
@@ -201,6 +202,7 @@ class Workers:
         *,
         roles: tuple[str, ...] = ("runtime",),
         env: dict[str, str] | None = None,
+        profile: Path | None = None,
     ) -> None:
         self.url = url
         self.keys = Keys(prefix)
@@ -218,7 +220,11 @@ class Workers:
         self.logs = [(workspace.parent / f"{name}.log").open("wb") for name in self.names]
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "riverbed.workers", *roles, "--name", name],
+                [
+                    sys.executable,
+                    *(["-m", "cProfile", "-o", str(profile / f"{name}.prof")] if profile is not None else []),
+                    *("-m", "riverbed.workers", *roles, "--name", name),
+                ],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import Result, options, print_results, private_redis
@@ -118,36 +119,20 @@ def _plain(evs: list[events.Event]) -> float:
     return time.perf_counter() - started
 
 
-def _fold(evs: list[events.Event]) -> float:
-    started = time.perf_counter()
+def _fold(evs: list[events.Event], clock: Callable[[], float] = time.perf_counter) -> float:
+    started = clock()
     view(evs)
-    return time.perf_counter() - started
+    return clock() - started
 
 
-def _appends(evs: list[events.Event]) -> float:
+def _appends(evs: list[events.Event], clock: Callable[[], float] = time.perf_counter) -> float:
     builder = ViewBuilder()
     append = builder.append
-    started = time.perf_counter()
+    started = clock()
     for event in evs:
         append(event)
     builder.view()  # (folding is lazy: the view is where appended events are folded)
-    return time.perf_counter() - started
-
-
-def _cpu_fold(evs: list[events.Event]) -> float:
-    started = time.thread_time()
-    view(evs)
-    return time.thread_time() - started
-
-
-def _cpu_appends(evs: list[events.Event]) -> float:
-    builder = ViewBuilder()
-    append = builder.append
-    started = time.thread_time()
-    for event in evs:
-        append(event)
-    builder.view()
-    return time.thread_time() - started
+    return clock() - started
 
 
 async def measure(_url: str, args: argparse.Namespace) -> list[Result]:
@@ -216,8 +201,8 @@ def _against_openhands(repeats: int) -> list[Result]:
     gc.collect()
     for _ in range(2):  # riverbed, the peer, riverbed again: a load change hits both alike
         for _ in range(repeats):
-            folds.append(_cpu_fold(evs))
-            appends.append(_cpu_appends(evs))
+            folds.append(_fold(evs, time.thread_time))
+            appends.append(_appends(evs, time.thread_time))
         if not peer:
             peer, peer_length = _peer_folds(python, history, repeats * 2)
     fold_ms, peer_ms = statistics.median(folds) * 1000, statistics.median(peer) * 1000

@@ -1,6 +1,6 @@
 """riverbed: an event-sourced runtime for AI agents on Redis Streams and Postgres + pgvector."""
 
-from riverbed.agent.client import Bus, Session, connect
+from riverbed.client.session import Bus, Session, connect
 from riverbed.errors import (
     ActTimeout,
     AlreadyAnswered,
@@ -11,6 +11,7 @@ from riverbed.errors import (
     IdempotencyKeyReused,
     InputError,
     NotFoundError,
+    QuotaExceeded,
     RiverbedError,
     SystemEventRefused,
     TenantMismatch,
@@ -28,6 +29,7 @@ __all__ = [
     "IdempotencyKeyReused",
     "InputError",
     "NotFoundError",
+    "QuotaExceeded",
     "RiverbedError",
     "Session",
     "SystemEventRefused",

@@ -17,6 +17,7 @@
     ├── FencedError                   a stale owner tried to append (its lease was taken)
     ├── ActTimeout        (retryable) no observation arrived within the timeout
     ├── NotFoundError                 a session or a dead letter does not exist
+    ├── QuotaExceeded     (retryable) a tenant is at a quota the operator set (runs, tokens a day)
     ├── ServiceError                  an embedded service failed to start or stop
     └── StorageError                  the database refused a statement (not its connection)
         └── DataError                 a value it cannot hold (SQLSTATE class 22 or 54)
@@ -111,6 +112,17 @@ class IdempotencyKeyReused(InputError):
         self.first = first
 
 
+class QuotaExceeded(RiverbedError):
+    """A tenant is at one of its quotas (``riverbed tenants set``): no run opens for it now.
+    ``retry_after``: seconds until the quota has room again, when that is known."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class UnavailableError(RiverbedError):
     """A backing service cannot be reached right now."""
 
@@ -133,10 +145,11 @@ class AppendConflict(RiverbedError):
 class FencedError(RiverbedError):
     """The writer's fencing token is stale: another worker owns the session now."""
 
-    def __init__(self, session: str, role: str, token: int, current: int) -> None:
+    def __init__(self, session: str, role: str, token: int, current: int | None = None) -> None:
+        """``current``: the session's token now, when the refusal said it (None: not known)."""
+        now = f" (current token {current})" if current is not None else ""
         super().__init__(
-            f"append to session {session!r} refused: this {role} worker's lease (token {token}) "
-            f"was taken over (current token {current})"
+            f"append to session {session!r} refused: this {role} worker's lease (token {token}) was taken over{now}"
         )
         self.session = session
         self.role = role

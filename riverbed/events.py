@@ -30,7 +30,8 @@ Input from users and agents is checked at the boundary, before anything is appen
   ``riverbed append`` and ``act``, a handle acting for a tenant) append actions, messages,
   ``session_config``, context edits, an agent's ``llm_response`` and ``error`` and a user's
   ``condensation``; every other kind (``forked``, ``sandbox_rebuilt``, the roles'
-  observations) and every other ``source`` comes only from a role, ``fork()`` or import,
+  observations, the sub-agents' ``delegate``, ``delegated`` and ``delegate_result``) and
+  every other ``source`` comes only from a role, ``fork()`` or import,
   which append through the log itself (``Log.append``), not through a client handle.  Each
   kind says who may write it in :attr:`Event.client_sources`.
 
@@ -64,6 +65,9 @@ __all__ = [
     "CondensationRequest",
     "ContextEdit",
     "DecodeError",
+    "Delegate",
+    "DelegateResult",
+    "Delegated",
     "Divergence",
     "Error",
     "Event",
@@ -113,7 +117,7 @@ __all__ = [
 ]
 
 Source: TypeAlias = Literal["agent", "user", "runtime", "memory", "condenser", "system"]
-Role: TypeAlias = Literal["runtime", "memory", "condenser"]
+Role: TypeAlias = Literal["runtime", "memory", "condenser", "agent"]
 WorkspaceMethod: TypeAlias = Literal["replay", "copy", "empty"]
 
 MAX_TIMEOUT = 86_400.0
@@ -529,6 +533,13 @@ class LlmResponse(Event, frozen=True, kw_only=True, tag="llm_response"):
 # the actions, the ``error`` from ``source: agent`` that ends it) is system-written.
 
 
+_OutputTokens = Annotated[
+    int, msgspec.Meta(ge=0, le=1_000_000, description="tokens one model answer may have (0: the server decides)")
+]
+_Temperature = Annotated[float, msgspec.Meta(ge=0, le=2, description="the model's sampling temperature")]
+_CallSeconds = Annotated[float, msgspec.Meta(gt=0, le=86_400, description="seconds one model call may take")]
+
+
 class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     """Opens a run on the session: the agent role works on the log's user messages (the task
     is the one appended just before) until ``finish`` or an ``error`` from ``source: agent``
@@ -536,7 +547,9 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
 
     Limits are checked before each model call (a run overspends by at most one call):
     ``max_steps`` model calls, ``max_tokens`` prompt + completion tokens, ``max_cost`` USD
-    (priced by ``RIVERBED_PRICES``).  ``model`` None: the worker's ``RIVERBED_LLM_MODEL``.
+    (priced by ``RIVERBED_PRICES``).  ``model`` None: the worker's ``RIVERBED_LLM_MODEL``;
+    ``max_output_tokens``, ``temperature`` and ``llm_timeout`` None: the worker's
+    ``RIVERBED_LLM_MAX_OUTPUT_TOKENS``, ``RIVERBED_LLM_TEMPERATURE`` and ``RIVERBED_LLM_TIMEOUT``.
     """
 
     source: Source = "user"
@@ -546,6 +559,9 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     max_steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_RUN_STEPS, description="model calls at most")] = 30
     max_tokens: Annotated[int, msgspec.Meta(ge=1, description="prompt + completion tokens at most")] | None = None
     max_cost: Annotated[float, msgspec.Meta(gt=0, le=1_000_000, description="USD at most")] | None = None
+    max_output_tokens: _OutputTokens | None = None
+    temperature: _Temperature | None = None
+    llm_timeout: _CallSeconds | None = None
 
 
 class RunCancel(Event, frozen=True, kw_only=True, tag="run_cancel"):
@@ -555,6 +571,53 @@ class RunCancel(Event, frozen=True, kw_only=True, tag="run_cancel"):
     client_sources: ClassVar[frozenset[str]] = frozenset(("user",))
 
     note: str = ""
+
+
+# --- sub-agents ---------------------------------------------------------------------------
+# System-written (``client_sources`` empty): the agent role appends a run's ``delegate``
+# actions as its model calls them, creates each child session (``delegated`` first), and
+# answers each ``delegate`` once with a ``delegate_result`` (or an ``error`` when a limit
+# refuses it).  ``riverbed/agent/delegation.py`` has the rules.
+
+
+class Delegate(Action, frozen=True, kw_only=True, tag="delegate"):
+    """Hand ``task`` to a sub-agent: a child session with a run of its own, served by the agent
+    role; answered once by a ``delegate_result`` when the child's run ends.  Limits are the
+    child's own, at most its share of what the parent has left."""
+
+    answered_by: ClassVar[Role | None] = "agent"
+    client_sources: ClassVar[frozenset[str]] = frozenset()
+
+    task: str
+    max_steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_RUN_STEPS, description="model calls at most")] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, description="prompt + completion tokens at most")] | None = None
+    max_cost: Annotated[float, msgspec.Meta(gt=0, le=1_000_000, description="USD at most")] | None = None
+
+
+class Delegated(Event, frozen=True, kw_only=True, tag="delegated"):
+    """The first event of a child session: it works for ``parent``'s ``delegate`` action
+    ``parent_action``; ``depth`` counts the sessions above it (a child of a top-level run: 1)."""
+
+    source: Source = "system"
+
+    parent: str
+    parent_action: EventId
+    depth: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+
+class DelegateResult(Observation, frozen=True, kw_only=True, tag="delegate_result"):
+    """The answer to a ``delegate``: the child ``session``'s run ended (``state`` finished,
+    failed or cancelled) with ``content`` (its final message, or its error).  ``tokens`` and
+    ``cost`` are what the child's run and its own sub-agents spent (counted into the parent's
+    budget); ``cost`` None: not every step had a price."""
+
+    source: Source = "agent"
+
+    session: str
+    content: str
+    state: str = "finished"
+    tokens: int = 0
+    cost: float | None = 0.0
 
 
 class Unknown(Event, frozen=True, kw_only=True, tag="unknown"):
@@ -594,6 +657,9 @@ _BUILTIN: tuple[type[Event], ...] = (
     ContextEdit,
     RunStarted,
     RunCancel,
+    Delegate,
+    Delegated,
+    DelegateResult,
     Unknown,
 )
 

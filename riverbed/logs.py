@@ -83,6 +83,18 @@ def _line_writer(stream: BinaryIO) -> LineWriter:
     return writer
 
 
+def processors(renderer: structlog.typing.Processor) -> list[structlog.typing.Processor]:
+    """What every log line goes through, ``renderer`` last: the context, the level, a UTC
+    timestamp and a traceback as text."""
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.format_exc_info,
+        renderer,
+    ]
+
+
 def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
     """Configure structlog for a process: ``fmt`` ``json`` or ``console`` (default: console on a
     terminal), ``level`` a level name (default info); callers pass ``RIVERBED_LOG_FORMAT`` and
@@ -101,13 +113,7 @@ def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
         renderer = structlog.dev.ConsoleRenderer()
         factory = structlog.PrintLoggerFactory(sys.stderr)
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=processors(renderer),
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level_name]),
         logger_factory=factory,
         cache_logger_on_first_use=True,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypedDict
 
 import anyio
 import asyncpg
@@ -26,7 +26,16 @@ from asyncpg.pool import PoolConnectionProxy
 
 from riverbed.errors import ConfigError, DataError, RiverbedError, StorageError, UnavailableError
 
-__all__ = ["DB_ERRORS", "LOCK_KEY", "LazyPool", "check_schema", "migrate", "quote_ident", "translate_error"]
+__all__ = [
+    "DB_ERRORS",
+    "LOCK_KEY",
+    "LazyPool",
+    "PoolOptions",
+    "check_schema",
+    "migrate",
+    "quote_ident",
+    "translate_error",
+]
 
 LOCK_KEY = 0x72697665726264  # "riverbd": every riverbed migration takes this advisory lock
 DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
@@ -96,6 +105,18 @@ async def migrate(
                 await conn.execute(f"INSERT INTO {s}.{table} (version) VALUES ($1)", version)  # noqa: S608
                 applied.append(version)
         return applied
+
+
+class PoolOptions(TypedDict, total=False):
+    """The size and timeouts of a :class:`LazyPool` (its signature has the defaults), which the
+    memory store and the log archive take as keyword arguments and pass on."""
+
+    min_size: int
+    max_size: int
+    connect_timeout: float
+    """seconds to open a connection"""
+    command_timeout: float
+    """seconds a statement may take"""
 
 
 class LazyPool:

@@ -128,28 +128,35 @@ def start_redis(
     """
     directory.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    pidfile = directory / "redis.pid"
+    options = ["--appendonly", "yes" if appendonly else "no", "--appendfsync", appendfsync]
+    pid = _start_daemon(directory, port, "redis", options, what="redis-server")
+    return f"redis://127.0.0.1:{port}/0", pid
+
+
+def _start_daemon(directory: Path, port: int, name: str, options: list[str], *, what: str) -> int:
+    """Start a daemonised redis-server on 127.0.0.1:``port`` with ``options``, its files in
+    ``directory`` (``<name>.pid``, ``<name>.log``); its pid once it answers (0: unknown).
+    ``what`` names it in the error when it does not start."""
+    pidfile = directory / f"{name}.pid"
     pidfile.unlink(missing_ok=True)
     args = [
         redis_binary(),
+        *options,
         "--port", str(port),
         "--bind", "127.0.0.1",
         "--dir", str(directory),
         "--save", "",
-        "--appendonly", "yes" if appendonly else "no",
-        "--appendfsync", appendfsync,
         "--daemonize", "yes",
         "--pidfile", str(pidfile),
-        "--logfile", str(directory / "redis.log"),
+        "--logfile", str(directory / f"{name}.log"),
         "--protected-mode", "no",
     ]  # fmt: skip
     try:
         subprocess.run(args, check=True, capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise ServiceError(f"could not start redis-server: {exc}") from exc
+        raise ServiceError(f"could not start {what}: {exc}") from exc
     _wait_port(port, 10)
-    pid = int(pidfile.read_text().strip()) if pidfile.exists() else 0
-    return f"redis://127.0.0.1:{port}/0", pid
+    return int(pidfile.read_text().strip()) if pidfile.exists() else 0
 
 
 def stop_redis(pid: int, timeout: float = 5.0) -> None:
@@ -212,29 +219,13 @@ def _cluster_state(port: int) -> str:
 
 
 def _start_cluster_node(directory: Path, port: int, node_timeout_ms: int) -> int:
-    pidfile = directory / f"redis-{port}.pid"
-    pidfile.unlink(missing_ok=True)
-    args = [
-        redis_binary(),
+    options = [
         "--cluster-enabled", "yes",
         "--cluster-config-file", str(directory / f"nodes-{port}.conf"),
         "--cluster-node-timeout", str(node_timeout_ms),
-        "--port", str(port),
-        "--bind", "127.0.0.1",
-        "--dir", str(directory),
-        "--save", "",
         "--appendonly", "no",
-        "--daemonize", "yes",
-        "--pidfile", str(pidfile),
-        "--logfile", str(directory / f"redis-{port}.log"),
-        "--protected-mode", "no",
     ]  # fmt: skip
-    try:
-        subprocess.run(args, check=True, capture_output=True, timeout=10)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise ServiceError(f"could not start a Redis Cluster node on port {port}: {exc}") from exc
-    _wait_port(port, 10)
-    return int(pidfile.read_text().strip()) if pidfile.exists() else 0
+    return _start_daemon(directory, port, f"redis-{port}", options, what=f"a Redis Cluster node on port {port}")
 
 
 def _create_cluster(ports: list[int], replicas: int, timeout: float) -> None:

@@ -57,6 +57,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     sandbox_tmp_bytes: Annotated[int, Meta(ge=1024 * 1024)] = DEFAULT_SANDBOX_TMP_BYTES
     bwrap: str = ""
     embedder: Annotated[str, Meta(pattern=r"^(local|openai:.+)$")] = "local"
+    recall_timeout: Annotated[float, Meta(ge=0.5, le=3600)] = 8.0
     llm_model: str = "gpt-4o-mini"
     lease_seconds: Annotated[float, Meta(gt=0.2, le=86_400)] = 5.0
     concurrency: Annotated[int, Meta(ge=1, le=1_000_000)] = 100
@@ -84,8 +85,21 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     serve_max_acts_per_key: Annotated[int, Meta(ge=1)] = 100
     serve_rate: Annotated[float, Meta(ge=0, le=1e9)] = 50.0
     serve_burst: Annotated[int, Meta(ge=1)] = 200
-    agent_llm_timeout: Annotated[float, Meta(gt=0, le=86_400)] = 120.0
+    llm_timeout: Annotated[float, Meta(gt=0, le=86_400)] = 120.0
+    llm_max_output_tokens: Annotated[int, Meta(ge=0, le=1_000_000)] = 4096
+    llm_temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
     agent_llm_retry_seconds: Annotated[float, Meta(ge=0, le=86_400)] = 60.0
+    agent_max_depth: Annotated[int, Meta(ge=0, le=100)] = 3
+    agent_max_fanout: Annotated[int, Meta(ge=0, le=10_000)] = 8
+    condenser_strategy: Literal["noop", "recent", "amortized", "masking", "summarizing", "attention"] = "amortized"
+    condenser_max_events: Annotated[int, Meta(ge=0)] = 100
+    condenser_budget_tokens: Annotated[int, Meta(ge=0)] = 0
+    condenser_headroom_tokens: Annotated[int, Meta(ge=0)] = 0
+    condenser_keep_first: Annotated[int, Meta(ge=0)] = 1
+    condenser_target_ratio: Annotated[float, Meta(gt=0, le=1)] = 0.5
+    condenser_mask_window: Annotated[int, Meta(ge=1)] = 10
+    condenser_summary_tokens: Annotated[int, Meta(ge=16)] = 1024
+    condenser_model: str | None = None
 
     @classmethod
     def from_env(
@@ -136,6 +150,24 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def model_configured(self) -> bool:
         """Whether a model server is configured (``OPENAI_BASE_URL`` or ``OPENAI_API_KEY``)."""
         return bool(self.openai_api_key or self.openai_base_url)
+
+    def condenser_defaults(self) -> dict[str, Any]:
+        """The condenser config of a session whose ``session_config`` does not say (the fields
+        of ``riverbed.memory.condensers.CondenserConfig``; 0 limits are no limit)."""
+        defaults: dict[str, Any] = {
+            "strategy": self.condenser_strategy,
+            "max_events": self.condenser_max_events or None,
+            "budget_tokens": self.condenser_budget_tokens or None,
+            "headroom_tokens": self.condenser_headroom_tokens,
+            "keep_first": self.condenser_keep_first,
+            "target_ratio": self.condenser_target_ratio,
+            "mask_window": self.condenser_mask_window,
+            "summary_tokens": self.condenser_summary_tokens,
+            "llm_timeout": self.llm_timeout,
+        }
+        if self.condenser_model:
+            defaults["model"] = self.condenser_model
+        return defaults
 
     def validate(self) -> None:
         """What a type cannot say: the URLs' schemes."""

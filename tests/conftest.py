@@ -8,12 +8,18 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+import structlog
 
 import riverbed
 from riverbed import services
-from riverbed.agent.client import Bus
+from riverbed.client.session import Bus
+from riverbed.logs import processors
+
+if TYPE_CHECKING:
+    from riverbed.memory.embedders import LocalEmbedder
 
 BACKENDS = ("standalone", "cluster")
 _SERVER_FIXTURES = {"standalone": "standalone_redis_url", "cluster": "redis_cluster_url"}
@@ -79,6 +85,9 @@ def backends_of(metafunc: pytest.Metafunc) -> list[str]:
 
 def pytest_configure(config: pytest.Config) -> None:
     selected_backends(config)  # a bad RIVERBED_TEST_REDIS is one usage error, before collection
+    # What runs in the test process logs as a worker's console does: a traceback as text, not
+    # structlog's default rich one with every frame's locals, which takes a busy machine seconds.
+    structlog.configure(processors=processors(structlog.dev.ConsoleRenderer(colors=False)))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -177,6 +186,14 @@ def database_url(service_root: Path) -> Iterator[str]:
     url = services.start_postgres(pgdata)
     yield url
     services.stop_postgres(pgdata)
+
+
+@pytest.fixture(scope="session")
+def local() -> LocalEmbedder:
+    """The local embedder, loaded once per test process (it keeps no state of a test's)."""
+    from tests.kit.embedder import shared_local  # noqa: PLC0415  (numpy and the model: only when asked)
+
+    return shared_local()
 
 
 @pytest.fixture

@@ -4,33 +4,10 @@ OpenAI-compatible server (a thread of this process) and the test Redis and Postg
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from tests.openai_server import OpenAIServer
-from tests.test_cli import assert_one_sentence, ok, run
-
-
-@pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with OpenAIServer(model="test-model") as server:
-        yield server
-
-
-@pytest.fixture
-def agent_env(cli_env: dict[str, str], server: OpenAIServer, database_url: str, tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in cli_env.items() if not k.startswith("OPENAI_")}
-    env.update(
-        OPENAI_BASE_URL=server.base_url,
-        OPENAI_API_KEY="test-key",
-        RIVERBED_LLM_MODEL="test-model",
-        RIVERBED_DATABASE_URL=database_url,
-        RIVERBED_WORKSPACE=str(tmp_path / "ws"),
-        RIVERBED_SANDBOX="process",
-    )
-    return env
+from tests.kit.cli import agent_env, assert_one_sentence, ok, run  # noqa: F401  (agent_env: a fixture)
+from tests.kit.openai_server import OpenAIServer, server  # noqa: F401  (server: a fixture)
 
 
 def kinds(env: dict[str, str], session: str) -> list[str]:
@@ -95,7 +72,7 @@ def test_a_vision_model_gets_the_task_image_from_the_workspace_and_others_do_not
     agent_env: dict[str, str], server: OpenAIServer, tmp_path: Path
 ) -> None:
     from riverbed.runtime.paths import workspace_name  # noqa: PLC0415
-    from tests.test_images import PNG  # noqa: PLC0415
+    from tests.kit.images import PNG  # noqa: PLC0415
 
     for session in ("v1", "v2"):
         root = tmp_path / "ws" / workspace_name(session)

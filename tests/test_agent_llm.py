@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,59 +12,18 @@ import pytest
 
 import riverbed
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.agent.llm import AgentOptions, build_messages, make_client, render, run_llm_agent
 from riverbed.agent.tools import action_from_call, tool_names, tools
+from riverbed.client.session import Bus
 from riverbed.errors import ConfigError, InputError
-from riverbed.memory.embedders import LocalEmbedder
-from riverbed.memory.recall import Memory
-from riverbed.memory.store import Store
-from riverbed.runtime import Runtime
 from riverbed.runtime.paths import workspace_name
 from riverbed.settings import Settings
-from riverbed.workers.memory_role import MemoryHandler
-from riverbed.workers.runtime_role import RuntimeHandler
-from tests.agentkit import owners
-from tests.openai_server import OpenAIServer
+from tests.kit.agents import roles, workers  # noqa: F401  (fixtures)
+from tests.kit.openai_server import OpenAIServer, server  # noqa: F401  (server: a fixture)
 
 pytestmark = pytest.mark.anyio
 
 SETTINGS = Settings(llm_model="test-model")
-_local = LocalEmbedder()
-
-
-@pytest.fixture(scope="module")
-def local() -> LocalEmbedder:
-    _local.load()
-    return _local
-
-
-@pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with OpenAIServer(model="test-model") as server:
-        yield server
-
-
-@contextlib.asynccontextmanager
-async def roles(bus: Bus, workspace: Path, database_url: str, prefix: str, local: LocalEmbedder) -> AsyncIterator[None]:
-    """Runtime and memory role owners, both on the test's workspace root."""
-    runtime = Runtime(workspace_root=workspace)
-    store = Store(database_url, schema=prefix)
-    memory = MemoryHandler(Memory.cached(store, local), workspace_root=workspace)
-    try:
-        async with owners(bus, [RuntimeHandler(runtime), memory]):
-            yield
-    finally:
-        await runtime.aclose()
-        await store.close()
-
-
-@pytest.fixture
-async def workers(
-    bus: Bus, workspace: Path, database_url: str, prefix: str, local: LocalEmbedder
-) -> AsyncIterator[None]:
-    async with roles(bus, workspace, database_url, prefix, local):
-        yield
 
 
 def seed_workspace(workspace: Path, session: str) -> Path:
@@ -410,7 +367,7 @@ def test_usage_reads_provider_fields_and_prices_them() -> None:
 async def test_riverbed_usage_over_a_recorded_run(
     bus: Bus, server: OpenAIServer, workers: None, workspace: Path, cli_env: dict[str, str]
 ) -> None:
-    from tests.test_cli import ok  # noqa: PLC0415
+    from tests.kit.cli import ok  # noqa: PLC0415
 
     seed_workspace(workspace, "usage-1")
     server.reply(tool_calls=[("cmd_run", {"command": "echo one"})])

@@ -9,8 +9,8 @@ import anyio
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
-from tests.workerproc import WorkerProcess
+from riverbed.client.session import Bus
+from tests.kit.workers import WorkerProcess
 
 pytestmark = pytest.mark.anyio
 

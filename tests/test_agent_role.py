@@ -5,68 +5,27 @@ once it ended."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
-from riverbed.agent.hosted import RunLimits, cancel_run, follow_run, list_runs, open_run
+from riverbed.agent.hosted import RunLimits, cancel_run, list_runs, open_run
 from riverbed.agent.replay import fork
-from riverbed.agent.usage import parse_prices
 from riverbed.bus.keys import AGENT_ROLE
+from riverbed.client.session import Bus
 from riverbed.errors import InputError
-from riverbed.runtime import Runtime
-from riverbed.settings import Settings
-from riverbed.workers.agent_role import AgentHandler
-from riverbed.workers.main import Worker
-from riverbed.workers.metrics import WorkerMetrics
-from riverbed.workers.runtime_role import RuntimeHandler
-from tests.agentkit import owners
-from tests.openai_server import OpenAIServer
-from tests.test_metrics import samples, value
+from tests.kit.agent_role import (
+    ended,
+    roles,
+    scrape,
+    server,  # noqa: F401  (fixtures)
+)
+from tests.kit.metrics import value
+from tests.kit.openai_server import OpenAIServer
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with OpenAIServer(model="test-model") as server:
-        yield server
-
-
-@contextlib.asynccontextmanager
-async def roles(
-    bus: Bus, workspace: Path, server: OpenAIServer, *, retry_seconds: float = 5.0, prices: str | None = None
-) -> AsyncIterator[AgentHandler]:
-    runtime = Runtime(workspace_root=workspace)
-    agent = AgentHandler(
-        client=server.client(), model="test-model", retry_seconds=retry_seconds, prices=parse_prices(prices)
-    )
-    try:
-        async with owners(bus, [RuntimeHandler(runtime), agent]):
-            yield agent
-    finally:
-        with anyio.CancelScope(shield=True):
-            await runtime.aclose()
-            await agent.aclose()
-
-
-def scrape(bus: Bus, agent: AgentHandler) -> list[tuple[str, dict[str, str]]]:
-    """The agent role's series in a worker's Prometheus scrape."""
-    worker = Worker(bus.redis, Settings(prefix=bus.keys.prefix), ["agent"], name="w-agent", handlers={"agent": agent})
-    metrics = WorkerMetrics()
-    metrics.bind(worker)
-    return samples(metrics.render().decode())
-
-
-async def ended(bus: Bus, session: str, start: int, timeout: float = 30.0) -> list[events.Event]:
-    """The events from ``start`` until the run ends (the ending event last)."""
-    with anyio.fail_after(timeout):
-        return [event async for event in follow_run(bus, session, start)]
 
 
 async def test_a_run_works_through_tool_calls_to_finish(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
@@ -101,6 +60,23 @@ async def test_a_run_works_through_tool_calls_to_finish(bus: Bus, workspace: Pat
     assert rows[0].tokens > 0
     assert rows[0].worker is None
     assert await list_runs(bus, state="running") == []
+
+
+async def test_the_model_receives_the_request_as_the_role_built_it(
+    bus: Bus, workspace: Path, server: OpenAIServer
+) -> None:
+    # The role hands the client its request as the body's extra part (the client's own typed
+    # pass over it costs more CPU than the rest of a step): the wire carries every field.
+    server.reply("all done")
+    async with roles(bus, workspace, server) as agent:
+        opened = await open_run(bus, "s-wire", "say hello")
+        await ended(bus, "s-wire", opened.opened)
+    (request,) = server.requests
+    assert request["model"] == "test-model"
+    assert request["tools"] == agent.tools
+    assert (request["tool_choice"], request["parallel_tool_calls"]) == ("auto", True)  # delegates run in parallel
+    assert request["messages"][0]["role"] == "system"
+    assert request["messages"][-1] == {"role": "user", "content": "say hello"}
 
 
 async def test_a_second_run_is_refused_while_one_is_open(bus: Bus) -> None:

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.agent.scripted import load_script, parse_script, run_script, run_scripted_agent
+from riverbed.client.session import Bus
 from riverbed.errors import ActTimeout, InputError
-from tests.agentkit import runtime_worker
+from tests.kit.agents import runtime_worker
 
 pytestmark = pytest.mark.anyio
 

@@ -1,4 +1,4 @@
-"""A client's waits for answers, many on a few connections (``riverbed/agent/answers.py``),
+"""A client's waits for answers, many on a few connections (``riverbed/client/answers.py``),
 with a real runtime worker process and Redis:
 
 - a burst of acts from one client beyond its connections is answered over a handful more, each once;
@@ -13,7 +13,7 @@ with a real runtime worker process and Redis:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +22,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from riverbed import events
-from riverbed.agent.answers import Answers
-from riverbed.agent.client import Bus
+from riverbed.client.answers import Answers
+from riverbed.client.session import Bus
 from riverbed.errors import ActTimeout, NotFoundError
 from riverbed.runtime.paths import workspace_name
-from tests.test_failover import check_exactly_one_answer
-from tests.workerproc import WorkerProcess
+from tests.kit.answers import check_exactly_one_answer
+from tests.kit.workers import WorkerProcess, standalone_worker  # noqa: F401  (standalone_worker: a fixture)
 
 pytestmark = pytest.mark.anyio
 
@@ -35,19 +35,10 @@ BURST = 300
 
 
 @pytest.fixture
-def worker(standalone_redis_url: str, prefix: str, workspace: Path, tmp_path: Path) -> Iterator[WorkerProcess]:
-    started = WorkerProcess(
-        ["runtime"],
-        name="answers-w1",
-        redis_url=standalone_redis_url,
-        prefix=prefix,
-        workspace=workspace,
-        extra_env={"RIVERBED_CONCURRENCY": str(BURST + 10), "RIVERBED_SANDBOX": "process"},
-        log_dir=tmp_path,
+def worker(standalone_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    return standalone_worker(
+        "answers-w1", extra_env={"RIVERBED_CONCURRENCY": str(BURST + 10), "RIVERBED_SANDBOX": "process"}
     )
-    started.wait_ready()
-    yield started
-    started.close()
 
 
 def _sessions(workspace: Path, count: int) -> list[str]:

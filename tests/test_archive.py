@@ -11,15 +11,15 @@ import pytest
 
 import riverbed
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.agent.replay import fork
 from riverbed.bus.archive import Archive, Retention, first_stream_id, retain, safe_point
 from riverbed.bus.consumer import Entry, Handler, SessionContext
 from riverbed.bus.keys import ROLES
+from riverbed.client.session import Bus
 from riverbed.errors import ConfigError, InputError, RiverbedError
 from riverbed.settings import Settings
 from riverbed.workers.main import Worker
-from tests.test_cli import assert_one_sentence, ok, run, sample_events
+from tests.kit.cli import assert_one_sentence, ok, run, sample_events
 
 pytestmark = pytest.mark.anyio
 
@@ -118,7 +118,9 @@ async def test_cli_log_and_export_read_through_the_archive(
     result = run(env, "archive", "cli", "--older-than", "0", "--keep-last", "10")
 
     assert result.returncode == 0, result.stderr.decode()
-    assert "events 1..290 are archived" in result.stderr.decode()
+    said = result.stderr.decode()
+    assert "Moved 290 events of session cli from Redis to the Postgres archive" in said
+    assert "which now holds its events 1 to 290; the rest stay in Redis." in said
     assert await bus.redis.xlen(bus.keys.log("cli")) == 10
     assert ok(env, "log", "cli", "--json") == log_before
     assert ok(env, "export", "cli") == export_before

@@ -8,7 +8,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from riverbed.bus.connection import connect_redis, stream_read_keys
 from riverbed.bus.keys import Keys
-from tests.workerproc import sync_client
+from tests.kit.workers import sync_client
 
 pytestmark = pytest.mark.anyio
 

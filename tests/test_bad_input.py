@@ -17,11 +17,11 @@ import pytest
 import redis.exceptions as rexc
 
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.bus.connection import translate
+from riverbed.client.session import Bus
 from riverbed.errors import AlreadyAnswered, DecodeError, InputError, UnavailableError
-from tests.test_cli import assert_one_sentence, last_id, ok, run, run_all
-from tests.workerproc import WorkerProcess
+from tests.kit.cli import assert_one_sentence, last_id, ok, run, run_all
+from tests.kit.workers import WorkerProcess
 
 MIB = 1024 * 1024
 
@@ -306,7 +306,7 @@ _SGR = re.compile(rb"\x1b\[[0-9;]*m")
 def test_log_and_view_escape_a_programs_control_characters_but_keep_riverbeds_colours(
     cli_env: dict[str, str], redis_url: str, prefix: str
 ) -> None:
-    from tests.test_cli import fill  # noqa: PLC0415
+    from tests.kit.cli import fill  # noqa: PLC0415
 
     fill(
         redis_url,
@@ -453,7 +453,7 @@ BAD_HTTP: list[tuple[str, str, bytes | None, dict[str, str], set[int]]] = [
 async def test_malformed_http_input_is_a_400_or_413_never_a_500(bus: Bus) -> None:
     import httpx  # noqa: PLC0415
 
-    from tests.servekit import bearer, new_key, running  # noqa: PLC0415
+    from tests.kit.serve import bearer, new_key, running  # noqa: PLC0415
 
     key = await new_key(bus, "acme")
     await bus.session("s", tenant="acme").append(events.Think(thought="1"), events.Think(thought="2"))
@@ -531,7 +531,7 @@ async def test_random_headers_parameters_and_bodies_on_every_route_never_give_50
     import httpx  # noqa: PLC0415
 
     from riverbed.serve import ServeConfig  # noqa: PLC0415
-    from tests.servekit import bearer, new_key, running  # noqa: PLC0415
+    from tests.kit.serve import bearer, new_key, running  # noqa: PLC0415
 
     routes = [
         ("GET", "/v1/sessions/s/events", ["from", "until"]),

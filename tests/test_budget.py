@@ -9,41 +9,27 @@ recall in plain words finds an event the condenser dropped.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
-from riverbed.agent.llm import AgentOptions, build_messages, run_llm_agent
+from riverbed.agent.llm import build_messages
 from riverbed.bus.consumer import Entry, SessionContext
+from riverbed.client.session import Bus
 from riverbed.memory.condensers import CondenserConfig
-from riverbed.memory.embedders import LocalEmbedder
-from riverbed.memory.recall import Memory
-from riverbed.memory.store import Store
 from riverbed.memory.tokens import TokenCounter
 from riverbed.memory.view import view as fold
-from riverbed.runtime import Runtime
-from riverbed.settings import Settings
 from riverbed.workers.condenser_role import CondenserHandler
-from riverbed.workers.memory_role import MemoryHandler
-from riverbed.workers.runtime_role import RuntimeHandler
-from tests.agentkit import owners
-from tests.openai_server import OpenAIServer
+from tests.kit.agents import roles, run_scripted_agent
+from tests.kit.embedder import shared_local
+from tests.kit.openai_server import OpenAIServer, server  # noqa: F401  (server: a fixture)
 
 pytestmark = pytest.mark.anyio
 
 BUDGET = 1500
 CONDENSER = {"strategy": "amortized", "budget_tokens": BUDGET, "headroom_tokens": 100, "max_events": None}
-_local = LocalEmbedder()
-
-
-@pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with OpenAIServer(model="test-model") as server:
-        yield server
 
 
 class LaggingCondenser(CondenserHandler):
@@ -63,47 +49,26 @@ def command(i: int) -> str:
 async def test_the_budget_holds_in_every_prompt_and_nothing_is_lost(
     bus: Bus, server: OpenAIServer, workspace: Path, database_url: str, prefix: str
 ) -> None:
-    _local.load()
     steps = 12
-    for i in range(steps):
-        server.reply(tool_calls=[("cmd_run", {"command": command(i)})])
-    server.reply(tool_calls=[("finish", {"final_thought": "done"})])
     session = bus.session("budget")
     await session.append(events.SessionConfig(condenser=CONDENSER, source="user"))
 
-    runtime = Runtime(workspace_root=workspace)
-    store = Store(database_url, schema=prefix)
-    handlers = [
-        RuntimeHandler(runtime),
-        MemoryHandler(Memory.cached(store, _local), workspace_root=workspace),
-        LaggingCondenser(llm=None, model=None),
-    ]
-    try:
-        async with owners(bus, handlers):
-            ended = await run_llm_agent(
-                bus,
-                "budget",
-                "Run the build steps one by one.",
-                settings=Settings(llm_model="test-model"),
-                client=server.client(),
-                max_steps=steps + 2,
-                options=AgentOptions(action_timeout=30, recall_timeout=15, condense_timeout=30),
-            )
-            assert isinstance(ended, events.Finish)
-            log = await session.events()
+    async with roles(bus, workspace, database_url, prefix, shared_local(), LaggingCondenser(llm=None, model=None)):
+        ended = await run_scripted_agent(
+            bus, server, "budget", "Run the build steps one by one.", [command(i) for i in range(steps)]
+        )
+        assert isinstance(ended, events.Finish)
+        log = await session.events()
 
-            # The condenser dropped the first command's output; recall brings it back.
-            dropped = {
-                i for e in log if isinstance(e, events.Condensation) for a, b in e.forgotten for i in range(a, b + 1)
-            }
-            first_output = next(e for e in log if isinstance(e, events.CmdOutput) and "deploy key" in e.content)
-            assert first_output.id in dropped
-            hit = await session.act(events.Recall(query="where is the deploy key kept?", k=3), timeout=30)
-            assert isinstance(hit, events.RecallResult)
-            assert first_output.id in [h.event_id for h in hit.hits]
-    finally:
-        await runtime.aclose()
-        await store.close()
+        # The condenser dropped the first command's output; recall brings it back.
+        dropped = {
+            i for e in log if isinstance(e, events.Condensation) for a, b in e.forgotten for i in range(a, b + 1)
+        }
+        first_output = next(e for e in log if isinstance(e, events.CmdOutput) and "deploy key" in e.content)
+        assert first_output.id in dropped
+        hit = await session.act(events.Recall(query="where is the deploy key kept?", k=3), timeout=30)
+        assert isinstance(hit, events.RecallResult)
+        assert first_output.id in [h.event_id for h in hit.hits]
 
     # Nothing is ever deleted: every command and every output is still in the log.
     assert sum(isinstance(e, events.CmdRun) for e in log) == steps

@@ -1,4 +1,4 @@
-"""Claims (``bus/claims.py``): only the runtime owner with the current fencing token starts an
+"""Claims (``bus/action_claims.py``): only the runtime owner with the current fencing token starts an
 action, once, never after its answer; on both Redis deployments."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import anyio
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
-from riverbed.bus.claims import Claimed, Claims
+from riverbed.bus.action_claims import Claimed, Claims
+from riverbed.bus.leases import Claim, Leases
 from riverbed.bus.log import Fence
-from riverbed.bus.ownership import Claim, Leases
+from riverbed.client.session import Bus
 from riverbed.errors import FencedError
 
 pytestmark = [pytest.mark.anyio]

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from riverbed.bus.keys import Keys
-from tests.openai_server import OpenAIServer, tool_call
-from tests.test_cli import assert_one_sentence, ok, riverbed_command, run
-from tests.workerproc import sync_client
+from tests.kit.cli import assert_one_sentence, ok, riverbed_command, run
+from tests.kit.openai_server import OpenAIServer, tool_call
+from tests.kit.workers import sync_client
 
 
 @pytest.fixture

@@ -6,12 +6,12 @@ import anyio
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.bus.consumer import Owner
+from riverbed.client.session import Bus
 from riverbed.memory.view import view as fold
 from riverbed.workers import condenser_role
 from riverbed.workers.condenser_role import CondenserHandler
-from tests.openai_server import OpenAIServer
+from tests.kit.openai_server import OpenAIServer
 
 pytestmark = pytest.mark.anyio
 

@@ -35,7 +35,7 @@ from riverbed.memory.condensers import (
 )
 from riverbed.memory.tokens import TokenCounter
 from riverbed.memory.view import Masked, Summary, View, ViewBuilder, view
-from tests.openai_server import OpenAIServer
+from tests.kit.openai_server import OpenAIServer
 
 pytestmark = pytest.mark.anyio
 

@@ -16,11 +16,11 @@ import redis
 import redis.asyncio as aioredis
 
 from riverbed import services
-from riverbed.agent.client import Bus
 from riverbed.bus import _redispy
 from riverbed.bus.connection import RECEIVE_BYTES, Turn, connect_redis
 from riverbed.bus.exchange import exchange
 from riverbed.bus.redis_client import RedisClient
+from riverbed.client.session import Bus
 from riverbed.errors import ConfigError, UnavailableError
 
 pytestmark = pytest.mark.anyio
@@ -82,7 +82,7 @@ async def test_a_server_that_stops_fails_a_command_within_the_socket_timeout(
         started = time.monotonic()
         with anyio.fail_after(10), pytest.raises(UnavailableError, match=error):
             await _in_an_exchange(raw, url, command)
-        assert time.monotonic() - started < 4
+        assert time.monotonic() - started < 8  # the 0.5 s socket timeout, not the 10 s hang
         assert connection.socket_timeout == 0.5  # the command's own timeout is given back
         assert not connection.is_connected  # a half-written command or a reply still due: never reused
         os.kill(pid, signal.SIGCONT)

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
+from riverbed.client.session import Bus
 from riverbed.errors import InputError
 from riverbed.events import CmdOutput, CmdRun, Condensation, ContextEdit, Error, Event, Message, Think, with_id
 from riverbed.memory.condensers import CondenserConfig, condense
 from riverbed.memory.context import change, context_edit, describe, parse_range, report
 from riverbed.memory.view import view
-from tests.test_cli import assert_one_sentence, fill, ok, run
+from tests.kit.cli import assert_one_sentence, fill, ok, run
 
 pytestmark = pytest.mark.anyio
 

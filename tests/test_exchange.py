@@ -11,12 +11,12 @@ import redis.asyncio as aioredis
 import redis.exceptions as rexc
 
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.bus import scripts
 from riverbed.bus.consumer import Answer, Entry, Owner, SessionContext
 from riverbed.bus.exchange import exchange
+from riverbed.client.session import Bus
 from riverbed.errors import ActTimeout
-from tests.agentkit import runtime_worker
+from tests.kit.agents import runtime_worker
 
 pytestmark = pytest.mark.anyio
 

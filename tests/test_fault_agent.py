@@ -26,8 +26,9 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,170 +36,55 @@ import anyio
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
-from riverbed.agent.hosted import RunLimits, follow_run, list_runs, open_run
-from riverbed.runtime.paths import workspace_name
-from tests.openai_server import OpenAIServer
-from tests.test_cli import riverbed_command
-from tests.test_cli import run as run_cli
-from tests.test_failover import check_exactly_one_answer
-from tests.workerproc import WorkerProcess
+from riverbed.agent.hosted import follow_run, list_runs
+from riverbed.client.session import Bus
+from tests.kit.agent_faults import (  # noqa: F401  (fixtures)
+    LEASE,
+    RUNS,
+    STEPS,
+    agent_cli_env,
+    all_finished,
+    check_runs,
+    model_env,
+    open_runs,
+    ready,
+    script,
+    server,
+    session_of,
+    spawn,
+    start,
+    step_of,
+    stopped,
+    wait_until,
+    with_continue,
+    workers,
+)
+from tests.kit.cli import riverbed_command
+from tests.kit.cli import run as run_cli
+from tests.kit.openai_server import OpenAIServer
+from tests.kit.workers import WorkerProcess
 
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]
 
-LEASE = 1.0
-RUNS = 4
-STEPS = 3
-"""Model calls with tool calls per run; one more call finishes it."""
+
+def script_with(server: OpenAIServer, before: Callable[[], None]) -> None:
+    """The model's script anew, with ``before()`` called ahead of each answer (to slow it down)."""
+
+    def respond(request: dict[str, Any]) -> dict[str, Any]:
+        before()
+        return script(request)
+
+    server.clear()
+    server.respond(respond, times=10_000)
 
 
-@pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with OpenAIServer(model="test-model") as server:
-        server.respond(script, times=10_000)
-        yield server
-
-
-def session_of(request: dict[str, Any]) -> str:
-    for message in request.get("messages", []):
-        content = message.get("content")
-        if message.get("role") == "user" and isinstance(content, str) and content.startswith("task for "):
-            return content.removeprefix("task for ").strip()
-    raise AssertionError(f"no task in {request}")
-
-
-def step_of(request: dict[str, Any]) -> int:
-    """Which step of its run a request is: the model responses with tool calls it holds."""
-    return sum(1 for m in request.get("messages", []) if m.get("role") == "assistant" and m.get("tool_calls"))
-
-
-def script(request: dict[str, Any]) -> dict[str, Any]:
-    """Each step runs two commands that leave a line in the workspace; the last one finishes."""
-    session, step = session_of(request), step_of(request)
-    if step >= STEPS:
-        return {"tool_calls": [{"id": f"{session}-{step}-f", "type": "function", "function": {
-            "name": "finish", "arguments": json.dumps({"final_thought": f"{session} done"})}}]}  # fmt: skip
-    calls = []
-    for part in ("a", "b"):
-        line = f"{session}-{step}-{part}"
-        arguments = json.dumps({"command": f"echo {line} >> ran.txt"})
-        calls.append({"id": line, "type": "function", "function": {"name": "cmd_run", "arguments": arguments}})
-    return {"tool_calls": calls}
-
-
-@pytest.fixture
-def workers(workspace: Path) -> Iterator[list[WorkerProcess]]:
-    started: list[WorkerProcess] = []
-    yield started
-    for worker in started:
-        with_continue(worker)
-        worker.close()
-
-
-def with_continue(worker: WorkerProcess) -> None:
-    if worker.proc.poll() is None:
-        os.kill(worker.proc.pid, signal.SIGCONT)
-
-
-@pytest.fixture
-def model_env(server: OpenAIServer) -> dict[str, str]:
-    return {
-        "OPENAI_BASE_URL": server.base_url,
-        "OPENAI_API_KEY": "test-key",
-        "RIVERBED_LLM_MODEL": "test-model",
-        "RIVERBED_SANDBOX": "process",
-        "RIVERBED_AGENT_LLM_RETRY_SECONDS": "5",
-    }
-
-
-@pytest.fixture
-def start(
-    workers: list[WorkerProcess],
-    redis_url: str,
-    prefix: str,
-    workspace: Path,
-    tmp_path: Path,
-    model_env: dict[str, str],
-) -> Callable[..., WorkerProcess]:
-    def start(name: str, roles: list[str], **env: str) -> WorkerProcess:
-        worker = WorkerProcess(
-            roles,
-            name=name,
-            redis_url=redis_url,
-            prefix=prefix,
-            workspace=workspace,
-            lease=LEASE,
-            extra_env={**model_env, **env},
-            log_dir=tmp_path,
-        )
-        workers.append(worker)
-        return worker
-
-    return start
-
-
-async def ready(*started: WorkerProcess) -> None:
-    for worker in started:
-        await anyio.to_thread.run_sync(worker.wait_ready)
-
-
-async def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    with anyio.fail_after(timeout):
-        while not condition():
-            await anyio.sleep(0.05)
-    assert condition(), what
-
-
-def stopped(worker: WorkerProcess) -> bool:
-    """Whether the process is stopped (SIGSTOP): state T in /proc/<pid>/stat."""
-    try:
-        stat = Path(f"/proc/{worker.proc.pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
-
-
-async def open_runs(bus: Bus, sessions: list[str]) -> None:
-    for session in sessions:
-        await open_run(bus, session, f"task for {session}", limits=RunLimits(max_steps=STEPS + 2))
-
-
-async def all_finished(bus: Bus, sessions: list[str], timeout: float = 90.0) -> None:
-    with anyio.fail_after(timeout):
-        for session in sessions:
-            async for event in follow_run(bus, session, 1):
-                last = event
-            assert isinstance(last, events.Finish), f"{session} ended with {last}"
-
-
-async def check_runs(bus: Bus, server: OpenAIServer, sessions: list[str], workspace: Path) -> int:
-    """The invariants of every run; returns how many model calls were made twice (each one
-    was in flight on a worker that died or froze)."""
-    asked: dict[tuple[str, int], list[float]] = {}
-    for request, when in zip(server.requests, server.received, strict=True):
-        asked.setdefault((session_of(request), step_of(request)), []).append(when)
-    repeated = 0
-    for session in sessions:
-        log = await check_exactly_one_answer(bus, session)
-        responses = [e for e in log if isinstance(e, events.LlmResponse)]
-        assert len(responses) == STEPS + 1, f"{session}: {len(responses)} responses"
-        for step, response in enumerate(responses):
-            calls = [c["id"] for c in response.tool_calls]
-            actions = [e for e in log if isinstance(e, events.Action) and e.cause == response.id]
-            assert [a.tool_call_id for a in actions] == calls, f"{session}: actions of {response.id}"
-            times = asked.get((session, step), [])
-            # A call whose response is in the log is never made again: every request for this step
-            # came before its response was recorded, and one was repeated at most once.
-            assert times, f"{session} step {step} never asked"
-            assert max(times) <= response.ts.timestamp(), f"{session} step {step} asked again once recorded"
-            assert len(times) <= 2, f"{session} step {step} asked {len(times)} times"
-            repeated += len(times) - 1
-        ran = (workspace / workspace_name(session) / "ran.txt").read_text().split()
-        expected = [f"{session}-{step}-{part}" for step in range(STEPS) for part in ("a", "b")]
-        assert ran == expected, f"{session}: commands ran {ran}"
-        ends = [e for e in log if isinstance(e, events.Finish)]
-        assert len(ends) == 1
-    return repeated
+async def runtime_and_agent(start: Callable[..., WorkerProcess], **agent_env: str) -> WorkerProcess:
+    """A runtime worker ``rt`` and an agent worker ``a1`` (``agent_env`` added to its
+    environment), both ready; returns the agent worker."""
+    runtime = start("rt", ["runtime"])
+    agent = start("a1", ["agent"], **agent_env)
+    await ready(runtime, agent)
+    return agent
 
 
 @pytest.mark.parametrize(
@@ -213,9 +99,7 @@ async def test_a_worker_killed_in_the_loop_loses_nothing_and_repeats_nothing(
     point: str,
     nth: int,
 ) -> None:
-    runtime = start("rt", ["runtime"])
-    doomed = start("a1", ["agent"], RIVERBED_CRASH_AT=f"{point}:{nth}")
-    await ready(runtime, doomed)
+    doomed = await runtime_and_agent(start, RIVERBED_CRASH_AT=f"{point}:{nth}")
     sessions = [f"{point.replace('_', '-')}-{i}" for i in range(RUNS)]
     await open_runs(bus, sessions)
     await wait_until(lambda: doomed.proc.poll() is not None, 60, f"the worker did not reach {point}")
@@ -232,17 +116,13 @@ async def test_a_model_call_in_flight_on_a_killed_worker_is_made_again_at_most_o
 ) -> None:
     slow: list[float] = []
 
-    def slowly(request: dict[str, Any]) -> dict[str, Any]:
+    def first_slowly() -> None:
         if not slow:  # the first call takes long enough for the test to kill its worker
             slow.append(time.monotonic())
             time.sleep(3)
-        return script(request)
 
-    server.clear()
-    server.respond(slowly, times=10_000)
-    runtime = start("rt", ["runtime"])
-    doomed = start("a1", ["agent"])
-    await ready(runtime, doomed)
+    script_with(server, first_slowly)
+    doomed = await runtime_and_agent(start)
     sessions = ["inflight-0", "inflight-1"]
     await open_runs(bus, sessions)
     await wait_until(lambda: bool(slow), 30, "no model call came")
@@ -253,12 +133,16 @@ async def test_a_model_call_in_flight_on_a_killed_worker_is_made_again_at_most_o
     assert 1 <= await check_runs(bus, server, sessions, workspace) <= len(sessions)
 
 
+# agent_after_response:3: with a response just received (the other runs' calls in flight);
+# model_connected:1: connected to the model server for a first call, its request not yet sent
+# (a lease check made before connecting would let that request out once the worker resumes);
+# model_sending:1: a first request's headers written, its body not (a lease check made before the
+# first bytes left would let the rest out once the worker resumes, completing the request late).
+@pytest.mark.parametrize("pause_at", ["agent_after_response:3", "model_connected:1", "model_sending:1"])
 async def test_a_frozen_worker_appends_nothing_once_resumed(
-    bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer, workspace: Path
+    pause_at: str, bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer, workspace: Path
 ) -> None:
-    runtime = start("rt", ["runtime"])
-    frozen = start("a1", ["agent"], RIVERBED_PAUSE_AT="agent_after_response:3")
-    await ready(runtime, frozen)
+    frozen = await runtime_and_agent(start, RIVERBED_PAUSE_AT=pause_at)
     sessions = [f"frozen-{i}" for i in range(RUNS)]
     await open_runs(bus, sessions)
     await wait_until(lambda: stopped(frozen), 60, "the worker did not freeze")
@@ -277,17 +161,14 @@ async def test_cli_detach_runs_and_cancel(
     bus: Bus,
     start: Callable[..., WorkerProcess],
     server: OpenAIServer,
-    cli_env: dict[str, str],
-    model_env: dict[str, str],
+    agent_cli_env: dict[str, str],
 ) -> None:
-    env = {**cli_env, **model_env}
+    env = agent_cli_env
     result = run_cli(env, "agent", "cli-1", "task for cli-1", "--detach", "--max-steps", "9")
     assert result.returncode == 0, result.stderr.decode()
     rows = [json.loads(line) for line in run_cli(env, "runs", "--json").stdout.splitlines()]
     assert [(r["session"], r["state"], r["worker"]) for r in rows] == [("cli-1", "running", None)]
-    runtime = start("rt", ["runtime"])
-    agent = start("a1", ["agent"])
-    await ready(runtime, agent)
+    await runtime_and_agent(start)
     await all_finished(bus, ["cli-1"])
     status = json.loads(run_cli(env, "status", "--json").stdout)
     assert [r["role"] for r in status["roles"]] == ["runtime", "memory", "condenser", "agent"]
@@ -301,6 +182,7 @@ async def test_cli_detach_runs_and_cancel(
     # Cancelled while a command runs.
     server.clear()
     server.reply(tool_calls=[("cmd_run", {"command": "sleep 2"})])
+    server.reply(content="late", delay=30)  # the run stays open however long the CLI takes to start
     result = run_cli(env, "agent", "cli-3", "wait a little", "--detach")
     assert result.returncode == 0
     with anyio.fail_after(30):
@@ -322,23 +204,27 @@ async def test_cli_detach_runs_and_cancel(
 async def test_a_draining_worker_hands_its_runs_to_a_peer(
     bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer, workspace: Path
 ) -> None:
-    def slowly(request: dict[str, Any]) -> dict[str, Any]:
-        time.sleep(2.0)  # the runs outlast a peer's start-up (seconds on a loaded machine)
-        return script(request)
+    # The model answers no more while the peer starts (seconds on a loaded machine): the runs
+    # are still going when the drain begins, however slow the start-up.
+    open_gate = threading.Event()
+    open_gate.set()
 
-    server.clear()
-    server.respond(slowly, times=10_000)
-    runtime = start("rt", ["runtime"])
-    draining = start("a1", ["agent"])
-    await ready(runtime, draining)
+    def slow_when_open() -> None:
+        open_gate.wait(60)
+        time.sleep(2.0)
+
+    script_with(server, slow_when_open)
+    draining = await runtime_and_agent(start)
     sessions = [f"drain-{i}" for i in range(RUNS)]
     await open_runs(bus, sessions)
     with anyio.fail_after(30):  # under way: the first run has had a model call
         async for event in bus.session(sessions[0]).log(1, follow=True):
             if isinstance(event, events.LlmResponse):
                 break
+    open_gate.clear()
     peer = start("a2", ["agent"])
     await ready(peer)
+    open_gate.set()
     assert await anyio.to_thread.run_sync(draining.terminate) == 0
     running = [row.session for row in await list_runs(bus, state="running")]
     assert running, "every run ended before the drain: nothing was handed over"
@@ -352,23 +238,15 @@ async def test_ctrl_c_detaches_from_a_followed_run_which_goes_on(
     bus: Bus,
     start: Callable[..., WorkerProcess],
     server: OpenAIServer,
-    cli_env: dict[str, str],
-    model_env: dict[str, str],
+    agent_cli_env: dict[str, str],
     workspace: Path,
 ) -> None:
-    def slowly(request: dict[str, Any]) -> dict[str, Any]:
-        time.sleep(0.5)
-        return script(request)
-
-    server.clear()
-    server.respond(slowly, times=10_000)
-    runtime = start("rt", ["runtime"])
-    agent = start("a1", ["agent"])
-    await ready(runtime, agent)
+    script_with(server, lambda: time.sleep(0.5))
+    await runtime_and_agent(start)
     follower = await anyio.to_thread.run_sync(
         lambda: subprocess.Popen(
             [*riverbed_command(), "agent", "ctrl-c", "task for ctrl-c"],
-            env={**cli_env, **model_env},
+            env=agent_cli_env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )

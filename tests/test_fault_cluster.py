@@ -35,15 +35,23 @@ import redis
 from redis.crc import key_slot
 
 import riverbed
-from riverbed import events, services
-from riverbed.agent.client import Bus
+from riverbed import services
 from riverbed.bus.connection import Cluster, connect_redis
 from riverbed.bus.keys import Keys
-from riverbed.bus.ownership import Leases
+from riverbed.bus.leases import Leases
 from riverbed.bus.redis_client import RedisClient
-from tests.test_fault_redis import Driver, assert_each_action_answered_once, assert_in_log, wait_for
-from tests.test_ownership import acquired, expiries
-from tests.workerproc import WorkerProcess
+from riverbed.client.session import Bus
+from tests.kit.faults import (
+    Driver,
+    assert_each_action_answered_once,
+    assert_in_log,
+    driving,
+    start_runtime_workers,
+    wait_each_answered,
+    wait_for,
+)
+from tests.kit.leases import acquired, expiries
+from tests.kit.workers import WorkerProcess, workers  # noqa: F401  (workers: a fixture)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]
 
@@ -124,14 +132,6 @@ async def bus(cluster: ReplicatedCluster, prefix: str) -> AsyncIterator[Bus]:
         yield bus
 
 
-@pytest.fixture
-def workers() -> Iterator[list[WorkerProcess]]:
-    started: list[WorkerProcess] = []
-    yield started
-    for worker in started:
-        worker.close()
-
-
 @dataclass
 class GatedDriver(Driver):
     """A driver that starts its next action only while ``gate`` is open (``idle`` meanwhile)."""
@@ -139,21 +139,11 @@ class GatedDriver(Driver):
     gate: anyio.Event = field(default_factory=anyio.Event)
     idle: bool = False
 
-    async def run(self, stop: anyio.Event) -> None:
-        i = 0
-        while not stop.is_set():
-            if not self.gate.is_set():
-                self.idle = True
-                await self.gate.wait()
-                self.idle = False
-            marker = f"{self.session.id}-{i}"
-            command = f"echo {marker} >> runs.txt; echo {marker}"
-            action_id = await self.append(events.CmdRun(command=command), key=marker)
-            self.appended[action_id] = command
-            self.appended_at[action_id] = time.monotonic()
-            self.answers[action_id] = await self.answer(action_id)
-            self.answered_at[action_id] = time.monotonic()
-            i += 1
+    async def wait_turn(self) -> None:
+        if not self.gate.is_set():
+            self.idle = True
+            await self.gate.wait()
+            self.idle = False
 
 
 def session_names(cluster: ReplicatedCluster, keys: Keys, victim: Node) -> list[str]:
@@ -191,28 +181,13 @@ async def test_a_master_failover_loses_no_replicated_append_and_everyone_reconne
 ) -> None:
     victim = cluster.master_of(bus.keys.directory("runtime"))
     replica = cluster.replica_of(victim)
-    for name in ("wa", "wb"):
-        worker = WorkerProcess(
-            ["runtime"],
-            name=name,
-            redis_url=cluster.url,
-            prefix=prefix,
-            workspace=workspace,
-            lease=LEASE,
-            log_dir=tmp_path,
-        )
-        workers.append(worker)
-    for worker in workers:
-        await anyio.to_thread.run_sync(worker.wait_ready)
+    await start_runtime_workers(workers, cluster.url, prefix, workspace, tmp_path, lease=LEASE)
     gate = anyio.Event()
     gate.set()
     drivers = [GatedDriver(bus.session(name), gate=gate) for name in session_names(cluster, bus.keys, victim)]
-    stop = anyio.Event()
 
-    async with anyio.create_task_group() as tg:
-        for driver in drivers:
-            tg.start_soon(driver.run, stop)
-        await wait_for(lambda: all(len(d.answers) >= 3 for d in drivers), 30, "every session answered three actions")
+    async with driving(drivers):
+        await wait_each_answered(drivers, 30)
 
         paused = anyio.Event()  # a fresh gate: drivers wait on it after their current action
         for driver in drivers:
@@ -229,12 +204,7 @@ async def test_a_master_failover_loses_no_replicated_append_and_everyone_reconne
 
         for driver in drivers:
             await assert_in_log(driver.session, acknowledged[driver.session.id])
-        await wait_for(
-            lambda: all(len(d.answered_since(failed_over_at)) >= 3 for d in drivers),
-            60,
-            "every session answered three actions appended after the failover",
-        )
-        stop.set()
+        await wait_each_answered(drivers, 60, since=failed_over_at, after="the failover")
 
     recovery = {d.session.id: d.answered_since(failed_over_at)[0] - failed_over_at for d in drivers}
     print(f"failover: promoted {promoted_after:.1f}s after the kill; sessions answered again after {recovery}")

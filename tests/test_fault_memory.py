@@ -22,8 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from functools import partial
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anyio
@@ -31,14 +30,16 @@ import anyio.to_thread
 import pytest
 
 from riverbed import events, services
-from riverbed.agent.client import Bus, Session
+from riverbed.agent.llm import AgentOptions
+from riverbed.client.session import Bus, Session
 from riverbed.memory.embedders import LocalEmbedder
 from riverbed.memory.recall import Memory
 from riverbed.memory.store import Store
 from riverbed.memory.tokens import event_text
-from tests.agentkit import record
-from tests.test_memory_worker import chunk_rows, tracked, wait_indexed, work_script
-from tests.workerproc import WorkerProcess
+from tests.kit.agents import record
+from tests.kit.answers import assert_answered_once
+from tests.kit.memory import chunk_rows, tracked, wait_indexed, work_script
+from tests.kit.workers import Spawn, WorkerProcess, spawn, workers  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]
 
@@ -47,52 +48,30 @@ pytestmark = [pytest.mark.anyio, pytest.mark.fault]
 OUTAGE_SECONDS = 4.0
 #: What an agent waits for a recall answer; an outage must never turn it into a hang.
 RECALL_TIMEOUT = 10.0
+#: What the memory role takes at most to answer a recall while Postgres hangs
+#: (``RIVERBED_RECALL_TIMEOUT``, default 8 s): well within the agent's wait.
+WORKER_RECALL_TIMEOUT = 3.0
 #: Events streamed in while a worker is killed.
 STREAMED = 300
 LEASE = 1.0
-_local = LocalEmbedder()
-
-
-@pytest.fixture(scope="module")
-def local() -> LocalEmbedder:
-    _local.load()
-    return _local
 
 
 @pytest.fixture
-def workers() -> Iterator[list[WorkerProcess]]:
-    started: list[WorkerProcess] = []
-    yield started
-    for worker in started:
-        worker.close()
+def start(spawn: Spawn, database_url: str) -> Callable[..., WorkerProcess]:
+    """``start(name, database_url=..., crash_at=..., recall_timeout=...)``: a memory worker
+    process, on the suite's Postgres unless ``database_url`` names another."""
 
+    def start(
+        name: str, *, database_url: str = database_url, crash_at: str | None = None, recall_timeout: float | None = None
+    ) -> WorkerProcess:
+        env = {"RIVERBED_DATABASE_URL": database_url}
+        if crash_at:
+            env["RIVERBED_CRASH_AT"] = crash_at
+        if recall_timeout is not None:
+            env["RIVERBED_RECALL_TIMEOUT"] = str(recall_timeout)
+        return spawn(name, ["memory"], lease=LEASE, **env)
 
-def spawn(
-    started: list[WorkerProcess],
-    name: str,
-    *,
-    redis_url: str,
-    database_url: str,
-    prefix: str,
-    workspace: Path,
-    log_dir: Path,
-    crash_at: str | None = None,
-) -> WorkerProcess:
-    env = {"RIVERBED_DATABASE_URL": database_url}
-    if crash_at:
-        env["RIVERBED_CRASH_AT"] = crash_at
-    worker = WorkerProcess(
-        ["memory"],
-        name=name,
-        redis_url=redis_url,
-        prefix=prefix,
-        workspace=workspace,
-        lease=LEASE,
-        extra_env=env,
-        log_dir=log_dir,
-    )
-    started.append(worker)
-    return worker
+    return start
 
 
 async def wait_exit(worker: WorkerProcess, timeout: float) -> int:
@@ -147,34 +126,12 @@ async def assert_indexed_exactly_once(
 
 def every_recall_answered_once(log: list[events.Event]) -> dict[int, events.Event]:
     """Each recall action of ``log`` has exactly one observation caused by it; returns them."""
-    recalls = [e.id for e in log if isinstance(e, events.Recall) and e.id is not None]
-    answers: dict[int, list[events.Event]] = {}
-    for event in log:
-        if isinstance(event, events.Observation) and event.cause is not None:
-            answers.setdefault(event.cause, []).append(event)
-    assert {r: len(answers.get(r, [])) for r in recalls} == dict.fromkeys(recalls, 1)
-    return {r: answers[r][0] for r in recalls}
+    return assert_answered_once(log, lambda e: isinstance(e, events.Recall), where="recalls")
 
 
 async def test_sigkill_after_index_before_ack_indexes_every_event_once(
-    bus: Bus,
-    workers: list[WorkerProcess],
-    redis_url: str,
-    database_url: str,
-    prefix: str,
-    workspace: Path,
-    tmp_path: Path,
-    local: LocalEmbedder,
+    bus: Bus, start: Callable[..., WorkerProcess], database_url: str, prefix: str, local: LocalEmbedder
 ) -> None:
-    start = partial(
-        spawn,
-        workers,
-        redis_url=redis_url,
-        database_url=database_url,
-        prefix=prefix,
-        workspace=workspace,
-        log_dir=tmp_path,
-    )
     doomed = start("doomed", crash_at="after_index")
     doomed.wait_ready()
     session = bus.session("crash-after-index", tenant="acme")
@@ -200,24 +157,8 @@ async def test_sigkill_after_index_before_ack_indexes_every_event_once(
 
 
 async def test_sigkill_while_events_stream_in_loses_and_duplicates_nothing(
-    bus: Bus,
-    workers: list[WorkerProcess],
-    redis_url: str,
-    database_url: str,
-    prefix: str,
-    workspace: Path,
-    tmp_path: Path,
-    local: LocalEmbedder,
+    bus: Bus, start: Callable[..., WorkerProcess], database_url: str, prefix: str, local: LocalEmbedder
 ) -> None:
-    start = partial(
-        spawn,
-        workers,
-        redis_url=redis_url,
-        database_url=database_url,
-        prefix=prefix,
-        workspace=workspace,
-        log_dir=tmp_path,
-    )
     first = start("first")
     first.wait_ready()
     session = bus.session("stream", tenant="acme")
@@ -300,27 +241,41 @@ def private_pgdata() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+async def served_on(
+    pgdata: Path,
+    session: Session,
+    start: Callable[..., WorkerProcess],
+    prefix: str,
+    *,
+    recall_timeout: float | None = None,
+) -> tuple[str, WorkerProcess, Session]:
+    """A private Postgres in ``pgdata`` and a memory worker on it (``RIVERBED_RECALL_TIMEOUT``:
+    ``recall_timeout``) that has indexed some work of ``session`` and answered a recall;
+    returns the Postgres URL, the worker and the session."""
+    url = await anyio.to_thread.run_sync(start_private_postgres, pgdata)
+    worker = start("memory", database_url=url, recall_timeout=recall_timeout)
+    worker.wait_ready()
+    await record(session, *work_script())
+    with anyio.fail_after(60):  # a first recall loads the model and the schema: retried while retryable
+        while isinstance(
+            warm := await session.act(events.Recall(query="which pods are running?"), timeout=RECALL_TIMEOUT),
+            events.Error,
+        ) and (warm.reason, warm.retryable) == ("memory_unavailable", True):
+            await anyio.sleep(0.5)
+    assert isinstance(warm, events.RecallResult), warm
+    await wait_indexed(url, prefix, session)
+    return url, worker, session
+
+
 async def test_postgres_outage_recalls_fail_fast_and_indexing_catches_up(
     bus: Bus,
-    workers: list[WorkerProcess],
-    redis_url: str,
+    start: Callable[..., WorkerProcess],
     database_url: str,
     prefix: str,
-    workspace: Path,
-    tmp_path: Path,
     local: LocalEmbedder,
     private_pgdata: Path,
 ) -> None:
-    url = await anyio.to_thread.run_sync(start_private_postgres, private_pgdata)
-    worker = spawn(
-        workers, "memory", redis_url=redis_url, database_url=url, prefix=prefix, workspace=workspace, log_dir=tmp_path
-    )
-    worker.wait_ready()
-    session = bus.session("outage", tenant="acme")
-    await record(session, *work_script())
-    warm = await session.act(events.Recall(query="which pods are running?"), timeout=RECALL_TIMEOUT)
-    assert isinstance(warm, events.RecallResult), warm
-    await wait_indexed(url, prefix, session)
+    url, worker, session = await served_on(private_pgdata, bus.session("outage", tenant="acme"), start, prefix)
 
     await anyio.to_thread.run_sync(services.stop_postgres, private_pgdata)
     assert not (private_pgdata / "postmaster.pid").exists()
@@ -385,29 +340,14 @@ def signal_all(pids: list[int], sig: signal.Signals) -> None:
 
 
 async def test_postgres_hanging_recalls_answer_within_their_timeout(
-    bus: Bus,
-    workers: list[WorkerProcess],
-    redis_url: str,
-    database_url: str,
-    prefix: str,
-    workspace: Path,
-    tmp_path: Path,
-    local: LocalEmbedder,
-    private_pgdata: Path,
+    bus: Bus, start: Callable[..., WorkerProcess], prefix: str, private_pgdata: Path
 ) -> None:
     """Every process of a private Postgres stopped (SIGSTOP): it accepts connections and
     answers nothing.  Recalls get a retryable ``memory_unavailable`` error within their
     timeout, the worker lives, and once Postgres runs again everything is indexed."""
-    url = await anyio.to_thread.run_sync(start_private_postgres, private_pgdata)
-    worker = spawn(
-        workers, "memory", redis_url=redis_url, database_url=url, prefix=prefix, workspace=workspace, log_dir=tmp_path
+    url, worker, session = await served_on(
+        private_pgdata, bus.session("hanging", tenant="acme"), start, prefix, recall_timeout=WORKER_RECALL_TIMEOUT
     )
-    worker.wait_ready()
-    session = bus.session("hanging", tenant="acme")
-    await record(session, *work_script())
-    warm = await session.act(events.Recall(query="which pods are running?"), timeout=RECALL_TIMEOUT)
-    assert isinstance(warm, events.RecallResult), warm
-    await wait_indexed(url, prefix, session)
 
     stopped = postgres_processes(private_pgdata)
     signal_all(stopped, signal.SIGSTOP)
@@ -439,38 +379,35 @@ async def test_postgres_hanging_recalls_answer_within_their_timeout(
 #: Events appended at once before a recall: far more than the memory role indexes within
 #: the recall's timeout (about 350 embeddings/s on 2 cores).
 BACKLOG = 20_000
+#: What the agent loop waits for a recall (``AgentOptions.recall_timeout``): the memory role
+#: answers within its own 8 s of first seeing the recall, which it does within a scan of the
+#: log; the rest is the margin a loaded machine needs.
+AGENT_RECALL_TIMEOUT = AgentOptions().recall_timeout
 
 
 async def test_a_recall_behind_an_indexing_backlog_is_answered_within_its_timeout(
-    bus: Bus,
-    workers: list[WorkerProcess],
-    redis_url: str,
-    database_url: str,
-    prefix: str,
-    workspace: Path,
-    tmp_path: Path,
+    bus: Bus, start: Callable[..., WorkerProcess]
 ) -> None:
     """The recall does not queue behind indexing of the 20,000 events before it: it is
     answered from the index as it is, and says how far that is."""
     session = bus.session("backlog", tenant="acme")
     await session.append(events.Message(source="user", content="the deploy key rotates every 90 days"))
-    worker = spawn(
-        workers, "memory", redis_url=redis_url, database_url=database_url, prefix=prefix, workspace=workspace,
-        log_dir=tmp_path,
-    )  # fmt: skip
+    worker = start("memory")
     worker.wait_ready()
     await settled(bus, session)
-    for start in range(0, BACKLOG, 1000):
+    for first in range(0, BACKLOG, 1000):
         await session.append(
             *(
                 events.Message(source="user", content=f"note {i}: runner {i % 97} built commit {i * 7919 % 10007}")
-                for i in range(start, start + 1000)
+                for i in range(first, first + 1000)
             )
         )
     started = time.monotonic()
-    answer = await session.act(events.Recall(query="when does the deploy key rotate?", k=3), timeout=RECALL_TIMEOUT)
+    answer = await session.act(
+        events.Recall(query="when does the deploy key rotate?", k=3), timeout=AGENT_RECALL_TIMEOUT
+    )
     took = time.monotonic() - started
-    assert took < RECALL_TIMEOUT
+    assert took < AGENT_RECALL_TIMEOUT
     if isinstance(answer, events.Error):  # (refused in time: a machine too loaded to search within the rest)
         assert (answer.reason, answer.retryable) == ("memory_unavailable", True), answer
         return

@@ -33,11 +33,12 @@ import msgspec
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.bus.dlq import DeadLetters
+from riverbed.client.session import Bus
 from riverbed.runtime.limits import session_processes
-from tests.test_failover import check_exactly_one_answer
-from tests.workerproc import WorkerProcess
+from tests.kit.answers import check_exactly_one_answer
+from tests.kit.faults import files_named
+from tests.kit.workers import Spawn, WorkerProcess, close_all, ready, spawn  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]
 
@@ -48,8 +49,7 @@ LEASE = 1.0
 def workers(workspace: Path) -> Iterator[list[WorkerProcess]]:
     started: list[WorkerProcess] = []
     yield started
-    for worker in started:
-        worker.close()
+    close_all(started)
     kill_orphans(workspace)
 
 
@@ -69,9 +69,7 @@ def kill_orphans(workspace: Path) -> None:
 
 
 @pytest.fixture
-def start(
-    workers: list[WorkerProcess], redis_url: str, prefix: str, workspace: Path, tmp_path: Path
-) -> Callable[..., WorkerProcess]:
+def start(spawn: Spawn) -> Callable[..., WorkerProcess]:
     def start(
         name: str, crash_at: str | None = None, pause_at: str | None = None, sandbox: str | None = None
     ) -> WorkerProcess:
@@ -80,25 +78,9 @@ def start(
             env["RIVERBED_PAUSE_AT"] = pause_at
         if sandbox:
             env["RIVERBED_SANDBOX"] = sandbox
-        worker = WorkerProcess(
-            ["runtime"],
-            name=name,
-            redis_url=redis_url,
-            prefix=prefix,
-            workspace=workspace,
-            lease=LEASE,
-            extra_env=env,
-            log_dir=tmp_path,
-        )
-        workers.append(worker)
-        return worker
+        return spawn(name, ["runtime"], lease=LEASE, **env)
 
     return start
-
-
-async def ready(*started: WorkerProcess) -> None:
-    for worker in started:
-        await anyio.to_thread.run_sync(worker.wait_ready)
 
 
 # --- malformed input floods ------------------------------------------------------------------
@@ -383,16 +365,17 @@ def stopped(worker: WorkerProcess) -> bool:
 def runs_by_marker(workspace: Path) -> dict[str, list[float]]:
     """When each command's marker was written to its session's ``runs.txt`` (unix seconds)."""
     runs: dict[str, list[float]] = {}
-    for path in workspace.rglob("runs.txt"):
+    for path in files_named(workspace, "runs.txt"):
         for line in path.read_text().splitlines():
             marker, started = line.split()
-            runs.setdefault(marker, []).append(int(started) / 1e9)
+            runs.setdefault(marker, []).append(float(started))
     return runs
 
 
 def marked(marker: str) -> events.CmdRun:
-    """A command that records its marker and start time, then prints the marker."""
-    return events.CmdRun(command=f'echo "{marker} $(date +%s%N)" >> runs.txt; echo {marker}')
+    """A command that records its marker and start time, then prints the marker (the time is
+    the shell's own clock, read with no fork: when the command began, not when a ``date`` ran)."""
+    return events.CmdRun(command=f'echo "{marker} $EPOCHREALTIME" >> runs.txt; echo {marker}')
 
 
 def assert_ran_before_answered(
@@ -479,8 +462,10 @@ async def test_an_owner_paused_past_its_lease_runs_nothing_a_peer_answered(
 
 
 # after_claim: on the claim's reply; start_gate:4: at the shell's own check right before it
-# starts the command (the runtime checks once, the shell once, per command).
-@pytest.mark.parametrize("pause_at", ["after_claim:2", "start_gate:4"])
+# starts the command (the runtime checks once, the shell once, per command); after_start_gate:4:
+# right after that check let the command through, before the command is written to the shell
+# (the shell itself refuses it then: its deadline has passed).
+@pytest.mark.parametrize("pause_at", ["after_claim:2", "start_gate:4", "after_start_gate:4"])
 async def test_an_owner_paused_right_after_its_claim_does_not_run_the_action(
     pause_at: str, bus: Bus, start: Callable[..., WorkerProcess], workspace: Path
 ) -> None:
@@ -515,7 +500,7 @@ async def test_an_owner_paused_right_after_its_claim_does_not_run_the_action(
 
 
 def cell_runs(workspace: Path) -> int:
-    return sum(p.read_text().count("ran") for p in workspace.rglob("cells.txt"))
+    return sum(p.read_text().count("ran") for p in files_named(workspace, "cells.txt"))
 
 
 @pytest.mark.parametrize("crash", ["after_read", "after_side_effect", "after_append", "kill_mid_cell"])

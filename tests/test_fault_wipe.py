@@ -21,19 +21,27 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import anyio
 import pytest
 
 import riverbed
-from riverbed import events, services
-from riverbed.agent.client import Bus
+from riverbed import events
+from riverbed.client.session import Bus
 from riverbed.errors import NotFoundError
-from tests.test_cli import ok
-from tests.test_fault_redis import Driver, PrivateRedis, assert_each_action_answered_once, wait_for
-from tests.test_metrics import get
-from tests.workerproc import WorkerProcess
+from tests.kit.cli import ok
+from tests.kit.faults import (
+    Driver,
+    PrivateRedis,
+    assert_each_action_answered_once,
+    driving,
+    start_runtime_workers,
+    wait_each_answered,
+)
+from tests.kit.metrics import get
+from tests.kit.workers import WorkerProcess, workers  # noqa: F401  (workers: a fixture)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]
 
@@ -46,50 +54,14 @@ RECOVERY_SECONDS = 10.0
 @pytest.fixture
 def forgetful_redis(tmp_path: Path, standalone_selected: None) -> Iterator[PrivateRedis]:
     """A redis-server without AOF or snapshots: a restart brings it back empty."""
-    server = PrivateRedis(tmp_path / "redis", persistent=False)
-    server.start()
-    try:
+    with PrivateRedis(tmp_path / "redis", persistent=False) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture
 async def wiped_bus(forgetful_redis: PrivateRedis, prefix: str) -> AsyncIterator[Bus]:
     async with riverbed.connect(forgetful_redis.url, prefix=prefix) as bus:
         yield bus
-
-
-@pytest.fixture
-def workers() -> Iterator[list[WorkerProcess]]:
-    started: list[WorkerProcess] = []
-    yield started
-    for worker in started:
-        worker.close()
-
-
-async def start_workers(
-    workers: list[WorkerProcess], url: str, prefix: str, workspace: Path, log_dir: Path
-) -> dict[str, int]:
-    """Two runtime workers, each serving ``/readyz``; returns name -> metrics port."""
-    ports = {}
-    for name in ("wa", "wb"):
-        ports[name] = services.free_port()
-        workers.append(
-            WorkerProcess(
-                ["runtime"],
-                name=name,
-                redis_url=url,
-                prefix=prefix,
-                workspace=workspace,
-                lease=LEASE,
-                log_dir=log_dir,
-                extra_env={"RIVERBED_METRICS_PORT": str(ports[name])},
-            )
-        )
-    for worker in workers:
-        await anyio.to_thread.run_sync(worker.wait_ready)
-    return ports
 
 
 async def readyz(port: int) -> tuple[int, dict[str, object]]:
@@ -125,12 +97,23 @@ async def wait_delivered(bus: Bus, session: riverbed.Session) -> None:
             await anyio.sleep(0.02)
 
 
+Wipe = Callable[[], Awaitable[None]]
+StartWorkers = Callable[..., Awaitable[dict[str, int]]]
+
+
+@pytest.fixture
+def start_workers(
+    forgetful_redis: PrivateRedis, workers: list[WorkerProcess], prefix: str, workspace: Path, tmp_path: Path
+) -> StartWorkers:
+    """``await start_workers(metrics=...)``: the two runtime workers on this test's Redis."""
+    return partial(start_runtime_workers, workers, forgetful_redis.url, prefix, workspace, tmp_path, lease=LEASE)
+
+
 async def check_rebuilt(
-    bus: Bus, url: str, workers: list[WorkerProcess], prefix: str, workspace: Path, tmp_path: Path,
-    wipe: Callable[[], Awaitable[None]],
-) -> None:  # fmt: skip
+    bus: Bus, start_workers: StartWorkers, workers: list[WorkerProcess], workspace: Path, wipe: Wipe
+) -> None:
     """Serve sessions, ``wipe`` Redis while one command runs, then old and new sessions answer."""
-    await start_workers(workers, url, prefix, workspace, tmp_path)
+    await start_workers()
     old = await served_sessions(bus)
     # A command in flight on its owner when Redis forgets it.
     (slow_id,) = await old[0].append(events.CmdRun(command="sleep 1; echo slow"))
@@ -142,12 +125,8 @@ async def check_rebuilt(
     with pytest.raises(NotFoundError, match="no longer in its log"):
         await old[0].wait_for_answer(slow_id, timeout=RECOVERY_SECONDS)
     drivers = [Driver(session) for session in old] + [Driver(bus.session("new0"))]
-    stop = anyio.Event()
-    async with anyio.create_task_group() as tg:
-        for driver in drivers:
-            tg.start_soon(driver.run, stop)
-        await wait_for(lambda: all(len(d.answers) >= 3 for d in drivers), 40, "every session answered three actions")
-        stop.set()
+    async with driving(drivers):
+        await wait_each_answered(drivers, 40)
 
     recovery = {d.session.id: round(min(d.answered_at.values()) - wiped_at, 2) for d in drivers}
     assert max(recovery.values()) < RECOVERY_SECONDS, f"sessions answered again only after {recovery}"
@@ -155,47 +134,41 @@ async def check_rebuilt(
     await assert_each_action_answered_once(drivers, workspace)
 
 
-async def test_flushall_under_running_workers(
-    wiped_bus: Bus,
-    forgetful_redis: PrivateRedis,
-    workers: list[WorkerProcess],
-    prefix: str,
-    workspace: Path,
-    tmp_path: Path,
-) -> None:
+@pytest.fixture
+def rebuilt(
+    wiped_bus: Bus, start_workers: StartWorkers, workers: list[WorkerProcess], workspace: Path
+) -> Callable[[Wipe], Awaitable[None]]:
+    """``await rebuilt(wipe)``: :func:`check_rebuilt` on this test's Redis, workers and workspace."""
+    return partial(check_rebuilt, wiped_bus, start_workers, workers, workspace)
+
+
+async def test_flushall_under_running_workers(wiped_bus: Bus, rebuilt: Callable[[Wipe], Awaitable[None]]) -> None:
     async def flushall() -> None:
         await wiped_bus.redis.flushall()
 
-    await check_rebuilt(wiped_bus, forgetful_redis.url, workers, prefix, workspace, tmp_path, flushall)
+    await rebuilt(flushall)
 
 
 async def test_restart_without_data_under_running_workers(
-    wiped_bus: Bus,
-    forgetful_redis: PrivateRedis,
-    workers: list[WorkerProcess],
-    prefix: str,
-    workspace: Path,
-    tmp_path: Path,
+    wiped_bus: Bus, forgetful_redis: PrivateRedis, rebuilt: Callable[[Wipe], Awaitable[None]]
 ) -> None:
     async def restart_empty() -> None:
         await anyio.to_thread.run_sync(forgetful_redis.stop)
         await anyio.to_thread.run_sync(forgetful_redis.start)
         assert not await wiped_bus.redis.exists(wiped_bus.keys.meta("old0")), "the restarted server kept data"
 
-    await check_rebuilt(wiped_bus, forgetful_redis.url, workers, prefix, workspace, tmp_path, restart_empty)
+    await rebuilt(restart_empty)
 
 
 async def test_a_loop_that_keeps_failing_turns_readyz_red_and_status_says_why(
     wiped_bus: Bus,
     forgetful_redis: PrivateRedis,
     workers: list[WorkerProcess],
-    prefix: str,
-    workspace: Path,
-    tmp_path: Path,
+    start_workers: StartWorkers,
     offline_env: dict[str, str],
 ) -> None:
     bus = wiped_bus
-    ports = await start_workers(workers, forgetful_redis.url, prefix, workspace, tmp_path)
+    ports = await start_workers(metrics=True)
     for port in ports.values():
         await wait_readyz(port, 200, 10, "workers started")
     session = bus.session("old0")

@@ -9,9 +9,9 @@ import anyio
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.bus.grouped import ALONE, Batched, Gather, GroupedAnswers, GroupedPending, GroupedReads
 from riverbed.bus.redis_client import StreamEntry
+from riverbed.client.session import Bus
 
 pytestmark = pytest.mark.anyio
 

@@ -15,10 +15,7 @@ from riverbed.agent.images import WorkspaceImages, vision
 from riverbed.agent.messages import to_messages
 from riverbed.errors import DecodeError
 from riverbed.settings import Settings
-
-PNG = base64.b64decode(
-    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
-)
+from tests.kit.images import PNG
 
 
 def ids(*raw: events.Event) -> list[events.Event]:

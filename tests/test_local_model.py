@@ -23,14 +23,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
+from riverbed.agent.hosted import RunLimits, follow_run, list_runs, open_run
 from riverbed.agent.llm import AgentOptions, run_llm_agent
+from riverbed.client.session import Bus
 from riverbed.settings import Settings
-from tests.test_agent_llm import local, workers  # noqa: F401  (fixtures)
+from tests.kit.agents import roles, workers  # noqa: F401  (fixtures)
+from tests.kit.workers import WorkerProcess
 
 TINYLLM = Path(__file__).with_name("tinyllm.py")  # run by the server's interpreter, which has gguf
 
@@ -91,7 +94,7 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         log.close()
 
 
-async def test_the_agent_runs_steps_against_a_real_local_server(bus: Bus, llama_server: str, workers: None) -> None:  # noqa: F811
+async def test_the_agent_runs_steps_against_a_real_local_server(bus: Bus, llama_server: str, workers: None) -> None:
     settings = Settings(llm_model="tiny", openai_base_url=llama_server, openai_api_key="unused")
     session = bus.session("local", agent="llm")
     # An earlier exchange with a tool call, so the very first request carries an assistant
@@ -121,3 +124,73 @@ async def test_the_agent_runs_steps_against_a_real_local_server(bus: Bus, llama_
     responses = [e for e in log if isinstance(e, events.LlmResponse)]
     assert len(responses) >= 3  # the seeded one and at least one per run
     assert all(r.usage.get("prompt_tokens", 0) > 0 for r in responses[1:])
+
+
+async def test_the_model_settings_reach_a_real_local_server(bus: Bus, llama_server: str, workers: None) -> None:
+    """``RIVERBED_LLM_MAX_OUTPUT_TOKENS`` bounds every answer (a small model that rambles, or a
+    tool call's arguments that never end, stops there), and ``RIVERBED_LLM_TEMPERATURE`` is
+    accepted; ``RIVERBED_LLM_TIMEOUT`` ends a run with one sentence naming it."""
+    settings = Settings(
+        llm_model="tiny", openai_base_url=llama_server, openai_api_key="unused",
+        llm_max_output_tokens=6, llm_temperature=0.2, llm_timeout=120,
+    )  # fmt: skip
+    options = AgentOptions(action_timeout=30, recall_timeout=15)
+    await run_llm_agent(bus, "bounded", "Write a very long story.", settings=settings, max_steps=2, options=options)
+    log = await bus.session("bounded").events()
+    errors = [e for e in log if isinstance(e, events.Error) and e.reason == "llm_error"]
+    assert not errors, errors[0].content
+    responses = [e for e in log if isinstance(e, events.LlmResponse)]
+    assert responses
+    # llama.cpp completes a UTF-8 character it began (this byte-level model's tokens are bytes):
+    # at most three tokens past the limit, where a rambling answer would run on to the timeout.
+    assert all(0 < r.usage.get("completion_tokens", 0) <= 6 + 3 for r in responses), [r.usage for r in responses]
+
+    hurried = Settings(
+        llm_model="tiny", openai_base_url=llama_server, openai_api_key="unused", llm_timeout=0.001,
+        llm_max_output_tokens=6,
+    )  # fmt: skip
+    ended = await run_llm_agent(bus, "hurried", "Say hello.", settings=hurried, max_steps=1, options=options)
+    assert isinstance(ended, events.Error)
+    assert ended.reason == "llm_error"
+    assert ended.content.startswith("the model did not answer within 0.001 s: RIVERBED_LLM_TIMEOUT"), ended.content
+
+
+async def test_a_detached_run_ends_through_the_agent_role(
+    bus: Bus, llama_server: str, redis_url: str, prefix: str, workspace: Path, tmp_path: Path
+) -> None:
+    """``riverbed agent --detach``'s records, served by real runtime and agent worker processes."""
+    worker = WorkerProcess(
+        ["runtime", "agent"],
+        name="w-llama",
+        redis_url=redis_url,
+        prefix=prefix,
+        workspace=workspace,
+        lease=5.0,
+        log_dir=tmp_path,
+        extra_env={
+            "OPENAI_BASE_URL": llama_server,
+            "OPENAI_API_KEY": "unused",
+            "RIVERBED_LLM_MODEL": "tiny",
+            "RIVERBED_SANDBOX": "process",
+            "RIVERBED_LLM_TIMEOUT": "120",
+            "RIVERBED_LLM_MAX_OUTPUT_TOKENS": "32",
+        },
+    )
+    try:
+        await anyio.to_thread.run_sync(worker.wait_ready)
+        opened = await open_run(bus, "detached", "Say hello.", limits=RunLimits(max_steps=2))
+        with anyio.fail_after(300):
+            seen = [event async for event in follow_run(bus, "detached", opened.task)]
+        with anyio.fail_after(30):  # the role rewrites the run's summary just after its last event
+            while (row := (await list_runs(bus))[0]).state == "running":
+                await anyio.sleep(0.05)
+    finally:
+        worker.close()
+    end = seen[-1]
+    assert not (isinstance(end, events.Error) and end.reason == "llm_error"), end
+    assert isinstance(end, events.Finish) or (isinstance(end, events.Error) and end.reason == "step_limit"), end
+    responses = [e for e in seen if isinstance(e, events.LlmResponse)]
+    assert 1 <= len(responses) <= 2
+    assert all(r.usage.get("prompt_tokens", 0) > 0 for r in responses)
+    assert (row.session, row.steps) == ("detached", len(responses))
+    assert row.state in ("finished", "failed")

@@ -13,9 +13,10 @@ from redis.crc import key_slot
 
 import riverbed
 from riverbed import events
-from riverbed.agent.client import Bus
+from riverbed.bus.backoff import retry_unavailable
 from riverbed.bus.keys import ROLES, Keys
 from riverbed.bus.log import AlreadyAnswered, Fence, auto_key
+from riverbed.client.session import Bus
 from riverbed.errors import AppendConflict, FencedError, InputError
 
 pytestmark = pytest.mark.anyio
@@ -296,8 +297,11 @@ async def test_follow_yields_every_event_once_across_a_reconnect(bus: Bus) -> No
         tg.start_soon(consume)
         await session.append(*[events.Think(thought="x") for _ in range(5)])
         await kill_connections(bus)
-        await session.append(*[events.Think(thought="y") for _ in range(5)])
+        # (the append may find its connection closed under it: retried, as a client does, under a key)
+        after = [events.Think(thought="y") for _ in range(5)]
+        await retry_unavailable(lambda: session.append(*after, idempotency_key="after-the-kill"))
     assert seen == list(range(1, 16))
+    assert await session.last_id() == 15
 
 
 async def kill_connections(bus: Bus) -> None:
@@ -318,3 +322,11 @@ async def test_batches_get_contiguous_ids(bus: Bus, batches: list[int]) -> None:
         ids = await session.append(*[events.Think(thought="b") for _ in range(size)])
         assert ids == list(range(expected, expected + size))
         expected += size
+
+
+def test_a_fenced_error_names_the_current_token_only_when_it_is_known() -> None:
+    known = FencedError("s", "runtime", 3, 4)
+    assert str(known).endswith("lease (token 3) was taken over (current token 4)")
+    unknown = FencedError("s", "agent", 3)  # (a lease check that found another holder)
+    assert str(unknown).endswith("lease (token 3) was taken over")
+    assert unknown.current is None

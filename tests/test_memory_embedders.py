@@ -24,13 +24,6 @@ from riverbed.memory.store import Store
 FAKE_DIM = 8
 
 
-@pytest.fixture(scope="module")
-def local() -> LocalEmbedder:
-    embedder = LocalEmbedder()
-    embedder.load()
-    return embedder
-
-
 def fake_vector(text: str) -> list[float]:
     seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
     return [float(x) * 3 for x in np.random.default_rng(seed).standard_normal(FAKE_DIM)]

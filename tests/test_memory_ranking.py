@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from riverbed import events
 from riverbed.memory.chunking import ChunkPolicy, chunk_text, event_chunks, searchable
-from riverbed.memory.ranking import best_per_event, hybrid_rank, recency_factor, rrf
+from riverbed.memory.ranking import (
+    best_per_event,
+    explained_rank,
+    hybrid_rank,
+    matched_words,
+    recency_factor,
+    rrf,
+)
 from riverbed.memory.store import Candidate
 
 NOW = dt.datetime(2026, 11, 20, 12, 0, tzinfo=dt.UTC)
@@ -175,3 +182,20 @@ def test_event_chunks_long_output_and_skip_policy() -> None:
     assert event_chunks(events.Recall(query="q"), policy) == []  # ("recall" is not in this skip set but has no text)
     with pytest.raises(ValueError, match="ChunkPolicy"):
         ChunkPolicy(size=10)
+
+
+def test_explained_rank_says_by_what_each_hit_matched() -> None:
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+    def cand(event_id: int, text: str, score: float) -> Candidate:
+        return Candidate(session="s", event_id=event_id, chunk=0, kind="message", ts=now, text=text, score=score)
+
+    by_meaning = [cand(1, "print a warm hello", 0.81), cand(2, "the greeting script", 0.62)]
+    by_words = [cand(2, "the greeting script", 0.3)]
+    matches = explained_rank(by_meaning, by_words, ["which", "greeting", "scripts"], k=5, now=now)
+    assert [m.hit.event_id for m in matches] == [2, 1]
+    both, meaning = matches
+    assert (both.meaning_rank, both.similarity, both.words_rank, both.words) == (2, 0.62, 1, ["greeting", "scripts"])
+    assert (meaning.meaning_rank, meaning.words_rank, meaning.words) == (1, None, [])
+    assert meaning.as_dict()["why"] == {"meaning": {"rank": 1, "similarity": 0.81}, "words": None}
+    assert matched_words(["the", "greetings", "x"], "Greeting!") == ["greetings"]  # stop words left out

@@ -206,7 +206,7 @@ async def test_unreachable_database_fails_fast() -> None:
     started = time.monotonic()
     with pytest.raises(UnavailableError, match="cannot be reached") as info:
         await store.start()
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 10  # the 1 s connect timeout, not retried for long
     assert isinstance(info.value.__cause__, OSError)
     with pytest.raises(UnavailableError, match="not started"):
         await store.counts()
@@ -271,7 +271,7 @@ async def test_a_search_answers_within_its_timeout_while_a_lock_holds_its_table(
                         session="s",
                         timeout=1.0,
                     )
-                assert time.monotonic() - started < 2.0
+                assert time.monotonic() - started < 10  # the 1 s timeout, not the lock's end
         finally:
             await conn.close()
         assert await store.search(None, "hello", model=MODEL, k=3, tenant=None, session="s", timeout=1.0) == ([], [])

@@ -8,9 +8,7 @@ workspace context, knowledge microagents, and the session's tenant on every answ
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -19,9 +17,9 @@ import pytest
 from msgspec.structs import replace
 
 from riverbed import events
-from riverbed.agent.client import Bus, Session
 from riverbed.agent.usage import UsageCounters, parse_prices
 from riverbed.bus.consumer import Owner
+from riverbed.client.session import Bus, Session
 from riverbed.memory.chunking import ChunkPolicy, event_chunks
 from riverbed.memory.embedders import LocalEmbedder
 from riverbed.memory.recall import Memory
@@ -31,74 +29,13 @@ from riverbed.settings import Settings
 from riverbed.workers.main import Worker
 from riverbed.workers.memory_role import MemoryHandler
 from riverbed.workers.metrics import USAGE_METRIC_NAMES, WorkerMetrics
-from tests.agentkit import record
-from tests.test_metrics import samples, value
+from tests.kit.agents import record
+from tests.kit.memory import INDEX_DEADLINE, chunk_rows, memory_owner, tracked, wait_indexed, work_script
+from tests.kit.metrics import samples, value
 
 pytestmark = pytest.mark.anyio
 
 RECALL_TIMEOUT = 20.0
-INDEX_DEADLINE = 30.0
-_local = LocalEmbedder()
-
-
-@pytest.fixture(scope="module")
-def local() -> LocalEmbedder:
-    _local.load()
-    return _local
-
-
-@contextlib.asynccontextmanager
-async def memory_worker(
-    bus: Bus, database_url: str, prefix: str, embedder: LocalEmbedder, workspace: Path | None = None
-) -> AsyncIterator[Store]:
-    """A memory-role Owner wired like ``build_memory_handler``, on this test's database and schema."""
-    store = Store(database_url, schema=prefix)
-    handler = MemoryHandler(Memory.cached(store, embedder), workspace_root=workspace)
-    owner = Owner(bus.redis, bus.keys, handler, worker="memory-1", lease_seconds=2.0, url=bus.url)
-    try:
-        async with anyio.create_task_group() as tg:
-            await tg.start(owner.run)
-            yield store
-            await owner.drain(2.0)
-    finally:
-        await store.close()
-
-
-async def tracked(database_url: str, schema: str, session: str) -> dict[int, int]:
-    """``event_id -> chunks`` from the tracking table (asserting each id is there once)."""
-    conn = await asyncpg.connect(database_url)
-    try:
-        rows = await conn.fetch(
-            f'SELECT event_id, chunks FROM "{schema}".memory_indexed WHERE session = $1',
-            session,
-        )
-    finally:
-        await conn.close()
-    ids = [int(r["event_id"]) for r in rows]
-    assert len(ids) == len(set(ids)), f"an event is tracked twice: {sorted(ids)}"
-    return {int(r["event_id"]): int(r["chunks"]) for r in rows}
-
-
-async def chunk_rows(database_url: str, schema: str, session: str) -> list[asyncpg.Record]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        return await conn.fetch(
-            f'SELECT event_id, chunk, tenant, text FROM "{schema}".memory_chunks WHERE session = $1',
-            session,
-        )
-    finally:
-        await conn.close()
-
-
-async def wait_indexed(database_url: str, schema: str, session: Session, *, deadline: float = INDEX_DEADLINE) -> None:
-    """Until every event of the log up to now is tracked in the index."""
-    last = await session.last_id()
-    with anyio.fail_after(deadline):
-        while True:
-            with contextlib.suppress(asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError):
-                if set(range(1, last + 1)) <= set(await tracked(database_url, schema, session.id)):
-                    return
-            await anyio.sleep(0.05)
 
 
 async def append_session(session: Session, script: Sequence[events.Event]) -> list[int]:
@@ -122,69 +59,6 @@ def id_of(script: Sequence[events.Event], ids: Sequence[int], kind: str, mention
         for e, i in zip(script, ids, strict=True)
         if e.kind == kind and mentioning in "\n".join(event_chunks(e, ChunkPolicy(skip=())))
     )
-
-
-def work_script() -> list[events.Event]:
-    """An agent fixing a slow checkout: talk, shell commands with their logs, file edits."""
-    pytest_log = "\n".join(
-        [
-            "============================= test session starts ==============================",
-            "collected 57 items",
-            *(f"tests/test_cart.py::test_line_{i} PASSED" for i in range(30)),
-            "tests/test_checkout.py::test_pay_with_card FAILED",
-            "E   asyncpg.exceptions.TooManyConnectionsError: sorry, too many clients already",
-            "E   the connection pool to the orders database was exhausted after 20 connections",
-            *(f"tests/test_search.py::test_query_{i} PASSED" for i in range(25)),
-            "=================== 1 failed, 56 passed in 12.31s ===================",
-        ]
-    )
-    return [
-        events.Message(
-            source="user",
-            content="Checkout got really slow since Monday and sometimes customers see a 502. Can you look?",
-        ),
-        events.CmdRun(command="git log --oneline -4"),
-        events.CmdOutput(
-            command="git log --oneline -4",
-            content="7d1e2f0 Cache product images on the CDN\n3a9c8b1 Upgrade payment SDK to 4.2\n"
-            "c0ffee1 Translate the footer into German\n1234abc Initial import",
-            exit_code=0,
-        ),
-        events.CmdRun(command="python -m pytest -q tests/"),
-        events.CmdOutput(command="python -m pytest -q tests/", content=pytest_log, exit_code=1),
-        events.FileRead(path="deploy/nginx.conf"),
-        events.FileContent(
-            path="deploy/nginx.conf",
-            content="upstream shop {\n  server 10.1.4.20:8000;\n}\nserver {\n  listen 443 ssl;\n"
-            "  proxy_read_timeout 5s;\n}",
-        ),
-        events.FileEdit(
-            command="str_replace",
-            path="shop/db.py",
-            old_str="POOL_MAX_SIZE = 20",
-            new_str="POOL_MAX_SIZE = 60  # checkout opens one connection per cart line",
-        ),
-        events.FileEdited(path="shop/db.py", diff="-POOL_MAX_SIZE = 20\n+POOL_MAX_SIZE = 60"),
-        events.Think(
-            thought="The 502s come from nginx giving up after five seconds while checkout waits for a pool slot"
-        ),
-        events.FileWrite(
-            path="docs/runbook.md",
-            content="When refunds fail, page the payments on-call engineer in the #payments-oncall channel.",
-        ),
-        events.CmdRun(command="kubectl get pods -n shop"),
-        events.CmdOutput(
-            command="kubectl get pods -n shop",
-            content="NAME                        READY   STATUS    RESTARTS\n"
-            "checkout-7f9c9d-abcde       1/1     Running   0\n"
-            "search-5b6d7c-fghij         1/1     Running   3",
-            exit_code=0,
-        ),
-        events.Message(
-            source="agent",
-            content="I raised the orders database pool to 60 connections; checkout is fast again.",
-        ),
-    ]
 
 
 async def check_indexed_like_a_clean_run(
@@ -228,7 +102,7 @@ async def test_every_event_is_indexed_and_semantic_recall_finds_it(
     assert forgotten[0] <= pytest_output <= forgotten[1]
     assert forgotten[0] <= pool_edit <= forgotten[1]
 
-    async with memory_worker(bus, database_url, prefix, local):
+    async with memory_owner(bus, database_url, prefix, local):
         await wait_indexed(database_url, prefix, session)
         chunks = await check_indexed_like_a_clean_run(database_url, prefix, session, tenant="acme")
         assert chunks[pytest_output] >= 2, "the long test log is cut into several chunks"
@@ -242,12 +116,10 @@ async def test_every_event_is_indexed_and_semantic_recall_finds_it(
             "what did the customer originally complain about?": complaint,
         }
         for question, expected in questions.items():
-            started = time.monotonic()
             answer = await session.act(
                 events.Recall(query=question, recall_type="semantic", k=3), timeout=RECALL_TIMEOUT
             )
             assert isinstance(answer, events.RecallResult), answer
-            assert time.monotonic() - started < 5
             assert answer.recall_type == "semantic"
             assert answer.tenant == "acme"
             assert answer.source == "memory"
@@ -267,7 +139,7 @@ async def test_new_events_are_indexed_as_they_arrive_and_tenant_scope_stays_in_t
     acme = bus.session("acme-main", tenant="acme")
     sibling = bus.session("acme-sibling", tenant="acme")
     other = bus.session("globex-main", tenant="globex")
-    async with memory_worker(bus, database_url, prefix, local):
+    async with memory_owner(bus, database_url, prefix, local):
         await append_session(acme, work_script()[:3])
         await sibling.append(events.Message(source="user", content="The staging VPN certificate expires on Friday."))
         await other.append(
@@ -312,7 +184,7 @@ async def test_workspace_context_and_knowledge_recalls(
         "---\nname: migrations\ntype: knowledge\ntriggers: [alembic, migration]\n---\n"
         "Create migrations with `alembic revision --autogenerate`; never edit an applied one.\n"
     )
-    async with memory_worker(bus, database_url, prefix, local, workspace=workspace):
+    async with memory_owner(bus, database_url, prefix, local, workspace=workspace):
         context = await session.act(events.Recall(recall_type="workspace_context"), timeout=RECALL_TIMEOUT)
         assert isinstance(context, events.RecallResult), context
         assert context.recall_type == "workspace_context"
@@ -382,7 +254,7 @@ async def test_a_session_log_lost_and_started_again_is_indexed_anew(
     again from event 1: the rows of the lost log are dropped, not recalled as the new events,
     and the new event 1 is indexed although the lost log's event 1 was."""
     session = bus.session("wiped")
-    async with memory_worker(bus, database_url, prefix, local):
+    async with memory_owner(bus, database_url, prefix, local):
         await session.append(events.Message(content="the deploy key rotates every ninety days", source="user"))
         await wait_indexed(database_url, prefix, session)
         keys = [k async for k in bus.redis.scan_iter(match=f"{prefix}:*", count=1000)]

@@ -30,7 +30,7 @@ from riverbed.events import (
 )
 from riverbed.memory.condensers import CondenserConfig, prepare
 from riverbed.memory.view import view
-from tests.openai_server import OpenAIServer, tool_call
+from tests.kit.openai_server import OpenAIServer, tool_call
 
 
 def log(*events: Event) -> list[Event]:

@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import json
 import socket
-import urllib.error
-import urllib.request
 from functools import partial
 
 import anyio
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from riverbed import events
-from riverbed.agent.client import Bus
-from riverbed.bus import stats
+from riverbed.bus import status
 from riverbed.bus.consumer import Entry, SessionContext
+from riverbed.client.session import Bus
 from riverbed.errors import ConfigError
 from riverbed.memory.embedcache import CachedEmbedder
 from riverbed.settings import Settings
 from riverbed.workers.http import Health, serve
 from riverbed.workers.main import Worker
 from riverbed.workers.metrics import METRIC_NAMES, WorkerMetrics
+from tests.kit.metrics import get, samples, value
+from tests.kit.owners import EchoHandler
 
 pytestmark = pytest.mark.anyio
 
@@ -39,30 +38,30 @@ async def test_lag_pending_and_oldest_age_of_a_session(bus: Bus) -> None:
     # make the first delivered entry look 5 s idle without sleeping
     await bus.redis.xclaim(log_key, "runtime", "c1", 0, ["1-0"], idle=5000)
 
-    [runtime] = await stats.session_backlogs(bus.redis, bus.keys, "runtime", ["busy"])
+    [runtime] = await status.session_backlogs(bus.redis, bus.keys, "runtime", ["busy"])
     assert (runtime.last, runtime.delivered, runtime.lag, runtime.pending) == (5, 2, 3, 2)
     assert 5.0 <= runtime.oldest_pending_seconds < 30.0
     assert runtime.holder is None
 
-    [memory] = await stats.session_backlogs(bus.redis, bus.keys, "memory", ["busy"])
+    [memory] = await status.session_backlogs(bus.redis, bus.keys, "memory", ["busy"])
     assert (memory.lag, memory.pending, memory.oldest_pending_seconds) == (5, 0, 0.0)
 
-    [ghost] = await stats.session_backlogs(bus.redis, bus.keys, "runtime", ["never-created"])
+    [ghost] = await status.session_backlogs(bus.redis, bus.keys, "runtime", ["never-created"])
     assert (ghost.last, ghost.lag, ghost.pending) == (0, 0, 0)
 
     await bus.redis.xack(log_key, "runtime", "1-0", "2-0")
-    [acked] = await stats.session_backlogs(bus.redis, bus.keys, "runtime", ["busy"])
+    [acked] = await status.session_backlogs(bus.redis, bus.keys, "runtime", ["busy"])
     assert (acked.lag, acked.pending, acked.oldest_pending_seconds) == (3, 0, 0.0)
 
 
 async def test_owner_is_read_against_the_redis_clock(bus: Bus) -> None:
     await bus.session("held").append(events.Think(thought="x"))
-    now_ms = int(await stats.redis_time(bus.redis) * 1000)
+    now_ms = int(await status.redis_time(bus.redis) * 1000)
     meta = bus.keys.meta("held")
     await bus.redis.hset(meta, mapping={"holder:runtime": "w1", "expires:runtime": now_ms + 10_000})
     await bus.redis.hset(meta, mapping={"holder:memory": "w2", "expires:memory": now_ms - 1})
-    [runtime] = await stats.session_backlogs(bus.redis, bus.keys, "runtime", ["held"])
-    [memory] = await stats.session_backlogs(bus.redis, bus.keys, "memory", ["held"])
+    [runtime] = await status.session_backlogs(bus.redis, bus.keys, "runtime", ["held"])
+    [memory] = await status.session_backlogs(bus.redis, bus.keys, "memory", ["held"])
     assert runtime.holder == "w1"
     assert runtime.owned
     assert 5.0 < runtime.lease_seconds_left <= 10.0
@@ -73,29 +72,29 @@ async def test_owner_is_read_against_the_redis_clock(bus: Bus) -> None:
 async def test_directory_backlog_dead_letters_workers_and_status(bus: Bus) -> None:
     for name in ("a", "b", "c"):
         await bus.session(name).append(events.Think(thought=name))
-    assert await stats.list_sessions(bus.redis, bus.keys) == ["a", "b", "c"]
+    assert await status.list_sessions(bus.redis, bus.keys) == ["a", "b", "c"]
 
-    no_group = await stats.directory_backlog(bus.redis, bus.keys, "memory")
+    no_group = await status.directory_backlog(bus.redis, bus.keys, "memory")
     assert (no_group.length, no_group.lag, no_group.pending) == (3, 3, 0)
     directory = bus.keys.directory("runtime")
     await bus.redis.xgroup_create(directory, "runtime", id="0")
     await bus.redis.xreadgroup("runtime", "w1", {directory: ">"}, count=1)
-    runtime = await stats.directory_backlog(bus.redis, bus.keys, "runtime")
+    runtime = await status.directory_backlog(bus.redis, bus.keys, "runtime")
     assert (runtime.length, runtime.lag, runtime.pending, runtime.consumers) == (3, 2, 1, 1)
 
     await bus.redis.xadd(bus.keys.dlq, {"session": "a", "reason": "test"})
-    assert await stats.dead_letter_count(bus.redis, bus.keys) == 1
+    assert await status.dead_letter_count(bus.redis, bus.keys) == 1
 
-    now = await stats.redis_time(bus.redis)
+    now = await status.redis_time(bus.redis)
     await bus.redis.zadd(bus.keys.workers, {"fresh": now - 1, "stale": now - 120, "in-ms": (now - 2) * 1000})
     await bus.redis.set(bus.keys.worker("fresh"), json.dumps({"name": "fresh", "roles": ["runtime"]}))
-    workers = await stats.live_workers(bus.redis, bus.keys, window=10)
+    workers = await status.live_workers(bus.redis, bus.keys, window=10)
     assert [w.name for w in workers] == ["fresh", "in-ms"]
     assert workers[0].description["roles"] == ["runtime"]
     assert workers[1].description == {}
     assert 0.5 < workers[0].age_seconds < 10
 
-    snapshot = await stats.status(bus.redis, bus.keys)
+    snapshot = await status.status(bus.redis, bus.keys)
     assert snapshot.sessions == 3
     assert snapshot.dead_letters == 1
     assert [r.role for r in snapshot.roles] == ["runtime", "memory", "condenser"]
@@ -118,63 +117,21 @@ class CountingEmbedder:
         return np.ones((len(texts), self.dim), dtype=np.float32)
 
 
-class EchoHandler:
-    """Answers file_read with the path; acknowledges everything else."""
-
-    role = "runtime"
-    ignores_own_answers = False
+class EmbedEcho(EchoHandler):
+    """The echoing handler, which embeds each path it reads (so the embed-cache counters move)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.embedder = CachedEmbedder(CountingEmbedder())  # type: ignore[arg-type]
 
-    async def open(self, ctx: SessionContext) -> None:
-        return None
-
-    async def close(self, ctx: SessionContext) -> None:
-        return None
-
-    async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
-        await self.handle(ctx, entries)
-
-    async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
-        for entry in entries:
-            if isinstance(entry.event, events.FileRead):
-                await self.embedder.embed([entry.event.path])
-                await ctx.answer(entry, events.FileContent(path=entry.event.path, content=ctx.worker))
-            else:
-                await ctx.ack([entry.id])
-
-
-def http_get(port: int, path: str) -> tuple[int, str, bytes]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
-            return resp.status, resp.headers["Content-Type"], resp.read()
-    except urllib.error.HTTPError as err:
-        with err:
-            return err.code, err.headers["Content-Type"], err.read()
-
-
-async def get(port: int, path: str) -> tuple[int, str, bytes]:
-    return await anyio.to_thread.run_sync(http_get, port, path)
-
-
-def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, frozenset(sample.labels.items()))] = sample.value
-    return out
-
-
-def value(scraped: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
-    matches = [v for (n, lab), v in scraped.items() if n == name and set(labels.items()) <= lab]
-    assert matches, f"{name} {labels} not in the scrape"
-    return sum(matches)
+    async def echo(self, ctx: SessionContext, entry: Entry, read: events.FileRead) -> None:
+        await self.embedder.embed([read.path])
+        await super().echo(ctx, entry, read)
 
 
 async def test_worker_endpoints_serve_metrics_health_and_readiness(bus: Bus, prefix: str) -> None:
     settings = Settings(prefix=prefix, lease_seconds=2.0, drain_seconds=2.0)
-    handler = EchoHandler()
+    handler = EmbedEcho()
     worker = Worker(bus.redis, settings, ["runtime"], name="w-metrics", handlers={"runtime": handler}, url=bus.url)
     health = Health(stale_after=5.0)
     async with anyio.create_task_group() as tg:
@@ -230,7 +187,7 @@ async def test_worker_endpoints_serve_metrics_health_and_readiness(bus: Bus, pre
 async def test_backlog_gauges_follow_redis(bus: Bus, prefix: str) -> None:
     """The refresh reads the owned sessions' backlog; an entry left unacknowledged shows up."""
     settings = Settings(prefix=prefix, lease_seconds=2.0)
-    worker = Worker(bus.redis, settings, ["runtime"], name="w-gauges", handlers={"runtime": EchoHandler()}, url=bus.url)
+    worker = Worker(bus.redis, settings, ["runtime"], name="w-gauges", handlers={"runtime": EmbedEcho()}, url=bus.url)
     metrics = WorkerMetrics()
     metrics.bind(worker)
     await bus.session("g").append(*[events.Think(thought=str(i)) for i in range(4)])
@@ -252,7 +209,7 @@ def test_handler_timings_reach_the_histogram_and_the_list_stays_bounded(prefix: 
     import redis.asyncio as aioredis  # noqa: PLC0415
 
     client = aioredis.Redis()  # never connected: nothing here talks to Redis
-    worker = Worker(client, Settings(prefix=prefix), ["runtime"], name="w-hist", handlers={"runtime": EchoHandler()})
+    worker = Worker(client, Settings(prefix=prefix), ["runtime"], name="w-hist", handlers={"runtime": EmbedEcho()})
     metrics = WorkerMetrics()
     metrics.bind(worker)
     stats_ = worker.owners["runtime"].stats
@@ -271,7 +228,7 @@ def test_handler_timings_reach_the_histogram_and_the_list_stays_bounded(prefix: 
 
 
 async def test_a_taken_port_is_a_clear_configuration_error(bus: Bus, prefix: str) -> None:
-    worker = Worker(bus.redis, Settings(prefix=prefix), ["runtime"], name="w-port", handlers={"runtime": EchoHandler()})
+    worker = Worker(bus.redis, Settings(prefix=prefix), ["runtime"], name="w-port", handlers={"runtime": EmbedEcho()})
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

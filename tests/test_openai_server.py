@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.openai_server import OpenAIServer, _QuietServer
+from tests.kit.openai_server import OpenAIServer, _QuietServer
 
 
 def test_the_fake_openai_server_is_quiet_about_clients_that_hang_up(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,48 +7,26 @@ recorded; the common prefix of consecutive requests is measured in bytes of thei
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
-from riverbed.agent.llm import AgentOptions, build_messages, run_llm_agent
+from riverbed.agent.llm import build_messages
 from riverbed.agent.messages import cache_breakpoints
 from riverbed.agent.usage import usage
+from riverbed.client.session import Bus
 from riverbed.errors import ConfigError, InputError
-from riverbed.memory.embedders import LocalEmbedder
-from riverbed.memory.recall import Memory
-from riverbed.memory.store import Store
-from riverbed.runtime import Runtime
 from riverbed.settings import Settings
 from riverbed.workers.condenser_role import CondenserHandler
-from riverbed.workers.memory_role import MemoryHandler
-from riverbed.workers.runtime_role import RuntimeHandler
-from tests.agentkit import owners
-from tests.openai_server import OpenAIServer
+from tests.kit.agents import roles, run_scripted_agent
+from tests.kit.embedder import shared_local
+from tests.kit.openai_server import OpenAIServer, server, shared_prefix  # noqa: F401  (server: a fixture)
 
 pytestmark = pytest.mark.anyio
 
 CONDENSER = {"strategy": "amortized", "max_events": 14, "keep_first": 3}
-_local = LocalEmbedder()
-
-
-@pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with OpenAIServer(model="test-model") as server:
-        yield server
-
-
-def common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def prompt_text(request: dict[str, Any]) -> str:
@@ -61,34 +39,12 @@ def stable_head(request: dict[str, Any]) -> str:
 
 
 async def run_agent(bus: Bus, server: OpenAIServer, workspace: Path, database_url: str, prefix: str, **s: Any) -> Any:
-    _local.load()
-    steps = 10
-    for i in range(steps):
-        server.reply(tool_calls=[("cmd_run", {"command": f"echo step {i}"})])
-    server.reply(tool_calls=[("finish", {"final_thought": "done"})])
     session = bus.session("cache")
     await session.append(events.SessionConfig(condenser=CONDENSER, source="user"))
-    runtime = Runtime(workspace_root=workspace)
-    store = Store(database_url, schema=prefix)
-    handlers = [
-        RuntimeHandler(runtime),
-        MemoryHandler(Memory.cached(store, _local), workspace_root=workspace),
-        CondenserHandler(llm=None, model=None),
-    ]
-    try:
-        async with owners(bus, handlers):
-            ended = await run_llm_agent(
-                bus,
-                "cache",
-                "Run the steps one by one.",
-                settings=Settings(llm_model="test-model", **s),
-                client=server.client(),
-                max_steps=steps + 2,
-                options=AgentOptions(action_timeout=30, recall_timeout=15, condense_timeout=30),
-            )
-    finally:
-        await runtime.aclose()
-        await store.close()
+    async with roles(bus, workspace, database_url, prefix, shared_local(), CondenserHandler(llm=None, model=None)):
+        ended = await run_scripted_agent(
+            bus, server, "cache", "Run the steps one by one.", [f"echo step {i}" for i in range(10)], **s
+        )
     assert isinstance(ended, events.Finish)
     return await session.events()
 
@@ -108,7 +64,7 @@ async def test_the_prefix_only_grows_between_steps_and_the_head_never_changes(
         # Tools and system prompt: byte-identical in every request.
         assert stable_head(before) == stable_head(after)
         a, b = prompt_text(before), prompt_text(after)
-        shared = common_prefix(a, b)
+        shared = shared_prefix(a, b)
         between = [c for c in condensed_at if responses[i].cause < c <= responses[i + 1].cause]  # type: ignore[operator]
         if not between:
             # No condensation in between: the whole earlier prompt is the start of the next
@@ -194,7 +150,7 @@ def test_breakpoints_are_pure_and_leave_empty_content_alone() -> None:
 
 
 async def test_riverbed_usage_shows_a_row_at_each_condensation(bus: Bus, cli_env: dict[str, str]) -> None:
-    from tests.test_cli import ok  # noqa: PLC0415
+    from tests.kit.cli import ok  # noqa: PLC0415
 
     session = bus.session("marks")
     await session.append(

@@ -15,12 +15,12 @@ import anyio
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
+from riverbed.client.session import Bus
 from riverbed.settings import Settings
 from riverbed.workers.http import Health, serve
 from riverbed.workers.main import Worker
-from tests.test_metrics import get
-from tests.test_ownership import EchoHandler, make_owner
+from tests.kit.metrics import get
+from tests.kit.owners import EchoHandler, make_owner
 
 pytestmark = pytest.mark.anyio
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.agent.replay import compare, fork, rerun
+from riverbed.client.session import Bus
 from riverbed.errors import ConfigError, InputError
 from riverbed.runtime import Runtime
-from tests.agentkit import runtime_worker
+from tests.kit.agents import runtime_worker
 
 pytestmark = pytest.mark.anyio
 

@@ -8,12 +8,15 @@ import json
 import pytest
 
 from riverbed import events
+from riverbed.agent.delegation import plan_child, refusal, result
 from riverbed.agent.runs import (
     AppendAction,
+    AppendDelegates,
     CallModel,
     EndRun,
     RejectCalls,
     Wait,
+    child_session,
     fold_runs,
     next_move,
 )
@@ -183,3 +186,122 @@ def test_a_run_open_at_a_fork_point_is_not_continued_in_the_fork() -> None:
     again = fold_runs(numbered(*opened(), events.Forked(source_session="s", at=2), events.RunStarted()))
     assert again.run is not None
     assert again.run.open
+
+
+# --- sub-agents ------------------------------------------------------------------------------
+
+
+def delegating(*, calls: int = 3, **limits: object) -> list[events.Event]:
+    """A run (limits) whose first response calls ``delegate`` ``calls`` times, then ``think``."""
+    tool_calls = [call("delegate", {"task": f"part {i}", "max_tokens": 50_000}, f"d{i}") for i in range(calls)]
+    tool_calls.append(call("think", {"thought": "meanwhile"}, "t"))
+    return [*opened(**limits), events.LlmResponse(model="m", tool_calls=tool_calls, usage=USAGE)]
+
+
+def test_delegate_calls_that_follow_one_another_are_appended_together() -> None:
+    log = delegating(calls=3)
+    move = next_move(fold_runs(numbered(*log)).run)
+    assert isinstance(move, AppendDelegates)
+    assert (move.response, move.index) == (3, 0)
+    assert [a.task for a in move.actions] == ["part 0", "part 1", "part 2"]
+    assert [a.tool_call_id for a in move.actions] == ["d0", "d1", "d2"]
+    appended = [*log, *move.actions]
+    fold = fold_runs(numbered(*appended))
+    assert fold.run is not None
+    assert fold.run.delegates == [4, 5, 6]
+    assert [a.id for a in fold.run.waiting_delegates] == [4, 5, 6]
+    assert next_move(fold.run) == Wait()  # the think waits until every child answered
+    results = [
+        events.DelegateResult(session=f"c{i}", content="ok", tokens=10, cost=None, cause=4 + i) for i in range(3)
+    ]
+    fold = fold_runs(numbered(*appended, *results))
+    assert fold.run is not None
+    move = next_move(fold.run)
+    assert isinstance(move, AppendAction)
+    assert (move.index, move.action.kind) == (3, "think")
+    # The children's spend counts in the parent's run.
+    assert (fold.run.child_tokens, fold.run.tokens) == (30, 150)
+    assert not fold.run.priced
+
+
+def test_budget_shares_depth_and_fanout_are_rules_of_the_fold() -> None:
+    log = delegating(calls=3, max_tokens=30_120, max_cost=3.0, max_steps=7)
+    move = next_move(fold_runs(numbered(*log)).run)
+    assert isinstance(move, AppendDelegates)
+    fold = fold_runs(numbered(*log, *move.actions))
+    run = fold.run
+    assert run is not None
+    assert run.spent_at_response == (120, 0.0)
+    first = run.waiting_delegates[0]
+    plan = plan_child("s", fold, run, first)
+    assert plan.session == child_session("s", 4) == "s.sub4"
+    assert (plan.header.parent, plan.header.parent_action, plan.header.depth) == ("s", 4, 1)
+    assert plan.task.content == "part 0"
+    # A third of the 30,000 tokens left (the model asked for 50,000), a third of the cost.
+    assert (plan.started.max_tokens, plan.started.max_cost, plan.started.max_steps) == (10_000, 1.0, 7)
+    assert refusal(fold, run, first, max_depth=3, max_fanout=8) is None
+    fanout = refusal(fold, run, run.waiting_delegates[2], max_depth=3, max_fanout=2)
+    assert fanout is not None
+    assert "handed out 2 tasks" in fanout
+    depth = refusal(fold, run, first, max_depth=0, max_fanout=8)
+    assert depth is not None
+    assert "at most 0 levels deep" in depth
+    # A child at depth 3 may not delegate with the default limit.
+    child = numbered(events.Delegated(parent="p", parent_action=9, depth=3), *delegating(calls=1)[0:])
+    child_fold = fold_runs(child)
+    assert child_fold.depth == 3
+    move = next_move(child_fold.run)
+    assert isinstance(move, AppendDelegates)
+    child_fold = fold_runs([*child, events.with_id(move.actions[0], len(child) + 1)])
+    assert child_fold.run is not None
+    why = refusal(child_fold, child_fold.run, child_fold.run.waiting_delegates[0], max_depth=3, max_fanout=8)
+    assert why is not None
+    assert "3 levels below" in why
+    # Nothing left to share: refused.
+    spent = delegating(calls=1, max_tokens=100)
+    move = next_move(fold_runs(numbered(*spent)).run)
+    assert isinstance(move, AppendDelegates)
+    broke = fold_runs(numbered(*spent, *move.actions))
+    assert broke.run is not None
+    why = refusal(broke, broke.run, broke.run.waiting_delegates[0], max_depth=3, max_fanout=8)
+    assert why is not None
+    assert "no tokens left" in why
+
+
+def test_a_child_answers_its_parent_from_its_first_run_unless_forked() -> None:
+    header = events.Delegated(parent="p", parent_action=7)
+    base = [header, events.Message(content="do it", source="user"), events.RunStarted()]
+    ended = [*base, events.LlmResponse(model="m", content="it is done", usage=USAGE)]
+    finished = [*ended, events.Finish(final_thought="it is done", cause=4)]
+    fold = fold_runs(numbered(*finished))
+    assert fold.reports_to == ("p", 7)
+    assert fold.run is not None
+    answer = result("p.sub7", fold.run, 7)
+    assert (answer.session, answer.content, answer.state, answer.cause) == ("p.sub7", "it is done", "finished", 7)
+    assert answer.tokens == 120
+    cancelled = fold_runs(
+        numbered(*base, events.RunCancel(), events.Error(source="agent", content="x", reason="cancelled"))
+    )
+    assert cancelled.run is not None
+    failed = result("p.sub7", cancelled.run, 7)
+    assert failed.state == "cancelled"
+    assert failed.content.startswith("the sub-agent's run ended with cancelled")
+    # A fork keeps the header (it shows where the work came from) but never answers the parent.
+    forked = fold_runs(numbered(*finished, events.Forked(source_session="p.sub7", at=5)))
+    assert forked.delegated == events.with_id(header, 1)
+    assert forked.reports_to is None
+    # A later run of the child is not the one the parent waits for.
+    again = fold_runs(numbered(*finished, events.Message(content="more", source="user"), events.RunStarted()))
+    assert again.reports_to is None
+    # A header anywhere but event 1 means nothing.
+    late = fold_runs(numbered(events.Message(content="x", source="user"), header, events.RunStarted()))
+    assert (late.delegated, late.reports_to, late.depth) == (None, None, 0)
+
+
+def test_child_ids_are_derived_and_valid() -> None:
+    assert child_session("a", 3) == "a.sub3"
+    long = "x" * 125
+    derived = child_session(long, 12)
+    assert derived == child_session(long, 12)
+    assert derived.endswith(".sub12")
+    assert len(derived) <= 128

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -173,17 +172,21 @@ async def test_sessions_run_concurrently_and_stay_apart(rt: Runtime) -> None:
     results: dict[str, events.Observation] = {}
 
     async def one(session: str) -> None:
-        results[session] = await rt.execute(session, events.CmdRun(id=1, command="sleep 1; pwd", blocking=True))
+        command = "date +%s.%N; sleep 1; pwd; date +%s.%N"
+        results[session] = await rt.execute(session, events.CmdRun(id=1, command=command, blocking=True))
 
-    started = time.monotonic()
     async with anyio.create_task_group() as tg:
         for session in ("a", "b", "c"):
             tg.start_soon(one, session)
-    assert time.monotonic() - started < 2.5
+    spans = []
     for session in ("a", "b", "c"):
         obs = results[session]
         assert isinstance(obs, events.CmdOutput)
-        assert obs.content == f"{rt.workspace(session)}\n"
+        began, where, ended = obs.content.splitlines()
+        assert where == str(rt.workspace(session))
+        spans.append((float(began), float(ended)))
+    # Concurrently: every command had begun before any of them ended.
+    assert max(b for b, _ in spans) < min(e for _, e in spans)
     assert sorted(rt.sessions()) == ["a", "b", "c"]
 
 

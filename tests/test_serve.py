@@ -3,39 +3,23 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import anyio
 import httpx
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
+from riverbed.client.session import Bus
 from riverbed.serve import KeyStore, ServeConfig
-from tests.agentkit import record
-from tests.servekit import bearer, new_key, running
-from tests.workerproc import WorkerProcess
+from tests.kit.agents import record
+from tests.kit.serve import assert_problem, bearer, new_key, running
+from tests.kit.workers import Spawn, spawn, workers  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.anyio
-
-PROBLEM = "application/problem+json"
 
 
 def lines(response: httpx.Response) -> list[dict[str, object]]:
     return [json.loads(line) for line in response.text.splitlines() if line]
-
-
-def assert_problem(response: httpx.Response, status: int, *words: str) -> dict[str, object]:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"] == PROBLEM
-    body = response.json()
-    assert body["status"] == status
-    assert body["title"]
-    detail = str(body["detail"])
-    assert "Traceback" not in detail
-    for word in words:
-        assert word in detail, detail
-    return dict(body)
 
 
 async def test_keys_are_required_checked_and_revocable(bus: Bus) -> None:
@@ -155,9 +139,7 @@ async def test_bad_input_is_a_problem_document_never_a_traceback(bus: Bus) -> No
         assert await bus.session("s").last_id() == 0
 
 
-async def test_act_answers_with_the_observation_and_times_out_as_504(
-    bus: Bus, redis_url: str, prefix: str, workspace: Path
-) -> None:
+async def test_act_answers_with_the_observation_and_times_out_as_504(bus: Bus, spawn: Spawn) -> None:
     key = await new_key(bus, "acme")
     async with running(bus) as base, httpx.AsyncClient(base_url=base, headers=bearer(key), timeout=30) as http:
         late = await http.post("/v1/sessions/s/act?timeout=0.3", json={"kind": "cmd_run", "command": "echo hi"})
@@ -166,26 +148,13 @@ async def test_act_answers_with_the_observation_and_times_out_as_504(
         assert message.json()["kind"] == "message"
         assert message.json()["id"] == 2
 
-        worker = WorkerProcess(
-            ["runtime"],
-            name="serve-w",
-            redis_url=redis_url,
-            prefix=prefix,
-            workspace=workspace,
-            extra_env={"RIVERBED_SANDBOX": "process"},
-        )
-        try:
-            worker.wait_ready()
-            answer = await http.post(
-                "/v1/sessions/s/act?timeout=20", json={"kind": "cmd_run", "command": "echo from-api"}
-            )
-            assert answer.status_code == 200, answer.text
-            observation = answer.json()
-            assert observation["kind"] == "cmd_output"
-            assert "from-api" in observation["content"]
-            assert observation["tenant"] == "acme" or observation["tenant"] is None
-        finally:
-            worker.close()
+        spawn("serve-w", ["runtime"], RIVERBED_SANDBOX="process").wait_ready()
+        answer = await http.post("/v1/sessions/s/act?timeout=20", json={"kind": "cmd_run", "command": "echo from-api"})
+        assert answer.status_code == 200, answer.text
+        observation = answer.json()
+        assert observation["kind"] == "cmd_output"
+        assert "from-api" in observation["content"]
+        assert observation["tenant"] == "acme" or observation["tenant"] is None
 
 
 async def test_sse_follows_live_and_resumes_after_last_event_id(bus: Bus) -> None:

@@ -1,7 +1,9 @@
 """The console in a real headless browser: Debian's chromium driven by Playwright.
 
 Playwright's own browser download is never used (``executable_path`` points at Debian's
-chromium); without /usr/bin/chromium the test is skipped, saying so.  Set
+chromium); without /usr/bin/chromium the test is skipped, saying so.  The demo session is a
+recording (``tests/golden/demo-session.jsonl``: ``riverbed demo``, then ``riverbed export``),
+imported as ``riverbed import`` does, so the test needs no demo run.  Set
 ``RIVERBED_CONSOLE_SCREENSHOT=path.png`` to keep the screenshot (docs/console.png is made so).
 """
 
@@ -18,167 +20,98 @@ import anyio
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
+from riverbed.agent.transfer import import_session, parse_import
+from riverbed.client.session import Bus
 from riverbed.memory.embedders import LocalEmbedder
 from riverbed.memory.recall import Memory
 from riverbed.memory.store import Store
-from tests.agentkit import record
-from tests.servekit import new_key, riverbed_command, running
+from tests.kit.console import console, needs_chromium, record_session
+from tests.kit.serve import new_key, riverbed_command, running
 
 pytestmark = pytest.mark.anyio
 
-CHROMIUM = Path("/usr/bin/chromium")
 
-
-async def record_session(bus: Bus, name: str) -> None:
-    """A short agent session: a failing test found, a fix, a condensation that hid the early steps."""
-    s = bus.session(name, tenant="acme", agent="coder")
-    usage = {"prompt_tokens": 812, "completion_tokens": 41, "total_tokens": 853}
-    await record(
-        s,
-        events.Message(content="The test for calc.add fails. Please fix it.", source="user"),
-        events.LlmResponse(model="gpt-4o-mini", content="Let me run the tests first.", usage=usage),
-        events.CmdRun(command="pytest -q"),
-    )
-    await record(
-        s,
-        events.CmdOutput(
-            content="F.\nFAILED test_calc.py::test_add - assert -1 == 5\n1 failed, 1 passed in 0.02s",
-            exit_code=1,
-            command="pytest -q",
-            cause=3,
-        ),
-        events.FileRead(path="calc.py"),
-    )
-    await record(
-        s,
-        events.FileContent(path="calc.py", content="def add(a, b):\n    return a - b\n", cause=5),
-        events.Think(thought="add() subtracts: the operator is wrong."),
-        events.FileEdit(command="str_replace", path="calc.py", old_str="a - b", new_str="a + b"),
-    )
-    usage2 = {
-        "prompt_tokens": 1390,
-        "completion_tokens": 22,
-        "total_tokens": 1412,
-        "prompt_tokens_details": {"cached_tokens": 768},
-    }
-    await record(
-        s,
-        events.FileEdited(path="calc.py", diff="-    return a - b\n+    return a + b", cause=8),
-        events.CmdRun(command="pytest -q"),
-    )
-    await record(
-        s,
-        events.CmdOutput(content="..\n2 passed in 0.01s", exit_code=0, command="pytest -q", cause=10),
-        events.Condensation(
-            forgotten=[(3, 6)], summary="Ran pytest: test_add failed (-1 != 5); calc.add used '-' instead of '+'."
-        ),
-        events.LlmResponse(model="gpt-4o-mini", content="The fix works: both tests pass.", usage=usage2),
-        events.Finish(final_thought="Fixed calc.add: it subtracted instead of adding."),
-    )
-
-
-@pytest.mark.skipif(
-    not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)"
-)
+@needs_chromium
 async def test_console_shows_the_timeline_time_travels_and_forks(bus: Bus, tmp_path: Path) -> None:
-    from playwright.async_api import async_playwright, expect  # noqa: PLC0415  (only where chromium exists)
+    from playwright.async_api import expect  # noqa: PLC0415  (only where chromium exists)
 
     await record_session(bus, "fix-calc")
     key = await new_key(bus, "acme")
-    async with running(bus) as base, async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
-        try:
-            page = await browser.new_page(viewport={"width": 1440, "height": 900})
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            await page.goto(f"{base}/#/s/fix-calc")
-            await page.fill("#key", key)
-            await page.click("#login-form button")
+    async with running(bus) as base, console(base, key, "/s/fix-calc") as page:
+        timeline = page.locator("#timeline > li")
+        await expect(timeline).to_have_count(10)  # 14 events, 4 observations shown under their actions
+        await expect(page.locator("#timeline")).to_contain_text("hidden by #12")
+        await expect(page.locator("#timeline")).to_contain_text("hid 4 events (#3\u2013#6)")
+        await expect(page.locator("#timeline")).to_contain_text("cached 768")
+        await expect(page.locator("#live")).to_have_class("live on")
 
-            timeline = page.locator("#timeline > li")
-            await expect(timeline).to_have_count(10)  # 14 events, 4 observations shown under their actions
-            await expect(page.locator("#timeline")).to_contain_text("hidden by #12")
-            await expect(page.locator("#timeline")).to_contain_text("hid 4 events (#3\u2013#6)")
-            await expect(page.locator("#timeline")).to_contain_text("cached 768")
-            await expect(page.locator("#live")).to_have_class("live on")
+        # At the end, the condensed view has the summary and not the events it hid.
+        view = page.locator("#view > li")
+        await expect(page.locator("#at")).to_have_text("14")
+        await expect(page.locator("#view li.summary")).to_have_count(1)
+        await expect(page.locator("#view-note")).to_contain_text("of 14 events in the context")
+        condensed_at_end = await view.count()
+        assert "#3" not in await page.locator("#view").inner_text()
 
-            # At the end, the condensed view has the summary and not the events it hid.
-            view = page.locator("#view > li")
-            await expect(page.locator("#at")).to_have_text("14")
-            await expect(page.locator("#view li.summary")).to_have_count(1)
-            await expect(page.locator("#view-note")).to_contain_text("of 14 events in the context")
-            condensed_at_end = await view.count()
-            assert "#3" not in await page.locator("#view").inner_text()
+        # Travel back to event 5: no condensation yet, so the hidden events are there.
+        await page.locator("#slider").fill("5")
+        await expect(page.locator("#at")).to_have_text("5")
+        await expect(page.locator("#view-note")).to_contain_text("of 5 events in the context")
+        await expect(page.locator("#view li.summary")).to_have_count(0)
+        await expect(page.locator("#view")).to_contain_text("pytest -q")
+        await expect(page.locator("#timeline > li.after").first).to_be_visible()
 
-            # Travel back to event 5: no condensation yet, so the hidden events are there.
-            await page.locator("#slider").fill("5")
-            await expect(page.locator("#at")).to_have_text("5")
-            await expect(page.locator("#view-note")).to_contain_text("of 5 events in the context")
-            await expect(page.locator("#view li.summary")).to_have_count(0)
-            await expect(page.locator("#view")).to_contain_text("pytest -q")
-            await expect(page.locator("#timeline > li.after").first).to_be_visible()
+        # The full log at the end shows every event, the condensed view fewer.
+        await page.locator("#slider").fill("14")
+        await page.check('input[name="mode"][value="full"]')
+        await expect(page.locator("#view-note")).to_contain_text("the full log: 14 events")
+        await expect(view).to_have_count(14)
+        assert condensed_at_end < 14
 
-            # The full log at the end shows every event, the condensed view fewer.
-            await page.locator("#slider").fill("14")
-            await page.check('input[name="mode"][value="full"]')
-            await expect(page.locator("#view-note")).to_contain_text("the full log: 14 events")
-            await expect(view).to_have_count(14)
-            assert condensed_at_end < 14
+        # A live append shows up without a reload.
+        await bus.session("fix-calc", tenant="acme").append(events.Message(content="Thanks!", source="user"))
+        await expect(page.locator("#timeline")).to_contain_text("Thanks!")
 
-            # A live append shows up without a reload.
-            await bus.session("fix-calc", tenant="acme").append(events.Message(content="Thanks!", source="user"))
-            await expect(page.locator("#timeline")).to_contain_text("Thanks!")
+        shot = tmp_path / "console.png"
+        await page.locator("#slider").fill("12")
+        await page.check('input[name="mode"][value="condensed"]')
+        await expect(page.locator("#view li.summary")).to_have_count(1)
+        await page.screenshot(path=str(shot))
+        assert shot.stat().st_size > 10_000
+        keep = os.environ.get("RIVERBED_CONSOLE_SCREENSHOT")
+        if keep:
+            Path(keep).write_bytes(shot.read_bytes())
 
-            shot = tmp_path / "console.png"
-            await page.locator("#slider").fill("12")
-            await page.check('input[name="mode"][value="condensed"]')
-            await expect(page.locator("#view li.summary")).to_have_count(1)
-            await page.screenshot(path=str(shot))
-            assert shot.stat().st_size > 10_000
-            keep = os.environ.get("RIVERBED_CONSOLE_SCREENSHOT")
-            if keep:
-                Path(keep).write_bytes(shot.read_bytes())
+        # Fork from an event chosen in the timeline.
+        await page.locator('#timeline > li[data-id="7"] .fork-here').click()
+        await expect(page.locator("#fork-at")).to_have_text("7")
+        await page.fill("#fork-into", "fix-calc-retry")
+        await page.click("#fork-form button")
+        await expect(page.locator("#fork-result")).to_contain_text("fix-calc-retry")
+        forked = [e async for e in bus.session("fix-calc-retry").log()]
+        assert [e.kind for e in forked][-1] == "forked"
+        assert len(forked) == 8
 
-            # Fork from an event chosen in the timeline.
-            await page.locator('#timeline > li[data-id="7"]').click()
-            await expect(page.locator("#fork-at")).to_have_text("7")
-            await page.fill("#fork-into", "fix-calc-retry")
-            await page.click("#fork-form button")
-            await expect(page.locator("#fork-result")).to_contain_text("fix-calc-retry")
-            forked = [e async for e in bus.session("fix-calc-retry").log()]
-            assert [e.kind for e in forked][-1] == "forked"
-            assert len(forked) == 8
-
-            # The session list: tenant, events, owners per role.
-            await page.goto(f"{base}/#/")
-            rows = page.locator("#session-rows > tr")
-            await expect(rows).to_have_count(2)
-            await expect(page.locator("#session-rows")).to_contain_text("fix-calc-retry")
-            await expect(page.locator("#session-rows")).to_contain_text("acme")
-            assert errors == []
-        finally:
-            await browser.close()
+        # The session list: tenant, events, owners per role.
+        await page.goto(f"{base}/#/")
+        rows = page.locator("#session-rows > tr")
+        await expect(rows).to_have_count(2)
+        await expect(page.locator("#session-rows")).to_contain_text("fix-calc-retry")
+        await expect(page.locator("#session-rows")).to_contain_text("acme")
 
 
-def record_demo(redis_url: str, database_url: str, prefix: str, workspace: Path) -> str:
-    """A session recorded by ``riverbed demo`` (every role in its process) on the test services."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RIVERBED_")}
-    env.update(
-        RIVERBED_REDIS_URL=redis_url,
-        RIVERBED_DATABASE_URL=database_url,
-        RIVERBED_PREFIX=prefix,
-        RIVERBED_WORKSPACE=str(workspace),
-        COLUMNS="200",
-    )
-    env.pop("OPENAI_API_KEY", None)
-    env.pop("OPENAI_BASE_URL", None)
-    result = subprocess.run([*riverbed_command(), "demo"], env=env, capture_output=True, timeout=180, check=False)
-    out = result.stdout.decode()
-    assert result.returncode == 0, out + result.stderr.decode()
-    found = re.search(r"riverbed log (demo-[0-9a-f]+)\b", out)
-    assert found, out
-    return found.group(1)
+DEMO_SESSION = Path(__file__).parent / "golden" / "demo-session.jsonl"
+"""A session ``riverbed demo`` recorded (``riverbed export``), workspace paths made neutral: its
+scripted agent's commands, recalls and condensations, as they came out of every role."""
+
+
+async def load_demo(bus: Bus, memory: Memory, session: str) -> None:
+    """The recorded demo session, imported as ``riverbed import`` does, and indexed for recall
+    as its memory worker indexed it."""
+    rows = parse_import(DEMO_SESSION.read_bytes().splitlines(), DEMO_SESSION.name)
+    await import_session(bus, session, rows)
+    await memory.store.start()
+    await memory.index(session, [e async for e in bus.session(session).log()], tenant=rows[0].tenant)
 
 
 def cli_json(env: dict[str, str], *args: str) -> list[dict[str, Any]]:
@@ -189,16 +122,16 @@ def cli_json(env: dict[str, str], *args: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in result.stdout.splitlines() if line]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)"
-)
+@needs_chromium
 async def test_console_time_travels_a_demo_session_and_forgets_from_the_console(
-    bus: Bus, redis_url: str, database_url: str, prefix: str, tmp_path: Path
+    bus: Bus, redis_url: str, database_url: str, prefix: str
 ) -> None:
-    from playwright.async_api import async_playwright, expect  # noqa: PLC0415  (only where chromium exists)
+    from playwright.async_api import expect  # noqa: PLC0415  (only where chromium exists)
 
-    session = await anyio.to_thread.run_sync(record_demo, redis_url, database_url, prefix, tmp_path / "ws")
+    session = "demo-recorded"
+    # Recall search reads what is indexed in the test's Postgres schema.
+    memory = Memory.cached(Store(database_url, schema=prefix), LocalEmbedder())
+    await load_demo(bus, memory, session)
     log = [e async for e in bus.session(session).log()]
     last = log[-1].id
     assert last is not None
@@ -208,17 +141,8 @@ async def test_console_time_travels_a_demo_session_and_forgets_from_the_console(
     action = next(e.cause for e in log if e.id == target)
     assert action is not None
     key = await new_key(bus, "demo")
-    # Recall search reads what the demo's memory worker indexed, in the same Postgres schema.
-    memory = Memory.cached(Store(database_url, schema=prefix), LocalEmbedder())
-    async with running(bus, memory=memory) as base, async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
-        try:
-            page = await browser.new_page(viewport={"width": 1440, "height": 900})
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            await page.goto(f"{base}/#/s/{session}")
-            await page.fill("#key", key)
-            await page.click("#login-form button")
+    try:
+        async with running(bus, memory=memory) as base, console(base, key, f"/s/{session}") as page:
             await expect(page.locator("#at")).to_have_text(str(last))
             await expect(page.locator("#timeline")).to_contain_text("hidden by #")  # the demo's condensation
 
@@ -241,10 +165,12 @@ async def test_console_time_travels_a_demo_session_and_forgets_from_the_console(
             await expect(page.locator("#at")).to_have_text(str(first))
             assert await bus.session(session).last_id() == last
 
-            # Travel to the target; the slider chose it for the edit. Preview, then apply.
+            # Travel to the target, and choose it for the edit (its answer under its action's card).
             await page.locator("#slider").fill(str(target))
             await expect(page.locator("#at")).to_have_text(str(target))
+            await page.locator(f'#timeline .answer[data-id="{target}"] .head .kind').click()
             await expect(page.locator("#ctx-from")).to_have_value(str(target))
+            await expect(page.locator("#at")).to_have_text(str(target))
             await page.select_option("#ctx-op", "forget")
             await page.fill("#ctx-note", "noise")
             await page.click("#ctx-preview")
@@ -257,10 +183,8 @@ async def test_console_time_travels_a_demo_session_and_forgets_from_the_console(
             )
             await expect(page.locator(f'#timeline > li[data-id="{action}"]')).to_contain_text(f"hidden by #{last + 1}")
             await expect(page.locator("#usage-rows")).to_contain_text("no model calls")
-            assert errors == []
-        finally:
-            await browser.close()
-            await memory.aclose()
+    finally:
+        await memory.aclose()
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("RIVERBED_")}
     env.update(RIVERBED_REDIS_URL=redis_url, RIVERBED_PREFIX=prefix)

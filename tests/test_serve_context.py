@@ -6,12 +6,11 @@ import httpx
 import pytest
 
 from riverbed import events
-from riverbed.agent.client import Bus
+from riverbed.client.session import Bus
 from riverbed.memory.context import context_edit, preview, report
 from riverbed.serve import ServeConfig
-from tests import agentkit
-from tests.servekit import bearer, new_key, running
-from tests.test_serve import assert_problem
+from tests.kit import agents
+from tests.kit.serve import assert_problem, bearer, new_key, running
 
 pytestmark = pytest.mark.anyio
 
@@ -23,7 +22,7 @@ async def record(bus: Bus, name: str) -> None:
         events.LlmResponse(model="m", content="run it", usage={"prompt_tokens": 100, "completion_tokens": 10}),
         events.CmdRun(command="pytest"),
     )
-    await agentkit.record(s, events.Error(content="boom", reason="runtime_lost", retryable=True, cause=3))
+    await agents.record(s, events.Error(content="boom", reason="runtime_lost", retryable=True, cause=3))
     await s.append(
         events.Think(thought="again"),
         events.LlmResponse(
@@ -71,6 +70,10 @@ async def test_context_report_edit_dry_run_and_usage(bus: Bus) -> None:
             "unpinned": [],
         }
         assert await bus.session("ctx").last_id() == 6
+        beyond = {"op": "forget", "ranges": [[99, 99]], "dry_run": True}
+        refused = await http.post(f"{path}/context", json=beyond, headers=bearer(acme))
+        assert refused.status_code == 400, refused.text  # as the edit itself would be
+        assert "event 99 is beyond the log" in refused.text
 
         # Applied, the change is the one previewed.
         applied = await http.post(f"{path}/context", json={**body, "dry_run": False}, headers=bearer(acme))

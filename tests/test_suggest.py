@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,8 +18,8 @@ from riverbed import events
 from riverbed.errors import InputError
 from riverbed.memory.suggest import parse_proposal, proposal_messages
 from riverbed.memory.view import view
-from tests.openai_server import OpenAIServer
-from tests.test_cli import assert_one_sentence, run
+from tests.kit.cli import assert_one_sentence, run
+from tests.kit.openai_server import OpenAIServer, server  # noqa: F401  (server: a fixture)
 
 
 def _log() -> list[events.Event]:
@@ -99,12 +98,6 @@ def test_a_proposal_that_only_touches_pinned_events_hides_nothing_and_is_refused
 
 
 # --- the command ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with OpenAIServer(model="test-model") as server:
-        yield server
 
 
 @pytest.fixture

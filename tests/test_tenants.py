@@ -10,13 +10,13 @@ import pytest
 
 import riverbed
 from riverbed import events
-from riverbed.agent.client import Bus
+from riverbed.client.session import Bus
 from riverbed.errors import InputError, TenantMismatch
 from riverbed.memory.embedders import LocalEmbedder
 from riverbed.memory.recall import Memory
 from riverbed.memory.store import Store
-from tests.agentkit import runtime_worker
-from tests.test_memory_recall import numbered
+from tests.kit.agents import runtime_worker
+from tests.kit.memory import numbered
 
 pytestmark = [pytest.mark.anyio]
 

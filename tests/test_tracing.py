@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from riverbed import events, tracing
-from riverbed.agent.client import Bus
-from tests.agentkit import runtime_worker
+from riverbed.client.session import Bus
+from tests.kit.agents import runtime_worker
 
 pytestmark = pytest.mark.anyio
 

@@ -12,12 +12,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.bus.connection import CLUSTER_SPARE, connect_redis
 from riverbed.bus.consumer import Owner
 from riverbed.bus.redis_client import RedisClient
 from riverbed.bus.wakeups import Bell, Wakeups
-from tests.test_ownership import EchoHandler
+from riverbed.client.session import Bus
+from tests.kit.owners import EchoHandler
 
 pytestmark = pytest.mark.anyio
 

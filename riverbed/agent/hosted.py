@@ -24,12 +24,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import anyio
 import msgspec
 
 from riverbed import events
-from riverbed.agent.client import Bus
-from riverbed.agent.runs import RunFold, RunState, RunSummary, fold_runs, summarize
+from riverbed.agent.quotas import Quotas
+from riverbed.agent.runs import RunFold, RunState, RunSummary, fold_runs, saved_summary, summarize
 from riverbed.agent.usage import Price
+from riverbed.client.session import Bus
 from riverbed.errors import InputError
 
 __all__ = ["STATES", "OpenedRun", "RunLimits", "RunRow", "cancel_run", "follow_run", "list_runs", "open_run"]
@@ -43,6 +45,12 @@ class RunLimits:
     max_steps: int = 30
     max_tokens: int | None = None
     max_cost: float | None = None
+    max_output_tokens: int | None = None
+    """tokens one model answer may have (None: the worker's ``RIVERBED_LLM_MAX_OUTPUT_TOKENS``)"""
+    temperature: float | None = None
+    """None: the worker's ``RIVERBED_LLM_TEMPERATURE``"""
+    llm_timeout: float | None = None
+    """seconds one model call may take (None: the worker's ``RIVERBED_LLM_TIMEOUT``)"""
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,13 @@ class RunRow(msgspec.Struct, kw_only=True):
     age: float
     """seconds since the run opened"""
     reason: str | None = None
+    started_at: float = 0.0
+    """when it opened (unix seconds)"""
+    model: str | None = None
+    parent: str | None = None
+    """the session a sub-agent's run works for"""
+    children: list[str] = msgspec.field(default_factory=list)
+    """the sessions of the run's sub-agents"""
 
 
 async def _fold(bus: Bus, session: str, prices: dict[str, Price] | None = None) -> RunFold:
@@ -78,7 +93,9 @@ async def open_run(
 ) -> OpenedRun:
     """Record a run on the log (task message + ``run_started``) and return at once.
 
-    :class:`InputError` when the session has a run open already, or when the task is empty."""
+    :class:`InputError` when the session has a run open already, or when the task is empty;
+    :class:`~riverbed.errors.QuotaExceeded` when the session's tenant is at a quota
+    (:mod:`riverbed.agent.quotas`)."""
     limits = limits or RunLimits()
     if not task.strip():
         raise InputError("the task is empty: say what the agent should do")
@@ -90,12 +107,30 @@ async def open_run(
             f"or cancel it with `riverbed agent {session_id} --cancel`"
         )
     started = events.RunStarted(
-        model=limits.model, max_steps=limits.max_steps, max_tokens=limits.max_tokens, max_cost=limits.max_cost
+        model=limits.model,
+        max_steps=limits.max_steps,
+        max_tokens=limits.max_tokens,
+        max_cost=limits.max_cost,
+        max_output_tokens=limits.max_output_tokens,
+        temperature=limits.temperature,
+        llm_timeout=limits.llm_timeout,
     )
-    # expected_last: two callers opening a run at once cannot both succeed.
-    task_id, opened = await session.append(
-        events.Message(content=task, source="user"), started, expected_last=fold.last
-    )
+    quotas = Quotas(bus.log_store) if session.tenant is not None else None
+    if quotas is not None and session.tenant is not None:
+        await quotas.admit(session.tenant, session_id)
+    try:
+        # expected_last: two callers opening a run at once cannot both succeed.
+        task_id, opened = await session.append(
+            events.Message(content=task, source="user"), started, expected_last=fold.last
+        )
+    except BaseException:
+        if quotas is not None and session.tenant is not None:
+            with anyio.CancelScope(shield=True):
+                # Slots are per session: one that a racing open's run now holds is not given back.
+                now = await _fold(bus, session_id)
+                if now.run is None or not now.run.open:
+                    await quotas.release(session.tenant, session_id)
+        raise
     async with bus.client.pipeline() as pipe:  # (the agent role adds it too, when it picks the run up)
         pipe.zadd(bus.keys.runs, {session_id: time.time()}, nx=True)
         await pipe.execute()
@@ -127,12 +162,21 @@ async def follow_run(bus: Bus, session_id: str, start: int) -> AsyncIterator[eve
 
 
 async def list_runs(
-    bus: Bus, *, state: str | None = None, tenant: str | None = None, prices: dict[str, Price] | None = None
+    bus: Bus,
+    *,
+    state: str | None = None,
+    tenant: str | None = None,
+    prices: dict[str, Price] | None = None,
+    sessions: list[str] | None = None,
 ) -> list[RunRow]:
-    """The sessions' latest runs, newest first (filtered by ``state`` and ``tenant``)."""
+    """The sessions' latest runs, newest first (filtered by ``state`` and ``tenant``; only
+    those of ``sessions`` when it is given)."""
     if state is not None and state not in STATES:
         raise InputError(f"unknown run state {state!r}: use {', '.join(STATES)}")
-    sessions = [s.decode() for s, _score in reversed(await bus.client.zrange_scores(bus.keys.runs))]
+    if sessions is None and tenant is not None and await bus.client.hget(bus.keys.tenant_index, "done") is not None:
+        sessions = await _tenant_runs(bus, tenant)  # (every session is in its tenant's index)
+    elif sessions is None:
+        sessions = [s.decode() for s, _score in reversed(await bus.client.zrange_scores(bus.keys.runs))]
     async with bus.client.pipeline() as pipe:
         replies = [pipe.get(bus.keys.run(s)) for s in sessions]
         await pipe.execute()
@@ -140,16 +184,33 @@ async def list_runs(
     now = time.time()
     rows: list[RunRow] = []
     for session, raw in zip(sessions, summaries, strict=True):
-        summary = _saved(raw)
+        summary = saved_summary(raw)
         if summary is None:  # no agent worker has picked the run up yet: its log says where it is
             fold = await _fold(bus, session, prices)
             if fold.run is None:
                 continue
-            summary = summarize(session, fold.run)
+            summary = summarize(session, fold.run, parent=fold.delegated.parent if fold.delegated else None)
         row = _row(summary, now)
         if (state is None or row.state == state) and (tenant is None or row.tenant == tenant):
             rows.append(row)
     return rows
+
+
+_CHUNK = 1000
+"""Sessions whose run scores one command reads."""
+
+
+async def _tenant_runs(bus: Bus, tenant: str) -> list[str]:
+    """The sessions with a run among ``tenant``'s (its index of sessions), newest run first: what
+    one tenant's list costs does not grow with the other tenants' runs."""
+    names = [name.decode() for name in await bus.client.zrange(bus.keys.tenant_sessions(tenant))]
+    scored: list[tuple[float, str]] = []
+    for begin in range(0, len(names), _CHUNK):
+        part = names[begin : begin + _CHUNK]
+        scores = await bus.client.zmscore(bus.keys.runs, part)
+        scored.extend((score, name) for name, score in zip(part, scores, strict=True) if score is not None)
+    scored.sort(reverse=True)
+    return [name for _score, name in scored]
 
 
 def _row(summary: RunSummary, now: float) -> RunRow:
@@ -163,13 +224,8 @@ def _row(summary: RunSummary, now: float) -> RunRow:
         worker=summary.worker,
         age=max(0.0, now - summary.opened_at),
         reason=summary.reason,
+        started_at=summary.opened_at,
+        model=summary.model,
+        parent=summary.parent,
+        children=summary.children,
     )
-
-
-def _saved(raw: bytes | None) -> RunSummary | None:
-    if raw is None:
-        return None
-    try:
-        return msgspec.json.decode(raw, type=RunSummary)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None

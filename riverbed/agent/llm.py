@@ -44,8 +44,9 @@ decision is in its ``llm_response``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from dataclasses import replace as replace_options
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -59,31 +60,55 @@ from openai import AsyncOpenAI
 
 from riverbed import events
 from riverbed.agent import messages as chat
-from riverbed.agent.client import Bus, Session
 from riverbed.agent.images import ImageSource, WorkspaceImages, vision
 from riverbed.agent.tools import action_from_call, tools
+from riverbed.client.session import Bus, Session
 from riverbed.errors import ActTimeout, AlreadyAnswered, ConfigError, InputError, RiverbedError
 from riverbed.memory.condensers import CondenserConfig, config_from_log, prepare, should_condense
 from riverbed.memory.view import view as fold
 from riverbed.runtime.paths import workspace_name
 from riverbed.settings import Settings
 
-__all__ = ["AgentOptions", "build_messages", "call_record", "make_client", "render", "run_llm_agent"]
+__all__ = [
+    "AgentOptions",
+    "build_messages",
+    "call_record",
+    "make_client",
+    "model_parameters",
+    "render",
+    "run_llm_agent",
+    "timeout_sentence",
+]
 
 log = structlog.get_logger("riverbed.agent")
 
 
 @dataclass(frozen=True, kw_only=True)
 class AgentOptions:
-    """How the agent presents itself and how long it waits (seconds) for the model and answers."""
+    """How the agent presents itself, asks the model and how long it waits (seconds) for the
+    model and answers.  The model's settings left None are the run's settings'
+    (``RIVERBED_LLM_TIMEOUT``, ``RIVERBED_LLM_TEMPERATURE``, ``RIVERBED_LLM_MAX_OUTPUT_TOKENS``)."""
 
     name: str = "llm"
     instructions: str | None = None
-    llm_timeout: float = 120.0
+    llm_timeout: float | None = None
     action_timeout: float = 120.0
     recall_timeout: float = 15.0
     temperature: float | None = None
+    max_output_tokens: int | None = None
+    """tokens one model answer may have (0: the server decides)"""
     condense_timeout: float = 60.0
+
+    def resolved(self, settings: Settings) -> AgentOptions:
+        """These options with the model's settings filled in from ``settings``."""
+        return replace_options(
+            self,
+            llm_timeout=settings.llm_timeout if self.llm_timeout is None else self.llm_timeout,
+            temperature=settings.llm_temperature if self.temperature is None else self.temperature,
+            max_output_tokens=(
+                settings.llm_max_output_tokens if self.max_output_tokens is None else self.max_output_tokens
+            ),
+        )
 
 
 # --- prompts -----------------------------------------------------------------------------
@@ -139,9 +164,9 @@ def _with_context(view: Iterable[events.Event]) -> list[events.Event]:
     return out
 
 
-def _condenser_config(log_events: Sequence[events.Event]) -> CondenserConfig:
+def _condenser_config(log_events: Sequence[events.Event], defaults: Mapping[str, Any] | None = None) -> CondenserConfig:
     try:
-        return config_from_log(log_events)
+        return config_from_log(log_events, defaults)
     except ConfigError as exc:
         log.warning("agent.bad_condenser_config", error=str(exc))
         return CondenserConfig()
@@ -153,13 +178,15 @@ def build_messages(
     agent: str = "llm",
     instructions: str | None = None,
     images: ImageSource | None = None,
+    condenser_defaults: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The chat messages the agent sends after these events (a log prefix, with ids).
 
-    Pure: the same events always give the same prompt, so any step of a recorded session
-    can be rebuilt without a model.
+    Pure: the same events (and ``condenser_defaults``, the ``RIVERBED_CONDENSER_*`` settings a
+    ``session_config`` overrides) always give the same prompt, so any step of a recorded
+    session can be rebuilt without a model.
     """
-    view = prepare(fold(log_events), _condenser_config(log_events))
+    view = prepare(fold(log_events), _condenser_config(log_events, condenser_defaults))
     system = render("system.j2", agent=agent, instructions=instructions)
     return chat.to_messages(_with_context(view), system_prompt=system, images=images)
 
@@ -176,6 +203,17 @@ def make_client(settings: Settings) -> AsyncOpenAI:
         base_url=settings.openai_base_url or None,
         max_retries=2,
     )
+
+
+def model_parameters(temperature: float | None, max_output_tokens: int | None) -> dict[str, Any]:
+    """The request's sampling parameters: ``temperature`` and ``max_tokens`` (what OpenAI and
+    llama.cpp's server read as the answer's length limit) when set; None or 0: not sent."""
+    parameters: dict[str, Any] = {}
+    if temperature is not None:
+        parameters["temperature"] = temperature
+    if max_output_tokens:
+        parameters["max_tokens"] = max_output_tokens
+    return parameters
 
 
 def call_record(call: Any) -> dict[str, Any]:
@@ -199,14 +237,18 @@ def _usage(response: Any) -> dict[str, Any]:
     return dumped
 
 
+def timeout_sentence(timeout: float, tries: int = 1) -> str:
+    """What a model call that took too long says: the limit, and the setting that sets it."""
+    again = f" ({tries} tries)" if tries > 1 else ""
+    return (
+        f"the model did not answer within {timeout:g} s{again}: RIVERBED_LLM_TIMEOUT "
+        "(or `riverbed agent --llm-timeout`) sets this limit, and a slow local model needs more"
+    )
+
+
 def _llm_error(exc: BaseException, timeout: float) -> events.Error:
     if isinstance(exc, TimeoutError):
-        return events.Error(
-            source="agent",
-            content=f"the model did not answer within {timeout:g}s",
-            reason="llm_error",
-            retryable=True,
-        )
+        return events.Error(source="agent", content=timeout_sentence(timeout), reason="llm_error", retryable=True)
     status = getattr(exc, "status_code", None)
     retryable = isinstance(exc, openai.APIConnectionError | openai.RateLimitError | openai.InternalServerError)
     detail = f"HTTP {status}: " if status is not None else ""
@@ -238,6 +280,7 @@ class _Run:
         self.events: list[events.Event] = []
         self.recalled: set[int] = set()
         self.tools = tools()
+        self.condenser_defaults: dict[str, Any] = {}
 
     async def refresh(self) -> None:
         start = (self.events[-1].id or 0) + 1 if self.events else 1
@@ -273,10 +316,13 @@ class _Run:
         """When the view is over the session's budget, ask the condenser and wait for its answer,
         so the model is never sent a view the policy says is too large (the condenser role may
         simply not have caught up yet)."""
-        if not should_condense(fold(self.events), _condenser_config(self.events)):
+        if not should_condense(fold(self.events), _condenser_config(self.events, self.condenser_defaults)):
             return
         try:
-            await self.session.act(events.CondensationRequest(), timeout=self.options.condense_timeout)
+            # cause: the last event of the view seen over the limit (a condensation the condenser
+            # made meanwhile answers it: one condensation per step)
+            seen = self.events[-1].id if self.events else None
+            await self.session.act(events.CondensationRequest(cause=seen), timeout=self.options.condense_timeout)
         except ActTimeout as exc:
             log.warning("agent.condensation_unanswered", session=self.session.id, error=str(exc))
         await self.refresh()
@@ -287,7 +333,11 @@ class _Run:
             "model": self.model,
             "messages": chat.cache_breakpoints(
                 build_messages(
-                    self.events, agent=self.options.name, instructions=self.options.instructions, images=self.images
+                    self.events,
+                    agent=self.options.name,
+                    instructions=self.options.instructions,
+                    images=self.images,
+                    condenser_defaults=self.condenser_defaults,
                 ),
                 self.prompt_cache,
             ),
@@ -295,8 +345,8 @@ class _Run:
             "tool_choice": "auto",
             "parallel_tool_calls": False,
         }
-        if self.options.temperature is not None:
-            request["temperature"] = self.options.temperature
+        request.update(model_parameters(self.options.temperature, self.options.max_output_tokens))
+        assert self.options.llm_timeout is not None  # (resolved)
         with anyio.fail_after(self.options.llm_timeout):
             response = await self.client.chat.completions.create(**request)
         log.info("agent.llm_response", session=self.session.id, until=until, usage=_usage(response))
@@ -326,8 +376,9 @@ class _Run:
         try:
             response = await self.complete()
         except (openai.OpenAIError, TimeoutError) as exc:
-            log.warning("agent.llm_failed", session=self.session.id, error=str(exc))
-            return await self.append(_llm_error(exc, self.options.llm_timeout))
+            error = _llm_error(exc, self.options.llm_timeout or 0)
+            log.info("agent.llm_failed", session=self.session.id, error=error.content)
+            return await self.append(error)
         choices = getattr(response, "choices", None) or []
         if not choices:
             return await self.append(
@@ -419,7 +470,7 @@ async def _work(
     tenant: str | None,
     images: Sequence[str],
 ) -> events.Event | None:
-    options = options or AgentOptions()
+    options = (options or AgentOptions()).resolved(settings)
     session = bus.session(session_id, agent=options.name, tenant=tenant)
     image_source = (
         WorkspaceImages(Path(settings.workspace) / workspace_name(session_id), max_bytes=settings.max_image_bytes)
@@ -427,6 +478,7 @@ async def _work(
         else None
     )
     run = _Run(session, client, settings.llm_model, options, settings.prompt_cache, image_source)
+    run.condenser_defaults = settings.condenser_defaults()
     await run.refresh()
     first = not any(isinstance(e, events.Message) and e.source == "user" for e in run.events)
     run.recalled.update(e.id for e in run.events if isinstance(e, events.Message) and e.id is not None)

@@ -65,8 +65,8 @@ import anyio.to_thread
 from msgspec.structs import replace
 
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.bus.log import Log, answered_cause, decode_entry
+from riverbed.client.session import Bus
 from riverbed.errors import ActTimeout, AlreadyAnswered, InputError
 from riverbed.runtime.trees import Copied, copy_tree, empty_tree
 

@@ -20,13 +20,19 @@ that was open at the fork's point is not continued (its ``forked`` event ends it
 
 The tool calls of the run's last response are its *moves*: action ``i`` of the response is the
 ``i``-th action the agent appended with ``cause`` = the response (the role appends them one
-by one, under its fencing token, each with an idempotency key naming the response and ``i``).
+by one, under its fencing token, each with an idempotency key naming the response and ``i``;
+``delegate`` calls that follow one another go in one write, so their sub-agents run in
+parallel).  A ``delegate_result`` adds the sub-agent's tokens and cost to the run's, and a
+child session's header (``delegated``, event 1) says which parent action its first run
+answers (:attr:`RunFold.reports_to`; ``riverbed/agent/delegation.py`` has the rules).
 A response whose tool calls do not parse is answered by one ``error`` (reason
 ``bad_tool_call``) instead, and a response without tool calls by a ``finish``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -35,13 +41,15 @@ import msgspec
 from msgspec.structs import replace
 
 from riverbed import events
-from riverbed.agent.tools import action_from_call
+from riverbed.agent.tools import ROLE_TOOL_ACTIONS, action_from_call
 from riverbed.agent.usage import Price, step
+from riverbed.bus.keys import valid_session
 from riverbed.errors import InputError
 
 __all__ = [
     "END_REASONS",
     "AppendAction",
+    "AppendDelegates",
     "CallModel",
     "EndRun",
     "Move",
@@ -51,9 +59,12 @@ __all__ = [
     "RunState",
     "RunSummary",
     "Wait",
+    "child_session",
     "fold_runs",
+    "is_child_id",
     "next_move",
     "planned_actions",
+    "saved_summary",
     "summarize",
 ]
 
@@ -92,6 +103,17 @@ class Run:
     """that response's tool calls did not parse, and an ``error`` said so"""
     answered: set[int] = field(default_factory=set)
     """ids of the run's actions that have their answer"""
+    delegates: list[int] = field(default_factory=list)
+    """ids of the run's ``delegate`` actions, in order (the fan-out limit counts them)"""
+    refused: set[int] = field(default_factory=set)
+    """ids of its ``delegate`` actions that a limit refused (no child session)"""
+    delegate_calls: int = 0
+    """how many ``delegate`` calls the last response holds (they share the budget left)"""
+    spent_at_response: tuple[int, float] = (0, 0.0)
+    """tokens and cost spent when the last response was recorded (what delegate shares divide)"""
+    child_tokens: int = 0
+    child_cost: float = 0.0
+    """what the run's sub-agents spent, from their ``delegate_result`` events"""
     cancel_requested: int | None = None
     """the id of a ``run_cancel`` that came while it was open"""
     ended: int | None = None
@@ -107,7 +129,8 @@ class Run:
 
     @property
     def tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
+        """Tokens spent by the run's model calls and by its sub-agents."""
+        return self.prompt_tokens + self.completion_tokens + self.child_tokens
 
     @property
     def state(self) -> RunState:
@@ -125,6 +148,11 @@ class Run:
             for a in self.actions
             if a.id is not None and type(a).answered_by is not None and a.id not in self.answered
         ]
+
+    @property
+    def waiting_delegates(self) -> list[events.Delegate]:
+        """The last response's ``delegate`` actions still waiting for their answer."""
+        return [a for a in self.actions if isinstance(a, events.Delegate) and a.id not in self.answered]
 
     def over_limit(self) -> tuple[str, str] | None:
         """(reason, sentence) when the next model call would go past a limit, else None."""
@@ -148,6 +176,11 @@ class RunFold:
         """how many runs the session had"""
         self.last = 0
         """the last event id folded"""
+        self.delegated: events.Delegated | None = None
+        """the session's ``delegated`` header (event 1 of a child session), None for a top-level one"""
+        self.forked = False
+        """the session is a fork (a forked child keeps its header but never answers the parent)"""
+        self._delegated_run: int | None = None
         self._last_user_message: int | None = None
 
     def add(self, event: events.Event) -> None:
@@ -158,8 +191,14 @@ class RunFold:
         run = self.run
         if isinstance(event, events.Message) and event.source == "user":
             self._last_user_message = event_id
+        if isinstance(event, events.Delegated) and event_id == 1:
+            self.delegated = event
+        if isinstance(event, events.Forked):
+            self.forked = True
         if isinstance(event, events.RunStarted):
             if run is None or not run.open:
+                if self.delegated is not None and self._delegated_run is None and self.runs == 0:
+                    self._delegated_run = event_id
                 self.run = Run(
                     opened=event_id,
                     model=event.model,
@@ -196,11 +235,16 @@ class RunFold:
                 run.response = event
                 run.actions = []
                 run.rejected = False
+                run.delegate_calls = sum(1 for call in event.tool_calls if _called(call) == "delegate")
+                run.spent_at_response = (run.tokens, run.cost)
             case events.Finish() if event.source == "agent":
                 self._own_action(run, event)
                 run.ended, run.end_reason, run.end_content = event_id, "finish", event.final_thought
             case events.Error() if event.source == "agent" and event.reason in END_REASONS:
                 run.ended, run.end_reason, run.end_content = event_id, event.reason, event.content
+            case events.Error() if event.reason == "delegate_refused" and event.cause in run.delegates:
+                run.answered.add(event.cause)
+                run.refused.add(event.cause)
             case events.Error() if (
                 event.source == "agent"
                 and event.reason == "bad_tool_call"
@@ -208,15 +252,64 @@ class RunFold:
                 and event.cause == run.response.id
             ):
                 run.rejected = True
+            case events.DelegateResult() if event.cause in run.delegates and event.cause not in run.answered:
+                run.answered.add(event.cause)
+                run.child_tokens += event.tokens
+                if event.cost is None:
+                    run.priced = False
+                else:
+                    run.child_cost += event.cost
+                    run.cost += event.cost
             case events.Observation() if event.cause is not None:
                 run.answered.add(event.cause)
             case events.Action() if event.source == "agent":
                 self._own_action(run, event)
 
+    @property
+    def reports_to(self) -> tuple[str, int] | None:
+        """(parent session, its ``delegate`` action) that the latest run answers when it ends:
+        the run a child session was created for, unless the session is a fork."""
+        header, run = self.delegated, self.run
+        if header is None or self.forked or run is None or run.opened != self._delegated_run:
+            return None
+        return header.parent, header.parent_action
+
+    @property
+    def depth(self) -> int:
+        """How many sessions are above this one (0: a top-level session)."""
+        return self.delegated.depth if self.delegated is not None else 0
+
     @staticmethod
     def _own_action(run: Run, event: events.Action) -> None:
         if run.response is not None and event.cause == run.response.id:
             run.actions.append(event)
+            if isinstance(event, events.Delegate) and event.id is not None:
+                run.delegates.append(event.id)
+
+
+def child_session(parent: str, action: int) -> str:
+    """The id of the child session that ``parent``'s ``delegate`` action ``action`` creates:
+    derived, so that a retry after a crash finds the child it created."""
+    candidate = f"{parent}.sub{action}"
+    if valid_session(candidate):
+        return candidate
+    # Too long for a session id (a deep tree of long ids): a digest of the parent stands in for it.
+    return f"d{hashlib.sha256(parent.encode()).hexdigest()[:24]}.sub{action}"
+
+
+_CHILD_ID = re.compile(r".*\.sub[0-9]+")
+
+
+def is_child_id(session: str) -> bool:
+    """Whether ``session`` has the shape of a child session's id (``<parent>.sub<N>``): such ids
+    are the agent role's, since anyone who knows a session's id can tell its next children's."""
+    return _CHILD_ID.fullmatch(session) is not None
+
+
+def _called(call: object) -> str | None:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    name = function.get("name") if isinstance(function, Mapping) else None
+    return name if isinstance(name, str) else None
 
 
 def fold_runs(log_events: Iterable[events.Event], prices: Mapping[str, Price] | None = None) -> RunFold:
@@ -245,10 +338,28 @@ class RunSummary(msgspec.Struct, kw_only=True):
     reason: str | None = None
     detail: str = ""
     updated: float = 0.0
+    parent: str | None = None
+    """the session this one works for (a sub-agent's), None for a top-level run"""
+    children: list[str] = msgspec.field(default_factory=list)
+    """the sub-agents' sessions the run created"""
 
 
-def summarize(session: str, run: Run, *, worker: str | None = None, model: str | None = None) -> RunSummary:
+def saved_summary(raw: bytes | None) -> RunSummary | None:
+    """The summary the agent role saved (None: none saved, or one that does not decode)."""
+    if raw is None:
+        return None
+    try:
+        return msgspec.json.decode(raw, type=RunSummary)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def summarize(
+    session: str, run: Run, *, worker: str | None = None, model: str | None = None, parent: str | None = None
+) -> RunSummary:
     return RunSummary(
+        parent=parent,
+        children=[child_session(session, d) for d in run.delegates if d not in run.refused],
         session=session,
         tenant=run.tenant,
         state=run.state,
@@ -296,6 +407,16 @@ class AppendAction:
 
 
 @dataclass(frozen=True)
+class AppendDelegates:
+    """Append calls ``index``.. of ``response``: ``delegate`` calls that follow one another, in one
+    write, so that their sub-agents run in parallel (each answered by its ``delegate_result``)."""
+
+    response: int
+    index: int
+    actions: tuple[events.Delegate, ...]
+
+
+@dataclass(frozen=True)
 class RejectCalls:
     """The response's tool calls do not parse: one ``error`` (``bad_tool_call``) says why."""
 
@@ -303,7 +424,7 @@ class RejectCalls:
     content: str
 
 
-Move = Wait | EndRun | CallModel | AppendAction | RejectCalls
+Move = Wait | EndRun | CallModel | AppendAction | AppendDelegates | RejectCalls
 
 
 def planned_actions(response: events.LlmResponse) -> tuple[list[events.Action], list[str]]:
@@ -320,7 +441,9 @@ def planned_actions(response: events.LlmResponse) -> tuple[list[events.Action], 
         arguments = function.get("arguments") if isinstance(function, Mapping) else None
         call_id = raw.get("id") if isinstance(raw, Mapping) else None
         try:
-            action = action_from_call(str(name or ""), arguments if isinstance(arguments, str) else "{}")
+            action = action_from_call(
+                str(name or ""), arguments if isinstance(arguments, str) else "{}", ROLE_TOOL_ACTIONS
+            )
         except InputError as exc:
             problems.append(f"tool call {call_id}: {exc}")
             continue
@@ -348,6 +471,13 @@ def next_move(run: Run | None) -> Move:
                 return Wait()
             done = len(run.actions)
             if done < len(planned):
+                together: list[events.Delegate] = []
+                for action in planned[done:]:
+                    if not isinstance(action, events.Delegate):
+                        break
+                    together.append(action)
+                if together:
+                    return AppendDelegates(response.id, done, tuple(together))
                 return AppendAction(response.id, done, planned[done])
     over = run.over_limit()
     if over is not None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import msgspec
 
 from riverbed import events
-from riverbed.agent.client import Bus, Session
+from riverbed.client.session import Bus, Session
 from riverbed.errors import InputError
 
 __all__ = ["Step", "load_script", "parse_script", "run_script", "run_scripted_agent"]

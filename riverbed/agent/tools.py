@@ -17,7 +17,7 @@ import msgspec
 from riverbed import events
 from riverbed.errors import InputError
 
-__all__ = ["TOOL_ACTIONS", "action_from_call", "tool_names", "tool_schema", "tools"]
+__all__ = ["ROLE_TOOL_ACTIONS", "TOOL_ACTIONS", "action_from_call", "tool_names", "tool_schema", "tools"]
 
 #: The action kinds the agent may call, in the order the model sees them.
 TOOL_ACTIONS: tuple[type[events.Action], ...] = (
@@ -30,6 +30,8 @@ TOOL_ACTIONS: tuple[type[events.Action], ...] = (
     events.Think,
     events.Finish,
 )
+#: The agent role's tools: those and ``delegate`` (sub-agents exist only where the role runs).
+ROLE_TOOL_ACTIONS: tuple[type[events.Action], ...] = (*TOOL_ACTIONS[:-1], events.Delegate, events.Finish)
 
 _ENVELOPE = frozenset(("kind", "id", "source", "cause", "ts", "agent", "tenant", "trace", "v", "tool_call_id"))
 
@@ -87,6 +89,17 @@ _TOOLS: dict[str, tuple[str, dict[str, str]]] = {
         "Write down reasoning without acting; use it to plan a hard step.",
         {"thought": "The reasoning."},
     ),
+    "delegate": (
+        "Hand a self-contained part of the work to a sub-agent: it works in a session of its own (its own "
+        "workspace) with the same tools and returns its final message. Several delegate calls in one response "
+        "run in parallel. Say everything it needs in the task.",
+        {
+            "task": "What the sub-agent should do and what it should report back, self-contained.",
+            "max_steps": "At most this many model calls for the sub-agent.",
+            "max_tokens": "At most this many tokens for the sub-agent (capped by its share of yours).",
+            "max_cost": "At most this many USD for the sub-agent (capped by its share of yours).",
+        },
+    ),
     "finish": (
         "Finish the task: call this once the work is done and checked.",
         {
@@ -97,8 +110,8 @@ _TOOLS: dict[str, tuple[str, dict[str, str]]] = {
 }
 
 
-def tool_names() -> list[str]:
-    return [events.kind_of(cls) for cls in TOOL_ACTIONS]
+def tool_names(kinds: tuple[type[events.Action], ...] = TOOL_ACTIONS) -> list[str]:
+    return [events.kind_of(cls) for cls in kinds]
 
 
 def tool_schema(cls: type[events.Action]) -> dict[str, Any]:
@@ -126,10 +139,10 @@ def tool_schema(cls: type[events.Action]) -> dict[str, Any]:
     return schema
 
 
-def tools() -> list[dict[str, Any]]:
-    """The ``tools`` parameter of a chat completion request."""
+def tools(kinds: tuple[type[events.Action], ...] = TOOL_ACTIONS) -> list[dict[str, Any]]:
+    """The ``tools`` parameter of a chat completion request (the ``kinds`` the model may call)."""
     out = []
-    for cls in TOOL_ACTIONS:
+    for cls in kinds:
         kind = events.kind_of(cls)
         out.append(
             {
@@ -143,9 +156,9 @@ def tools() -> list[dict[str, Any]]:
 _arguments = msgspec.json.Decoder(dict[str, Any])
 
 
-def action_from_call(name: str, arguments: str) -> events.Action:
-    """The action a tool call asks for; :class:`InputError` says what is wrong with it."""
-    classes = {events.kind_of(cls): cls for cls in TOOL_ACTIONS}
+def action_from_call(name: str, arguments: str, kinds: tuple[type[events.Action], ...] = TOOL_ACTIONS) -> events.Action:
+    """The action a tool call asks for (one of ``kinds``); :class:`InputError` says what is wrong with it."""
+    classes = {events.kind_of(cls): cls for cls in kinds}
     cls = classes.get(name)
     if cls is None:
         raise InputError(f"there is no tool {name!r}; the tools are {', '.join(classes)}")

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from msgspec.structs import replace
 
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.agent.replay import RuntimeStart, start_runtime_after, write_copies
 from riverbed.bus.log import answered_cause
+from riverbed.client.session import Bus
 from riverbed.errors import AppendConflict, InputError
 
 __all__ = ["IMPORT_BATCH", "ImportRow", "import_session", "normalise_ts", "parse_import"]

@@ -30,6 +30,7 @@ import contextlib
 import datetime as dt
 import math
 from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Unpack
 
 import anyio
 import asyncpg
@@ -45,7 +46,7 @@ from riverbed.bus.keys import PAYLOAD_FIELD, ROLES, Keys
 from riverbed.bus.log import PAGE, entry_id
 from riverbed.bus.redis_client import RawClient, RedisClient, as_client
 from riverbed.errors import InputError, RiverbedError, UnavailableError
-from riverbed.pg import LazyPool, check_schema, migrate
+from riverbed.pg import LazyPool, PoolOptions, check_schema, migrate
 
 __all__ = ["Archive", "Retention", "first_stream_id", "retain", "safe_point"]
 
@@ -75,26 +76,14 @@ class Archive:
     """The archive table over a small asyncpg pool.  The constructor does no I/O; the pool
     is opened (and the table created) by the first call that needs it."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        schema: str = "rb",
-        max_size: int = 4,
-        connect_timeout: float = 5.0,
-        command_timeout: float = 60.0,
-    ) -> None:
+    def __init__(self, url: str, *, schema: str = "rb", **pool: Unpack[PoolOptions]) -> None:
         self.url = url
         self.schema = schema
         self._s = check_schema(schema)
-        self._pg = LazyPool(
-            url,
-            what=f"log archive in Postgres at {redact(url)}",
-            prepare=self._migrate,
-            max_size=max_size,
-            connect_timeout=connect_timeout,
-            command_timeout=command_timeout,
-        )
+        # The archive's own defaults: a small pool, and time for a copy of a whole batch.
+        pool.setdefault("max_size", 4)
+        pool.setdefault("command_timeout", 60.0)
+        self._pg = LazyPool(url, what=f"log archive in Postgres at {redact(url)}", prepare=self._migrate, **pool)
 
     @property
     def started(self) -> bool:

@@ -45,6 +45,7 @@ __all__ = [
     "RawClient",
     "Turn",
     "connect_redis",
+    "group_lost",
     "redact",
     "release_at_once",
     "stream_read_keys",
@@ -129,8 +130,17 @@ def closed_under_us(exc: BaseException) -> bool:
     """Whether ``exc`` is redis-py leaking a transport's internals because a connection was
     closed while a command was on it (another task dropped it in a failover, or the peer reset
     it): ``'NoneType' object has no attribute 'writelines'``, or ``... is not callable``
-    (redis/redis-py#4287).  That is a lost connection."""
+    (redis/redis-py#4287), or under uvloop a write to the closed transport (``unable to perform
+    operation on <TCPTransport closed=True ...>; the handler is closed``).  That is a lost
+    connection."""
+    if isinstance(exc, RuntimeError):
+        return "the handler is closed" in str(exc)
     return isinstance(exc, AttributeError | TypeError) and "'NoneType' object" in str(exc)
+
+
+def group_lost(exc: Exception) -> bool:
+    """Whether Redis answered that a consumer group (or its stream) does not exist (any more)."""
+    return isinstance(exc, rexc.ResponseError) and str(exc).startswith(("NOGROUP", "UNBLOCKED"))
 
 
 @contextlib.contextmanager
@@ -139,7 +149,7 @@ def _closed_under_us() -> Iterator[None]:
     so that :func:`translate` and every retry treat it as the lost connection it is."""
     try:
         yield
-    except (AttributeError, TypeError) as exc:
+    except (AttributeError, TypeError, RuntimeError) as exc:
         if not closed_under_us(exc):
             raise
         raise rexc.ConnectionError(f"the connection was closed under a command ({exc})") from exc

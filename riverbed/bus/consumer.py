@@ -1,9 +1,12 @@
 """The consumer loop of one role in one worker: take sessions, serve them, survive crashes.
 
-An :class:`Owner` wires three rooms together and keeps what they share (the sessions it owns,
-its counters, its failures, whether it is stopping):
+An :class:`Owner` wires three rooms together.  It hands each one what it uses, never itself
+(``bus/handles.py``): the frozen :class:`Handles` (client, keys, log, leases, claims, dead
+letters...), the :class:`OwnerState` they share (the sessions it owns, its counters, its
+failures, whether it is stopping), and plain callables where a room tells the owner something
+(a session was acquired, a session loop ended):
 
-- **leasing** (``bus/leasing.py``): intake, reclaim and renew;
+- **the lease loops** (``bus/lease_loops.py``): intake, reclaim and renew;
 - **the session loop** (``bus/session_loop.py``): one per owned session; it reads when the
   session's wake-up rings (``bus/wakeups.py``) and sends a held answer with its next read;
 - **dispatch** (``bus/dispatch.py``): hands batches to the role's :class:`Handler`, backs off
@@ -25,56 +28,46 @@ and re-announce each session so a peer takes it at once.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import anyio
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
 from riverbed.bus.backoff import retry_unavailable
-from riverbed.bus.claims import Claims
 from riverbed.bus.connection import RawClient
 from riverbed.bus.dispatch import Dispatcher
-from riverbed.bus.dlq import DeadLetters
-from riverbed.bus.failures import Failures
-from riverbed.bus.grouped import Batched, GroupedAnswers, GroupedPending, GroupedReads
-from riverbed.bus.handling import Answer, Entry, Handler, OwnerStats, SessionContext
+from riverbed.bus.handles import Handles, HotReads, Owned, OwnerState, OwnerStats
+from riverbed.bus.handling import Answer, Entry, Handler, SessionContext
 from riverbed.bus.keys import Keys
-from riverbed.bus.leasing import Leasing
-from riverbed.bus.log import Log
-from riverbed.bus.ownership import Leases
-from riverbed.bus.redis_client import RedisClient, as_client
-from riverbed.bus.session_loop import READ_COUNT, SessionLoop
+from riverbed.bus.lease_loops import LeaseLoops
+from riverbed.bus.session_loop import SessionLoop
 from riverbed.bus.wakeups import Wakeups
 from riverbed.errors import UnavailableError
 
-__all__ = ["Answer", "Entry", "Handler", "HotReads", "Owned", "Owner", "OwnerStats", "SessionContext"]
+if TYPE_CHECKING:
+    from riverbed.bus.action_claims import Claims
+    from riverbed.bus.dlq import DeadLetters
+    from riverbed.bus.failures import Failures
+    from riverbed.bus.grouped import Batched
+    from riverbed.bus.leases import Leases
+    from riverbed.bus.log import Log
+    from riverbed.bus.redis_client import RedisClient
+
+__all__ = [
+    "Answer",
+    "Entry",
+    "Handler",
+    "Handles",
+    "HotReads",
+    "Owned",
+    "Owner",
+    "OwnerState",
+    "OwnerStats",
+    "SessionContext",
+]
 
 log = structlog.get_logger("riverbed.worker")
-
-
-@dataclass
-class HotReads:
-    """A few connections of a worker's on which busy sessions wait for their next entry
-    (``bus/session_loop.py``); ``slots`` bounds how many wait at once (one connection each)."""
-
-    client: RedisClient
-    slots: anyio.CapacityLimiter
-
-
-@dataclass
-class Owned:
-    """A session this owner holds: its directory entry, fencing token and loop's cancel scope."""
-
-    entry: str
-    token: int
-    scope: anyio.CancelScope
-    lost: bool = False
-    """Its lease renewal failed (another owner holds it now): the loop was cancelled for it."""
-    meta: tuple[str | None, str] | None = None
-    """The session's tenant and creation stamp as the acquire read them (None: not read)."""
 
 
 class Owner:
@@ -96,56 +89,103 @@ class Owner:
         hot: HotReads | None = None,
     ) -> None:
         self.redis = redis
-        self.keys = keys
+        """The redis-py client the wake-up feeds open their connections from."""
         self.handler = handler
-        self.role = handler.role
-        self.worker = worker
         self.capacity = capacity
-        self.lease_seconds = lease_seconds
-        self.park_after = park_after
-        self.max_attempts = max_attempts
-        self.url = url
-        self.client = as_client(redis, url)
-        """The typed adapter every command goes through (``redis`` stays the redis-py client the
-        wake-up feeds open their connections from)."""
-        self.batch = Batched(self.client)
-        """The commands of taking a session, sent together for the sessions taken at once."""
-        self.log = Log(self.client, keys, url, batch=self.batch)
-        lease_ms = math.ceil(lease_seconds * 1000)
-        self.leases = Leases(self.client, keys, self.role, worker=worker, lease_ms=lease_ms, url=url, batch=self.batch)
-        self.dlq = DeadLetters(self.client, keys, url)
-        self.claims = Claims(self.client, keys, worker=worker, lease_seconds=lease_seconds, url=url)
-        self.owned: dict[str, Owned] = {}
-        self.stats = OwnerStats()
-        self.failures = Failures()
-        """The role loops failing right now (shown by ``/readyz`` and ``riverbed status``)."""
-        self.ready = False
-        self.stopping = anyio.Event()
         self._own_wakeups = wakeups is None
-        self.wakeups = wakeups if wakeups is not None else Wakeups(redis, keys)
-        """Shared by the worker's roles; an owner made alone runs its own."""
-        self.hot = hot
-        """Without it every read is a non-blocking one after a wake-up."""
-        self.reads = GroupedReads(self.client, self.role, worker, READ_COUNT)
-        self.answers = GroupedAnswers(self.client)
-        self.pending = GroupedPending(self.client, self.role)
-        """The sessions' reads without waiting, answers sent on their own and checks for stray
-        entries go together when their loops ask together (``bus/grouped.py``)."""
-        self.dispatcher = Dispatcher(self)
-        self.leasing = Leasing(self)
-        self._changed = anyio.Event()
+        self.handles = Handles.open(
+            redis,
+            keys,
+            handler.role,
+            worker=worker,
+            wakeups=wakeups if wakeups is not None else Wakeups(redis, keys),
+            lease_seconds=lease_seconds,
+            park_after=park_after,
+            max_attempts=max_attempts,
+            url=url,
+            hot=hot,
+        )
+        """What the rooms talk to Redis through (the wake-ups are shared by the worker's roles;
+        an owner made alone runs its own)."""
+        self.state = OwnerState()
+        """What the rooms share: the sessions owned, the counters, the failures, the stop signal."""
+        self.ready = False
+        self.dispatcher = Dispatcher(self.handles, handler, stats=self.state.stats, stopping=self.state.stopping)
+        self.lease_loops = LeaseLoops(self.handles, self.state, capacity=capacity, start_session=self.start_session)
         self._drained = anyio.Event()
         self._tg: TaskGroup | None = None
 
+    # What the worker, its metrics and the tests read of an owner.
+    @property
+    def role(self) -> str:
+        return self.handles.role
+
+    @property
+    def worker(self) -> str:
+        return self.handles.worker
+
+    @property
+    def keys(self) -> Keys:
+        return self.handles.keys
+
+    @property
+    def client(self) -> RedisClient:
+        return self.handles.client
+
+    @property
+    def log(self) -> Log:
+        return self.handles.log
+
+    @property
+    def leases(self) -> Leases:
+        return self.handles.leases
+
+    @property
+    def claims(self) -> Claims:
+        return self.handles.claims
+
+    @property
+    def dlq(self) -> DeadLetters:
+        return self.handles.dlq
+
+    @property
+    def batch(self) -> Batched:
+        return self.handles.batch
+
+    @property
+    def wakeups(self) -> Wakeups:
+        return self.handles.wakeups
+
+    @property
+    def lease_seconds(self) -> float:
+        return self.handles.lease_seconds
+
+    @property
+    def owned(self) -> dict[str, Owned]:
+        return self.state.owned
+
+    @property
+    def stats(self) -> OwnerStats:
+        return self.state.stats
+
+    @property
+    def failures(self) -> Failures:
+        """The role loops failing right now (shown by ``/readyz`` and ``riverbed status``)."""
+        return self.state.failures
+
+    @property
+    def stopping(self) -> anyio.Event:
+        return self.state.stopping
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        await retry_unavailable(self.leases.ensure_group, stopping=self.stopping)
+        await retry_unavailable(self.handles.leases.ensure_group, stopping=self.state.stopping)
         async with anyio.create_task_group() as tg:
             self._tg = tg
             if self._own_wakeups:
-                await tg.start(self.wakeups.run)
-            tg.start_soon(self.leasing.intake)
-            tg.start_soon(self.leasing.reclaim)
-            tg.start_soon(self.leasing.renew)
+                await tg.start(self.handles.wakeups.run)
+            tg.start_soon(self.lease_loops.intake)
+            tg.start_soon(self.lease_loops.reclaim)
+            tg.start_soon(self.lease_loops.renew)
             self.ready = True
             task_status.started()
             await self._drained.wait()
@@ -154,50 +194,50 @@ class Owner:
     async def drain(self, deadline: float) -> None:
         """Stop taking sessions; let in-flight work finish for up to ``deadline`` seconds, then
         cancel what is left.  Every session is released (and re-announced) before this returns."""
-        self.stopping.set()
+        state = self.state
+        state.stopping.set()
         # Each loop ends by itself once its batch is done (woken now, not at its next check):
         # a loop cancelled in the middle of a command can leave redis-py's connection half read.
-        self.wakeups.ring_all()
-        await self.wait_for(lambda: not self.owned, deadline)
-        for owned in list(self.owned.values()):
+        self.handles.wakeups.ring_all()
+        await state.wait_for(lambda: not state.owned, deadline)
+        for owned in list(state.owned.values()):
             owned.scope.cancel()
-        await self.wait_for(lambda: not self.owned, max(1.0, deadline))
+        await state.wait_for(lambda: not state.owned, max(1.0, deadline))
         self._drained.set()
 
     def start_session(self, session: str, entry: str, token: int, meta: tuple[str | None, str] | None = None) -> None:
         """Serve ``session``, just acquired with ``token``, in a loop of its own (``meta``: its
         tenant and creation stamp, when the acquire read them)."""
-        owned = self.owned[session] = Owned(entry=entry, token=token, scope=anyio.CancelScope(), meta=meta)
+        owned = self.state.owned[session] = Owned(entry=entry, token=token, scope=anyio.CancelScope(), meta=meta)
         assert self._tg is not None
-        self._tg.start_soon(SessionLoop(self, session, owned).serve)
+        loop = SessionLoop(
+            self.handles,
+            self.state,
+            self.handler,
+            session,
+            owned,
+            dispatch=self.dispatcher.dispatch,
+            finish=self.finish,
+        )
+        self._tg.start_soon(loop.serve)
 
     async def finish(self, loop: SessionLoop, parked: bool) -> None:
         """A session loop ended: close the handler's session, forget it, release its lease
         (unless it was parked, which released it already)."""
+        role = self.handles.role
         try:
             await self.handler.close(loop.ctx)
         except Exception:
-            log.exception("handler.close_failed", role=self.role, session=loop.session)
-        if self.owned.get(loop.session) is loop.owned:
-            del self.owned[loop.session]
+            log.exception("handler.close_failed", role=role, session=loop.session)
+        if self.state.owned.get(loop.session) is loop.owned:
+            del self.state.owned[loop.session]
         if not parked:
             try:
-                await self.leases.release(loop.session, loop.owned.entry, loop.owned.token)
+                await self.handles.leases.release(loop.session, loop.owned.entry, loop.owned.token)
             except UnavailableError as exc:
-                log.warning("release.unavailable", role=self.role, session=loop.session, error=str(exc))
+                log.warning("release.unavailable", role=role, session=loop.session, error=str(exc))
             except Exception:
                 # Never the owner's end: the lease runs out and a peer reclaims the session.
-                log.exception("release.failed", role=self.role, session=loop.session)
-        self.leasing.slot_freed.set()
-        self.changed()
-
-    def changed(self) -> None:
-        """The owned sessions changed: wake :meth:`wait_for`."""
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    async def wait_for(self, done: Callable[[], bool], timeout: float) -> None:
-        """Wait until ``done()`` (about the owned sessions) holds, for at most ``timeout`` seconds."""
-        with anyio.move_on_after(timeout):
-            while not done():
-                await self._changed.wait()
+                log.exception("release.failed", role=role, session=loop.session)
+        self.lease_loops.slot_freed.set()
+        self.state.changed()

@@ -14,19 +14,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING
 
+import anyio
 import msgspec
 import structlog
 
 from riverbed import events
 from riverbed.bus.backoff import Backoff, retry_unavailable
-from riverbed.bus.handling import Answer, Entry, SessionContext
+from riverbed.bus.handles import Handles, OwnerStats
+from riverbed.bus.handling import Answer, Entry, Handler, SessionContext
 from riverbed.bus.log import entry_id
 from riverbed.errors import AppendConflict, FencedError, UnavailableError
-
-if TYPE_CHECKING:
-    from riverbed.bus.consumer import Owner
 
 __all__ = ["Dispatcher"]
 
@@ -34,13 +32,15 @@ log = structlog.get_logger("riverbed.worker")
 
 
 class Dispatcher:
-    """Runs batches through one owner's handler."""
+    """Runs batches through one owner's handler (``stopping``: the owner's, which ends the
+    waits for Redis; ``stats``: the owner's counters)."""
 
-    def __init__(self, owner: Owner) -> None:
-        self.owner = owner
-        self.handler = owner.handler
-        self.role = owner.role
-        self.stats = owner.stats
+    def __init__(self, handles: Handles, handler: Handler, *, stats: OwnerStats, stopping: anyio.Event) -> None:
+        self.handles = handles
+        self.handler = handler
+        self.role = handles.role
+        self.stats = stats
+        self.stopping = stopping
 
     async def dispatch(self, ctx: SessionContext, batch: list[Entry], *, recovering: bool) -> Answer | None:
         """Hand a batch to the handler (``recover`` for entries in flight on a previous owner,
@@ -50,7 +50,7 @@ class Dispatcher:
         failures: dict[int, str] = {}  # an entry's last error, for its dead letter
         todo = batch
         backoff = Backoff(cap=5.0)
-        max_attempts = self.owner.max_attempts
+        max_attempts = self.handles.max_attempts
         while todo:
             poison = [e for e in todo if e.undecodable or e.deliveries + attempts.get(e.id, 0) > max_attempts]
             if poison:
@@ -81,7 +81,7 @@ class Dispatcher:
             except (UnavailableError, AppendConflict) as exc:
                 log.warning("handler.retry", role=self.role, session=ctx.session, error=str(exc))
                 await backoff.pause()
-                todo = await retry_unavailable(partial(self._unacked, ctx, todo), stopping=self.owner.stopping)
+                todo = await retry_unavailable(partial(self._unacked, ctx, todo), stopping=self.stopping)
                 continue
             except Exception as exc:
                 log.exception("handler.failed", role=self.role, session=ctx.session, error=str(exc))
@@ -89,7 +89,7 @@ class Dispatcher:
                     attempts[entry.id] = attempts.get(entry.id, 0) + 1
                     failures[entry.id] = f"{type(exc).__name__}: {exc}"
                 await backoff.pause()
-                todo = await retry_unavailable(partial(self._unacked, ctx, todo), stopping=self.owner.stopping)
+                todo = await retry_unavailable(partial(self._unacked, ctx, todo), stopping=self.stopping)
                 continue
             finally:
                 self.stats.observe_handler(time.perf_counter() - started)
@@ -100,9 +100,9 @@ class Dispatcher:
 
     async def _unacked(self, ctx: SessionContext, entries: list[Entry]) -> list[Entry]:
         """The entries of ``entries`` that are still pending (a failed batch may be half done)."""
-        owner = self.owner
-        pending = await owner.client.xpending_range(
-            owner.keys.log(ctx.session),
+        handles = self.handles
+        pending = await handles.client.xpending_range(
+            handles.keys.log(ctx.session),
             self.role,
             min=f"{entries[0].id}-0",
             max=f"{entries[-1].id}-0",
@@ -116,7 +116,9 @@ class Dispatcher:
         session: one ``error`` each, answering the entry if it is an action of this role.  A few
         round trips per batch, however many entries: a flood of garbage cannot stall a session."""
         self.stats.dead_letters += len(poison)
-        letters = await self.owner.dlq.add_many(ctx.session, self.role, [(e.id, r, a, e.payload) for e, r, a in poison])
+        letters = await self.handles.dlq.add_many(
+            ctx.session, self.role, [(e.id, r, a, e.payload) for e, r, a in poison]
+        )
         notices: list[events.Error] = []
         for (entry, reason, attempts), letter in zip(poison, letters, strict=True):
             log.error("entry.dead_lettered", role=self.role, session=ctx.session, event_id=entry.id, reason=reason)

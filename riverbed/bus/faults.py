@@ -4,9 +4,13 @@
 the first) it passes ``crashpoint(<point>)``; ``RIVERBED_PAUSE_AT=<point>[:<n>]`` makes it
 SIGSTOP itself there instead (a GC stall, a frozen VM: the test sends SIGCONT).  Unset
 (always, in production) the check is one comparison.  Points: ``after_read``,
-``after_claim``, ``start_gate`` (each check before a start), ``after_side_effect``,
+``after_claim``, ``start_gate`` (each check before a start), ``after_start_gate`` (a check that let
+the start through), ``after_side_effect``,
 ``after_append``, ``before_ack``, ``during_renew``, ``after_index``; the agent role's ``agent_before_llm``,
-``agent_after_response``, ``agent_between_actions``.
+``agent_after_response``, ``agent_between_actions``, ``agent_delegating`` (before each child
+session is made sure of) and ``agent_reporting`` (before a child's ``delegate_result`` goes to its parent), and
+``model_connected`` (the model client connected, its request not yet sent) and ``model_sending``
+(after each part of a request the model client wrote, the request not yet complete).
 """
 
 from __future__ import annotations

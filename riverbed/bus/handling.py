@@ -8,24 +8,26 @@ return an :class:`Answer`: the session loop sends it in one write with its next 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
+import anyio
 import msgspec
 from msgspec.structs import replace
 
 from riverbed import events, tracing
+from riverbed.bus.action_claims import Claimed
 from riverbed.bus.backoff import retry_unavailable
-from riverbed.bus.claims import Claimed
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.grouped import ALONE
+from riverbed.bus.handles import Handles, OwnerStats
 from riverbed.bus.keys import PAYLOAD_FIELD
-from riverbed.bus.log import AlreadyAnswered, Fence, PreparedAppend, decode_entry, entry_id
+from riverbed.bus.log import AlreadyAnswered, Fence, PreparedAppend, answered_cause, decode_entry, entry_id
+from riverbed.bus.redis_client import Pipeline
 from riverbed.errors import AppendConflict
-
-if TYPE_CHECKING:
-    from riverbed.bus.consumer import Owner
 
 __all__ = ["Answer", "Entry", "Handler", "OwnerStats", "SessionContext"]
 
@@ -57,31 +59,6 @@ class Answer(NamedTuple):
     observation: events.Observation
 
 
-@dataclass
-class OwnerStats:
-    """Counters an operator pages on; exported as Prometheus metrics by the worker.
-
-    Handler durations are not kept one by one: each is counted, summed and passed to the
-    ``observers`` (the worker's latency histogram), so memory stays constant.
-    """
-
-    handled: int = 0
-    redeliveries: int = 0
-    dead_letters: int = 0
-    takeovers: int = 0
-    append_conflicts: int = 0
-    lost: int = 0
-    handler_calls: int = 0
-    handler_seconds_total: float = 0.0
-    observers: list[Callable[[float], None]] = field(default_factory=list)
-
-    def observe_handler(self, seconds: float) -> None:
-        self.handler_calls += 1
-        self.handler_seconds_total += seconds
-        for observe in self.observers:
-            observe(seconds)
-
-
 class SavedFold(msgspec.Struct, array_like=True):
     """A role's fold of a session's events 1..``last``, saved so that the next owner reads
     only the log after it; ``created`` is the log's creation stamp (a log made again under
@@ -93,15 +70,33 @@ class SavedFold(msgspec.Struct, array_like=True):
 
 
 class SessionContext:
-    """What a handler may do for the session it serves, with the owner's fencing token."""
+    """What a handler may do for the session it serves, with the owner's fencing token.
 
-    def __init__(self, owner: Owner, session: str, token: int, meta: tuple[str | None, str] | None = None) -> None:
-        self._owner = owner
+    Made from the owner's :class:`~riverbed.bus.handles.Handles` alone: ``stopping`` ends its
+    retries while Redis is unreachable, ``stats`` counts its append conflicts (both fresh when
+    not given: a handler driven without an owner), ``ignores_own_answers`` is the handler's.
+    """
+
+    def __init__(
+        self,
+        handles: Handles,
+        session: str,
+        token: int,
+        meta: tuple[str | None, str] | None = None,
+        *,
+        stopping: anyio.Event | None = None,
+        stats: OwnerStats | None = None,
+        ignores_own_answers: bool = False,
+    ) -> None:
+        self._handles = handles
+        self._stopping = stopping if stopping is not None else anyio.Event()
+        self._stats = stats if stats is not None else OwnerStats()
+        self._ignores_own_answers = ignores_own_answers
         self.session = session
-        self.role = owner.role
-        self.worker = owner.worker
-        self.fence = Fence(owner.role, token)
-        self.log = owner.log
+        self.role = handles.role
+        self.worker = handles.worker
+        self.fence = Fence(handles.role, token)
+        self.log = handles.log
         self.last_seen = 0
         self.delivered = 0
         """The last id this role's group delivered to this loop (set as each batch is dispatched)."""
@@ -119,13 +114,13 @@ class SessionContext:
         ``together``: in one write with the answers other loops send in this turn (``bus/grouped.py``).
         """
         append = self.prepare_answer(entry, observation, ack=ack)
-        reply = await self._owner.answers.reply(append) if together else ALONE
+        reply = await self._handles.answers.reply(append) if together else ALONE
         if isinstance(reply, list):
             result = await append.outcome(reply)
         else:  # alone: not asked to group, a cluster, a lone answer, or a grouped write that failed for it
             # Retried until Redis answers: the one-answer guard makes a repeat of an append that did
             # go through a no-op, and giving up here would make the loop run the action again.
-            result = await retry_unavailable(append.run, stopping=self._owner.stopping)
+            result = await retry_unavailable(append.run, stopping=self._stopping)
         if not ack:
             return None if isinstance(result, AlreadyAnswered) else result[0]
         return await self.answered(entry, result)
@@ -145,7 +140,7 @@ class SessionContext:
             [(events.encode(obs), entry.id)],
             fence=self.fence,
             ack=(self.role, f"{entry.id}-0") if ack else None,
-            pass_own=self.delivered if self._owner.handler.ignores_own_answers else None,
+            pass_own=self.delivered if self._ignores_own_answers else None,
         )
 
     async def answered(self, entry: Entry, result: list[int] | AlreadyAnswered) -> int | None:
@@ -161,39 +156,106 @@ class SessionContext:
     ) -> list[int]:
         """Append ``batch`` with the owner's fencing token; counts an :class:`AppendConflict`.
         With ``idempotency_key``, a repeat returns the ids of the first append."""
-        try:
+        with self._conflicts_counted():
             result = await self.log.append(
                 self.session, batch, fence=self.fence, expected_last=expected_last, idempotency_key=idempotency_key
             )
-        except AppendConflict:
-            self._owner.stats.append_conflicts += 1
-            raise
         if isinstance(result, AlreadyAnswered):
             return []
         return result
 
-    async def ack(self, ids: Sequence[int]) -> None:
-        if not ids:
+    async def append_events(
+        self,
+        batch: Sequence[events.Event],
+        *,
+        expected_last: int | None = None,
+        idempotency_key: str | None = None,
+        pass_own: bool = False,
+    ) -> list[events.Event]:
+        """Append ``batch`` as :meth:`append` does; returns the events as the log now holds them
+        (decoded from the payloads written, with their ids) when this call appended them, so that
+        the caller can fold them without reading them back, else [] (a repeat: the log holds the
+        first try's).
+
+        ``pass_own``: the caller never needs these events delivered (it folds what it writes and
+        reads the log for the rest), so when this role's group had delivered the whole log before
+        them, the append moves the group past them (a read and an acknowledgement saved)."""
+        pairs = [(events.encode(event), answered_cause(event)) for event in batch]
+        delivered = self.delivered
+        prepared = self.log.prepare(
+            self.session,
+            pairs,
+            fence=self.fence,
+            expected_last=expected_last,
+            idempotency_key=idempotency_key,
+            ack=(self.role, "") if pass_own else None,
+            pass_own=delivered if pass_own else None,
+        )
+        with self._conflicts_counted():
+            result = await prepared.run()
+        if isinstance(result, AlreadyAnswered) or not prepared.appended:
+            return []
+        if pass_own and result and result[0] == delivered + 1:
+            # The group moved past them (the script's test): they count as delivered and seen.
+            self.delivered = result[-1]
+            self.last_seen = max(self.last_seen, result[-1])
+        return [decode_entry(payload, event_id) for (payload, _cause), event_id in zip(pairs, result, strict=True)]
+
+    @contextlib.contextmanager
+    def _conflicts_counted(self) -> Iterator[None]:
+        """An :class:`AppendConflict` of the block is counted in the owner's stats (and raised)."""
+        try:
+            yield
+        except AppendConflict:
+            self._stats.append_conflicts += 1
+            raise
+
+    async def ack(self, ids: Sequence[int], *, along: Callable[[Pipeline], None] | None = None) -> None:
+        """Acknowledge ``ids``; ``along`` queues other writes to go in the same round trip (the
+        agent role's run summary)."""
+        if not ids and along is None:
             return
         crashpoint("before_ack")
-        owner = self._owner
-        await owner.client.xack(owner.keys.log(self.session), self.role, *[f"{i}-0" for i in ids])
+        handles = self._handles
+        key, acked = handles.keys.log(self.session), [f"{i}-0" for i in ids]
+        if along is None:
+            await handles.client.xack(key, self.role, *acked)
+            return
+        async with handles.client.pipeline() as pipe:
+            along(pipe)
+            if acked:
+                pipe.xack(key, self.role, *acked)
+            await pipe.execute()
 
     async def claim(self, entry: Entry, *, force: bool = False, again: Claimed | None = None) -> Claimed:
-        """Claim ``entry`` with the owner's fencing token before running it (``bus/claims.py``);
+        """Claim ``entry`` with the owner's fencing token before running it (``bus/action_claims.py``);
         :class:`FencedError` when this owner's lease was taken over."""
-        return await self._owner.claims.claim(
-            self.session, entry.id, self.fence, force=force, again=again, stopping=self._owner.stopping
+        return await self._handles.claims.claim(
+            self.session, entry.id, self.fence, force=force, again=again, stopping=self._stopping
         )
 
+    async def holds(self) -> bool:
+        """Whether this worker still holds the session with this context's fencing token (one
+        read): work that costs outside the log (a model call) asks first, so an owner paused past
+        its lease and resumed does not do it again for a session a peer has taken over.
+
+        A reply that took more than a quarter of the lease to come is asked for again: the
+        process may have been paused while it waited (it says what held before the pause)."""
+        handles = self._handles
+        while True:
+            asked = time.monotonic()
+            held = await handles.leases.holds(self.session, self.fence.token)
+            if not held or time.monotonic() - asked <= handles.lease_seconds / 4:
+                return held
+
     async def is_answered(self, action_id: int) -> bool:
-        owner = self._owner
-        return await owner.client.hexists(owner.keys.answers(self.session), str(action_id))
+        handles = self._handles
+        return await handles.client.hexists(handles.keys.answers(self.session), str(action_id))
 
     async def saved_fold(self) -> SavedFold | None:
         """This role's fold of the session saved by an owner before (None: none for this log)."""
-        owner = self._owner
-        raw = await owner.batch.hget(owner.keys.folds(self.session), self.role)
+        handles = self._handles
+        raw = await handles.batch.hget(handles.keys.folds(self.session), self.role)
         if raw is None:
             return None
         try:
@@ -204,9 +266,9 @@ class SessionContext:
 
     async def save_fold(self, last: int, blob: bytes) -> None:
         """Save this role's fold of events 1..``last`` (derived from the log: any owner's is right)."""
-        owner = self._owner
+        handles = self._handles
         saved = SavedFold(created=await self.created(), last=last, blob=blob)
-        await owner.client.hset(owner.keys.folds(self.session), self.role, msgspec.msgpack.encode(saved))
+        await handles.client.hset(handles.keys.folds(self.session), self.role, msgspec.msgpack.encode(saved))
 
     async def created(self) -> str:
         """The log's creation stamp ('' when the session has none: Redis lost it)."""
@@ -226,8 +288,8 @@ class SessionContext:
 
     async def delivered_up_to(self) -> int:
         """The last id the log already delivered to this role's group (0: none)."""
-        owner = self._owner
-        for group in await owner.client.xinfo_groups(owner.keys.log(self.session)):
+        handles = self._handles
+        for group in await handles.client.xinfo_groups(handles.keys.log(self.session)):
             if group["name"] == self.role.encode():
                 return entry_id(group["last-delivered-id"])
         return 0

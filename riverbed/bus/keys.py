@@ -38,6 +38,11 @@ key                                    what
                                        time (written with ``sessions``; a tenant's list reads only it)
 ``{p}:{p}:tenant-index``               hash: ``done`` once the sessions made before the tenant indexes
                                        existed were added to them (``serve/sessions.py``)
+``{p}:{p}:quotas``                     hash: tenant -> its quotas (JSON: ``max_runs``, ``tokens_per_day``),
+                                       set by the operator (``riverbed tenants set``)
+``{p}:{p}:tenant:<t>:running``         hash: the sessions of tenant ``t`` holding a run slot -> when taken
+``{p}:{p}:tenant:<t>:tokens:<day>``    hash: tokens of ``t``'s runs counted on UTC ``day``: per run
+                                       (``<session>:<run id>``) its tokens so far, ``_total`` their sum
 =====================================  =======================================================
 """
 
@@ -94,6 +99,15 @@ class Keys:
         self.uids = f"{prefix}:{{{prefix}}}:uids"
         self.tenant_index = f"{prefix}:{{{prefix}}}:tenant-index"
         self.runs = f"{prefix}:{{{prefix}}}:runs"
+        self.quotas = f"{prefix}:{{{prefix}}}:quotas"
+
+    def tenant_running(self, tenant: str) -> str:
+        """The sessions of ``tenant`` holding one of its run slots (a hash)."""
+        return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:running"
+
+    def tenant_tokens(self, tenant: str, day: str) -> str:
+        """The tokens ``tenant``'s runs spent on UTC ``day`` (``YYYY-MM-DD``; a hash)."""
+        return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:tokens:{day}"
 
     def rate(self, key_id: str) -> str:
         """An HTTP API key's request token bucket."""

@@ -30,7 +30,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict, Unpack
 
 import anyio
 import msgspec
@@ -54,7 +54,7 @@ from riverbed.errors import (
     UnavailableError,
 )
 
-__all__ = ["AlreadyAnswered", "ArchiveReader", "Fence", "Log", "PreparedAppend", "entry_id"]
+__all__ = ["AlreadyAnswered", "AppendOptions", "ArchiveReader", "Fence", "Log", "PreparedAppend", "entry_id"]
 
 IDEMPOTENCY_TTL_MS = 24 * 3600 * 1000
 AUTO_IDEMPOTENCY_TTL_MS = 120 * 1000
@@ -95,6 +95,31 @@ class Fence:
 
     role: str
     token: int
+
+
+class AppendOptions(TypedDict, total=False):
+    """The options of an append, declared once for :meth:`Log.append`, :meth:`Log.append_raw`
+    and :meth:`Log.prepare`."""
+
+    expected_last: int | None
+    """Optimistic concurrency: the append is an :class:`AppendConflict` when the log's last id is another."""
+    idempotency_key: str | None
+    """A retried append under the same key returns the first ids and appends nothing."""
+    fence: Fence | None
+    """A role owner's token: the append is a :class:`FencedError` when the lease was taken over."""
+    ack: tuple[str, bytes | str] | None
+    """(group, entry id): acknowledges the entry being answered in the same script (an empty
+    entry id acknowledges nothing: the group is named for ``pass_own`` only)."""
+    tenant: str | None
+    """The session's tenant: the first append fixes it (no tenant is one too); an append that is
+    not a role owner's must name the same (:class:`TenantMismatch`)."""
+    pass_own: int | None
+    """The last id the ``ack`` group delivered to the caller: the group also moves past what the
+    append adds when that id is the log's last (nothing arrived since), for a role that never
+    needs to see its own answers (or, the agent role, its own moves)."""
+    digest: str | None
+    """Binds ``idempotency_key`` to the request it came with (the HTTP API: a hash of the body):
+    the key used again with another digest is :class:`IdempotencyKeyReused`."""
 
 
 class ArchiveReader(Protocol):
@@ -223,64 +248,19 @@ class Log:
         require_session(session)
 
     async def append(
-        self,
-        session: str,
-        batch: Sequence[events.Event],
-        *,
-        expected_last: int | None = None,
-        idempotency_key: str | None = None,
-        fence: Fence | None = None,
-        ack: tuple[str, bytes | str] | None = None,
-        tenant: str | None = None,
-        pass_own: int | None = None,
-        digest: str | None = None,
+        self, session: str, batch: Sequence[events.Event], **options: Unpack[AppendOptions]
     ) -> list[int] | AlreadyAnswered:
-        """Append ``batch`` in one round trip; returns the new ids (or the first ids on a retry).
-
-        ``ack`` (group, entry id) acknowledges the entry being answered in the same script;
-        ``pass_own``, the last id that group delivered to the caller, also moves the group past
-        the answer when that id is the log's last (nothing arrived since), for a role that never
-        needs to see its own answers."""
-        return await self.append_raw(
-            session,
-            [(events.encode(e), answered_cause(e)) for e in batch],
-            expected_last=expected_last,
-            idempotency_key=idempotency_key,
-            fence=fence,
-            ack=ack,
-            tenant=tenant,
-            pass_own=pass_own,
-            digest=digest,
-        )
+        """Append ``batch`` in one round trip; returns the new ids (or the first ids on a retry)."""
+        return await self.append_raw(session, [(events.encode(e), answered_cause(e)) for e in batch], **options)
 
     async def append_raw(
-        self,
-        session: str,
-        batch: Sequence[tuple[bytes, int]],
-        *,
-        expected_last: int | None = None,
-        idempotency_key: str | None = None,
-        fence: Fence | None = None,
-        ack: tuple[str, bytes | str] | None = None,
-        tenant: str | None = None,
-        pass_own: int | None = None,
-        digest: str | None = None,
+        self, session: str, batch: Sequence[tuple[bytes, int]], **options: Unpack[AppendOptions]
     ) -> list[int] | AlreadyAnswered:
+        """Append (payload, answered cause) pairs, as :meth:`append` does events."""
         if not batch:
             self.check_session(session)
             return []
-        prepared = self.prepare(
-            session,
-            batch,
-            expected_last=expected_last,
-            idempotency_key=idempotency_key,
-            fence=fence,
-            ack=ack,
-            tenant=tenant,
-            pass_own=pass_own,
-            digest=digest,
-        )
-        return await prepared.run()
+        return await self.prepare(session, batch, **options).run()
 
     def prepare(
         self,
@@ -295,10 +275,8 @@ class Log:
         pass_own: int | None = None,
         digest: str | None = None,
     ) -> PreparedAppend:
-        """An append of (payload, answered cause) pairs, ready to run alone or in an exchange.
-
-        ``digest`` binds ``idempotency_key`` to the request it came with (the HTTP API: a hash of
-        the body): the key used again with another digest is :class:`IdempotencyKeyReused`."""
+        """An append of (payload, answered cause) pairs, ready to run alone or in an exchange
+        (:class:`AppendOptions` says what each option does)."""
         self.check_session(session)
         if idempotency_key is not None and not (0 < len(idempotency_key) <= 200):
             raise InputError("an idempotency key must be 1 to 200 characters long")
@@ -420,6 +398,39 @@ class Log:
         self, session: str, start: int = 1, end: int | None = None, *, page: int = PAGE
     ) -> AsyncIterator[tuple[int, bytes]]:
         """(id, payload) pairs of events start..end (inclusive), page by page, archive included."""
+        async for chunk in self._chunks(session, start, end, page):
+            if isinstance(chunk, list):
+                for raw_id, fields in chunk:
+                    yield entry_id(raw_id), fields.get(PAYLOAD_FIELD, b"")
+            else:
+                async for pair in chunk:
+                    yield pair
+
+    async def read(self, session: str, start: int = 1, end: int | None = None) -> AsyncIterator[events.Event]:
+        """Events start..end, archive included; an entry that cannot be decoded at all is
+        yielded as ``Unknown``."""
+        decode = events.decode
+        async for chunk in self._chunks(session, start, end, PAGE):
+            if isinstance(chunk, list):
+                # Replays are the hot path: the entries of a page are decoded in this loop.
+                for raw_id, fields in chunk:
+                    event_id = int(raw_id.partition(b"-")[0])
+                    payload = fields.get(PAYLOAD_FIELD, b"")
+                    try:
+                        event = decode(payload, event_id)
+                    except events.DecodeError:
+                        event = decode_entry(payload, event_id)
+                    yield event
+            else:
+                async for event_id, payload in chunk:
+                    yield decode_entry(payload, event_id)
+
+    async def _chunks(
+        self, session: str, start: int, end: int | None, page: int
+    ) -> AsyncIterator[list[StreamEntry] | AsyncIterator[tuple[int, bytes]]]:
+        """Events start..end in order: the stream's pages of entries and, where the stream was
+        trimmed, the archive's runs of (id, payload) pairs (each run to be read before the next
+        chunk is asked for)."""
         key = self.keys.log(session)
         want = max(start, 1)
         if want > LAST_ID:
@@ -432,50 +443,12 @@ class Log:
                 upto = await self._archived_upto(session, want, end, entries)
                 if upto < want:
                     return
-                async for pair in self._read_archive(session, want, upto):
-                    yield pair
+                yield self._read_archive(session, want, upto)
                 want = upto + 1
                 if not entries:
                     continue
-            for raw_id, fields in entries:
-                yield entry_id(raw_id), fields.get(PAYLOAD_FIELD, b"")
+            yield entries
             if len(entries) < page:
-                return
-            want = entry_id(entries[-1][0]) + 1
-
-    async def read(self, session: str, start: int = 1, end: int | None = None) -> AsyncIterator[events.Event]:
-        """Events start..end, archive included; an entry that cannot be decoded at all is
-        yielded as ``Unknown``.
-
-        (The same paging as :meth:`read_raw`, inlined: replays are the hot path.)
-        """
-        key = self.keys.log(session)
-        want = max(start, 1)
-        if want > LAST_ID:
-            return
-        end = None if end is None or end >= LAST_ID else end
-        hi = "+" if end is None else f"{end}-0"
-        decode = events.decode
-        while end is None or want <= end:
-            entries = await self._pages.xrange(key, f"{want}-0", hi, count=PAGE)
-            if not entries or int(entries[0][0].partition(b"-")[0]) != want:
-                upto = await self._archived_upto(session, want, end, entries)
-                if upto < want:
-                    return
-                async for event_id, payload in self._read_archive(session, want, upto):
-                    yield decode_entry(payload, event_id)
-                want = upto + 1
-                if not entries:
-                    continue
-            for raw_id, fields in entries:
-                event_id = int(raw_id.partition(b"-")[0])
-                payload = fields.get(PAYLOAD_FIELD, b"")
-                try:
-                    event = decode(payload, event_id)
-                except events.DecodeError:
-                    event = decode_entry(payload, event_id)
-                yield event
-            if len(entries) < PAGE:
                 return
             want = entry_id(entries[-1][0]) + 1
 

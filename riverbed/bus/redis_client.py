@@ -216,6 +216,13 @@ class RedisClient:
         with translate(self.url):
             return cast(list[tuple[bytes, float]], await self._raw.zrange(key, start, end, withscores=True))
 
+    async def zmscore(self, key: str, members: Sequence[str]) -> list[float | None]:
+        """The scores of ``members`` (None for one not in the set)."""
+        if not members:
+            return []
+        with translate(self.url):
+            return await self._raw.zmscore(key, list(members))
+
     # --- streams ----------------------------------------------------------------------------
 
     async def xlen(self, key: str) -> int:
@@ -453,6 +460,11 @@ class Pipeline:
     def xrevrange(self, key: str, *, count: int) -> Reply[list[StreamEntry]]:
         """Its reply: the last ``count`` entries, newest first."""
         self._pipe.xrevrange(key, count=count)
+        return self._queued()
+
+    def xrange(self, key: str, *, count: int) -> Reply[list[StreamEntry]]:
+        """Its reply: the first ``count`` entries, oldest first."""
+        self._pipe.xrange(key, count=count)
         return self._queued()
 
     def xclaim_ids(self, key: str, group: str, consumer: str, ids: Sequence[str]) -> Reply[list[bytes]]:

@@ -3,7 +3,7 @@ but ``RENEW_ALL``, which a worker runs only on a standalone Redis (one slot for 
 ``APPEND`` and ``SANDBOX_USER``, which reach a key of the prefix too on a standalone Redis only.
 
 Replies are arrays whose first element is a status word, decoded by the callers in
-``bus/log.py``, ``bus/claims.py``, ``bus/ownership.py`` and ``bus/archive.py``.
+``bus/log.py``, ``bus/action_claims.py``, ``bus/leases.py`` and ``bus/archive.py``.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ _NOW = _CLOCK + "clock()\n"
 #       sessions index, the agent directory and, for a session with a tenant, the tenant's index
 #       (other slots: a cluster client announces in a second step instead)
 # ARGV: expected_last ('' = any), idem_ttl_ms ('' = no idempotency key), role ('' = not an owner),
-#       token, ack_group ('' = none), ack_id, tenant, n, pass_own (the last id the acking group delivered
-#       to the caller, '' = none: see below), session, digest (of the request the idempotency key is
-#       bound to, '' = none), then n pairs (payload, answered cause or 0), then wake_agent ('1': the
-#       batch opens or cancels a run, so the agent role is announced unless it holds the session or
-#       was announced already; the agent role is never announced otherwise)
+#       token, ack_group ('' = none), ack_id ('' = none: the group is named for pass_own only), tenant, n,
+#       pass_own (the last id the acking group delivered to the caller, '' = none: see below), session,
+#       digest (of the request the idempotency key is bound to, '' = none), then n pairs (payload,
+#       answered cause or 0), then wake_agent ('1': the batch opens or cancels a run, so the agent
+#       role is announced unless it holds the session or was announced already; the agent role is
+#       never announced otherwise)
 # Replies: {'ok', first, count, index, need...} | {'dup', first, count, index, need...} | {'conflict', last}
 #          | {'fenced', current} | {'answered', cause, existing id} | {'tenant', the session's tenant ('' none)}
 #          | {'reused', first}: the idempotency key was used with another digest (nothing appended)
@@ -129,12 +130,13 @@ if ARGV[2] ~= '' then
 end
 local wake = tostring(last)  -- published on the session's shard channel: "<last>" or "<last> <role>"
 if ARGV[5] ~= '' then
-  redis.call('XACK', KEYS[1], ARGV[5], ARGV[6])
+  if ARGV[6] ~= '' then redis.call('XACK', KEYS[1], ARGV[5], ARGV[6]) end
   if ARGV[9] ~= '' and tonumber(ARGV[9]) == first - 1 then
-    -- The acking role has no use for its own answer, and its group had delivered the whole log
-    -- before it: move the group past the answer instead of delivering it back (a read and an
-    -- ack saved per action).  A group that is gone (the stream was deleted under its owner) is
-    -- left alone: its owner finds that out on its next read.
+    -- The role has no use for what it appends itself (its answer; the agent role's moves, which
+    -- it folds as written), and its group had delivered the whole log before it: move the group
+    -- past them instead of delivering them back (a read and an ack saved per append).  A group
+    -- that is gone (the stream was deleted under its owner) is left alone: its owner finds that
+    -- out on its next read.
     local moved = redis.pcall('XGROUP', 'SETID', KEYS[1], ARGV[5], last .. '-0')
     if type(moved) ~= 'table' or not moved.err then
       wake = wake .. ' ' .. ARGV[5]  -- that role's loop has nothing new to read: no need to wake it
@@ -308,3 +310,46 @@ redis.call('PEXPIRE', KEYS[1], math.ceil(burst * 1000 / rate) + 1000)
 return {1, 0}
 """
 )
+
+
+# --- tenant quotas (``agent/quotas.py``) --------------------------------------------------------
+
+# KEYS: the quotas hash, the tenant's running hash.  ARGV: tenant, session, now (unix seconds).
+# Reply: {1, running} the session holds a slot (it did already, or took a free one) |
+# {0, running, max_runs} every slot is taken.  One script: two sessions cannot take the last slot.
+TAKE_RUN_SLOT = """
+if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then
+  return {1, redis.call('HLEN', KEYS[2])}
+end
+local running = redis.call('HLEN', KEYS[2])
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if raw then
+  local most = cjson.decode(raw)['max_runs']
+  if type(most) == 'number' and running >= most then
+    return {0, running, most}
+  end
+end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+return {1, running + 1}
+"""
+
+# KEYS: the tenant's running hash.  ARGV: sessions.  Reply: how many slots were given back.
+RELEASE_RUN_SLOTS = """
+return redis.call('HDEL', KEYS[1], unpack(ARGV))
+"""
+
+# KEYS: the tenant's tokens hash of today, of yesterday.  ARGV: the run's field, the run's tokens so
+# far (a fold of its log), the hashes' time to live (seconds).  A report only raises a run's count
+# (a repeat changes nothing); what it adds goes to today's ``_total``; a run counted yesterday adds
+# only what it spent since.  Reply: today's total.
+COUNT_TOKENS = """
+local tokens = tonumber(ARGV[2])
+local counted = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or redis.call('HGET', KEYS[2], ARGV[1]) or 0)
+if tokens > counted then
+  redis.call('HSET', KEYS[1], ARGV[1], tokens)
+  local total = redis.call('HINCRBY', KEYS[1], '_total', tokens - counted)
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
+  return total
+end
+return tonumber(redis.call('HGET', KEYS[1], '_total') or 0)
+"""

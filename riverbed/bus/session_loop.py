@@ -22,30 +22,36 @@ log's actions.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import anyio
 import redis.exceptions as rexc
 import structlog
 
 from riverbed.bus.backoff import Backoff
+from riverbed.bus.connection import group_lost
 from riverbed.bus.exchange import stream_entries
 from riverbed.bus.faults import crashpoint
-from riverbed.bus.handling import Answer, Entry, SessionContext
+from riverbed.bus.handles import READ_COUNT, Handles, Owned, OwnerState
+from riverbed.bus.handling import Answer, Entry, Handler, SessionContext
 from riverbed.bus.log import entry_id
 from riverbed.bus.redis_client import RedisClient, StreamEntry
 from riverbed.bus.wakeups import Bell
 from riverbed.errors import FencedError, UnavailableError
 
-if TYPE_CHECKING:
-    from riverbed.bus.consumer import Owned, Owner
-
-__all__ = ["MAX_STRAY_CHECK_SECONDS", "READ_COUNT", "STRAY_CHECK_SECONDS", "SessionLoop", "group_lost"]
+__all__ = [
+    "MAX_STRAY_CHECK_SECONDS",
+    "READ_COUNT",
+    "STRAY_CHECK_SECONDS",
+    "Dispatch",
+    "Finish",
+    "SessionLoop",
+    "group_lost",
+]
 
 log = structlog.get_logger("riverbed.worker")
 
-READ_COUNT = 100
 #: How long a read by a session that just had work waits for the next entry, on one of the
 #: worker's few hot connections (``HotReads``): a busy session's next action is delivered as
 #: it is appended, with no wake-up and no second read in between.
@@ -57,39 +63,76 @@ STRAY_CHECK_SECONDS = 1.0
 MAX_STRAY_CHECK_SECONDS = 8.0
 
 
-class SessionLoop:
-    """Serves one session for one owner until it is released, parked, lost or fenced."""
+class Dispatch(Protocol):
+    """Hands a batch to the role's handler (``bus/dispatch.py``); the answer it left to send."""
 
-    def __init__(self, owner: Owner, session: str, owned: Owned) -> None:
-        self.owner = owner
+    async def __call__(self, ctx: SessionContext, batch: list[Entry], *, recovering: bool) -> Answer | None: ...
+
+
+#: Told by a loop that it ended (``parked``: its lease was released already).
+Finish = Callable[["SessionLoop", bool], Awaitable[None]]
+
+
+class SessionLoop:
+    """Serves one session for one owner until it is released, parked, lost or fenced.
+
+    It is handed the owner's :class:`~riverbed.bus.handles.Handles` and shared state, the role's
+    handler, and two callables: ``dispatch`` runs a batch through the handler, ``finish`` is
+    told when the loop ends.
+    """
+
+    def __init__(
+        self,
+        handles: Handles,
+        state: OwnerState,
+        handler: Handler,
+        session: str,
+        owned: Owned,
+        *,
+        dispatch: Dispatch,
+        finish: Finish,
+    ) -> None:
+        self.handles = handles
+        self.state = state
+        self.handler = handler
+        self.dispatch = dispatch
+        self.finish = finish
         self.session = session
         self.owned = owned
-        self.ctx = SessionContext(owner, session, owned.token, owned.meta)
+        self.ctx = SessionContext(
+            handles,
+            session,
+            owned.token,
+            owned.meta,
+            stopping=state.stopping,
+            stats=state.stats,
+            ignores_own_answers=handler.ignores_own_answers,
+        )
         self.held: Answer | None = None
         self.hot = False
         """The last read delivered entries: the next one may wait for more on a hot connection."""
         self.mark = 0
         """The bell's count when the last read was sent: a ring since means the log may have moved."""
-        self.log = log.bind(role=owner.role, session=session, worker=owner.worker)
-        self.bell = Bell(owner.role)
+        self.log = log.bind(role=handles.role, session=session, worker=handles.worker)
+        self.bell = Bell(handles.role)
         """The session's wake-up bell (a placeholder until :meth:`serve` watches the session)."""
-        self.retires: Callable[[SessionContext], bool] | None = getattr(owner.handler, "retires", None)
+        self.retires: Callable[[SessionContext], bool] | None = getattr(handler, "retires", None)
         """The handler's "nothing more to do here until the role is asked for again" (the agent
         role's, once a run ended): the idle session is then retired, not parked."""
 
     async def serve(self) -> None:
-        owner, ctx = self.owner, self.ctx
+        handles, ctx = self.handles, self.ctx
         parked = False
         bell: Bell | None = None
         try:
             with self.owned.scope:
                 await self.ensure_group()
-                await owner.handler.open(ctx)
-                bell = await owner.wakeups.watch(self.session, owner.role)
+                await self.handler.open(ctx)
+                bell = await handles.wakeups.watch(self.session, handles.role)
                 in_flight = await self.in_flight()
                 if in_flight:
                     self.log.info("session.recover", entries=len(in_flight))
-                    self.held = await owner.dispatcher.dispatch(ctx, in_flight, recovering=True)
+                    self.held = await self.dispatch(ctx, in_flight, recovering=True)
                 self.bell = bell
                 parked = await self._loop(bell)
             if self.owned.lost:
@@ -105,17 +148,17 @@ class SessionLoop:
             with anyio.CancelScope(shield=True):
                 await self._send_held_answer()
                 if bell is not None:
-                    await owner.wakeups.unwatch(self.session, bell)
-                await owner.finish(self, parked)
+                    await handles.wakeups.unwatch(self.session, bell)
+                await self.finish(self, parked)
 
     async def _loop(self, bell: Bell) -> bool:
         """Serve until stopping or idle; returns True when the session was parked."""
-        owner, ctx = self.owner, self.ctx
+        handles, ctx = self.handles, self.ctx
         idle_since = time.monotonic()
         quiet = STRAY_CHECK_SECONDS
         stray_check = idle_since + quiet
         backoff = Backoff()
-        while not owner.stopping.is_set():
+        while not self.state.stopping.is_set():
             try:
                 if time.monotonic() >= stray_check:
                     # Checked every second after activity, then less often while the session is
@@ -133,9 +176,9 @@ class SessionLoop:
                     backoff.reset()
                     continue
                 retire = self.retires is not None and self.held is None and self.retires(ctx)
-                if retire or time.monotonic() - idle_since > owner.park_after:
+                if retire or time.monotonic() - idle_since > handles.park_after:
                     await self.flush()
-                    parked = await owner.leases.release(
+                    parked = await handles.leases.release(
                         self.session,
                         self.owned.entry,
                         self.owned.token,
@@ -147,10 +190,11 @@ class SessionLoop:
                         self.log.info("session.retired" if retire else "session.parked")
                         return True
                     if parked == 0:
-                        raise FencedError(self.session, owner.role, self.owned.token, -1)
+                        raise FencedError(self.session, handles.role, self.owned.token)
                     idle_since = time.monotonic()
                     continue
-                await bell.wait(self.mark, max(0.0, min(stray_check, idle_since + owner.park_after) - time.monotonic()))
+                wake_by = min(stray_check, idle_since + handles.park_after)
+                await bell.wait(self.mark, max(0.0, wake_by - time.monotonic()))
             except UnavailableError as exc:
                 self.log.warning("read.unavailable", error=str(exc), retry_in=backoff.next)
                 await backoff.pause()
@@ -182,19 +226,19 @@ class SessionLoop:
             # A group delivers only ids after the ones it delivered: the log started over.
             await self.check_lease(f"its log delivered {batch[0].id} after {self.ctx.last_seen}")
         crashpoint("after_read")
-        self.held = await self.owner.dispatcher.dispatch(self.ctx, batch, recovering=False)
+        self.held = await self.dispatch(self.ctx, batch, recovering=False)
         return True
 
     async def _read(self) -> list[StreamEntry]:
         """New entries: waiting briefly on a hot connection when the session just had work and
         one is free, else without blocking."""
-        hot = self.owner.hot
+        hot = self.handles.hot
         if not self.hot or hot is None:
-            return await self._read_on(self.owner.client, None)
+            return await self._read_on(self.handles.client, None)
         try:
             hot.slots.acquire_on_behalf_of_nowait(self)
         except anyio.WouldBlock:
-            return await self._read_on(self.owner.client, None)
+            return await self._read_on(self.handles.client, None)
         try:
             return await self._read_on(hot.client, HOT_BLOCK_MS)
         finally:
@@ -203,8 +247,8 @@ class SessionLoop:
     async def _read_on(self, client: RedisClient, block_ms: int | None) -> list[StreamEntry]:
         """New entries read on ``client`` (waiting up to ``block_ms``); an answer held for this
         read goes out in the same round trip, and its outcome is handled before the read returns."""
-        owner, ctx = self.owner, self.ctx
-        key = owner.keys.log(self.session)
+        handles, ctx = self.handles, self.ctx
+        key = handles.keys.log(self.session)
         if block_ms is None and self.held is not None:
             # Not waiting: anything appended since the last read rang the bell, so the answer
             # goes without a read (with the answers of the loops woken with this one) and the
@@ -215,14 +259,14 @@ class SessionLoop:
         self.mark = self.bell.rung
         held, self.held = self.held, None
         if held is not None:
-            read: tuple[Any, ...] = ("XREADGROUP", "GROUP", owner.role, owner.worker, "COUNT", READ_COUNT)
+            read: tuple[Any, ...] = ("XREADGROUP", "GROUP", handles.role, handles.worker, "COUNT", READ_COUNT)
             if block_ms is not None:
                 read += ("BLOCK", block_ms)
             read += ("STREAMS", key, ">")
             prepared = ctx.prepare_answer(*held)
             answered = False
             try:
-                await owner.log.append_script.load()
+                await handles.log.append_script.load()
                 async with client.exchange(prepared.command, read) as replies:
                     if replies is not None:
                         await ctx.answered(held.entry, await prepared.outcome(await replies.read()))
@@ -234,20 +278,20 @@ class SessionLoop:
             if not answered:
                 await ctx.answer(*held)
         if block_ms is None:
-            return await owner.reads.read(key)
-        return await client.xreadgroup(owner.role, owner.worker, key, ">", count=READ_COUNT, block=block_ms)
+            return await handles.reads.read(key)
+        return await client.xreadgroup(handles.role, handles.worker, key, ">", count=READ_COUNT, block=block_ms)
 
     async def _recover_stray(self) -> bool:
         """Recover entries pending while this loop works on nothing: a delivery whose reply was
         lost with a broken connection, or an entry a stale owner read after this worker took
         the session over.  Nobody is working on them, so they are handled as in flight."""
-        if not await self.owner.pending.count(self.owner.keys.log(self.session)):
+        if not await self.handles.pending.count(self.handles.keys.log(self.session)):
             return False
         stray = await self.in_flight()
         if not stray:
             return False
         self.log.warning("session.stray", entries=[e.id for e in stray])
-        self.held = await self.owner.dispatcher.dispatch(self.ctx, stray, recovering=True)
+        self.held = await self.dispatch(self.ctx, stray, recovering=True)
         return True
 
     async def _send_held_answer(self) -> None:
@@ -255,7 +299,7 @@ class SessionLoop:
         if self.held is None:
             return
         try:
-            with anyio.move_on_after(self.owner.lease_seconds):
+            with anyio.move_on_after(self.handles.lease_seconds):
                 await self.flush()
         except (FencedError, UnavailableError) as exc:
             # Left unanswered and pending: the next owner recovers it like any in-flight action.
@@ -264,30 +308,30 @@ class SessionLoop:
     async def check_lease(self, what: str) -> None:
         """Raise :class:`FencedError` (the session loop ends) unless this worker still holds the
         session: a lost lease means Redis lost the session, and what this loop knows is stale."""
-        if not await self.owner.leases.holds(self.session, self.owned.token):
+        if not await self.handles.leases.holds(self.session, self.owned.token):
             self.log.warning("session.state_lost", found=what)
-            raise FencedError(self.session, self.owner.role, self.owned.token, 0)
+            raise FencedError(self.session, self.handles.role, self.owned.token)
 
     async def ensure_group(self, *, after: int = 0) -> None:
         """The role's group on the log, delivering the ids after ``after`` (created when missing)."""
-        owner = self.owner
-        await owner.batch.xgroup_create(owner.keys.log(self.session), owner.role, f"{after}-0")
+        handles = self.handles
+        await handles.batch.xgroup_create(handles.keys.log(self.session), handles.role, f"{after}-0")
         # A group made again delivers from ``after``: what the old one delivered says nothing of it.
         self.ctx.delivered = min(self.ctx.delivered, after)
 
     async def in_flight(self) -> list[Entry]:
         """Entries delivered to some consumer of this role and never acknowledged."""
-        owner = self.owner
-        key = owner.keys.log(self.session)
+        handles = self.handles
+        key = handles.keys.log(self.session)
         out: list[Entry] = []
         start = "-"
         while True:
-            pending = await owner.batch.xpending_range(key, owner.role, min=start, max="+", count=500)
+            pending = await handles.batch.xpending_range(key, handles.role, min=start, max="+", count=500)
             if not pending:
                 return out
             ids = [p["message_id"].decode() for p in pending]
             deliveries = {entry_id(p["message_id"]): int(p["times_delivered"]) for p in pending}
-            claimed = await owner.client.xclaim(key, owner.role, owner.worker, ids)
+            claimed = await handles.client.xclaim(key, handles.role, handles.worker, ids)
             for raw_id, fields in claimed:
                 if fields:
                     entry = Entry.from_stream(raw_id, fields)
@@ -296,8 +340,3 @@ class SessionLoop:
             if len(pending) < 500:
                 return out
             start = f"({pending[-1]['message_id'].decode()}"
-
-
-def group_lost(exc: Exception) -> bool:
-    """Whether Redis answered that a consumer group (or its stream) does not exist (any more)."""
-    return isinstance(exc, rexc.ResponseError) and str(exc).startswith(("NOGROUP", "UNBLOCKED"))

@@ -5,11 +5,11 @@
     app.py        the Typer app and groups, shared options, the Invocation (settings, the bus, anyio)
     output.py     events as readable lines, control-character escapes, JSON lines, errors on stderr
     commands/     one module per subject (log and view, context, usage, actions, transfer,
-                  sessions and status, services, dlq, archive, serve and keys, schema, agent);
+                  sessions and status, services, dlq, archive, serve and keys, schema, agent, tenants);
                   importing a module registers its commands
 
 Domain logic lives in the packages that own it (``riverbed.agent.transfer`` parses and copies
-imports, ``riverbed.bus.dlq`` requeues, ``riverbed.bus.stats`` reads session metadata), where
+imports, ``riverbed.bus.dlq`` requeues, ``riverbed.bus.status`` reads session metadata), where
 ``riverbed serve`` shares it.  Every command follows the same shape, so adding one (in the
 ``commands`` module of its subject) is a few lines::
 
@@ -55,6 +55,7 @@ from riverbed.cli.commands import (  # noqa: F401  (importing a command module r
     serve,
     services,
     sessions,
+    tenants,
     transfer,
     usage,
 )

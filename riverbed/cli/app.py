@@ -9,6 +9,7 @@ import shlex
 import shutil
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from importlib import metadata
 from pathlib import Path
@@ -22,11 +23,11 @@ import typer.main
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from riverbed.agent.client import Bus, connect, resolve_redis_url
 from riverbed.bus.connection import redact
 from riverbed.bus.keys import require_session
 from riverbed.bus.redis_client import RedisClient
 from riverbed.cli.output import err_console
+from riverbed.client.session import Bus, connect, resolve_redis_url
 from riverbed.errors import (
     ConfigError,
     InputError,
@@ -169,6 +170,9 @@ FLAGS = {
     "serve_port": "--port",
     "retention_keep_last": "--keep-last",
     "llm_model": "--model",
+    "llm_max_output_tokens": "--max-output-tokens",
+    "llm_temperature": "--temperature",
+    "llm_timeout": "--llm-timeout",
 }
 """The flag that overrides each setting, for the sentence that refuses a bad value."""
 
@@ -259,7 +263,8 @@ async def _probe(url: str) -> None:
 
 def _run(fn: Callable[[], Awaitable[T]], *, interrupt_code: int | None = None) -> T:
     """Run ``fn`` under anyio; SIGINT/SIGTERM cancel it and exit with ``interrupt_code``
-    (default 130 for Ctrl-C, 143 for SIGTERM).
+    (default 130 for Ctrl-C, 143 for SIGTERM).  Called off the main thread (a command run by
+    another program's thread), it runs without watching signals, which only that thread gets.
 
     Signals cancel through an anyio cancel scope, which re-delivers the cancellation until
     the work stops (a plain task cancel can be swallowed inside the Redis client).
@@ -277,7 +282,8 @@ def _run(fn: Callable[[], Awaitable[T]], *, interrupt_code: int | None = None) -
                         tg.cancel_scope.cancel()
                         return
 
-            tg.start_soon(watch)
+            if threading.current_thread() is threading.main_thread():  # (signals reach that one only)
+                tg.start_soon(watch)
             try:
                 results.append(await fn())
             finally:

@@ -141,6 +141,12 @@ def _summary(event: events.Event) -> str:
             return ", ".join(parts)
         case events.Finish(final_thought=final_thought, outputs=outputs):
             return final_thought + (f" outputs: {json.dumps(outputs, default=str)}" if outputs else "")
+        case events.Delegate(task=task):
+            return f"to a sub-agent: {task}"
+        case events.Delegated(parent=parent, parent_action=parent_action, depth=depth):
+            return f"sub-agent of {parent} (its delegate {parent_action}; depth {depth})"
+        case events.DelegateResult(session=session, state=state, content=content):
+            return f"{session} {state}: {content}"
         case events.LlmResponse(model=model, content=content, tool_calls=tool_calls):
             return f"{model}: {content or ''} ({len(tool_calls)} tool calls)"
         case events.Unknown(original_kind=original_kind, payload=payload):
@@ -190,10 +196,6 @@ def render(event: events.Event) -> Text:
 
 def _id_list(ids: tuple[int, ...]) -> str:
     """``1, 2, 3, 7`` as ``1-3, 7``."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+    from riverbed.memory.view import id_runs  # noqa: PLC0415  (the commands that list ids load memory)
+
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in id_runs(ids))

@@ -137,6 +137,10 @@ def event_text(event: events.Event) -> tuple[str, str]:
             return "finished:", "\n".join(p for p in (thought, extra) if p)
         case events.Error(content=content, reason=reason):
             return f"error ({reason}):", content
+        case events.DelegateResult(session=session, state=state, content=content):
+            return f"sub-agent {session} ({state}):", content
+        case events.Delegate(task=task):
+            return "delegated:", task
         case events.LlmResponse(content=content):
             return "assistant:", content or ""
     return "", ""

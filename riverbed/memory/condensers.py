@@ -24,7 +24,9 @@ the model's answer).  :func:`should_condense` says whether a limit is exceeded (
 :class:`~riverbed.events.Condensation`.  A forgotten chunk is always one stretch of the view
 between two points that split no action from its observation (nor an ``llm_response`` from
 the actions it caused), so the fold drops exactly what the policy chose; the first
-``keep_first`` events and the newest group are never forgotten.  A unit of the View (a tool
+``keep_first`` events and the newest group are never forgotten, and neither are the user
+messages that say what the agent is doing: the session's first, the task of its latest run
+(the one before its ``run_started``) and the latest.  A unit of the View (a tool
 call with its result, a model response with its batch) is kept whole or forgotten whole, and
 events a user pinned (``context_edit`` ``pin``) are never forgotten.
 
@@ -48,7 +50,7 @@ import anyio
 import msgspec
 
 from riverbed.errors import ConfigError, UnavailableError
-from riverbed.events import Condensation, Error, Event, Observation, SessionConfig
+from riverbed.events import Condensation, Error, Event, Message, Observation, RunStarted, SessionConfig
 from riverbed.memory.tokens import PER_EVENT_OVERHEAD, TokenCounter, Tokenizer, event_text
 from riverbed.memory.view import Masked, View, unit_links
 
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CondenserConfig",
     "Strategy",
+    "complete",
     "condense",
     "config_from_log",
     "mask_observations",
@@ -92,13 +95,15 @@ class CondenserConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     stages: tuple[CondenserConfig, ...] = ()
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None) -> CondenserConfig:
-        """Validate a config dict (as in ``session_config.condenser``); raise ConfigError on bad values."""
-        if raw is None:
+    def from_dict(cls, raw: Mapping[str, Any] | None, defaults: Mapping[str, Any] | None = None) -> CondenserConfig:
+        """Validate a config dict (as in ``session_config.condenser``) over ``defaults`` (the
+        worker's ``RIVERBED_CONDENSER_*``: the fields ``raw`` does not set); raise ConfigError
+        on bad values."""
+        if raw is None and not defaults:
             return cls()
-        if not isinstance(raw, Mapping):
+        if raw is not None and not isinstance(raw, Mapping):
             raise ConfigError(f"the condenser config must be an object, not {type(raw).__name__}")
-        data = dict(raw)
+        data = {**(defaults or {}), **(raw or {})}
         stages = data.get("stages")
         if stages is not None:
             if not isinstance(stages, list | tuple) or not all(isinstance(s, Mapping) for s in stages):
@@ -157,13 +162,14 @@ class CondenserConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         return self.stages if self.strategy == "pipeline" else (self,)
 
 
-def config_from_log(events: Iterable[Event]) -> CondenserConfig:
-    """The condenser config in force after these events: the last ``session_config`` that sets one."""
+def config_from_log(events: Iterable[Event], defaults: Mapping[str, Any] | None = None) -> CondenserConfig:
+    """The condenser config in force after these events: the last ``session_config`` that sets
+    one, over ``defaults`` (the ``RIVERBED_CONDENSER_*`` settings)."""
     raw: Mapping[str, Any] | None = None
     for event in events:
         if isinstance(event, SessionConfig) and event.condenser is not None:
             raw = event.condenser
-    return CondenserConfig.from_dict(raw)
+    return CondenserConfig.from_dict(raw, defaults)
 
 
 # --- view-time transformations ----------------------------------------------------------
@@ -262,6 +268,22 @@ class _Plan:
         return [e for e, gone in zip(self.events, self.forget, strict=True) if gone]
 
 
+def _tasks(events: list[Event]) -> frozenset[int]:
+    """Indices of the user messages that say what the agent is doing, never forgotten: the
+    first one, the task of the latest run (the user message before its ``run_started``) and
+    the latest one."""
+    users = [i for i, e in enumerate(events) if isinstance(e, Message) and e.source == "user"]
+    if not users:
+        return frozenset()
+    kept = {users[0], users[-1]}
+    opened = next((i for i in range(len(events) - 1, -1, -1) if isinstance(events[i], RunStarted)), None)
+    if opened is not None:
+        task = next((i for i in reversed(users) if i < opened), None)
+        if task is not None:
+            kept.add(task)
+    return frozenset(kept)
+
+
 def _safe_points(n: int, links: list[tuple[int, int]]) -> list[bool]:
     """``safe[b]``: cutting before index ``b`` separates no linked pair."""
     diff = [0] * (n + 2)
@@ -280,7 +302,7 @@ def _plan(view: View, stage: CondenserConfig, counter: TokenCounter, requested: 
     n = len(events)
     links = unit_links(events)
     safe = _safe_points(n, links)
-    pinned = frozenset(i for i, e in enumerate(events) if e.id in view.pinned)
+    pinned = frozenset(i for i, e in enumerate(events) if e.id in view.pinned) | _tasks(events)
     head = next(b for b in range(min(stage.keep_first, n), n + 1) if safe[b])
     protected = next((b for b in range(n - 1, -1, -1) if safe[b]), 0)
     if protected <= head:
@@ -428,20 +450,28 @@ def _model(stage: CondenserConfig, model: str | None) -> str:
     return name
 
 
-async def _complete(client: AsyncOpenAI, model: str, messages: list[ChatCompletionMessageParam], timeout: float) -> str:
-    """One chat completion's text; every failure becomes UnavailableError."""
-    import openai  # noqa: PLC0415  (loaded only by LLM strategies)
+async def complete(
+    client: AsyncOpenAI,
+    model: str,
+    messages: list[ChatCompletionMessageParam],
+    timeout: float,
+    *,
+    who: str = "the condenser's model",
+) -> str:
+    """One chat completion's text, stripped; a failing, late or silent model is an
+    :class:`UnavailableError` that names the model as ``who``."""
+    import openai  # noqa: PLC0415  (loaded only by the steps that call a model)
 
     try:
         with anyio.fail_after(timeout):
             response = await client.chat.completions.create(model=model, messages=messages)
     except TimeoutError as exc:
-        raise UnavailableError(f"the condenser's model {model!r} did not answer within {timeout:g} s") from exc
+        raise UnavailableError(f"{who} {model!r} did not answer within {timeout:g} s") from exc
     except openai.OpenAIError as exc:
-        raise UnavailableError(f"the condenser's model {model!r} failed: {exc}") from exc
+        raise UnavailableError(f"{who} {model!r} failed: {exc}") from exc
     content = response.choices[0].message.content if response.choices else None
     if not content or not content.strip():
-        raise UnavailableError(f"the condenser's model {model!r} returned an empty answer")
+        raise UnavailableError(f"{who} {model!r} returned an empty answer")
     return content.strip()
 
 
@@ -465,7 +495,7 @@ async def _summarize(
             f"<events>\n{_render(plan.forgotten, 2000)}\n</events>",
         },
     ]
-    summary = _clip(await _complete(client, name, messages, stage.llm_timeout), stage.summary_tokens, counter)
+    summary = _clip(await complete(client, name, messages, stage.llm_timeout), stage.summary_tokens, counter)
     return Condensation(forgotten=_ranges(plan.events, plan.forget), summary=summary, summary_offset=plan.head)
 
 
@@ -481,7 +511,7 @@ async def _attend(
         {"role": "system", "content": _ATTENTION_PROMPT.format(count=room)},
         {"role": "user", "content": f"<events>\n{_render(events[head:protected], 300)}\n</events>"},
     ]
-    answer = await _complete(client, name, messages, stage.llm_timeout)
+    answer = await complete(client, name, messages, stage.llm_timeout)
     try:
         picked = set(_parse_keep(answer))
     except ValueError as exc:

@@ -1,6 +1,6 @@
 """What the agent's context holds, what is hidden from it and why, and a user's edits of it.
 
-Pure functions over a log's events (the I/O is in :mod:`riverbed.agent.context`):
+Pure functions over a log's events (the I/O is in :mod:`riverbed.client.context`):
 
 - :func:`report` folds the log like :func:`~riverbed.memory.view.view` and also says which
   events are hidden, by which ``condensation`` or ``context_edit``, and which are pinned;

@@ -47,17 +47,12 @@ class _Batch:
         self.error: BaseException | None = None
 
 
-class MicroBatcher:
-    """An :class:`Embedder` that merges concurrent ``embed`` calls into batches."""
+class _Layer:
+    """An :class:`Embedder` in front of ``inner``: its model and dimension, and an empty call
+    answered at once; a subclass embeds the texts of every other call in ``_embed``."""
 
-    def __init__(self, inner: Embedder, *, max_batch: int = 64, max_wait: float = 0.005, concurrency: int = 1) -> None:
+    def __init__(self, inner: Embedder) -> None:
         self.inner = inner
-        self.max_batch = max_batch
-        self.max_wait = max_wait
-        self._limiter = anyio.CapacityLimiter(concurrency)
-        self._open: _Batch | None = None
-        self.batches = 0
-        self.texts = 0
 
     @property
     def model(self) -> str:
@@ -71,6 +66,25 @@ class MicroBatcher:
         items = list(texts)
         if not items:
             return np.zeros((0, self.inner.dim), dtype=np.float32)
+        return await self._embed(items)
+
+    async def _embed(self, items: list[str]) -> Vectors:
+        raise NotImplementedError
+
+
+class MicroBatcher(_Layer):
+    """An :class:`Embedder` that merges concurrent ``embed`` calls into batches."""
+
+    def __init__(self, inner: Embedder, *, max_batch: int = 64, max_wait: float = 0.005, concurrency: int = 1) -> None:
+        super().__init__(inner)
+        self.max_batch = max_batch
+        self.max_wait = max_wait
+        self._limiter = anyio.CapacityLimiter(concurrency)
+        self._open: _Batch | None = None
+        self.batches = 0
+        self.texts = 0
+
+    async def _embed(self, items: list[str]) -> Vectors:
         batch = self._open
         leader = batch is None
         if batch is None:
@@ -122,32 +136,21 @@ def _relay(error: BaseException) -> Exception:
     return relayed
 
 
-class CachedEmbedder:
+class CachedEmbedder(_Layer):
     """An :class:`Embedder` with an LRU and a shared Postgres level in front of ``inner``."""
 
     def __init__(self, inner: Embedder, *, store: Store | None = None, lru_size: int = 10_000) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.store = store
         self._lru: LRUCache[bytes, Vectors] = LRUCache(maxsize=lru_size)
         self.lru_hits = 0
         self.db_hits = 0
         self.misses = 0
 
-    @property
-    def model(self) -> str:
-        return self.inner.model
-
-    @property
-    def dim(self) -> int:
-        return self.inner.dim
-
     def stats(self) -> dict[str, int]:
         return {"lru_hits": self.lru_hits, "db_hits": self.db_hits, "misses": self.misses, "lru_size": len(self._lru)}
 
-    async def embed(self, texts: Sequence[str]) -> Vectors:
-        items = list(texts)
-        if not items:
-            return np.zeros((0, self.inner.dim), dtype=np.float32)
+    async def _embed(self, items: list[str]) -> Vectors:
         hashes = [content_hash(t) for t in items]
         first_text = dict(zip(hashes, items, strict=True))
         found: dict[bytes, Vectors] = {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -97,7 +97,8 @@ class LocalEmbedder:
 
     Loading (sha256 checks, ONNX session) happens on first use, in a worker thread;
     inference runs in a worker thread too, one batch at a time, so the event loop
-    never blocks.  ``threads`` bounds onnxruntime's intra-op threads (0: its default).
+    never blocks and a short call (a query) waits for at most one batch of a long one.
+    ``threads`` bounds onnxruntime's intra-op threads (0: its default).
     """
 
     dim = 384
@@ -161,14 +162,16 @@ class LocalEmbedder:
     def embed_sync(self, texts: Sequence[str]) -> Vectors:
         """Embed in the calling thread (blocking)."""
         self.load()
-        if not texts:
-            return np.zeros((0, self.dim), dtype=np.float32)
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         out = np.empty((len(texts), self.dim), dtype=np.float32)
-        for start in range(0, len(order), self._batch_size):
-            idx = order[start : start + self._batch_size]
+        for idx in self._batches(texts):
             out[idx] = self._run([texts[i] for i in idx])
         return out
+
+    def _batches(self, texts: Sequence[str]) -> Iterator[list[int]]:
+        """The positions of ``texts`` in model batches, shortest texts first (less padding)."""
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        for start in range(0, len(order), self._batch_size):
+            yield order[start : start + self._batch_size]
 
     def _run(self, texts: list[str]) -> Vectors:
         encodings = self._tokenizer.encode_batch(texts)
@@ -181,9 +184,13 @@ class LocalEmbedder:
         return normalize(pooled)
 
     async def embed(self, texts: Sequence[str]) -> Vectors:
-        batch = list(texts)
-        result: Vectors = await anyio.to_thread.run_sync(self.embed_sync, batch, limiter=self._limiter)
-        return result
+        """Embed in worker threads, one model batch per turn of the limiter: a recall's query
+        waits for at most one batch of a large indexing call, never for the whole call."""
+        await anyio.to_thread.run_sync(self.load, limiter=self._limiter)
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        for idx in self._batches(texts):
+            out[idx] = await anyio.to_thread.run_sync(self._run, [texts[i] for i in idx], limiter=self._limiter)
+        return out
 
 
 class OpenAIEmbedder:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 import anyio
 import anyio.to_thread
@@ -28,13 +28,24 @@ from riverbed.memory.chunking import ChunkPolicy, event_chunks, searchable
 from riverbed.memory.embedcache import CachedEmbedder, embedding_pipeline
 from riverbed.memory.embedders import Embedder
 from riverbed.memory.microagents import load_microagents, match_knowledge, workspace_dirs
-from riverbed.memory.ranking import hybrid_rank
-from riverbed.memory.store import ChunkRow, Store
+from riverbed.memory.ranking import Match, explained_rank
+from riverbed.memory.store import ChunkRow, Store, query_words
 from riverbed.memory.workspace import workspace_context
 
-__all__ = ["Memory"]
+__all__ = ["Memory", "SearchOptions"]
 
 log = structlog.get_logger("riverbed.memory")
+
+
+class SearchOptions(TypedDict, total=False):
+    """Where and how a search looks (:meth:`Memory.search_explained` has the defaults)."""
+
+    session: Required[str]
+    tenant: Required[str | None]
+    k: int
+    scope: str
+    now: dt.datetime | None
+    timeout: float | None
 
 
 class Memory:
@@ -217,7 +228,15 @@ class Memory:
         agents = load_microagents([*self.microagent_dirs, *workspace_dirs(workspace)])
         return match_knowledge(agents, query)
 
-    async def search(
+    async def search(self, query: str, **options: Unpack[SearchOptions]) -> list[events.Hit]:
+        """Hybrid semantic search: vector and full-text candidates fused by RRF.
+
+        ``scope="tenant"`` spans the tenant's sessions; sessions without a tenant share nothing,
+        so for them it is the session alone.  The query is embedded first; both searches then
+        run in one statement, which ``timeout`` bounds (with the wait for its connection)."""
+        return [match.hit for match in await self.search_explained(query, **options)]
+
+    async def search_explained(
         self,
         query: str,
         *,
@@ -227,12 +246,8 @@ class Memory:
         scope: str = "session",
         now: dt.datetime | None = None,
         timeout: float | None = None,
-    ) -> list[events.Hit]:
-        """Hybrid semantic search: vector and full-text candidates fused by RRF.
-
-        ``scope="tenant"`` spans the tenant's sessions; sessions without a tenant share nothing,
-        so for them it is the session alone.  The query is embedded first; both searches then
-        run in one statement, which ``timeout`` bounds (with the wait for its connection)."""
+    ) -> list[Match]:
+        """:meth:`search`'s hits, each with why it matched (by meaning, by words, or both)."""
         query = searchable(query)
         if k < 1 or not query.strip():
             return []
@@ -250,9 +265,10 @@ class Memory:
             session=None if scope == "tenant" and tenant is not None else session,
             timeout=timeout,
         )
-        return hybrid_rank(
+        return explained_rank(
             by_vector,
             by_text,
+            query_words(query),
             k=k,
             now=now or dt.datetime.now(dt.UTC),
             half_life_seconds=self.half_life_seconds,

@@ -31,7 +31,7 @@ import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Self, Unpack
 
 import asyncpg
 import numpy as np
@@ -40,7 +40,7 @@ from pgvector.asyncpg import register_vector
 
 from riverbed.memory import migrations
 from riverbed.memory.embedders import Vectors
-from riverbed.pg import LOCK_KEY, LazyPool, check_schema
+from riverbed.pg import LOCK_KEY, LazyPool, PoolOptions, check_schema
 
 __all__ = ["Candidate", "ChunkRow", "StaleRow", "Store", "query_words"]
 
@@ -123,16 +123,7 @@ class Store:
     """An asyncpg pool over one schema.  The constructor does no I/O; :meth:`start`
     connects, applies migrations and registers the pgvector codecs."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        schema: str = "rb",
-        min_size: int = 1,
-        max_size: int = 10,
-        connect_timeout: float = 5.0,
-        command_timeout: float = 30.0,
-    ) -> None:
+    def __init__(self, url: str, *, schema: str = "rb", **pool: Unpack[PoolOptions]) -> None:
         self.url = url
         self.schema = schema
         self._s = check_schema(schema)
@@ -141,16 +132,7 @@ class Store:
         self._ef_search: dict[str, int] = {}
         self._common_words: list[str] = []
         self._common_words_at = -WORD_STATS_TTL
-        self._pg = LazyPool(
-            url,
-            what="memory database",
-            prepare=self._prepare,
-            init=self._init_connection,
-            min_size=min_size,
-            max_size=max_size,
-            connect_timeout=connect_timeout,
-            command_timeout=command_timeout,
-        )
+        self._pg = LazyPool(url, what="memory database", prepare=self._prepare, init=self._init_connection, **pool)
 
     # --- lifecycle ---------------------------------------------------------------------
 

@@ -31,19 +31,19 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import anyio
-
-from riverbed.errors import InputError, UnavailableError
+from riverbed.errors import InputError
 from riverbed.events import Condensation, Event, with_id
+from riverbed.memory.condensers import complete
 from riverbed.memory.context import ContextChange, ContextReport, change, report
 from riverbed.memory.tokens import event_text
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
+    from openai.types.chat import ChatCompletionMessageParam
 
-__all__ = ["SUGGEST_PROMPT", "Proposal", "ask", "parse_proposal", "proposal_messages", "suggest"]
+__all__ = ["SUGGEST_PROMPT", "Proposal", "parse_proposal", "proposal_messages", "suggest"]
 
 SUGGEST_PROMPT = """\
 You help a user manage the context of an AI agent that works on a task with tools. You see the
@@ -75,7 +75,7 @@ def _excerpt(text: str) -> str:
     return text if len(text) <= EXCERPT else text[: EXCERPT - 20] + f" [... {len(text) - EXCERPT + 20} chars cut]"
 
 
-def proposal_messages(log: Sequence[Event], request: str) -> list[dict[str, Any]]:
+def proposal_messages(log: Sequence[Event], request: str) -> list[ChatCompletionMessageParam]:
     """The chat messages asking for a proposal (pure)."""
     now = report(log)
     lines = []
@@ -133,28 +133,11 @@ def parse_proposal(answer: str, log: Sequence[Event], *, model: str = "") -> Pro
     return Proposal(condensation, last_id, before, after, changed, model)
 
 
-async def ask(client: AsyncOpenAI, model: str, messages: list[dict[str, Any]], timeout: float = 120.0) -> str:
-    """One completion's text; a failing or silent model is an :class:`UnavailableError`."""
-    import openai  # noqa: PLC0415
-
-    try:
-        with anyio.fail_after(timeout):
-            response = await client.chat.completions.create(model=model, messages=messages)  # type: ignore[arg-type]
-    except TimeoutError as exc:
-        raise UnavailableError(f"the model {model!r} did not answer within {timeout:g}s") from exc
-    except openai.OpenAIError as exc:
-        raise UnavailableError(f"the model {model!r} failed: {exc}") from exc
-    content = response.choices[0].message.content if response.choices else None
-    if not content or not content.strip():
-        raise UnavailableError(f"the model {model!r} returned an empty answer")
-    return content
-
-
 async def suggest(
     log: Sequence[Event], request: str, *, client: AsyncOpenAI, model: str, timeout: float = 120.0
 ) -> Proposal:
     """Ask ``model`` for a proposal for ``request`` over ``log`` and check it."""
     if not request.strip():
         raise InputError("say what to drop, e.g. 'drop the detour about docker, keep the decisions'")
-    answer = await ask(client, model, proposal_messages(log, request), timeout)
+    answer = await complete(client, model, proposal_messages(log, request), timeout, who="the model")
     return parse_proposal(answer, log, model=model)

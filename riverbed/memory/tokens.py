@@ -26,6 +26,7 @@ from riverbed.events import (
     Action,
     CmdOutput,
     CmdRun,
+    DelegateResult,
     Error,
     Event,
     FileContent,
@@ -83,6 +84,8 @@ def event_text(event: Event) -> str:
             return _recall_result(event)
         case Error():
             return event.content if event.reason == "error" else f"{event.content} (reason: {event.reason})"
+        case DelegateResult():
+            return f"{event.content}\n[sub-agent session {event.session}: {event.state}]"
         case LlmResponse():
             calls = _json(event.tool_calls) if event.tool_calls else ""
             return "\n".join(part for part in (event.content or "", calls) if part)

@@ -74,7 +74,7 @@ from riverbed.events import (
 )
 from riverbed.events import kinds as event_kinds
 
-__all__ = ["HistoryReleased", "Masked", "Summary", "View", "ViewBuilder", "unit_links", "view"]
+__all__ = ["HistoryReleased", "Masked", "Summary", "View", "ViewBuilder", "id_runs", "unit_links", "view"]
 
 
 class Summary(Event, frozen=True, kw_only=True, tag="summary"):
@@ -747,6 +747,17 @@ class ViewBuilder:
         out = list(compress(ids, gone))
         ids[:], events[:] = compress(ids, stays), compress(events, stays)
         return out
+
+
+def id_runs(ids: Iterable[int]) -> list[tuple[int, int]]:
+    """Ascending ids as runs of consecutive ones, (first, last) each: 1, 2, 3, 7 is (1, 3), (7, 7)."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
 
 
 def _merge(ranges: Iterable[tuple[int, int]], limit: int) -> list[tuple[int, int]]:

@@ -9,7 +9,9 @@ applies the environment changes to ``os.environ``, runs the cell with fds 1 and 
 the runtime's output pipe (so stdout and stderr stay in the order they were written), writes
 MARKER + ``<id>__\x1e`` to fd 1, and answers ``{"cell": id, "result": repr or null,
 "exception": traceback or null}``.  Both carry the cell's id, so a late answer of an
-earlier cell can never be taken for a later one's.
+earlier cell can never be taken for a later one's.  A request may carry ``start_by``: when
+``time.monotonic()`` has passed it, the cell is not run and the answer is ``{"cell": id,
+"late": true}`` (``riverbed.runtime.gate``).
 The first frame it sends is ``{"ready": true}``.  SIGINT during a cell raises
 KeyboardInterrupt in the cell; between cells it is ignored.
 """
@@ -23,6 +25,7 @@ import os
 import signal
 import struct
 import sys
+import time
 import traceback
 import types
 from typing import Any
@@ -115,12 +118,17 @@ def main(argv: list[str]) -> None:
             request = _read_frame(in_fd)
             if request is None:
                 return
+            cell = request.get("cell")
+            start_by = request.get("start_by")
+            if start_by is not None and time.monotonic() >= start_by:  # too late: a peer may have it
+                os.write(1, marker + f"{cell}__\x1e".encode())
+                _write_frame(out_fd, {"cell": cell, "late": True})
+                continue
             for name, value in (request.get("env") or {}).items():
                 if value is None:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-            cell = request.get("cell")
             result, exception = cells.run(request.get("code", ""))
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):  # a cell may have replaced or closed a stream

@@ -18,7 +18,10 @@ Reads take 1-based inclusive line ranges.  Edits keep, per file, the contents be
 change (bounded by ``Limits.edit_history``) so ``undo_edit`` can step back, including
 undoing a creation or a ``file_write``.  Edits answer with a unified diff and a numbered
 snippet around the change.  The work is synchronous file I/O, run in a worker thread by
-the caller.
+the caller.  A change takes effect only while the start gate's deadline holds
+(``riverbed.runtime.gate.in_time``, right before the ``os.replace`` or ``unlink``); past it,
+:class:`~riverbed.runtime.gate.LateStart` leaves the file as it was (a ``file_write`` may have
+made the missing parent directories).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 
 from riverbed import confine, events
 from riverbed.errors import InputError, PathRefused
+from riverbed.runtime.gate import LateStart, in_time
 from riverbed.runtime.limits import Limits
 
 _SNIPPET_CONTEXT = 4
@@ -150,6 +154,7 @@ def _write_text(place: confine.Place, text: str, *, like: os.stat_result | None,
                 os.fchown(fd, *owner)
         finally:
             os.close(fd)
+        in_time()  # (the write takes effect here, or not at all)
         os.replace(tmp, place.name, src_dir_fd=place.dir_fd, dst_dir_fd=place.dir_fd)
     except BaseException as exc:
         with contextlib.suppress(OSError):
@@ -294,12 +299,17 @@ def edit(
         found_step, before = history.pop(rel)
         if not found_step:
             raise FileActionError("no_history", f"there is no edit of {rel} to undo")
-        current, like = _existing(place, limits)
-        if before is None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(place.name, dir_fd=place.dir_fd)
-        else:
-            _write_text(place, before, like=like, owner=owner)
+        try:
+            current, like = _existing(place, limits)
+            if before is None:
+                in_time()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(place.name, dir_fd=place.dir_fd)
+            else:
+                _write_text(place, before, like=like, owner=owner)
+        except LateStart:
+            history.push(rel, before)  # (not undone: the step stays to undo)
+            raise
         return _edited(action, rel=rel, before=current, after=before, first_line=1, limits=limits)
 
 

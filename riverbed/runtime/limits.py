@@ -37,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -233,11 +234,17 @@ def kill_processes(
     return len(killed)
 
 
-def wait_exit(proc: subprocess.Popen[bytes], seconds: float) -> bool:
-    """Reap ``proc`` (blocking, call it in a thread); True when it has exited."""
+def wait_exit(proc: subprocess.Popen[bytes], seconds: float, *, reap_later: bool = True) -> bool:
+    """Reap ``proc`` (blocking, call it in a thread); True when it has exited.
+
+    One still running after ``seconds`` (a killed process can take a while to go on a loaded
+    machine) is waited for by a thread of its own, so it is reaped whenever it exits: none is
+    left a zombie, or dropped while it runs (``reap_later=False``: the caller waits again)."""
     try:
         proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
+        if reap_later:
+            threading.Thread(target=proc.wait, name=f"riverbed-reap-{proc.pid}", daemon=True).start()
         return False
     return True
 

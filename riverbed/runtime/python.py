@@ -36,21 +36,12 @@ import anyio
 import structlog
 
 from riverbed import events
-from riverbed.runtime.gate import before_start
-from riverbed.runtime.limits import (
-    DRIVER,
-    Limits,
-    Lister,
-    kill_processes,
-    launcher_argv,
-    session_processes,
-    tree_processes,
-    wait_exit,
-)
+from riverbed.runtime.gate import LATE_TRIES, before_start
+from riverbed.runtime.limits import DRIVER, kill_processes, launcher_argv
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
-from riverbed.runtime.sandbox import DRIVER_INSIDE, Link, Sandbox, start_once_more_on_a_network_race
+from riverbed.runtime.sandbox import DRIVER_INSIDE, start_again_on_a_network_race
+from riverbed.runtime.sandboxed import Placement, SandboxedProcess
 from riverbed.runtime.spawner import spawn
-from riverbed.runtime.tmp import SessionTmp
 
 log = structlog.get_logger("riverbed.runtime.python")
 
@@ -104,30 +95,12 @@ class _Cell:
         return self.output_done and self.reply_done
 
 
-class PythonProcess:
+class PythonProcess(SandboxedProcess):
     """The session's Python driver; not safe for concurrent use (the caller locks)."""
 
-    def __init__(
-        self,
-        workspace: Path,
-        env: Mapping[str, str],
-        limits: Limits,
-        sandbox: Sandbox,
-        tmp: SessionTmp | None = None,
-    ) -> None:
-        self._workspace = workspace
-        self._env = dict(env)
-        self._limits = limits
-        self._sandbox = sandbox
-        self._tmp = tmp
-        """the session's one /tmp (None: a private one)"""
-        self._kernel_nproc = sandbox.confined
-        self._processes: Lister = tree_processes if sandbox.confined else session_processes
-        self._core: frozenset[int] = frozenset()
-        """the sandbox's own processes (bubblewrap's and the driver), never killed as strays"""
+    def __init__(self, placement: Placement) -> None:
+        super().__init__(placement)
         self._driver_pid = -1
-        self._link: Link | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
         self._fds: list[int] = []
         self._to_driver = -1
         self._frames: _Frames | None = None
@@ -137,10 +110,9 @@ class PythonProcess:
         self._cell_id = 0
         self._lost = False
         self._before: set[int] = set()
-
-    @property
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        self._waiting: anyio.CancelScope | None = None
+        """the wait for the cell in flight (a cancel ends it)"""
+        self._cancel_note: str | None = None
 
     async def start(self) -> None:
         to_r, to_w = os.pipe()
@@ -205,20 +177,11 @@ class PythonProcess:
         log.debug("python started", pid=self._proc.pid, workspace=str(self._workspace))
 
     async def close(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            await anyio.to_thread.run_sync(partial(kill_processes, proc.pid))
-            await anyio.to_thread.run_sync(wait_exit, proc, 2.0)
+        await self._kill()
         for fd in self._fds:
             os.close(fd)
         self._fds = []
         self._frames = None
-        await self._drop_link()
-
-    async def _drop_link(self) -> None:
-        link, self._link = self._link, None
-        if link is not None:
-            await anyio.to_thread.run_sync(link.close)
 
     async def run(self, action: events.PythonRun, env: Mapping[str, str | None]) -> events.PythonOutput:
         timeout = action.timeout if action.timeout is not None else self._limits.python_timeout
@@ -227,20 +190,29 @@ class PythonProcess:
             state_lost = True
             await self.close()
         if self._proc is None:
-            await start_once_more_on_a_network_race(self.start, "python")
+            await start_again_on_a_network_race(self.start, "python")
         self._lost = False
         assert self._proc is not None
         images_before = await anyio.to_thread.run_sync(_images, self._workspace)
         self._before = {pid for pid, _ in await anyio.to_thread.run_sync(self._processes, self._proc.pid)}
-        self._cell_id += 1
-        cell = _Cell(self._limits.max_output_chars, self._marker + f"{self._cell_id}__\x1e".encode())
-        body = json.dumps({"cell": self._cell_id, "code": action.code, "env": dict(env)}).encode()
-        await before_start()  # nothing awaited from here to the write that starts the cell
-        await write_all(self._to_driver, struct.pack(">I", len(body)) + body)
-        timed_out = False
-        if not await self._wait(cell, timeout):
-            timed_out = True
-            await self._interrupt(cell, timeout)
+        for _ in range(LATE_TRIES):
+            self._cell_id += 1
+            cell = _Cell(self._limits.max_output_chars, self._marker + f"{self._cell_id}__\x1e".encode())
+            request = {"cell": self._cell_id, "code": action.code, "env": dict(env)}
+            start_by = await before_start()  # nothing awaited from here to the write that starts the cell
+            body = json.dumps({**request, "start_by": start_by}).encode()
+            await write_all(self._to_driver, struct.pack(">I", len(body)) + body)
+            timed_out = False
+            self._cancel_note = None
+            if not await self._wait(cell, timeout, cancellable=True):
+                cancelled, self._cancel_note = self._cancel_note, None
+                timed_out = cancelled is None
+                await self._interrupt(cell, timeout, why=cancelled)
+            if not (cell.reply_done and cell.reply is not None and cell.reply.get("late")):
+                break
+            log.info("python.late_start", session_workspace=str(self._workspace))
+        else:
+            raise PythonUnavailable(f"the Python process did not get the cell in time, {LATE_TRIES} times; not run")
         exception = cell.reply.get("exception") if cell.reply else None
         if not cell.reply_done or cell.reply is None:
             exception = (exception or "") + await self._death_note(exiting=cell.eof)
@@ -285,9 +257,21 @@ class PythonProcess:
             how = f"exited with code {code}"
         return f"the Python process {how} during this cell; the next cell starts a new one and earlier names are lost"
 
-    async def _wait(self, cell: _Cell, seconds: float) -> bool:
-        """Read output and the reply until both are done (True) or ``seconds`` pass (False)."""
-        with anyio.move_on_after(seconds):
+    def cancel(self, note: str) -> bool:
+        """Interrupt the cell an action waits for, as a timeout would; its observation says
+        ``note``.  False when no cell runs."""
+        if self._waiting is None:
+            return False
+        self._cancel_note = note
+        self._waiting.cancel()
+        return True
+
+    async def _wait(self, cell: _Cell, seconds: float, *, cancellable: bool = False) -> bool:
+        """Read output and the reply until both are done (True) or ``seconds`` pass (False);
+        ``cancellable``: :meth:`cancel` ends the wait too (False)."""
+        with anyio.move_on_after(seconds) as scope:
+            if cancellable:
+                self._waiting = scope
             async with anyio.create_task_group() as tg:
 
                 async def pump() -> None:
@@ -318,28 +302,20 @@ class PythonProcess:
                 async def watch() -> None:
                     while True:
                         await anyio.sleep(_WATCH_EVERY)
-                        await self._watch_processes(cell)
+                        if note := await self._check_processes():
+                            cell.notes.append(note)
 
                 tg.start_soon(pump)
                 tg.start_soon(reply)
                 tg.start_soon(watch)
+        if cancellable:
+            self._waiting = None
         return cell.done
 
-    async def _watch_processes(self, cell: _Cell) -> None:
-        if self._proc is None or self._kernel_nproc:
-            return  # the sandbox's own RLIMIT_NPROC: the kernel refuses the fork
-        sid = self._proc.pid
-        count = len(await anyio.to_thread.run_sync(self._processes, sid))
-        if count > self._limits.max_processes:
-            killed = await anyio.to_thread.run_sync(partial(kill_processes, sid, keep=self._core))
-            cell.notes.append(
-                f"[the sandbox held {count} processes, over the limit of {self._limits.max_processes}: killed {killed}]"
-            )
-
-    async def _interrupt(self, cell: _Cell, timeout: float) -> None:
+    async def _interrupt(self, cell: _Cell, timeout: float, *, why: str | None = None) -> None:
         assert self._proc is not None
         sid = self._proc.pid
-        cell.notes.append(f"[the cell timed out after {timeout:g} seconds and was interrupted]")
+        cell.notes.append(why or f"[the cell timed out after {timeout:g} seconds and was interrupted]")
         with contextlib.suppress(OSError):
             if self._driver_pid == sid:
                 os.killpg(sid, signal.SIGINT)  # the driver leads the session: its whole group
@@ -357,7 +333,7 @@ class PythonProcess:
     async def enforce_limits(self) -> None:
         """The process-count check, for a periodic watcher (between cells too)."""
         if self.alive:
-            await self._watch_processes(_Cell(1000, b"-"))
+            await self._check_processes()
 
 
 def _pending_text(fd: int, limit: int = 2000) -> str:

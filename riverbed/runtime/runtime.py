@@ -58,11 +58,12 @@ from msgspec.structs import replace
 from riverbed import events, tracing
 from riverbed.errors import RiverbedError
 from riverbed.runtime import files
-from riverbed.runtime.gate import before_start
+from riverbed.runtime.gate import LATE_TRIES, LateStart, before_start, starting_by
 from riverbed.runtime.limits import Limits
 from riverbed.runtime.paths import PathRefused, confine, stamp_file, stamp_of, workspace_name
 from riverbed.runtime.python import PythonProcess, PythonUnavailable
 from riverbed.runtime.sandbox import Sandbox, SandboxUnavailable
+from riverbed.runtime.sandboxed import Placement
 from riverbed.runtime.shell import Shell, ShellUnavailable
 from riverbed.runtime.tmp import SessionTmp
 
@@ -118,6 +119,18 @@ SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/op
 INLINE_READ_BYTES = 64 * 1024
 
 
+async def _in_time(change: Callable[[], events.Observation]) -> events.Observation:
+    """A file change, made in a worker thread only by the start gate's deadline (the thread may
+    get to it late: a paused worker, a busy machine); gated again when it was late."""
+    for _ in range(LATE_TRIES):
+        with starting_by(await before_start()):
+            try:
+                return await anyio.to_thread.run_sync(change)
+            except LateStart:
+                log.info("file.late_start")
+    raise SandboxUnavailable(f"the file change was not made in time, {LATE_TRIES} times; the file is as it was")
+
+
 def _error(reason: str, content: str, *, retryable: bool = False) -> events.Error:
     return events.Error(content=content, reason=reason, retryable=retryable)
 
@@ -131,8 +144,9 @@ class _Session:
         self.lock = anyio.Lock()
         self.overrides: dict[str, str | None] = {}
         self.tmp = SessionTmp(sandbox, workspace)
-        self.shell = Shell(workspace, base_env, limits, sandbox, self.tmp)
-        self.python = PythonProcess(workspace, base_env, limits, sandbox, self.tmp)
+        placement = Placement(workspace, base_env, limits, sandbox, self.tmp)
+        self.shell = Shell(placement)
+        self.python = PythonProcess(placement)
         self.history = files.EditHistory(limits.edit_history)
         self.workspace_made = False
         self.created: str | None = None
@@ -320,6 +334,27 @@ class Runtime:
                     await session.shell.enforce_limits()
                     await session.python.enforce_limits()
 
+    # --- cancel ------------------------------------------------------------------------------
+
+    def cancel(self, session_id: str, note: str) -> bool:
+        """Interrupt the command or Python cell an action of the session waits for (killing
+        what it started, as a hard timeout does); its observation ends with ``note``.  False
+        when none is in flight (nothing is remembered for a later one)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return False
+        return session.shell.cancel(note) or session.python.cancel(note)
+
+    async def stop_background(self, session_id: str, note: str) -> str | None:
+        """Interrupt a command the session's shell still runs after its action was answered
+        (the soft timeout let it go on): what it printed since, and ``note``.  None when the
+        shell runs nothing, or an action is in flight (:meth:`cancel` is for that)."""
+        session = self._sessions.get(session_id)
+        if session is None or session.lock.locked():
+            return None
+        async with session.lock:
+            return await session.shell.stop_background(note)
+
     # --- execution --------------------------------------------------------------------------
 
     async def execute(self, session_id: str, action: events.Event) -> events.Observation:
@@ -428,9 +463,10 @@ class Runtime:
 
     async def _file_write(self, session: _Session, action: events.FileWrite) -> events.Observation:
         owner = self._sandbox.owner(session.workspace)  # what the agent writes, its sandbox user can change
-        write = partial(files.write, owner=owner)
-        return await anyio.to_thread.run_sync(write, session.workspace, action, self._limits, session.history)
+        write = partial(files.write, session.workspace, action, self._limits, session.history, owner=owner)
+        return await _in_time(write)
 
     async def _file_edit(self, session: _Session, action: events.FileEdit) -> events.Observation:
-        edit = partial(files.edit, owner=self._sandbox.owner(session.workspace))
-        return await anyio.to_thread.run_sync(edit, session.workspace, action, self._limits, session.history)
+        owner = self._sandbox.owner(session.workspace)
+        edit = partial(files.edit, session.workspace, action, self._limits, session.history, owner=owner)
+        return await _in_time(edit)

@@ -64,6 +64,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
+import anyio
 import structlog
 
 from riverbed.errors import ConfigError
@@ -113,8 +114,8 @@ class NetworkSetupFailed(OSError):
     """The sandbox exited while its network was being set up.  Seen under load with the outbound
     network: bubblewrap bringing up the new namespace's loopback fails while slirp4netns
     configures the same namespace.  A fresh sandbox starts, so the shell and the Python driver
-    try once more (:func:`start_once_more_on_a_network_race`); a second failure is an OS error
-    of the action (retryable)."""
+    try again (:func:`start_again_on_a_network_race`); when the last try fails too, that is an
+    OS error of the action (retryable)."""
 
 
 #: What bubblewrap says when bringing up the loopback of the sandbox's network namespace
@@ -122,17 +123,27 @@ class NetworkSetupFailed(OSError):
 LOOPBACK_FAILED = "loopback: Failed"
 
 
-async def start_once_more_on_a_network_race(start: Callable[[], Awaitable[None]], what: str) -> None:
+#: How many fresh sandboxes a process start tries when each loses the race with its network's
+#: setup (seen twice running on a machine creating many network namespaces at once).
+NETWORK_RACE_TRIES = 3
+
+
+async def start_again_on_a_network_race(start: Callable[[], Awaitable[None]], what: str) -> None:
     """``start()`` a sandboxed process; when its sandbox lost the race with its network's setup
     (:class:`NetworkSetupFailed`, or bubblewrap's :data:`LOOPBACK_FAILED` in the error), start
-    a fresh one once.  Any other failure, and a second one, is the caller's."""
-    try:
-        await start()
-    except Exception as exc:
-        if not isinstance(exc, NetworkSetupFailed) and LOOPBACK_FAILED not in str(exc):
-            raise
-        log.warning("sandbox.start_retried", process=what, error=str(exc))
-        await start()
+    a fresh one, up to :data:`NETWORK_RACE_TRIES` in all.  Any other failure, and the last
+    one, is the caller's."""
+    for attempt in range(1, NETWORK_RACE_TRIES + 1):
+        try:
+            await start()
+        except Exception as exc:
+            raced = isinstance(exc, NetworkSetupFailed) or LOOPBACK_FAILED in str(exc)
+            if not raced or attempt == NETWORK_RACE_TRIES:
+                raise
+            log.warning("sandbox.start_retried", process=what, attempt=attempt, error=str(exc))
+            await anyio.sleep(0.1 * attempt)
+        else:
+            return
 
 
 @dataclasses.dataclass(frozen=True)

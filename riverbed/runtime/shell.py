@@ -32,7 +32,6 @@ import shlex
 import shutil
 import signal
 import struct
-import subprocess
 import tempfile
 import termios
 from collections.abc import Mapping
@@ -43,21 +42,12 @@ import anyio
 import structlog
 
 from riverbed import events
-from riverbed.runtime.gate import before_start
-from riverbed.runtime.limits import (
-    Limits,
-    Lister,
-    kill_processes,
-    launcher_argv,
-    session_processes,
-    signal_group,
-    tree_processes,
-    wait_exit,
-)
+from riverbed.runtime.gate import LATE_TRIES, before_start, boottime_centiseconds
+from riverbed.runtime.limits import kill_processes, launcher_argv, signal_group
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
-from riverbed.runtime.sandbox import Link, Sandbox, start_once_more_on_a_network_race
+from riverbed.runtime.sandbox import start_again_on_a_network_race
+from riverbed.runtime.sandboxed import Placement, SandboxedProcess
 from riverbed.runtime.spawner import spawn
-from riverbed.runtime.tmp import SessionTmp
 
 log = structlog.get_logger("riverbed.runtime.shell")
 
@@ -69,42 +59,25 @@ class ShellUnavailable(Exception):
     """The shell could not be started or does not answer."""
 
 
-class Shell:
+class Shell(SandboxedProcess):
     """A persistent bash in ``workspace``; not safe for concurrent use (the caller locks)."""
 
-    def __init__(
-        self,
-        workspace: Path,
-        env: Mapping[str, str],
-        limits: Limits,
-        sandbox: Sandbox,
-        tmp: SessionTmp | None = None,
-    ) -> None:
-        self._workspace = workspace
-        self._env = dict(env)
-        self._limits = limits
-        self._sandbox = sandbox
-        self._tmp = tmp
-        """the session's one /tmp (None: a private one)"""
-        self._kernel_nproc = sandbox.confined
-        self._processes: Lister = tree_processes if sandbox.confined else session_processes
+    def __init__(self, placement: Placement) -> None:
+        super().__init__(placement)
         self._nonce = secrets.token_hex(8)
+        self._late = f"__RB_{self._nonce}_late__"
+        """what the shell prints instead of starting a command past its deadline"""
         self._scanner = MarkerScanner(f"\n__RB_{self._nonce}_".encode(), b"__\n")
-        self._proc: subprocess.Popen[bytes] | None = None
         self._master = -1
         self._ctl_dir: str | None = None
-        self._link: Link | None = None
-        self._core: frozenset[int] = frozenset()
-        """the sandbox's own processes (bubblewrap's and the shell), never killed as strays"""
         self._shell_pgrp = -1
         self._applied: dict[str, str | None] = {}
         self._running = False
         self._before: set[int] = set()
         self._command = ""
-
-    @property
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        self._collecting: anyio.CancelScope | None = None
+        """the wait for output of the command in flight (a cancel ends it)"""
+        self._cancel_note: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -184,13 +157,7 @@ class Shell:
 
     async def _release(self) -> None:
         """Kill the shell and its sandbox; drop its network link and its command scripts."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            await anyio.to_thread.run_sync(partial(kill_processes, proc.pid))
-            await anyio.to_thread.run_sync(wait_exit, proc, 2.0)
-        link, self._link = self._link, None
-        if link is not None:
-            await anyio.to_thread.run_sync(link.close)
+        await self._kill()
         self._remove_ctl_dir()
 
     def _make_ctl_dir(self) -> str:
@@ -218,7 +185,7 @@ class Shell:
             if self._proc is not None:
                 notes.append("[the previous shell had exited; this is a new shell: cwd and variables were reset]")
                 await self.close()
-            await start_once_more_on_a_network_race(self.start, "shell")
+            await start_again_on_a_network_race(self.start, "shell")
         if action.is_input:
             if not self._running:
                 return _error("no_running_command", "no command is running, so there is nothing to send input to")
@@ -245,16 +212,40 @@ class Shell:
         script = Path(self._ctl_dir) / "command.sh"
         script.write_text(action.command + "\n", encoding="utf-8")
         script.chmod(0o644)
-        line = f"source {shlex.quote(str(script))}"
+        line = f"builtin source {shlex.quote(str(script))}"
         if cwd is not None:
             line = f"builtin cd -- {shlex.quote(str(cwd))} && {line}"
         self._before = {pid for pid, _ in await anyio.to_thread.run_sync(self._processes, self._sid())}
-        await before_start()  # nothing awaited from here to the write that starts the command
-        self._command = action.command
-        self._running = True
-        self._scanner.reset()
-        await write_all(self._master, line.encode() + b"\n")
-        return await self._collect(action, timeout, notes)
+        for _ in range(LATE_TRIES):
+            start_by = await before_start()  # nothing awaited from here to the write that starts the command
+            self._command = action.command
+            self._running = True
+            self._cancel_note = None
+            self._scanner.reset()
+            await write_all(self._master, self._by(start_by, line).encode() + b"\n")
+            observation = await self._collect(action, timeout, list(notes))
+            # (a line of its own, wherever: a shell tracing its commands, ``set -x``, prints them first)
+            refused = isinstance(observation, events.CmdOutput) and self._late in observation.content.splitlines()
+            if start_by is None or not refused:
+                return observation
+            log.info("shell.late_start", command=action.command[:80])
+        return _error(
+            "sandbox_unavailable",
+            f"the shell did not get the command in time, {LATE_TRIES} times; the command did not run",
+            retryable=True,
+        )
+
+    def _by(self, start_by: float | None, line: str) -> str:
+        """``line``, started by the shell only before ``start_by`` (its own clock read, no fork);
+        after it, the shell prints :attr:`_late` instead (see ``riverbed.runtime.gate``)."""
+        if start_by is None:
+            return line
+        up = f"__rb_up_{self._nonce}"
+        return (
+            f"if builtin read -r {up} _ </proc/uptime && (( 10#${{{up}/./}} < {boottime_centiseconds(start_by)} )); "
+            f"then builtin unset {up}; {line}; "
+            f"else builtin unset {up}; builtin printf '%s\\n' {self._late}; fi"
+        )
 
     def _sid(self) -> int:
         assert self._proc is not None
@@ -272,8 +263,9 @@ class Shell:
             if not action.blocking:
                 wait = min(wait, last_output + self._limits.soft_timeout - now)
             data: bytes | None = None
-            with anyio.move_on_after(max(wait, 0)):
+            with anyio.move_on_after(max(wait, 0)) as self._collecting:
                 data = await read_some(self._master)
+            self._collecting = None
             now = anyio.current_time()
             if data == b"":
                 self._running = False
@@ -289,9 +281,14 @@ class Shell:
                     self._running = False
                     text.feed_bytes(b"", final=True)
                     return self._output(action, text, _exit_code(self._scanner.payload), notes)
+            if self._cancel_note is not None:
+                cancelled, self._cancel_note = self._cancel_note, None
+                code = await self._interrupt(text, notes)
+                notes.append(cancelled)
+                return self._output(action, text, code, notes)
             if now >= next_watch:
                 next_watch = now + _WATCH_EVERY
-                note = await self._watch_processes()
+                note = await self._check_processes()
                 if note:
                     notes.append(note)
             if now >= deadline:
@@ -326,6 +323,25 @@ class Shell:
             truncated=text.truncated,
             cause=action.id,
         )
+
+    def cancel(self, note: str) -> bool:
+        """Interrupt the command an action waits for, as a hard timeout would; its observation
+        ends with ``note``.  False when no action waits for a command."""
+        if self._collecting is None or not self._running:
+            return False
+        self._cancel_note = note
+        self._collecting.cancel()
+        return True
+
+    async def stop_background(self, note: str) -> str | None:
+        """Interrupt a command still running after its action was answered (the soft timeout):
+        what it printed since, with ``note``; None when no command runs."""
+        if not self._running or self._collecting is not None or not self.alive:
+            return None
+        text = CappedText(self._limits.max_output_chars)
+        notes: list[str] = []
+        await self._interrupt(text, notes)
+        return "\n".join([text.render().rstrip("\n"), *notes, note]).lstrip("\n")
 
     async def _interrupt_and_report(self, command: str) -> events.CmdOutput:
         text = CappedText(self._limits.max_output_chars)
@@ -368,22 +384,10 @@ class Shell:
                 text.feed_bytes(self._scanner.feed(data))
         return self._scanner.found
 
-    async def _watch_processes(self) -> str | None:
-        """Kill everything but the shell when the sandbox holds too many processes."""
-        if self._kernel_nproc:
-            return None  # the sandbox's own RLIMIT_NPROC: the kernel refuses the fork
-        sid = self._sid()
-        count = len(await anyio.to_thread.run_sync(self._processes, sid))
-        if count <= self._limits.max_processes:
-            return None
-        killed = await anyio.to_thread.run_sync(partial(kill_processes, sid, keep=self._core))
-        log.warning("sandbox process limit", pid=sid, processes=count, killed=killed)
-        return f"[the sandbox held {count} processes, over the limit of {self._limits.max_processes}: killed {killed}]"
-
     async def enforce_limits(self) -> None:
         """The process-count check, for a periodic watcher (between commands too)."""
         if self.alive:
-            await self._watch_processes()
+            await self._check_processes()
 
     # --- hidden helpers -----------------------------------------------------------------------
 

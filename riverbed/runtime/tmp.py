@@ -123,7 +123,7 @@ class SessionTmp:
                 os.close(self._keep)
             self._keep = -1
         proc, self._proc = self._proc, None
-        if proc is not None and not await anyio.to_thread.run_sync(wait_exit, proc, 2.0):
+        if proc is not None and not await anyio.to_thread.run_sync(partial(wait_exit, proc, 2.0, reap_later=False)):
             proc.kill()
             await anyio.to_thread.run_sync(partial(wait_exit, proc, 2.0))
             log.warning("tmp.holder_killed", workspace=str(self._workspace))

@@ -97,8 +97,8 @@ class Followers:
     async def follow(self, session: str, start: int, until: int | None, tx: ObjectSendStream[Frame]) -> None:
         """Send the frames of ``session``'s events ``start``..``until`` (None: on and on) to ``tx``."""
         seen = start - 1
-        created = await self._created(session)  # the log the request was allowed to read
         async with tx:
+            created = await self._created(session)  # the log the request was allowed to read
             if until is not None:  # a log that holds ``until`` already needs no reader
                 seen = await self._catch_up(session, seen, until, tx)
             while until is None or seen < until:

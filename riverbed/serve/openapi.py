@@ -58,6 +58,40 @@ def _query(name: str, description: str, kind: str = "integer") -> dict[str, Any]
     return {"name": name, "in": "query", "required": False, "description": description, "schema": {"type": kind}}
 
 
+def _run_schemas() -> dict[str, Any]:
+    number_or_null = {"type": ["number", "null"]}
+    return {
+        "RunRequest": {
+            "type": "object",
+            "required": ["task"],
+            "additionalProperties": False,
+            "properties": {
+                "task": {"type": "string", "description": "what the agent should do (the user's message)"},
+                "max_steps": {"type": "integer", "minimum": 1, "maximum": 10_000, "default": 30},
+                "max_tokens": {"type": ["integer", "null"], "minimum": 1},
+                "max_cost": {**number_or_null, "description": "USD, priced by RIVERBED_PRICES"},
+                "model": {"type": ["string", "null"], "description": "default: the worker's RIVERBED_LLM_MODEL"},
+            },
+        },
+        "Run": {
+            "type": "object",
+            "properties": {
+                "session": {"type": "string"},
+                "tenant": {"type": ["string", "null"]},
+                "state": {"enum": ["running", "finished", "failed", "cancelled"]},
+                "reason": {"type": ["string", "null"], "description": "finish, or the ending error's reason"},
+                "steps": {"type": "integer", "description": "model calls made"},
+                "tokens": {"type": "integer"},
+                "cost": {**number_or_null, "description": "USD (null: a model without a price)"},
+                "model": {"type": ["string", "null"]},
+                "worker": {"type": ["string", "null"], "description": "the agent worker owning it while it runs"},
+                "started_at": {"type": "number", "description": "unix seconds"},
+                "age": {"type": "number", "description": "seconds since it opened"},
+            },
+        },
+    }
+
+
 def _context_schemas() -> dict[str, Any]:
     ids = {"type": "array", "items": {"type": "integer"}}
     ranges = {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}}
@@ -155,6 +189,7 @@ def document() -> dict[str, Any]:
         },
     }
     components.update(_context_schemas())
+    components.update(_run_schemas())
     hit = {
         "type": "object",
         "required": ["session", "event_id", "kind", "score", "text"],
@@ -164,6 +199,13 @@ def document() -> dict[str, Any]:
             "kind": {"type": "string"},
             "score": {"type": "number"},
             "text": {"type": "string", "description": "the matching chunk of the event's text"},
+            "why": {
+                "type": "object",
+                "description": (
+                    "why it matched: meaning {rank, similarity} (cosine) and words {rank, matched}, "
+                    "each null when the hit was not among that search's candidates"
+                ),
+            },
         },
     }
     components["Hits"] = {
@@ -181,8 +223,21 @@ def document() -> dict[str, Any]:
         "/v1/sessions": {
             "get": {
                 "summary": "The key's tenant's sessions (every session for an admin key)",
-                "description": "Each with its tenant, last event id and time, and per role its owner and lag.",
-                "responses": {"200": _ok("the sessions"), **_problems(401, 503)},
+                "description": (
+                    "Each with its tenant, last event id and time, status, task (the first line of its first "
+                    "user message), and per role its owner and lag. With any parameter: one page, newest "
+                    "first, with offset, next_offset and total."
+                ),
+                "parameters": [
+                    _query("tenant", "only this tenant's sessions", "string"),
+                    _query(
+                        "status", "running, finished, step limit, budget exhausted, cancelled, error or open", "string"
+                    ),
+                    _query("q", "part of the session id", "string"),
+                    _query("limit", "sessions per page (default 50, at most 200)"),
+                    _query("offset", "sessions to skip"),
+                ],
+                "responses": {"200": _ok("the sessions"), **_problems(400, 401, 503)},
             }
         },
         "/v1/sessions/{session}/events": {
@@ -296,6 +351,41 @@ def document() -> dict[str, Any]:
                     _query("k", "how many hits (default 10, at most 50)"),
                 ],
                 "responses": {"200": _ok("the hits, best first", _ref("Hits")), **_problems(400, 401, 404, 503, 504)},
+            },
+        },
+        "/v1/sessions/{session}/runs": {
+            "parameters": [_SESSION],
+            "post": {
+                "summary": "Open a run for the agent role: the task as a user message, then run_started",
+                "description": (
+                    "Answers at once (202) with the run; the agent role works on it from then on, and its "
+                    "progress is the session's event stream. 400 when a run is open on the session already; "
+                    "429 when the tenant is at a quota (Retry-After when its tokens a day are)."
+                ),
+                "requestBody": _json_body(_ref("RunRequest"), "the task and the run's limits"),
+                "responses": {"202": _ok("the run", _ref("Run")), **_problems(400, 401, 404, 413)},
+            },
+        },
+        "/v1/sessions/{session}/runs/cancel": {
+            "parameters": [_SESSION],
+            "post": {
+                "summary": "End the session's open run (one run_cancel)",
+                "responses": {"202": _ok("the run_cancel's id"), **_problems(400, 401, 404)},
+            },
+        },
+        "/v1/runs": {
+            "get": {
+                "summary": "The runs of the key's tenant (an admin key: every tenant's), newest first",
+                "parameters": [
+                    _query("state", "running, finished, failed or cancelled", "string"),
+                    _query("tenant", "an admin key: only this tenant's runs", "string"),
+                ],
+                "responses": {
+                    "200": _ok(
+                        "the runs", {"type": "object", "properties": {"runs": {"type": "array", "items": _ref("Run")}}}
+                    ),
+                    **_problems(400, 401),
+                },
             },
         },
         "/v1/status": {

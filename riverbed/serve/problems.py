@@ -14,6 +14,7 @@ AppendConflict              409     ``expected_last`` did not match
 IdempotencyKeyReused        409     an ``Idempotency-Key`` sent again with another body
 FencedError                 409     (not reachable through the API: it appends with no fence)
 NotFoundError               404     no such session for this key (or another tenant's)
+QuotaExceeded               429     the tenant is at a quota (``Retry-After`` when its daily tokens are)
 TenantMismatch              404     an append to another tenant's session: it is not there for this key
 ActTimeout                  504     no observation within the act timeout
 UnavailableError            503     Redis or Postgres unreachable
@@ -24,6 +25,7 @@ ConfigError, other errors   500     the detail says what to fix; never a traceba
 
 from __future__ import annotations
 
+import math
 from http import HTTPStatus
 
 import msgspec
@@ -40,6 +42,7 @@ from riverbed.errors import (
     IdempotencyKeyReused,
     InputError,
     NotFoundError,
+    QuotaExceeded,
     RiverbedError,
     ServiceError,
     TenantMismatch,
@@ -68,6 +71,8 @@ def _status(exc: RiverbedError) -> int:
         return 400
     if isinstance(exc, NotFoundError):
         return 404
+    if isinstance(exc, QuotaExceeded):
+        return 429
     if isinstance(exc, ActTimeout):
         return 504
     if isinstance(exc, UnavailableError | ServiceError):
@@ -94,6 +99,9 @@ def from_exception(request: Request, exc: BaseException) -> Response:
         status = _status(exc)
         if status >= 500:
             log.warning("serve.error", path=request.url.path, status=status, error=str(exc))
-        return problem(status, str(exc), extra=extra)
+        headers = None
+        if isinstance(exc, QuotaExceeded) and exc.retry_after is not None:
+            headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+        return problem(status, str(exc), headers=headers, extra=extra)
     log.error("serve.unexpected", path=request.url.path, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
     return problem(500, "the server failed unexpectedly; its log has the details")

@@ -17,7 +17,7 @@ import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import msgspec
@@ -30,17 +30,25 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.agent.replay import fork
+from riverbed.agent.runs import is_child_id
 from riverbed.agent.usage import parse_prices
 from riverbed.agent.usage import usage as usage_report
-from riverbed.bus import stats
+from riverbed.bus import status as bus_status
 from riverbed.bus.keys import ROLES, require_session
+from riverbed.client.session import Bus
 from riverbed.errors import InputError, NotFoundError, UnavailableError
-from riverbed.serve.auth import KeyStore, Principal
+from riverbed.serve.auth import KeyStore, Principal, valid_tenant
 from riverbed.serve.follow import Followers
 from riverbed.serve.limits import RateLimit, Slots, Streams
-from riverbed.serve.sessions import Tenants, index_older_sessions, session_infos, session_names
+from riverbed.serve.sessions import (
+    STATUSES,
+    Tenants,
+    index_older_sessions,
+    page_sessions,
+    session_infos,
+    session_names,
+)
 from riverbed.serve.sse import EventStream
 from riverbed.settings import DEFAULT_MAX_EVENTS_PER_APPEND, Settings
 
@@ -169,8 +177,28 @@ async def _session_tenant(api: Api, who: Principal, session: str, *, create: boo
     if not exists and create:
         if who.tenant is None:
             raise InputError(f"an admin key without a tenant cannot create session {session!r}; use a tenant's key")
+        _not_a_child_id(session)
         return who.tenant
     raise NotFoundError(f"no session {session!r} is visible to this key")
+
+
+async def _visible_session(request: Request) -> tuple[Api, str, str | None]:
+    """The API, the session the path names and its tenant, for a key that may use the session
+    (401 without a valid key, 404 when the session is not visible to it)."""
+    who = await principal(request)
+    api = _api(request)
+    session = request.path_params["session"]
+    return api, session, await _session_tenant(api, who, session)
+
+
+def _not_a_child_id(session: str) -> None:
+    """Refuse to create a session whose id is a sub-agent's (``<parent>.sub<N>``): the agent role
+    makes those, and a client that took one first would make its parent's delegate fail."""
+    if is_child_id(session):
+        raise InputError(
+            f"session ids ending in .sub<N>, like {session!r}, are made by the agent role for sub-agents; "
+            "choose another id"
+        )
 
 
 _DIGITS = re.compile(r"[0-9]{1,19}")
@@ -216,6 +244,17 @@ async def _body(request: Request) -> bytes:
     return body
 
 
+_Body = TypeVar("_Body", bound=msgspec.Struct)
+
+
+async def _body_as(request: Request, shape: type[_Body], must: str) -> _Body:
+    """The request's JSON body decoded as ``shape``; 400 saying what it ``must`` be when it is not."""
+    try:
+        return msgspec.json.decode(await _body(request), type=shape)
+    except msgspec.DecodeError as exc:
+        raise InputError(f"{must} ({exc})") from exc
+
+
 def _within_append_limit(api: Api, batch: list[events.Event]) -> None:
     """413 for more events than one append may carry (one append is one Redis call)."""
     most = api.config.max_events_per_append
@@ -252,14 +291,56 @@ async def whoami(request: Request) -> Response:
     return _json({"key_id": who.key_id, "tenant": who.tenant, "admin": who.admin})
 
 
+MAX_PAGE = 200
+"""The most sessions one page of the session list may hold."""
+
+
 @bounded
 async def list_sessions(request: Request) -> Response:
-    """The sessions the key may see: tenant, last id, last event time, owner and lag per role."""
+    """The sessions the key may see: tenant, last id, last event time, owner and lag per role.
+    With ``tenant``, ``status``, ``q`` (part of the id), ``limit`` or ``offset``: one page of the
+    matching sessions, newest first, each with its status and task; without any: every session,
+    oldest first (their status is not read: it takes the newest events of each)."""
     who = await principal(request)
     bus = _api(request).bus
-    names = await session_names(bus, who.tenant, admin=who.admin)
-    infos = await session_infos(bus, names, visible=who.may_see)
-    return _json({"sessions": [info.as_dict() for info in infos]})
+    params = request.query_params
+    tenant = params.get("tenant", "").strip() or None
+    wanted = params.get("status", "").strip() or None
+    if wanted is not None and wanted not in STATUSES:
+        raise InputError(f"unknown session status {wanted!r}: use {', '.join(STATUSES)}")
+    search = params.get("q", "").strip()
+    limit = _int_param(request, "limit")
+    offset = _int_param(request, "offset", minimum=0)
+    if limit is not None and limit > MAX_PAGE:
+        raise InputError(f"the limit parameter must be at most {MAX_PAGE}, not {limit}")
+    if tenant is not None:
+        valid_tenant(tenant)
+    if tenant is not None and (who.admin or tenant == who.tenant):
+        names = [n.decode() for n in await bus.client.zrange(bus.keys.tenant_sessions(tenant))]
+    elif tenant is not None:
+        names = []  # another tenant's sessions are not this key's to list
+    else:
+        names = await session_names(bus, who.tenant, admin=who.admin)
+    if tenant is None and wanted is None and not search and limit is None and offset is None:
+        infos = await session_infos(bus, names, visible=who.may_see)
+        return _json({"sessions": [info.as_dict() for info in infos]})
+    page = await page_sessions(
+        bus,
+        names,
+        visible=lambda owner: who.may_see(owner) and (tenant is None or owner == tenant),
+        search=search,
+        wanted=wanted,
+        offset=offset or 0,
+        limit=limit or 50,
+    )
+    return _json(
+        {
+            "sessions": [info.as_dict() for info in page.sessions],
+            "offset": page.offset,
+            "next_offset": page.next_offset,
+            "total": page.total,
+        }
+    )
 
 
 @bounded
@@ -377,10 +458,7 @@ async def view(request: Request) -> Response:
     """The condensed view as the agent saw it right after event ``until``."""
     from riverbed.memory.view import view as fold  # noqa: PLC0415  (memory is optional for clients)
 
-    who = await principal(request)
-    api = _api(request)
-    session = request.path_params["session"]
-    await _session_tenant(api, who, session)
+    api, session, _tenant = await _visible_session(request)
     until = _int_param(request, "until")
     folded = fold([e async for e in api.bus.log_store.read(session, 1, until)], until=until)
     body = {
@@ -399,10 +477,7 @@ async def context(request: Request) -> Response:
     pinned ones, the summary."""
     from riverbed.memory.context import document  # noqa: PLC0415  (memory is optional for clients)
 
-    who = await principal(request)
-    api = _api(request)
-    session = request.path_params["session"]
-    await _session_tenant(api, who, session)
+    api, session, _tenant = await _visible_session(request)
     until = _int_param(request, "until")
     return _json({**document(session, await api.bus.session(session).context.show(until)), "until": until})
 
@@ -422,16 +497,12 @@ _OPS = ("forget", "restore", "pin", "unpin")
 async def edit_context(request: Request) -> Response:
     """Append one ``context_edit`` and answer with what it changed; with ``dry_run`` answer
     with what it would change, appending nothing."""
-    who = await principal(request)
-    api = _api(request)
-    session = request.path_params["session"]
-    tenant = await _session_tenant(api, who, session)
-    try:
-        body = msgspec.json.decode(await _body(request), type=_EditBody)
-    except msgspec.DecodeError as exc:
-        raise InputError(
-            f'the context body must be {{"op": "forget", "ranges": [[A, B]], "kinds": [...], "note": "..."}} ({exc})'
-        ) from exc
+    api, session, tenant = await _visible_session(request)
+    body = await _body_as(
+        request,
+        _EditBody,
+        'the context body must be {"op": "forget", "ranges": [[A, B]], "kinds": [...], "note": "..."}',
+    )
     if body.op not in _OPS:
         raise InputError(f"unknown context operation {body.op!r}: use {', '.join(_OPS)}")
     handle = api.bus.session(session, tenant=tenant).context
@@ -448,22 +519,17 @@ async def edit_context(request: Request) -> Response:
 @bounded
 async def usage(request: Request) -> Response:
     """Prompt, cached and completion tokens and cost of every model call, and the totals."""
-    who = await principal(request)
-    api = _api(request)
-    session = request.path_params["session"]
-    await _session_tenant(api, who, session)
+    api, session, _tenant = await _visible_session(request)
     report = usage_report(await api.bus.session(session).events(), parse_prices(api.config.prices))
     return _json({"session": session, **msgspec.to_builtins(report)})
 
 
 @bounded
 async def recall(request: Request) -> Response:
-    """Search the session's indexed events (by meaning and by words, fused); appends nothing
+    """Search the session's indexed events (by meaning and by words, fused), each hit with why
+    it matched; appends nothing
     (a ``recall`` action would write into the session it searches)."""
-    who = await principal(request)
-    api = _api(request)
-    session = request.path_params["session"]
-    tenant = await _session_tenant(api, who, session)
+    api, session, tenant = await _visible_session(request)
     query = request.query_params.get("q", "").strip()
     if not query:
         raise InputError("the q parameter (what to search for) is missing")
@@ -477,8 +543,10 @@ async def recall(request: Request) -> Response:
             "recall search needs the memory database: set RIVERBED_DATABASE_URL to the Postgres the memory workers use"
         )
     await api.memory.store.start()  # (once; migrations run with the first)
-    hits = await api.memory.search(query, session=session, tenant=tenant, k=k, timeout=api.config.request_timeout * 0.8)
-    return _json({"session": session, "query": query, "hits": hits})
+    matches = await api.memory.search_explained(
+        query, session=session, tenant=tenant, k=k, timeout=api.config.request_timeout * 0.8
+    )
+    return _json({"session": session, "query": query, "hits": [match.as_dict() for match in matches]})
 
 
 class _ForkBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -491,17 +559,12 @@ class _ForkBody(msgspec.Struct, forbid_unknown_fields=True):
 @bounded
 async def fork_session(request: Request) -> Response:
     """Copy events 1..``at`` into the new session ``into`` (the source's tenant), then ``forked``."""
-    who = await principal(request)
-    api = _api(request)
-    session = request.path_params["session"]
-    await _session_tenant(api, who, session)
-    try:
-        body = msgspec.json.decode(await _body(request), type=_ForkBody)
-    except msgspec.DecodeError as exc:
-        raise InputError(
-            f'the fork body must be {{"at": N, "into": "new-session", "workspace": "replay|copy|empty"}} ({exc})'
-        ) from exc
+    api, session, _tenant = await _visible_session(request)
+    body = await _body_as(
+        request, _ForkBody, 'the fork body must be {"at": N, "into": "new-session", "workspace": "replay|copy|empty"}'
+    )
     require_session(body.into)
+    _not_a_child_id(body.into)
     forked = await fork(api.bus, session, body.at, body.into, workspace=body.workspace)
     return _json({"session": body.into, "source": session, "at": body.at, "forked": forked}, status=201)
 
@@ -512,18 +575,18 @@ async def status(request: Request) -> Response:
     who = await principal(request)
     bus = _api(request).bus
     if who.admin:
-        snapshot = await stats.status(bus.client, bus.keys)
+        snapshot = await bus_status.status(bus.client, bus.keys)
         return _json(dataclasses.asdict(snapshot))
     names = await session_names(bus, who.tenant, admin=False)
-    mine = [info.session for info in await session_infos(bus, names, visible=who.may_see, roles=())]
-    roles = [await stats.role_backlog(bus.client, bus.keys, role, mine) for role in ROLES]
+    mine = [info.session for info in await session_infos(bus, names, visible=who.may_see, roles=(), describe=False)]
+    roles = [await bus_status.role_backlog(bus.client, bus.keys, role, mine) for role in ROLES]
     body: dict[str, Any] = {
         "sessions": len(mine),
         "roles": [
             {"role": r.role, "lag": r.lag, "pending": r.pending, "oldest_pending_seconds": r.oldest_pending_seconds}
             for r in roles
         ],
-        "workers": len(await stats.live_workers(bus.client, bus.keys)),
+        "workers": len(await bus_status.live_workers(bus.client, bus.keys)),
     }
     return _json(body)
 

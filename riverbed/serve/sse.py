@@ -74,28 +74,29 @@ class EventStream:
         gone = False
         try:
             await send({"type": "http.response.body", "body": b"retry: 1000\n\n", "more_body": True})
-            async with anyio.create_task_group() as tg:
-                tx, rx = anyio.create_memory_object_stream[Frame](BUFFER)
-                tg.start_soon(self._follow, tx)
-                tg.start_soon(self._watch, receive, tg.cancel_scope)
-                async with rx:
-                    while True:
-                        with anyio.move_on_after(self.heartbeat) as quiet:
-                            try:
-                                _id, message = await rx.receive()
-                            except anyio.EndOfStream:
-                                break  # ``until`` reached
-                        if quiet.cancelled_caught:
-                            await send({"type": "http.response.body", "body": b": ping\n\n", "more_body": True})
-                            continue
-                        chunk = [message]
-                        while True:  # whatever else is ready goes in the same write
-                            try:
-                                chunk.append(rx.receive_nowait()[1])
-                            except (anyio.WouldBlock, anyio.EndOfStream):
-                                break
-                        await send({"type": "http.response.body", "body": b"".join(chunk), "more_body": True})
-                tg.cancel_scope.cancel()
+            tx, rx = anyio.create_memory_object_stream[Frame](BUFFER)
+            with tx:  # (closed here too when the stream ends before the follower even began)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._follow, tx)
+                    tg.start_soon(self._watch, receive, tg.cancel_scope)
+                    async with rx:
+                        while True:
+                            with anyio.move_on_after(self.heartbeat) as quiet:
+                                try:
+                                    _id, message = await rx.receive()
+                                except anyio.EndOfStream:
+                                    break  # ``until`` reached
+                            if quiet.cancelled_caught:
+                                await send({"type": "http.response.body", "body": b": ping\n\n", "more_body": True})
+                                continue
+                            chunk = [message]
+                            while True:  # whatever else is ready goes in the same write
+                                try:
+                                    chunk.append(rx.receive_nowait()[1])
+                                except (anyio.WouldBlock, anyio.EndOfStream):
+                                    break
+                            await send({"type": "http.response.body", "body": b"".join(chunk), "more_body": True})
+                    tg.cancel_scope.cancel()
         except* OSError:  # the client went away while we wrote
             gone = True
         except* RiverbedError as group:  # Redis failed under the stream: the client resumes later

@@ -13,8 +13,26 @@ moves :func:`~riverbed.agent.runs.next_move` names until it must wait for the lo
 - **end the run** with an ``error`` from ``source: agent`` (``step_limit``,
   ``budget_exhausted``, ``cancelled``, ``llm_error``; key ``run-<opened>-end``).
 
+Sub-agents (``riverbed/agent/delegation.py``): ``delegate`` calls that follow one another are
+appended in one write; then each one's child session is created (once: its log must be empty,
+key ``delegated``), or the ``delegate`` is answered by the ``error`` of the limit that refuses
+it (key ``delegate-<id>-refused``).  The children of ``delegate`` actions still waiting are made
+sure of again at the first move of every new owner (a crash between the two).  Once a run
+ended, a ``run_cancel`` goes to each child still working for it (key ``parent-ended``; a
+``delegate`` whose child was never made is answered by an ``error`` instead), and a
+child session's owner appends the ``delegate_result`` answering its parent's action to the
+parent's log (key ``delegate-result-<action>``; the log's one answer per action holds it to
+one): that append is what wakes the parent's owner, or announces the parent again if it was
+parked.  These writes to another session carry no fencing token (the session is not this
+owner's); each is a function of logs that a peer would make the same.
+
 Every append carries the owner's fencing token (a worker that lost the session appends
 nothing) and an idempotency key derived from the log (a retried append appends nothing twice).
+What an append adds right after the fold's last event is folded as written (the log is read
+instead after a repeat, or when other events came in between), and the role's group moves past
+it (``pass_own``): the role's own moves are not delivered back to it.  A model's response is
+appended only onto the log as folded (``expected_last``): what came during the call is read
+first, and a ``run_cancel`` among it means the response is not used.
 The entries of a batch are acknowledged only once its moves are made: a worker that dies in
 the middle leaves them pending, and the next owner, having folded the whole log, makes the
 moves still due.  A model call whose ``llm_response`` is in the log is never made again; only
@@ -23,10 +41,20 @@ a call in flight when its worker died is repeated, once.
 A model server that is down, times out or answers 5xx/429 is tried again with backoff for
 ``RIVERBED_AGENT_LLM_RETRY_SECONDS``, then the run ends with ``llm_error`` saying what the
 server said.  A ``run_cancel`` ends the run at the next move; a model call in flight is given
-up within :data:`CANCEL_POLL_SECONDS` (a command in flight is not interrupted).  Once the run ended
+up within :data:`CANCEL_POLL_SECONDS` (a command in flight is interrupted by the runtime role,
+which watches the log for the same ``run_cancel``).  Once the run ended
 the idle session is *retired* (released without being announced again until another run opens).
 
-Each move rewrites the session's run summary (``keys.run``), which ``riverbed runs`` lists.
+A run of a tenant holds one of the tenant's run slots (:mod:`riverbed.agent.quotas`, taken again
+before its first model call here, so a run opened by other means is bounded too), reports its
+tokens after each model call, and gives its slot back when it ends; before each model call the
+tenant's daily tokens are checked like the run's own limits (``budget_exhausted``).
+
+Requests carry the run's model settings (``run_started``), else the worker's
+(``RIVERBED_LLM_TEMPERATURE``, ``RIVERBED_LLM_MAX_OUTPUT_TOKENS``, ``RIVERBED_LLM_TIMEOUT``).
+
+The session's run summary (``keys.run``), which ``riverbed runs`` lists, is rewritten when a
+move changed it: before a model call, and in the round trip that acknowledges the batch.
 The reference agent's prompt (:func:`~riverbed.agent.llm.build_messages`) and tools are used;
 unlike the in-process loop (``riverbed agent --in-process``), this role does not ask the
 memory role for context recalls.
@@ -34,8 +62,11 @@ memory role for context recalls.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
@@ -46,10 +77,13 @@ from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 from riverbed import events
-from riverbed.agent.llm import build_messages, call_record
+from riverbed.agent.delegation import REFUSED, ChildPlan, plan_child, refusal, result
+from riverbed.agent.llm import build_messages, call_record, model_parameters, timeout_sentence
 from riverbed.agent.messages import cache_breakpoints
+from riverbed.agent.quotas import Quotas, TenantQuota
 from riverbed.agent.runs import (
     AppendAction,
+    AppendDelegates,
     CallModel,
     EndRun,
     RejectCalls,
@@ -57,16 +91,20 @@ from riverbed.agent.runs import (
     RunFold,
     RunSummary,
     Wait,
+    child_session,
     next_move,
     summarize,
 )
-from riverbed.agent.tools import tools
-from riverbed.agent.usage import Price, parse_prices
+from riverbed.agent.tools import ROLE_TOOL_ACTIONS, tools
+from riverbed.agent.usage import Price, StepUsage, parse_prices, step
 from riverbed.bus.backoff import Backoff
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.handling import Entry, SessionContext
 from riverbed.bus.keys import AGENT_ROLE
+from riverbed.bus.redis_client import Pipeline
+from riverbed.errors import AppendConflict, FencedError, TenantMismatch
 from riverbed.settings import Settings
+from riverbed.workers.model_client import CheckedClient, checked_by
 
 __all__ = ["AgentCounters", "AgentHandler", "build_agent_handler"]
 
@@ -76,6 +114,12 @@ AGENT_NAME = "llm"
 """The ``agent`` of what the role appends."""
 CANCEL_POLL_SECONDS = 0.5
 """How often the log is looked at for a ``run_cancel`` while a model call is in flight."""
+QUOTA_CACHE_SECONDS = 2.0
+"""How long a worker keeps a tenant's quotas before reading them again."""
+
+
+OTHER_MODEL = "other"
+"""The model label of the calls to a model the operator did not name."""
 
 
 @dataclass
@@ -91,6 +135,58 @@ class AgentCounters:
     """the time model calls took, summed"""
     taken_over: int = 0
     """open runs this worker picked up with model calls already made (from a lost or drained owner)"""
+    latency: dict[str, Latency] = field(default_factory=dict)
+    """model -> how long its calls took (each try)"""
+    tokens: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    """(tenant, model, kind) -> tokens of the responses this worker appended; kind is ``prompt``,
+    ``cached`` or ``completion``; tenant ``""`` for sessions without one"""
+    cost: dict[tuple[str, str], float] = field(default_factory=dict)
+    """(tenant, model) -> their USD (``RIVERBED_PRICES``; unpriced models are left out)"""
+
+    known: frozenset[str] = frozenset()
+    """the models labelled by name (the worker's and the priced ones); any other is ``other``: a
+    run's model is its client's choice, and a label per name would let clients add series"""
+
+    def label(self, model: str) -> str:
+        return model if model in self.known else OTHER_MODEL
+
+    def observe(self, model: str, seconds: float) -> None:
+        self.latency.setdefault(self.label(model), Latency()).observe(seconds)
+
+    def count(self, tenant: str | None, counted: StepUsage) -> None:
+        who, model = tenant or "", self.label(counted.model)
+        for kind, value in (
+            ("prompt", counted.prompt_tokens),
+            ("cached", counted.cached_tokens),
+            ("completion", counted.completion_tokens),
+        ):
+            key = (who, model, kind)
+            self.tokens[key] = self.tokens.get(key, 0) + value
+        if counted.cost is not None:
+            self.cost[(who, model)] = self.cost.get((who, model), 0.0) + counted.cost
+
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+"""Upper bounds (seconds) of the model-call latency histogram's buckets."""
+
+
+@dataclass
+class Latency:
+    """A histogram of model-call durations (``riverbed_agent_model_latency_seconds``)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
+    """calls per bucket (not cumulative); those above the last bound are only in ``count``"""
+    count: int = 0
+    total: float = 0.0
+    bounds: tuple[float, ...] = LATENCY_BUCKETS
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.total += seconds
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.counts[i] += 1
+                break
 
 
 class _ModelFailed(Exception):
@@ -103,6 +199,16 @@ class _Session:
     seen: list[events.Event] = field(default_factory=list)
     """the log's events 1..``fold.last`` (the prompt is built from them)"""
     summary: RunSummary | None = None
+    slot: int | None = None
+    """the run (its ``run_started`` id) known to hold a run slot of its tenant"""
+    released: int | None = None
+    """the ended run whose slot was given back"""
+    spawned: set[int] = field(default_factory=set)
+    """``delegate`` actions whose child this worker made sure of (created, found, or refused)"""
+    stopped: set[int] = field(default_factory=set)
+    """``delegate`` actions whose child this worker cancelled (the run ended without its answer)"""
+    reported: int | None = None
+    """the run whose ``delegate_result`` this worker appended to the parent"""
 
     def add(self, event: events.Event) -> None:
         if event.id is not None and event.id > self.fold.last:
@@ -123,6 +229,11 @@ class AgentHandler:
         llm_timeout: float = 120.0,
         retry_seconds: float = 60.0,
         prompt_cache: str = "none",
+        max_depth: int = 3,
+        max_fanout: int = 8,
+        temperature: float | None = None,
+        max_output_tokens: int = 0,
+        condenser_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.client = client
         self.model = model
@@ -130,9 +241,16 @@ class AgentHandler:
         self.llm_timeout = llm_timeout
         self.retry_seconds = retry_seconds
         self.prompt_cache = prompt_cache
-        self.tools = tools()
+        self.max_depth = max_depth
+        self.max_fanout = max_fanout
+        self.tools = tools(ROLE_TOOL_ACTIONS)
+        self.temperature = temperature
+        self.max_output_tokens = max_output_tokens
+        self.condenser_defaults = condenser_defaults
         self.sessions: dict[str, _Session] = {}
-        self.counters = AgentCounters()
+        self.counters = AgentCounters(known=frozenset({model, *self.prices} - {"*"}))
+        self._quotas: Quotas | None = None
+        self._quota_cache: dict[str, tuple[float, TenantQuota]] = {}
 
     # --- the Handler protocol -----------------------------------------------------------------
 
@@ -158,7 +276,10 @@ class AgentHandler:
             for entry in entries:
                 state.add(entry.event)
         await self._advance(ctx, state)
-        await ctx.ack([e.id for e in entries])
+        summary = self._summary_due(ctx, state)  # (saved in the round trip that acknowledges the batch)
+        await ctx.ack([e.id for e in entries], along=None if summary is None else partial(_queue_summary, ctx, summary))
+        if summary is not None:
+            state.summary = summary
 
     def retires(self, ctx: SessionContext) -> bool:
         """Nothing to do for the session until another run opens."""
@@ -168,6 +289,10 @@ class AgentHandler:
     async def close(self, ctx: SessionContext) -> None:
         self.sessions.pop(ctx.session, None)
 
+    def open_runs(self) -> int:
+        """Open runs of the sessions this worker owns now."""
+        return sum(1 for state in self.sessions.values() if state.fold.run is not None and state.fold.run.open)
+
     async def aclose(self) -> None:
         await self.client.close()
 
@@ -175,6 +300,7 @@ class AgentHandler:
 
     async def _advance(self, ctx: SessionContext, state: _Session) -> None:
         """Make the moves the log calls for, until the run must wait for the log (or ended)."""
+        await self._delegate(ctx, state)  # (after a takeover: children not made sure of yet)
         made: tuple[str, int] | None = None
         while True:
             run = state.fold.run
@@ -199,9 +325,19 @@ class AgentHandler:
                 await self._append(ctx, state, move.action, f"resp-{move.response}-call-{move.index}")
                 if isinstance(move.action, events.Finish):
                     self._count_end("finish")
+            elif isinstance(move, AppendDelegates):
+                if move.index > 0:
+                    crashpoint("agent_between_actions")
+                await self._append_all(ctx, state, move.actions, f"resp-{move.response}-call-{move.index}")
+                await self._delegate(ctx, state)
             elif isinstance(move, CallModel):
-                await self._step(ctx, state, run)
-        await self._save_summary(ctx, state)
+                refused = await self._over_quota(ctx, state, run)
+                if refused is not None:
+                    await self._end(ctx, state, run, "budget_exhausted", refused)
+                else:
+                    await self._step(ctx, state, run)
+        await self._wind_up(ctx, state)
+        await self._release_slot(ctx, state)
 
     async def _step(self, ctx: SessionContext, state: _Session, run: Run) -> None:
         """One model call and its ``llm_response`` (or the ``llm_error`` that ends the run)."""
@@ -210,17 +346,29 @@ class AgentHandler:
         crashpoint("agent_before_llm")
         await self._save_summary(ctx, state)
         try:
-            response = await self._complete(ctx, state, model)
+            response = await self._complete(ctx, state, model, _started(state.seen, run.opened))
         except _ModelFailed as exc:
             await self._catch_up(ctx, state)
             if state.fold.run is run and run.open and run.cancel_requested is None:
                 await self._end(ctx, state, run, "llm_error", str(exc))
             return
-        await self._catch_up(ctx, state)
-        if state.fold.run is not run or not run.open or run.cancel_requested is not None:
-            return  # cancelled (or ended) during the call: its response is not used
         recorded = _recorded(response, model, until)
-        await self._append(ctx, state, recorded, f"run-{run.opened}-step-{run.steps + 1}")
+        key = f"run-{run.opened}-step-{run.steps + 1}"
+        while True:
+            if state.fold.run is not run or not run.open or run.cancel_requested is not None:
+                return  # cancelled (or ended) during the call: its response is not used
+            try:
+                # Only onto the log as folded: what came during the call (a cancel) is read first.
+                await self._append(ctx, state, recorded, key, expected_last=state.fold.last)
+            except AppendConflict:
+                await self._catch_up(ctx, state)
+                continue
+            break
+        self.counters.count(ctx.tenant, step(recorded, 0, self.prices))
+        if ctx.tenant is not None:
+            # Its own calls only: each sub-agent's run reports its own (its tokens also count into this run's budget).
+            own = run.prompt_tokens + run.completion_tokens
+            await self._quotas_of(ctx).count_tokens(ctx.tenant, ctx.session, run.opened, own)
         crashpoint("agent_after_response")
 
     async def _end(self, ctx: SessionContext, state: _Session, run: Run, reason: str, content: str) -> None:
@@ -229,16 +377,169 @@ class AgentHandler:
         self._count_end(reason)
         log.info("agent.run_ended", session=ctx.session, run=run.opened, reason=reason, steps=run.steps)
 
+    # --- tenant quotas --------------------------------------------------------------------------
+
+    def _quotas_of(self, ctx: SessionContext) -> Quotas:
+        if self._quotas is None:
+            self._quotas = Quotas(ctx.log)
+        return self._quotas
+
+    async def _over_quota(self, ctx: SessionContext, state: _Session, run: Run) -> str | None:
+        """Why the run's tenant may not have another model call (None: it may)."""
+        tenant = ctx.tenant
+        if tenant is None:
+            return None
+        quotas = self._quotas_of(ctx)
+        if state.slot != run.opened:
+            refused = await quotas.take_slot(tenant, ctx.session)
+            if refused is not None:
+                return f"the run may not start: {refused}"
+            state.slot = run.opened
+        now = time.monotonic()
+        cached = self._quota_cache.get(tenant)
+        if cached is None or cached[0] < now:
+            cached = (now + QUOTA_CACHE_SECONDS, await quotas.get(tenant))
+            self._quota_cache[tenant] = cached
+        refused = await quotas.tokens_refusal(tenant, cached[1])
+        return None if refused is None else f"the run stopped: {refused}"
+
+    async def _release_slot(self, ctx: SessionContext, state: _Session) -> None:
+        run = state.fold.run
+        if run is None or run.open or ctx.tenant is None or state.released == run.opened:
+            return
+        await self._quotas_of(ctx).release(ctx.tenant, ctx.session)
+        state.released = run.opened
+
     def _count_end(self, reason: str) -> None:
         self.counters.ended[reason] = self.counters.ended.get(reason, 0) + 1
 
-    async def _append(self, ctx: SessionContext, state: _Session, event: events.Event, key: str) -> None:
+    async def _append(
+        self, ctx: SessionContext, state: _Session, event: events.Event, key: str, *, expected_last: int | None = None
+    ) -> None:
         """Append one event with the owner's fencing token under ``key``, then fold the log up to it."""
-        changes: dict[str, Any] = {"agent": event.agent or AGENT_NAME}
-        if event.tenant is None and ctx.tenant is not None:
-            changes["tenant"] = ctx.tenant
-        await ctx.append([replace(event, **changes)], idempotency_key=key)
-        await self._catch_up(ctx, state)
+        await self._append_all(ctx, state, [event], key, expected_last=expected_last)
+
+    async def _append_all(
+        self,
+        ctx: SessionContext,
+        state: _Session,
+        batch: Sequence[events.Event],
+        key: str,
+        *,
+        expected_last: int | None = None,
+    ) -> None:
+        """Append ``batch`` in one write with the owner's fencing token under ``key``, then fold the log.
+
+        Events this write appended right after the fold's last one are folded as written (the
+        log holds nothing else up to them); otherwise (a repeat, or events came in between) the
+        log is read."""
+        written = await ctx.append_events(
+            [_stamped(event, ctx.tenant) for event in batch],
+            expected_last=expected_last,
+            idempotency_key=key,
+            pass_own=True,
+        )
+        if written and written[0].id == state.fold.last + 1:
+            for event in written:
+                state.add(event)
+        else:
+            await self._catch_up(ctx, state)
+
+    # --- sub-agents -----------------------------------------------------------------------------
+
+    async def _delegate(self, ctx: SessionContext, state: _Session) -> None:
+        """Make sure each ``delegate`` of the open run that waits for its answer has its child
+        session, or is answered by the ``error`` of the limit that refuses it."""
+        run = state.fold.run
+        if run is None or not run.open or run.cancel_requested is not None:
+            return
+        waiting = [a for a in run.waiting_delegates if a.id is not None and a.id not in state.spawned]
+        for action in waiting:
+            assert action.id is not None
+            crashpoint("agent_delegating")
+            if await ctx.is_answered(action.id):
+                # Answered meanwhile (a peer that took the session over ended the run): a worker
+                # that lost the session creates nothing after the fact.
+                state.spawned.add(action.id)
+                continue
+            refused = refusal(state.fold, run, action, max_depth=self.max_depth, max_fanout=self.max_fanout)
+            if refused is None:
+                refused = await self._create_child(ctx, plan_child(ctx.session, state.fold, run, action))
+            if refused is not None:
+                error = events.Error(source="agent", cause=action.id, content=refused, reason=REFUSED)
+                await self._append(ctx, state, error, f"delegate-{action.id}-refused")
+            state.spawned.add(action.id)
+        if waiting:
+            # A cancel (or a peer's end of the run) that came meanwhile reaches the children made here.
+            await self._catch_up(ctx, state)
+
+    async def _create_child(self, ctx: SessionContext, plan: ChildPlan) -> str | None:
+        """Create the child session (once: its log must be empty); None when it exists as this
+        task's child now, else why it cannot be (a sentence for the model)."""
+        batch = [_stamped(e, ctx.tenant) for e in (plan.header, plan.task, plan.started)]
+        try:
+            await ctx.log.append(plan.session, batch, expected_last=0, idempotency_key="delegated", tenant=ctx.tenant)
+        except (AppendConflict, TenantMismatch):
+            first = None
+            async for event in ctx.log.read(plan.session, 1, 1):
+                first = event
+            ours = (
+                isinstance(first, events.Delegated)
+                and first.parent == plan.header.parent
+                and first.parent_action == plan.header.parent_action
+            )
+            if not ours:
+                return f"delegate refused: the sub-agent's session id {plan.session} is taken by another session"
+        else:
+            redis, keys = ctx.log.redis, ctx.log.keys
+            async with redis.pipeline() as pipe:  # (listed by `riverbed runs` before a worker picks it up)
+                pipe.zadd(keys.runs, {plan.session: time.time()}, nx=True)
+                await pipe.execute()
+            log.info("agent.delegated", session=ctx.session, child=plan.session, action=plan.header.parent_action)
+        return None
+
+    @staticmethod
+    async def _is_child(ctx: SessionContext, child: str, action: int) -> bool:
+        """Whether session ``child`` is the one made for ``ctx.session``'s ``delegate`` ``action``."""
+        async for first in ctx.log.read(child, 1, 1):
+            return isinstance(first, events.Delegated) and (first.parent, first.parent_action) == (ctx.session, action)
+        return False
+
+    async def _wind_up(self, ctx: SessionContext, state: _Session) -> None:
+        """Once the run ended: cancel the children it no longer waits for, and answer the
+        parent's ``delegate`` when this session is a child."""
+        run = state.fold.run
+        if run is None or run.open:
+            return
+        if run.end_reason != "forked":
+            for action in run.waiting_delegates:
+                if action.id is None or action.id in state.stopped:
+                    continue
+                child = child_session(ctx.session, action.id)
+                # (a child made later is cancelled by its maker; a session that holds the id but is
+                # not this action's child, maybe another tenant's, is left alone)
+                if await self._is_child(ctx, child, action.id):
+                    note = f"the parent run ({ctx.session}) ended: {run.end_reason}"
+                    cancel = events.RunCancel(source="system", note=note, agent=AGENT_NAME, tenant=ctx.tenant)
+                    await ctx.log.append(child, [cancel], idempotency_key="parent-ended", tenant=ctx.tenant)
+                else:  # no child will answer it: the action still gets its one answer
+                    why = f"delegate refused: the run ended ({run.end_reason}) before a sub-agent took this task"
+                    error = events.Error(source="agent", cause=action.id, content=why, reason=REFUSED)
+                    await self._append(ctx, state, error, f"delegate-{action.id}-refused")
+                state.stopped.add(action.id)
+        report = state.fold.reports_to
+        # Only the session made for that action answers it (not an import of one under another id).
+        if report is not None and ctx.session == child_session(*report) and state.reported != run.opened:
+            parent, cause = report
+            crashpoint("agent_reporting")
+            answer = _stamped(result(ctx.session, run, cause), ctx.tenant)
+            try:
+                await ctx.log.append(parent, [answer], idempotency_key=f"delegate-result-{cause}", tenant=ctx.tenant)
+            except TenantMismatch:  # (not a child its parent made: its tenant is not the parent's)
+                log.warning("agent.report_refused", session=ctx.session, parent=parent, action=cause)
+            else:
+                log.info("agent.reported", session=ctx.session, parent=parent, action=cause, state=run.state)
+            state.reported = run.opened
 
     async def _catch_up(self, ctx: SessionContext, state: _Session) -> None:
         async for event in ctx.log.read(ctx.session, state.fold.last + 1):
@@ -246,26 +547,45 @@ class AgentHandler:
 
     # --- the model ------------------------------------------------------------------------------
 
-    async def _complete(self, ctx: SessionContext, state: _Session, model: str) -> Any:
+    async def _complete(
+        self, ctx: SessionContext, state: _Session, model: str, started: events.RunStarted | None = None
+    ) -> Any:
         """The model's response to the prompt the log makes; a server that is down or answers
         5xx/429 is asked again, backing off, for ``retry_seconds`` (a cancel stops that)."""
         request: dict[str, Any] = {
             "model": model,
-            "messages": cache_breakpoints(build_messages(state.seen, agent=AGENT_NAME), self.prompt_cache),
+            "messages": cache_breakpoints(
+                build_messages(state.seen, agent=AGENT_NAME, condenser_defaults=self.condenser_defaults),
+                self.prompt_cache,
+            ),
             "tools": self.tools,
             "tool_choice": "auto",
-            "parallel_tool_calls": False,
+            # Several calls in one response: the role appends them in order (each after the one
+            # before is answered), and ``delegate`` calls that follow one another run at once.
+            "parallel_tool_calls": True,
         }
+        # The run's own model settings (``riverbed agent --temperature …``), else this worker's.
+        run_temperature = started.temperature if started is not None else None
+        run_output = started.max_output_tokens if started is not None else None
+        timeout = (started.llm_timeout if started is not None else None) or self.llm_timeout
+        request.update(
+            model_parameters(
+                self.temperature if run_temperature is None else run_temperature,
+                self.max_output_tokens if run_output is None else run_output,
+            )
+        )
         deadline = time.monotonic() + self.retry_seconds
         backoff = Backoff(first=0.5, cap=5.0)
         tries = 0
         while True:
             tries += 1
             try:
-                response = await self._call_once(ctx, state, request)
+                response = await self._call_once(ctx, state, request, timeout)
             except (TimeoutError, openai.OpenAIError) as exc:
-                said = _said(exc, self.llm_timeout)
+                said = _said(exc, timeout)
                 if not _retryable(exc) or time.monotonic() + backoff.next > deadline:
+                    if isinstance(exc, TimeoutError):
+                        raise _ModelFailed(timeout_sentence(timeout, tries)) from exc
                     again = f" after {tries} tries" if tries > 1 else ""
                     raise _ModelFailed(f"the model call failed{again} ({said})") from exc
                 log.warning("agent.llm_retry", session=ctx.session, error=said, retry_in=backoff.next)
@@ -279,25 +599,41 @@ class AgentHandler:
                 raise _ModelFailed("the model call failed (the model returned no choices)")
             return response
 
-    async def _call_once(self, ctx: SessionContext, state: _Session, request: dict[str, Any]) -> Any:
+    async def _call_once(self, ctx: SessionContext, state: _Session, request: dict[str, Any], timeout: float) -> Any:
         """One model call, given up (:class:`_ModelFailed`) when the run is cancelled meanwhile:
         the log is looked at every :data:`CANCEL_POLL_SECONDS` while the call is in flight."""
         outcome: list[Any] = []
         failure: list[BaseException] = []
+        request = _as_built(request)
+
+        async def hold() -> None:  # paused past the lease, then resumed: a peer has the run now
+            if not await ctx.holds():
+                raise FencedError(ctx.session, ctx.role, ctx.fence.token)
+
+        checked_at_send = isinstance(self.client, CheckedClient)
+        if not checked_at_send:
+            await hold()
 
         async with anyio.create_task_group() as tg:
 
             async def call() -> None:
                 started = time.monotonic()
+                sent = True
                 try:
-                    with anyio.fail_after(self.llm_timeout):
+                    with anyio.fail_after(timeout), checked_by(hold) if checked_at_send else contextlib.nullcontext():
                         outcome.append(await self.client.chat.completions.create(**request))
+                except FencedError as exc:
+                    failure.append(exc)
+                    sent = False
                 except (TimeoutError, openai.OpenAIError) as exc:
                     failure.append(exc)
                     self.counters.model_failures += 1
                 finally:
-                    self.counters.model_calls += 1
-                    self.counters.model_seconds += time.monotonic() - started
+                    if sent:
+                        took = time.monotonic() - started
+                        self.counters.model_calls += 1
+                        self.counters.model_seconds += took
+                        self.counters.observe(str(request.get("model", "")), took)
                 tg.cancel_scope.cancel()
 
             async def watch() -> None:
@@ -317,20 +653,63 @@ class AgentHandler:
             raise _ModelFailed("the model call was given up: the run was cancelled")
         return outcome[0]
 
-    async def _save_summary(self, ctx: SessionContext, state: _Session) -> None:
+    def _summary_due(self, ctx: SessionContext, state: _Session) -> RunSummary | None:
+        """The run's summary when it says something the saved one does not (else None)."""
         run = state.fold.run
         if run is None:
+            return None
+        header = state.fold.delegated
+        parent = header.parent if header is not None else None
+        summary = summarize(ctx.session, run, worker=ctx.worker, model=self.model, parent=parent)
+        return None if summary == state.summary else summary
+
+    async def _save_summary(self, ctx: SessionContext, state: _Session) -> None:
+        summary = self._summary_due(ctx, state)
+        if summary is None:
             return
-        summary = summarize(ctx.session, run, worker=ctx.worker, model=self.model)
-        if summary == state.summary:
-            return
-        redis, keys = ctx.log.redis, ctx.log.keys
-        stamped = replace(summary, updated=time.time())
-        async with redis.pipeline() as pipe:
-            pipe.set(keys.run(ctx.session), msgspec.json.encode(stamped))
-            pipe.zadd(keys.runs, {ctx.session: run.opened_at}, nx=True)
+        async with ctx.log.redis.pipeline() as pipe:
+            _queue_summary(ctx, summary, pipe)
             await pipe.execute()
         state.summary = summary
+
+
+def _queue_summary(ctx: SessionContext, summary: RunSummary, pipe: Pipeline) -> None:
+    """The writes that save ``summary`` (``riverbed runs`` lists the session by when its run opened)."""
+    keys = ctx.log.keys
+    pipe.set(keys.run(ctx.session), msgspec.json.encode(replace(summary, updated=time.time())))
+    pipe.zadd(keys.runs, {ctx.session: summary.opened_at}, nx=True)
+
+
+def _as_built(request: dict[str, Any]) -> dict[str, Any]:
+    """``chat.completions.create`` keywords that send ``request``'s body as it is.
+
+    The client's ``create`` walks every message and tool against its typed schemas before
+    sending: several milliseconds of CPU a call, growing with the prompt, a large part of what
+    a step costs the role (``python -m bench agents``).  The prompt is JSON already, so it goes
+    as ``extra_body``, which the client merges into the body untouched: the server receives
+    the same request."""
+    options = ("timeout", "extra_headers", "extra_query")
+    body = {k: v for k, v in request.items() if k != "model" and k not in options and k != "extra_body"}
+    kept = {k: v for k, v in request.items() if k in options}
+    return {**kept, "model": request["model"], "messages": [], "extra_body": {**body, **request.get("extra_body", {})}}
+
+
+def _stamped(event: events.Event, tenant: str | None) -> events.Event:
+    """``event`` as the role writes it: its ``agent``, and the session's tenant."""
+    changes: dict[str, Any] = {"agent": event.agent or AGENT_NAME}
+    if event.tenant is None and tenant is not None:
+        changes["tenant"] = tenant
+    return replace(event, **changes)
+
+
+def _started(seen: list[events.Event], opened: int) -> events.RunStarted | None:
+    """The ``run_started`` that opened the run (its model settings)."""
+    for event in reversed(seen):
+        if event.id == opened:
+            return event if isinstance(event, events.RunStarted) else None
+        if event.id is not None and event.id < opened:
+            return None
+    return None
 
 
 def _recorded(response: Any, model: str, until: int) -> events.LlmResponse:
@@ -366,14 +745,17 @@ def _said(exc: BaseException, timeout: float) -> str:
 def build_agent_handler(settings: Settings) -> AgentHandler:
     """The agent role's handler for the configured model server (``OPENAI_BASE_URL`` /
     ``OPENAI_API_KEY``; retries are the role's own)."""
-    client = AsyncOpenAI(
-        api_key=settings.openai_api_key or "unused", base_url=settings.openai_base_url or None, max_retries=0
-    )
+    client = CheckedClient(api_key=settings.openai_api_key or "unused", base_url=settings.openai_base_url or None)
     return AgentHandler(
         client=client,
         model=settings.llm_model,
         prices=parse_prices(settings.prices),
-        llm_timeout=settings.agent_llm_timeout,
+        llm_timeout=settings.llm_timeout,
         retry_seconds=settings.agent_llm_retry_seconds,
         prompt_cache=settings.prompt_cache,
+        max_depth=settings.agent_max_depth,
+        max_fanout=settings.agent_max_fanout,
+        temperature=settings.llm_temperature,
+        max_output_tokens=settings.llm_max_output_tokens,
+        condenser_defaults=settings.condenser_defaults(),
     )

@@ -27,11 +27,11 @@ import openai
 from openai import AsyncOpenAI
 
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.agent.llm import AgentOptions, make_client, run_llm_agent
 from riverbed.agent.usage import UsageReport, parse_prices, usage
 from riverbed.bus.connection import connect_redis
-from riverbed.bus.stats import live_workers
+from riverbed.bus.status import live_workers
+from riverbed.client.session import Bus
 from riverbed.errors import ConfigError, UnavailableError
 from riverbed.settings import Settings
 from riverbed.workers.main import Worker, build_handlers

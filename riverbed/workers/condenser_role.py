@@ -9,12 +9,19 @@ condense the same history: if the log moved meanwhile the batch is retried on th
 history.  An LLM failure leaves the log untouched apart from an ``error`` event, and the
 session goes on.  What the condenser appends carries the session's tenant (fixed by its
 first append) and continues its trace: the request's, else the latest event's that had one.
+
+One condensation per step: a request appended while a condensation was being made is answered
+by it, and a request whose ``cause`` (the last event of the view its agent saw) is older than
+a condensation, with the view now within its limits, is answered by an ``error``
+(``already_condensed``) instead of a second condensation.  Nothing is condensed after the
+agent's run ended (the next prompt is the next run's), and a session's config is its
+``session_config`` over the worker's ``RIVERBED_CONDENSER_*`` defaults (``docs/condensers.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -24,10 +31,11 @@ from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 from riverbed import events, tracing
+from riverbed.agent.runs import END_REASONS
 from riverbed.bus.consumer import Entry, SessionContext
 from riverbed.errors import ConfigError, InputError, RiverbedError, UnavailableError
 from riverbed.memory.condensers import CondenserConfig, condense, should_condense
-from riverbed.memory.view import HistoryReleased, ViewBuilder
+from riverbed.memory.view import HistoryReleased, ViewBuilder, id_runs
 from riverbed.settings import Settings
 
 log = structlog.get_logger("riverbed.worker")
@@ -64,6 +72,14 @@ class _State:
     """the last id of the fold saved last (0: none)"""
     saved_shown: int = 0
     """how many events the view of the fold saved last shows (a new owner reads them)"""
+    condensed: int | None = None
+    """the id of the latest condensation folded"""
+    served: dict[int, int] = field(default_factory=dict)
+    """requests made on a view older than a condensation: request id -> that condensation"""
+    requested: list[int] = field(default_factory=list)
+    """ids of the condensation requests folded by a catch-up (not in the batch being handled)"""
+    idle: bool = False
+    """the latest event ended the agent's run: nothing is condensed until the session goes on"""
 
 
 class _Saved(msgspec.Struct, array_like=True):
@@ -78,15 +94,23 @@ class CondenserHandler:
     role = "condenser"
     ignores_own_answers = False
 
-    def __init__(self, *, llm: AsyncOpenAI | None, model: str | None) -> None:
+    def __init__(
+        self, *, llm: AsyncOpenAI | None, model: str | None, defaults: Mapping[str, Any] | None = None
+    ) -> None:
         self.llm = llm
         self.model = model
+        self.defaults = dict(defaults or {})
+        """the config of a session whose ``session_config`` does not say (``RIVERBED_CONDENSER_*``)"""
         self.states: dict[str, _State] = {}
+
+    def _state(self, builder: ViewBuilder | None = None) -> _State:
+        config = CondenserConfig.from_dict(None, self.defaults)
+        return _State(builder=_lean() if builder is None else builder, config=config)
 
     async def open(self, ctx: SessionContext) -> None:
         await ctx.read_tenant()
         group_next = await ctx.delivered_up_to()
-        state = await self._thawed(ctx) or _State()
+        state = await self._thawed(ctx) or self._state()
         filled, folded = state.saved_shown, 0
         try:
             async for event in ctx.log.read(ctx.session, state.builder.last_id + 1, group_next):
@@ -108,7 +132,7 @@ class CondenserHandler:
             stored = msgspec.msgpack.decode(saved.blob, type=_Saved)
             builder, wanted = ViewBuilder.thaw(stored.view)
             builder.fill(await _events(ctx, wanted))
-            config = CondenserConfig() if stored.condenser is None else CondenserConfig.from_dict(stored.condenser)
+            config = CondenserConfig.from_dict(stored.condenser, self.defaults)
         except (msgspec.DecodeError, InputError, ConfigError) as exc:
             log.warning("fold.unreadable", session=ctx.session, role=ctx.role, error=str(exc))
             return None
@@ -130,7 +154,7 @@ class CondenserHandler:
     async def _refold(self, ctx: SessionContext, state: _State, until: int) -> None:
         """Fold ``state`` again from the log's start up to ``until``, keeping hidden events (a
         ``restore`` shows some again), which are let go once it is done."""
-        fresh = _State(builder=ViewBuilder(keep_hidden=True))
+        fresh = self._state(ViewBuilder(keep_hidden=True))
         async for event in ctx.log.read(ctx.session, 1, until):
             with contextlib.suppress(ConfigError):  # (said when the bad config was first folded)
                 self._fold(fresh, event)
@@ -141,6 +165,7 @@ class CondenserHandler:
             fresh.condenser,
             fresh.trace,
         )
+        state.condensed, state.idle = fresh.condensed, fresh.idle
         log.info("session.refolded", session=ctx.session, last=state.builder.last_id)
 
     async def close(self, ctx: SessionContext) -> None:
@@ -166,8 +191,12 @@ class CondenserHandler:
                     bad_config = str(exc)
                 except HistoryReleased:
                     await self._refold(ctx, state, entry.id)
-            if isinstance(entry.event, events.CondensationRequest) and not await ctx.is_answered(entry.id):
-                requests.append(entry)
+            if isinstance(entry.event, events.CondensationRequest):
+                if await ctx.is_answered(entry.id):
+                    state.served.pop(entry.id, None)
+                else:
+                    requests.append(entry)
+        state.requested = []
         if should_condense(state.builder.view(), state.config, requested=bool(requests)):
             bad_config = await self._catch_up(ctx, state) or bad_config
         if bad_config is not None:
@@ -175,7 +204,9 @@ class CondenserHandler:
             await ctx.append([_stamped(ctx, state, error)])
         others = [e.id for e in entries if e not in requests]
         view = state.builder.view()
-        if not should_condense(view, state.config, requested=bool(requests)):
+        requests = await self._served(ctx, state, requests, over=should_condense(view, state.config))
+        if not should_condense(view, state.config, requested=bool(requests)) or (state.idle and not requests):
+            # (after the run ended nothing is condensed: the next prompt is the next run's)
             await ctx.ack(others)
             await self._save_now_and_then(ctx, state)
             return
@@ -195,7 +226,9 @@ class CondenserHandler:
         if condensation is not None:
             # An AppendConflict (the log moved) leaves the entries unacknowledged: the batch is
             # retried on the newer history.
-            await self._publish(ctx, _stamped(ctx, state, condensation, requests), requests, state.builder.last_id)
+            await self._publish(
+                ctx, _stamped(ctx, state, condensation, requests), requests, state.builder.last_id, state.requested
+            )
         await ctx.ack(others)
         await self._save_now_and_then(ctx, state)
 
@@ -203,18 +236,46 @@ class CondenserHandler:
         if state.builder.last_id - state.saved >= SAVE_EVERY or state.saved_shown - len(state.builder) >= SAVE_SHRUNK:
             await self._save(ctx, state)
 
+    async def _served(self, ctx: SessionContext, state: _State, requests: list[Entry], *, over: bool) -> list[Entry]:
+        """The requests still to serve.  One condensation per step: a request whose ``cause`` (the
+        last event of the view its agent saw over the limit) is older than a condensation raced
+        that condensation; while the view is within its limits it is answered by a sentence
+        pointing at it rather than by a second condensation with nothing left to forget."""
+        still = []
+        for entry in requests:
+            condensed = state.served.pop(entry.id, None)
+            if condensed is None or over:
+                still.append(entry)
+                continue
+            content = (
+                f"the view was condensed by event {condensed} after the view this request saw, and is "
+                "within its limits: nothing more to forget until the session goes on"
+            )
+            error = events.Error(source="condenser", content=content, reason="already_condensed")
+            await ctx.answer(entry, _stamped(ctx, state, error, [entry]))
+            log.info("condense.already", session=ctx.session, request=entry.id, condensation=condensed)
+        return still
+
     async def _publish(
-        self, ctx: SessionContext, condensation: events.Condensation, requests: list[Entry], last: int
+        self,
+        ctx: SessionContext,
+        condensation: events.Condensation,
+        requests: list[Entry],
+        last: int,
+        caught_up: Sequence[int] = (),
     ) -> None:
         first = requests[0] if requests else None
-        cond = replace(condensation, cause=first.id if first else None, source="condenser", tenant=ctx.tenant)
+        # A request that came while the condensation was made (caught up, not yet delivered) is
+        # answered by it: it is delivered answered, and makes no second condensation.
+        cause = first.id if first else (caught_up[0] if caught_up else None)
+        cond = replace(condensation, cause=cause, source="condenser", tenant=ctx.tenant)
         await ctx.append([cond], expected_last=last)
         log.info(
             "session.condensed",
             session=ctx.session,
             forgotten=cond.forgotten,
             summary=cond.summary is not None,
-            requested=first is not None,
+            requested=cause is not None,
         )
         for entry in requests:
             if entry is first:
@@ -239,29 +300,58 @@ class CondenserHandler:
                 bad_config = str(exc)
             except HistoryReleased:
                 await self._refold(ctx, state, event.id)
+            if isinstance(event, events.CondensationRequest):
+                state.requested.append(event.id)
         return bad_config
 
-    @staticmethod
-    def _fold(state: _State, event: events.Event) -> None:
+    def _fold(self, state: _State, event: events.Event) -> None:
         state.builder.append(event)
         if event.trace is not None:
             state.trace = event.trace
+        _follow_steps(state, event)
         if isinstance(event, events.SessionConfig) and event.condenser is not None:
-            state.config = CondenserConfig.from_dict(event.condenser)
+            state.config = CondenserConfig.from_dict(event.condenser, self.defaults)
             state.condenser = event.condenser
+
+
+def _follow_steps(state: _State, event: events.Event) -> None:
+    """Track what one condensation per step needs: the latest condensation, the requests made
+    on a view older than it, and whether the run ended."""
+    match event:
+        case events.Condensation():
+            state.condensed = event.id
+        case events.CondensationRequest(cause=seen):
+            if seen is not None and state.condensed is not None and state.condensed > seen and event.id is not None:
+                state.served[event.id] = state.condensed
+        case events.Error() if event.source == "condenser":
+            pass  # (the condenser's own answers and reports)
+        case events.SessionConfig() | events.ContextEdit():
+            pass
+        case _:
+            state.idle = _ends_run(event)
+
+
+def _ends_run(event: events.Event) -> bool:
+    """Whether ``event`` ends the agent's run: its ``finish``, the ``error`` that stops it, or
+    its question for the user."""
+    if event.source != "agent":
+        return False
+    match event:
+        case events.Finish():
+            return True
+        case events.Error(reason=reason):
+            return reason in END_REASONS
+        case events.Message(wait_for_response=waiting):
+            return waiting
+    return False
 
 
 async def _events(ctx: SessionContext, ids: Sequence[int]) -> list[events.Event]:
     """The events with these ids (ascending), read run by run (one read over the whole span
     when they are scattered)."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
+    runs = id_runs(ids)
     if len(runs) > 64:
-        runs = [[ids[0], ids[-1]]]
+        runs = [(ids[0], ids[-1])]
     wanted = set(ids)
     return [e for start, end in runs async for e in ctx.log.read(ctx.session, start, end) if e.id in wanted]
 
@@ -280,7 +370,12 @@ def _stamped(ctx: SessionContext, state: _State, event: E, requests: Sequence[En
 
 
 def build_condenser_handler(settings: Settings) -> CondenserHandler:
+    defaults = settings.condenser_defaults()
+    try:
+        CondenserConfig.from_dict(None, defaults)
+    except ConfigError as exc:
+        raise ConfigError(f"the RIVERBED_CONDENSER_* settings do not go together: {exc}") from exc
     llm = None
     if settings.openai_api_key or settings.openai_base_url:
         llm = AsyncOpenAI(api_key=settings.openai_api_key or "unused", base_url=settings.openai_base_url)
-    return CondenserHandler(llm=llm, model=settings.llm_model)
+    return CondenserHandler(llm=llm, model=settings.llm_model, defaults=defaults)

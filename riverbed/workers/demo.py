@@ -18,8 +18,8 @@ from msgspec.structs import replace
 from rich.console import Console
 
 from riverbed import events
-from riverbed.agent.client import Bus, Session
 from riverbed.bus.connection import connect_redis
+from riverbed.client.session import Bus, Session
 from riverbed.errors import RiverbedError
 from riverbed.settings import Settings
 from riverbed.workers.main import Worker, build_handlers

@@ -281,7 +281,7 @@ async def run_worker(
     on_ready: Callable[[Worker], None] | None = None,
 ) -> None:
     """Run a worker process until SIGTERM/SIGINT; then drain and release."""
-    from riverbed.agent.client import resolve_redis_url  # noqa: PLC0415
+    from riverbed.client.session import resolve_redis_url  # noqa: PLC0415
 
     url = resolve_redis_url(settings)
     name = name or default_name()

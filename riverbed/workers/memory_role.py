@@ -217,17 +217,26 @@ class MemoryHandler:
         for event_id, (seen, action) in sorted(queued.items()):
             if now - seen < timeout * AHEAD_AFTER:
                 break  # (later ones were seen no earlier)
+            # Shielded: the batch may be done while this recall is searched for, and the answer
+            # must not go with the watcher (the search keeps to the recall's deadline).
             del queued[event_id]
-            if await ctx.is_answered(event_id):
-                continue
-            entry = Entry(id=event_id, event=action, payload=b"")
-            try:
-                result = await self._search(ctx, action, timeout=max(0.1, seen + timeout - anyio.current_time()))
-            except UnavailableError as exc:
-                await self._answer_error(ctx, entry, exc)
-                continue
-            log.info("memory.recall_ahead", session=ctx.session, recall=event_id, indexed_to=indexed_to)
-            await ctx.answer(entry, replace(result, indexed_to=indexed_to), ack=False)
+            with anyio.CancelScope(shield=True):
+                await self._answer_one_ahead(ctx, event_id, seen, action, indexed_to)
+
+    async def _answer_one_ahead(
+        self, ctx: SessionContext, event_id: int, seen: float, action: events.Recall, indexed_to: int
+    ) -> None:
+        if await ctx.is_answered(event_id):
+            return
+        entry = Entry(id=event_id, event=action, payload=b"")
+        timeout = self.memory.recall_timeout
+        try:
+            result = await self._search(ctx, action, timeout=max(0.1, seen + timeout - anyio.current_time()))
+        except UnavailableError as exc:
+            await self._answer_error(ctx, entry, exc)
+            return
+        log.info("memory.recall_ahead", session=ctx.session, recall=event_id, indexed_to=indexed_to)
+        await ctx.answer(entry, replace(result, indexed_to=indexed_to), ack=False)
 
     async def _answer_queued_recalls(self, ctx: SessionContext, after: int, exc: UnavailableError) -> None:
         """Answer with an error the recalls appended after ``after`` (not read yet: the session
@@ -235,8 +244,9 @@ class MemoryHandler:
         queued = await self._queue(ctx, after)
         for event_id, (_, action) in sorted(queued.items()):
             del queued[event_id]
-            if not await ctx.is_answered(event_id):
-                await self._answer_error(ctx, Entry(id=event_id, event=action, payload=b""), exc)
+            with anyio.CancelScope(shield=True):  # (answered, not dropped, when the batch is done meanwhile)
+                if not await ctx.is_answered(event_id):
+                    await self._answer_error(ctx, Entry(id=event_id, event=action, payload=b""), exc)
 
     async def _answer_error(self, ctx: SessionContext, entry: Entry, exc: UnavailableError) -> None:
         """Answer ``entry`` with a retryable error, leaving it pending until it is indexed."""
@@ -262,7 +272,7 @@ def build_memory(settings: Settings, *, start_services: bool = True) -> Memory |
             return None
         database_url = running.database_url
     embedder = make_embedder(settings.embedder, api_key=settings.openai_api_key, base_url=settings.openai_base_url)
-    return Memory.cached(Store(database_url, schema=settings.prefix), embedder)
+    return Memory.cached(Store(database_url, schema=settings.prefix), embedder, recall_timeout=settings.recall_timeout)
 
 
 def build_memory_handler(settings: Settings) -> tuple[MemoryHandler, Callable[[], Awaitable[None]]]:

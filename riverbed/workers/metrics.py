@@ -24,6 +24,16 @@ riverbed_agent_runs_ended_total       counter    worker, reason: runs the agent 
 riverbed_agent_model_calls_total      counter    worker: model calls (every try); also
                                                  ``_failures_total`` and ``_call_seconds_total``
 riverbed_agent_runs_taken_over_total  counter    worker: open runs picked up after a crash or drain
+riverbed_agent_runs                   gauge      worker, state: ``running``: open runs this worker owns
+                                                 now; ``finished``, ``failed``, ``cancelled``: runs
+                                                 it ended since it started
+riverbed_agent_model_latency_seconds  histogram  worker, model: one model call (every try)
+riverbed_agent_tokens_total           counter    worker, tenant, model, kind (``prompt`` | ``cached``
+                                                 | ``completion``): tokens of the responses the
+                                                 agent role appended (tenant ``""``: none)
+riverbed_agent_cost_usd_total         counter    worker, tenant, model: their cost (``RIVERBED_PRICES``);
+                                                 ``model`` is the worker's or a priced one, else
+                                                 ``other`` (a run's model is its client's choice)
 ====================================  =========  ===============================================
 
 Counters and ``owned_sessions`` are read from each :class:`~riverbed.bus.consumer.OwnerStats`
@@ -48,14 +58,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import anyio
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from riverbed.agent.usage import UsageCounters
 from riverbed.bus.consumer import Owner
 from riverbed.bus.keys import Keys
 from riverbed.bus.redis_client import RedisClient
-from riverbed.bus.stats import session_backlogs
+from riverbed.bus.status import session_backlogs
 
 __all__ = ["CONTENT_TYPE", "METRIC_NAMES", "USAGE_METRIC_NAMES", "CacheCounters", "Observed", "WorkerMetrics"]
 
@@ -250,6 +260,54 @@ class WorkerMetrics:
             family = CounterMetricFamily(name, doc, labels=("worker",))
             family.add_metric([worker], float(getattr(counters, attr)))
             yield family
+        yield from WorkerMetrics._agent_runs(owners["agent"].handler, counters, worker)
+
+    @staticmethod
+    def _agent_runs(handler: Any, counters: Any, worker: str) -> Iterator[Metric]:
+        """Runs by state, model-call latency, and tokens and cost by tenant and model."""
+        runs = GaugeMetricFamily(
+            "riverbed_agent_runs",
+            "Runs by state: running, the open runs this worker owns; the others, the runs it ended since it started.",
+            labels=("worker", "state"),
+        )
+        by_state = {"running": 0, "finished": 0, "failed": 0, "cancelled": 0}
+        open_runs = getattr(handler, "open_runs", None)
+        by_state["running"] = open_runs() if callable(open_runs) else 0
+        for reason, count in counters.ended.items():
+            state = "finished" if reason == "finish" else "cancelled" if reason == "cancelled" else "failed"
+            by_state[state] += count
+        for state, count in by_state.items():
+            runs.add_metric([worker, state], float(count))
+        yield runs
+        latency = HistogramMetricFamily(
+            "riverbed_agent_model_latency_seconds",
+            "How long one model call took (every try).",
+            labels=("worker", "model"),
+        )
+        for model, seen in sorted(counters.latency.items()):
+            cumulative, buckets = 0, []
+            for bound, count in zip(seen.bounds, seen.counts, strict=True):
+                cumulative += count
+                buckets.append((repr(float(bound)), float(cumulative)))
+            buckets.append(("+Inf", float(seen.count)))
+            latency.add_metric([worker, model], buckets, sum_value=seen.total)
+        yield latency
+        tokens = CounterMetricFamily(
+            "riverbed_agent_tokens",
+            "Tokens of the model responses the agent role appended, by tenant and model.",
+            labels=("worker", "tenant", "model", "kind"),
+        )
+        for (tenant, model, kind), count in sorted(counters.tokens.items()):
+            tokens.add_metric([worker, tenant, model, kind], float(count))
+        yield tokens
+        cost = CounterMetricFamily(
+            "riverbed_agent_cost_usd",
+            "Cost in USD of those responses (RIVERBED_PRICES), by tenant and model.",
+            labels=("worker", "tenant", "model"),
+        )
+        for (tenant, model), usd in sorted(counters.cost.items()):
+            cost.add_metric([worker, tenant, model], usd)
+        yield cost
 
     @staticmethod
     def _usage(owners: Mapping[str, Any], worker: str) -> Iterator[Metric]:

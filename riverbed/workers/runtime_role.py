@@ -1,7 +1,7 @@
 """The runtime role: execute actions in the session's sandbox, answer each exactly once.
 
 Every action is claimed with the owner's fencing token right before it runs
-(``bus/claims.py``): a stale owner's claim is refused and it runs nothing.  The claim also
+(``bus/action_claims.py``): a stale owner's claim is refused and it runs nothing.  The claim also
 decides what an action found in flight on takeover (delivered to a lost owner, never
 acknowledged) gets: already answered -> just acknowledged; never claimed -> run (it never
 started); safe to repeat (reads) -> run again; claimed by the lost owner -> ``error`` with
@@ -16,6 +16,12 @@ event that ``fork()`` wrote (the fork's meta marks its id) and only when the sou
 is of the fork's tenant; any other ``forked`` event is answered with a ``sandbox_rebuilt``
 that says why nothing was built, and a copied one below the mark is history.  See
 :mod:`riverbed.agent.replay`.
+
+A ``run_cancel`` interrupts the session's command: while a ``cmd_run`` or ``python_run``
+runs, the log after it is looked at every :data:`CANCEL_POLL_SECONDS`, and a ``run_cancel``
+found there interrupts it as a hard timeout would (its one answer says the run was
+cancelled); a command still running after its answer (the soft timeout) is interrupted
+when the ``run_cancel`` reaches this role.
 """
 
 from __future__ import annotations
@@ -74,6 +80,11 @@ def for_runtime(event: events.Event) -> bool:
         return type(event).answered_by == "runtime"
     return isinstance(event, events.Unknown) and event.source in ("agent", "user") and bool(event.original_kind)
 
+
+CANCEL_POLL_SECONDS = 0.25
+"""How often the log after a running command is looked at for a ``run_cancel``."""
+CANCELLABLE = (events.CmdRun, events.PythonRun)
+"""The actions a ``run_cancel`` interrupts (the others end within their own short bounds)."""
 
 SAVE_EVERY = 10_000
 """The runtime saves a session's settings (``SessionContext.save_fold``) every this many
@@ -200,6 +211,8 @@ class RuntimeHandler:
                 done = []
                 held = await self._claim_and_run(ctx, entry, hold=entry is last)
             else:
+                if isinstance(event, events.RunCancel):
+                    await self._stop_background(ctx, event)
                 if isinstance(event, events.SessionConfig) and event.env:
                     self._set_env(ctx.session, event.env)
                     if (folded := self._folds.get(ctx.session)) is not None:
@@ -260,15 +273,18 @@ class RuntimeHandler:
         claimed = await ctx.claim(entry)
         if claimed.status == "ok":
 
-            async def still_ours() -> None:
-                """The start gate: start only on a fresh claim (a stall since? claim again)."""
+            async def still_ours() -> float:
+                """The start gate: start only on a fresh claim (a stall since? claim again), by
+                the moment it stops being fresh."""
                 nonlocal claimed
                 crashpoint("start_gate")
                 if claimed.fresh:
-                    return
+                    crashpoint("after_start_gate")
+                    return claimed.start_by
                 claimed = await ctx.claim(entry, again=claimed)
                 if claimed.status != "ok":
                     raise RiverbedError(f"action {entry.id} was {claimed.status} elsewhere while this worker stalled")
+                return claimed.start_by
 
             with gated(still_ours):
                 return await self._execute(ctx, entry, hold=hold)
@@ -292,9 +308,50 @@ class RuntimeHandler:
         sent with the loop's next read)."""
         event = entry.event
         assert isinstance(event, events.Action | events.Unknown)
-        observation = await self.runtime.execute(ctx.session, event)
+        if isinstance(event, CANCELLABLE):
+            observation = await self._execute_cancellable(ctx, event)
+        else:
+            observation = await self.runtime.execute(ctx.session, event)
         crashpoint("after_side_effect")
         if hold:
             return Answer(entry, observation)
         await ctx.answer(entry, observation)
         return None
+
+    async def _execute_cancellable(self, ctx: SessionContext, action: events.Action) -> events.Observation:
+        """Run a command while the log after it is watched for a ``run_cancel`` (the log says
+        when to stop: a cancel is an event, never a signal of its own)."""
+        done: list[events.Observation] = []
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                done.append(await self.runtime.execute(ctx.session, action))
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(run)
+            tg.start_soon(self._watch_for_cancel, ctx, action.id or 0)
+        return done[0]
+
+    async def _watch_for_cancel(self, ctx: SessionContext, after: int) -> None:
+        """Interrupt the session's command once a ``run_cancel`` follows action ``after``
+        (asked again at each look until the command's answer ends this task: a command that
+        had not started yet when the cancel was seen is interrupted once it starts)."""
+        cancel: events.RunCancel | None = None
+        while True:
+            await anyio.sleep(CANCEL_POLL_SECONDS)
+            if cancel is None:
+                async for event in ctx.log.read(ctx.session, after + 1):
+                    after = event.id or after
+                    if cancel is None and isinstance(event, events.RunCancel):
+                        cancel = event
+            if cancel is not None and self.runtime.cancel(ctx.session, _cancelled_note(cancel)):
+                log.info("action.cancelled", session=ctx.session, run_cancel=cancel.id)
+
+    async def _stop_background(self, ctx: SessionContext, cancel: events.RunCancel) -> None:
+        said = await self.runtime.stop_background(ctx.session, _cancelled_note(cancel))
+        if said is not None:
+            log.info("command.cancelled", session=ctx.session, run_cancel=cancel.id, said=said[-500:])
+
+
+def _cancelled_note(cancel: events.RunCancel) -> str:
+    return f"[the run was cancelled (event {cancel.id}): the command was interrupted]"

@@ -16,6 +16,7 @@ from riverbed import events
 from riverbed.agent.hosted import RunLimits
 from riverbed.cli.app import (
     CONNECT_TIMEOUT,
+    FLAGS,
     Invocation,
     JsonOption,
     PrefixOption,
@@ -53,6 +54,26 @@ def agent_command(
     model: Annotated[
         str | None, typer.Option("--model", help="Chat model (default RIVERBED_LLM_MODEL).", show_default=False)
     ] = None,
+    max_output_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--max-output-tokens",
+            help="Tokens one model answer may have, 0: the server decides (default RIVERBED_LLM_MAX_OUTPUT_TOKENS).",
+            show_default=False,
+        ),
+    ] = None,
+    temperature: Annotated[
+        float | None,
+        typer.Option(
+            "--temperature", help="Sampling temperature (default RIVERBED_LLM_TEMPERATURE).", show_default=False
+        ),
+    ] = None,
+    llm_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--llm-timeout", help="Seconds one model call may take (default RIVERBED_LLM_TIMEOUT).", show_default=False
+        ),
+    ] = None,
     in_process: Annotated[
         bool,
         typer.Option(
@@ -83,17 +104,37 @@ def agent_command(
         return
     if task is None:
         _fail("say what the agent should do (the TASK argument), or pass --cancel", 2)
+    model_flags = _model_flags(max_output_tokens, temperature, llm_timeout)
     if in_process:
         if detach or max_tokens is not None or max_cost is not None:
             _fail("--detach, --max-tokens and --max-cost are for runs served by the agent role, not --in-process", 2)
-        _in_process(session, task, max_steps, model, tenant, image or [], prefix)
+        _in_process(session, task, max_steps, model, tenant, image or [], prefix, model_flags)
         return
     if image:
         _fail("--image is for --in-process runs", 2)
     if max_cost is not None and not max_cost > 0:
         _fail("--max-cost must be a number of USD greater than 0", 2)
-    _hosted(session, task, RunLimits(model=model, max_steps=max_steps, max_tokens=max_tokens, max_cost=max_cost),
-            detach=detach, tenant=tenant, prefix=prefix)  # fmt: skip
+    limits = RunLimits(
+        model=model, max_steps=max_steps, max_tokens=max_tokens, max_cost=max_cost,
+        max_output_tokens=max_output_tokens, temperature=temperature, llm_timeout=llm_timeout,
+    )  # fmt: skip
+    _hosted(session, task, limits, detach=detach, tenant=tenant, prefix=prefix, model_flags=model_flags)
+
+
+def _model_flags(max_output_tokens: int | None, temperature: float | None, llm_timeout: float | None) -> dict[str, Any]:
+    """The model flags given, as settings (checked against the settings' bounds: one sentence
+    naming the flag when out of them)."""
+    from riverbed.settings import Settings  # noqa: PLC0415
+
+    given = {
+        "llm_max_output_tokens": max_output_tokens,
+        "llm_temperature": temperature,
+        "llm_timeout": llm_timeout,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if given:
+        Settings.from_env({}, flags=FLAGS, **given)  # (raises ConfigError: the CLI says it, exit 2)
+    return given
 
 
 def _cancel(session: str, tenant: str | None, prefix: str | None) -> None:
@@ -109,13 +150,20 @@ def _cancel(session: str, tenant: str | None, prefix: str | None) -> None:
 
 
 def _hosted(
-    session: str, task: str, limits: RunLimits, *, detach: bool, tenant: str | None, prefix: str | None
+    session: str,
+    task: str,
+    limits: RunLimits,
+    *,
+    detach: bool,
+    tenant: str | None,
+    prefix: str | None,
+    model_flags: dict[str, Any],
 ) -> None:
     from riverbed.agent.hosted import follow_run, open_run  # noqa: PLC0415
     from riverbed.agent.llm import make_client  # noqa: PLC0415
     from riverbed.workers.agent_run import check_model_server, require_workers  # noqa: PLC0415
 
-    cli = Invocation(prefix)
+    cli = Invocation(prefix, **model_flags)
     settings = cli.settings
     if not detach:
         make_client(settings)  # the model server is checked before anything is appended
@@ -168,12 +216,19 @@ def _summary(ended: events.Event | None, spent: Any) -> None:
 
 
 def _in_process(
-    session: str, task: str, max_steps: int, model: str | None, tenant: str | None, image: list[str], prefix: str | None
+    session: str,
+    task: str,
+    max_steps: int,
+    model: str | None,
+    tenant: str | None,
+    image: list[str],
+    prefix: str | None,
+    model_flags: dict[str, Any],
 ) -> None:
     from riverbed.agent.llm import make_client  # noqa: PLC0415
     from riverbed.workers.agent_run import check_model_server, run_agent  # noqa: PLC0415
 
-    cli = Invocation(prefix, llm_model=model)
+    cli = Invocation(prefix, llm_model=model, **model_flags)
     settings = cli.settings
     make_client(settings)
     url = cli.redis_url()
@@ -220,7 +275,7 @@ def runs_command(
     prefix: PrefixOption = None,
 ) -> None:
     """Runs handed to the agent role, newest first: session, tenant, state, steps, tokens, cost,
-    owning worker, age."""
+    owning worker, age, and the parent session of a sub-agent's run."""
     from riverbed.agent.hosted import STATES, list_runs  # noqa: PLC0415
     from riverbed.agent.usage import parse_prices  # noqa: PLC0415
 
@@ -238,14 +293,14 @@ def runs_command(
     if not rows:
         _progress("no runs" + (f" in state {state}" if state else ""))
         return
-    columns = ("session", "tenant", "state", "steps", "tokens", "cost", "worker", "age")
+    columns = ("session", "tenant", "state", "steps", "tokens", "cost", "worker", "age", "parent")
     table = Table(*columns, box=None, header_style="bold")
     for row in rows:
         cost = "" if row.cost is None else f"{row.cost:.4f}"
         state_text = row.state if row.state in ("running", "finished") else f"{row.state} ({row.reason})"
         table.add_row(
             row.session, row.tenant or "", state_text, str(row.steps), str(row.tokens), cost, row.worker or "",
-            _age(row.age),
+            _age(row.age), row.parent or "",
         )  # fmt: skip
     Console(highlight=False).print(table)
 

@@ -59,10 +59,24 @@ def archive_command(
         return trimmed, (await bus.log_store.meta(session)).get("archived_to", "0")
 
     trimmed, archived_to = cli.run(go)
-    if archived_to == "0":
-        err_console.print(
-            f"nothing of {session} archived: no event older than {age:g}s before the last "
-            f"{cli.settings.retention_keep_last} is finished with by every role"
+    err_console.print(_said(session, trimmed, int(archived_to), age, cli.settings.retention_keep_last), markup=False)
+
+
+def _said(session: str, trimmed: int, archived_to: int, age: float, keep_last: int) -> str:
+    """What ``archive`` did, as a sentence."""
+    if trimmed:
+        noun = "event" if trimmed == 1 else "events"
+        return (
+            f"Moved {trimmed} {noun} of session {session} from Redis to the Postgres archive, "
+            f"which now holds its events 1 to {archived_to}; the rest stay in Redis."
         )
-    else:
-        err_console.print(f"trimmed {trimmed} events of {session} from Redis; events 1..{archived_to} are archived")
+    old = f"older than {age:g} seconds, " if age else ""
+    if archived_to:
+        return (
+            f"Nothing more was archived: the archive already holds events 1 to {archived_to} of session "
+            f"{session}, and no later event is {old}outside the last {keep_last} and done with by every role."
+        )
+    return (
+        f"Nothing was archived: session {session} has no event {old}outside its last {keep_last} "
+        "that every role is done with."
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import msgspec
 import typer
 import typer.core
 import typer.main
@@ -38,6 +39,9 @@ def context_command(
     until: Annotated[int | None, typer.Option("--until", help="Show the context right after this event.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Show the context as one JSON object.")] = False,
     apply: Annotated[bool, typer.Option("--apply", help="suggest: apply the proposal.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="An edit: say what it would change, and append nothing.")
+    ] = False,
     model: Annotated[
         str | None, typer.Option("--model", help="suggest: the model (RIVERBED_SUGGEST_MODEL).", show_default=False)
     ] = None,
@@ -49,9 +53,12 @@ def context_command(
     the proposal as a diff; `--apply` appends it (a condensation by the user).
 
     `context S forget 12-40`, `forget --kind error`, `restore 12-40`, `pin 7`, `unpin 7` each
-    append one context_edit event and print what it changed (JSON on stdout, a sentence on stderr).
+    append one context_edit event and print what it changed (JSON on stdout, a sentence on stderr);
+    with --dry-run they print what it would change and append nothing.
     """
     cli = Invocation(prefix)
+    if dry_run and op not in _CONTEXT_OPS:
+        raise InputError("--dry-run is for an edit (forget, restore, pin, unpin); suggest without --apply is one")
     if op is None:
         _context_show(cli, session, until, json_out)
         return
@@ -64,7 +71,7 @@ def context_command(
         )
     if until is not None:
         raise InputError("--until is for showing the context; an edit always applies after the last event")
-    _context_edit(cli, session, op, targets, kind, note)
+    _context_edit(cli, session, op, targets, kind, note, dry_run=dry_run)
 
 
 def _context_show(cli: Invocation, session: str, until: int | None, json_out: bool) -> None:
@@ -99,7 +106,14 @@ def _context_show(cli: Invocation, session: str, until: int | None, json_out: bo
 
 
 def _context_edit(
-    cli: Invocation, session: str, op: str, targets: list[str] | None, kinds: list[str] | None, note: str | None
+    cli: Invocation,
+    session: str,
+    op: str,
+    targets: list[str] | None,
+    kinds: list[str] | None,
+    note: str | None,
+    *,
+    dry_run: bool = False,
 ) -> None:
     from riverbed.memory.context import parse_range  # noqa: PLC0415
 
@@ -109,7 +123,8 @@ def _context_edit(
         bus = await cli.bus()
         await _require_events(bus, session)
         handle = await bus.operate(session)  # an operator's edit, as the session's own tenant
-        return await handle.context.edit(
+        make = handle.context.preview if dry_run else handle.context.edit
+        return await make(
             op,  # type: ignore[arg-type]  # checked against _CONTEXT_OPS
             ranges=spans,
             kinds=kinds or (),
@@ -117,17 +132,22 @@ def _context_edit(
         )
 
     changed = cli.run(go)
-    _stdout_lines([json_bytes(changed)])
+    _stdout_lines([json_bytes({"dry_run": dry_run, **msgspec.to_builtins(changed)} if dry_run else changed)])
+    verbs = (
+        (("would hide", "hid"), changed.hidden),
+        (("would show again", "showed again"), changed.shown),
+        (("would pin", "pinned"), changed.pinned),
+        (("would unpin", "unpinned"), changed.unpinned),
+    )
     parts = [
-        f"{verb} {len(ids)} event{'s' if len(ids) != 1 else ''} ({_id_list(ids)})"
-        for verb, ids in (
-            ("hid", changed.hidden),
-            ("showed again", changed.shown),
-            ("pinned", changed.pinned),
-            ("unpinned", changed.unpinned),
-        )
+        f"{verb[0] if dry_run else verb[1]} {len(ids)} event{'s' if len(ids) != 1 else ''} ({_id_list(ids)})"
+        for verb, ids in verbs
         if ids
     ]
+    if dry_run:
+        said = "; ".join(parts) or "would change nothing"
+        err_console.print(f"dry run of a {op} edit (nothing appended): it {said}", markup=False)
+        return
     err_console.print(f"context edit {changed.edit} ({op}): " + ("; ".join(parts) or "nothing changed"), markup=False)
 
 

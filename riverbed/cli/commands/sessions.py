@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from riverbed.bus import stats
+from riverbed.bus import status
 from riverbed.cli.app import Invocation, JsonOption, PrefixOption, _progress, app
 from riverbed.cli.output import _cell, _stdout_lines, json_bytes
 
@@ -29,7 +29,7 @@ def sessions_cmd(as_json: JsonOption = False, prefix: PrefixOption = None) -> No
 
     async def go() -> list[dict[str, Any]]:
         bus = await cli.bus()
-        metas = await stats.session_metas(bus.client, bus.keys, await bus.sessions())
+        metas = await status.session_metas(bus.client, bus.keys, await bus.sessions())
         return [
             {
                 "session": meta.session,
@@ -63,7 +63,7 @@ def status_command(json_out: JsonOption = False, prefix: PrefixOption = None) ->
 
     async def go() -> Any:
         bus = await cli.bus()
-        return await stats.status(bus.client, bus.keys)
+        return await status.status(bus.client, bus.keys)
 
     snapshot = cli.run(go)
     if json_out:

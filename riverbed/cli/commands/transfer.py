@@ -16,12 +16,12 @@ import typer.main
 from rich.text import Text
 
 from riverbed import events
-from riverbed.agent.client import Bus
 from riverbed.agent.transfer import import_session, parse_import
-from riverbed.bus import stats
+from riverbed.bus import status
 from riverbed.bus.keys import require_session
 from riverbed.cli.app import Invocation, JsonOption, PrefixOption, SessionArg, _progress, _require_events, app
 from riverbed.cli.output import _one_line, _stdout_lines, err_console, json_bytes, visible
+from riverbed.client.session import Bus
 from riverbed.errors import (
     InputError,
 )
@@ -199,7 +199,7 @@ def fork_command(
 
 async def _runtime_worker_alive(bus: Bus) -> bool:
     """Whether a worker with the runtime role sent a heartbeat lately (what `riverbed status` lists)."""
-    workers = await stats.live_workers(bus.client, bus.keys)
+    workers = await status.live_workers(bus.client, bus.keys)
     return any("runtime" in w.description.get("roles", ()) for w in workers)
 
 

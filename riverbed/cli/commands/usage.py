@@ -20,7 +20,8 @@ def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: Pre
     """Prompt, cached and completion tokens and cost of every model call, and the session's totals.
 
     Costs come from RIVERBED_PRICES (USD per million tokens per model); without a price a cost is empty.
-    A row at each condensation shows the view's tokens (and events) right before and after it.
+    A row at each condensation shows, in its own column, the view's tokens (and events) right
+    before and after it.
     """
     from riverbed.agent.usage import parse_prices, usage  # noqa: PLC0415
 
@@ -36,7 +37,8 @@ def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: Pre
     if json_out:
         _stdout_lines([json_bytes({"session": session, **msgspec.to_builtins(report)})])
         return
-    table = Table("event", "model", "prompt", "cached", "completion", "cost (USD)")
+    columns = ["event", "model", "prompt", "cached", "completion", "cost (USD)"]
+    table = Table(*columns, *(["condensed: the view before → after"] if report.condensations else []))
 
     def money(cost: float | None) -> str:
         return "" if cost is None else f"{cost:.6f}"
@@ -72,12 +74,10 @@ def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: Pre
 
 
 def _condensation_row(table: Table, mark: Any) -> None:
-    """A marker row in `riverbed usage`: a condensation and the view's size before and after it."""
-    table.add_row(
-        str(mark.event_id),
-        Text(f"{visible(mark.source)} condensation", style="cyan"),
-        Text(f"view {mark.tokens_before} → {mark.tokens_after} tokens", style="cyan"),
-        "",
-        Text(f"{mark.events_before} → {mark.events_after} events", style="cyan"),
-        "",
+    """A marker row in `riverbed usage`: a condensation and the view's size before and after it,
+    in the condensation column (a model call's columns stay empty)."""
+    said = (
+        f"{visible(mark.source)} condensation: view {mark.tokens_before} → {mark.tokens_after} tokens, "
+        f"{mark.events_before} → {mark.events_after} events"
     )
+    table.add_row(str(mark.event_id), "", "", "", "", "", Text(said, style="cyan"))

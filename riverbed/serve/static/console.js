@@ -3,7 +3,12 @@
 
 const $ = (id) => document.getElementById(id);
 const STORE = "riverbed.key";
-const state = { key: sessionStorage.getItem(STORE), me: null, page: null };
+const state = { key: sessionStorage.getItem(STORE), me: null, page: null, view: null };
+const LONG_CHARS = 1200; // an output longer than this (or LONG_LINES lines) shows folded, with "show all"
+const LONG_LINES = 14;
+const MAX_TEXT = 200_000; // the most characters of one field put on the page
+const STATUSES = ["running", "finished", "step limit", "budget exhausted", "cancelled", "error", "open"];
+const RUN_STATES = ["running", "finished", "failed", "cancelled"];
 
 // --- the API ---------------------------------------------------------------------------------
 
@@ -30,13 +35,16 @@ async function api(path, options = {}) {
   return response;
 }
 
+const sessionPath = (session) => `/v1/sessions/${encodeURIComponent(session)}`;
+const sessionHref = (session) => `#/s/${encodeURIComponent(session)}`;
+
 // Follow a session's log over SSE (fetch, since EventSource cannot send the key); reconnects
 // with Last-Event-ID until `signal` aborts.
-async function follow(session, after, onEvents, signal, onLive) {
+async function follow(session, after, onEvents, signal, onLive = () => {}) {
   let last = after;
   while (!signal.aborted) {
     try {
-      const response = await api(`/v1/sessions/${encodeURIComponent(session)}/events`, {
+      const response = await api(`${sessionPath(session)}/events`, {
         headers: { Accept: "text/event-stream", "Last-Event-ID": String(last) },
         signal,
       });
@@ -74,6 +82,7 @@ async function follow(session, after, onEvents, signal, onLive) {
 function el(tag, props = {}, ...children) {
   const node = document.createElement(tag);
   for (const [name, value] of Object.entries(props)) {
+    if (value == null) continue;
     if (name === "class") node.className = value;
     else if (name === "text") node.textContent = value;
     else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
@@ -84,18 +93,65 @@ function el(tag, props = {}, ...children) {
 }
 
 function show(section) {
-  for (const id of ["login", "sessions", "session"]) $(id).hidden = id !== section;
+  for (const id of ["login", "sessions", "session", "runs"]) $(id).hidden = id !== section;
 }
 
+// One time format everywhere: UTC, to the second (the full instant in the title).
 function when(ts) {
-  if (!ts) return "";
-  const date = new Date(ts);
-  return date.toLocaleTimeString([], { hour12: false }) + "." + String(date.getMilliseconds()).padStart(3, "0");
+  if (ts == null || ts === "") return "";
+  const date = ts instanceof Date ? ts : new Date(typeof ts === "number" && ts < 1e11 ? ts * 1000 : ts);
+  if (Number.isNaN(date.getTime())) return "";
+  return date.toISOString().slice(0, 19).replace("T", " ") + "Z";
+}
+
+function timeEl(ts, cls) {
+  const text = when(ts);
+  if (!text) return el("span", { class: cls });
+  const iso = new Date(typeof ts === "number" && ts < 1e11 ? ts * 1000 : ts).toISOString();
+  return el("time", { class: cls, datetime: iso, title: iso, text });
 }
 
 function clip(text, n = 400) {
   text = String(text ?? "");
   return text.length > n ? text.slice(0, n - 1) + "…" : text;
+}
+
+const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
+const ranges = (list) => (list ?? []).map(([a, b]) => (a === b ? `#${a}` : `#${a}–#${b}`)).join(", ");
+const stop = (ev) => ev.stopPropagation();
+
+// A block of output; a long one shows folded, with a button that shows all of it.
+function block(text, label, cls = "") {
+  text = clip(text, MAX_TEXT);
+  const lines = text.split("\n").length;
+  const long = text.length > LONG_CHARS || lines > LONG_LINES;
+  const pre = el("pre", { class: `${cls}${long ? " long" : ""}`.trim() || null, text });
+  const node = el("div", { class: "block" }, label ? el("span", { class: "label", text: label }) : null, pre);
+  if (long) {
+    const more = `show all ${plural(lines, "line")}`;
+    node.append(
+      el("button", {
+        type: "button",
+        class: "link expand",
+        text: more,
+        onclick: (ev) => {
+          ev.stopPropagation();
+          ev.currentTarget.textContent = pre.classList.toggle("open") ? "show less" : more;
+        },
+      }),
+    );
+  }
+  return node;
+}
+
+const para = (text, cls = "text") => el("p", { class: cls, text: clip(text, MAX_TEXT) });
+
+function raw(e) {
+  return el("details", { class: "raw", onclick: stop }, el("summary", { text: "raw JSON" }), el("pre", { text: JSON.stringify(e, null, 2) }));
+}
+
+function link(session) {
+  return el("a", { href: sessionHref(session), text: session, onclick: stop });
 }
 
 // --- sign in ---------------------------------------------------------------------------------
@@ -130,6 +186,11 @@ async function signIn(key) {
 function stopPage() {
   if (state.page) state.page.abort();
   state.page = null;
+  state.view = null;
+}
+
+function hashParams() {
+  return new URLSearchParams(location.hash.split("?")[1] ?? "");
 }
 
 async function route() {
@@ -141,17 +202,50 @@ async function route() {
     $("key").focus();
     return;
   }
-  const match = location.hash.match(/^#\/s\/(.+)$/);
+  const match = location.hash.match(/^#\/s\/([^?]+)$/);
   if (match) await sessionPage(decodeURIComponent(match[1]), controller.signal);
+  else if (location.hash.startsWith("#/runs")) await runsPage(controller.signal);
   else await listPage(controller.signal);
+}
+
+async function every(seconds, signal, work, onError) {
+  while (!signal.aborted) {
+    try {
+      await work();
+    } catch (error) {
+      if (signal.aborted) return;
+      onError(error);
+    }
+    await new Promise((resolve) => setTimeout(resolve, seconds * 1000));
+  }
+}
+
+// --- the session list ------------------------------------------------------------------------
+
+function statusBadge(status) {
+  return el("span", { class: `status st-${String(status).replace(/ /g, "-")}`, text: status });
 }
 
 async function listPage(signal) {
   show("sessions");
   $("crumbs").textContent = "";
+  const params = hashParams();
+  const limit = Math.min(200, Math.max(1, Number(params.get("limit")) || 25));
+  const offset = Math.max(0, Number(params.get("offset")) || 0);
+  $("list-q").value = params.get("q") ?? "";
+  $("list-tenant").value = params.get("tenant") ?? "";
+  $("list-status").value = params.get("status") ?? "";
+  const query = new URLSearchParams({ limit: String(limit), offset: String(offset) });
+  for (const name of ["q", "tenant", "status"]) if (params.get(name)) query.set(name, params.get(name));
+  const go = (newOffset) => {
+    const next = new URLSearchParams(params);
+    next.set("offset", String(Math.max(0, newOffset)));
+    location.hash = `#/?${next}`;
+  };
+  $("list-prev").onclick = () => go(offset - limit);
   const render = async () => {
-    const { sessions } = await (await api("/v1/sessions", { signal })).json();
-    const rows = sessions.map((s) => {
+    const page = await (await api(`/v1/sessions?${query}`, { signal })).json();
+    const rows = page.sessions.map((s) => {
       const roleCells = ["runtime", "memory", "condenser"].flatMap((role) => {
         const r = s.roles[role] ?? {};
         return [
@@ -161,37 +255,86 @@ async function listPage(signal) {
       });
       return el(
         "tr",
-        {},
-        el("td", {}, el("a", { href: `#/s/${encodeURIComponent(s.session)}`, text: s.session })),
+        { "data-session": s.session },
+        el("td", {}, el("a", { href: sessionHref(s.session), text: s.session })),
+        el("td", {}, statusBadge(s.status)),
+        el("td", { class: "task", title: s.task ?? "", text: clip(s.task ?? "—", 90) }),
         el("td", { text: s.tenant ?? "—" }),
         el("td", { class: "num", text: String(s.last) }),
-        el("td", { text: s.last_ts ? new Date(s.last_ts).toLocaleString() : "" }),
+        el("td", {}, timeEl(s.created_ms)),
+        el("td", {}, timeEl(s.last_ts)),
         ...roleCells,
       );
     });
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: "13", class: "muted", text: "no sessions match" })));
     $("session-rows").replaceChildren(...rows);
-    $("sessions-note").textContent = `${sessions.length} session${sessions.length === 1 ? "" : "s"} · refreshed ${when(new Date().toISOString())}`;
+    const shown = page.sessions.length;
+    const span = shown ? `${offset + 1}–${offset + shown}` : "none";
+    $("list-page").textContent = `${span} of ${page.total ?? "more"}, newest first`;
+    $("list-prev").disabled = offset === 0;
+    $("list-next").disabled = page.next_offset == null;
+    $("list-next").onclick = () => go(page.next_offset);
+    $("sessions-note").replaceChildren(`refreshed `, timeEl(new Date()));
   };
-  while (!signal.aborted) {
-    try {
-      await render();
-    } catch (error) {
-      if (signal.aborted) return;
-      $("sessions-note").textContent = error.message;
-    }
-    await new Promise((resolve) => setTimeout(resolve, 5000));
+  await every(5, signal, render, (error) => ($("sessions-note").textContent = error.message));
+}
+
+// --- the runs page ---------------------------------------------------------------------------
+
+async function runsPage(signal) {
+  show("runs");
+  $("crumbs").textContent = "";
+  const wanted = hashParams().get("state") ?? "";
+  $("runs-state").value = wanted;
+  const render = async () => {
+    const path = `/v1/runs${wanted ? `?state=${encodeURIComponent(wanted)}` : ""}`;
+    const { runs } = await (await api(path, { signal })).json();
+    const money = (c) => (c == null ? "—" : `$${Number(c).toFixed(4)}`);
+    const rows = runs.map((r) =>
+      el(
+        "tr",
+        { "data-session": r.session },
+        el("td", {}, el("a", { href: sessionHref(r.session), text: r.session })),
+        el("td", { text: r.tenant ?? "—" }),
+        el("td", {}, el("span", { class: `status run-${r.state}`, text: r.state + (r.reason && r.state !== "finished" && r.reason !== r.state ? ` (${r.reason})` : "") })),
+        el("td", { class: "num", text: String(r.steps ?? 0) }),
+        el("td", { class: "num", text: String(r.tokens ?? 0) }),
+        el("td", { class: "num", text: money(r.cost) }),
+        el("td", { class: "mono", text: r.worker ?? "—" }),
+        el("td", {}, timeEl(r.started_at ?? r.opened_at ?? (r.age != null ? Date.now() / 1000 - r.age : null))),
+        el("td", {}, r.state === "running" ? el("button", { type: "button", class: "cancel", text: "cancel", onclick: (ev) => cancelRun(r.session, ev.currentTarget, $("runs-note")) }) : null),
+      ),
+    );
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: "9", class: "muted", text: wanted ? `no ${wanted} runs` : "no runs yet: start one with riverbed agent S \"task\" --detach" })));
+    $("run-rows").replaceChildren(...rows);
+    $("runs-refreshed").replaceChildren(`${plural(runs.length, "run")} · refreshed `, timeEl(new Date()));
+  };
+  await every(2, signal, render, (error) => {
+    $("runs-note").textContent = error.status === 404 || error.status === 405 ? "this server has no runs route (GET /v1/runs)" : error.message;
+  });
+}
+
+async function cancelRun(session, button, note) {
+  if (button) button.disabled = true;
+  try {
+    await api(`${sessionPath(session)}/runs/cancel`, { method: "POST", body: {} });
+    note.textContent = `asked the agent to cancel the run of ${session}`;
+  } catch (error) {
+    note.textContent = error.message;
+    if (button) button.disabled = false;
   }
 }
 
-// --- the session page ------------------------------------------------------------------------
+// --- the session page: how each event reads --------------------------------------------------
 
+// A kind the server does not know reads back with its own kind and fields (the raw payload).
 function summary(e) {
   switch (e.kind) {
     case "message": return e.content;
     case "cmd_run": return `$ ${e.command}`;
     case "cmd_output": return e.content;
     case "python_run": return e.code;
-    case "python_output": return e.content ?? JSON.stringify(e);
+    case "python_output": return [e.content, e.result != null ? `→ ${e.result}` : null, e.exception].filter(Boolean).join("\n") || "(no output)";
     case "file_read": return e.path;
     case "file_write": return `${e.path} (${(e.content ?? "").length} chars)`;
     case "file_edit": return `${e.command} ${e.path}`;
@@ -199,37 +342,133 @@ function summary(e) {
     case "file_written": return e.path;
     case "file_edited": return `${e.path}\n${e.diff ?? ""}`;
     case "recall": return `${e.recall_type}: ${e.query}`;
-    case "recall_result": return (e.hits ?? []).map((h) => `#${h.event_id} ${h.kind} ${Number(h.score).toFixed(2)}  ${h.text}`).join("\n") || `${e.recall_type}: no hits`;
+    case "recall_result": return (e.hits ?? []).map((h) => `#${h.event_id} ${h.kind}  ${h.text}`).join("\n") || `${e.recall_type}: no hits`;
     case "think": return e.thought;
     case "finish": return e.final_thought;
     case "error": return `${e.reason}${e.retryable ? " (retryable)" : ""}: ${e.content}`;
-    case "condensation": return e.summary ?? "";
+    case "condensation": return e.summary ?? `hid ${ranges(e.forgotten) || "nothing"}`;
+    case "condensation_request": return "asked the condenser to condense now";
     case "summary": return e.content;
     case "masked": return `[${e.original_kind} hidden] ${e.content}`;
-    case "forked": return `forked from ${e.source_session} at event ${e.at}`;
-    case "llm_response": return e.content ?? `${(e.tool_calls ?? []).length} tool call(s)`;
-    case "context_edit": return [e.op, ...(e.ranges ?? []).map(([a, b]) => (a === b ? `#${a}` : `#${a}–#${b}`)), ...(e.kinds ?? []).map((k) => `kind ${k}`)].join(" ") + (e.note ? ` (${e.note})` : "");
-    case "session_config": return Object.keys(e.env ?? {}).map((k) => `${k}=${e.env[k] ?? "(unset)"}`).join(" ") || "settings";
+    case "forked": return `forked from ${e.source_session} at event ${e.at} (${e.workspace ?? "empty"})`;
+    case "sandbox_rebuilt": return `sandbox rebuilt (${e.method}): ${plural(e.actions ?? 0, "action")} re-run, ${plural((e.differences ?? []).length, "divergence")}`;
+    case "llm_response": return [e.content, ...(e.tool_calls ?? []).map((c) => `${c.function?.name ?? "?"}(${c.function?.arguments ?? ""})`)].filter(Boolean).join("\n") || "(empty response)";
+    case "context_edit": return [e.op, ranges(e.ranges), ...(e.kinds ?? []).map((k) => `kind ${k}`)].filter(Boolean).join(" ") + (e.note ? ` (${e.note})` : "");
+    case "session_config": return configLines(e).join("; ") || "no change";
+    case "run_started": return `run opened: ${runLimits(e)}`;
+    case "run_cancel": return `asked the agent to cancel the run${e.note ? `: ${e.note}` : ""}`;
+    case "delegate": return e.task ?? "";
+    case "delegated": return `sub-agent of ${e.parent} (its action #${e.parent_action})`;
+    case "delegate_result": return `${e.session}: ${e.content ?? ""}`;
     default: return JSON.stringify(e);
   }
 }
 
-const ACTIONS = new Set(["message", "cmd_run", "file_read", "file_write", "file_edit", "python_run", "recall", "condensation_request", "think", "finish"]);
-const PRE = new Set(["cmd_output", "python_output", "python_run", "file_content", "file_edited", "recall_result"]);
+function runLimits(e) {
+  return [
+    e.model ? `model ${e.model}` : "the worker's model",
+    `at most ${plural(e.max_steps ?? 30, "step")}`,
+    e.max_tokens != null ? `${e.max_tokens} tokens` : null,
+    e.max_cost != null ? `$${e.max_cost}` : null,
+  ].filter(Boolean).join(", ");
+}
+
+function configLines(e) {
+  const lines = Object.entries(e.env ?? {}).map(([k, v]) => (v == null ? `unset ${k}` : `set ${k}=${v}`));
+  if (e.condenser) {
+    const c = e.condenser;
+    const fields = Object.entries(c).filter(([k]) => k !== "strategy" && k !== "stages").map(([k, v]) => `${k} ${typeof v === "object" ? JSON.stringify(v) : v}`);
+    lines.push(`condenser ${c.strategy ?? "(default)"}${fields.length ? ": " + fields.join(", ") : ""}`);
+    for (const [i, stage] of (c.stages ?? []).entries()) lines.push(`  stage ${i + 1}: ${stage.strategy ?? "?"} ${Object.entries(stage).filter(([k]) => k !== "strategy").map(([k, v]) => `${k} ${v}`).join(", ")}`);
+  }
+  return lines;
+}
+
+function toolCalls(calls) {
+  return (calls ?? []).map((call) => {
+    const fn = call.function ?? {};
+    let args = fn.arguments ?? "";
+    try {
+      args = JSON.stringify(JSON.parse(args), null, 2);
+    } catch {
+      // not JSON: shown as the model wrote it
+    }
+    return el("div", { class: "call" }, el("span", { class: "call-name", text: fn.name ?? "?" }), call.id ? el("span", { class: "muted", text: ` ${call.id}` }) : null, block(args, null, "args"));
+  });
+}
+
+function divergences(list) {
+  if (!list?.length) return null;
+  return el(
+    "table",
+    { class: "grid small divergences" },
+    el("thead", {}, el("tr", {}, ...["action", "kind", "field", "recorded", "now"].map((h) => el("th", { text: h })))),
+    el("tbody", {}, ...list.map((d) => el("tr", {}, el("td", { text: `#${d.action_id}` }), el("td", { text: d.kind }), el("td", { text: d.field }), el("td", { class: "mono", text: clip(JSON.stringify(d.recorded), 200) }), el("td", { class: "mono", text: clip(JSON.stringify(d.new), 200) })))),
+  );
+}
+
+function rebuilt(e) {
+  const n = (e.differences ?? []).length;
+  const how = { replay: `re-ran ${plural(e.actions ?? 0, "recorded action")}`, copy: "copied the source's workspace", empty: "started empty" }[e.method] ?? e.method;
+  return [
+    para(`built the sandbox as of #${e.at} (${e.method}): ${how}; ${n ? plural(n, "divergence") + " from the recording" : "no divergences"}`),
+    divergences(e.differences),
+    e.note ? para(e.note, "text muted") : null,
+    e.skipped?.length ? para(`left out: ${e.skipped.map((s) => `${s.path} (${s.reason})`).join(", ")}`, "text muted") : null,
+  ];
+}
+
+// The body of an event's card: every kind read as what it means.
+function render(e) {
+  switch (e.kind) {
+    case "cmd_run": return [block(`$ ${e.command}`)];
+    case "cmd_output": return [block(e.content), e.timed_out ? para("timed out", "text bad") : null, e.truncated ? para("output truncated", "text muted") : null];
+    case "python_run": return [block(e.code)];
+    case "python_output":
+      return [
+        e.content ? block(e.content, "output") : null,
+        e.result != null ? block(e.result, "value", "value") : null,
+        e.exception ? block(e.exception, "exception", "exception") : null,
+        e.files?.length ? para(`files: ${e.files.join(", ")}`) : null,
+        !e.content && e.result == null && !e.exception ? para("(no output)", "text muted") : null,
+        e.timed_out ? para("timed out", "text bad") : null,
+        e.state_lost ? para("the Python process was restarted: its variables are gone", "text bad") : null,
+        e.truncated ? para("output truncated", "text muted") : null,
+      ];
+    case "file_content": return [para(e.path), block(e.content)];
+    case "file_edited": return [para(e.path), block(e.diff ?? "")];
+    case "file_write": return [para(e.path), block(e.content ?? "")];
+    case "recall_result":
+      return [(e.hits ?? []).length ? el("ol", { class: "view hits" }, ...e.hits.map((h) => el("li", {}, el("span", { class: "id", text: `#${h.event_id}` }), el("span", { class: "kind", text: h.kind }), el("span", { class: "text", text: clip(h.text, 300) })))) : para(`${e.recall_type}: no hits`)];
+    case "llm_response": return [e.content ? para(e.content) : null, ...toolCalls(e.tool_calls), usage(e)];
+    case "session_config": {
+      const lines = configLines(e);
+      return [lines.length ? el("ul", { class: "config" }, ...lines.map((l) => el("li", { text: l }))) : para("no change", "text muted")];
+    }
+    case "sandbox_rebuilt": return rebuilt(e);
+    case "forked": return [el("p", { class: "text" }, "forked from ", link(e.source_session), ` at event #${e.at}; sandbox: ${e.workspace ?? "empty"}`)];
+    case "delegated": return [el("p", { class: "text" }, "sub-agent of ", link(e.parent), ` for its action #${e.parent_action}`), e.task ? para(e.task) : null];
+    case "delegate_result":
+      return [
+        el("p", { class: "text" }, "sub-agent ", link(e.session), e.content ? `: ${clip(e.content, 2000)}` : ""),
+        e.state ? el("div", { class: "usage" }, statusBadge(e.state), e.tokens != null ? el("span", { text: `${e.tokens} tokens` }) : null, e.cost != null ? el("span", { text: `$${Number(e.cost).toFixed(4)}` }) : null) : null,
+      ];
+    default: {
+      const text = summary(e);
+      return [text ? para(clip(text, 4000)) : null];
+    }
+  }
+}
+
+const ACTIONS = new Set(["message", "cmd_run", "file_read", "file_write", "file_edit", "python_run", "recall", "condensation_request", "think", "finish", "delegate"]);
 
 function category(e) {
   if (e.kind === "error") return "error";
-  if (e.kind === "condensation" || e.kind === "summary" || e.kind === "context_edit") return "condensation";
+  if (e.kind === "condensation" || e.kind === "summary" || e.kind === "context_edit" || e.kind === "condensation_request") return "condensation";
   if (e.kind === "llm_response") return "llm";
   if (ACTIONS.has(e.kind)) return "action";
   if (e.cause != null) return "observation";
   return "system";
-}
-
-function body(e) {
-  const text = clip(summary(e), 4000);
-  if (!text) return null;
-  return PRE.has(e.kind) ? el("pre", { text }) : el("p", { class: "text", text });
 }
 
 function usage(e) {
@@ -245,50 +484,97 @@ function usage(e) {
   return el("div", { class: "usage" }, el("span", { text: e.model }), ...parts.map(([k, v]) => el("span", {}, `${k} `, el("b", { text: String(v) }))));
 }
 
+// Where a session stands, read from its events as the server's session list reads it.
+function sessionStatus(events) {
+  const ends = { step_limit: "step limit", budget_exhausted: "budget exhausted", cancelled: "cancelled", llm_error: "error" };
+  for (let i = events.length - 1; i >= 0; i--) {
+    const e = events[i];
+    if (e.kind === "finish") return "finished";
+    if (e.kind === "error" && e.source === "agent" && e.reason in ends) return ends[e.reason];
+    if (e.kind === "run_started") return "running";
+    if (e.kind === "message" && e.source === "user") return "open";
+  }
+  return "open";
+}
+
+// --- the session page ------------------------------------------------------------------------
+
 class SessionView {
   constructor(session, signal) {
     this.session = session;
     this.signal = signal;
     this.events = new Map(); // id -> event
     this.answers = new Map(); // action id -> observation
-    this.hiddenBy = new Map(); // event id -> condensation id
+    this.hiddenBy = new Map(); // event id -> what hid it, as of the selected event
     this.nodes = new Map(); // id -> li of the event (or of its action)
     this.last = 0;
     this.selected = null;
     this.pinned = false; // the slider follows the newest event until the user moves it
     this.timer = null;
-    this.pins = new Set(); // pinned event ids (from the context report)
+    this.pins = new Set(); // pinned event ids, as of the selected event
     this.range = null; // [first, last] chosen for a context edit
     this.preview = null; // the body of the edit last previewed
     this.refreshTimer = null;
+    this.children = new Map(); // sub-agent session -> delegate_result
+    this.parent = null; // the delegated event, when this session is a sub-agent
   }
 
-  // What hides each event and what is pinned now (condensations and user edits alike), and
-  // the token usage per step: both from the server, after any batch that can change them.
+  get current() {
+    return state.view === this && !this.signal.aborted;
+  }
+
+  // The token usage per step, and the run's numbers: from the server, after any batch.
   refreshSoon() {
     clearTimeout(this.refreshTimer);
     this.refreshTimer = setTimeout(() => this.refresh(), 150);
   }
 
   async refresh() {
-    const path = `/v1/sessions/${encodeURIComponent(this.session)}`;
     try {
-      const context = await (await api(`${path}/context`, { signal: this.signal })).json();
-      const before = new Map(this.hiddenBy);
-      const pinsBefore = this.pins;
-      this.hiddenBy = new Map(context.hidden.map((h) => [h.id, h.by]));
-      this.pins = new Set(context.pinned);
-      const changed = new Set([...before.keys(), ...this.hiddenBy.keys(), ...pinsBefore, ...this.pins]);
-      for (const id of changed) if (before.get(id) !== this.hiddenBy.get(id) || pinsBefore.has(id) !== this.pins.has(id)) this.rerender(id);
-      const used = await (await api(`${path}/usage`, { signal: this.signal })).json();
+      const used = await (await api(`${sessionPath(this.session)}/usage`, { signal: this.signal })).json();
+      if (!this.current) return;
       const money = (c) => (c == null ? "" : c.toFixed(6));
       const rows = used.steps.map((s) => el("tr", {}, el("td", { class: "num", text: `#${s.event_id}` }), el("td", { text: s.model }), el("td", { class: "num", text: String(s.prompt_tokens) }), el("td", { class: "num", text: String(s.cached_tokens) }), el("td", { class: "num", text: String(s.completion_tokens) }), el("td", { class: "num", text: money(s.cost) })));
       if (used.steps.length) rows.push(el("tr", { class: "total" }, el("td", { text: "total" }), el("td", { text: `${used.steps.length} calls` }), el("td", { class: "num", text: String(used.prompt_tokens) }), el("td", { class: "num", text: String(used.cached_tokens) }), el("td", { class: "num", text: String(used.completion_tokens) }), el("td", { class: "num", text: money(used.cost) })));
       else rows.push(el("tr", {}, el("td", { colspan: "6", class: "muted", text: "no model calls in this session" })));
       $("usage-rows").replaceChildren(...rows);
+      this.renderRun(used);
     } catch (error) {
-      if (!this.signal.aborted) $("ctx-result").textContent = error.message;
+      if (this.current) $("ctx-result").textContent = error.message;
     }
+  }
+
+  // The latest run: state, steps, tokens, cost, and a cancel button while it runs.
+  renderRun(used) {
+    const all = [...this.events.values()];
+    const opened = all.filter((e) => e.kind === "run_started").pop();
+    if (!opened) {
+      $("run-panel").hidden = true;
+      return;
+    }
+    const after = all.filter((e) => e.id > opened.id);
+    const status = sessionStatus([opened, ...after]);
+    const steps = (used?.steps ?? []).filter((s) => s.event_id > opened.id);
+    const tokens = steps.reduce((n, s) => n + s.prompt_tokens + s.completion_tokens, 0);
+    const cost = steps.some((s) => s.cost != null) ? `$${steps.reduce((n, s) => n + (s.cost ?? 0), 0).toFixed(4)}` : "—";
+    $("run-panel").hidden = false;
+    $("run-state").replaceChildren(statusBadge(status));
+    $("run-numbers").textContent = `run #${opened.id}: ${plural(steps.length, "step")} of ${opened.max_steps ?? 30}, ${tokens} tokens, ${cost}`;
+    $("run-cancel").hidden = status !== "running" || after.some((e) => e.kind === "run_cancel");
+  }
+
+  // What hides each event and what is pinned as of the selected event (condensations and user
+  // edits alike), from the server: the badges follow time travel.
+  async loadContext(until) {
+    const context = await (await api(`${sessionPath(this.session)}/context?until=${until}`, { signal: this.signal })).json();
+    if (!this.current || until !== this.selected) return;
+    const before = this.hiddenBy;
+    const pinsBefore = this.pins;
+    this.hiddenBy = new Map(context.hidden.map((h) => [h.id, h.by]));
+    this.pins = new Set(context.pinned);
+    const changed = new Set([...before.keys(), ...this.hiddenBy.keys(), ...pinsBefore, ...this.pins]);
+    for (const id of changed) if (before.get(id) !== this.hiddenBy.get(id) || pinsBefore.has(id) !== this.pins.has(id)) this.rerender(id);
+    for (const e of this.events.values()) if (e.kind === "condensation") this.rerender(e.id);
   }
 
   choose(id, extend) {
@@ -297,6 +583,10 @@ class SessionView {
     $("ctx-from").value = String(this.range[0]);
     $("ctx-to").value = String(this.range[1]);
     this.clearPreview();
+    for (const li of $("timeline").children) {
+      const n = Number(li.dataset.id);
+      li.classList.toggle("chosen", n >= this.range[0] && n <= this.range[1]);
+    }
   }
 
   editBody(dryRun) {
@@ -322,21 +612,23 @@ class SessionView {
       [verb === "would" ? "would show again" : "showed again", change.shown],
       [verb === "would" ? "would pin" : "pinned", change.pinned],
       [verb === "would" ? "would unpin" : "unpinned", change.unpinned],
-    ].filter(([, ids]) => ids.length).map(([what, ids]) => `${what} ${ids.length} event${ids.length === 1 ? "" : "s"} (${list(ids)})`);
+    ].filter(([, ids]) => ids.length).map(([what, ids]) => `${what} ${plural(ids.length, "event")} (${list(ids)})`);
     return parts.join("; ") || (verb === "would" ? "would change nothing" : "changed nothing");
   }
 
   async previewEdit() {
     this.clearPreview();
     const body = this.editBody(true);
+    $("ctx-result").textContent = "previewing…";
     try {
-      const change = await (await api(`/v1/sessions/${encodeURIComponent(this.session)}/context`, { method: "POST", body })).json();
+      const change = await (await api(`${sessionPath(this.session)}/context`, { method: "POST", body, signal: this.signal })).json();
+      if (!this.current) return; // the page shows another session now
       $("ctx-result").textContent = `${body.op} as edit #${change.edit}: ${this.describe(change, "would")}`;
       for (const [ids, cls] of [[change.hidden, "would-hide"], [change.shown, "would-show"]]) for (const id of ids) this.nodes.get(id)?.classList.add(cls);
       this.preview = { ...body, dry_run: false };
       $("ctx-apply").disabled = false;
     } catch (error) {
-      $("ctx-result").textContent = error.message;
+      if (this.current) $("ctx-result").textContent = error.message;
     }
   }
 
@@ -344,23 +636,22 @@ class SessionView {
     if (!this.preview) return;
     const body = this.preview;
     this.clearPreview();
+    this.pinned = false; // travel with the log to the edit, to show what it did
     try {
-      const change = await (await api(`/v1/sessions/${encodeURIComponent(this.session)}/context`, { method: "POST", body })).json();
-      $("ctx-result").textContent = `applied edit #${change.edit} (${body.op}): ${this.describe(change, "did")}`;
+      const change = await (await api(`${sessionPath(this.session)}/context`, { method: "POST", body, signal: this.signal })).json();
+      if (this.current) $("ctx-result").textContent = `applied edit #${change.edit} (${body.op}): ${this.describe(change, "did")}`;
     } catch (error) {
-      $("ctx-result").textContent = error.message;
+      if (this.current) $("ctx-result").textContent = error.message;
     }
   }
 
   add(batch) {
+    if (!this.current) return;
     for (const e of batch) {
       this.events.set(e.id, e);
       this.last = Math.max(this.last, e.id);
-      if (e.kind === "condensation") {
-        for (const [start, end] of e.forgotten ?? []) {
-          for (let id = start; id <= Math.min(end, e.id - 1); id++) if (!this.hiddenBy.has(id)) this.hiddenBy.set(id, e.id);
-        }
-      }
+      if (e.kind === "delegated" && !this.parent) this.parent = e;
+      if (e.kind === "delegate_result" && e.session) this.children.set(e.session, e);
       const action = e.cause != null ? this.events.get(e.cause) : undefined;
       if (action && ACTIONS.has(action.kind) && !ACTIONS.has(e.kind) && e.kind !== "condensation" && !this.answers.has(e.cause)) {
         this.answers.set(e.cause, e);
@@ -371,14 +662,23 @@ class SessionView {
         this.nodes.set(e.id, li);
         $("timeline").append(li);
       }
-      if (e.kind === "condensation") for (const id of this.hiddenBy.keys()) if (this.hiddenBy.get(id) === e.id) this.rerender(id);
     }
+    this.renderTree();
     this.refreshSoon();
-    $("session-meta").textContent = `${this.tenantText} · ${this.last} events`;
+    $("session-meta").replaceChildren(`${this.tenantText} · ${plural(this.last, "event")} · `, statusBadge(sessionStatus([...this.events.values()])));
     const slider = $("slider");
     slider.max = String(Math.max(1, this.last));
     if (!this.pinned) this.select(this.last, false);
     else this.shade();
+  }
+
+  // The delegation tree: the parent of a sub-agent, and the sub-agents of this session.
+  renderTree() {
+    const parts = [];
+    if (this.parent) parts.push(el("span", { class: "parent" }, "sub-agent of ", link(this.parent.parent), ` (action #${this.parent.parent_action})`));
+    if (this.children.size) parts.push(el("span", { class: "children" }, "sub-agents: ", ...[...this.children.keys()].flatMap((s, i) => [i ? ", " : null, link(s)])));
+    $("delegation").replaceChildren(...parts.flatMap((p, i) => [i ? " · " : null, p]));
+    $("delegation").hidden = !parts.length;
   }
 
   rerender(id) {
@@ -386,15 +686,31 @@ class SessionView {
     const e = this.events.get(id);
     if (!old || !e || old.dataset.id !== String(id)) return;
     const fresh = this.card(e);
+    for (const cls of ["would-hide", "would-show", "chosen"]) if (old.classList.contains(cls)) fresh.classList.add(cls);
     old.replaceWith(fresh);
     for (const [key, node] of this.nodes) if (node === old) this.nodes.set(key, fresh);
     this.shade();
   }
 
+  // A condensation's own account: what it hid when it was made, and what was shown again
+  // by the selected event (a restore), so it never reads "hid 0".
+  condensed(e) {
+    let count = 0;
+    for (const [a, b] of e.forgotten ?? []) count += Math.max(0, Math.min(b, e.id - 1) - a + 1);
+    const lines = [`hid ${plural(count, "event")} (${ranges(e.forgotten) || "none"}) from the context${e.summary ? "; summary:" : ""}`];
+    if (this.selected != null && this.selected >= e.id) {
+      let shown = 0;
+      for (const [a, b] of e.forgotten ?? []) for (let id = a; id <= Math.min(b, e.id - 1); id++) if (this.events.has(id) && !this.hiddenBy.has(id)) shown++;
+      const by = [...this.events.values()].filter((x) => x.kind === "context_edit" && x.op === "restore" && x.id > e.id && x.id <= this.selected).map((x) => `#${x.id}`);
+      if (shown) lines.push(`${plural(shown, "event")} of them shown again${by.length ? ` by ${by.join(", ")}` : ""} as of #${this.selected}`);
+    }
+    return lines.map((t) => para(t));
+  }
+
   card(e) {
     const hidden = this.hiddenBy.get(e.id);
     const classes = ["ev", category(e)];
-    if (hidden) classes.push("hidden-by");
+    if (hidden && e.id <= (this.selected ?? this.last)) classes.push("hidden-by");
     if (this.pins.has(e.id)) classes.push("pinned");
     const head = el(
       "div",
@@ -402,28 +718,26 @@ class SessionView {
       el("span", { class: "id", text: `#${e.id}` }),
       el("span", { class: "kind", text: e.kind === "unknown" ? `?${e.original_kind}` : e.kind }),
       el("span", { class: "src", text: e.source }),
-      hidden ? el("span", { class: "badge cond", text: `hidden by #${hidden}` }) : null,
-      el("span", { class: "ts", text: when(e.ts) }),
+      classes.includes("hidden-by") ? el("span", { class: "badge cond", text: `hidden by #${hidden}` }) : null,
+      timeEl(e.ts, "ts"),
+      el("button", { class: "link travel-here", type: "button", text: "travel here", title: `the context as the agent saw it after event ${e.id}`, onclick: (ev) => { ev.stopPropagation(); this.select(e.id, true); } }),
       el("button", { class: "link fork-here", type: "button", text: "fork here", title: `fork this session at event ${e.id}`, onclick: (ev) => { ev.stopPropagation(); this.select(e.id, true); $("fork-into").focus(); } }),
     );
-    const li = el("li", { class: classes.join(" "), "data-id": String(e.id), onclick: (ev) => { this.choose(e.id, ev.shiftKey); this.select(e.id, true); } }, head, body(e));
-    if (e.kind === "llm_response") li.append(usage(e));
-    if (e.kind === "condensation") {
-      const ranges = (e.forgotten ?? []).map(([a, b]) => (a === b ? `#${a}` : `#${a}–#${b}`)).join(", ");
-      const count = [...this.hiddenBy.values()].filter((c) => c === e.id).length;
-      li.insertBefore(el("p", { class: "text", text: `hid ${count} event${count === 1 ? "" : "s"} (${ranges || "none"}) from the context${e.summary ? "; summary:" : ""}` }), li.children[1] ?? null);
-    }
+    const li = el("li", { class: classes.join(" "), "data-id": String(e.id), title: "click to choose it (or its answer) for a context edit; shift-click: a range", onclick: (ev) => { if (ev.target.closest("a, button, details, pre")) return; this.choose(Number(ev.target.closest("[data-id]").dataset.id), ev.shiftKey); } }, head);
+    if (e.kind === "condensation") li.append(...this.condensed(e));
+    for (const node of render(e)) if (node) li.append(node);
+    li.append(raw(e));
     const answer = this.answers.get(e.id);
     if (answer) {
       const exit = answer.exit_code != null ? el("span", { class: "badge" + (answer.exit_code ? " bad" : ""), text: `exit ${answer.exit_code}` }) : null;
-      li.append(
-        el(
-          "div",
-          { class: "answer" + (answer.kind === "error" ? " error" : "") },
-          el("div", { class: "head" }, el("span", { class: "id", text: `#${answer.id}` }), el("span", { class: "kind", text: answer.kind }), exit, el("span", { class: "ts", text: when(answer.ts) })),
-          body(answer),
-        ),
+      const answerNode = el(
+        "div",
+        { class: "answer" + (answer.kind === "error" ? " error" : ""), "data-id": String(answer.id) },
+        el("div", { class: "head" }, el("span", { class: "id", text: `#${answer.id}` }), el("span", { class: "kind", text: answer.kind }), exit, timeEl(answer.ts, "ts")),
       );
+      for (const node of render(answer)) if (node) answerNode.append(node);
+      answerNode.append(raw(answer));
+      li.append(answerNode);
     }
     return li;
   }
@@ -435,7 +749,7 @@ class SessionView {
     $("at").textContent = String(id);
     $("fork-at").textContent = String(id);
     if (byUser || !$("fork-into").value) $("fork-into").value = `${this.session}-fork-${id}`.slice(0, 128);
-    this.shade(true);
+    this.shade(byUser);
     clearTimeout(this.timer);
     this.timer = setTimeout(() => this.loadView(), 120);
   }
@@ -451,56 +765,59 @@ class SessionView {
   }
 
   // Recall search over this session's indexed events (GET /recall: appends nothing). A hit
-  // travels to its event, as a click on the timeline does.
+  // says why it matched (by meaning, by words) and travels to its event.
   async search(query) {
     $("search-note").textContent = "searching…";
     $("search-clear").hidden = false;
-    const path = `/v1/sessions/${encodeURIComponent(this.session)}/recall?k=8&q=${encodeURIComponent(query)}`;
+    const path = `${sessionPath(this.session)}/recall?k=8&q=${encodeURIComponent(query)}`;
     try {
       const { hits } = await (await api(path, { signal: this.signal })).json();
+      if (!this.current) return;
       $("search-note").textContent = hits.length
-        ? `${hits.length} hit${hits.length === 1 ? "" : "s"}, best first; click one to travel to it`
+        ? `${plural(hits.length, "hit")}, best first; click one to travel to it`
         : "no hits (an event is searchable once a memory worker has indexed it)";
       $("search-hits").replaceChildren(
         ...hits.map((h) =>
           el(
             "li",
-            { "data-id": String(h.event_id), title: clip(h.text, 2000), onclick: () => { this.choose(h.event_id, false); this.select(h.event_id, true); } },
+            { "data-id": String(h.event_id), title: clip(h.text, 2000), onclick: () => this.select(h.event_id, true) },
             el("span", { class: "id", text: `#${h.event_id}` }),
             el("span", { class: "kind", text: h.kind }),
-            el("span", { class: "score", text: h.score.toFixed(3) }),
+            el("span", { class: "why", title: `fused score ${h.score}` }, ...why(h)),
             el("span", { class: "text", text: clip(h.text, 300) }),
           ),
         ),
       );
     } catch (error) {
       $("search-hits").replaceChildren();
-      if (!this.signal.aborted) $("search-note").textContent = error.message;
+      if (this.current) $("search-note").textContent = error.message;
     }
   }
 
   async loadView() {
     const until = this.selected;
     const mode = document.querySelector('input[name="mode"]:checked').value;
-    const path = `/v1/sessions/${encodeURIComponent(this.session)}`;
     let items;
     let note;
     try {
+      const context = this.loadContext(until);
+      context.catch(() => {}); // (awaited below; an abort must not go unhandled meanwhile)
       if (mode === "full") {
-        const text = await (await api(`${path}/events?until=${until}`, { signal: this.signal })).text();
+        const text = await (await api(`${sessionPath(this.session)}/events?until=${until}`, { signal: this.signal })).text();
         items = text.split("\n").filter(Boolean).map((line) => JSON.parse(line));
-        note = `the full log: ${items.length} events up to #${until}`;
+        note = `the full log: ${plural(items.length, "event")} up to #${until}`;
       } else {
-        const view = await (await api(`${path}/view?until=${until}`, { signal: this.signal })).json();
+        const view = await (await api(`${sessionPath(this.session)}/view?until=${until}`, { signal: this.signal })).json();
         items = view.events;
         const shown = items.filter((e) => e.id != null).length;
         note = `${shown} of ${until} events in the context` + (view.summary_index != null ? `, a summary at position ${view.summary_index + 1}` : "");
       }
+      await context;
     } catch (error) {
-      if (!this.signal.aborted) $("view-note").textContent = error.message;
+      if (this.current) $("view-note").textContent = error.message;
       return;
     }
-    if (until !== this.selected) return; // the slider moved on meanwhile
+    if (until !== this.selected || !this.current) return; // the slider moved on meanwhile
     $("view-note").textContent = note;
     $("view").replaceChildren(
       ...items.map((e) =>
@@ -514,6 +831,40 @@ class SessionView {
       ),
     );
   }
+
+  // After a fork: the new session's link, then how its sandbox was rebuilt (followed on its
+  // log until the runtime's sandbox_rebuilt comes), with every divergence from the recording.
+  async forked(result) {
+    const into = result.session;
+    const status = el("span", { class: "muted", text: "" });
+    const details = el("div", { class: "rebuild" });
+    $("fork-result").replaceChildren("forked: ", el("a", { href: sessionHref(into), text: into }), " · ", status, details);
+    status.textContent = result.workspace === "empty"
+      ? "its sandbox starts empty"
+      : `its sandbox is built (${result.workspace}) when a runtime worker takes the session…`;
+    const done = new AbortController();
+    const stopWith = () => done.abort();
+    this.signal.addEventListener("abort", stopWith, { once: true });
+    await follow(into, result.forked ?? 0, (batch) => {
+      const rebuiltEvent = batch.find((e) => e.kind === "sandbox_rebuilt");
+      if (!rebuiltEvent || !this.current) return;
+      const n = (rebuiltEvent.differences ?? []).length;
+      status.textContent = n ? `rebuilt with ${plural(n, "divergence")}` : "rebuilt: no divergences";
+      details.replaceChildren(...rebuilt(rebuiltEvent).filter(Boolean));
+      done.abort();
+    }, done.signal);
+    this.signal.removeEventListener("abort", stopWith);
+  }
+}
+
+function why(h) {
+  const parts = [];
+  const meaning = h.why?.meaning;
+  const words = h.why?.words;
+  if (meaning) parts.push(el("span", { class: "by-meaning", text: `meaning #${meaning.rank} (${Number(meaning.similarity).toFixed(2)})` }));
+  if (words) parts.push(el("span", { class: "by-words", text: words.matched?.length ? `words: ${words.matched.join(", ")}` : `words #${words.rank}` }));
+  if (!parts.length) parts.push(el("span", { text: `score ${Number(h.score).toFixed(3)}` }));
+  return parts;
 }
 
 async function sessionPage(session, signal) {
@@ -530,13 +881,18 @@ async function sessionPage(session, signal) {
   $("ctx-note").value = "";
   $("ctx-kind").value = "";
   $("ctx-apply").disabled = true;
+  $("ctx-result").textContent = "Click an event (shift-click another for a range), or choose a kind, then preview.";
   $("usage-rows").replaceChildren();
+  $("run-panel").hidden = true;
+  $("run-note").textContent = "";
+  $("delegation").replaceChildren();
+  $("delegation").hidden = true;
   clearSearch();
   $("crumbs").replaceChildren(el("a", { href: "#/", text: "sessions" }), ` / ${session}`);
   const view = new SessionView(session, signal);
   state.view = view;
   try {
-    const { sessions } = await (await api("/v1/sessions", { signal })).json();
+    const { sessions } = await (await api(`/v1/sessions?limit=200&q=${encodeURIComponent(session)}`, { signal })).json();
     const info = sessions.find((s) => s.session === session);
     view.tenantText = info ? `tenant ${info.tenant ?? "—"}` : "";
   } catch {
@@ -560,10 +916,7 @@ $("login-form").addEventListener("submit", async (event) => {
   }
 });
 $("signout").addEventListener("click", () => signOut());
-$("slider").addEventListener("input", () => {
-  state.view?.select(Number($("slider").value), true);
-  state.view?.choose(Number($("slider").value), false);
-});
+$("slider").addEventListener("input", () => state.view?.select(Number($("slider").value), true));
 for (const id of ["ctx-op", "ctx-from", "ctx-to", "ctx-kind", "ctx-note"]) $(id).addEventListener("input", () => state.view?.clearPreview());
 $("ctx-preview").addEventListener("click", () => state.view?.previewEdit());
 $("ctx-form").addEventListener("submit", (event) => {
@@ -571,18 +924,36 @@ $("ctx-form").addEventListener("submit", (event) => {
   state.view?.applyEdit();
 });
 for (const kind of ["error", "cmd_run", "cmd_output", "think", "message", "recall", "recall_result", "python_run", "python_output", "file_read", "file_content", "file_write", "file_written", "file_edit", "file_edited", "llm_response"]) $("ctx-kind").append(el("option", { value: kind, text: kind }));
+for (const status of STATUSES) $("list-status").append(el("option", { value: status, text: status }));
+for (const runState of RUN_STATES) $("runs-state").append(el("option", { value: runState, text: runState }));
 for (const radio of document.querySelectorAll('input[name="mode"]')) radio.addEventListener("change", () => state.view?.loadView());
 $("fork-form").addEventListener("submit", async (event) => {
   event.preventDefault();
   const view = state.view;
   if (!view) return;
   const into = $("fork-into").value.trim();
+  const workspace = $("fork-workspace").value;
+  $("fork-result").textContent = "forking…";
   try {
-    const result = await (await api(`/v1/sessions/${encodeURIComponent(view.session)}/fork`, { method: "POST", body: { at: view.selected, into } })).json();
-    $("fork-result").replaceChildren("forked: ", el("a", { href: `#/s/${encodeURIComponent(result.session)}`, text: result.session }));
+    const result = await (await api(`${sessionPath(view.session)}/fork`, { method: "POST", body: { at: view.selected, into, workspace }, signal: view.signal })).json();
+    if (view.current) await view.forked({ ...result, workspace });
   } catch (error) {
-    $("fork-result").textContent = error.message;
+    if (view.current) $("fork-result").textContent = error.message;
   }
+});
+$("run-cancel").addEventListener("click", (event) => {
+  if (state.view) cancelRun(state.view.session, event.currentTarget, $("run-note"));
+});
+$("list-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const params = new URLSearchParams();
+  for (const [name, id] of [["q", "list-q"], ["tenant", "list-tenant"], ["status", "list-status"]]) if ($(id).value.trim()) params.set(name, $(id).value.trim());
+  const limit = hashParams().get("limit");
+  if (limit) params.set("limit", limit);
+  location.hash = `#/?${params}`;
+});
+$("runs-state").addEventListener("change", () => {
+  location.hash = $("runs-state").value ? `#/runs?state=${encodeURIComponent($("runs-state").value)}` : "#/runs";
 });
 function clearSearch() {
   $("search-q").value = "";

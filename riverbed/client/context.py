@@ -32,11 +32,11 @@ from riverbed.memory.suggest import Proposal, suggest
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
 
-__all__ = ["SessionContext"]
+__all__ = ["ContextControl"]
 
 
 class _Session(Protocol):
-    """What the context operations use of a session handle (``agent.client.Session``)."""
+    """What the context operations use of a session handle (``client.session.Session``)."""
 
     id: str
 
@@ -52,7 +52,7 @@ class _Session(Protocol):
 _ATTEMPTS = 5
 
 
-class SessionContext:
+class ContextControl:
     """The context operations of one session (see the module docstring)."""
 
     def __init__(self, session: _Session) -> None:
@@ -94,8 +94,21 @@ class SessionContext:
         kinds: Sequence[str] = (),
         note: str | None = None,
     ) -> ContextChange:
-        """What :meth:`edit` would change if made now, appending nothing (a dry run)."""
-        return preview(await self.session.events(), context_edit(op, ranges, kinds, note=note))
+        """What :meth:`edit` would change if made now, appending nothing (a dry run); refused
+        as :meth:`edit` refuses it."""
+        log = await self.session.events()
+        self._within(log, ranges)
+        return preview(log, context_edit(op, ranges, kinds, note=note))
+
+    def _within(self, log: Sequence[events.Event], spans: Sequence[tuple[int, int]]) -> None:
+        """:class:`InputError` when a range starts beyond the log: an edit names events that exist."""
+        last = log[-1].id if log else 0
+        beyond = [first for first, _ in spans if first > (last or 0)]
+        if beyond:
+            raise InputError(
+                f"event {min(beyond)} is beyond the log of {self.session.id!r} (its last event is {last}): "
+                "an edit names events that exist"
+            )
 
     async def suggest(self, request: str, *, client: AsyncOpenAI, model: str, timeout: float = 120.0) -> Proposal:
         """Ask ``model`` what to drop for ``request`` (see :mod:`riverbed.memory.suggest`);
@@ -131,12 +144,7 @@ class SessionContext:
         for attempt in range(_ATTEMPTS):
             log = await self.session.events()
             last = log[-1].id if log else 0
-            beyond = [first for first, _ in spans if first > (last or 0)]
-            if beyond:
-                raise InputError(
-                    f"event {min(beyond)} is beyond the log of {self.session.id!r} (its last event is {last}): "
-                    "an edit names events that exist"
-                )
+            self._within(log, spans)
             try:
                 (edit_id,) = await self.session.append(edit, expected_last=last)
             except AppendConflict:

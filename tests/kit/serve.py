@@ -6,16 +6,17 @@ import contextlib
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
+import httpx
 
-from riverbed.agent.client import Bus
+from riverbed.client.session import Bus
 from riverbed.memory.recall import Memory
 from riverbed.serve import Api, KeyStore, ServeConfig, serve
+from tests.kit.cli import riverbed_command
 
 
 @contextlib.asynccontextmanager
@@ -36,11 +37,6 @@ async def new_key(bus: Bus, tenant: str | None, *, admin: bool = False) -> str:
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-def riverbed_command() -> list[str]:
-    script = Path(sys.executable).parent / "riverbed"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "riverbed.cli"]
 
 
 @contextlib.contextmanager
@@ -70,3 +66,19 @@ def serve_process(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+
+
+PROBLEM = "application/problem+json"
+
+
+def assert_problem(response: httpx.Response, status: int, *words: str) -> dict[str, object]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == PROBLEM
+    body = response.json()
+    assert body["status"] == status
+    assert body["title"]
+    detail = str(body["detail"])
+    assert "Traceback" not in detail
+    for word in words:
+        assert word in detail, detail
+    return dict(body)

@@ -1,4 +1,5 @@
-"""Backlog statistics read straight from Redis: what ``riverbed status`` prints and metrics export.
+"""The status read model: backlogs, owners and workers read straight from Redis, for ``riverbed
+status``, ``riverbed sessions``, ``GET /v1/status`` and the worker's metrics.
 
 Everything here is a read; nothing is created or changed.  The numbers per role and session:
 

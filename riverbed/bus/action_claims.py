@@ -1,4 +1,7 @@
-"""Claims: a runtime owner's atomic "I start this action now", fenced by its token.
+"""Action claims: a runtime owner's atomic "I start this action now", fenced by its lease's token.
+
+A lease (``bus/leases.py``) says which worker owns a session for a role; a claim says which
+action that owner has started, so that no other owner starts it again.
 
 Before it runs an action with a side effect (a read, ``repeatable``, is run unclaimed: running
 it twice changes nothing), the owner calls the CLAIM script (``scripts.CLAIM``), which in one
@@ -13,13 +16,13 @@ lease.  So:
 - an action claimed by a lost owner had started, so only it is answered ``runtime_lost``.
 
 A claim is only as good as the time between it and the start of the action: the claim
-guarantees a whole lease before a peer can take over, and the owner starts the action only
-while less than half a lease has passed since it sent the claim (:attr:`Claimed.fresh`,
-checked by the sandbox right before it starts the side effect, through
-``riverbed.runtime.gate``).  Later (the worker was paused, the network stalled) it claims
-again under the same claim value, which succeeds only while it is still the owner.  What no
-claim can cover is a pause between that last check and the start itself: a few statements
-with nothing awaited in between.
+guarantees a whole lease before a peer can take over, and the action starts only while less
+than :data:`START_WITHIN` of a lease has passed since the claim was sent (:attr:`Claimed.fresh`,
+checked by the worker before it hands the action to the sandbox, and the deadline checked again
+where the side effect begins: see ``riverbed.runtime.gate``).  Later (the worker was paused, the
+network stalled, the machine too loaded for the shell to read its line) it claims again under
+the same claim value, which succeeds only while it is still the owner.  What no claim can cover
+is a pause within the few statements between that last comparison and the start itself.
 """
 
 from __future__ import annotations
@@ -43,14 +46,19 @@ from riverbed.errors import FencedError
 __all__ = ["Claimed", "Claims"]
 
 
+START_WITHIN = 0.75
+"""How much of a lease may pass between sending a claim and starting its action."""
+
+
 @dataclass(frozen=True)
 class Claimed:
     """The outcome of a claim: ``ok`` (run it), ``answered`` (``detail``: the answer's id) or
     ``claimed`` (``detail``: the claim of the owner that started it before).
 
     ``value`` is this claim's own value; ``start_by`` (``time.monotonic()``) is how long it
-    stays fresh: half a lease after its round trip began.  No peer can have taken the session
-    over before then (the claim pushed the lease a whole lease forward)."""
+    stays fresh: :data:`START_WITHIN` of a lease after its round trip began.  No peer can have
+    taken the session over before then (the claim pushed the lease a whole lease forward; the
+    rest is a margin for the clocks)."""
 
     status: Literal["ok", "answered", "claimed"]
     detail: str = ""
@@ -116,4 +124,4 @@ class Claims:
             return Claimed("claimed", held.decode() if isinstance(held, bytes) else str(held))
         if status != b"ok":
             raise RuntimeError(f"unexpected claim reply {reply!r}")
-        return Claimed("ok", value=value, start_by=sent + self.lease_seconds / 2)
+        return Claimed("ok", value=value, start_by=sent + self.lease_seconds * START_WITHIN)

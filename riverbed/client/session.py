@@ -24,21 +24,21 @@ import redis.exceptions as rexc
 from msgspec.structs import replace
 
 from riverbed import events, tracing
-from riverbed.agent.answers import Answers
-from riverbed.bus import stats
+from riverbed.bus import status
 from riverbed.bus.connection import RawClient, connect_redis
 from riverbed.bus.exchange import stream_entries
 from riverbed.bus.keys import PAYLOAD_FIELD, Keys
 from riverbed.bus.log import PAGE, Log, answered_cause, decode_entry, entry_id
 from riverbed.bus.redis_client import RedisClient, StreamEntry
 from riverbed.bus.wakeups import Bell
+from riverbed.client.answers import Answers
 from riverbed.errors import ActTimeout, AlreadyAnswered, InputError, NotFoundError, UnavailableError
 from riverbed.extras import needs_extra
 from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, DEFAULT_MAX_EVENTS_PER_APPEND, Settings
 
 if TYPE_CHECKING:
-    from riverbed.agent.context import SessionContext
     from riverbed.bus.archive import Archive
+    from riverbed.client.context import ContextControl
 
 __all__ = ["Bus", "Session", "connect", "resolve_redis_url"]
 
@@ -178,7 +178,7 @@ class Session:
 
     async def _act_crowded(self, answers: Answers, payload: bytes, tenant: str | None, timeout: float) -> events.Event:
         """:meth:`act` when every connection is taken: the append goes in a batch, and the
-        wait is on the session's wake-ups (:mod:`riverbed.agent.answers`)."""
+        wait is on the session's wake-ups (:mod:`riverbed.client.answers`)."""
         started = time.monotonic()
         log_store = self.bus.log_store
         async with answers.watch(self.id) as bell:
@@ -325,12 +325,12 @@ class Session:
         return list(fold(await self.events(1, until), until=until))
 
     @property
-    def context(self) -> SessionContext:
+    def context(self) -> ContextControl:
         """The user's control of the agent's context: ``show``, ``forget``, ``restore``, ``pin``
-        and ``unpin``, each one a ``context_edit`` event (:mod:`riverbed.agent.context`)."""
-        from riverbed.agent.context import SessionContext  # noqa: PLC0415  (memory is optional for clients)
+        and ``unpin``, each one a ``context_edit`` event (:mod:`riverbed.client.context`)."""
+        from riverbed.client.context import ContextControl  # noqa: PLC0415  (memory is optional for clients)
 
-        return SessionContext(self)
+        return ContextControl(self)
 
 
 def _answer_in(entries: Sequence[StreamEntry], action_id: int) -> tuple[events.Event | None, int | None]:
@@ -378,7 +378,7 @@ class Bus:
         self.max_events_per_append = max_events_per_append
         self.log_store = Log(self.client, self.keys, archive=archive)
         self.answers: Answers | None = None
-        """Waits for answers many to a connection (:mod:`riverbed.agent.answers`): started by
+        """Waits for answers many to a connection (:mod:`riverbed.client.answers`): started by
         :func:`connect`; without it every act waits on a connection of its own."""
 
     def check(self, event: events.Event) -> bytes:
@@ -399,7 +399,7 @@ class Bus:
 
     async def sessions(self) -> list[str]:
         """Every session, oldest first."""
-        return await stats.list_sessions(self.client, self.keys)
+        return await status.list_sessions(self.client, self.keys)
 
     async def aclose(self) -> None:
         if self.answers is not None:

@@ -28,11 +28,12 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import pytest
 from openai import AsyncOpenAI
 
 ToolCall = tuple[str, Mapping[str, Any]] | Mapping[str, Any]
@@ -199,7 +200,7 @@ class OpenAIServer:
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             # A prompt cache: the messages this request shares, from the start, with the previous one.
-            "prompt_tokens_details": {"cached_tokens": sum(sizes[: _shared_prefix(self._previous, messages)])},
+            "prompt_tokens_details": {"cached_tokens": sum(sizes[: shared_prefix(self._previous, messages)])},
         }
         self._previous = messages
         return 200, {
@@ -227,8 +228,16 @@ class OpenAIServer:
         }
 
 
-def _shared_prefix(before: list[Any], now: list[Any]) -> int:
-    """How many messages, from the first, two requests have in common."""
+@pytest.fixture
+def server() -> Iterator[OpenAIServer]:
+    """A scripted server for model ``test-model``, with nothing queued yet."""
+    with OpenAIServer(model="test-model") as server:
+        yield server
+
+
+def shared_prefix(before: Sequence[Any], now: Sequence[Any]) -> int:
+    """How many items, from the first, two sequences have in common (two requests' messages,
+    two prompts' characters)."""
     count = 0
     for a, b in zip(before, now, strict=False):
         if a != b:
@@ -285,8 +294,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length)
+        if len(raw) < length:  # the client died while sending (a SIGKILLed worker): no request was made
+            self.close_connection = True
+            return
         try:
-            body = json.loads(self.rfile.read(length) or b"{}")
+            body = json.loads(raw or b"{}")
         except json.JSONDecodeError:
             self._send(400, _error("the body is not JSON", "invalid_request_error"))
             return

@@ -1,4 +1,8 @@
-"""Role ownership of sessions: a renewable lease with a fencing token.
+"""Session leases: which worker owns a session for a role, a renewable lease with a fencing token.
+
+This module is the lease's records and their Redis operations (acquire, renew, release, hand
+back).  The owner's loops that take and keep leases are ``bus/lease_loops.py``; the claim an
+owner makes on one action before it runs it is ``bus/action_claims.py``.
 
 For each role there is a directory stream (``keys.directory(role)``) with one consumer
 group named after the role.  A session that needs an owner for a role has an entry there:

@@ -1,4 +1,5 @@
-"""Taking and keeping sessions: intake, reclaim and renew, for one role in one worker.
+"""The loops that take and keep session leases (``bus/leases.py``): intake, reclaim and renew,
+for one role in one worker.
 
 - **intake** reads new directory entries (bounded ``BLOCK``) while the owner has room, and
   acquires them;
@@ -18,47 +19,55 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING
 
 import anyio
 import structlog
 
 from riverbed.bus.backoff import retry_unavailable
+from riverbed.bus.connection import group_lost
 from riverbed.bus.faults import crashpoint
-from riverbed.bus.ownership import Claim
-from riverbed.bus.session_loop import group_lost
+from riverbed.bus.handles import Handles, OwnerState
+from riverbed.bus.leases import Claim
 from riverbed.errors import UnavailableError
 
-if TYPE_CHECKING:
-    from riverbed.bus.consumer import Owner
+__all__ = ["LeaseLoops", "StartSession"]
 
-__all__ = ["Leasing"]
+#: Serve a session just acquired: (session, entry, token, (tenant, created) or None).
+StartSession = Callable[[str, str, int, tuple[str | None, str] | None], None]
 
 log = structlog.get_logger("riverbed.worker")
 
 
-class Leasing:
-    """The intake, reclaim and renew loops of one owner."""
+class LeaseLoops:
+    """The intake, reclaim and renew loops of one owner, for up to ``capacity`` sessions.
 
-    def __init__(self, owner: Owner) -> None:
-        self.owner = owner
-        self.leases = owner.leases
-        self.role = owner.role
+    ``start_session`` is how it hands the owner a session it just acquired (the session's
+    entry, fencing token, and tenant and creation stamp when read); :attr:`slot_freed` is set
+    by the owner when a session loop ended.
+    """
+
+    def __init__(self, handles: Handles, state: OwnerState, *, capacity: int, start_session: StartSession) -> None:
+        self.handles = handles
+        self.state = state
+        self.capacity = capacity
+        self.start_session = start_session
+        self.leases = handles.leases
+        self.role = handles.role
         self._taking: set[str] = set()
         self.slot_freed = anyio.Event()
 
     def free(self) -> int:
-        return self.owner.capacity - len(self.owner.owned)
+        return self.capacity - len(self.state.owned)
 
     async def intake(self) -> None:
-        owner = self.owner
+        state = self.state
         for claim in await retry_unavailable(
-            lambda: self.leases.read_own_pending(owner.capacity), stopping=owner.stopping
+            lambda: self.leases.read_own_pending(self.capacity), stopping=state.stopping
         ):
             await self.take(claim, reclaimed=True)
-        while not owner.stopping.is_set():
+        while not state.stopping.is_set():
             if self.free() <= 0:
-                owner.failures.clear("intake")  # not reading is not failing
+                state.failures.clear("intake")  # not reading is not failing
                 self.slot_freed = anyio.Event()
                 with anyio.move_on_after(1.0):
                     await self.slot_freed.wait()
@@ -66,40 +75,40 @@ class Leasing:
             await self._round("intake", lambda: self.leases.read_new(self.free(), block_ms=1000), reclaimed=False)
 
     async def reclaim(self) -> None:
-        owner = self.owner
-        period = max(0.05, min(owner.lease_seconds / 16, 0.25))
-        while not owner.stopping.is_set():
+        state = self.state
+        period = max(0.05, min(self.handles.lease_seconds / 16, 0.25))
+        while not state.stopping.is_set():
             await anyio.sleep(period)
             if self.free() <= 0:
-                owner.failures.clear("reclaim")
+                state.failures.clear("reclaim")
                 continue
             await self._round("reclaim", lambda: self.leases.reclaim_stale(self.free()), reclaimed=True)
 
     async def renew(self) -> None:
         # A fixed schedule, four rounds a lease: a round that runs late (a busy event loop) does
         # not push the next one back, so a live owner keeps its lease under load.
-        owner = self.owner
-        period = owner.lease_seconds / 4
+        state = self.state
+        period = self.handles.lease_seconds / 4
         due = anyio.current_time()
-        while not owner.stopping.is_set():
+        while not state.stopping.is_set():
             due += period
             now = anyio.current_time()
             if due < now - period:
                 due = now  # we fell more than a round behind: renew now, then keep the schedule
             await anyio.sleep(max(0.0, due - now))
-            snapshot = {s: (o.entry, o.token) for s, o in owner.owned.items()}
+            snapshot = {s: (o.entry, o.token) for s, o in state.owned.items()}
             crashpoint("during_renew")
             try:
                 lost = await self.leases.renew(snapshot)
             except Exception as exc:
                 await self._round_failed("renew", exc, pause=False)  # the schedule paces it
                 continue
-            owner.failures.clear("renew")
+            state.failures.clear("renew")
             for session in lost:
-                owned = owner.owned.get(session)
+                owned = state.owned.get(session)
                 if owned is not None:
                     log.warning("lease.lost", role=self.role, session=session)
-                    owner.stats.lost += 1
+                    state.stats.lost += 1
                     owned.lost = True
                     owned.scope.cancel()
 
@@ -113,7 +122,7 @@ class Leasing:
         except Exception as exc:
             await self._round_failed(loop, exc)
             return
-        self.owner.failures.clear(loop)
+        self.state.failures.clear(loop)
         await self._take_all(claims, reclaimed=reclaimed)
 
     async def _take_all(self, claims: list[Claim], *, reclaimed: bool) -> None:
@@ -136,14 +145,14 @@ class Leasing:
             log.exception("take.failed", role=self.role, session=claim.session)
 
     async def _try_take(self, claim: Claim, *, reclaimed: bool) -> None:
-        owner = self.owner
-        if owner.stopping.is_set():
+        state = self.state
+        if state.stopping.is_set():
             # Read while shutting down: pass it on to a peer at once.
             await self.leases.reannounce(claim)
             return
         if claim.session in self._taking:
             return  # the intake and the reclaimer met the same entry; one of them takes it
-        owned = owner.owned.get(claim.session)
+        owned = state.owned.get(claim.session)
         if owned is not None:
             if claim.entry == owned.entry:
                 return
@@ -154,8 +163,8 @@ class Leasing:
             # everything this worker kept for the session.  End that loop; take the session as new.
             log.warning("session.state_lost", role=self.role, session=claim.session)
             owned.scope.cancel()
-            await owner.wait_for(lambda: owner.owned.get(claim.session) is not owned, owner.lease_seconds)
-            if claim.session in owner.owned:
+            await state.wait_for(lambda: state.owned.get(claim.session) is not owned, self.handles.lease_seconds)
+            if claim.session in state.owned:
                 return  # still closing: the entry stays pending here and is reclaimed after a lease
         self._taking.add(claim.session)
         try:
@@ -176,20 +185,20 @@ class Leasing:
                 await self.leases.drop(claim)
             return
         if reclaimed:
-            self.owner.stats.takeovers += 1
+            self.state.stats.takeovers += 1
         log.info("session.acquired", role=self.role, session=claim.session, token=got.token, reclaimed=reclaimed)
-        self.owner.start_session(claim.session, claim.entry, got.token, got.meta)
+        self.start_session(claim.session, claim.entry, got.token, got.meta)
 
     async def _rebuild_directory(self) -> None:
         """The role's directory group is gone: create it again and let go of every session held
         (their lease handles went with it; a release re-announces a session whose lease stands)."""
-        owner = self.owner
+        state = self.state
         await self.leases.ensure_group()
-        held = list(owner.owned.items())
-        log.warning("directory.rebuilt", role=self.role, released=sorted(owner.owned))
+        held = list(state.owned.items())
+        log.warning("directory.rebuilt", role=self.role, released=sorted(state.owned))
         for _session, owned in held:
             owned.scope.cancel()
-        await owner.wait_for(lambda: all(owner.owned.get(s) is not o for s, o in held), owner.lease_seconds)
+        await state.wait_for(lambda: all(state.owned.get(s) is not o for s, o in held), self.handles.lease_seconds)
 
     async def _round_failed(self, loop: str, exc: Exception, *, pause: bool = True) -> None:
         """A round of a role loop failed: rebuild the directory group when it is gone, else
@@ -201,7 +210,7 @@ class Leasing:
                 exc = again
             else:
                 return
-        failure = self.owner.failures.record(loop, exc)
+        failure = self.state.failures.record(loop, exc)
         if isinstance(exc, UnavailableError):
             log.warning(f"{loop}.unavailable", role=self.role, error=str(exc), retry_in=failure.retry_in)
         else:

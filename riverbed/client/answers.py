@@ -80,7 +80,7 @@ class _Watch:
 
 
 class Answers:
-    """Batched commands and wake-up bells for one client (:mod:`riverbed.agent.answers`)."""
+    """Batched commands and wake-up bells for one client (:mod:`riverbed.client.answers`)."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, url: str, *, most: int = MOST) -> None:
         self.redis = redis

@@ -1,0 +1,227 @@
+"""Per-tenant quotas the operator sets: runs at once, and tokens a day.
+
+::
+
+    quotas = Quotas(bus.log_store)
+    await quotas.set("acme", max_runs=20, tokens_per_day=2_000_000)   # riverbed tenants set
+    await quotas.admit("acme", "s-1")     # QuotaExceeded, or the run holds one of acme's slots
+    await quotas.count_tokens("acme", "s-1", run.opened, tokens)   # its own calls so far, after each
+    await quotas.release("acme", "s-1")   # the run ended
+
+The quotas live in one Redis hash (``keys.quotas``), so every worker and API process reads the
+same.  What they bound is shared state, kept so that racing processes cannot overshoot:
+
+- **runs at once**: a run holds a *slot*, a field of the tenant's running hash, taken by one
+  script (``scripts.TAKE_RUN_SLOT``) that counts and takes together: of two runs racing for the
+  last slot, one gets it.  A run takes its slot when it opens (``agent/hosted.py``) and the agent
+  role takes it again (a no-op) before its first model call, so a ``run_started`` appended by
+  other means is bounded too; the slot is given back when the run ends.  Slots are a cache of
+  the logs: when a tenant is at its limit, each slot's log is folded, and the slots of runs that
+  ended (a worker died between the end and the release) are given back before refusing.
+- **tokens a day**: each run's tokens are a fold of its log (its ``llm_response`` usage); the agent
+  role reports them after each model call to the day's hash (``scripts.COUNT_TOKENS``), which
+  keeps per run the count already added, so a repeated report adds nothing.  Days are UTC.  A
+  tenant at its daily tokens is refused new runs, and its open runs end with
+  ``budget_exhausted`` before their next model call (a run overspends by at most one call).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+
+import msgspec
+from cachetools import LRUCache
+
+from riverbed.agent.runs import RunFold
+from riverbed.bus import scripts
+from riverbed.bus.log import Log
+from riverbed.errors import InputError, QuotaExceeded
+
+__all__ = ["TOKENS_TTL", "Quotas", "TenantQuota", "TenantUsage", "seconds_to_midnight", "today"]
+
+TOKENS_TTL = 3 * 24 * 3600
+"""Seconds a day's token counts are kept (the day after still reads them)."""
+MAX_QUOTA = 10**15
+
+_FOLDS: LRUCache[tuple[str, str], tuple[bytes | None, RunFold]] = LRUCache(maxsize=10_000)
+"""(prefix, session) -> (its log's creation stamp, the fold of its runs so far) for the slot holders
+a reclaim found open: a tenant at its limit that keeps asking has only their new events read."""
+
+
+class TenantQuota(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A tenant's quotas (None: no limit)."""
+
+    max_runs: int | None = None
+    tokens_per_day: int | None = None
+
+
+class TenantUsage(msgspec.Struct, kw_only=True):
+    """A tenant's quotas and how much of them is used now (``riverbed tenants show``)."""
+
+    tenant: str
+    max_runs: int | None
+    running: int
+    tokens_per_day: int | None
+    tokens_today: int
+
+
+def today(now: float | None = None) -> str:
+    return datetime.fromtimestamp(time.time() if now is None else now, UTC).strftime("%Y-%m-%d")
+
+
+def seconds_to_midnight(now: float | None = None) -> int:
+    """Seconds until the next UTC day starts (when a daily quota has room again)."""
+    moment = datetime.fromtimestamp(time.time() if now is None else now, UTC)
+    midnight = (moment + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+    return max(1, int((midnight - moment).total_seconds()) + 1)
+
+
+def _yesterday(day: str) -> str:
+    return (datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=UTC) - timedelta(days=1)).strftime("%Y-%m-%d")
+
+
+class Quotas:
+    """The tenants' quotas and what they bound, under one key prefix."""
+
+    def __init__(self, log: Log) -> None:
+        self.log = log
+        self.redis = log.redis
+        self.keys = log.keys
+        self._take = self.redis.script(scripts.TAKE_RUN_SLOT)
+        self._release = self.redis.script(scripts.RELEASE_RUN_SLOTS)
+        self._count = self.redis.script(scripts.COUNT_TOKENS)
+
+    # --- the operator's settings ------------------------------------------------------------
+
+    async def set(self, tenant: str, *, max_runs: int | None, tokens_per_day: int | None) -> TenantQuota:
+        """Set ``tenant``'s quotas (0 removes one, None keeps it as it is)."""
+        if not tenant or len(tenant) > 200:
+            raise InputError("a tenant name is 1 to 200 characters")
+        for name, value in (("--max-runs", max_runs), ("--tokens-per-day", tokens_per_day)):
+            if value is not None and not 0 <= value <= MAX_QUOTA:
+                raise InputError(f"{name} must be a whole number from 0 (no limit) to {MAX_QUOTA}, not {value}")
+        quota = await self.get(tenant)
+        if max_runs is not None:
+            quota.max_runs = max_runs or None
+        if tokens_per_day is not None:
+            quota.tokens_per_day = tokens_per_day or None
+        await self.redis.hset(self.keys.quotas, tenant, msgspec.json.encode(quota))
+        return quota
+
+    async def get(self, tenant: str) -> TenantQuota:
+        raw = await self.redis.hget(self.keys.quotas, tenant)
+        return _decode(raw)
+
+    async def tenants(self) -> dict[str, TenantQuota]:
+        """Every tenant with a quota, by name."""
+        return {k.decode(): _decode(v) for k, v in sorted((await self.redis.hgetall(self.keys.quotas)).items())}
+
+    async def usage(self, tenant: str) -> TenantUsage:
+        quota = await self.get(tenant)
+        running = await self.redis.hgetall(self.keys.tenant_running(tenant))
+        return TenantUsage(
+            tenant=tenant,
+            max_runs=quota.max_runs,
+            running=len(running),
+            tokens_per_day=quota.tokens_per_day,
+            tokens_today=await self.tokens_today(tenant),
+        )
+
+    # --- what they bound ------------------------------------------------------------------------
+
+    async def tokens_today(self, tenant: str) -> int:
+        raw = await self.redis.hget(self.keys.tenant_tokens(tenant, today()), "_total")
+        return int(raw or 0)
+
+    async def tokens_refusal(self, tenant: str, quota: TenantQuota | None = None) -> str | None:
+        """Why ``tenant`` may not spend more tokens today (None: it may)."""
+        quota = quota if quota is not None else await self.get(tenant)
+        if quota.tokens_per_day is None:
+            return None
+        spent = await self.tokens_today(tenant)
+        if spent < quota.tokens_per_day:
+            return None
+        return (
+            f"tenant {tenant!r} used {spent} tokens today, its quota of {quota.tokens_per_day} tokens a day "
+            f"(UTC; the operator sets it with `riverbed tenants set`)"
+        )
+
+    async def admit(self, tenant: str, session: str) -> None:
+        """A run of ``tenant`` on ``session`` may start: it holds one of the tenant's run slots.
+        :class:`QuotaExceeded` when the tenant is at its daily tokens or at its runs at once."""
+        quota = await self.get(tenant)
+        refusal = await self.tokens_refusal(tenant, quota)
+        if refusal is not None:
+            raise QuotaExceeded(f"no run opens: {refusal}", retry_after=seconds_to_midnight())
+        refused = await self.take_slot(tenant, session)
+        if refused is not None:
+            raise QuotaExceeded(f"no run opens: {refused}")
+
+    async def take_slot(self, tenant: str, session: str) -> str | None:
+        """Take (or keep) a run slot of ``tenant`` for ``session``; why not when every slot is taken."""
+        reply = await self._slot(tenant, session)
+        if int(reply[0]):
+            return None
+        if await self._reclaim(tenant):
+            reply = await self._slot(tenant, session)
+            if int(reply[0]):
+                return None
+        running, most = int(reply[1]), int(reply[2])
+        return (
+            f"tenant {tenant!r} has {running} runs running, its quota of {most} at once "
+            "(wait for one to end, or cancel one)"
+        )
+
+    async def _slot(self, tenant: str, session: str) -> list[int]:
+        keys = [self.keys.quotas, self.keys.tenant_running(tenant)]
+        reply: list[int] = await self._take(keys, [tenant, session, f"{time.time():.3f}"])
+        return reply
+
+    async def _reclaim(self, tenant: str) -> int:
+        """Give back the slots of runs that ended (their logs say so); how many.  Each holder's
+        log is folded from where this process last folded it, not from its first event again."""
+        held = [s.decode() for s in await self.redis.hgetall(self.keys.tenant_running(tenant))]
+        async with self.redis.pipeline() as pipe:
+            metas = [pipe.hmget(self.keys.meta(session), ["created", "last"]) for session in held]
+            await pipe.execute()
+        ended: list[str] = []
+        for session, meta in zip(held, metas, strict=True):
+            created, last = meta.value
+            seen = (self.keys.prefix, session)
+            cached = _FOLDS.get(seen)
+            fold = cached[1] if cached is not None and cached[0] == created else RunFold()
+            if int(last or 0) > fold.last:
+                async for event in self.log.read(session, fold.last + 1):
+                    fold.add(event)
+            if fold.run is None or not fold.run.open:
+                ended.append(session)
+                _FOLDS.pop(seen, None)
+            else:
+                # Kept for its open run only: not the last response and its actions (a client's
+                # own llm_response may be megabytes).
+                fold.run.response, fold.run.actions = None, []
+                _FOLDS[seen] = (created, fold)
+        if ended:
+            await self._release([self.keys.tenant_running(tenant)], ended)
+        return len(ended)
+
+    async def release(self, tenant: str, session: str) -> None:
+        """Give ``session``'s run slot back (its run ended; a repeat does nothing)."""
+        await self._release([self.keys.tenant_running(tenant)], [session])
+
+    async def count_tokens(self, tenant: str, session: str, run: int, tokens: int) -> int:
+        """Report that run ``run`` of ``session`` spent ``tokens`` so far; today's total."""
+        day = today()
+        keys = [self.keys.tenant_tokens(tenant, day), self.keys.tenant_tokens(tenant, _yesterday(day))]
+        total = await self._count(keys, [f"{session}:{run}", tokens, TOKENS_TTL])
+        return int(total)
+
+
+def _decode(raw: bytes | None) -> TenantQuota:
+    if raw is None:
+        return TenantQuota()
+    try:
+        return msgspec.json.decode(raw, type=TenantQuota)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return TenantQuota()

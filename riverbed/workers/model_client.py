@@ -1,0 +1,189 @@
+"""The agent role's model client: a request is made only while its run is still this worker's.
+
+A worker paused past its lease (a GC stall, a frozen VM, SIGSTOP) and then resumed must not
+ask the model again for a step a peer has taken over and may have recorded already.  So the
+role checks its lease for every model call, and the check has to come right before the
+request is complete: a check made earlier (before the client prepares the request, before it
+connects, or before its first bytes leave) leaves a window in which a pause lets a stale
+request out, or finishes one whose headers had left, once the worker resumes.
+
+The check therefore sits in the network stream itself.  The role sets the check for the task
+that makes the call (:func:`checked_by`).  The stream sends every byte of the request but its
+last one, which it holds back; a server cannot answer a request it has not received whole.
+When the client turns to read the answer, the stream awaits the check and then writes the
+held byte with no await in between.  A check that raises closes the connection instead, so
+the server sees a request cut short and answers nothing.
+
+The stream is put under the client by giving the HTTP transport's connection pool a network
+backend of ours (:class:`CheckedTransport`): the one place this module reaches into httpx2, a
+pool's ``_network_backend`` (httpx2 and httpcore2 2.16, as in httpx 0.28 and httpcore 1.0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import ssl
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import httpcore2
+import httpx2
+from openai import AsyncOpenAI
+
+from riverbed.bus.faults import crashpoint
+
+__all__ = ["CheckedClient", "CheckedTransport", "checked_by", "proxy_for"]
+
+Check = Callable[[], Awaitable[None]]
+_check: ContextVar[Check | None] = ContextVar("riverbed_model_check", default=None)
+
+OPENAI_URL = "https://api.openai.com/v1"
+"""The model server when none is configured."""
+
+SHARDS = 8
+"""Connection pools a client spreads its requests over.  A pool looks at every connection it
+holds on each request (and asks the kernel whether each idle one was closed), so with hundreds
+of model calls in flight one pool's bookkeeping becomes a large part of a request's CPU."""
+LIMITS = httpx2.Limits(max_connections=1000 // SHARDS, max_keepalive_connections=100 // SHARDS)
+"""Each pool's connections to the model server: all of them together, what the model client
+library allows by default."""
+
+
+@contextlib.contextmanager
+def checked_by(check: Check) -> Iterator[None]:
+    """Make ``check`` the last step before each request of this task is complete."""
+    token = _check.set(check)
+    try:
+        yield
+    finally:
+        _check.reset(token)
+
+
+class _CheckedStream(httpcore2.AsyncNetworkStream):
+    """A connection that completes a checked request only once its check passed.
+
+    While a check is set for the writing task, each write leaves all but its last byte, which
+    goes out with the next write.  The first read (the client waits for the answer, so the
+    request is all written) awaits the check, then writes the held byte: the connection's
+    buffer is below its limit after the write before, so the byte goes to the socket at once.
+    (One case is left: a server that stopped reading with the kernel's send buffer full keeps
+    the byte queued in the process, where a pause after the check could delay it.)"""
+
+    def __init__(self, inner: httpcore2.AsyncNetworkStream) -> None:
+        self._inner = inner
+        self._check: Check | None = None
+        self._held = b""
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        check = self._check or _check.get()
+        if check is None:
+            await self._inner.write(buffer, timeout)
+            return
+        self._check = check
+        data = self._held + buffer
+        self._held = data[-1:]
+        await self._inner.write(data[:-1], timeout)
+        crashpoint("model_sending")
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        check, held = self._check, self._held
+        if check is not None:
+            self._check, self._held = None, b""
+            try:
+                await check()
+            except BaseException:
+                await self._inner.aclose()  # (the request stays incomplete: nothing is asked)
+                raise
+            await self._inner.write(held, timeout)
+        return await self._inner.read(max_bytes, timeout)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore2.AsyncNetworkStream:
+        return _CheckedStream(await self._inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _CheckedBackend(httpcore2.AsyncNetworkBackend):
+    """The pool's own backend, with every connection it makes a :class:`_CheckedStream`."""
+
+    def __init__(self, inner: httpcore2.AsyncNetworkBackend) -> None:
+        self._inner = inner
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore2.AsyncNetworkStream:
+        stream = await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
+        crashpoint("model_connected")
+        return _CheckedStream(stream)
+
+    async def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore2.AsyncNetworkStream:
+        return _CheckedStream(await self._inner.connect_unix_socket(path, timeout, socket_options))
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+class CheckedTransport(httpx2.AsyncHTTPTransport):
+    """httpx2's transport, its connections (through a proxy too) checked."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        pool = getattr(self, "_pool", None)
+        backend = getattr(pool, "_network_backend", None)
+        if not isinstance(backend, httpcore2.AsyncNetworkBackend):
+            raise TypeError(
+                f"httpx2 {httpx2.__version__} keeps its connection pool's network backend elsewhere than "
+                "riverbed's model client expects (written for httpx2 2.16); pin httpx2 to 2.16"
+            )
+        pool._network_backend = _CheckedBackend(backend)  # type: ignore[union-attr]
+
+
+def proxy_for(base_url: str) -> str | None:
+    """The proxy the environment names for ``base_url`` (``HTTPS_PROXY``, ``HTTP_PROXY``,
+    ``ALL_PROXY``, ``NO_PROXY``: what an HTTP client would use by default), None for none."""
+    url = httpx2.URL(base_url)
+    if urllib.request.proxy_bypass(url.host):
+        return None
+    proxies = urllib.request.getproxies()
+    return proxies.get(url.scheme) or proxies.get("all")
+
+
+class _Shards(httpx2.AsyncBaseTransport):
+    """Requests spread, in turn, over :data:`SHARDS` checked transports."""
+
+    def __init__(self, proxy: str | None) -> None:
+        self._transports = [CheckedTransport(limits=LIMITS, proxy=proxy) for _ in range(SHARDS)]
+        self._turn = itertools.cycle(self._transports)
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        return await next(self._turn).handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for transport in self._transports:
+            await transport.aclose()
+
+
+class CheckedClient(AsyncOpenAI):
+    """An OpenAI client whose requests pass the check set by :func:`checked_by` (no retries:
+    they are the role's own).  Any other client makes its requests unchecked."""
+
+    def __init__(self, *, api_key: str, base_url: str | None) -> None:
+        server = base_url or OPENAI_URL  # (``OPENAI_BASE_URL`` is read by the settings)
+        http = httpx2.AsyncClient(transport=_Shards(proxy_for(server)), follow_redirects=True)
+        super().__init__(api_key=api_key, base_url=server, max_retries=0, http_client=http)

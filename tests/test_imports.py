@@ -1,0 +1,70 @@
+"""The import rules: the import-linter contracts in pyproject.toml hold, and no module of the
+package imports one that imports it back, counting imports under TYPE_CHECKING and inside
+functions (grimp, the graph import-linter checks, sees both: shown on a sample package)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import grimp
+import pytest
+from importlinter.cli import lint_imports
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_import_contracts_hold(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(ROOT)
+    status = lint_imports(no_cache=True, no_logo=True)
+    assert status == 0, capsys.readouterr().out
+
+
+def cycles(graph: grimp.ImportGraph) -> list[tuple[str, str]]:
+    """Each import ``a -> b`` of the graph whose target imports ``a`` back, directly or through others."""
+    return sorted(
+        (importer, imported)
+        for importer in graph.modules
+        for imported in graph.find_modules_directly_imported_by(importer)
+        if graph.chain_exists(importer=imported, imported=importer)
+    )
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    graph = grimp.build_graph("riverbed", cache_dir=None)
+    assert graph.find_modules_directly_imported_by("riverbed.bus.consumer")  # the graph is not empty
+    assert cycles(graph) == []
+
+
+def test_the_graph_counts_imports_under_type_checking_and_inside_functions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "ringed"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from ringed import b\n")
+    (package / "b.py").write_text(
+        textwrap.dedent(
+            """
+            from typing import TYPE_CHECKING
+
+            if TYPE_CHECKING:
+                from ringed.c import C
+
+
+            def late() -> None:
+                from ringed import a
+            """
+        )
+    )
+    (package / "c.py").write_text("import ringed.b\nclass C: ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    graph = grimp.build_graph("ringed", cache_dir=None)
+    assert graph.direct_import_exists(importer="ringed.b", imported="ringed.c")  # under TYPE_CHECKING
+    assert graph.direct_import_exists(importer="ringed.b", imported="ringed.a")  # inside a function
+    assert cycles(graph) == [
+        ("ringed.a", "ringed.b"),
+        ("ringed.b", "ringed.a"),
+        ("ringed.b", "ringed.c"),
+        ("ringed.c", "ringed.b"),
+    ]

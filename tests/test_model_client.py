@@ -1,0 +1,226 @@
+"""The agent role's model client (``riverbed/workers/model_client.py``): the lease check set for a
+call runs once the whole request but its last byte has left, and that byte follows it, so a
+worker paused while connecting or sending completes no request once it resumes for a run a peer
+took over.  (The same check under a real pause: ``test_fault_agent.py``, ``model_connected`` and
+``model_sending``.)"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+from urllib.parse import urlsplit
+
+import pytest
+
+from riverbed.errors import FencedError
+from riverbed.workers.model_client import CheckedClient, checked_by, proxy_for
+from tests.kit.openai_server import OpenAIServer, server  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.anyio
+
+ASK = {"model": "test-model", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def connected_to(port: int) -> int:
+    """How many TCP connections to ``port`` on this host are established (``/proc/net/tcp``)."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        remote, state = fields[2], fields[3]
+        count += int(remote.rsplit(":", 1)[1], 16) == port and state == "01"
+    return count
+
+
+async def test_a_check_that_fails_sends_nothing(server: OpenAIServer) -> None:
+    server.reply("never asked for")
+    client = CheckedClient(api_key="k", base_url=server.base_url)
+
+    async def taken_over() -> None:
+        raise FencedError("s", "agent", 1)
+
+    with checked_by(taken_over), pytest.raises(FencedError):
+        await client.chat.completions.create(**ASK)  # type: ignore[call-overload]
+    assert server.requests == []
+    assert server.pending() == 1
+    await client.close()
+
+
+async def test_the_check_runs_once_a_request_with_the_connection_made(server: OpenAIServer) -> None:
+    server.reply("one")
+    server.reply("two")
+    port = urlsplit(server.base_url).port
+    assert port is not None
+    client = CheckedClient(api_key="k", base_url=server.base_url)
+    seen: list[int] = []
+
+    async def holds() -> None:
+        seen.append(connected_to(port))
+
+    for _ in range(2):  # (the test server closes each connection after its answer)
+        with checked_by(holds):
+            reply = await client.chat.completions.create(**ASK)  # type: ignore[call-overload]
+        assert reply.choices[0].message.content in ("one", "two")
+    assert seen == [1, 1]
+    assert len(server.requests) == 2
+    await client.close()
+
+
+class _RawServer:
+    """A model server on a bare socket that counts the bytes of each request as they come, and
+    answers a request once it is whole (its headers and ``Content-Length`` bytes of body)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.received = 0
+        self.whole = 0
+        """The length of the request being received, known from its headers (0 before)."""
+        self.answered = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            data = b""
+            while True:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break  # (cut short: no request)
+                data += chunk
+                self.received = len(data)
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    ),
+                    None,
+                )
+                if length is not None:
+                    self.whole = len(head) + 4 + length
+                if length is not None and len(body) >= length:
+                    self.answered += 1
+                    conn.sendall(_answer("whole"))
+                    break
+            conn.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _answer(content: str) -> bytes:
+    payload = json.dumps({
+        "id": "c1", "object": "chat.completion", "created": 0, "model": "test-model",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+    }).encode()  # fmt: skip
+    head = [
+        "HTTP/1.1 200 OK",
+        "Content-Type: application/json",
+        f"Content-Length: {len(payload)}",
+        "Connection: close",
+    ]
+    return "\r\n".join([*head, "", ""]).encode() + payload
+
+
+def _settled(server: _RawServer) -> int:
+    """The bytes the server has received, once no more came for a while."""
+    seen = -1
+    while seen != server.received:
+        seen = server.received
+        time.sleep(0.2)
+    return seen
+
+
+@pytest.mark.parametrize("passes", [True, False])
+async def test_the_check_runs_with_all_of_the_request_but_its_last_byte_sent(passes: bool) -> None:
+    """A pause before the check (or during it) leaves the server with an incomplete request: it
+    answers only once the byte that follows a passing check came, and nothing for a failing one."""
+    server = _RawServer()
+    client = CheckedClient(api_key="k", base_url=server.base_url)
+    at_check: list[tuple[int, int]] = []
+
+    async def check() -> None:
+        at_check.append((_settled(server), server.answered))
+        if not passes:
+            raise FencedError("s", "agent", 1)
+
+    try:
+        with checked_by(check):
+            if passes:
+                reply = await client.chat.completions.create(**ASK)  # type: ignore[call-overload]
+                assert reply.choices[0].message.content == "whole"
+            else:
+                with pytest.raises(FencedError):
+                    await client.chat.completions.create(**ASK)  # type: ignore[call-overload]
+        assert server.whole > 0
+        assert at_check == [(server.whole - 1, 0)]
+        assert _settled(server) == (server.whole if passes else server.whole - 1)
+        assert server.answered == (1 if passes else 0)
+    finally:
+        await client.close()
+        server.close()
+
+
+class _Forwarder(BaseHTTPRequestHandler):
+    """A plain HTTP proxy for POSTs (the absolute URL in the request line), noting each one."""
+
+    seen: ClassVar[list[str]] = []
+
+    def do_POST(self) -> None:
+        self.seen.append(self.path)
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection", "proxy-connection")}
+        forwarded = urllib.request.Request(self.path, data=body, headers=headers, method="POST")
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # (straight to the server)
+        with opener.open(forwarded, timeout=10) as reply:
+            payload = reply.read()
+            self.send_response(reply.status)
+            self.send_header("Content-Type", reply.headers.get("Content-Type", "application/json"))
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+async def test_requests_go_through_the_proxy_the_environment_names(
+    server: OpenAIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _Forwarder)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        for name in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.server_address[1]}")
+        server.reply("through the proxy")
+        client = CheckedClient(api_key="k", base_url=server.base_url)
+        checks: list[bool] = []
+
+        async def holds() -> None:
+            checks.append(True)
+
+        with checked_by(holds):
+            reply = await client.chat.completions.create(**ASK)  # type: ignore[call-overload]
+        assert reply.choices[0].message.content == "through the proxy"
+        assert _Forwarder.seen == [f"{server.base_url}/chat/completions"]
+        assert checks == [True]
+        await client.close()
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        assert proxy_for(server.base_url) is None
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
