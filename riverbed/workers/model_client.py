@@ -68,9 +68,9 @@ class _CheckedStream(httpcore2.AsyncNetworkStream):
     While a check is set for the writing task, each write leaves all but its last byte, which
     goes out with the next write.  The first read (the client waits for the answer, so the
     request is all written) awaits the check, then writes the held byte: the connection's
-    buffer is below its limit after the write before, so the byte goes to the socket at once.
-    (One case is left: a server that stopped reading with the kernel's send buffer full keeps
-    the byte queued in the process, where a pause after the check could delay it.)"""
+    buffer is below its limit after the write before, so nothing makes the write wait.  (One
+    case is left: when the kernel's send buffer was full, a server slow to read, bytes still
+    queued in the process hold the byte behind them, and a pause after the check delays it.)"""
 
     def __init__(self, inner: httpcore2.AsyncNetworkStream) -> None:
         self._inner = inner
