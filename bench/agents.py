@@ -20,9 +20,12 @@ the model server's journal (when each request's body was read, when its answer w
   written - read for that step).  It is everything the role does for a step: noticing the
   answer, folding it, building the prompt, the HTTP client on both sides of the call,
   recording the ``llm_response``, appending the action, and any wait for a CPU.  Step 1 is
-  left out (it also holds taking the session over: in the notes);
+  left out: it also holds the run's wait for a worker with room and taking the session (a
+  worker takes on runs while its CPU keeps up with them: ``docs/agents.md``);
 - **the floor** beside it, per step of the same run: the model latency plus the action round
   trip (the action appended -> its observation appended, the runtime role's work);
+- **a run's time**, from its ``run_started`` to its ``finish`` (p50), beside its steps at the
+  floor's median; its wait to start (``run_started`` -> its first model request) in the notes;
 - **runs completed per second**: runs / (the last run's end - the first run's ``run_started``);
   beside it, the floor's rate: every run at once, each step taking the floor's median;
 - **Redis connections per agent worker**: ``CLIENT LIST`` by the name every connection of a
@@ -231,6 +234,10 @@ class _Steps:
         self.first: list[float] = []
         self.opened: list[float] = []
         self.ended: list[float] = []
+        self.waited: list[float] = []
+        """per run: its run_started -> its first model request read (the wait for a worker with room)"""
+        self.lasted: list[float] = []
+        """per finished run: its run_started -> its finish"""
         self.unmatched = 0
 
     def add_run(self, session: str, log: list[events.Event], journal: dict[tuple[str, int], tuple[float, float]]):
@@ -256,6 +263,8 @@ class _Steps:
                 self.unmatched += 1
                 break
             received, sent = call
+            if step == 1:
+                self.waited.append(received - _ts(started))
             model = sent - received
             overhead = _ts(action) - due - model
             answer = by_cause.get(action.id) if action.id is not None else None
@@ -268,6 +277,7 @@ class _Steps:
             self.model.append(model)
             if isinstance(action, events.Finish):
                 self.ended.append(_ts(action))
+                self.lasted.append(_ts(action) - _ts(started))
                 self.floor.append(model)
                 break
             if answer is None:
@@ -418,6 +428,7 @@ def _results(
     floor_rate = runs / (steps * floor50)
     owned = math.ceil(runs / count)
     connections = max(most.values())
+    lasted = percentile(figures.lasted, 50)
     where = (
         f"{len(figures.overhead):,} steps (step 1 of each run left out); before the model call (the answer on the log "
         f"-> the request read by the model server) p50 {_ms(percentile(figures.before_call, 50)):.1f} ms, after it "
@@ -457,6 +468,14 @@ def _results(
             note=f"during the runs: agent workers {agent_cpu:.1f} s, runtime workers {runtime_cpu:.1f} s, "
             f"the model server {server_cpu:.1f} s of CPU; it accepted {http[0]:,} connections for {http[1]:,} calls; "
             f"{os.getloadavg()[0]:.1f} load average (1 min) at the end",
+        ),
+        Result(
+            "a run, run_started -> its finish, p50", "s", lasted, steps * floor50,
+            f"its {steps} steps at the floor's p50, no wait to start", lasted / (steps * floor50),
+            None, len(figures.lasted), better="lower",
+            note=f"p99 {percentile(figures.lasted, 99):.1f} s; of which the wait for a worker with room (run_started "
+            f"-> its first model request) p50 {percentile(figures.waited, 50):.1f} s, p99 "
+            f"{percentile(figures.waited, 99):.1f} s: a worker takes on runs while its CPU keeps up (docs/agents.md)",
         ),
         Result(
             "runs completed per second", "runs/s", rate, floor_rate,

@@ -91,6 +91,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     agent_llm_retry_seconds: Annotated[float, Meta(ge=0, le=86_400)] = 60.0
     agent_max_depth: Annotated[int, Meta(ge=0, le=100)] = 3
     agent_max_fanout: Annotated[int, Meta(ge=0, le=10_000)] = 8
+    agent_pace: bool = True
+    agent_min_runs: Annotated[int, Meta(ge=1, le=1_000_000)] = 4
+    agent_pace_slack: Annotated[float, Meta(ge=1.0, le=100.0)] = 1.2
     condenser_strategy: Literal["noop", "recent", "amortized", "masking", "summarizing", "attention"] = "amortized"
     condenser_max_events: Annotated[int, Meta(ge=0)] = 100
     condenser_budget_tokens: Annotated[int, Meta(ge=0)] = 0

@@ -111,6 +111,25 @@ async def test_a_worker_killed_in_the_loop_loses_nothing_and_repeats_nothing(
     assert await check_runs(bus, server, sessions, workspace) <= RUNS - 1
 
 
+async def test_a_worker_killed_once_a_response_is_recorded_leaves_its_first_action_with_it(
+    bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer
+) -> None:
+    # No runtime worker: the action stays unanswered, and the log is what the killed worker left.
+    doomed = start("a1", ["agent"], RIVERBED_CRASH_AT="agent_after_response:1")
+    await ready(doomed)
+    await open_runs(bus, ["atomic"])
+    await wait_until(lambda: doomed.proc.poll() is not None, 60, "the worker did not record a response")
+    assert doomed.proc.returncode == -signal.SIGKILL
+    log = await bus.session("atomic").events()
+    response, action = log[-2:]
+    assert isinstance(response, events.LlmResponse), log
+    assert isinstance(action, events.CmdRun), log
+    assert action.cause == response.id
+    assert (
+        action.tool_call_id == response.tool_calls[0]["id"] == "atomic-0-a"
+    )  # (its second waits for the first's answer)
+
+
 async def test_a_model_call_in_flight_on_a_killed_worker_is_made_again_at_most_once(
     bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer, workspace: Path
 ) -> None:

@@ -453,6 +453,16 @@ def planned_actions(response: events.LlmResponse) -> tuple[list[events.Action], 
     return actions, problems
 
 
+def appended_with(response: events.LlmResponse) -> events.Action | None:
+    """The action written in the same append as ``response`` (its ``id`` as it will be on the
+    log): its first, unless its calls do not parse or the first is a ``delegate`` (those have
+    moves of their own).  No crash can then come between a response and its first action."""
+    planned, problems = planned_actions(response)
+    if problems or not planned or isinstance(planned[0], events.Delegate):
+        return None
+    return planned[0]
+
+
 def next_move(run: Run | None) -> Move:
     """What the agent does next for ``run``, decided from the fold alone."""
     if run is None or not run.open:

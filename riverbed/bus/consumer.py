@@ -111,7 +111,13 @@ class Owner:
         """What the rooms share: the sessions owned, the counters, the failures, the stop signal."""
         self.ready = False
         self.dispatcher = Dispatcher(self.handles, handler, stats=self.state.stats, stopping=self.state.stopping)
-        self.lease_loops = LeaseLoops(self.handles, self.state, capacity=capacity, start_session=self.start_session)
+        self.lease_loops = LeaseLoops(
+            self.handles,
+            self.state,
+            capacity=capacity,
+            start_session=self.start_session,
+            room=getattr(handler, "room", None),
+        )
         self._drained = anyio.Event()
         self._tg: TaskGroup | None = None
 

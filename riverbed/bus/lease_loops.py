@@ -17,6 +17,7 @@ session is taken as new.  A loop that keeps failing is recorded in the owner's f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -34,6 +35,10 @@ __all__ = ["LeaseLoops", "StartSession"]
 
 #: Serve a session just acquired: (session, entry, token, (tenant, created) or None).
 StartSession = Callable[[str, str, int, tuple[str | None, str] | None], None]
+#: How many more sessions the role may take now, owning so many (None: up to its capacity).
+Room = Callable[[int], "int | None"]
+#: How often a paced intake looks again whether the role has room.
+PACED_POLL = 0.1
 
 log = structlog.get_logger("riverbed.worker")
 
@@ -43,13 +48,23 @@ class LeaseLoops:
 
     ``start_session`` is how it hands the owner a session it just acquired (the session's
     entry, fencing token, and tenant and creation stamp when read); :attr:`slot_freed` is set
-    by the owner when a session loop ended.
+    by the owner when a session loop ended.  ``room``, when the role paces what it takes (the
+    agent role: ``workers/agent_pace.py``), bounds intake and reclaim below the capacity.
     """
 
-    def __init__(self, handles: Handles, state: OwnerState, *, capacity: int, start_session: StartSession) -> None:
+    def __init__(
+        self,
+        handles: Handles,
+        state: OwnerState,
+        *,
+        capacity: int,
+        start_session: StartSession,
+        room: Room | None = None,
+    ) -> None:
         self.handles = handles
         self.state = state
         self.capacity = capacity
+        self.room = room
         self.start_session = start_session
         self.leases = handles.leases
         self.role = handles.role
@@ -57,7 +72,9 @@ class LeaseLoops:
         self.slot_freed = anyio.Event()
 
     def free(self) -> int:
-        return self.capacity - len(self.state.owned)
+        owned = len(self.state.owned)
+        room = None if self.room is None else self.room(owned)
+        return self.capacity - owned if room is None else min(self.capacity - owned, room)
 
     async def intake(self) -> None:
         state = self.state
@@ -69,7 +86,7 @@ class LeaseLoops:
             if self.free() <= 0:
                 state.failures.clear("intake")  # not reading is not failing
                 self.slot_freed = anyio.Event()
-                with anyio.move_on_after(1.0):
+                with anyio.move_on_after(1.0 if self.room is None else PACED_POLL):
                     await self.slot_freed.wait()
                 continue
             await self._round("intake", lambda: self.leases.read_new(self.free(), block_ms=1000), reclaimed=False)
@@ -98,12 +115,17 @@ class LeaseLoops:
             await anyio.sleep(max(0.0, due - now))
             snapshot = {s: (o.entry, o.token) for s, o in state.owned.items()}
             crashpoint("during_renew")
+            sent, renewed = time.monotonic(), set[str]()
             try:
-                lost = await self.leases.renew(snapshot)
+                lost = await self.leases.renew(snapshot, renewed)
             except Exception as exc:
                 await self._round_failed("renew", exc, pause=False)  # the schedule paces it
                 continue
             state.failures.clear("renew")
+            for session in renewed:
+                owned = state.owned.get(session)
+                if owned is not None and owned.token == snapshot[session][1]:
+                    owned.confirmed = sent
             for session in lost:
                 owned = state.owned.get(session)
                 if owned is not None:

@@ -7,7 +7,8 @@ their :class:`~riverbed.agent.runs.RunFold`; on each batch it folds what is new 
 moves :func:`~riverbed.agent.runs.next_move` names until it must wait for the log:
 
 - **call the model** (limits checked first: a run overspends by at most one call), then append
-  its ``llm_response`` (key ``run-<opened>-step-<n>``);
+  its ``llm_response`` and, in the same write, its first call's action unless that is a
+  ``delegate`` or a ``finish`` or the calls do not parse (key ``run-<opened>-step-<n>``);
 - **append call ``i``** of that response (key ``resp-<id>-call-<i>``), one at a time: the next
   once the one before is answered;
 - **end the run** with an ``error`` from ``source: agent`` (``step_limit``,
@@ -50,6 +51,10 @@ before its first model call here, so a run opened by other means is bounded too)
 tokens after each model call, and gives its slot back when it ends; before each model call the
 tenant's daily tokens are checked like the run's own limits (``budget_exhausted``).
 
+A worker takes on runs only while its CPU keeps up with them (:mod:`~riverbed.workers.agent_pace`:
+:meth:`AgentHandler.room` tells the owner's intake how many more it may take); each batch
+that made a model call tells the pace how long the step took the role itself.
+
 Requests carry the run's model settings (``run_started``), else the worker's
 (``RIVERBED_LLM_TEMPERATURE``, ``RIVERBED_LLM_MAX_OUTPUT_TOKENS``, ``RIVERBED_LLM_TIMEOUT``).
 
@@ -91,6 +96,7 @@ from riverbed.agent.runs import (
     RunFold,
     RunSummary,
     Wait,
+    appended_with,
     child_session,
     next_move,
     summarize,
@@ -104,6 +110,7 @@ from riverbed.bus.keys import AGENT_ROLE
 from riverbed.bus.redis_client import Pipeline
 from riverbed.errors import AppendConflict, FencedError, TenantMismatch
 from riverbed.settings import Settings
+from riverbed.workers.agent_pace import Pace
 from riverbed.workers.model_client import CheckedClient, checked_by
 
 __all__ = ["AgentCounters", "AgentHandler", "build_agent_handler"]
@@ -209,6 +216,10 @@ class _Session:
     """``delegate`` actions whose child this worker cancelled (the run ended without its answer)"""
     reported: int | None = None
     """the run whose ``delegate_result`` this worker appended to the parent"""
+    model_calls: int = 0
+    waited: float = 0.0
+    """the model calls made for the session, and the time they and their retries' pauses took
+    during the batch in hand (what the batch's own time leaves out: :mod:`agent_pace`)"""
 
     def add(self, event: events.Event) -> None:
         if event.id is not None and event.id > self.fold.last:
@@ -234,6 +245,7 @@ class AgentHandler:
         temperature: float | None = None,
         max_output_tokens: int = 0,
         condenser_defaults: dict[str, Any] | None = None,
+        pace: Pace | None = None,
     ) -> None:
         self.client = client
         self.model = model
@@ -247,6 +259,8 @@ class AgentHandler:
         self.temperature = temperature
         self.max_output_tokens = max_output_tokens
         self.condenser_defaults = condenser_defaults
+        self.pace = pace
+        """how many runs this worker takes on at once (None: as many as its capacity)"""
         self.sessions: dict[str, _Session] = {}
         self.counters = AgentCounters(known=frozenset({model, *self.prices} - {"*"}))
         self._quotas: Quotas | None = None
@@ -270,6 +284,7 @@ class AgentHandler:
 
     async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
         state = self.sessions[ctx.session]
+        started, calls, state.waited = time.monotonic(), state.model_calls, 0.0
         if entries[-1].id > state.fold.last:
             if entries[0].id > state.fold.last + 1:
                 await self._catch_up(ctx, state)
@@ -280,6 +295,8 @@ class AgentHandler:
         await ctx.ack([e.id for e in entries], along=None if summary is None else partial(_queue_summary, ctx, summary))
         if summary is not None:
             state.summary = summary
+        if self.pace is not None and state.model_calls > calls:
+            self.pace.observe(time.monotonic() - started - state.waited)
 
     def retires(self, ctx: SessionContext) -> bool:
         """Nothing to do for the session until another run opens."""
@@ -288,6 +305,16 @@ class AgentHandler:
 
     async def close(self, ctx: SessionContext) -> None:
         self.sessions.pop(ctx.session, None)
+
+    def room(self, owned: int) -> int | None:
+        """How many more sessions this worker may take now, owning ``owned`` (None: no pace).
+
+        Sessions it owns count as served, except those it opened whose run ended or waits
+        only for its sub-agents' answers (``agent_pace.py``)."""
+        if self.pace is None:
+            return None
+        idle = sum(1 for state in self.sessions.values() if not _served(state.fold.run))
+        return self.pace.room(owned - idle)
 
     def open_runs(self) -> int:
         """Open runs of the sessions this worker owns now."""
@@ -357,9 +384,17 @@ class AgentHandler:
         while True:
             if state.fold.run is not run or not run.open or run.cancel_requested is not None:
                 return  # cancelled (or ended) during the call: its response is not used
+            # The response's first action goes in the same write (its id follows the response's),
+            # unless it ends the run: the step's tokens are counted (metrics, the tenant's day)
+            # before the run's end is on the log.
+            first = appended_with(replace(recorded, id=state.fold.last + 1))
+            if isinstance(first, events.Finish):
+                first = None
             try:
                 # Only onto the log as folded: what came during the call (a cancel) is read first.
-                await self._append(ctx, state, recorded, key, expected_last=state.fold.last)
+                await self._append_all(
+                    ctx, state, [recorded] if first is None else [recorded, first], key, expected_last=state.fold.last
+                )
             except AppendConflict:
                 await self._catch_up(ctx, state)
                 continue
@@ -589,7 +624,9 @@ class AgentHandler:
                     again = f" after {tries} tries" if tries > 1 else ""
                     raise _ModelFailed(f"the model call failed{again} ({said})") from exc
                 log.warning("agent.llm_retry", session=ctx.session, error=said, retry_in=backoff.next)
+                paused = time.monotonic()
                 await backoff.pause()
+                state.waited += time.monotonic() - paused
                 await self._catch_up(ctx, state)
                 run = state.fold.run
                 if run is None or not run.open or run.cancel_requested is not None:
@@ -631,6 +668,8 @@ class AgentHandler:
                 finally:
                     if sent:
                         took = time.monotonic() - started
+                        state.model_calls += 1
+                        state.waited += took
                         self.counters.model_calls += 1
                         self.counters.model_seconds += took
                         self.counters.observe(str(request.get("model", "")), took)
@@ -692,6 +731,14 @@ def _as_built(request: dict[str, Any]) -> dict[str, Any]:
     body = {k: v for k, v in request.items() if k != "model" and k not in options and k != "extra_body"}
     kept = {k: v for k, v in request.items() if k in options}
     return {**kept, "model": request["model"], "messages": [], "extra_body": {**body, **request.get("extra_body", {})}}
+
+
+def _served(run: Run | None) -> bool:
+    """The run costs its worker CPU: it is open, and not waiting only for sub-agents."""
+    if run is None or not run.open:
+        return False
+    waiting = run.unanswered
+    return not waiting or len(run.waiting_delegates) < len(waiting)
 
 
 def _stamped(event: events.Event, tenant: str | None) -> events.Event:
@@ -758,4 +805,5 @@ def build_agent_handler(settings: Settings) -> AgentHandler:
         temperature=settings.llm_temperature,
         max_output_tokens=settings.llm_max_output_tokens,
         condenser_defaults=settings.condenser_defaults(),
+        pace=Pace(settings.agent_min_runs, slack=settings.agent_pace_slack) if settings.agent_pace else None,
     )

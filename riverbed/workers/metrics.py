@@ -27,6 +27,11 @@ riverbed_agent_runs_taken_over_total  counter    worker: open runs picked up aft
 riverbed_agent_runs                   gauge      worker, state: ``running``: open runs this worker owns
                                                  now; ``finished``, ``failed``, ``cancelled``: runs
                                                  it ended since it started
+riverbed_agent_pace_runs              gauge      worker: how many runs this worker takes on at once
+                                                 now (``workers/agent_pace.py``; absent when
+                                                 ``RIVERBED_AGENT_PACE=0``); also
+                                                 ``riverbed_agent_step_own_seconds``, the last
+                                                 look's median time a step cost the role itself
 riverbed_agent_model_latency_seconds  histogram  worker, model: one model call (every try)
 riverbed_agent_tokens_total           counter    worker, tenant, model, kind (``prompt`` | ``cached``
                                                  | ``completion``): tokens of the responses the
@@ -53,6 +58,7 @@ counters (:class:`~riverbed.memory.embedcache.CachedEmbedder`), given with
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -279,6 +285,21 @@ class WorkerMetrics:
         for state, count in by_state.items():
             runs.add_metric([worker, state], float(count))
         yield runs
+        pace = getattr(handler, "pace", None)
+        if pace is not None:
+            limit = GaugeMetricFamily(
+                "riverbed_agent_pace_runs", "How many runs this worker takes on at once now.", labels=("worker",)
+            )
+            limit.add_metric([worker], float(math.floor(pace.limit)))
+            yield limit
+            if pace.median is not None:
+                own = GaugeMetricFamily(
+                    "riverbed_agent_step_own_seconds",
+                    "The median time a step cost the agent role itself (the model's wait left out), lately.",
+                    labels=("worker",),
+                )
+                own.add_metric([worker], pace.median)
+                yield own
         latency = HistogramMetricFamily(
             "riverbed_agent_model_latency_seconds",
             "How long one model call took (every try).",

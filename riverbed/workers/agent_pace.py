@@ -1,0 +1,101 @@
+"""How many runs one agent worker serves at once: as many as its CPU keeps up with.
+
+A step costs the role some time of its own besides the wait for the model: noticing the
+answer, folding it, building the prompt, the client on both sides of the call, recording the
+response and appending the action.  While the worker's CPU keeps up, that time stays near what
+it is on an idle worker.  Once it does not, each step of every run the worker holds waits
+behind the others.  More runs then finish no sooner (the CPU was the limit), each step takes
+longer, and so do lease renewals and cancels.
+
+So the role paces what it takes.  Every :data:`WINDOW` it looks at the median own time of the
+steps made since the last look.  While that stays within a slack of the least it has seen
+lately (its *baseline*), and the runs it serves are near its limit, the limit grows: it
+doubles until the first time the median went past, then grows by a quarter.  The slack is a
+ratio (:data:`SLACK` by default, ``RIVERBED_AGENT_PACE_SLACK``) plus :data:`SLACK_SECONDS`.
+When the median goes past, the limit shrinks below the runs the worker serves, and it takes no
+new run until enough of them ended.  It never drops a run it holds.  Runs it does not take wait
+in the role's directory, in the order they opened, for this worker or a peer with room.  A
+worker starts with room for :data:`START` runs, and takes a run whatever the pace while it
+serves fewer than ``floor``.
+
+Runs waiting only for their sub-agents' answers do not count as served.  They cost nothing
+while they wait, and counting them could hold back the very children they wait for.
+
+The baseline is the least window median, and it drifts up by :data:`DRIFT` each window, so a
+worker whose steps get dearer for good (longer prompts) settles on the new cost.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+__all__ = ["Pace"]
+
+WINDOW = 0.5
+"""Seconds between two looks at the steps' own time."""
+MIN_STEPS = 3
+"""A look with fewer steps than this waits for more (up to four windows)."""
+SLACK = 1.2
+"""How far the median own time may rise over the baseline (as a ratio) before the limit shrinks,
+by default (``RIVERBED_AGENT_PACE_SLACK``)."""
+SLACK_SECONDS = 0.0005
+"""Added to the ratio's allowance: a baseline of a few milliseconds moves by this much in noise."""
+GROW = 1.25
+"""How the limit grows at a look that allows it..."""
+START = 8
+"""The runs a worker takes on before it first looked at what their steps cost (at least its
+floor): a few runs opened at once on an idle worker start at once."""
+START_GROW = 2.0
+"""...and how it grows until the first time steps cost too much (a burst of runs on an idle
+worker is taken on within a few looks)."""
+SHRINK = 0.8
+DRIFT = 1.02
+
+
+class Pace:
+    """The number of runs a worker takes on at once, moved by its steps' own time."""
+
+    def __init__(self, floor: int, *, slack: float = SLACK, clock: Callable[[], float] = time.monotonic) -> None:
+        self.floor = max(1, floor)
+        self.slack = slack
+        self.limit = float(max(self.floor, START))
+        """how many runs the worker serves at once now (never below ``floor``)"""
+        self.baseline: float | None = None
+        """the least median own time of a step seen lately (seconds)"""
+        self.median: float | None = None
+        """the last window's median own time of a step (seconds)"""
+        self._clock = clock
+        self._since = clock()
+        self._steps: list[float] = []
+        self._starting = True
+
+    def observe(self, seconds: float) -> None:
+        """A step took the role ``seconds`` of its own (the model's wait left out)."""
+        self._steps.append(seconds)
+
+    def room(self, served: int) -> int:
+        """How many more runs the worker may take now, serving ``served``."""
+        now = self._clock()
+        if now - self._since >= WINDOW and self._look(served, now - self._since):
+            self._since = now
+        return max(0, math.floor(self.limit) - served)
+
+    def _look(self, served: int, elapsed: float) -> bool:
+        """Move the limit; False when there were too few steps to tell yet."""
+        steps = self._steps
+        if 0 < len(steps) < MIN_STEPS and elapsed < 4 * WINDOW:
+            return False
+        self._steps = []
+        if steps:
+            median = self.median = statistics.median(steps)
+            baseline = self.baseline = median if self.baseline is None else min(median, self.baseline * DRIFT)
+            if median > baseline * self.slack + SLACK_SECONDS:
+                self.limit = max(float(self.floor), min(self.limit, served) * SHRINK)
+                self._starting = False
+                return True
+        if served >= self.limit * 0.75:
+            self.limit *= START_GROW if self._starting else GROW
+        return True
