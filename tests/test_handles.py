@@ -15,8 +15,9 @@ import pytest
 from riverbed import events
 from riverbed.bus.handles import Handles, Owned
 from riverbed.bus.handling import SURE_SHARE, Entry, SessionContext
+from riverbed.bus.leases import Acquired, Claim
 from riverbed.bus.wakeups import Wakeups
-from riverbed.client.session import Bus
+from riverbed.client.session import Bus, Session
 from riverbed.errors import FencedError
 from riverbed.runtime import Runtime
 from riverbed.workers.runtime_role import RuntimeHandler
@@ -79,14 +80,8 @@ async def test_the_runtime_handler_answers_through_a_context_made_from_handles(
 async def test_append_events_returns_what_the_log_holds_and_nothing_on_a_repeat(standalone_bus: Bus) -> None:
     bus = standalone_bus
     handles = Handles.open(bus.redis, bus.keys, "runtime", worker="w-1", wakeups=Wakeups(bus.redis, bus.keys))
-    await handles.leases.ensure_group()
     session = bus.session("s-events")
-    await session.append(events.Message(content="task", source="user"))
-    with anyio.fail_after(10):
-        claims = []
-        while not claims:
-            claims = await handles.leases.read_new(10, block_ms=200)
-    got = await handles.leases.acquire(claims[0])
+    _claim, got = await _task_taken(handles, session)
     ctx = SessionContext(handles, session.id, got.token, got.meta)
     note = events.Message(content="a note", source="agent")
 
@@ -97,6 +92,17 @@ async def test_append_events_returns_what_the_log_holds_and_nothing_on_a_repeat(
     # A repeat under the same key appends nothing and returns nothing (the log holds the first try's).
     assert await ctx.append_events([note], idempotency_key="note-1") == []
     assert [e.id async for e in handles.log.read(session.id)] == [1, 2]
+
+
+async def _task_taken(handles: Handles, session: Session) -> tuple[Claim, Acquired]:
+    """A user's task appended to ``session``, and the session's lease taken as an owner's intake takes it."""
+    await handles.leases.ensure_group()
+    await session.append(events.Message(content="task", source="user"))
+    with anyio.fail_after(10):
+        claims: list[Claim] = []
+        while not claims:
+            claims = await handles.leases.read_new(10, block_ms=200)
+    return claims[0], await handles.leases.acquire(claims[0])
 
 
 async def _hmget_calls(bus: Bus) -> int:
@@ -111,15 +117,9 @@ async def test_holds_answers_from_a_confirmed_renewal_and_asks_redis_once_half_a
     handles = Handles.open(
         bus.redis, bus.keys, "runtime", worker="w-1", wakeups=Wakeups(bus.redis, bus.keys), lease_seconds=4
     )
-    await handles.leases.ensure_group()
     session = bus.session("s-holds")
-    await session.append(events.Message(content="task", source="user"))
-    with anyio.fail_after(10):
-        claims = []
-        while not claims:
-            claims = await handles.leases.read_new(10, block_ms=200)
-    got = await handles.leases.acquire(claims[0])
-    owned = Owned(entry=claims[0].entry, token=got.token, scope=anyio.CancelScope())
+    claim, got = await _task_taken(handles, session)
+    owned = Owned(entry=claim.entry, token=got.token, scope=anyio.CancelScope())
     ctx = SessionContext(handles, session.id, got.token, got.meta, owned=owned)
 
     # No renewal confirmed yet: Redis is asked.
@@ -142,7 +142,7 @@ async def test_holds_answers_from_a_confirmed_renewal_and_asks_redis_once_half_a
     meta = bus.keys.meta(session.id)
     await bus.redis.hset(meta, "expires:runtime", 0)
     peer = Handles.open(bus.redis, bus.keys, "runtime", worker="w-2", wakeups=handles.wakeups)
-    taken = await peer.leases.acquire(claims[0])
+    taken = await peer.leases.acquire(claim)
     assert taken.token == got.token + 1
     owned.confirmed = time.monotonic() - handles.lease_seconds * SURE_SHARE - 0.01
     asked = await _hmget_calls(bus)
