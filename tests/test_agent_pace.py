@@ -12,6 +12,7 @@ for children no worker takes).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -89,6 +90,20 @@ def test_steps_that_cost_more_shrink_it_below_the_runs_served_but_never_below_it
     for _ in range(60):
         window(pace, clock, int(pace.limit), [0.010] * 5)
     assert pace.limit > 2
+
+
+def test_a_small_limit_grows_by_a_whole_run_at_least() -> None:
+    clock = Clock()
+    pace = Pace(1, clock=clock)
+    window(pace, clock, START, [0.004] * 5)
+    for _ in range(30):
+        window(pace, clock, 1, [0.010] * 5)
+    assert pace.limit == 1
+    served = []
+    for _ in range(3):  # a limit of 1.25 would still serve one run: it grows to 2, then 3...
+        window(pace, clock, math.floor(pace.limit), [0.004] * 5)
+        served.append(math.floor(pace.limit))
+    assert served == [2, 3, 4]
 
 
 def test_a_limit_the_worker_does_not_use_does_not_grow() -> None:

@@ -6,15 +6,14 @@ the runtime role's handler itself, which is all a handler needs (``bus/handles.p
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import anyio
 import pytest
 
 from riverbed import events
-from riverbed.bus.handles import Handles, Owned
-from riverbed.bus.handling import SURE_SHARE, Entry, SessionContext
+from riverbed.bus.handles import Handles
+from riverbed.bus.handling import Entry, SessionContext
 from riverbed.bus.leases import Acquired, Claim
 from riverbed.bus.wakeups import Wakeups
 from riverbed.client.session import Bus, Session
@@ -103,53 +102,3 @@ async def _task_taken(handles: Handles, session: Session) -> tuple[Claim, Acquir
         while not claims:
             claims = await handles.leases.read_new(10, block_ms=200)
     return claims[0], await handles.leases.acquire(claims[0])
-
-
-async def _hmget_calls(bus: Bus) -> int:
-    stats = await bus.redis.info("commandstats")
-    return int(stats.get("cmdstat_hmget", {}).get("calls", 0))
-
-
-async def test_holds_answers_from_a_confirmed_renewal_and_asks_redis_once_half_a_lease_went_by(
-    standalone_bus: Bus,
-) -> None:
-    bus = standalone_bus
-    handles = Handles.open(
-        bus.redis, bus.keys, "runtime", worker="w-1", wakeups=Wakeups(bus.redis, bus.keys), lease_seconds=4
-    )
-    session = bus.session("s-holds")
-    claim, got = await _task_taken(handles, session)
-    owned = Owned(entry=claim.entry, token=got.token, scope=anyio.CancelScope())
-    ctx = SessionContext(handles, session.id, got.token, got.meta, owned=owned)
-
-    # No renewal confirmed yet: Redis is asked.
-    asked = await _hmget_calls(bus)
-    assert await ctx.holds()
-    assert await _hmget_calls(bus) == asked + 1
-
-    # After a renewal Redis confirmed, within half a lease of when it was sent: no round trip.
-    sent, renewed = time.monotonic(), set[str]()
-    assert await handles.leases.renew({session.id: (owned.entry, owned.token)}, renewed) == set()
-    assert renewed == {session.id}
-    owned.confirmed = sent
-    asked = await _hmget_calls(bus)
-    for _ in range(5):
-        assert await ctx.holds()
-    assert await _hmget_calls(bus) == asked
-
-    # The worker was paused for more than half a lease after that renewal, and a peer took the
-    # session over once the lease ran out: the record is too old to answer, Redis says no.
-    meta = bus.keys.meta(session.id)
-    await bus.redis.hset(meta, "expires:runtime", 0)
-    peer = Handles.open(bus.redis, bus.keys, "runtime", worker="w-2", wakeups=handles.wakeups)
-    taken = await peer.leases.acquire(claim)
-    assert taken.token == got.token + 1
-    owned.confirmed = time.monotonic() - handles.lease_seconds * SURE_SHARE - 0.01
-    asked = await _hmget_calls(bus)
-    assert not await ctx.holds()
-    assert await _hmget_calls(bus) == asked + 1
-
-    # A renewal that found the lease gone marks it lost: Redis is asked however fresh the record.
-    owned.confirmed, owned.lost = time.monotonic(), True
-    assert not await ctx.holds()
-    assert await _hmget_calls(bus) == asked + 2

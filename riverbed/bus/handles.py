@@ -128,9 +128,6 @@ class Owned:
     """Its lease renewal failed (another owner holds it now): the loop was cancelled for it."""
     meta: tuple[str | None, str] | None = None
     """The session's tenant and creation stamp as the acquire read them (None: not read)."""
-    confirmed: float | None = None
-    """When (``time.monotonic``) the renewal that Redis last confirmed was sent: the lease ran
-    until at least a lease after it (None: no renewal confirmed yet)."""
 
 
 @dataclass

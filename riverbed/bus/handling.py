@@ -23,7 +23,7 @@ from riverbed.bus.action_claims import Claimed
 from riverbed.bus.backoff import retry_unavailable
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.grouped import ALONE
-from riverbed.bus.handles import Handles, Owned, OwnerStats
+from riverbed.bus.handles import Handles, OwnerStats
 from riverbed.bus.keys import PAYLOAD_FIELD
 from riverbed.bus.log import AlreadyAnswered, Fence, PreparedAppend, answered_cause, decode_entry, entry_id
 from riverbed.bus.redis_client import Pipeline
@@ -69,18 +69,12 @@ class SavedFold(msgspec.Struct, array_like=True):
     blob: bytes
 
 
-SURE_SHARE = 0.5
-"""How much of a lease after a confirmed renewal was sent :meth:`SessionContext.holds` answers
-from the owner's record alone (the rest of the lease is the margin for clocks that differ)."""
-
-
 class SessionContext:
     """What a handler may do for the session it serves, with the owner's fencing token.
 
     Made from the owner's :class:`~riverbed.bus.handles.Handles` alone: ``stopping`` ends its
     retries while Redis is unreachable, ``stats`` counts its append conflicts (both fresh when
     not given: a handler driven without an owner), ``ignores_own_answers`` is the handler's.
-    ``owned`` is the owner's record of the session's lease (:meth:`holds` reads it).
     """
 
     def __init__(
@@ -93,10 +87,8 @@ class SessionContext:
         stopping: anyio.Event | None = None,
         stats: OwnerStats | None = None,
         ignores_own_answers: bool = False,
-        owned: Owned | None = None,
     ) -> None:
         self._handles = handles
-        self._owned = owned
         self._stopping = stopping if stopping is not None else anyio.Event()
         self._stats = stats if stats is not None else OwnerStats()
         self._ignores_own_answers = ignores_own_answers
@@ -243,22 +235,13 @@ class SessionContext:
         )
 
     async def holds(self) -> bool:
-        """Whether this worker still holds the session with this context's fencing token: work
-        that costs outside the log (a model call) asks first, so an owner paused past its lease
-        and resumed does not do it again for a session a peer has taken over.
-
-        Within :data:`SURE_SHARE` of a lease after a renewal that Redis confirmed was sent, the
-        answer is yes without asking: no peer can hold the session before that renewal's lease
-        ran out, a whole lease after it was sent.  The clock is the monotonic one, which counts
-        a pause too, so a worker resumed after a pause past that point asks Redis.
+        """Whether this worker still holds the session with this context's fencing token (one
+        read): work that costs outside the log (a model call) asks first, so an owner paused past
+        its lease and resumed does not do it again for a session a peer has taken over.
 
         A reply that took more than a quarter of the lease to come is asked for again: the
         process may have been paused while it waited (it says what held before the pause)."""
         handles = self._handles
-        owned = self._owned
-        confirmed = None if owned is None or owned.lost else owned.confirmed
-        if confirmed is not None and time.monotonic() - confirmed < handles.lease_seconds * SURE_SHARE:
-            return True
         while True:
             asked = time.monotonic()
             held = await handles.leases.holds(self.session, self.fence.token)

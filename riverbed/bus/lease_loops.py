@@ -17,7 +17,6 @@ session is taken as new.  A loop that keeps failing is recorded in the owner's f
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -49,7 +48,9 @@ class LeaseLoops:
     ``start_session`` is how it hands the owner a session it just acquired (the session's
     entry, fencing token, and tenant and creation stamp when read); :attr:`slot_freed` is set
     by the owner when a session loop ended.  ``room``, when the role paces what it takes (the
-    agent role: ``workers/agent_pace.py``), bounds intake and reclaim below the capacity.
+    agent role: ``workers/agent_pace.py``), bounds intake below the capacity; reclaim, which
+    takes over sessions a dead owner left in the middle of their work, goes by the capacity
+    alone, ahead of new sessions waiting for room.
     """
 
     def __init__(
@@ -72,9 +73,14 @@ class LeaseLoops:
         self.slot_freed = anyio.Event()
 
     def free(self) -> int:
+        """How many more sessions intake may take now."""
         owned = len(self.state.owned)
         room = None if self.room is None else self.room(owned)
         return self.capacity - owned if room is None else min(self.capacity - owned, room)
+
+    def spare(self) -> int:
+        """How many more sessions the capacity allows (what reclaim may take)."""
+        return self.capacity - len(self.state.owned)
 
     async def intake(self) -> None:
         state = self.state
@@ -96,10 +102,10 @@ class LeaseLoops:
         period = max(0.05, min(self.handles.lease_seconds / 16, 0.25))
         while not state.stopping.is_set():
             await anyio.sleep(period)
-            if self.free() <= 0:
+            if self.spare() <= 0:
                 state.failures.clear("reclaim")
                 continue
-            await self._round("reclaim", lambda: self.leases.reclaim_stale(self.free()), reclaimed=True)
+            await self._round("reclaim", lambda: self.leases.reclaim_stale(self.spare()), reclaimed=True)
 
     async def renew(self) -> None:
         # A fixed schedule, four rounds a lease: a round that runs late (a busy event loop) does
@@ -115,17 +121,12 @@ class LeaseLoops:
             await anyio.sleep(max(0.0, due - now))
             snapshot = {s: (o.entry, o.token) for s, o in state.owned.items()}
             crashpoint("during_renew")
-            sent, renewed = time.monotonic(), set[str]()
             try:
-                lost = await self.leases.renew(snapshot, renewed)
+                lost = await self.leases.renew(snapshot)
             except Exception as exc:
                 await self._round_failed("renew", exc, pause=False)  # the schedule paces it
                 continue
             state.failures.clear("renew")
-            for session in renewed:
-                owned = state.owned.get(session)
-                if owned is not None and owned.token == snapshot[session][1]:
-                    owned.confirmed = sent
             for session in lost:
                 owned = state.owned.get(session)
                 if owned is not None:

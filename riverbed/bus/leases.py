@@ -138,10 +138,9 @@ class Leases:
         holder, fence = await self.redis.hmget(self.keys.meta(session), fields)
         return holder is not None and _text(holder) == self.worker and fence is not None and int(fence) == token
 
-    async def renew(self, owned: dict[str, tuple[str, int]], renewed: set[str] | None = None) -> set[str]:
+    async def renew(self, owned: dict[str, tuple[str, int]]) -> set[str]:
         """Renew every owned session (session -> (entry, token)); returns the sessions lost (not
         those whose reply was a lost connection: :func:`_unanswered`, logged once a round).
-        ``renewed`` gets the sessions whose renewal Redis confirmed.
 
         On a standalone Redis, one script renews them all (:meth:`_renew_standalone`).  On a
         cluster, one pipeline of RENEW calls, one round trip per node (the client splits it by
@@ -153,7 +152,7 @@ class Leases:
             return set()
         items = list(owned.items())
         if not self.redis.cluster:
-            return await self._renew_standalone(items, renewed)
+            return await self._renew_standalone(items)
         replies = await self._sent_with_script(partial(self._renew_round, items), scripts.RENEW)
         lost: set[str] = set()
         unanswered: list[Exception] = []
@@ -162,14 +161,10 @@ class Leases:
                 unanswered.append(error)
             elif ok.error is not None or ok.value != 1:
                 lost.add(session)
-            elif renewed is not None:
-                renewed.add(session)
         _warn_unanswered(self.role, len(items), unanswered)
         return lost
 
-    async def _renew_standalone(
-        self, items: list[tuple[str, tuple[str, int]]], renewed: set[str] | None = None
-    ) -> set[str]:
+    async def _renew_standalone(self, items: list[tuple[str, tuple[str, int]]]) -> set[str]:
         """On a standalone Redis, one RENEW_ALL script per :data:`RENEW_CHUNK` sessions and one
         ``XCLAIM`` of their entries: a worker holding a thousand sessions renews them in a few
         commands, not a thousand scripts (the worker's and Redis's CPU).  They all go in one
@@ -184,12 +179,10 @@ class Leases:
             if (error := _unanswered(reply)) is not None:
                 unanswered.append(error)
                 continue
-            replied = reply.value if reply.error is None else ()
-            for index, (session, _) in enumerate(chunk):
-                if index >= len(replied) or int(replied[index]) != 1:
-                    lost.add(session)
-                elif renewed is not None:
-                    renewed.add(session)
+            renewed = reply.value if reply.error is None else ()
+            lost.update(
+                session for index, (session, _) in enumerate(chunk) if index >= len(renewed) or int(renewed[index]) != 1
+            )
         _warn_unanswered(self.role, len(items), unanswered)
         return lost
 

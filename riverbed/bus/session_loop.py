@@ -107,7 +107,6 @@ class SessionLoop:
             stopping=state.stopping,
             stats=state.stats,
             ignores_own_answers=handler.ignores_own_answers,
-            owned=owned,
         )
         self.held: Answer | None = None
         self.hot = False

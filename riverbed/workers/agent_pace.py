@@ -1,8 +1,8 @@
 """How many runs one agent worker serves at once: as many as its CPU keeps up with.
 
-A step costs the role some time of its own besides the wait for the model: noticing the
-answer, folding it, building the prompt, the client on both sides of the call, recording the
-response and appending the action.  While the worker's CPU keeps up, that time stays near what
+A step costs the role some time of its own besides the model call: noticing the answer,
+folding it, building the prompt, recording the response and appending the action (the model
+client's own work is counted with the call).  While the worker's CPU keeps up, that time stays near what
 it is on an idle worker.  Once it does not, each step of every run the worker holds waits
 behind the others.  More runs then finish no sooner (the CPU was the limit), each step takes
 longer, and so do lease renewals and cancels.
@@ -12,8 +12,9 @@ steps made since the last look.  While that stays within a slack of the least it
 lately (its *baseline*), and the runs it serves are near its limit, the limit grows: it
 doubles until the first time the median went past, then grows by a quarter.  The slack is a
 ratio (:data:`SLACK` by default, ``RIVERBED_AGENT_PACE_SLACK``) plus :data:`SLACK_SECONDS`.
-When the median goes past, the limit shrinks below the runs the worker serves, and it takes no
-new run until enough of them ended.  It never drops a run it holds.  Runs it does not take wait
+A look with no step at all (runs waiting on slow model calls) counts as within the slack.  When
+the median goes past, the limit shrinks below the runs the worker serves (never below its
+floor), and it takes no new run until enough of them ended.  It never drops a run it holds.  Runs it does not take wait
 in the role's directory, in the order they opened, for this worker or a peer with room.  A
 worker starts with room for :data:`START` runs, and takes a run whatever the pace while it
 serves fewer than ``floor``.
@@ -96,6 +97,7 @@ class Pace:
                 self.limit = max(float(self.floor), min(self.limit, served) * SHRINK)
                 self._starting = False
                 return True
-        if served >= self.limit * 0.75:
-            self.limit *= START_GROW if self._starting else GROW
+        if served >= math.floor(self.limit) * 0.75:
+            grown = self.limit * (START_GROW if self._starting else GROW)
+            self.limit = max(grown, math.floor(self.limit) + 1.0)  # (a limit of 1.5 serves one run)
         return True
