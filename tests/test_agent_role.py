@@ -120,11 +120,12 @@ async def test_a_budget_ends_a_run_after_at_most_one_call_over(bus: Bus, workspa
     assert row.steps == 2
 
 
+@pytest.mark.parametrize("checked", [True, False], ids=["worker-client", "library-client"])
 async def test_a_server_answering_500_ends_the_run_with_llm_error(
-    bus: Bus, workspace: Path, server: OpenAIServer
+    bus: Bus, workspace: Path, server: OpenAIServer, checked: bool
 ) -> None:
     server.fail(500, "the GPU caught fire", times=50)
-    async with roles(bus, workspace, server, retry_seconds=1.5) as agent:
+    async with roles(bus, workspace, server, retry_seconds=1.5, checked=checked) as agent:
         opened = await open_run(bus, "s5", "try")
         seen = await ended(bus, "s5", opened.opened)
     last = seen[-1]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 from urllib.parse import urlsplit
 
+import openai
 import pytest
 
 from riverbed.errors import FencedError
@@ -144,8 +145,20 @@ def _settled(server: _RawServer) -> int:
     return seen
 
 
+async def ask(client: CheckedClient, direct: bool) -> str | None:
+    """The content of the answer to :data:`ASK`: through ``chat_completion`` (the agent role's
+    way), or through the client library's ``create``."""
+    if direct:
+        answer = await client.chat_completion(ASK)
+        content: str | None = answer["choices"][0]["message"]["content"]
+        return content
+    reply = await client.chat.completions.create(**ASK)  # type: ignore[call-overload]
+    return reply.choices[0].message.content  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["chat_completion", "create"])
 @pytest.mark.parametrize("passes", [True, False])
-async def test_the_check_runs_with_all_of_the_request_but_its_last_byte_sent(passes: bool) -> None:
+async def test_the_check_runs_with_all_of_the_request_but_its_last_byte_sent(passes: bool, direct: bool) -> None:
     """A pause before the check (or during it) leaves the server with an incomplete request: it
     answers only once the byte that follows a passing check came, and nothing for a failing one."""
     server = _RawServer()
@@ -160,11 +173,10 @@ async def test_the_check_runs_with_all_of_the_request_but_its_last_byte_sent(pas
     try:
         with checked_by(check):
             if passes:
-                reply = await client.chat.completions.create(**ASK)  # type: ignore[call-overload]
-                assert reply.choices[0].message.content == "whole"
+                assert await ask(client, direct) == "whole"
             else:
                 with pytest.raises(FencedError):
-                    await client.chat.completions.create(**ASK)  # type: ignore[call-overload]
+                    await ask(client, direct)
         assert server.whole > 0
         assert at_check == [(server.whole - 1, 0)]
         assert _settled(server) == (server.whole if passes else server.whole - 1)
@@ -172,6 +184,43 @@ async def test_the_check_runs_with_all_of_the_request_but_its_last_byte_sent(pas
     finally:
         await client.close()
         server.close()
+
+
+async def test_a_chat_completion_is_the_servers_json_and_its_errors_are_the_client_librarys(
+    server: OpenAIServer,
+) -> None:
+    client = CheckedClient(api_key="secret-key", base_url=server.base_url)
+    try:
+        server.reply("hi there", usage={"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7})
+        answer = await client.chat_completion({**ASK, "tools": [], "temperature": 0.5})
+        assert answer["choices"][0]["message"]["content"] == "hi there"
+        assert answer["usage"]["prompt_tokens"] == 5
+        assert server.last_request == {**ASK, "tools": [], "temperature": 0.5}  # the body as it was built
+
+        server.fail(500, "the GPU caught fire")
+        with pytest.raises(openai.InternalServerError) as failed:
+            await client.chat_completion(ASK)
+        assert failed.value.status_code == 500
+        assert "the GPU caught fire" in failed.value.message
+
+        server.fail(429, "slow down")
+        with pytest.raises(openai.RateLimitError):
+            await client.chat_completion(ASK)
+        server.fail(401, "who are you")
+        with pytest.raises(openai.AuthenticationError):
+            await client.chat_completion(ASK)
+    finally:
+        await client.close()
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]  # (nothing listens on it once closed)
+    nobody = CheckedClient(api_key="k", base_url=f"http://127.0.0.1:{port}/v1")
+    try:
+        with pytest.raises(openai.APIConnectionError):
+            await nobody.chat_completion(ASK)
+    finally:
+        await nobody.close()
 
 
 class _Forwarder(BaseHTTPRequestHandler):

@@ -67,7 +67,6 @@ memory role for context recalls.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -83,7 +82,7 @@ from openai import AsyncOpenAI
 
 from riverbed import events
 from riverbed.agent.delegation import REFUSED, ChildPlan, plan_child, refusal, result
-from riverbed.agent.llm import build_messages, call_record, model_parameters, timeout_sentence
+from riverbed.agent.llm import build_messages, model_parameters, timeout_sentence
 from riverbed.agent.messages import cache_breakpoints
 from riverbed.agent.quotas import Quotas, TenantQuota
 from riverbed.agent.runs import (
@@ -632,22 +631,25 @@ class AgentHandler:
                 if run is None or not run.open or run.cancel_requested is not None:
                     raise _ModelFailed(f"the model call was given up ({said})") from exc
                 continue
-            if not (getattr(response, "choices", None) or []):
+            if not response.get("choices"):
                 raise _ModelFailed("the model call failed (the model returned no choices)")
             return response
 
-    async def _call_once(self, ctx: SessionContext, state: _Session, request: dict[str, Any], timeout: float) -> Any:
-        """One model call, given up (:class:`_ModelFailed`) when the run is cancelled meanwhile:
-        the log is looked at every :data:`CANCEL_POLL_SECONDS` while the call is in flight."""
-        outcome: list[Any] = []
+    async def _call_once(
+        self, ctx: SessionContext, state: _Session, request: dict[str, Any], timeout: float
+    ) -> dict[str, Any]:
+        """One model call, its answer as the server's JSON; given up (:class:`_ModelFailed`)
+        when the run is cancelled meanwhile: the log is looked at every
+        :data:`CANCEL_POLL_SECONDS` while the call is in flight."""
+        outcome: list[dict[str, Any]] = []
         failure: list[BaseException] = []
-        request = _as_built(request)
+        client = self.client
 
         async def hold() -> None:  # paused past the lease, then resumed: a peer has the run now
             if not await ctx.holds():
                 raise FencedError(ctx.session, ctx.role, ctx.fence.token)
 
-        checked_at_send = isinstance(self.client, CheckedClient)
+        checked_at_send = isinstance(client, CheckedClient)
         if not checked_at_send:
             await hold()
 
@@ -657,8 +659,13 @@ class AgentHandler:
                 started = time.monotonic()
                 sent = True
                 try:
-                    with anyio.fail_after(timeout), checked_by(hold) if checked_at_send else contextlib.nullcontext():
-                        outcome.append(await self.client.chat.completions.create(**request))
+                    if isinstance(client, CheckedClient):
+                        with anyio.fail_after(timeout), checked_by(hold):
+                            outcome.append(await client.chat_completion(request))
+                    else:  # (a client of the caller's: through the client library)
+                        with anyio.fail_after(timeout):
+                            completion = await client.chat.completions.create(**_as_built(request))
+                        outcome.append(completion.model_dump(exclude_none=True))
                 except FencedError as exc:
                     failure.append(exc)
                     sent = False
@@ -759,18 +766,40 @@ def _started(seen: list[events.Event], opened: int) -> events.RunStarted | None:
     return None
 
 
-def _recorded(response: Any, model: str, until: int) -> events.LlmResponse:
-    message = response.choices[0].message
-    calls = list(message.tool_calls or [])
-    usage = getattr(response, "usage", None)
+def _recorded(response: dict[str, Any], model: str, until: int) -> events.LlmResponse:
+    """The ``llm_response`` of the server's answer ``response`` (its JSON)."""
+    message = _mapping(_mapping(response["choices"][0]).get("message"))
+    content = message.get("content")
+    usage = response.get("usage")
     return events.LlmResponse(
         source="agent",
-        model=getattr(response, "model", None) or model,
-        content=message.content,
-        tool_calls=[call_record(c) for c in calls],
-        usage=usage.model_dump(exclude_none=True) if usage is not None else {},
+        model=response.get("model") or model,
+        content=content if isinstance(content, str) else None,
+        tool_calls=[_wire_call(_mapping(call)) for call in message.get("tool_calls") or []],
+        usage=_without_none(usage) if isinstance(usage, dict) else {},
         cause=until or None,
     )
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _wire_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call in the wire form it was received in (id, type, function name and arguments)."""
+    function = _mapping(call.get("function"))
+    return {
+        "id": call.get("id"),
+        "type": call.get("type") or "function",
+        "function": {"name": function.get("name") or "", "arguments": function.get("arguments") or ""},
+    }
+
+
+def _without_none(value: Any) -> Any:
+    """``value`` with the ``None`` fields of its mappings left out, at every depth."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    return value
 
 
 def _retryable(exc: BaseException) -> bool:

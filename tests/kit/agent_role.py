@@ -17,6 +17,7 @@ from riverbed.settings import Settings
 from riverbed.workers.agent_role import AgentHandler
 from riverbed.workers.main import Worker
 from riverbed.workers.metrics import WorkerMetrics
+from riverbed.workers.model_client import CheckedClient
 from riverbed.workers.runtime_role import RuntimeHandler
 from tests.kit.agents import owners
 from tests.kit.metrics import samples
@@ -25,12 +26,19 @@ from tests.kit.openai_server import OpenAIServer, server  # noqa: F401  (server:
 
 @contextlib.asynccontextmanager
 async def roles(
-    bus: Bus, workspace: Path, server: OpenAIServer, *, retry_seconds: float = 5.0, prices: str | None = None
+    bus: Bus,
+    workspace: Path,
+    server: OpenAIServer,
+    *,
+    retry_seconds: float = 5.0,
+    prices: str | None = None,
+    checked: bool = False,
 ) -> AsyncIterator[AgentHandler]:
+    """The runtime and agent roles in this process; ``checked``: the agent role asks the model as a
+    worker does (``CheckedClient``), else through a plain client of the client library."""
     runtime = Runtime(workspace_root=workspace)
-    agent = AgentHandler(
-        client=server.client(), model="test-model", retry_seconds=retry_seconds, prices=parse_prices(prices)
-    )
+    client = CheckedClient(api_key="test-key", base_url=server.base_url) if checked else server.client()
+    agent = AgentHandler(client=client, model="test-model", retry_seconds=retry_seconds, prices=parse_prices(prices))
     try:
         async with owners(bus, [RuntimeHandler(runtime), agent]):
             yield agent
