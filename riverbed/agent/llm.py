@@ -72,9 +72,9 @@ from riverbed.settings import Settings
 __all__ = [
     "AgentOptions",
     "build_messages",
-    "call_record",
     "make_client",
     "model_parameters",
+    "recorded_response",
     "render",
     "run_llm_agent",
     "timeout_sentence",
@@ -216,25 +216,41 @@ def model_parameters(temperature: float | None, max_output_tokens: int | None) -
     return parameters
 
 
-def call_record(call: Any) -> dict[str, Any]:
+def recorded_response(answer: Mapping[str, Any], model: str, cause: int | None) -> events.LlmResponse:
+    """The ``llm_response`` that records a chat completion, ``answer`` being its JSON (which has
+    ``choices``): the first choice's text, its tool calls in the wire form they came in, the
+    usage without its empty fields, and the model that answered (else ``model``)."""
+    message = _mapping(_mapping(answer["choices"][0]).get("message"))
+    content = message.get("content")
+    usage = answer.get("usage")
+    return events.LlmResponse(
+        model=answer.get("model") or model,
+        content=content if isinstance(content, str) else None,
+        tool_calls=[_wire_call(_mapping(call)) for call in message.get("tool_calls") or []],
+        usage=_without_none(usage) if isinstance(usage, dict) else {},
+        cause=cause,
+    )
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _wire_call(call: dict[str, Any]) -> dict[str, Any]:
     """A tool call in the wire form it was received in (id, type, function name and arguments)."""
-    function = getattr(call, "function", None)
+    function = _mapping(call.get("function"))
     return {
-        "id": call.id,
-        "type": getattr(call, "type", "function"),
-        "function": {
-            "name": getattr(function, "name", "") if function is not None else "",
-            "arguments": getattr(function, "arguments", "") if function is not None else "",
-        },
+        "id": call.get("id"),
+        "type": call.get("type") or "function",
+        "function": {"name": function.get("name") or "", "arguments": function.get("arguments") or ""},
     }
 
 
-def _usage(response: Any) -> dict[str, Any]:
-    usage = getattr(response, "usage", None)
-    if usage is None:
-        return {}
-    dumped: dict[str, Any] = usage.model_dump(exclude_none=True)
-    return dumped
+def _without_none(value: Any) -> Any:
+    """``value`` with the ``None`` fields of its mappings left out, at every depth."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    return value
 
 
 def timeout_sentence(timeout: float, tries: int = 1) -> str:
@@ -327,7 +343,8 @@ class _Run:
             log.warning("agent.condensation_unanswered", session=self.session.id, error=str(exc))
         await self.refresh()
 
-    async def complete(self) -> Any:
+    async def complete(self) -> dict[str, Any]:
+        """The model's answer to the prompt the log makes, as its JSON (empty fields left out)."""
         until = self.events[-1].id if self.events else 0
         request: dict[str, Any] = {
             "model": self.model,
@@ -349,8 +366,9 @@ class _Run:
         assert self.options.llm_timeout is not None  # (resolved)
         with anyio.fail_after(self.options.llm_timeout):
             response = await self.client.chat.completions.create(**request)
-        log.info("agent.llm_response", session=self.session.id, until=until, usage=_usage(response))
-        return response
+        answer: dict[str, Any] = response.model_dump(exclude_none=True)
+        log.info("agent.llm_response", session=self.session.id, until=until, usage=answer.get("usage", {}))
+        return answer
 
     async def act(self, action: events.Action) -> events.Event:
         """Publish an action and wait for its answer; give up with an ``error`` answer in time."""
@@ -374,38 +392,27 @@ class _Run:
         await self.keep_within_budget()
         until = self.events[-1].id if self.events else None
         try:
-            response = await self.complete()
+            answer = await self.complete()
         except (openai.OpenAIError, TimeoutError) as exc:
             error = _llm_error(exc, self.options.llm_timeout or 0)
             log.info("agent.llm_failed", session=self.session.id, error=error.content)
             return await self.append(error)
-        choices = getattr(response, "choices", None) or []
-        if not choices:
+        if not answer.get("choices"):
             return await self.append(
                 events.Error(
                     source="agent", content="the model returned no choices", reason="llm_error", retryable=True
                 )
             )
-        message = choices[0].message
-        calls = list(message.tool_calls or [])
-        recorded = await self.append(
-            events.LlmResponse(
-                model=getattr(response, "model", None) or self.model,
-                content=message.content,
-                tool_calls=[call_record(c) for c in calls],
-                usage=_usage(response),
-                cause=until,
-            )
-        )
+        llm = recorded_response(answer, self.model, until)
+        recorded = await self.append(llm)
         response_id = recorded.id
-        if not calls:
+        if not llm.tool_calls:
             return await self.append(
-                events.Message(content=message.content or "", wait_for_response=True, cause=response_id)
+                events.Message(content=llm.content or "", wait_for_response=True, cause=response_id)
             )
         actions: list[events.Action] = []
         problems: list[str] = []
-        for call in calls:
-            record = call_record(call)
+        for record in llm.tool_calls:
             try:
                 action = action_from_call(record["function"]["name"], record["function"]["arguments"])
             except InputError as exc:

@@ -82,7 +82,7 @@ from openai import AsyncOpenAI
 
 from riverbed import events
 from riverbed.agent.delegation import REFUSED, ChildPlan, plan_child, refusal, result
-from riverbed.agent.llm import build_messages, model_parameters, timeout_sentence
+from riverbed.agent.llm import build_messages, model_parameters, recorded_response, timeout_sentence
 from riverbed.agent.messages import cache_breakpoints
 from riverbed.agent.quotas import Quotas, TenantQuota
 from riverbed.agent.runs import (
@@ -378,7 +378,7 @@ class AgentHandler:
             if state.fold.run is run and run.open and run.cancel_requested is None:
                 await self._end(ctx, state, run, "llm_error", str(exc))
             return
-        recorded = _recorded(response, model, until)
+        recorded = recorded_response(response, model, until or None)
         key = f"run-{run.opened}-step-{run.steps + 1}"
         while True:
             if state.fold.run is not run or not run.open or run.cancel_requested is not None:
@@ -764,42 +764,6 @@ def _started(seen: list[events.Event], opened: int) -> events.RunStarted | None:
         if event.id is not None and event.id < opened:
             return None
     return None
-
-
-def _recorded(response: dict[str, Any], model: str, until: int) -> events.LlmResponse:
-    """The ``llm_response`` of the server's answer ``response`` (its JSON)."""
-    message = _mapping(_mapping(response["choices"][0]).get("message"))
-    content = message.get("content")
-    usage = response.get("usage")
-    return events.LlmResponse(
-        source="agent",
-        model=response.get("model") or model,
-        content=content if isinstance(content, str) else None,
-        tool_calls=[_wire_call(_mapping(call)) for call in message.get("tool_calls") or []],
-        usage=_without_none(usage) if isinstance(usage, dict) else {},
-        cause=until or None,
-    )
-
-
-def _mapping(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
-def _wire_call(call: dict[str, Any]) -> dict[str, Any]:
-    """A tool call in the wire form it was received in (id, type, function name and arguments)."""
-    function = _mapping(call.get("function"))
-    return {
-        "id": call.get("id"),
-        "type": call.get("type") or "function",
-        "function": {"name": function.get("name") or "", "arguments": function.get("arguments") or ""},
-    }
-
-
-def _without_none(value: Any) -> Any:
-    """``value`` with the ``None`` fields of its mappings left out, at every depth."""
-    if isinstance(value, dict):
-        return {k: _without_none(v) for k, v in value.items() if v is not None}
-    return value
 
 
 def _retryable(exc: BaseException) -> bool:
