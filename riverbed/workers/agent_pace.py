@@ -2,22 +2,22 @@
 
 A step costs the role some time of its own besides the model call: noticing the answer,
 folding it, building the prompt, recording the response and appending the action (the model
-client's own work is counted with the call).  While the worker's CPU keeps up, that time stays near what
-it is on an idle worker.  Once it does not, each step of every run the worker holds waits
-behind the others.  More runs then finish no sooner (the CPU was the limit), each step takes
-longer, and so do lease renewals and cancels.
+client's own work is counted with the call).  While the worker's CPU keeps up, that time stays
+near what it is on an idle worker.  Once it does not, each step of every run the worker holds
+waits behind the others.  More runs then finish no sooner (the CPU was the limit), each step
+takes longer, and so do lease renewals and cancels.
 
 So the role paces what it takes.  Every :data:`WINDOW` it looks at the median own time of the
 steps made since the last look.  While that stays within a slack of the least it has seen
 lately (its *baseline*), and the runs it serves are near its limit, the limit grows: it
 doubles until the first time the median went past, then grows by a quarter.  The slack is a
 ratio (:data:`SLACK` by default, ``RIVERBED_AGENT_PACE_SLACK``) plus :data:`SLACK_SECONDS`.
-A look with no step at all (runs waiting on slow model calls) counts as within the slack.  When
-the median goes past, the limit shrinks below the runs the worker serves (never below its
-floor), and it takes no new run until enough of them ended.  It never drops a run it holds.  Runs it does not take wait
-in the role's directory, in the order they opened, for this worker or a peer with room.  A
-worker starts with room for :data:`START` runs, and takes a run whatever the pace while it
-serves fewer than ``floor``.
+A look with no step at all (runs waiting on slow model calls) counts as within the slack.
+When the median goes past, the limit shrinks below the runs the worker serves (never below its
+floor), and it takes no new run until enough of them ended.  It never drops a run it holds.
+Runs it does not take wait in the role's directory, in the order they opened, for this worker
+or a peer with room.  A worker starts with room for :data:`START` runs, and takes a run
+whatever the pace while it serves fewer than ``floor``.
 
 Runs waiting only for their sub-agents' answers do not count as served.  They cost nothing
 while they wait, and counting them could hold back the very children they wait for.
@@ -44,14 +44,14 @@ SLACK = 1.2
 by default (``RIVERBED_AGENT_PACE_SLACK``)."""
 SLACK_SECONDS = 0.0005
 """Added to the ratio's allowance: a baseline of a few milliseconds moves by this much in noise."""
-GROW = 1.25
-"""How the limit grows at a look that allows it..."""
 START = 8
 """The runs a worker takes on before it first looked at what their steps cost (at least its
 floor): a few runs opened at once on an idle worker start at once."""
 START_GROW = 2.0
-"""...and how it grows until the first time steps cost too much (a burst of runs on an idle
-worker is taken on within a few looks)."""
+"""How the limit grows at a look that allows it, until the first time steps cost too much (a
+burst of runs on an idle worker is taken on within a few looks)..."""
+GROW = 1.25
+"""...and after that."""
 SHRINK = 0.8
 DRIFT = 1.02
 

@@ -215,10 +215,9 @@ class _Session:
     """``delegate`` actions whose child this worker cancelled (the run ended without its answer)"""
     reported: int | None = None
     """the run whose ``delegate_result`` this worker appended to the parent"""
-    model_calls: int = 0
     waited: float = 0.0
-    """the model calls made for the session, and the time they and their retries' pauses took
-    during the batch in hand (what the batch's own time leaves out: :mod:`agent_pace`)"""
+    """the time the model calls made for the session during the batch in hand, and their
+    retries' pauses, took (0: none was made); the batch's own time leaves it out (:mod:`agent_pace`)"""
 
     def add(self, event: events.Event) -> None:
         if event.id is not None and event.id > self.fold.last:
@@ -283,7 +282,7 @@ class AgentHandler:
 
     async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
         state = self.sessions[ctx.session]
-        started, calls, state.waited = time.monotonic(), state.model_calls, 0.0
+        started, state.waited = time.monotonic(), 0.0
         if entries[-1].id > state.fold.last:
             if entries[0].id > state.fold.last + 1:
                 await self._catch_up(ctx, state)
@@ -294,7 +293,7 @@ class AgentHandler:
         await ctx.ack([e.id for e in entries], along=None if summary is None else partial(_queue_summary, ctx, summary))
         if summary is not None:
             state.summary = summary
-        if self.pace is not None and state.model_calls > calls:
+        if self.pace is not None and state.waited > 0:
             self.pace.observe(time.monotonic() - started - state.waited)
 
     def retires(self, ctx: SessionContext) -> bool:
@@ -643,14 +642,13 @@ class AgentHandler:
         :data:`CANCEL_POLL_SECONDS` while the call is in flight."""
         outcome: list[dict[str, Any]] = []
         failure: list[BaseException] = []
-        client = self.client
+        checked = self.client if isinstance(self.client, CheckedClient) else None
 
         async def hold() -> None:  # paused past the lease, then resumed: a peer has the run now
             if not await ctx.holds():
                 raise FencedError(ctx.session, ctx.role, ctx.fence.token)
 
-        checked_at_send = isinstance(client, CheckedClient)
-        if not checked_at_send:
+        if checked is None:
             await hold()
 
         async with anyio.create_task_group() as tg:
@@ -659,12 +657,12 @@ class AgentHandler:
                 started = time.monotonic()
                 sent = True
                 try:
-                    if isinstance(client, CheckedClient):
+                    if checked is not None:
                         with anyio.fail_after(timeout), checked_by(hold):
-                            outcome.append(await client.chat_completion(request))
+                            outcome.append(await checked.chat_completion(request))
                     else:  # (a client of the caller's: through the client library)
                         with anyio.fail_after(timeout):
-                            completion = await client.chat.completions.create(**_as_built(request))
+                            completion = await self.client.chat.completions.create(**_as_built(request))
                         outcome.append(completion.model_dump(exclude_none=True))
                 except FencedError as exc:
                     failure.append(exc)
@@ -675,7 +673,6 @@ class AgentHandler:
                 finally:
                     if sent:
                         took = time.monotonic() - started
-                        state.model_calls += 1
                         state.waited += took
                         self.counters.model_calls += 1
                         self.counters.model_seconds += took
