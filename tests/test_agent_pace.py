@@ -19,17 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 from riverbed import events
 from riverbed.agent.hosted import RunLimits, open_run
 from riverbed.client.session import Bus
-from riverbed.runtime import Runtime
 from riverbed.workers.agent_pace import GROW, MIN_STEPS, SHRINK, START, START_GROW, WINDOW, Pace
-from riverbed.workers.agent_role import AgentHandler
-from riverbed.workers.runtime_role import RuntimeHandler
-from tests.kit.agents import owners
+from tests.kit.agent_role import roles
 from tests.kit.delegation import call, finish, run_end, script, task_of
 from tests.kit.openai_server import OpenAIServer
 
@@ -196,18 +192,11 @@ async def test_runs_past_a_workers_pace_wait_for_room_and_all_finish(
 ) -> None:
     server, seen = concurrency
     pace = Held(2)
-    runtime = Runtime(workspace_root=workspace)
-    agent = AgentHandler(client=server.client(), model="test-model", retry_seconds=5.0, pace=pace)
     names = [f"paced-{i}" for i in range(6)]
-    try:
-        async with owners(bus, [RuntimeHandler(runtime), agent]):
-            for name in names:
-                await open_run(bus, name, name, limits=RunLimits(max_steps=5))
-            ends = [await run_end(bus, name, timeout=60) for name in names]
-    finally:
-        with anyio.CancelScope(shield=True):
-            await runtime.aclose()
-            await agent.aclose()
+    async with roles(bus, workspace, server, pace=pace):
+        for name in names:
+            await open_run(bus, name, name, limits=RunLimits(max_steps=5))
+        ends = [await run_end(bus, name, timeout=60) for name in names]
     assert all(isinstance(end, events.Finish) for end in ends), ends
     assert seen.sessions == set(names)
     assert seen.most <= 2, f"{seen.most} model calls at once on a worker with room for 2 runs"
@@ -220,16 +209,9 @@ async def test_a_parent_waiting_for_its_children_leaves_its_room_to_them(
     bus: Bus, workspace: Path, delegating: OpenAIServer
 ) -> None:
     pace = Held(1)
-    runtime = Runtime(workspace_root=workspace)
-    agent = AgentHandler(client=delegating.client(), model="test-model", retry_seconds=5.0, pace=pace)
-    try:
-        async with owners(bus, [RuntimeHandler(runtime), agent]):
-            await open_run(bus, "tree", "split tree 3", limits=RunLimits(max_steps=5))
-            last = await run_end(bus, "tree", timeout=45)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await runtime.aclose()
-            await agent.aclose()
+    async with roles(bus, workspace, delegating, pace=pace):
+        await open_run(bus, "tree", "split tree 3", limits=RunLimits(max_steps=5))
+        last = await run_end(bus, "tree", timeout=45)
     assert isinstance(last, events.Finish), last
     assert last.final_thought == "tree.0 done | tree.1 done | tree.2 done"
     assert pace.most <= 1  # one run served at a time: the children one after another

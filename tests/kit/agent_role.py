@@ -14,6 +14,7 @@ from riverbed.agent.usage import parse_prices
 from riverbed.client.session import Bus
 from riverbed.runtime import Runtime
 from riverbed.settings import Settings
+from riverbed.workers.agent_pace import Pace
 from riverbed.workers.agent_role import AgentHandler
 from riverbed.workers.main import Worker
 from riverbed.workers.metrics import WorkerMetrics
@@ -33,12 +34,16 @@ async def roles(
     retry_seconds: float = 5.0,
     prices: str | None = None,
     checked: bool = False,
+    pace: Pace | None = None,
 ) -> AsyncIterator[AgentHandler]:
     """The runtime and agent roles in this process; ``checked``: the agent role asks the model as a
-    worker does (``CheckedClient``), else through a plain client of the client library."""
+    worker does (``CheckedClient``), else through a plain client of the client library; ``pace``:
+    how many runs it takes on at once (None: as many as come)."""
     runtime = Runtime(workspace_root=workspace)
     client = CheckedClient(api_key="test-key", base_url=server.base_url) if checked else server.client()
-    agent = AgentHandler(client=client, model="test-model", retry_seconds=retry_seconds, prices=parse_prices(prices))
+    agent = AgentHandler(
+        client=client, model="test-model", retry_seconds=retry_seconds, prices=parse_prices(prices), pace=pace
+    )
     try:
         async with owners(bus, [RuntimeHandler(runtime), agent]):
             yield agent
