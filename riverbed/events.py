@@ -82,6 +82,9 @@ __all__ = [
     "Hit",
     "Knowledge",
     "LlmResponse",
+    "McpList",
+    "McpTool",
+    "McpTools",
     "Message",
     "Observation",
     "PythonOutput",
@@ -90,11 +93,14 @@ __all__ = [
     "RecallResult",
     "RunCancel",
     "RunStarted",
+    "RunUpgraded",
     "SandboxRebuilt",
     "SessionConfig",
     "Skipped",
     "Source",
     "Think",
+    "ToolCall",
+    "ToolResult",
     "Unknown",
     "WorkspaceMethod",
     "check",
@@ -210,6 +216,12 @@ class Action(Event, frozen=True, kw_only=True):
     """The id of the model's tool call this action answers (an agent that calls tools records
     it; ``riverbed.agent.messages`` pairs calls and results by it).  Left unset it is not
     written at all, so logs from before this field existed read and export byte for byte."""
+
+    @property
+    def answering_role(self) -> Role | None:
+        """The role that answers this action: its kind's :attr:`answered_by`, except for kinds
+        whose answer depends on the call (a ``tool_call`` says where its tool runs)."""
+        return type(self).answered_by
 
 
 class Observation(Event, frozen=True, kw_only=True):
@@ -562,6 +574,25 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     max_output_tokens: _OutputTokens | None = None
     temperature: _Temperature | None = None
     llm_timeout: _CallSeconds | None = None
+    agent_name: str | msgspec.UnsetType = msgspec.UNSET
+    """the hosted agent definition that works on the run (unset: the reference agent, ``llm``)"""
+    digest: str | msgspec.UnsetType = msgspec.UNSET
+    """the digest of that definition when the run opened (unset: whichever a worker hosts)"""
+    rules: int | msgspec.UnsetType = msgspec.UNSET
+    """the version of the run rules it opened under (unset: runs from before versions, 1)"""
+
+
+class RunUpgraded(Event, frozen=True, kw_only=True, tag="run_upgraded"):
+    """Lets the session's open run continue on another digest of its agent's definition (and
+    the current run rules): ``riverbed agent SESSION --upgrade``.  Without it a worker whose
+    definition or rules differ from the run's leaves the run to one that matches."""
+
+    source: Source = "user"
+    client_sources: ClassVar[frozenset[str]] = frozenset(("user",))
+
+    digest: str
+    rules: int
+    previous: str | None = None
 
 
 class RunCancel(Event, frozen=True, kw_only=True, tag="run_cancel"):
@@ -620,6 +651,77 @@ class DelegateResult(Observation, frozen=True, kw_only=True, tag="delegate_resul
     cost: float | None = 0.0
 
 
+# --- tools ----------------------------------------------------------------------------------
+# System-written: the agent role appends a ``tool_call`` for each call of a user's tool or an
+# MCP server's tool, and the worker that runs it answers it once with a ``tool_result`` (or an
+# ``error``: ``tool_lost`` when the worker that started it died).
+
+
+class ToolCall(Action, frozen=True, kw_only=True, tag="tool_call"):
+    """A call of a hosted agent's tool: a Python function (``runs_in`` agent: the agent worker
+    that hosts it runs it) or an MCP server's tool, named ``<server>.<tool>`` (``server`` set;
+    a stdio server runs in the session's sandbox, ``runs_in`` runtime; a remote one is called
+    from the agent worker).  ``arguments`` were checked against the tool's schema."""
+
+    answered_by: ClassVar[Role | None] = "agent"
+    client_sources: ClassVar[frozenset[str]] = frozenset()
+
+    tool: str
+    arguments: dict[str, Any] = msgspec.field(default_factory=dict)
+    runs_in: Literal["agent", "runtime"] = "agent"
+    server: str | None = None
+
+    @property
+    def answering_role(self) -> Role | None:
+        return self.runs_in
+
+
+class ToolResult(Observation, frozen=True, kw_only=True, tag="tool_result"):
+    """The answer to a ``tool_call``: what the tool returned (text, or JSON as text), or what
+    went wrong when ``is_error`` (the model reads it either way)."""
+
+    source: Source = "agent"
+
+    content: str
+    is_error: bool = False
+
+
+class McpList(Action, frozen=True, kw_only=True, tag="mcp_list"):
+    """Ask an MCP server which tools it has, the first time a run uses it; answered once by
+    ``mcp_tools`` (or an ``error``).  A stdio server (``command``) is started in the session's
+    sandbox by the runtime role (``runs_in`` runtime) and lives as long as the sandbox; a
+    remote one (``url``) is asked from the agent worker.  ``env`` names environment variables
+    the server gets (values come from the session's configuration or secrets)."""
+
+    answered_by: ClassVar[Role | None] = "agent"
+    repeatable: ClassVar[bool] = True
+    client_sources: ClassVar[frozenset[str]] = frozenset()
+
+    server: str
+    command: list[str] | None = None
+    url: str | None = None
+    env: list[str] = msgspec.field(default_factory=list)
+    timeout: Timeout = 30.0
+    runs_in: Literal["agent", "runtime"] = "runtime"
+
+    @property
+    def answering_role(self) -> Role | None:
+        return self.runs_in
+
+
+class McpTool(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    description: str = ""
+    input_schema: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class McpTools(Observation, frozen=True, kw_only=True, tag="mcp_tools"):
+    """The tools an MCP server listed (names and schemas), as the model was offered them."""
+
+    server: str
+    tools: list[McpTool] = msgspec.field(default_factory=list)
+
+
 class Unknown(Event, frozen=True, kw_only=True, tag="unknown"):
     """An event whose kind (or version) this version cannot decode; ``payload`` keeps it all."""
 
@@ -660,6 +762,11 @@ _BUILTIN: tuple[type[Event], ...] = (
     Delegate,
     Delegated,
     DelegateResult,
+    RunUpgraded,
+    ToolCall,
+    ToolResult,
+    McpList,
+    McpTools,
     Unknown,
 )
 

@@ -27,7 +27,8 @@ Rules, in view order:
   unmatched call or result;
 - an observation with no cause, or answering something that is not a tool call (a
   workspace recall answering the user's message), becomes a user message;
-- other events (``session_config``, ``forked``, ``unknown``) are not shown to the model;
+- other events (``session_config``, ``forked``, ``unknown``, an MCP server's listing:
+  ``mcp_list`` and its ``mcp_tools``, which become the request's tools) are not shown;
 - images, only when an ``images`` source is given (a vision model): a user ``message``'s
   ``images`` become ``image_url`` parts after its text, and the images a ``python_run`` saved
   (``python_output.files``) follow its batch's tool results as one user message (tool results
@@ -48,7 +49,19 @@ from typing import Any
 from riverbed.agent.images import ImageSource, is_image
 from riverbed.agent.tools import action_from_call, tool_names
 from riverbed.errors import InputError
-from riverbed.events import Action, Error, Event, Finish, LlmResponse, Message, Observation, PythonOutput, Think
+from riverbed.events import (
+    Action,
+    Error,
+    Event,
+    Finish,
+    LlmResponse,
+    McpList,
+    McpTools,
+    Message,
+    Observation,
+    PythonOutput,
+    Think,
+)
 from riverbed.memory.tokens import action_arguments, event_text
 from riverbed.memory.view import Summary
 
@@ -235,7 +248,7 @@ def to_messages(
     view: Iterable[Event], *, system_prompt: str | None = None, images: ImageSource | None = None
 ) -> list[ChatMessage]:
     """OpenAI chat messages for a view (see the module docstring for the rules)."""
-    events = list(view)
+    events = [e for e in view if not isinstance(e, McpList | McpTools)]
     by_id = {e.id: e for e in events if e.id is not None}
     results: dict[int, list[Observation]] = {}
     for e in events:

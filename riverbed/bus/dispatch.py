@@ -148,7 +148,7 @@ def answered_by(entry: Entry) -> str | None:
     action kind but does not decode (a field of the wrong type): its sender waits all the same."""
     event = entry.event
     if isinstance(event, events.Action):
-        return type(event).answered_by
+        return event.answering_role
     if not entry.undecodable:
         return None
     try:

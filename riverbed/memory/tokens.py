@@ -34,10 +34,13 @@ from riverbed.events import (
     FileWritten,
     Finish,
     LlmResponse,
+    McpTools,
     Message,
     PythonOutput,
     RecallResult,
     Think,
+    ToolCall,
+    ToolResult,
 )
 from riverbed.memory.view import Masked, Summary
 
@@ -86,6 +89,12 @@ def event_text(event: Event) -> str:
             return event.content if event.reason == "error" else f"{event.content} (reason: {event.reason})"
         case DelegateResult():
             return f"{event.content}\n[sub-agent session {event.session}: {event.state}]"
+        case ToolResult():
+            return f"[error] {event.content}" if event.is_error else event.content
+        case ToolCall():
+            return f"{event.tool} {_json(event.arguments)}"
+        case McpTools():
+            return f"{event.server}: " + ", ".join(tool.name for tool in event.tools)
         case LlmResponse():
             calls = _json(event.tool_calls) if event.tool_calls else ""
             return "\n".join(part for part in (event.content or "", calls) if part)

@@ -77,7 +77,7 @@ def checked_sandbox(settings: Settings) -> Sandbox:
 def for_runtime(event: events.Event) -> bool:
     """Whether the runtime role answers this event."""
     if isinstance(event, events.Action):
-        return type(event).answered_by == "runtime"
+        return event.answering_role == "runtime"
     return isinstance(event, events.Unknown) and event.source in ("agent", "user") and bool(event.original_kind)
 
 
