@@ -60,6 +60,7 @@ from openai import AsyncOpenAI
 
 from riverbed import events
 from riverbed.agent import messages as chat
+from riverbed.agent.define import REFERENCE, Agent
 from riverbed.agent.images import ImageSource, WorkspaceImages, vision
 from riverbed.agent.tools import action_from_call, tools
 from riverbed.client.session import Bus, Session
@@ -77,6 +78,7 @@ __all__ = [
     "recorded_response",
     "render",
     "run_llm_agent",
+    "system_prompt",
     "timeout_sentence",
 ]
 
@@ -179,16 +181,28 @@ def build_messages(
     instructions: str | None = None,
     images: ImageSource | None = None,
     condenser_defaults: Mapping[str, Any] | None = None,
+    system: str | None = None,
 ) -> list[dict[str, Any]]:
     """The chat messages the agent sends after these events (a log prefix, with ids).
 
     Pure: the same events (and ``condenser_defaults``, the ``RIVERBED_CONDENSER_*`` settings a
     ``session_config`` overrides) always give the same prompt, so any step of a recorded
-    session can be rebuilt without a model.
+    session can be rebuilt without a model.  ``system`` is the system prompt of a hosted agent
+    (:func:`system_prompt`); without it, the reference agent's (``system.j2``, with ``agent``
+    and ``instructions``).
     """
     view = prepare(fold(log_events), _condenser_config(log_events, condenser_defaults))
-    system = render("system.j2", agent=agent, instructions=instructions)
+    if system is None:
+        system = render("system.j2", agent=agent, instructions=instructions)
     return chat.to_messages(_with_context(view), system_prompt=system, images=images)
+
+
+def system_prompt(definition: Agent) -> str:
+    """The system prompt of a hosted agent: the reference agent's ``system.j2``; any other
+    agent's own instructions (``agent.j2`` when it has none)."""
+    if definition is REFERENCE:
+        return render("system.j2", agent=definition.name, instructions=definition.instructions)
+    return definition.instructions or render("agent.j2", agent=definition.name)
 
 
 # --- the model ---------------------------------------------------------------------------

@@ -81,26 +81,31 @@ from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 from riverbed import events
+from riverbed.agent import tooling
+from riverbed.agent.define import REFERENCE, RULES_VERSION, Agent
 from riverbed.agent.delegation import REFUSED, ChildPlan, plan_child, refusal, result
-from riverbed.agent.llm import build_messages, model_parameters, recorded_response, timeout_sentence
+from riverbed.agent.llm import build_messages, model_parameters, recorded_response, system_prompt, timeout_sentence
 from riverbed.agent.messages import cache_breakpoints
 from riverbed.agent.quotas import Quotas, TenantQuota
+from riverbed.agent.registry import Hosted, load
 from riverbed.agent.runs import (
     AppendAction,
     AppendDelegates,
     CallModel,
     EndRun,
+    ListTools,
     RejectCalls,
     Run,
     RunFold,
     RunSummary,
+    RunTool,
     Wait,
     appended_with,
     child_session,
     next_move,
     summarize,
 )
-from riverbed.agent.tools import ROLE_TOOL_ACTIONS, tools
+from riverbed.agent.toolbox import Toolbox
 from riverbed.agent.usage import Price, StepUsage, parse_prices, step
 from riverbed.bus.backoff import Backoff
 from riverbed.bus.faults import crashpoint
@@ -218,6 +223,9 @@ class _Session:
     waited: float = 0.0
     """the time the model calls made for the session during the batch in hand, and their
     retries' pauses, took (0: none was made); the batch's own time leaves it out (:mod:`agent_pace`)"""
+    foreign: str | None = None
+    """why this worker does not work on the open run (its agent definition or run rules are not
+    the ones this worker hosts): the session is left to a worker that matches"""
 
     def add(self, event: events.Event) -> None:
         if event.id is not None and event.id > self.fold.last:
@@ -244,6 +252,8 @@ class AgentHandler:
         max_output_tokens: int = 0,
         condenser_defaults: dict[str, Any] | None = None,
         pace: Pace | None = None,
+        hosted: Hosted | None = None,
+        max_calls_per_step: int = 32,
     ) -> None:
         self.client = client
         self.model = model
@@ -253,7 +263,9 @@ class AgentHandler:
         self.prompt_cache = prompt_cache
         self.max_depth = max_depth
         self.max_fanout = max_fanout
-        self.tools = tools(ROLE_TOOL_ACTIONS)
+        self.hosted = hosted if hosted is not None else load(entry_point_group=None)
+        """the agent definitions this worker works on (the reference agent among them)"""
+        self.max_calls_per_step = max_calls_per_step
         self.temperature = temperature
         self.max_output_tokens = max_output_tokens
         self.condenser_defaults = condenser_defaults
@@ -323,13 +335,52 @@ class AgentHandler:
 
     # --- moves ----------------------------------------------------------------------------------
 
+    def definition(self, run: Run) -> Agent | str:
+        """The hosted definition that works on ``run``, or why this worker has none for it."""
+        agent = self.hosted.get(run.agent_name)
+        if agent is None:
+            return f"waiting for a worker that hosts agent {run.agent_name!r} (this one hosts {self._names()})"
+        if run.digest is not None and run.digest != agent.digest:
+            return (
+                f"waiting for a worker that hosts agent {run.agent_name!r} at digest {run.digest} (this one has "
+                f"{agent.digest}; `riverbed agent SESSION --upgrade` moves the run to it)"
+            )
+        if run.rules != RULES_VERSION:
+            return (
+                f"waiting for a worker with run rules {run.rules} (this one has {RULES_VERSION}; "
+                "`riverbed agent SESSION --upgrade` moves the run to them)"
+            )
+        return agent
+
+    def _names(self) -> str:
+        return ", ".join(sorted(self.hosted.agents))
+
+    def leaves(self, ctx: SessionContext) -> bool:
+        """The session's open run is not this worker's to work on: leave it to a worker that matches."""
+        state = self.sessions.get(ctx.session)
+        return state is not None and state.foreign is not None
+
     async def _advance(self, ctx: SessionContext, state: _Session) -> None:
         """Make the moves the log calls for, until the run must wait for the log (or ended)."""
+        run = state.fold.run
+        if run is not None and run.open:
+            found = self.definition(run)
+            if isinstance(found, str):
+                if state.foreign != found:
+                    log.info("agent.run_left", session=ctx.session, run=run.opened, why=found)
+                state.foreign = found
+                if run.cancel_requested is None:
+                    return
+                found = REFERENCE  # (any worker may end a cancelled run: no rule of the definition is used)
+            state.foreign = None
+            agent = found
+        else:
+            agent = REFERENCE
         await self._delegate(ctx, state)  # (after a takeover: children not made sure of yet)
         made: tuple[str, int] | None = None
         while True:
             run = state.fold.run
-            move = next_move(run)
+            move = next_move(run, agent, state.fold.mcp)
             if isinstance(move, Wait) or run is None:
                 break
             if made == (type(move).__name__, state.fold.last):
@@ -355,23 +406,108 @@ class AgentHandler:
                     crashpoint("agent_between_actions")
                 await self._append_all(ctx, state, move.actions, f"resp-{move.response}-call-{move.index}")
                 await self._delegate(ctx, state)
+            elif isinstance(move, ListTools):
+                server = move.server
+                url = getattr(server, "url", None)
+                listing = events.McpList(
+                    server=server.name,
+                    command=list(server.command) if getattr(server, "command", None) else None,
+                    url=url,
+                    env=list(getattr(server, "env", None) or []),
+                    timeout=float(getattr(server, "timeout", 30.0)),
+                    runs_in="agent" if url else "runtime",
+                )
+                await self._append(ctx, state, listing, f"run-{run.opened}-mcp-{server.name}")
+            elif isinstance(move, RunTool):
+                await self._run_tool(ctx, state, run, agent, move.action)
             elif isinstance(move, CallModel):
                 refused = await self._over_quota(ctx, state, run)
                 if refused is not None:
                     await self._end(ctx, state, run, "budget_exhausted", refused)
                 else:
-                    await self._step(ctx, state, run)
+                    await self._step(ctx, state, run, agent)
         await self._wind_up(ctx, state)
         await self._release_slot(ctx, state)
 
-    async def _step(self, ctx: SessionContext, state: _Session, run: Run) -> None:
+    async def _run_tool(
+        self, ctx: SessionContext, state: _Session, run: Run, agent: Agent, action: events.ToolCall | events.McpList
+    ) -> None:
+        """Claim ``action`` (one this worker answers itself) with the owner's fencing token, run it,
+        and append its answer.  A call a lost owner had claimed is answered ``tool_lost``, or run
+        again when its tool is idempotent; one answered meanwhile is only folded."""
+        assert action.id is not None
+        tool = agent.user_tools.get(action.tool) if isinstance(action, events.ToolCall) else None
+        claimed = await ctx.claim_id(action.id)
+        if claimed.status == "claimed" and tool is not None and tool.idempotent:
+            log.info("agent.tool_again", session=ctx.session, action=action.id, tool=tool.name)
+            claimed = await ctx.claim_id(action.id, force=True)
+        if claimed.status == "answered":
+            await self._catch_up(ctx, state)
+            return
+        key = f"tool-{action.id}-answer"
+        if claimed.status != "ok":
+            name = action.tool if isinstance(action, events.ToolCall) else f"{action.server} listing"
+            lost = events.Error(
+                source="agent",
+                cause=action.id,
+                content=f"the worker running {name} (action {action.id}) was lost; it may or may not have taken "
+                "effect: check before calling it again",
+                reason="tool_lost",
+                retryable=True,
+            )
+            await self._append(ctx, state, lost, key)
+            return
+        crashpoint("agent_tool_claimed")
+        answer = await self._tool_answer(ctx, run, agent, action, tool)
+        crashpoint("agent_tool_ran")
+        await self._append(ctx, state, answer, key)
+
+    async def _tool_answer(
+        self, ctx: SessionContext, run: Run, agent: Agent, action: events.ToolCall | events.McpList, tool: Any
+    ) -> events.Observation:
+        """The answer of a call this worker runs: a Python tool's outcome, or a remote MCP server's."""
+        if isinstance(action, events.ToolCall) and tool is not None:
+            context = tooling.ToolContext(
+                session=ctx.session,
+                tenant=ctx.tenant,
+                run=run.opened,
+                action_id=action.id or 0,
+                log=log.bind(session=ctx.session, run=run.opened),
+            )
+            started = time.monotonic()
+            outcome = await tooling.call(tool, action.arguments, context)
+            log.info(
+                "agent.tool_ran",
+                session=ctx.session,
+                action=action.id,
+                tool=tool.name,
+                is_error=outcome.is_error,
+                seconds=round(time.monotonic() - started, 3),
+            )
+            return events.ToolResult(content=outcome.content, is_error=outcome.is_error, cause=action.id)
+        return await self._remote_mcp(ctx, agent, action)
+
+    async def _remote_mcp(
+        self, ctx: SessionContext, agent: Agent, action: events.ToolCall | events.McpList
+    ) -> events.Observation:
+        """A remote MCP server's listing or call (its tools are not this worker's functions)."""
+        name = action.server if action.server is not None else ""
+        return events.Error(
+            source="agent",
+            cause=action.id,
+            content=f"the tool {getattr(action, 'tool', name)!r} is not one this worker can run (MCP server {name!r})",
+            reason="tool_unavailable",
+        )
+
+    async def _step(self, ctx: SessionContext, state: _Session, run: Run, agent: Agent) -> None:
         """One model call and its ``llm_response`` (or the ``llm_error`` that ends the run)."""
-        model = run.model or self.model
+        model = run.model or agent.model or self.model
         until = state.fold.last
         crashpoint("agent_before_llm")
         await self._save_summary(ctx, state)
+        toolbox = Toolbox(agent, state.fold.mcp, sub_agents=self.max_depth > 0)
         try:
-            response = await self._complete(ctx, state, model, _started(state.seen, run.opened))
+            response = await self._complete(ctx, state, model, _started(state.seen, run.opened), agent, toolbox)
         except _ModelFailed as exc:
             await self._catch_up(ctx, state)
             if state.fold.run is run and run.open and run.cancel_requested is None:
@@ -385,7 +521,7 @@ class AgentHandler:
             # The response's first action goes in the same write (its id follows the response's),
             # unless it ends the run: the step's tokens are counted (metrics, the tenant's day)
             # before the run's end is on the log.
-            first = appended_with(replace(recorded, id=state.fold.last + 1))
+            first = appended_with(replace(recorded, id=state.fold.last + 1), toolbox)
             if isinstance(first, events.Finish):
                 first = None
             try:
@@ -581,17 +717,26 @@ class AgentHandler:
     # --- the model ------------------------------------------------------------------------------
 
     async def _complete(
-        self, ctx: SessionContext, state: _Session, model: str, started: events.RunStarted | None = None
+        self,
+        ctx: SessionContext,
+        state: _Session,
+        model: str,
+        started: events.RunStarted | None,
+        agent: Agent,
+        toolbox: Toolbox,
     ) -> Any:
         """The model's response to the prompt the log makes; a server that is down or answers
         5xx/429 is asked again, backing off, for ``retry_seconds`` (a cancel stops that)."""
+        condenser = self.condenser_defaults
+        if agent.condenser:
+            condenser = {**(condenser or {}), **agent.condenser}
         request: dict[str, Any] = {
             "model": model,
             "messages": cache_breakpoints(
-                build_messages(state.seen, agent=AGENT_NAME, condenser_defaults=self.condenser_defaults),
+                build_messages(state.seen, condenser_defaults=condenser, system=system_prompt(agent)),
                 self.prompt_cache,
             ),
-            "tools": self.tools,
+            "tools": toolbox.openai(),
             "tool_choice": "auto",
             # Several calls in one response: the role appends them in order (each after the one
             # before is answered), and ``delegate`` calls that follow one another run at once.
@@ -704,6 +849,8 @@ class AgentHandler:
         header = state.fold.delegated
         parent = header.parent if header is not None else None
         summary = summarize(ctx.session, run, worker=ctx.worker, model=self.model, parent=parent)
+        if state.foreign is not None and run.open:
+            summary = replace(summary, worker=None, detail=state.foreign)
         return None if summary == state.summary else summary
 
     async def _save_summary(self, ctx: SessionContext, state: _Session) -> None:
@@ -796,4 +943,11 @@ def build_agent_handler(settings: Settings) -> AgentHandler:
         max_output_tokens=settings.llm_max_output_tokens,
         condenser_defaults=settings.condenser_defaults(),
         pace=Pace(settings.agent_min_runs, slack=settings.agent_pace_slack) if settings.agent_pace else None,
+        hosted=load(agent_modules(settings)),
+        max_calls_per_step=settings.agent_max_calls_per_step,
     )
+
+
+def agent_modules(settings: Settings) -> list[str]:
+    """The modules whose agents the worker hosts (``RIVERBED_AGENTS``, comma-separated)."""
+    return [name.strip() for name in settings.agents.split(",") if name.strip()]

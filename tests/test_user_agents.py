@@ -1,0 +1,136 @@
+"""Users' agents hosted by the agent role: Python tools called as ``tool_call`` actions and
+answered once by ``tool_result``, bad arguments answered without running, errors the model
+reads, runs on an agent's definition (name, digest, rules) and stuck runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import riverbed
+from riverbed import events
+from riverbed.agent.hosted import RunLimits, open_run
+from riverbed.agent.registry import load
+from riverbed.client.session import Bus
+from riverbed.errors import InputError
+from tests.kit.agent_role import ended, roles, server  # noqa: F401  (fixtures)
+from tests.kit.openai_server import OpenAIServer
+from tests.kit.user_agents import scribe
+
+pytestmark = pytest.mark.anyio
+
+HOSTED = load(["tests.kit.user_agents"], entry_point_group=None)
+
+
+@pytest.fixture
+def journal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "journal.txt"
+    monkeypatch.setenv("RIVERBED_TEST_JOURNAL", str(path))
+    return path
+
+
+async def test_a_user_tool_runs_once_per_call_and_the_model_reads_its_result(
+    bus: Bus, workspace: Path, server: OpenAIServer, journal: Path
+) -> None:
+    server.reply(tool_calls=[("note", {"entry": "first"}), ("add", {"a": 2, "b": 3})])
+    server.reply(tool_calls=[("finish", {"final_thought": "done"})])
+    async with roles(bus, workspace, server, hosted=HOSTED):
+        opened = await open_run(bus, "u1", "keep notes", agent=scribe, limits=RunLimits(max_steps=5))
+        seen = await ended(bus, "u1", opened.task)
+    kinds = [e.kind for e in seen]
+    assert kinds == [
+        "message",
+        "run_started",
+        "llm_response",
+        "tool_call",
+        "tool_result",
+        "tool_call",
+        "tool_result",
+        "llm_response",
+        "finish",
+    ]
+    started = seen[1]
+    assert isinstance(started, events.RunStarted)
+    assert (started.agent_name, started.digest) == ("scribe", scribe.digest)
+    calls = [e for e in seen if isinstance(e, events.ToolCall)]
+    results = [e for e in seen if isinstance(e, events.ToolResult)]
+    assert [(c.tool, c.arguments) for c in calls] == [("note", {"entry": "first"}), ("add", {"a": 2, "b": 3})]
+    assert [r.cause for r in results] == [c.id for c in calls]
+    assert [r.content for r in results] == ["noted first", '{"sum":5}']
+    assert journal.read_text() == f"u1:{calls[0].id} first\n"
+    # The model was offered the agent's tools (and finish), with the system prompt its instructions.
+    request = server.requests[0]
+    offered = [t["function"]["name"] for t in request["tools"]]
+    assert offered == ["think", "note", "note_again", "add", "refuse", "crash", "linger", "finish"]
+    assert request["messages"][0] == {"role": "system", "content": "You keep a journal of what you are told."}
+    add_schema = next(t for t in request["tools"] if t["function"]["name"] == "add")["function"]["parameters"]
+    assert add_schema["properties"]["a"] == {"type": "integer", "minimum": 0, "maximum": 100}
+    # The second prompt pairs each call with its result by the call's id.
+    second = server.requests[1]["messages"]
+    tool_messages = [m for m in second if m["role"] == "tool"]
+    assert [m["content"] for m in tool_messages] == ["noted first", '{"sum":5}']
+
+
+async def test_bad_arguments_errors_and_overruns_reach_the_model_and_nothing_bad_runs(
+    bus: Bus, workspace: Path, server: OpenAIServer, journal: Path
+) -> None:
+    server.reply(tool_calls=[("add", {"a": 500})])  # out of the schema's bounds
+    server.reply(tool_calls=[("note", {"entry": 7})])  # wrong type
+    server.reply(tool_calls=[("refuse", {"reason": "no"}), ("crash", {}), ("linger", {"seconds": 3})])
+    server.reply(tool_calls=[("finish", {"final_thought": "done"})])
+    async with roles(bus, workspace, server, hosted=HOSTED):
+        opened = await open_run(bus, "u2", "try things", agent=scribe, limits=RunLimits(max_steps=6))
+        seen = await ended(bus, "u2", opened.task)
+    assert not journal.exists()  # the badly typed note never ran
+    rejects = [e for e in seen if isinstance(e, events.Error) and e.reason == "bad_tool_call"]
+    assert len(rejects) == 2
+    assert "bad arguments for add" in rejects[0].content
+    assert "bad arguments for note" in rejects[1].content
+    results = [e for e in seen if isinstance(e, events.ToolResult)]
+    assert [r.is_error for r in results] == [True, True, True]
+    assert results[0].content == "refused: no"
+    assert results[1].content == "the tool crash raised ValueError: the disk is on fire"
+    assert results[2].content == "the tool linger did not finish within 0.5 s"
+    assert seen[-1].kind == "finish"
+
+
+async def test_a_run_that_repeats_itself_ends_stuck(
+    bus: Bus, workspace: Path, server: OpenAIServer, journal: Path
+) -> None:
+    for _ in range(4):
+        server.reply(tool_calls=[("add", {"a": 1, "b": 1})])
+    async with roles(bus, workspace, server, hosted=HOSTED):
+        opened = await open_run(bus, "u3", "loop", agent=scribe, limits=RunLimits(max_steps=10))
+        seen = await ended(bus, "u3", opened.task)
+    last = seen[-1]
+    assert isinstance(last, events.Error)
+    assert last.reason == "stuck"
+    assert "same call with the same result 3 times" in last.content
+    assert len(server.requests) == 3
+
+
+async def test_an_unknown_agent_is_refused_naming_the_known_ones(bus: Bus) -> None:
+    with pytest.raises(InputError, match=r"there is no agent 'nobody'; the agents this deployment knows are llm"):
+        await open_run(bus, "u4", "task", agent="nobody")
+
+
+def test_definitions_are_checked_in_one_sentence() -> None:
+    with pytest.raises(InputError, match="there is no built-in tool 'shell'"):
+        riverbed.Agent("a", tools=["shell"])
+
+    def cmd_run(command: str) -> str:
+        return command
+
+    shadowing = riverbed.tool(cmd_run)
+    with pytest.raises(InputError, match="has the name of a built-in tool"):
+        riverbed.Agent("a", tools=[shadowing])
+
+    def untyped(x) -> str:  # type: ignore[no-untyped-def]
+        return str(x)
+
+    with pytest.raises(InputError, match="has no type annotation"):
+        riverbed.tool(untyped)
+
+    with pytest.raises(InputError, match="an agent's name"):
+        riverbed.Agent("no spaces please")
