@@ -70,6 +70,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from dataclasses import replace as dataclass_replace
 from functools import partial
 from typing import Any
 
@@ -603,7 +604,10 @@ class AgentHandler:
         log holds nothing else up to them); otherwise (a repeat, or events came in between) the
         log is read."""
         written = await ctx.append_events(
-            [_stamped(event, ctx.tenant) for event in batch],
+            [
+                _stamped(event, ctx.tenant, state.fold.run.agent_name if state.fold.run else AGENT_NAME)
+                for event in batch
+            ],
             expected_last=expected_last,
             idempotency_key=key,
             pass_own=True,
@@ -633,7 +637,7 @@ class AgentHandler:
                 continue
             refused = refusal(state.fold, run, action, max_depth=self.max_depth, max_fanout=self.max_fanout)
             if refused is None:
-                refused = await self._create_child(ctx, plan_child(ctx.session, state.fold, run, action))
+                refused = await self._create_child(ctx, self._child_plan(ctx, state, run, action))
             if refused is not None:
                 error = events.Error(source="agent", cause=action.id, content=refused, reason=REFUSED)
                 await self._append(ctx, state, error, f"delegate-{action.id}-refused")
@@ -641,6 +645,20 @@ class AgentHandler:
         if waiting:
             # A cancel (or a peer's end of the run) that came meanwhile reaches the children made here.
             await self._catch_up(ctx, state)
+
+    def _child_plan(self, ctx: SessionContext, state: _Session, run: Run, action: events.Delegate) -> ChildPlan:
+        """The child of ``action``; it runs the sub-agent the call names, else its parent's agent
+        (a parent on a hosted definition passes it on with the digest this worker hosts)."""
+        plan = plan_child(ctx.session, state.fold, run, action)
+        named = action.sub_agent if isinstance(action.sub_agent, str) else None
+        if named is None and run.digest is None:
+            return plan  # (the reference agent, on whichever digest a worker hosts)
+        name = named or run.agent_name
+        definition = self.hosted.get(name)
+        chosen: dict[str, Any] = {"agent_name": name, "rules": RULES_VERSION}
+        if definition is not None:
+            chosen["digest"] = definition.digest
+        return dataclass_replace(plan, started=replace(plan.started, **chosen))
 
     async def _create_child(self, ctx: SessionContext, plan: ChildPlan) -> str | None:
         """Create the child session (once: its log must be empty); None when it exists as this
@@ -892,9 +910,9 @@ def _served(run: Run | None) -> bool:
     return not waiting or len(run.waiting_delegates) < len(waiting)
 
 
-def _stamped(event: events.Event, tenant: str | None) -> events.Event:
-    """``event`` as the role writes it: its ``agent``, and the session's tenant."""
-    changes: dict[str, Any] = {"agent": event.agent or AGENT_NAME}
+def _stamped(event: events.Event, tenant: str | None, agent: str = AGENT_NAME) -> events.Event:
+    """``event`` as the role writes it: its ``agent`` (the run's agent), and the session's tenant."""
+    changes: dict[str, Any] = {"agent": event.agent or agent}
     if event.tenant is None and tenant is not None:
         changes["tenant"] = tenant
     return replace(event, **changes)
