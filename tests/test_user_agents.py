@@ -6,15 +6,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 
 import riverbed
 from riverbed import events
-from riverbed.agent.hosted import RunLimits, open_run
-from riverbed.agent.registry import load
+from riverbed.agent.define import REFERENCE
+from riverbed.agent.hosted import RunLimits, list_runs, open_run, upgrade_run
+from riverbed.agent.registry import Hosted, load, publish_fields
 from riverbed.client.session import Bus
 from riverbed.errors import InputError
 from tests.kit.agent_role import ended, roles, server  # noqa: F401  (fixtures)
+from tests.kit.cli import assert_one_sentence, ok, run
 from tests.kit.openai_server import OpenAIServer
 from tests.kit.user_agents import scribe
 
@@ -134,3 +137,43 @@ def test_definitions_are_checked_in_one_sentence() -> None:
 
     with pytest.raises(InputError, match="an agent's name"):
         riverbed.Agent("no spaces please")
+
+
+async def test_a_run_on_another_definition_waits_until_upgraded(
+    bus: Bus, workspace: Path, server: OpenAIServer, journal: Path
+) -> None:
+    # The run opens on scribe as defined now; the worker hosts a changed scribe (a rolling deploy).
+    changed = riverbed.Agent("scribe", "You keep a terse journal.", tools=scribe.tools, stuck=scribe.stuck)
+    assert changed.digest != scribe.digest
+    new_deployment = Hosted({"scribe": changed, "llm": REFERENCE}, {"scribe": "tests", "llm": "riverbed"})
+    server.reply(tool_calls=[("finish", {"final_thought": "done"})])
+    async with roles(bus, workspace, server, hosted=new_deployment):
+        opened = await open_run(bus, "v1", "keep notes", agent=scribe, limits=RunLimits(max_steps=3))
+        # Nothing is asked of the model; `riverbed runs` says what the run waits for.
+        with anyio.fail_after(20):
+            while True:
+                (row,) = await list_runs(bus)
+                if scribe.digest in row.detail:
+                    break
+                await anyio.sleep(0.05)
+        assert row.worker is None
+        assert "waiting for a worker that hosts agent 'scribe'" in row.detail
+        await anyio.sleep(0.5)
+        assert server.requests == []
+        # The operator moves the run to the new definition: the switch is on the log.
+        async with bus.client.pipeline() as pipe:
+            pipe.hset(bus.keys.agents, publish_fields(new_deployment, "w-new"))
+            await pipe.execute()
+        upgrade = await upgrade_run(bus, "v1")
+        seen = await ended(bus, "v1", opened.task)
+    switched = next(e for e in seen if e.id == upgrade)
+    assert isinstance(switched, events.RunUpgraded)
+    assert (switched.previous, switched.digest) == (scribe.digest, changed.digest)
+    assert seen[-1].kind == "finish"
+    assert server.requests[0]["messages"][0]["content"] == "You keep a terse journal."
+
+
+def test_the_cli_refuses_an_unknown_agent_and_lists_the_known_ones(cli_env: dict[str, str]) -> None:
+    result = run(cli_env, "agent", "c1", "do it", "--agent", "nobody", "--detach")
+    assert_one_sentence(result, 2, "there is no agent 'nobody'", "llm")
+    assert ok(cli_env, "agents", "--json") == b""  # no worker published any yet

@@ -81,6 +81,10 @@ class RunRow(msgspec.Struct, kw_only=True):
     """the session a sub-agent's run works for"""
     children: list[str] = msgspec.field(default_factory=list)
     """the sessions of the run's sub-agents"""
+    agent: str = "llm"
+    """the hosted agent that works on it"""
+    detail: str = ""
+    """how it ended, or what an open run waits for (a worker that hosts its agent's definition)"""
 
 
 async def _fold(bus: Bus, session: str, prices: dict[str, Price] | None = None) -> RunFold:
@@ -267,4 +271,6 @@ def _row(summary: RunSummary, now: float) -> RunRow:
         model=summary.model,
         parent=summary.parent,
         children=summary.children,
+        agent=summary.agent,
+        detail=summary.detail,
     )
