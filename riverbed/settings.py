@@ -96,6 +96,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     agent_pace_slack: Annotated[float, Meta(ge=1.0, le=100.0)] = 1.2
     agents: str = ""
     agent_max_calls_per_step: Annotated[int, Meta(ge=1, le=10_000)] = 32
+    agent_action_timeout: Annotated[float, Meta(ge=0, le=86_400)] = 120.0
     condenser_strategy: Literal["noop", "recent", "amortized", "masking", "summarizing", "attention"] = "amortized"
     condenser_max_events: Annotated[int, Meta(ge=0)] = 100
     condenser_budget_tokens: Annotated[int, Meta(ge=0)] = 0

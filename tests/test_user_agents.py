@@ -177,3 +177,19 @@ def test_the_cli_refuses_an_unknown_agent_and_lists_the_known_ones(cli_env: dict
     result = run(cli_env, "agent", "c1", "do it", "--agent", "nobody", "--detach")
     assert_one_sentence(result, 2, "there is no agent 'nobody'", "llm")
     assert ok(cli_env, "agents", "--json") == b""  # no worker published any yet
+
+
+async def test_an_action_no_role_answers_is_answered_timeout_and_the_run_goes_on(
+    bus: Bus, workspace: Path, server: OpenAIServer
+) -> None:
+    # No memory worker runs: the recall is never answered, so the agent answers it at its deadline.
+    server.reply(tool_calls=[("recall", {"query": "the config"})])
+    server.reply(tool_calls=[("finish", {"final_thought": "gave up on memory"})])
+    async with roles(bus, workspace, server, action_timeout=1.0):
+        opened = await open_run(bus, "t1", "remember", limits=RunLimits(max_steps=3))
+        seen = await ended(bus, "t1", opened.task)
+    (recall,) = [e for e in seen if isinstance(e, events.Recall)]
+    (timeout,) = [e for e in seen if isinstance(e, events.Error) and e.cause == recall.id]
+    assert (timeout.reason, timeout.retryable, timeout.source) == ("timeout", True, "agent")
+    assert "no answer to recall" in timeout.content
+    assert seen[-1].kind == "finish"

@@ -104,6 +104,7 @@ from riverbed.agent.runs import (
     appended_with,
     child_session,
     next_move,
+    runs_here,
     summarize,
 )
 from riverbed.agent.toolbox import Toolbox
@@ -255,6 +256,7 @@ class AgentHandler:
         pace: Pace | None = None,
         hosted: Hosted | None = None,
         max_calls_per_step: int = 32,
+        action_timeout: float = 0.0,
     ) -> None:
         self.client = client
         self.model = model
@@ -267,6 +269,10 @@ class AgentHandler:
         self.hosted = hosted if hosted is not None else load(entry_point_group=None)
         """the agent definitions this worker works on (the reference agent among them)"""
         self.max_calls_per_step = max_calls_per_step
+        self.action_timeout = action_timeout
+        """seconds an action of a run may wait for its answer (beyond its own timeout) before the
+        agent answers it with an ``error`` (reason ``timeout``) and goes on; 0: it waits as long
+        as it takes"""
         self.temperature = temperature
         self.max_output_tokens = max_output_tokens
         self.condenser_defaults = condenser_defaults
@@ -356,6 +362,51 @@ class AgentHandler:
     def _names(self) -> str:
         return ", ".join(sorted(self.hosted.agents))
 
+    def _deadlines(self, run: Run | None) -> list[tuple[float, events.Action]]:
+        """(wall-clock deadline, action) of the run's actions that wait for another role's answer."""
+        if run is None or not run.open or not self.action_timeout:
+            return []
+        waiting = set(run.unanswered)
+        out = []
+        for action in run.actions:
+            if action.id in waiting and not runs_here(action) and not isinstance(action, events.Delegate):
+                own = getattr(action, "timeout", None)
+                limit = self.action_timeout + (own if isinstance(own, int | float) else 0.0)
+                out.append((action.ts.timestamp() + limit, action))
+        return out
+
+    def wake_at(self, ctx: SessionContext) -> float | None:
+        """When the session's next action deadline passes (``time.monotonic()``), if it has one."""
+        state = self.sessions.get(ctx.session)
+        deadlines = self._deadlines(state.fold.run) if state is not None and state.foreign is None else []
+        if not deadlines:
+            return None
+        return time.monotonic() + (min(d for d, _ in deadlines) - time.time())
+
+    async def tick(self, ctx: SessionContext) -> None:
+        """A deadline passed with nothing new on the log: answer what is overdue, and go on."""
+        state = self.sessions.get(ctx.session)
+        if state is None:
+            return
+        await self._catch_up(ctx, state)
+        await self._advance(ctx, state)
+        await self._save_summary(ctx, state)
+
+    async def _answer_overdue(self, ctx: SessionContext, state: _Session) -> None:
+        """Answer each action past its deadline with an ``error`` (reason ``timeout``): a run never
+        waits forever for a role that is not there (an answer that comes later is refused)."""
+        now = time.time()
+        for deadline, action in self._deadlines(state.fold.run):
+            if deadline > now or action.id is None:
+                continue
+            waited = now - action.ts.timestamp()
+            content = (
+                f"no answer to {action.kind} (action {action.id}) within {waited:.0f} s: no worker of the role that "
+                "runs it answered in time; it may still run, so check before calling it again"
+            )
+            error = events.Error(source="agent", cause=action.id, content=content, reason="timeout", retryable=True)
+            await self._append(ctx, state, error, f"action-{action.id}-timeout")
+
     def leaves(self, ctx: SessionContext) -> bool:
         """The session's open run is not this worker's to work on: leave it to a worker that matches."""
         state = self.sessions.get(ctx.session)
@@ -378,6 +429,7 @@ class AgentHandler:
         else:
             agent = REFERENCE
         await self._delegate(ctx, state)  # (after a takeover: children not made sure of yet)
+        await self._answer_overdue(ctx, state)
         made: tuple[str, int] | None = None
         while True:
             run = state.fold.run
@@ -963,6 +1015,7 @@ def build_agent_handler(settings: Settings) -> AgentHandler:
         pace=Pace(settings.agent_min_runs, slack=settings.agent_pace_slack) if settings.agent_pace else None,
         hosted=load(agent_modules(settings)),
         max_calls_per_step=settings.agent_max_calls_per_step,
+        action_timeout=settings.agent_action_timeout,
     )
 
 

@@ -37,6 +37,7 @@ async def roles(
     checked: bool = False,
     pace: Pace | None = None,
     hosted: Hosted | None = None,
+    action_timeout: float = 0.0,
 ) -> AsyncIterator[AgentHandler]:
     """The runtime and agent roles in this process; ``checked``: the agent role asks the model as a
     worker does (``CheckedClient``), else through a plain client of the client library; ``pace``:
@@ -51,6 +52,7 @@ async def roles(
         prices=parse_prices(prices),
         pace=pace,
         hosted=hosted,
+        action_timeout=action_timeout,
     )
     try:
         async with owners(bus, [RuntimeHandler(runtime), agent]):
