@@ -21,7 +21,7 @@ of a run that no agent worker has picked up yet.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,7 @@ async def open_run(
     limits: RunLimits | None = None,
     tenant: str | None = None,
     agent: str | Agent | None = None,
+    images: Sequence[str] = (),
 ) -> OpenedRun:
     """Record a run on the log (task message + ``run_started``) and return at once.
 
@@ -143,8 +144,9 @@ async def open_run(
         await quotas.admit(session.tenant, session_id)
     try:
         # expected_last: two callers opening a run at once cannot both succeed.
+        message = events.Message(content=task, source="user", images=list(images)) if images else None
         task_id, opened = await session.append(
-            events.Message(content=task, source="user"), started, expected_last=fold.last
+            message or events.Message(content=task, source="user"), started, expected_last=fold.last
         )
     except BaseException:
         if quotas is not None and session.tenant is not None:

@@ -55,6 +55,7 @@ __all__ = [
     "EndRun",
     "ListTools",
     "Move",
+    "RecallContext",
     "RejectCalls",
     "Run",
     "RunFold",
@@ -135,6 +136,12 @@ class Run:
     """the text of its calls' errors since the last call that did not fail"""
     idle: int = 0
     """responses in a row that called nothing but ``think``"""
+    said: list[tuple[int, str]] = field(default_factory=list)
+    """(id, text) of the user messages it works on: its task, and those that came while it ran"""
+    recalls: dict[int, list[int]] = field(default_factory=dict)
+    """user message -> the ids of the context recalls the agent asked for it"""
+    recalled_at: dict[int, float] = field(default_factory=dict)
+    """context recall -> when it was asked (unix seconds)"""
     ended: int | None = None
     """the id of the event that ended it"""
     end_reason: str | None = None
@@ -203,6 +210,9 @@ class RunFold:
         """MCP server -> the tools it listed last (``mcp_tools``)"""
         self._delegated_run: int | None = None
         self._last_user_message: int | None = None
+        self._last_user_text = ""
+        self.first_user_message: int | None = None
+        """the session's first user message (its context recall asks for the workspace's too)"""
 
     def add(self, event: events.Event) -> None:
         event_id = event.id
@@ -211,7 +221,11 @@ class RunFold:
         self.last = event_id
         run = self.run
         if isinstance(event, events.Message) and event.source == "user":
-            self._last_user_message = event_id
+            self._last_user_message, self._last_user_text = event_id, event.content
+            if self.first_user_message is None:
+                self.first_user_message = event_id
+            if run is not None and run.open:
+                run.said.append((event_id, event.content))
         if isinstance(event, events.Delegated) and event_id == 1:
             self.delegated = event
         if isinstance(event, events.Forked):
@@ -236,6 +250,8 @@ class RunFold:
                     digest=event.digest if isinstance(event.digest, str) else None,
                     rules=event.rules if isinstance(event.rules, int) else 1,
                 )
+                if self._last_user_message is not None:
+                    self.run.said.append((self._last_user_message, self._last_user_text))
                 self.runs += 1
             return
         if run is None or not run.open:
@@ -253,6 +269,9 @@ class RunFold:
                 run.digest, run.rules = event.digest, event.rules
             case events.McpList() if event.source == "agent":
                 run.listing.setdefault(event.server, event_id)
+            case events.Recall() if event.source == "agent" and any(m == event.cause for m, _ in run.said):
+                run.recalls.setdefault(event.cause or 0, []).append(event_id)
+                run.recalled_at[event_id] = event.ts.timestamp()
             case events.LlmResponse():
                 counted = step(event, event_id, self.prices)
                 run.steps += 1
@@ -515,6 +534,16 @@ class ListTools:
 
 
 @dataclass(frozen=True)
+class RecallContext:
+    """Ask the memory role what a user message calls for before the model reads it: the
+    workspace's context (on the session's first user message) and the knowledge it triggers."""
+
+    message: int
+    text: str
+    first: bool
+
+
+@dataclass(frozen=True)
 class RunTool:
     """Run an action the agent worker answers itself (a Python tool's ``tool_call``, a remote MCP
     server's call or listing), claimed first."""
@@ -522,7 +551,7 @@ class RunTool:
     action: events.ToolCall | events.McpList
 
 
-Move = Wait | EndRun | CallModel | AppendAction | AppendDelegates | RejectCalls | ListTools | RunTool
+Move = Wait | EndRun | CallModel | AppendAction | AppendDelegates | RejectCalls | ListTools | RecallContext | RunTool
 
 
 MAX_CALLS_PER_STEP = 32
@@ -588,9 +617,18 @@ def runs_here(action: events.Action) -> bool:
     return isinstance(action, events.ToolCall | events.McpList) and action.answering_role == "agent"
 
 
-def next_move(run: Run | None, agent: Agent | None = None, listed: Mapping[str, events.McpTools] | None = None) -> Move:
+def next_move(
+    run: Run | None,
+    agent: Agent | None = None,
+    listed: Mapping[str, events.McpTools] | None = None,
+    *,
+    recalls: bool = False,
+    first_message: int | None = None,
+) -> Move:
     """What the agent does next for ``run``, decided from the fold alone (``agent``: its
-    definition, the reference agent when None; ``listed``: the MCP listings of the log)."""
+    definition, the reference agent when None; ``listed``: the MCP listings of the log;
+    ``recalls``: ask the memory role for each user message's context before the model reads
+    it, ``first_message`` being the session's first user message)."""
     if run is None or not run.open:
         return Wait()
     if run.cancel_requested is not None:
@@ -622,6 +660,13 @@ def next_move(run: Run | None, agent: Agent | None = None, listed: Mapping[str, 
                 if together:
                     return AppendDelegates(response.id, done, tuple(together))
                 return AppendAction(response.id, done, planned[done])
+    if recalls:
+        for message, text in run.said:
+            recalled = run.recalls.get(message)
+            if recalled is None:
+                return RecallContext(message, text, message == first_message)
+            if any(a not in run.answered for a in recalled):
+                return Wait()
     for server in definition.mcp:
         name = getattr(server, "name", "")
         asked = run.listing.get(name)

@@ -68,10 +68,11 @@ memory role for context recalls.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from dataclasses import replace as dataclass_replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -85,6 +86,7 @@ from riverbed import events
 from riverbed.agent import tooling
 from riverbed.agent.define import REFERENCE, RULES_VERSION, Agent
 from riverbed.agent.delegation import REFUSED, ChildPlan, plan_child, refusal, result
+from riverbed.agent.images import ImageSource, WorkspaceImages, vision
 from riverbed.agent.llm import build_messages, model_parameters, recorded_response, system_prompt, timeout_sentence
 from riverbed.agent.messages import cache_breakpoints
 from riverbed.agent.quotas import Quotas, TenantQuota
@@ -95,6 +97,7 @@ from riverbed.agent.runs import (
     CallModel,
     EndRun,
     ListTools,
+    RecallContext,
     RejectCalls,
     Run,
     RunFold,
@@ -115,6 +118,7 @@ from riverbed.bus.handling import Entry, SessionContext
 from riverbed.bus.keys import AGENT_ROLE
 from riverbed.bus.redis_client import Pipeline
 from riverbed.errors import AppendConflict, FencedError, TenantMismatch
+from riverbed.runtime.paths import workspace_name
 from riverbed.settings import Settings
 from riverbed.workers.agent_pace import Pace
 from riverbed.workers.model_client import CheckedClient, checked_by
@@ -257,6 +261,10 @@ class AgentHandler:
         hosted: Hosted | None = None,
         max_calls_per_step: int = 32,
         action_timeout: float = 0.0,
+        context_recalls: bool = False,
+        recall_timeout: float = 15.0,
+        only_session: str | None = None,
+        images: Callable[[str], ImageSource | None] | None = None,
     ) -> None:
         self.client = client
         self.model = model
@@ -273,6 +281,14 @@ class AgentHandler:
         """seconds an action of a run may wait for its answer (beyond its own timeout) before the
         agent answers it with an ``error`` (reason ``timeout``) and goes on; 0: it waits as long
         as it takes"""
+        self.context_recalls = context_recalls
+        """ask the memory role for each user message's context (the workspace's, the knowledge it
+        triggers) before the model reads it, waiting up to ``recall_timeout`` seconds for it"""
+        self.recall_timeout = recall_timeout
+        self.only_session = only_session
+        """serve this session alone (a run served in the caller's process), leaving others to workers"""
+        self.images = images
+        """the images a session's prompt may show (a vision model), by session"""
         self.temperature = temperature
         self.max_output_tokens = max_output_tokens
         self.condenser_defaults = condenser_defaults
@@ -362,17 +378,23 @@ class AgentHandler:
     def _names(self) -> str:
         return ", ".join(sorted(self.hosted.agents))
 
-    def _deadlines(self, run: Run | None) -> list[tuple[float, events.Action]]:
-        """(wall-clock deadline, action) of the run's actions that wait for another role's answer."""
-        if run is None or not run.open or not self.action_timeout:
+    def _deadlines(self, run: Run | None) -> list[tuple[float, int, str]]:
+        """(wall-clock deadline, action id, kind) of the run's actions that wait for another role's answer."""
+        if run is None or not run.open:
             return []
+        out = [
+            (asked + self.recall_timeout, recall, "recall")
+            for recall, asked in run.recalled_at.items()
+            if recall not in run.answered
+        ]
+        if not self.action_timeout:
+            return out
         waiting = set(run.unanswered)
-        out = []
         for action in run.actions:
             if action.id in waiting and not runs_here(action) and not isinstance(action, events.Delegate):
                 own = getattr(action, "timeout", None)
                 limit = self.action_timeout + (own if isinstance(own, int | float) else 0.0)
-                out.append((action.ts.timestamp() + limit, action))
+                out.append((action.ts.timestamp() + limit, action.id or 0, action.kind))
         return out
 
     def wake_at(self, ctx: SessionContext) -> float | None:
@@ -381,7 +403,7 @@ class AgentHandler:
         deadlines = self._deadlines(state.fold.run) if state is not None and state.foreign is None else []
         if not deadlines:
             return None
-        return time.monotonic() + (min(d for d, _ in deadlines) - time.time())
+        return time.monotonic() + (min(d for d, _, _ in deadlines) - time.time())
 
     async def tick(self, ctx: SessionContext) -> None:
         """A deadline passed with nothing new on the log: answer what is overdue, and go on."""
@@ -396,16 +418,15 @@ class AgentHandler:
         """Answer each action past its deadline with an ``error`` (reason ``timeout``): a run never
         waits forever for a role that is not there (an answer that comes later is refused)."""
         now = time.time()
-        for deadline, action in self._deadlines(state.fold.run):
-            if deadline > now or action.id is None:
+        for deadline, action, kind in self._deadlines(state.fold.run):
+            if deadline > now:
                 continue
-            waited = now - action.ts.timestamp()
             content = (
-                f"no answer to {action.kind} (action {action.id}) within {waited:.0f} s: no worker of the role that "
-                "runs it answered in time; it may still run, so check before calling it again"
+                f"no answer to {kind} (action {action}) in time: no worker of the role that runs it answered; "
+                "it may still run, so check before calling it again"
             )
-            error = events.Error(source="agent", cause=action.id, content=content, reason="timeout", retryable=True)
-            await self._append(ctx, state, error, f"action-{action.id}-timeout")
+            error = events.Error(source="agent", cause=action, content=content, reason="timeout", retryable=True)
+            await self._append(ctx, state, error, f"action-{action}-timeout")
 
     def leaves(self, ctx: SessionContext) -> bool:
         """The session's open run is not this worker's to work on: leave it to a worker that matches."""
@@ -415,6 +436,9 @@ class AgentHandler:
     async def _advance(self, ctx: SessionContext, state: _Session) -> None:
         """Make the moves the log calls for, until the run must wait for the log (or ended)."""
         run = state.fold.run
+        if self.only_session is not None and ctx.session != self.only_session:
+            state.foreign = f"this agent serves {self.only_session} alone"
+            return
         if run is not None and run.open:
             found = self.definition(run)
             if isinstance(found, str):
@@ -433,7 +457,9 @@ class AgentHandler:
         made: tuple[str, int] | None = None
         while True:
             run = state.fold.run
-            move = next_move(run, agent, state.fold.mcp)
+            move = next_move(
+                run, agent, state.fold.mcp, recalls=self.context_recalls, first_message=state.fold.first_user_message
+            )
             if isinstance(move, Wait) or run is None:
                 break
             if made == (type(move).__name__, state.fold.last):
@@ -471,6 +497,10 @@ class AgentHandler:
                     runs_in="agent" if url else "runtime",
                 )
                 await self._append(ctx, state, listing, f"run-{run.opened}-mcp-{server.name}")
+            elif isinstance(move, RecallContext):
+                asks = [events.Recall(recall_type="workspace_context", cause=move.message)] if move.first else []
+                asks.append(events.Recall(recall_type="knowledge", query=move.text, cause=move.message))
+                await self._append_all(ctx, state, asks, f"recall-{move.message}")
             elif isinstance(move, RunTool):
                 await self._run_tool(ctx, state, run, agent, move.action)
             elif isinstance(move, CallModel):
@@ -803,7 +833,12 @@ class AgentHandler:
         request: dict[str, Any] = {
             "model": model,
             "messages": cache_breakpoints(
-                build_messages(state.seen, condenser_defaults=condenser, system=system_prompt(agent)),
+                build_messages(
+                    state.seen,
+                    condenser_defaults=condenser,
+                    system=system_prompt(agent),
+                    images=self.images(ctx.session) if self.images is not None else None,
+                ),
                 self.prompt_cache,
             ),
             "tools": toolbox.openai(),
@@ -1016,7 +1051,19 @@ def build_agent_handler(settings: Settings) -> AgentHandler:
         hosted=load(agent_modules(settings)),
         max_calls_per_step=settings.agent_max_calls_per_step,
         action_timeout=settings.agent_action_timeout,
+        context_recalls=settings.agent_context_recalls,
+        recall_timeout=settings.agent_recall_timeout,
+        images=workspace_images(settings),
     )
+
+
+def workspace_images(settings: Settings) -> Callable[[str], ImageSource | None] | None:
+    """The images a session's prompt may show, read from its workspace (a vision model's:
+    ``RIVERBED_LLM_VISION``), else None."""
+    if not vision(settings.llm_vision, settings.llm_model):
+        return None
+    root = Path(settings.workspace)
+    return lambda session: WorkspaceImages(root / workspace_name(session), max_bytes=settings.max_image_bytes)
 
 
 def agent_modules(settings: Settings) -> list[str]:
