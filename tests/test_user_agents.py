@@ -16,14 +16,18 @@ from riverbed.agent.hosted import RunLimits, list_runs, open_run, upgrade_run
 from riverbed.agent.registry import Hosted, load, publish_fields
 from riverbed.client.session import Bus
 from riverbed.errors import InputError
+from riverbed.settings import Settings
+from riverbed.workers.agent_run import run_llm_agent
 from tests.kit.agent_role import ended, roles, server  # noqa: F401  (fixtures)
+from tests.kit.agents import runtime_worker
 from tests.kit.cli import assert_one_sentence, ok, run
-from tests.kit.openai_server import OpenAIServer
-from tests.kit.user_agents import scribe
+from tests.kit.openai_server import OpenAIServer, tool_call
+from tests.kit.user_agents import handy, lead, scribe
 
 pytestmark = pytest.mark.anyio
 
 HOSTED = load(["tests.kit.user_agents"], entry_point_group=None)
+"""The reference agent, scribe and lead."""
 
 
 @pytest.fixture
@@ -193,3 +197,75 @@ async def test_an_action_no_role_answers_is_answered_timeout_and_the_run_goes_on
     assert (timeout.reason, timeout.retryable, timeout.source) == ("timeout", True, "agent")
     assert "no answer to recall" in timeout.content
     assert seen[-1].kind == "finish"
+
+
+async def test_a_sub_agent_by_name_runs_its_own_definition(
+    bus: Bus, workspace: Path, server: OpenAIServer, journal: Path
+) -> None:
+    def script(request: dict[str, object]) -> dict[str, object]:
+        messages = request["messages"]
+        assert isinstance(messages, list)
+        system, last = messages[0]["content"], messages[-1]
+        if system.startswith("You lead"):
+            if last["role"] == "tool":
+                return {"tool_calls": [tool_call("finish", {"final_thought": f"lead: {last['content']}"})]}
+            return {"tool_calls": [tool_call("delegate", {"task": "note 'hello'", "agent": "scribe"})]}
+        if last["role"] == "tool":
+            return {"tool_calls": [tool_call("finish", {"final_thought": "scribe: noted"})]}
+        return {"tool_calls": [tool_call("note", {"entry": "hello"})]}
+
+    server.respond(script, times=10)
+    async with roles(bus, workspace, server, hosted=HOSTED):
+        opened = await open_run(bus, "lead", "take a note", agent=lead, limits=RunLimits(max_steps=4))
+        seen = await ended(bus, "lead", opened.task)
+    offered = next(t for t in server.requests[0]["tools"] if t["function"]["name"] == "delegate")
+    assert offered["function"]["parameters"]["properties"]["agent"]["enum"] == ["scribe"]
+    (delegate,) = [e for e in seen if isinstance(e, events.Delegate)]
+    assert delegate.sub_agent == "scribe"
+    child = await bus.session(f"lead.sub{delegate.id}").events()
+    started = next(e for e in child if isinstance(e, events.RunStarted))
+    assert (started.agent_name, started.digest) == ("scribe", scribe.digest)
+    assert [e.kind for e in child if e.kind.startswith("tool")] == ["tool_call", "tool_result"]
+    assert journal.read_text().endswith(" hello\n")
+    assert seen[-1].kind == "finish"
+    assert "scribe: noted" in seen[-1].final_thought
+
+
+async def test_the_in_process_loop_and_the_role_write_the_same_log(
+    bus: Bus, workspace: Path, server: OpenAIServer, journal: Path
+) -> None:
+    def script() -> None:
+        server.reply("Looking.", tool_calls=[("cmd_run", {"command": "echo one"}), ("note", {"entry": "one"})])
+        server.reply("Almost.")  # a text-only answer: the run's final word
+        server.reply(tool_calls=[("finish", {"final_thought": "never asked"})])
+
+    def shape(log: list[events.Event]) -> list[tuple[str, str, bool]]:
+        return [(e.kind, e.source, isinstance(e, events.Action) and isinstance(e.tool_call_id, str)) for e in log]
+
+    settings = Settings(llm_model="test-model", agent_context_recalls=False, agent_llm_retry_seconds=0)
+    script()
+    async with runtime_worker(bus, workspace):
+        ended_in_process = await run_llm_agent(
+            bus, "same-1", "do it", settings=settings, client=server.client(), agent=handy, max_steps=5
+        )
+    server.clear()
+    script()
+    async with roles(bus, workspace, server, hosted=HOSTED):
+        opened = await open_run(bus, "same-2", "do it", agent=handy, limits=RunLimits(max_steps=5))
+        await ended(bus, "same-2", opened.task)
+    in_process = await bus.session("same-1").events()
+    in_role = await bus.session("same-2").events()
+    assert shape(in_process) == shape(in_role)
+    assert [e.kind for e in in_role] == [
+        "message",
+        "run_started",
+        "llm_response",
+        "cmd_run",
+        "cmd_output",
+        "tool_call",
+        "tool_result",
+        "llm_response",
+        "finish",
+    ]
+    assert isinstance(ended_in_process, events.Finish)
+    assert ended_in_process.final_thought == "Almost."

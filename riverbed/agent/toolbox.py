@@ -41,6 +41,19 @@ def model_name(server: str, tool: str) -> str:
     return _UNSAFE.sub("_", f"{server}__{tool}")[:64]
 
 
+def _agent_as_sub_agent(arguments: str) -> str:
+    """``delegate``'s arguments with the model's ``agent`` choice as the action's ``sub_agent``
+    (the action's own ``agent`` is the name of whoever wrote it)."""
+    try:
+        raw = _arguments.decode(arguments or "{}")
+    except msgspec.DecodeError:
+        return arguments  # (action_from_call says what is wrong with them)
+    if "agent" not in raw:
+        return arguments
+    raw["sub_agent"] = raw.pop("agent")
+    return msgspec.json.encode(raw).decode()
+
+
 class Toolbox:
     """The tools of ``agent`` in one step, with the MCP listings recorded on the log so far
     (``listed``: server -> its latest ``mcp_tools``)."""
@@ -86,7 +99,7 @@ class Toolbox:
         schema = copy.deepcopy(parameters)
         properties = schema.get("properties", {})
         if self.agent.sub_agents:
-            properties["sub_agent"] = {
+            properties["agent"] = {
                 "enum": list(self.agent.sub_agents),
                 "description": "Which agent works on the task: "
                 + ", ".join(self.agent.sub_agents)
@@ -97,6 +110,8 @@ class Toolbox:
     def action(self, name: str, arguments: str) -> events.Action:
         """The action the call ``name(arguments)`` asks for; :class:`InputError` says what is wrong."""
         if name in self._builtin:
+            if name == "delegate" and self.agent.sub_agents:
+                arguments = _agent_as_sub_agent(arguments)
             action = action_from_call(name, arguments, self.kinds)
             asked = action.sub_agent if isinstance(action, events.Delegate) else None
             if isinstance(asked, str) and asked not in self.agent.sub_agents:

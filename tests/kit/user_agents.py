@@ -65,3 +65,14 @@ scribe = riverbed.Agent(
     tools=["think", note, note_again, add, refuse, crash, linger],
     stuck=riverbed.StuckLimits(repeats=3, errors=3, idle=3),
 )
+
+
+lead = riverbed.Agent(
+    "lead",
+    "You lead: hand the note-taking to the scribe.",
+    tools=["think"],
+    sub_agents=["scribe"],
+)
+
+
+handy = riverbed.Agent("handy", "You run commands and keep notes.", tools=["cmd_run", note])
