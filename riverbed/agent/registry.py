@@ -7,12 +7,15 @@ list of them).  While it runs it publishes each definition it hosts in the ``age
 (``keys.agents``: field ``<name>@<digest>``, a JSON description with ``seen``), so that
 ``riverbed agents``, ``GET /v1/agents`` and anyone opening a run know every name and its digest,
 also while no worker hosting it is up.  A run opened on a name takes the digest of the
-definition seen most recently (:func:`resolve`).
+definition seen most recently (:func:`resolve`).  A module is imported as ``python -m`` would
+find it: the worker's current directory is on the path.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -61,6 +64,8 @@ def load(modules: Sequence[str] = (), *, entry_point_group: str | None = ENTRY_P
             agents[agent.name] = agent
             where[agent.name] = origin
 
+    if modules and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # (a module of the directory the worker runs in, as `python -m` finds it)
     for name in modules:
         try:
             module = importlib.import_module(name)
