@@ -43,7 +43,11 @@ once make.
 A floor measured on idle workers before the runs (a client calling the model server, then
 acting the same action) is in the notes.
 
-Run alone: ``python -m bench.agents [--runs N] [--steps N] [--workers N] [--action A] [--json]``
+With ``--tools`` each step's tool call is a Python tool of a hosted agent (``bench/tool_agent.py``,
+which the agent workers host with ``RIVERBED_AGENTS``): the agent worker claims the call, runs it
+and appends its ``tool_result``, so the action round trip is the agent role's own.
+
+Run alone: ``python -m bench.agents [--runs N] [--steps N] [--workers N] [--action A] [--tools] [--json]``
 (``--quick``: 100 runs).  Progress goes to stderr.
 """
 
@@ -71,6 +75,7 @@ import riverbed
 from bench.common import Result, percentile, run_alone
 from bench.model_server import task_text
 from bench.roundtrip import FILE_NAME, Workers, _prepare_workspace
+from bench.tool_agent import bench_agent
 from riverbed import events
 from riverbed.agent.hosted import RunLimits, open_run
 from riverbed.agent.runs import RunSummary
@@ -307,8 +312,10 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
     steps = getattr(args, "steps", None) or STEPS
     count = getattr(args, "workers", None) or WORKERS
     runtime_count = getattr(args, "runtime_workers", None) or RUNTIME_WORKERS
-    kind = getattr(args, "action", None) or "file_read"
-    action: events.Action = events.FileRead(path=FILE_NAME) if kind == "file_read" else events.CmdRun(command="true")
+    tools = bool(getattr(args, "tools", False))
+    kind = "note" if tools else getattr(args, "action", None) or "file_read"
+    action: events.Action = events.FileRead(path=FILE_NAME) if kind != "cmd_run" else events.CmdRun(command="true")
+    agent = bench_agent if tools else None
     if runs < 1 or steps < 2 or count < 1 or runtime_count < 1:
         print("bench.agents: --runs and the worker counts must be at least 1, --steps at least 2", file=sys.stderr)
         raise SystemExit(2)
@@ -328,6 +335,8 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
         runtimes: Workers | None = None
         try:
             model_env = {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": "bench", "RIVERBED_LLM_MODEL": MODEL}
+            if tools:
+                model_env["RIVERBED_AGENTS"] = "bench.tool_agent"
             capacity = math.ceil(runs / runtime_count) + len(solo) + 1
             runtimes = Workers(url, prefix, workspace, runtime_count, capacity, "process")
             profile = os.environ.get("BENCH_AGENTS_PROFILE")
@@ -349,7 +358,9 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                 _progress(f"agents: idle floor: model call {_ms(idle_model):.1f} ms, {kind} {_ms(idle_action):.1f} ms")
                 _progress(f"agents: {len(solo)} runs at once first, on workers otherwise idle")
                 for session in solo:
-                    await open_run(bus, session, task_text(session, steps), limits=RunLimits(max_steps=steps))
+                    await open_run(
+                        bus, session, task_text(session, steps), limits=RunLimits(max_steps=steps), agent=agent
+                    )
                 _all_finished((await _wait_for_runs(bus, url, solo, agents.names, steps))[0])
                 limiter = anyio.CapacityLimiter(50)
                 agent_pids, runtime_pids = [p.pid for p in agents.procs], [p.pid for p in runtimes.procs]
@@ -358,7 +369,9 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
 
                 async def start(session: str) -> None:
                     async with limiter:
-                        await open_run(bus, session, task_text(session, steps), limits=RunLimits(max_steps=steps))
+                        await open_run(
+                            bus, session, task_text(session, steps), limits=RunLimits(max_steps=steps), agent=agent
+                        )
 
                 async with anyio.create_task_group() as tg:
                     for session in sessions:

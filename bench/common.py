@@ -159,6 +159,9 @@ def options(description: str) -> argparse.ArgumentParser:
         "--runtime-workers", type=int, help="runtime worker processes answering the actions (default 2)"
     )
     agents.add_argument(
+        "--tools", action="store_true", help="each step calls a Python tool of a hosted agent (bench/tool_agent.py)"
+    )
+    agents.add_argument(
         "--action", choices=("file_read", "cmd_run"), help="the tool each step calls (default file_read; cmd_run: true)"
     )
     return parser

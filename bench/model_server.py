@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 TASK = re.compile(r"bench run (\S+?):")
-ACTIONS = {"file_read": {"path": "small.txt"}, "cmd_run": {"command": "true"}}
+ACTIONS = {"file_read": {"path": "small.txt"}, "cmd_run": {"command": "true"}, "note": {"text": "a short note"}}
 """The tool calls a step may answer, with their arguments."""
 
 
@@ -41,7 +41,7 @@ def task_text(session: str, steps: int) -> str:
 class ModelServer:
     def __init__(self, latency: float, steps: int, model: str, action: str = "file_read") -> None:
         self.latency = latency
-        self.call = {"name": action, "arguments": json.dumps(ACTIONS[action])}
+        self.action = action
         self.steps = steps
         self.model = model
         self.journal: list[tuple[str | None, int, float, float]] = []
@@ -80,6 +80,18 @@ class ModelServer:
         finally:
             writer.close()
 
+    def call(self, step: int) -> dict[str, str]:
+        """The tool call of a run's ``step``: the same tool, its arguments a little different
+        each step (a run that repeats one call with one result ends as stuck)."""
+        arguments = dict(ACTIONS[self.action])
+        if self.action == "file_read":
+            arguments["end"] = step + 1
+        elif self.action == "cmd_run":
+            arguments["command"] = f"true {step}"
+        else:
+            arguments["text"] = f"{arguments['text']} {step}"
+        return {"name": self.action, "arguments": json.dumps(arguments)}
+
     async def answer(self, method: str, path: str, body: bytes) -> tuple[int, Any, tuple[str | None, int] | None]:
         if method == "GET" and path == "/journal":
             return 200, {"calls": self.journal, "connections": self.connections}, None
@@ -100,7 +112,7 @@ class ModelServer:
                 {
                     "id": f"call_{self.count}",
                     "type": "function",
-                    "function": self.call,
+                    "function": self.call(step),
                 }
             ]
         prompt_tokens = len(body) // 4
