@@ -269,3 +269,26 @@ async def test_the_in_process_loop_and_the_role_write_the_same_log(
     ]
     assert isinstance(ended_in_process, events.Finish)
     assert ended_in_process.final_thought == "Almost."
+
+
+async def test_oversized_model_output_is_bounded_and_the_run_goes_on(
+    bus: Bus, workspace: Path, server: OpenAIServer
+) -> None:
+    # 10,000 tool calls in one response, then one call with 20 MB of arguments.
+    server.reply(tool_calls=[("think", {"thought": f"{i}"}) for i in range(10_000)])
+    server.reply(tool_calls=[("cmd_run", {"command": "echo " + "x" * 20_000_000})])
+    server.reply(tool_calls=[("finish", {"final_thought": "done"})])
+    async with roles(bus, workspace, server):
+        opened = await open_run(bus, "big", "flood", limits=RunLimits(max_steps=5))
+        seen = await ended(bus, "big", opened.task, timeout=60)
+    assert seen[-1].kind == "finish"
+    rejects = [e for e in seen if isinstance(e, events.Error) and e.reason == "bad_tool_call"]
+    assert len(rejects) == 2
+    assert "made 10000 tool calls; at most 32 are run per response" in rejects[0].content
+    assert "the arguments were 20,000," in rejects[1].content
+    assert not any(isinstance(e, events.Think | events.CmdRun) for e in seen)  # none of those calls ran
+    sizes = [len(events.encode(e)) for e in await bus.session("big").events()]
+    assert max(sizes) < 4 * 1024 * 1024
+    # The model read both errors.
+    assert "at most 32" in server.requests[1]["messages"][-1]["content"]
+    assert "20,000," in server.requests[2]["messages"][-1]["content"]

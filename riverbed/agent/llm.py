@@ -34,8 +34,8 @@ from importlib import resources
 from typing import Any
 
 import jinja2
-import openai
 import structlog
+from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 from riverbed import events
@@ -48,7 +48,9 @@ from riverbed.memory.view import view as fold
 from riverbed.settings import Settings
 
 __all__ = [
+    "OVERSIZED",
     "AgentOptions",
+    "bounded_response",
     "build_messages",
     "make_client",
     "model_parameters",
@@ -222,6 +224,36 @@ def recorded_response(answer: Mapping[str, Any], model: str, cause: int | None) 
     )
 
 
+OVERSIZED = "[not recorded: "
+"""How a tool call's arguments too large for the log begin once replaced (:func:`bounded_response`)."""
+
+
+def bounded_response(response: events.LlmResponse, max_bytes: int) -> events.LlmResponse:
+    """``response`` as it may be recorded: a tool call whose arguments would make the event
+    larger than ``max_bytes`` (``RIVERBED_MAX_EVENT_BYTES``) keeps its id and name, its
+    arguments replaced by a note saying so (the toolbox answers that call with an error the
+    model reads), and a text over the limit is cut, saying so.  Nothing larger than the log
+    takes is ever appended, and the run goes on."""
+    budget = max(256, max_bytes // 2)
+    calls = []
+    changed = False
+    for call in response.tool_calls:
+        function = _mapping(call.get("function"))
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and len(arguments.encode()) > budget // max(1, len(response.tool_calls)):
+            size = len(arguments.encode())
+            note = f"{OVERSIZED}the arguments were {size:,} bytes, over what one event may hold ({max_bytes:,})]"
+            calls.append({**call, "function": {**function, "arguments": note}})
+            changed = True
+        else:
+            calls.append(call)
+    content = response.content
+    if content is not None and len(content.encode()) > budget:
+        content = content.encode()[:budget].decode(errors="ignore") + f"\n[cut: the text was over {budget:,} bytes]"
+        changed = True
+    return replace(response, tool_calls=calls, content=content) if changed else response
+
+
 def _mapping(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
@@ -249,16 +281,4 @@ def timeout_sentence(timeout: float, tries: int = 1) -> str:
     return (
         f"the model did not answer within {timeout:g} s{again}: RIVERBED_LLM_TIMEOUT "
         "(or `riverbed agent --llm-timeout`) sets this limit, and a slow local model needs more"
-    )
-
-
-def _llm_error(exc: BaseException, timeout: float) -> events.Error:
-    if isinstance(exc, TimeoutError):
-        return events.Error(source="agent", content=timeout_sentence(timeout), reason="llm_error", retryable=True)
-    status = getattr(exc, "status_code", None)
-    retryable = isinstance(exc, openai.APIConnectionError | openai.RateLimitError | openai.InternalServerError)
-    detail = f"HTTP {status}: " if status is not None else ""
-    message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-    return events.Error(
-        source="agent", content=f"the model call failed ({detail}{message})", reason="llm_error", retryable=retryable
     )

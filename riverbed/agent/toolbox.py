@@ -26,6 +26,7 @@ import msgspec
 
 from riverbed import events
 from riverbed.agent.define import Agent
+from riverbed.agent.llm import OVERSIZED
 from riverbed.agent.tooling import check_arguments
 from riverbed.agent.tools import action_from_call, tools
 from riverbed.errors import InputError
@@ -109,6 +110,8 @@ class Toolbox:
 
     def action(self, name: str, arguments: str) -> events.Action:
         """The action the call ``name(arguments)`` asks for; :class:`InputError` says what is wrong."""
+        if arguments.startswith(OVERSIZED):
+            raise InputError(f"{name} was not run: {arguments.removeprefix(OVERSIZED).rstrip(']')}; call it with less")
         if name in self._builtin:
             if name == "delegate" and self.agent.sub_agents:
                 arguments = _agent_as_sub_agent(arguments)

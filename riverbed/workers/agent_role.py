@@ -87,7 +87,14 @@ from riverbed.agent import tooling
 from riverbed.agent.define import REFERENCE, RULES_VERSION, Agent
 from riverbed.agent.delegation import REFUSED, ChildPlan, plan_child, refusal, result
 from riverbed.agent.images import ImageSource, WorkspaceImages, vision
-from riverbed.agent.llm import build_messages, model_parameters, recorded_response, system_prompt, timeout_sentence
+from riverbed.agent.llm import (
+    bounded_response,
+    build_messages,
+    model_parameters,
+    recorded_response,
+    system_prompt,
+    timeout_sentence,
+)
 from riverbed.agent.messages import cache_breakpoints
 from riverbed.agent.quotas import Quotas, TenantQuota
 from riverbed.agent.registry import Hosted, load
@@ -119,7 +126,7 @@ from riverbed.bus.keys import AGENT_ROLE
 from riverbed.bus.redis_client import Pipeline
 from riverbed.errors import AppendConflict, FencedError, TenantMismatch
 from riverbed.runtime.paths import workspace_name
-from riverbed.settings import Settings
+from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
 from riverbed.workers.agent_pace import Pace
 from riverbed.workers.model_client import CheckedClient, checked_by
 
@@ -265,6 +272,7 @@ class AgentHandler:
         recall_timeout: float = 15.0,
         only_session: str | None = None,
         images: Callable[[str], ImageSource | None] | None = None,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
         self.client = client
         self.model = model
@@ -286,6 +294,7 @@ class AgentHandler:
         triggers) before the model reads it, waiting up to ``recall_timeout`` seconds for it"""
         self.recall_timeout = recall_timeout
         self.only_session = only_session
+        self.max_event_bytes = max_event_bytes
         """serve this session alone (a run served in the caller's process), leaving others to workers"""
         self.images = images
         """the images a session's prompt may show (a vision model), by session"""
@@ -596,7 +605,7 @@ class AgentHandler:
             if state.fold.run is run and run.open and run.cancel_requested is None:
                 await self._end(ctx, state, run, "llm_error", str(exc))
             return
-        recorded = recorded_response(response, model, until or None)
+        recorded = bounded_response(recorded_response(response, model, until or None), self.max_event_bytes)
         key = f"run-{run.opened}-step-{run.steps + 1}"
         while True:
             if state.fold.run is not run or not run.open or run.cancel_requested is not None:
@@ -1054,6 +1063,7 @@ def build_agent_handler(settings: Settings) -> AgentHandler:
         context_recalls=settings.agent_context_recalls,
         recall_timeout=settings.agent_recall_timeout,
         images=workspace_images(settings),
+        max_event_bytes=settings.max_event_bytes,
     )
 
 

@@ -259,6 +259,7 @@ async def _serve(
         recall_timeout=options.recall_timeout,
         only_session=session_id,
         images=workspace_images(settings),
+        max_event_bytes=settings.max_event_bytes,
     )
     limits = RunLimits(
         max_steps=max_steps,
