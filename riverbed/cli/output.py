@@ -132,6 +132,16 @@ def _summary(event: events.Event) -> str:
             return f"{op} {' '.join(what)}" + (f": {note}" if note else "")
         case events.PythonRun(code=code):
             return f">>> {code}"
+        case events.ToolCall(tool=tool, arguments=arguments):
+            return f"{tool}({json_bytes(arguments).decode()})"
+        case events.ToolResult(content=content, is_error=is_error):
+            return f"[error] {content}" if is_error else content
+        case events.McpList(server=server, command=command, url=url):
+            return f"{server}: {' '.join(command) if command else url}"
+        case events.McpTools(server=server, tools=listed):
+            return f"{server}: {', '.join(t.name for t in listed)}"
+        case events.RunUpgraded(digest=digest, previous=previous, rules=rules):
+            return f"continues on digest {digest} (was {previous}), run rules {rules}"
         case events.PythonOutput():
             return _python_summary(event)
         case events.SessionConfig(env=env, condenser=condenser):
