@@ -6,10 +6,14 @@ call across a SIGKILL of its worker.
 - killed after a non-idempotent tool ran, before its result was appended: the peer answers
   ``tool_lost`` (retryable) and never runs it again;
 - killed likewise on an idempotent tool: the peer runs it again, with the same idempotency key.
+
+And a worker process hosting the module publishes its agents (``riverbed agents --json``), so a
+run opened by name from the CLI records the digest the worker hosts.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +31,9 @@ from tests.kit.agent_faults import (  # noqa: F401  (fixtures)
     wait_until,
     workers,
 )
+from tests.kit.cli import ok, run
 from tests.kit.openai_server import OpenAIServer
+from tests.kit.user_agents import scribe
 from tests.kit.workers import WorkerProcess
 
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]
@@ -94,3 +100,25 @@ async def test_an_idempotent_call_that_ran_on_a_killed_worker_runs_again_with_th
     call, answers = _answers(seen)
     assert [type(a) for a in answers] == [events.ToolResult]
     assert journal.read_text().splitlines() == [f"tools:{call.id} once"] * 2
+
+
+async def test_workers_publish_the_agents_they_host_and_runs_open_on_them_by_name(
+    bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    host = start("a1", ["agent"], RIVERBED_AGENTS="tests.kit.user_agents")
+    await ready(host)
+    listed = [json.loads(line) for line in ok(cli_env, "agents", "--json").splitlines()]
+    by_name = {row["name"]: row for row in listed}
+    assert set(by_name) == {"llm", "scribe", "lead", "handy"}
+    assert by_name["scribe"]["digest"] == scribe.digest
+    assert by_name["scribe"]["live"] is True
+    assert by_name["scribe"]["where"] == "tests.kit.user_agents"
+    assert by_name["lead"]["sub_agents"] == ["scribe"]
+    # A run opened by name (the CLI's way) records the digest the worker published.
+    server.reply(tool_calls=[("finish", {"final_thought": "done"})])
+    result = run(cli_env, "agent", "by-name", "note nothing", "--agent", "scribe", "--detach")
+    assert result.returncode == 0, result.stderr.decode()
+    seen = [e async for e in follow_run(bus, "by-name", 1)]
+    started = next(e for e in seen if isinstance(e, events.RunStarted))
+    assert (started.agent_name, started.digest) == ("scribe", scribe.digest)
+    assert seen[-1].kind == "finish"
