@@ -59,6 +59,7 @@ __all__ = [
     "MAX_TIMEOUT",
     "RESERVED_ENV",
     "Action",
+    "Approval",
     "CmdOutput",
     "CmdRun",
     "Condensation",
@@ -91,7 +92,10 @@ __all__ = [
     "PythonRun",
     "Recall",
     "RecallResult",
+    "Risk",
     "RunCancel",
+    "RunPaused",
+    "RunResumed",
     "RunStarted",
     "RunUpgraded",
     "SandboxRebuilt",
@@ -200,6 +204,15 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
         return kind_of(type(self))
 
 
+class Risk(msgspec.Struct, frozen=True, kw_only=True):
+    """A call's risk as the agent's analyzer labelled it, with why; ``confirm``: the run's
+    policy makes it wait for a person's approval."""
+
+    level: Literal["low", "medium", "high", "unknown"]
+    reason: str = ""
+    confirm: bool = False
+
+
 class Action(Event, frozen=True, kw_only=True):
     """Something an agent (or user) asks for.
 
@@ -217,11 +230,20 @@ class Action(Event, frozen=True, kw_only=True):
     it; ``riverbed.agent.messages`` pairs calls and results by it).  Left unset it is not
     written at all, so logs from before this field existed read and export byte for byte."""
 
+    risk: Risk | msgspec.UnsetType = msgspec.UNSET
+    """How risky the agent judged this call, and whether it waits for a person's ``approval``
+    before any role runs it (``confirm``).  Unset (not written) for actions nobody judged."""
+
     @property
     def answering_role(self) -> Role | None:
         """The role that answers this action: its kind's :attr:`answered_by`, except for kinds
         whose answer depends on the call (a ``tool_call`` says where its tool runs)."""
         return type(self).answered_by
+
+    @property
+    def awaits_approval(self) -> bool:
+        """Whether no role may run it before an ``approval`` names it."""
+        return isinstance(self.risk, Risk) and self.risk.confirm
 
 
 class Observation(Event, frozen=True, kw_only=True):
@@ -545,6 +567,8 @@ class LlmResponse(Event, frozen=True, kw_only=True, tag="llm_response"):
 # the actions, the ``error`` from ``source: agent`` that ends it) is system-written.
 
 
+Confirm: TypeAlias = Literal["never", "always", "risky"] | Annotated[list[str], msgspec.Meta(max_length=100)]
+
 _OutputTokens = Annotated[
     int, msgspec.Meta(ge=0, le=1_000_000, description="tokens one model answer may have (0: the server decides)")
 ]
@@ -580,6 +604,9 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     """the digest of that definition when the run opened (unset: whichever a worker hosts)"""
     rules: int | msgspec.UnsetType = msgspec.UNSET
     """the version of the run rules it opened under (unset: runs from before versions, 1)"""
+    confirm: Confirm | msgspec.UnsetType = msgspec.UNSET
+    """which calls wait for a person's approval: ``never``, ``always``, ``risky`` (those the
+    analyzer labels high or unknown) or a list of tool names (unset: the agent's policy)"""
 
 
 class RunUpgraded(Event, frozen=True, kw_only=True, tag="run_upgraded"):
@@ -593,6 +620,40 @@ class RunUpgraded(Event, frozen=True, kw_only=True, tag="run_upgraded"):
     digest: str
     rules: int
     previous: str | None = None
+
+
+class Approval(Event, frozen=True, kw_only=True, tag="approval"):
+    """A person's decision on calls that wait for approval (their ``risk.confirm``): ``approve``
+    lets the roles run them; ``reject`` has each answered by an ``error`` the model reads, with
+    ``reason``.  ``by`` names who decided (the API key's name, the CLI user).  Only clients write
+    it, and the roles honour it only as ``source: user``."""
+
+    source: Source = "user"
+    client_sources: ClassVar[frozenset[str]] = frozenset(("user",))
+
+    actions: Annotated[list[EventId], msgspec.Meta(max_length=1000)]
+    decision: Literal["approve", "reject"]
+    reason: Annotated[str, msgspec.Meta(max_length=4000)] = ""
+    by: Annotated[str, msgspec.Meta(max_length=200)] = ""
+
+
+class RunPaused(Event, frozen=True, kw_only=True, tag="run_paused"):
+    """Pauses the session's open run: no model call and no new action until ``run_resumed``
+    (an action already running finishes).  A paused run holds no worker."""
+
+    source: Source = "user"
+    client_sources: ClassVar[frozenset[str]] = frozenset(("user",))
+
+    note: str = ""
+
+
+class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):
+    """Resumes a paused run."""
+
+    source: Source = "user"
+    client_sources: ClassVar[frozenset[str]] = frozenset(("user",))
+
+    note: str = ""
 
 
 class RunCancel(Event, frozen=True, kw_only=True, tag="run_cancel"):
@@ -766,6 +827,9 @@ _BUILTIN: tuple[type[Event], ...] = (
     Delegated,
     DelegateResult,
     RunUpgraded,
+    Approval,
+    RunPaused,
+    RunResumed,
     ToolCall,
     ToolResult,
     McpList,

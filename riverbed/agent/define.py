@@ -33,6 +33,7 @@ definition differs does not continue it (``riverbed agent SESSION --upgrade`` sw
 from __future__ import annotations
 
 import hashlib
+import inspect
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from typing import Any
 import msgspec
 
 from riverbed import events
+from riverbed.agent.risk import Analyzer
 from riverbed.agent.tooling import Tool
 from riverbed.errors import InputError
 
@@ -110,6 +112,13 @@ class Agent:
     condenser: Mapping[str, Any] | None = None
     """condenser settings (the fields of a ``session_config``'s ``condenser``) for its runs"""
     stuck: StuckLimits = field(default_factory=StuckLimits)
+    confirm: str | Sequence[str] = "never"
+    """which calls wait for a person's approval: ``never``, ``always``, ``risky`` (labelled high or
+    unknown by the analyzer) or a list of tool names; a run may say otherwise (``--confirm``)"""
+    analyzer: Analyzer | None = None
+    """labels each call's risk (``riverbed.Risk``); None: the built-in rule-based analyzer"""
+    approval_timeout: float | None = None
+    """seconds a call may wait for approval before it is rejected, saying so (None: no limit)"""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -148,6 +157,9 @@ class Agent:
             if not isinstance(server_name, str) or server_name in servers:
                 raise InputError(f"agent {self.name}: each MCP server needs a name of its own ({server!r})")
             servers.add(server_name)
+        check_policy(self.confirm, f"agent {self.name}")
+        if self.approval_timeout is not None and not self.approval_timeout > 0:
+            raise InputError(f"agent {self.name}: approval_timeout is a number of seconds above 0, or None")
         for sub in self.sub_agents:
             if not isinstance(sub, str) or not _NAME.fullmatch(sub):
                 raise InputError(f"agent {self.name}: sub_agents names other agents by name, not {sub!r}")
@@ -184,6 +196,9 @@ class Agent:
             "limits": msgspec.to_builtins(self.limits) if self.limits is not None else None,
             "condenser": dict(self.condenser) if self.condenser is not None else None,
             "stuck": msgspec.to_builtins(self.stuck),
+            "confirm": self.confirm if isinstance(self.confirm, str) else list(self.confirm),
+            "analyzer": _where(self.analyzer),
+            "approval_timeout": self.approval_timeout,
             "rules": RULES_VERSION,
         }
 
@@ -206,6 +221,26 @@ class Agent:
             "limits": msgspec.to_builtins(self.limits) if self.limits is not None else None,
             "where": where,
         }
+
+
+def check_policy(policy: object, whose: str) -> None:
+    """:class:`InputError` unless ``policy`` is an approval policy."""
+    if isinstance(policy, str):
+        if policy not in ("never", "always", "risky"):
+            raise InputError(f"{whose}: confirm is never, always, risky or a list of tool names, not {policy!r}")
+        return
+    if not isinstance(policy, list | tuple) or not all(isinstance(t, str) for t in policy):
+        raise InputError(f"{whose}: confirm is never, always, risky or a list of tool names, not {policy!r}")
+
+
+def _where(fn: Any) -> str | None:
+    if fn is None:
+        return None
+    name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+    try:
+        return f"{name}#{hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:12]}"
+    except (OSError, TypeError):
+        return name
 
 
 def _server(server: Any) -> dict[str, Any]:

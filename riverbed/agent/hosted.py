@@ -29,13 +29,13 @@ import anyio
 import msgspec
 
 from riverbed import events
-from riverbed.agent.define import RULES_VERSION, Agent, RunLimits
+from riverbed.agent.define import RULES_VERSION, Agent, RunLimits, check_policy
 from riverbed.agent.quotas import Quotas
 from riverbed.agent.registry import known_agents, resolve
-from riverbed.agent.runs import RunFold, RunState, RunSummary, fold_runs, saved_summary, summarize
+from riverbed.agent.runs import PendingCall, RunFold, RunState, RunSummary, fold_runs, saved_summary, summarize
 from riverbed.agent.usage import Price
 from riverbed.client.session import Bus
-from riverbed.errors import InputError
+from riverbed.errors import AlreadyAnswered, AppendConflict, InputError
 
 __all__ = [
     "STATES",
@@ -85,6 +85,9 @@ class RunRow(msgspec.Struct, kw_only=True):
     """the hosted agent that works on it"""
     detail: str = ""
     """how it ended, or what an open run waits for (a worker that hosts its agent's definition)"""
+    awaiting: list[PendingCall] = msgspec.field(default_factory=list)
+    """its calls that wait for a person's approval"""
+    paused: bool = False
 
 
 async def _fold(bus: Bus, session: str, prices: dict[str, Price] | None = None) -> RunFold:
@@ -100,6 +103,7 @@ async def open_run(
     tenant: str | None = None,
     agent: str | Agent | None = None,
     images: Sequence[str] = (),
+    confirm: str | Sequence[str] | None = None,
 ) -> OpenedRun:
     """Record a run on the log (task message + ``run_started``) and return at once.
 
@@ -107,7 +111,8 @@ async def open_run(
     :class:`~riverbed.agent.define.Agent`; None: the reference agent); the run records its
     definition's digest and the run rules' version, and without ``limits`` opens with the
     agent's own.  :class:`InputError` when the session has a run open already, the task is
-    empty or the agent is unknown (the sentence names the known ones);
+    empty or the agent is unknown (the sentence names the known ones).  ``confirm`` is the run's
+    approval policy (``never``, ``always``, ``risky`` or tool names; None: the agent's);
     :class:`~riverbed.errors.QuotaExceeded` when the session's tenant is at a quota
     (:mod:`riverbed.agent.quotas`)."""
     if not task.strip():
@@ -122,6 +127,9 @@ async def open_run(
         if limits is None and known.limits:
             limits = msgspec.convert(known.limits, RunLimits)
     limits = limits or RunLimits()
+    if confirm is not None:
+        check_policy(confirm, "the run")
+        chosen["confirm"] = confirm if isinstance(confirm, str) else list(confirm)
     session = await bus.operate(session_id, tenant=tenant)
     fold = await _fold(bus, session_id)
     if fold.run is not None and fold.run.open:
@@ -191,6 +199,75 @@ async def upgrade_run(bus: Bus, session_id: str, *, tenant: str | None = None) -
     upgraded = events.RunUpgraded(digest=known.digest, rules=known.rules, previous=run.digest)
     (upgrade_id,) = await session.append(upgraded)
     return upgrade_id
+
+
+async def pause_run(
+    bus: Bus, session_id: str, *, resume: bool = False, note: str = "", tenant: str | None = None
+) -> int:
+    """Pause the session's open run (``run_paused``), or resume it (``run_resumed``); returns
+    the event's id.  :class:`InputError` when no run is open, or it is paused (resumed) already."""
+    fold = await _fold(bus, session_id)
+    run = fold.run
+    if run is None or not run.open:
+        raise InputError(f"session {session_id} has no open run to {'resume' if resume else 'pause'}")
+    if resume and run.paused is None:
+        raise InputError(f"the run of {session_id} is not paused")
+    if not resume and run.paused is not None:
+        raise InputError(f"the run of {session_id} is paused already (event {run.paused})")
+    session = await bus.operate(session_id, tenant=tenant)
+    event: events.Event = events.RunResumed(note=note) if resume else events.RunPaused(note=note)
+    (event_id,) = await session.append(event)  # (a second pause or resume at once changes nothing)
+    return event_id
+
+
+async def decide(
+    bus: Bus,
+    session_id: str,
+    actions: Sequence[int] = (),
+    *,
+    approve: bool = True,
+    reason: str = "",
+    by: str = "",
+    tenant: str | None = None,
+) -> tuple[int, list[int]]:
+    """Approve (or reject) calls of the session's open run that wait for a person: ``actions``,
+    or every one that waits when none are named.  Returns the ``approval``'s id and the calls
+    it decided.  :class:`~riverbed.errors.AlreadyAnswered` for a call answered already (or
+    decided), :class:`InputError` for one that does not wait for approval.  Appended onto the log
+    as read (a decision made meanwhile is read, and checked, again)."""
+    for _ in range(5):
+        try:
+            return await _decide(bus, session_id, actions, approve, reason, by, tenant)
+        except AppendConflict:
+            continue
+    return await _decide(bus, session_id, actions, approve, reason, by, tenant)
+
+
+async def _decide(
+    bus: Bus,
+    session_id: str,
+    actions: Sequence[int],
+    approve: bool,
+    reason: str,
+    by: str,
+    tenant: str | None,
+) -> tuple[int, list[int]]:
+    fold = await _fold(bus, session_id)
+    run = fold.run
+    awaiting = {a.id: a for a in run.awaiting()} if run is not None and run.open else {}
+    chosen = list(dict.fromkeys(actions)) or sorted(i for i in awaiting if i is not None)
+    if not chosen:
+        raise InputError(f"no call of session {session_id} waits for approval")
+    for action in chosen:
+        if action in awaiting:
+            continue
+        if run is not None and (action in run.answered or action in run.approved or action in run.refused_by_person):
+            raise AlreadyAnswered(action, 0, f"action {action} of session {session_id} is answered or decided already")
+        raise InputError(f"action {action} of session {session_id} does not wait for approval")
+    session = await bus.operate(session_id, tenant=tenant)
+    approval = events.Approval(actions=chosen, decision="approve" if approve else "reject", reason=reason, by=by)
+    (approval_id,) = await session.append(approval, expected_last=fold.last)
+    return approval_id, chosen
 
 
 async def follow_run(bus: Bus, session_id: str, start: int) -> AsyncIterator[events.Event]:
@@ -275,4 +352,6 @@ def _row(summary: RunSummary, now: float) -> RunRow:
         children=summary.children,
         agent=summary.agent,
         detail=summary.detail,
+        awaiting=summary.awaiting,
+        paused=summary.paused,
     )

@@ -55,7 +55,9 @@ __all__ = [
     "EndRun",
     "ListTools",
     "Move",
+    "PendingCall",
     "RecallContext",
+    "RefuseCall",
     "RejectCalls",
     "Run",
     "RunFold",
@@ -142,6 +144,27 @@ class Run:
     """user message -> the ids of the context recalls the agent asked for it"""
     recalled_at: dict[int, float] = field(default_factory=dict)
     """context recall -> when it was asked (unix seconds)"""
+    confirm: events.Confirm | None = None
+    """the run's approval policy (None: its agent's)"""
+    approved: set[int] = field(default_factory=set)
+    """calls a person approved"""
+    refused_by_person: dict[int, str] = field(default_factory=dict)
+    """calls a person rejected -> why"""
+    paused: int | None = None
+    """the id of the ``run_paused`` in force (None: not paused)"""
+
+    def awaiting(self) -> list[events.Action]:
+        """The last response's appended calls that wait for a person's decision."""
+        waiting = set(self.unanswered)
+        return [
+            a
+            for a in self.actions
+            if a.id in waiting
+            and a.awaits_approval
+            and a.id not in self.approved
+            and a.id not in self.refused_by_person
+        ]
+
     ended: int | None = None
     """the id of the event that ended it"""
     end_reason: str | None = None
@@ -249,6 +272,7 @@ class RunFold:
                     agent_name=event.agent_name if isinstance(event.agent_name, str) else "llm",
                     digest=event.digest if isinstance(event.digest, str) else None,
                     rules=event.rules if isinstance(event.rules, int) else 1,
+                    confirm=None if isinstance(event.confirm, msgspec.UnsetType) else event.confirm,
                 )
                 if self._last_user_message is not None:
                     self.run.said.append((self._last_user_message, self._last_user_text))
@@ -267,6 +291,18 @@ class RunFold:
                     run.cancel_requested = event_id
             case events.RunUpgraded():
                 run.digest, run.rules = event.digest, event.rules
+            case events.Approval() if event.source == "user":
+                for action in event.actions:
+                    if action in run.approved or action in run.refused_by_person:
+                        continue  # (the first decision on a call holds)
+                    if event.decision == "approve":
+                        run.approved.add(action)
+                    else:
+                        run.refused_by_person[action] = event.reason
+            case events.RunPaused() if event.source == "user":
+                run.paused = event_id
+            case events.RunResumed() if event.source == "user":
+                run.paused = None
             case events.McpList() if event.source == "agent":
                 run.listing.setdefault(event.server, event_id)
             case events.Recall() if event.source == "agent" and any(m == event.cause for m, _ in run.said):
@@ -388,7 +424,7 @@ def _note_result(run: Run, event: events.Observation) -> None:
 
 def _arguments_of(action: events.Action) -> str:
     fields = msgspec.to_builtins(action)
-    for name in ("id", "source", "cause", "ts", "agent", "tenant", "trace", "v", "tool_call_id", "kind"):
+    for name in ("id", "source", "cause", "ts", "agent", "tenant", "trace", "v", "tool_call_id", "kind", "risk"):
         fields.pop(name, None)
     return msgspec.json.encode(fields, order="sorted").decode()
 
@@ -419,6 +455,31 @@ def fold_runs(log_events: Iterable[events.Event], prices: Mapping[str, Price] | 
     return fold
 
 
+class PendingCall(msgspec.Struct, kw_only=True):
+    """A call that waits for a person's approval (``riverbed approvals`` lists them)."""
+
+    action: int
+    tool: str
+    arguments: str
+    """the call's arguments as JSON, cut at 500 characters"""
+    level: str
+    reason: str
+    since: float = 0.0
+
+
+def pending_call(action: events.Action) -> PendingCall:
+    risk = action.risk if isinstance(action.risk, events.Risk) else events.Risk(level="unknown")
+    tool = action.tool if isinstance(action, events.ToolCall) else action.kind
+    return PendingCall(
+        action=action.id or 0,
+        tool=tool,
+        arguments=_arguments_of(action)[:500],
+        level=risk.level,
+        reason=risk.reason,
+        since=action.ts.timestamp(),
+    )
+
+
 class RunSummary(msgspec.Struct, kw_only=True):
     """What ``riverbed runs`` shows of a session's latest run, derived from its log: the agent
     role saves it at each move (``keys.run``); ``worker`` is its owner while it is open."""
@@ -443,6 +504,9 @@ class RunSummary(msgspec.Struct, kw_only=True):
     """the sub-agents' sessions the run created"""
     agent: str = "llm"
     """the hosted agent that works on it"""
+    awaiting: list[PendingCall] = msgspec.field(default_factory=list)
+    """the calls that wait for a person's approval"""
+    paused: bool = False
 
 
 def saved_summary(raw: bytes | None) -> RunSummary | None:
@@ -475,6 +539,8 @@ def summarize(
         reason=run.end_reason,
         detail=run.end_content[:500],
         agent=run.agent_name,
+        awaiting=[pending_call(a) for a in run.awaiting()] if run.open else [],
+        paused=run.open and run.paused is not None,
     )
 
 
@@ -544,6 +610,14 @@ class RecallContext:
 
 
 @dataclass(frozen=True)
+class RefuseCall:
+    """A person rejected a call that waited for approval: answer it with an ``error`` the model reads."""
+
+    action: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class RunTool:
     """Run an action the agent worker answers itself (a Python tool's ``tool_call``, a remote MCP
     server's call or listing), claimed first."""
@@ -551,7 +625,18 @@ class RunTool:
     action: events.ToolCall | events.McpList
 
 
-Move = Wait | EndRun | CallModel | AppendAction | AppendDelegates | RejectCalls | ListTools | RecallContext | RunTool
+Move = (
+    Wait
+    | EndRun
+    | CallModel
+    | AppendAction
+    | AppendDelegates
+    | RejectCalls
+    | ListTools
+    | RecallContext
+    | RefuseCall
+    | RunTool
+)
 
 
 MAX_CALLS_PER_STEP = 32
@@ -633,6 +718,8 @@ def next_move(
         return Wait()
     if run.cancel_requested is not None:
         return EndRun("cancelled", f"the run was cancelled (event {run.cancel_requested})")
+    if run.paused is not None:
+        return Wait()
     definition = agent if agent is not None else REFERENCE
     response = run.response
     if response is not None and response.id is not None:
@@ -646,7 +733,13 @@ def next_move(
             waiting = run.unanswered
             if waiting:
                 for action in run.actions:
-                    if action.id in waiting and runs_here(action):
+                    if action.id not in waiting or action.id is None:
+                        continue
+                    if action.id in run.refused_by_person:
+                        return RefuseCall(action.id, run.refused_by_person[action.id])
+                    if action.awaits_approval and action.id not in run.approved:
+                        continue
+                    if runs_here(action):
                         assert isinstance(action, events.ToolCall | events.McpList)
                         return RunTool(action)
                 return Wait()

@@ -33,7 +33,7 @@ TOOL_ACTIONS: tuple[type[events.Action], ...] = (
 #: The agent role's tools: those and ``delegate`` (sub-agents exist only where the role runs).
 ROLE_TOOL_ACTIONS: tuple[type[events.Action], ...] = (*TOOL_ACTIONS[:-1], events.Delegate, events.Finish)
 
-_ENVELOPE = frozenset(("kind", "id", "source", "cause", "ts", "agent", "tenant", "trace", "v", "tool_call_id"))
+_ENVELOPE = frozenset(("kind", "id", "source", "cause", "ts", "agent", "tenant", "trace", "v", "tool_call_id", "risk"))
 _OFFERED_APART = frozenset(("sub_agent",))
 """Fields a tool's schema leaves out: the toolbox adds them where the agent has them
 (``delegate``'s ``sub_agent``, for an agent with sub-agents: ``riverbed.agent.toolbox``)."""

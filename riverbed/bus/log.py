@@ -142,12 +142,15 @@ def entry_id(raw: bytes | str) -> int:
 
 
 _RUN_KINDS = tuple(
-    b"\xa4kind" + msgspec.msgpack.encode(events.kind_of(cls)) for cls in (events.RunStarted, events.RunCancel)
+    b"\xa4kind" + msgspec.msgpack.encode(events.kind_of(cls))
+    for cls in (events.RunStarted, events.RunCancel, events.Approval, events.RunResumed, events.RunUpgraded)
 )
+"""What a client appends that the agent role must see even while it let the session go: a run
+opens, is cancelled, is approved on, resumed or upgraded."""
 
 
 def wakes_agent(payload: bytes) -> bool:
-    """Whether an event's payload opens or cancels a run (the agent role is announced for it).
+    """Whether an event's payload is one of :data:`_RUN_KINDS` (the agent role is announced for it).
 
     An event's msgpack form starts with its ``kind`` (the union's tag is encoded first), so a
     look at its first bytes tells, without decoding it."""

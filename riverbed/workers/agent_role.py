@@ -98,6 +98,7 @@ from riverbed.agent.llm import (
 from riverbed.agent.messages import cache_breakpoints
 from riverbed.agent.quotas import Quotas, TenantQuota
 from riverbed.agent.registry import Hosted, load
+from riverbed.agent.risk import judged
 from riverbed.agent.runs import (
     AppendAction,
     AppendDelegates,
@@ -105,6 +106,7 @@ from riverbed.agent.runs import (
     EndRun,
     ListTools,
     RecallContext,
+    RefuseCall,
     RejectCalls,
     Run,
     RunFold,
@@ -141,6 +143,9 @@ CANCEL_POLL_SECONDS = 0.5
 QUOTA_CACHE_SECONDS = 2.0
 """How long a worker keeps a tenant's quotas before reading them again."""
 
+
+APPROVAL = "approval"
+"""The deadline kind of a call waiting for a person (``Agent.approval_timeout``)."""
 
 OTHER_MODEL = "other"
 """The model label of the calls to a model the operator did not name."""
@@ -341,9 +346,21 @@ class AgentHandler:
             self.pace.observe(time.monotonic() - started - state.waited)
 
     def retires(self, ctx: SessionContext) -> bool:
-        """Nothing to do for the session until another run opens."""
+        """Nothing to do for the session until a client appends: another run opens, or the open
+        run is paused, or it waits only for a person's approval (with no deadline to keep)."""
         state = self.sessions.get(ctx.session)
-        return state is None or state.fold.run is None or not state.fold.run.open
+        if state is None or state.fold.run is None or not state.fold.run.open:
+            return True
+        run = state.fold.run
+        if run.cancel_requested is not None:
+            return False
+        if run.paused is not None:
+            return True
+        awaiting = run.awaiting()
+        if not awaiting or len(awaiting) < len(run.unanswered):
+            return False
+        agent = self.definition(run)
+        return not (isinstance(agent, Agent) and agent.approval_timeout)
 
     async def close(self, ctx: SessionContext) -> None:
         self.sessions.pop(ctx.session, None)
@@ -396,10 +413,15 @@ class AgentHandler:
             for recall, asked in run.recalled_at.items()
             if recall not in run.answered
         ]
+        agent = self.definition(run)
+        if isinstance(agent, Agent) and agent.approval_timeout:
+            out.extend((a.ts.timestamp() + agent.approval_timeout, a.id or 0, APPROVAL) for a in run.awaiting())
         if not self.action_timeout:
             return out
         waiting = set(run.unanswered)
         for action in run.actions:
+            if action.awaits_approval and action.id not in run.approved:
+                continue  # (its clock starts with the approval)
             if action.id in waiting and not runs_here(action) and not isinstance(action, events.Delegate):
                 own = getattr(action, "timeout", None)
                 limit = self.action_timeout + (own if isinstance(own, int | float) else 0.0)
@@ -429,6 +451,15 @@ class AgentHandler:
         now = time.time()
         for deadline, action, kind in self._deadlines(state.fold.run):
             if deadline > now:
+                continue
+            if kind == APPROVAL:
+                expired = events.Error(
+                    source="agent",
+                    cause=action,
+                    content="no one approved this call within its approval timeout; it did not run",
+                    reason="rejected",
+                )
+                await self._append(ctx, state, expired, f"approval-{action}-rejected")
                 continue
             content = (
                 f"no answer to {kind} (action {action}) in time: no worker of the role that runs it answered; "
@@ -486,13 +517,15 @@ class AgentHandler:
             elif isinstance(move, AppendAction):
                 if move.index > 0:
                     crashpoint("agent_between_actions")
-                await self._append(ctx, state, move.action, f"resp-{move.response}-call-{move.index}")
+                action = _judged(run, agent, move.action)
+                await self._append(ctx, state, action, f"resp-{move.response}-call-{move.index}")
                 if isinstance(move.action, events.Finish):
                     self._count_end("finish")
             elif isinstance(move, AppendDelegates):
                 if move.index > 0:
                     crashpoint("agent_between_actions")
-                await self._append_all(ctx, state, move.actions, f"resp-{move.response}-call-{move.index}")
+                judged = [_judged(run, agent, a) for a in move.actions]
+                await self._append_all(ctx, state, judged, f"resp-{move.response}-call-{move.index}")
                 await self._delegate(ctx, state)
             elif isinstance(move, ListTools):
                 server = move.server
@@ -512,6 +545,15 @@ class AgentHandler:
                 await self._append_all(ctx, state, asks, f"recall-{move.message}")
             elif isinstance(move, RunTool):
                 await self._run_tool(ctx, state, run, agent, move.action)
+            elif isinstance(move, RefuseCall):
+                said = f": {move.reason}" if move.reason else ""
+                rejection = events.Error(
+                    source="agent",
+                    cause=move.action,
+                    content=f"a person rejected this call{said}. It did not run.",
+                    reason="rejected",
+                )
+                await self._append(ctx, state, rejection, f"approval-{move.action}-rejected")
             elif isinstance(move, CallModel):
                 refused = await self._over_quota(ctx, state, run)
                 if refused is not None:
@@ -616,6 +658,8 @@ class AgentHandler:
             first = appended_with(replace(recorded, id=state.fold.last + 1), toolbox)
             if isinstance(first, events.Finish):
                 first = None
+            elif first is not None:
+                first = _judged(run, agent, first)
             try:
                 # Only onto the log as folded: what came during the call (a cancel) is read first.
                 await self._append_all(
@@ -717,7 +761,11 @@ class AgentHandler:
         run = state.fold.run
         if run is None or not run.open or run.cancel_requested is not None:
             return
-        waiting = [a for a in run.waiting_delegates if a.id is not None and a.id not in state.spawned]
+        waiting = [
+            a
+            for a in run.waiting_delegates
+            if a.id is not None and a.id not in state.spawned and (not a.awaits_approval or a.id in run.approved)
+        ]
         for action in waiting:
             assert action.id is not None
             crashpoint("agent_delegating")
@@ -965,6 +1013,8 @@ class AgentHandler:
         summary = summarize(ctx.session, run, worker=ctx.worker, model=self.model, parent=parent)
         if state.foreign is not None and run.open:
             summary = replace(summary, worker=None, detail=state.foreign)
+        elif run.open and self.retires(ctx):  # (paused, or waiting for a person: no worker holds it)
+            summary = replace(summary, worker=None)
         return None if summary == state.summary else summary
 
     async def _save_summary(self, ctx: SessionContext, state: _Session) -> None:
@@ -1004,6 +1054,12 @@ def _served(run: Run | None) -> bool:
         return False
     waiting = run.unanswered
     return not waiting or len(run.waiting_delegates) < len(waiting)
+
+
+def _judged(run: Run, agent: Agent, action: events.Action) -> events.Action:
+    """``action`` with its risk judged under the run's approval policy (else its agent's)."""
+    policy = run.confirm if run.confirm is not None else agent.confirm
+    return judged(action, policy, agent.analyzer)
 
 
 def _stamped(event: events.Event, tenant: str | None, agent: str = AGENT_NAME) -> events.Event:

@@ -206,10 +206,17 @@ class RuntimeHandler:
         held: Answer | None = None
         for entry in entries:
             event = entry.event
-            if for_runtime(event):
+            if for_runtime(event) and isinstance(event, events.Action) and event.awaits_approval:
+                done.append(entry.id)  # (it runs when an approval names it: see below)
+            elif for_runtime(event):
                 await ctx.ack(done)
                 done = []
                 held = await self._claim_and_run(ctx, entry, hold=entry is last)
+            elif isinstance(event, events.Approval) and event.source == "user" and event.decision == "approve":
+                await ctx.ack(done)
+                done = []
+                await self._run_approved(ctx, event)
+                done.append(entry.id)
             else:
                 if isinstance(event, events.RunCancel):
                     await self._stop_background(ctx, event)
@@ -225,6 +232,19 @@ class RuntimeHandler:
             if folded.last - folded.saved >= SAVE_EVERY:
                 await self._save(ctx)
         return held
+
+    async def _run_approved(self, ctx: SessionContext, approval: events.Approval) -> None:
+        """Run the calls ``approval`` names that wait for it and that this role answers, each
+        once (claimed like every action; one answered meanwhile, or rejected, is passed over)."""
+        for action_id in sorted(set(approval.actions)):
+            async for event in ctx.log.read(ctx.session, action_id, action_id):
+                if not (isinstance(event, events.Action) and for_runtime(event) and event.awaits_approval):
+                    continue
+                if await ctx.is_answered(action_id):
+                    continue
+                entry = Entry(id=action_id, event=event, payload=events.encode(event))
+                held = await self._claim_and_run(ctx, entry)
+                assert held is None
 
     def _set_env(self, session: str, env: dict[str, str | None]) -> None:
         """Apply a session's environment; a name the boundary would refuse (a log written
