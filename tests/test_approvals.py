@@ -5,9 +5,11 @@ scripted model server."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import anyio
+import httpx
 import pytest
 
 from riverbed import events
@@ -18,7 +20,9 @@ from riverbed.errors import AlreadyAnswered, InputError, SystemEventRefused
 from riverbed.runtime.paths import workspace_name
 from tests.kit.agent_role import ended, roles, server  # noqa: F401  (fixtures)
 from tests.kit.agents import record
+from tests.kit.cli import assert_one_sentence, ok, run
 from tests.kit.openai_server import OpenAIServer
+from tests.kit.serve import assert_problem, bearer, new_key, running
 
 pytestmark = pytest.mark.anyio
 
@@ -155,3 +159,60 @@ def test_the_analyzer_labels_calls_and_the_policy_decides() -> None:
     assert judged(events.CmdRun(command="ls"), "always").awaits_approval
     plain = events.CmdRun(command="ls")
     assert judged(plain, "never") is plain  # nothing recorded, nothing waits
+
+
+async def test_approvals_over_http_for_the_keys_tenant(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
+    acme, other = await new_key(bus, "acme"), await new_key(bus, "globex")
+    server.reply(tool_calls=[("cmd_run", {"command": "git push --force"})])
+    server.reply(tool_calls=[("finish", {"final_thought": "done"})])
+    async with roles(bus, workspace, server), running(bus) as base, httpx.AsyncClient(base_url=base) as http:
+        opened = await http.post(
+            "/v1/sessions/hp/runs", headers=bearer(acme), json={"task": "push", "confirm": "risky", "max_steps": 3}
+        )
+        assert opened.status_code == 202, opened.text
+        action = await _waiting(bus, "hp")
+        listed = (await http.get("/v1/approvals", headers=bearer(acme))).json()["approvals"]
+        assert [(a["session"], a["action"], a["level"]) for a in listed] == [("hp", action.id, "high")]
+        assert (await http.get("/v1/approvals", headers=bearer(other))).json() == {"approvals": []}
+        assert_problem(
+            await http.post("/v1/sessions/hp/approvals", headers=bearer(other), json={"decision": "approve"}), 404
+        )
+        assert_problem(
+            await http.post("/v1/sessions/hp/approvals", headers=bearer(acme), json={"decision": "maybe"}), 400
+        )
+        decided = await http.post(
+            "/v1/sessions/hp/approvals", headers=bearer(acme), json={"decision": "reject", "reason": "no force"}
+        )
+        assert decided.status_code == 201, decided.text
+        assert decided.json()["actions"] == [action.id]
+        again = await http.post(
+            "/v1/sessions/hp/approvals", headers=bearer(acme), json={"decision": "approve", "actions": [action.id]}
+        )
+        assert_problem(again, 409)
+        seen = await ended(bus, "hp", 1)
+    approval = next(e for e in seen if isinstance(e, events.Approval))
+    assert approval.by.startswith("key:")
+    assert any(isinstance(e, events.Error) and e.reason == "rejected" and "no force" in e.content for e in seen)
+
+
+async def test_the_cli_lists_and_decides_calls_and_steers_runs(
+    bus: Bus, workspace: Path, server: OpenAIServer, cli_env: dict[str, str]
+) -> None:
+    server.reply(tool_calls=[("cmd_run", {"command": "sudo ls"})])
+    server.reply(tool_calls=[("finish", {"final_thought": "done"})])
+    async with roles(bus, workspace, server):
+        await open_run(bus, "cl", "look", limits=RunLimits(max_steps=3), confirm="risky")
+        action = await _waiting(bus, "cl")
+        (listed,) = [json.loads(line) for line in ok(cli_env, "approvals", "--json").splitlines()]
+        assert (listed["session"], listed["action"], listed["tool"]) == ("cl", action.id, "cmd_run")
+        assert_one_sentence(run(cli_env, "approve", "cl", "999"), 2, "action 999 of session cl does not wait")
+        assert_one_sentence(run(cli_env, "approve", "cl", "--reason", "why"), 2, "--reason goes with --reject")
+        assert_one_sentence(run(cli_env, "agent", "cl", "--pause", "--resume"), 2, "--pause and --resume")
+        ok(cli_env, "agent", "cl", "--say", "use the other box")
+        ok(cli_env, "approve", "cl", "--reject", "--reason", "not as root")
+        seen = await ended(bus, "cl", 1)
+        assert_one_sentence(run(cli_env, "approve", "cl", str(action.id)), 2, "answered or decided already")
+    assert any(isinstance(e, events.Message) and e.content == "use the other box" for e in seen)
+    approval = next(e for e in seen if isinstance(e, events.Approval))
+    assert (approval.decision, approval.reason) == ("reject", "not as root")
+    assert approval.by.startswith("cli")

@@ -52,6 +52,7 @@ from riverbed.cli.commands import (  # noqa: F401  (importing a command module r
     context,
     dlq,
     log,
+    people,
     schema,
     serve,
     services,

@@ -71,6 +71,9 @@ def _run_schemas() -> dict[str, Any]:
                 "max_tokens": {"type": ["integer", "null"], "minimum": 1},
                 "max_cost": {**number_or_null, "description": "USD, priced by RIVERBED_PRICES"},
                 "model": {"type": ["string", "null"], "description": "default: the worker's RIVERBED_LLM_MODEL"},
+                "confirm": {
+                    "description": "which calls wait for approval: never, always, risky, or a list of tool names",
+                },
                 "agent": {
                     "type": ["string", "null"],
                     "description": "the hosted agent of the run (GET /v1/agents); default: the reference agent",
@@ -390,6 +393,46 @@ def document() -> dict[str, Any]:
                     ),
                     **_problems(400, 401),
                 },
+            },
+        },
+        "/v1/approvals": {
+            "get": {
+                "summary": "The calls that wait for a person's approval in the key's tenant's runs, oldest first",
+                "parameters": [_query("tenant", "an admin key: only this tenant's", "string")],
+                "responses": {"200": _ok("the calls"), **_problems(401)},
+            },
+        },
+        "/v1/sessions/{session}/approvals": {
+            "parameters": [_SESSION],
+            "post": {
+                "summary": "Approve or reject calls of the open run that wait for a person (one approval event)",
+                "requestBody": _json_body(
+                    {
+                        "type": "object",
+                        "required": ["decision"],
+                        "properties": {
+                            "decision": {"enum": ["approve", "reject"]},
+                            "actions": {"type": "array", "items": {"type": "integer", "minimum": 1}},
+                            "reason": {"type": "string"},
+                        },
+                    },
+                    "the decision; no actions: every call that waits",
+                ),
+                "responses": {"201": _ok("the approval's id and the calls"), **_problems(400, 401, 404, 409)},
+            },
+        },
+        "/v1/sessions/{session}/runs/pause": {
+            "parameters": [_SESSION],
+            "post": {
+                "summary": "Pause the open run",
+                "responses": {"202": _ok("run_paused"), **_problems(400, 401, 404)},
+            },
+        },
+        "/v1/sessions/{session}/runs/resume": {
+            "parameters": [_SESSION],
+            "post": {
+                "summary": "Resume a paused run",
+                "responses": {"202": _ok("run_resumed"), **_problems(400, 401, 404)},
             },
         },
         "/v1/agents": {

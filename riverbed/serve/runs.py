@@ -11,20 +11,20 @@ tenant's (an admin key: every tenant's, or one named with ``?tenant=``).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from riverbed.agent.hosted import STATES, RunLimits, RunRow, cancel_run, list_runs, open_run
+from riverbed.agent.hosted import STATES, RunLimits, RunRow, cancel_run, decide, list_runs, open_run, pause_run
 from riverbed.agent.registry import known_agents
 from riverbed.agent.usage import parse_prices
 from riverbed.errors import InputError
-from riverbed.events import MAX_RUN_STEPS
+from riverbed.events import MAX_RUN_STEPS, Confirm
 from riverbed.serve.routes import _api, _body_as, _json, _session_tenant, bounded, principal
 
-__all__ = ["agents", "cancel", "handlers", "list_all", "start"]
+__all__ = ["agents", "approvals", "cancel", "decide_calls", "handlers", "list_all", "pause", "start"]
 
 MAX_TASK_CHARS = 100_000
 
@@ -36,6 +36,15 @@ class _RunBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_cost: Annotated[float, msgspec.Meta(gt=0, le=1_000_000)] | None = None
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
     agent: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
+    confirm: Confirm | None = None
+
+
+class _DecisionBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    decision: Literal["approve", "reject"]
+    actions: Annotated[list[Annotated[int, msgspec.Meta(ge=1)]], msgspec.Meta(max_length=1000)] = msgspec.field(
+        default_factory=list
+    )
+    reason: Annotated[str, msgspec.Meta(max_length=4000)] = ""
 
 
 class _CancelBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -71,7 +80,9 @@ async def start(request: Request) -> Response:
     tenant = await _session_tenant(api, who, session, create=True)
     body = await _body_as(request, _RunBody, f"the run body must be {_RUN_SHAPE} with only task required")
     limits = RunLimits(model=body.model, max_steps=body.max_steps, max_tokens=body.max_tokens, max_cost=body.max_cost)
-    opened = await open_run(api.bus, session, body.task, limits=limits, tenant=tenant, agent=body.agent)
+    opened = await open_run(
+        api.bus, session, body.task, limits=limits, tenant=tenant, agent=body.agent, confirm=body.confirm
+    )
     rows = await list_runs(api.bus, sessions=[session], prices=parse_prices(api.config.prices))
     run = run_document(rows[0]) if rows else {"session": session, "tenant": tenant, "state": "running"}
     limits_doc = {"max_steps": body.max_steps, "max_tokens": body.max_tokens, "max_cost": body.max_cost}
@@ -122,6 +133,60 @@ async def cancel(request: Request) -> Response:
 
 
 @bounded
+async def approvals(request: Request) -> Response:
+    """The calls that wait for a person's approval in the key's tenant's runs (an admin key:
+    every tenant's, or ``?tenant=``), oldest first."""
+    who = await principal(request)
+    api = _api(request)
+    tenant = request.query_params.get("tenant") or None if who.admin else who.tenant
+    rows = await list_runs(api.bus, state="running", tenant=tenant)
+    pending = [
+        {"session": row.session, "tenant": row.tenant, **msgspec.to_builtins(call)}
+        for row in rows
+        if who.may_see(row.tenant)
+        for call in row.awaiting
+    ]
+    pending.sort(key=lambda p: p["since"])
+    return _json({"approvals": pending})
+
+
+@bounded
+async def decide_calls(request: Request) -> Response:
+    """Approve or reject calls of the session's open run that wait for a person (201): one
+    ``approval``; ``actions`` empty: every call that waits.  409 for a call answered or decided
+    already, 400 for one that does not wait."""
+    who = await principal(request)
+    api = _api(request)
+    session = request.path_params["session"]
+    tenant = await _session_tenant(api, who, session)
+    body = await _body_as(
+        request, _DecisionBody, 'the body must be {"decision": "approve" | "reject", "actions": [ids], "reason": "..."}'
+    )
+    approval, decided = await decide(
+        api.bus,
+        session,
+        body.actions,
+        approve=body.decision == "approve",
+        reason=body.reason,
+        by=f"key:{who.key_id}",
+        tenant=tenant,
+    )
+    return _json({"session": session, "approval": approval, "actions": decided}, status=201)
+
+
+@bounded
+async def pause(request: Request) -> Response:
+    """Pause (``/pause``) or resume (``/resume``) the session's open run (202)."""
+    who = await principal(request)
+    api = _api(request)
+    session = request.path_params["session"]
+    tenant = await _session_tenant(api, who, session)
+    resume = request.url.path.endswith("/resume")
+    event = await pause_run(api.bus, session, resume=resume, tenant=tenant)
+    return _json({"session": session, "resumed" if resume else "paused": event}, status=202)
+
+
+@bounded
 async def agents(request: Request) -> Response:
     """The agents the deployment knows (``riverbed agents``): name, digest, tools, MCP servers,
     where each is defined and whether a live worker hosts it."""
@@ -138,4 +203,8 @@ def handlers() -> list[tuple[str, Any, list[str]]]:
         ("/v1/sessions/{session}/runs/cancel", cancel, ["POST"]),
         ("/v1/runs", list_all, ["GET"]),
         ("/v1/agents", agents, ["GET"]),
+        ("/v1/approvals", approvals, ["GET"]),
+        ("/v1/sessions/{session}/approvals", decide_calls, ["POST"]),
+        ("/v1/sessions/{session}/runs/pause", pause, ["POST"]),
+        ("/v1/sessions/{session}/runs/resume", pause, ["POST"]),
     ]

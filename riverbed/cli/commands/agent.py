@@ -26,6 +26,7 @@ from riverbed.cli.app import (
     app,
 )
 from riverbed.cli.output import _fail, _stdout_lines, err_console, json_bytes, render
+from riverbed.errors import InputError
 
 # --- agent: the reference LLM agent from the command line (issue 17) ----------------------------
 # Self-contained: moves into the cli/ package as one room.
@@ -46,6 +47,22 @@ def agent_command(
         str | None,
         typer.Option(
             "--agent", help="The hosted agent that works on the run (`riverbed agents` lists them).", show_default=False
+        ),
+    ] = None,
+    pause: Annotated[bool, typer.Option("--pause", help="Pause the open run (no model call, no new action).")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Resume a paused run.")] = False,
+    say: Annotated[
+        str | None,
+        typer.Option(
+            "--say", help="A user message for the open run: the model reads it at its next call.", show_default=False
+        ),
+    ] = None,
+    confirm: Annotated[
+        str | None,
+        typer.Option(
+            "--confirm",
+            help="Which calls wait for approval: never, always, risky, or tool names separated by commas.",
+            show_default=False,
         ),
     ] = None,
     upgrade: Annotated[
@@ -109,12 +126,14 @@ def agent_command(
     --in-process runs the loop here instead, with the runtime, memory and condenser roles.
     Exits 0 when the run finishes or reaches --max-steps.
     """
-    if cancel and upgrade:
-        _fail("--cancel and --upgrade are two different things: pass one", 2)
-    if cancel or upgrade:
+    verbs = [name for name, given in (("--cancel", cancel), ("--upgrade", upgrade), ("--pause", pause),
+             ("--resume", resume), ("--say", say is not None)) if given]  # fmt: skip
+    if len(verbs) > 1:
+        _fail(f"{' and '.join(verbs)} are different things: pass one", 2)
+    if verbs:
         if task is not None:
-            _fail(f"{'--cancel' if cancel else '--upgrade'} takes no task", 2)
-        _cancel_or_upgrade(session, tenant, prefix, upgrade=upgrade)
+            _fail(f"{verbs[0]} takes no task", 2)
+        _steer(session, tenant, prefix, verbs[0], say or "")
         return
     if task is None:
         _fail("say what the agent should do (the TASK argument), or pass --cancel or --upgrade", 2)
@@ -135,7 +154,15 @@ def agent_command(
         model=model, max_steps=max_steps, max_tokens=max_tokens, max_cost=max_cost,
         max_output_tokens=max_output_tokens, temperature=temperature, llm_timeout=llm_timeout,
     )  # fmt: skip
-    _hosted(session, task, limits, detach=detach, tenant=tenant, prefix=prefix, model_flags=model_flags, agent=agent)
+    policy: str | list[str] | None = None
+    if confirm is not None:
+        policy = (
+            confirm if confirm in ("never", "always", "risky") else [t.strip() for t in confirm.split(",") if t.strip()]
+        )
+    _hosted(
+        session, task, limits, detach=detach, tenant=tenant, prefix=prefix, model_flags=model_flags, agent=agent,
+        confirm=policy,
+    )  # fmt: skip
 
 
 def _model_flags(max_output_tokens: int | None, temperature: float | None, llm_timeout: float | None) -> dict[str, Any]:
@@ -154,21 +181,35 @@ def _model_flags(max_output_tokens: int | None, temperature: float | None, llm_t
     return given
 
 
-def _cancel_or_upgrade(session: str, tenant: str | None, prefix: str | None, *, upgrade: bool) -> None:
-    from riverbed.agent.hosted import cancel_run, upgrade_run  # noqa: PLC0415
+def _steer(session: str, tenant: str | None, prefix: str | None, verb: str, text: str) -> None:
+    """--cancel, --upgrade, --pause, --resume or --say on the session's open run."""
+    from riverbed.agent.hosted import cancel_run, pause_run, upgrade_run  # noqa: PLC0415
 
     cli = Invocation(prefix)
 
     async def go() -> int:
-        if upgrade:
-            return await upgrade_run(await cli.bus(), session, tenant=tenant)
-        return await cancel_run(await cli.bus(), session, tenant=tenant)
+        bus = await cli.bus()
+        if verb == "--upgrade":
+            return await upgrade_run(bus, session, tenant=tenant)
+        if verb in ("--pause", "--resume"):
+            return await pause_run(bus, session, resume=verb == "--resume", tenant=tenant)
+        if verb == "--say":
+            if not text.strip():
+                raise InputError("--say needs the message to say")
+            handle = await bus.operate(session, tenant=tenant)
+            (said,) = await handle.append(events.Message(content=text, source="user"))
+            return said
+        return await cancel_run(bus, session, tenant=tenant)
 
     event_id = cli.run(go)
-    if upgrade:
-        _progress(f"the run of {session} continues on its agent's newest definition (event {event_id})")
-    else:
-        _progress(f"asked the agent to end the run of {session} (event {event_id})")
+    done = {
+        "--upgrade": f"the run of {session} continues on its agent's newest definition",
+        "--pause": f"the run of {session} is paused",
+        "--resume": f"the run of {session} goes on",
+        "--say": f"said to the run of {session}; the model reads it at its next call",
+        "--cancel": f"asked the agent to end the run of {session}",
+    }[verb]
+    _progress(f"{done} (event {event_id})")
 
 
 def _hosted(
@@ -181,6 +222,7 @@ def _hosted(
     prefix: str | None,
     model_flags: dict[str, Any],
     agent: str | None = None,
+    confirm: str | list[str] | None = None,
 ) -> None:
     from riverbed.agent.hosted import follow_run, open_run  # noqa: PLC0415
     from riverbed.agent.llm import make_client  # noqa: PLC0415
@@ -199,7 +241,7 @@ def _hosted(
         bus = await cli.bus()
         if not detach:
             await require_workers(bus, ["runtime", "agent"])
-        opened = await open_run(bus, session, task, limits=limits, tenant=tenant, agent=agent)
+        opened = await open_run(bus, session, task, limits=limits, tenant=tenant, agent=agent, confirm=confirm)
         if detach:
             _progress(f"run opened on {session} (event {opened.opened}): `riverbed runs` shows it")
             return []
