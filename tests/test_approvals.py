@@ -47,13 +47,15 @@ async def test_a_risky_call_waits_for_approval_then_runs(bus: Bus, workspace: Pa
     async with roles(bus, workspace, server):
         opened = await open_run(bus, "ap1", "clean up", limits=RunLimits(max_steps=5), confirm="risky")
         action = await _waiting(bus, "ap1")
-        assert isinstance(action, events.CmdRun) and isinstance(action.risk, events.Risk)
+        assert isinstance(action, events.CmdRun)
+        assert isinstance(action.risk, events.Risk)
         assert (action.risk.level, action.risk.confirm) == ("high", True)
         assert "deletes files recursively" in action.risk.reason
         # Nothing ran it, and no model call is made while it waits.
         await anyio.sleep(1.0)
         root = workspace / workspace_name("ap1")
-        assert (root / "a.txt").exists() and not (root / "b.txt").exists()
+        assert (root / "a.txt").exists()
+        assert not (root / "b.txt").exists()
         assert len(server.requests) == 2
         (row,) = [r for r in await list_runs(bus) if r.session == "ap1"]
         assert [(p.action, p.tool, p.level) for p in row.awaiting] == [(action.id, "cmd_run", "high")]
@@ -64,11 +66,13 @@ async def test_a_risky_call_waits_for_approval_then_runs(bus: Bus, workspace: Pa
     assert (root / "b.txt").read_text() == "gone\n"
     answers = [e for e in seen if isinstance(e, events.CmdOutput) and e.cause == action.id]
     assert len(answers) == 1
-    assert answers[0].id is not None and answers[0].id > approval
+    assert answers[0].id is not None
+    assert answers[0].id > approval
     assert seen[-1].kind == "finish"
     # The low-risk first command carried its label, and did not wait.
     first = next(e for e in seen if isinstance(e, events.CmdRun))
-    assert isinstance(first.risk, events.Risk) and (first.risk.level, first.risk.confirm) == ("low", False)
+    assert isinstance(first.risk, events.Risk)
+    assert (first.risk.level, first.risk.confirm) == ("low", False)
 
 
 async def test_a_rejection_reaches_the_model_and_the_run_goes_on(
