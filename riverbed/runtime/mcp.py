@@ -157,8 +157,8 @@ class McpProcess(SandboxedProcess):
         self._stderr_path = self._sandbox.state_dir(self._workspace) / f"mcp-{spec.server}.stderr"
 
     async def start(self) -> None:
-        """Start the server in the sandbox and complete the ``initialize`` handshake (the
-        caller bounds the time)."""
+        """Start the server's process in the sandbox (the caller bounds the time, and then
+        that of :meth:`initialize`)."""
         assert self.spec.command
         argv = resolve(self.spec.command, self._server_env.get("PATH", ""), self._mounts)
         self._link = link = self._sandbox.link()
@@ -206,6 +206,9 @@ class McpProcess(SandboxedProcess):
         os.set_blocking(out_r, False)
         self._stdin, self._stdout, self._buf = in_w, out_r, b""
         self._core = frozenset({self._proc.pid})
+
+    async def initialize(self) -> None:
+        """The ``initialize`` handshake, once the process started."""
         from mcp import types  # noqa: PLC0415  (the worker extra; imported where a server starts)
 
         params = {
@@ -216,7 +219,7 @@ class McpProcess(SandboxedProcess):
         raw = await self._request("initialize", params)
         types.InitializeResult.model_validate(raw)
         await self._send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-        log.info("mcp.started", server=self.spec.server, pid=self._proc.pid, workspace=str(self._workspace))
+        log.info("mcp.started", server=self.spec.server, workspace=str(self._workspace))
 
     async def enforce_limits(self) -> None:
         """The process-count check, for the runtime's watcher."""
@@ -350,8 +353,8 @@ class McpServers:
         """Answer an ``mcp_list``: the server's tools, or an ``error`` (retryable)."""
         self.learn(spec)
         try:
+            server = await self._server(spec.server, env)
             with anyio.fail_after(spec.timeout):
-                server = await self._server(spec.server, env)
                 tools = await server.list_tools()
         except TimeoutError:
             await self._stop(spec.server)
@@ -373,8 +376,8 @@ class McpServers:
             return _error_result(f"the MCP server {name!r} was never listed in this session (no mcp_list)")
         tool = action.tool.removeprefix(f"{name}.")
         try:
+            server = await self._server(name, env)
             with anyio.fail_after(spec.timeout):
-                server = await self._server(name, env)
                 result = await server.call_tool(tool, action.arguments)
         except TimeoutError:
             await self._stop(name)
@@ -403,7 +406,15 @@ class McpServers:
                     wanted[variable] = env[variable]
             server = McpProcess(self._placement, spec, wanted, self._mounts)
             try:
-                await start_again_on_a_network_race(server.start, f"mcp {name}")
+                try:
+                    with anyio.fail_after(self._placement.limits.start_timeout):
+                        await start_again_on_a_network_race(server.start, f"mcp {name}")
+                except TimeoutError:
+                    raise McpFailed(
+                        f"the sandbox of the MCP server {name!r} did not start within "
+                        f"{self._placement.limits.start_timeout:g} seconds"
+                    ) from None
+                await _handshake(server, spec.timeout)
             except ModuleNotFoundError as exc:
                 with anyio.CancelScope(shield=True):
                     await server.close()
@@ -430,6 +441,16 @@ class McpServers:
     async def enforce_limits(self) -> None:
         for server in list(self._running.values()):
             await server.enforce_limits()
+
+
+async def _handshake(server: McpProcess, timeout: float) -> None:
+    """The server's ``initialize`` handshake, within ``timeout`` (its program's start included)."""
+    with anyio.move_on_after(timeout) as handshake:
+        await server.initialize()
+    if handshake.cancelled_caught:
+        raise McpFailed(
+            f"the MCP server {server.spec.server!r} did not complete its handshake within {timeout:g} seconds"
+        )
 
 
 def _failed(server: str, why: str) -> events.Error:
