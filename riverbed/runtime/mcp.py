@@ -57,6 +57,8 @@ MAX_PAGES = 50
 """How many pages of ``tools/list`` are read at most."""
 STDERR_TAIL = 2000
 """How much of what a server wrote on stderr an error quotes (the last characters)."""
+STDERR_KEEP = 1024 * 1024
+"""A server's stderr file is emptied at its next request once it holds more than this."""
 
 _CLIENT_INFO = {"name": "riverbed", "version": "0.1.0"}
 PROTOCOL_VERSION = "2025-11-25"
@@ -175,7 +177,9 @@ class McpProcess(SandboxedProcess):
                 nproc=self._limits.max_processes,
                 tmp=tmp,
             )
-            stderr = open(self._stderr_path, "wb")  # noqa: ASYNC230, SIM115  (a local file, handed to the child)
+            self._stderr_path.write_bytes(b"")
+            # appended to, so that emptying it (a chatty server) starts it again from the top
+            stderr = open(self._stderr_path, "ab")  # noqa: ASYNC230, SIM115  (a local file, handed to the child)
         except BaseException:
             for fd in (in_r, in_w, out_r, out_w):
                 os.close(fd)
@@ -267,6 +271,9 @@ class McpProcess(SandboxedProcess):
         (``ping``; anything else is refused as not supported)."""
         self._next_id += 1
         request_id = self._next_id
+        with contextlib.suppress(OSError):
+            if os.stat(self._stderr_path).st_size > STDERR_KEEP:
+                os.truncate(self._stderr_path, 0)
         await self._send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
         while True:
             message = await self._message()
