@@ -18,11 +18,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import anyio
 import pytest
+from msgspec.structs import replace
 
 from riverbed import events
 from riverbed.agent.mcp import (
@@ -40,6 +42,7 @@ from riverbed.agent.quotas import Quotas
 from riverbed.agent.replay import fork, wait_rebuilt
 from riverbed.client.session import Bus
 from riverbed.errors import InputError
+from riverbed.runtime import Runtime
 from riverbed.runtime.paths import workspace_name
 from tests.kit.cli import run
 from tests.kit.workers import Spawn, WorkerProcess, spawn, workers  # noqa: F401  (fixtures)
@@ -229,6 +232,43 @@ async def test_a_new_owner_and_a_fork_start_the_server_again_from_the_logged_spe
     after = await call(bus, "src", tiny, "where", wait=45)
     assert not after.is_error
     assert json.loads(after.content)["token"] != before["token"]
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Host pids whose command line holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    if marker.encode() in fh.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.fixture
+async def rt(workspace: Path) -> AsyncIterator[Runtime]:
+    """A runtime on its own (no worker) whose MCP servers may come from the tiny server's directory."""
+    runtime = Runtime(workspace_root=workspace, mcp_mounts=[str(TINY_DIR)])
+    yield runtime
+    await runtime.aclose()
+
+
+async def test_a_server_lives_as_long_as_the_sessions_sandbox(rt: Runtime) -> None:
+    marker = f"--marker={uuid.uuid4().hex}"
+    spec = list_action(MCPServer(name="tiny", command=[*TINY, marker]))
+    listed = await rt.execute("life", replace(spec, id=1))
+    assert isinstance(listed, events.McpTools), listed
+    running = _processes_with(marker)  # the server, and bubblewrap's processes around it
+    assert running
+    where = await rt.execute("life", replace(call_action(MCPServer(name="tiny", command=TINY), "where", {}), id=2))
+    assert isinstance(where, events.ToolResult)
+    assert not where.is_error
+    assert _processes_with(marker) == running  # the same server answered the call
+    await rt.close_session("life")
+    assert not _processes_with(marker)  # gone with the sandbox
 
 
 # --- the sandbox's walls ------------------------------------------------------------------------
