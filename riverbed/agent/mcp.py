@@ -42,7 +42,7 @@ import structlog
 from riverbed import events
 from riverbed.agent.quotas import Quotas
 from riverbed.errors import InputError
-from riverbed.runtime.mcp import result_text, tools_of
+from riverbed.runtime.mcp import mcp_types, result_text, tools_of
 
 __all__ = [
     "MCPServer",
@@ -275,7 +275,7 @@ async def call_remote(
 def _page(cursor: str | None) -> Any:
     if cursor is None:
         return None
-    from mcp import types  # noqa: PLC0415  (the worker extra)
+    from mcp import types  # noqa: PLC0415  (the worker extra, imported by _connected already)
 
     return types.PaginatedRequestParams(cursor=cursor)
 
@@ -290,6 +290,7 @@ class _connected:
     async def __aenter__(self) -> Any:
         from contextlib import AsyncExitStack  # noqa: PLC0415
 
+        await mcp_types()  # (the SDK imported in a thread the first time, not on the worker's loop)
         from mcp import ClientSession  # noqa: PLC0415  (the worker extra)
         from mcp.client.streamable_http import streamable_http_client  # noqa: PLC0415
 

@@ -28,6 +28,7 @@ This module also turns the SDK's results into riverbed's events (:func:`tools_of
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -47,7 +48,7 @@ from riverbed.runtime.sandbox import start_again_on_a_network_race
 from riverbed.runtime.sandboxed import Placement, SandboxedProcess
 from riverbed.runtime.spawner import spawn
 
-__all__ = ["McpFailed", "McpServers", "result_text", "tools_of"]
+__all__ = ["McpFailed", "McpServers", "mcp_types", "result_text", "tools_of"]
 
 log = structlog.get_logger("riverbed.runtime.mcp")
 
@@ -64,6 +65,15 @@ _CLIENT_INFO = {"name": "riverbed", "version": "0.1.0"}
 PROTOCOL_VERSION = "2025-11-25"
 """The MCP revision riverbed offers in the ``initialize`` handshake (a server that does not
 speak it answers with one it does, as the protocol says)."""
+
+
+async def mcp_types() -> Any:
+    """``mcp.types`` (the worker extra), imported in a thread the first time: the SDK's models
+    take a second or more to import, which would stall every session of the worker's loop."""
+    module = sys.modules.get("mcp.types")
+    if module is None:
+        module = await anyio.to_thread.run_sync(importlib.import_module, "mcp.types")
+    return module
 
 
 class McpFailed(Exception):
@@ -213,7 +223,7 @@ class McpProcess(SandboxedProcess):
 
     async def initialize(self) -> None:
         """The ``initialize`` handshake, once the process started."""
-        from mcp import types  # noqa: PLC0415  (the worker extra; imported where a server starts)
+        types = await mcp_types()
 
         params = {
             "protocolVersion": PROTOCOL_VERSION,
@@ -239,8 +249,7 @@ class McpProcess(SandboxedProcess):
         self._buf = b""
 
     async def list_tools(self) -> list[Any]:
-        from mcp import types  # noqa: PLC0415
-
+        types = await mcp_types()
         tools: list[Any] = []
         cursor: str | None = None
         for _ in range(MAX_PAGES):
@@ -254,8 +263,7 @@ class McpProcess(SandboxedProcess):
         return tools
 
     async def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
-        from mcp import types  # noqa: PLC0415
-
+        types = await mcp_types()
         return types.CallToolResult.model_validate(
             await self._request("tools/call", {"name": name, "arguments": arguments})
         )
