@@ -285,8 +285,14 @@ async def test_a_stdio_server_sees_its_workspace_and_nothing_else(
     assert isinstance(mine, events.FileWritten), mine
     beside = tmp_path / "worker-secret.txt"  # a file of the worker's, outside every workspace
     beside.write_text("the worker's secret")
+
+    big = await bus.session("mine").act(events.FileWrite(path="big.txt", content="x" * 100_000), timeout=30)
+    assert isinstance(big, events.FileWritten), big
     await listed(bus, "mine", tiny)
 
+    capped = await call(bus, "mine", tiny, "read", {"path": "big.txt"})  # cut as a command's output is
+    assert "[... 70000 characters truncated ...]" in capped.content
+    assert len(capped.content) < 30_100
     own = await call(bus, "mine", tiny, "read", {"path": "notes.txt"})
     assert own.content == "my notes"
     assert not own.is_error

@@ -43,7 +43,7 @@ import structlog
 
 from riverbed import events
 from riverbed.runtime.limits import launcher_argv
-from riverbed.runtime.output import read_some, write_all
+from riverbed.runtime.output import CappedText, read_some, write_all
 from riverbed.runtime.sandbox import start_again_on_a_network_race
 from riverbed.runtime.sandboxed import Placement, SandboxedProcess
 from riverbed.runtime.spawner import spawn
@@ -60,6 +60,10 @@ STDERR_TAIL = 2000
 """How much of what a server wrote on stderr an error quotes (the last characters)."""
 STDERR_KEEP = 1024 * 1024
 """A server's stderr file is emptied at its next request once it holds more than this."""
+
+MAX_RESULT_CHARS = 30_000
+"""A tool result above this many characters is cut in the middle (a sandbox's ``max_output_chars``
+for stdio servers)."""
 
 _CLIENT_INFO = {"name": "riverbed", "version": "0.1.0"}
 PROTOCOL_VERSION = "2025-11-25"
@@ -96,10 +100,11 @@ def tools_of(server: str, result: Any) -> events.McpTools:
     )
 
 
-def result_text(result: Any) -> str:
+def result_text(result: Any, limit: int = MAX_RESULT_CHARS) -> str:
     """A ``tools/call`` result (``mcp.types.CallToolResult``) as the text the model reads: the
     text blocks joined by newlines, the other blocks described, the structured content as
-    JSON when there is nothing else."""
+    JSON when there is nothing else; above ``limit`` characters, cut in the middle with a
+    marker (as a command's output is)."""
     parts: list[str] = []
     for block in result.content:
         kind = getattr(block, "type", "")
@@ -121,7 +126,9 @@ def result_text(result: Any) -> str:
             parts.append(f"[{kind or 'unknown'} content]")
     if not parts and result.structured_content is not None:
         parts.append(json.dumps(result.structured_content, ensure_ascii=False))
-    return "\n".join(parts)
+    capped = CappedText(limit)
+    capped.feed("\n".join(parts))
+    return capped.render()
 
 
 # --- one server --------------------------------------------------------------------------
@@ -406,7 +413,8 @@ class McpServers:
         except ValueError as exc:  # (a message that is not what MCP says: pydantic's ValidationError)
             await self._stop(name)
             return _error_result(f"the MCP server {name!r} sent what is not MCP: {type(exc).__name__}: {exc}")
-        return events.ToolResult(content=result_text(result), is_error=bool(result.is_error), source="runtime")
+        text = result_text(result, self._placement.limits.max_output_chars)
+        return events.ToolResult(content=text, is_error=bool(result.is_error), source="runtime")
 
     async def _server(self, name: str, env: Mapping[str, str]) -> McpProcess:
         spec = self._specs[name]
