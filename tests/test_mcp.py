@@ -29,6 +29,7 @@ from msgspec.structs import replace
 from riverbed import events
 from riverbed.agent.mcp import (
     MCPServer,
+    answer_remote,
     call_action,
     call_remote,
     list_action,
@@ -418,6 +419,34 @@ async def test_a_remote_server_is_listed_and_called_and_its_failures_are_answers
     failed = await call_remote(gone, "echo", {"message": "x"})
     assert failed.is_error
     assert "gone" in failed.content
+
+
+async def test_the_agent_worker_answers_a_remote_servers_actions_for_allowed_tenants_only(
+    bus: Bus, everything_http: str
+) -> None:
+    quotas = Quotas(bus.log_store)
+    docs = MCPServer(name="docs", url=everything_http, timeout=10)
+    listing = replace(list_action(docs), id=7)
+    echo = replace(call_action(docs, "echo", {"message": "allowed"}), id=9)
+
+    refused = await answer_remote(listing, docs, quotas, "acme")
+    assert isinstance(refused, events.Error), refused
+    assert refused.reason == "mcp_refused"
+    assert refused.cause == 7
+    assert "riverbed tenants set acme --mcp-urls" in refused.content
+    not_called = await answer_remote(echo, docs, quotas, "acme")
+    assert isinstance(not_called, events.ToolResult)
+    assert not_called.is_error
+    assert "--mcp-urls" in not_called.content
+
+    await quotas.set("acme", max_runs=None, tokens_per_day=None, mcp_urls=[everything_http])
+    tools = await answer_remote(listing, docs, quotas, "acme")
+    assert isinstance(tools, events.McpTools), tools
+    assert tools.cause == 7
+    assert "echo" in {t.name for t in tools.tools}
+    called = await answer_remote(echo, docs, quotas, "acme")
+    assert isinstance(called, events.ToolResult)
+    assert (called.content, called.is_error, called.cause) == ("Echo: allowed", False, 9)
 
 
 async def test_a_tenant_uses_only_the_urls_the_operator_allowed(bus: Bus, cli_env: dict[str, str], prefix: str) -> None:

@@ -12,6 +12,7 @@ model sees, and the client of remote (streamable HTTP) servers.
     call_action(git, "git_status", {...})  # the tool_call for it
     await list_remote(docs)                # mcp_tools, or an error event: never raises
     await call_remote(docs, "search", {...})  # a tool_result (is_error when it failed): never raises
+    await answer_remote(action, docs, quotas, tenant)  # the answer of its mcp_list or tool_call, URL checked
 
 A stdio server (``command``) runs in the session's sandbox: the runtime role answers its
 ``mcp_list`` and ``tool_call`` (``runs_in`` runtime; :mod:`riverbed.runtime.mcp`).  A remote
@@ -46,6 +47,7 @@ from riverbed.runtime.mcp import mcp_types, result_text, tools_of
 
 __all__ = [
     "MCPServer",
+    "answer_remote",
     "call_action",
     "call_remote",
     "list_action",
@@ -270,6 +272,29 @@ async def call_remote(
             content=f"the MCP server {server.name!r} failed to run {tool}: {_reason(exc)}", is_error=True
         )
     return events.ToolResult(content=result_text(result), is_error=bool(result.is_error))
+
+
+async def answer_remote(
+    action: events.McpList | events.ToolCall, server: MCPServer, quotas: Quotas, tenant: str | None
+) -> events.Observation:
+    """The one answer of a remote ``server``'s ``mcp_list`` or ``tool_call`` (its ``cause`` set),
+    for the agent worker to append: refused when ``tenant`` may not use the server's URL (an
+    ``error`` with reason ``mcp_refused`` for a listing, an error result for a call: both name
+    the setting), else what :func:`list_remote` or :func:`call_remote` said.  Never raises for
+    the server's failure."""
+    assert server.url is not None, "answer_remote asks a url server"
+    refusal = await url_refusal(quotas, tenant, server.url)
+    answer: events.Observation
+    if isinstance(action, events.McpList):
+        if refusal is not None:
+            answer = events.Error(content=refusal, reason="mcp_refused", retryable=False, source="agent")
+        else:
+            answer = await list_remote(server)
+    elif refusal is not None:
+        answer = events.ToolResult(content=refusal, is_error=True)
+    else:
+        answer = await call_remote(server, action.tool.removeprefix(f"{server.name}."), action.arguments)
+    return msgspec.structs.replace(answer, cause=action.id)
 
 
 def _page(cursor: str | None) -> Any:
