@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import anyio
 import pytest
@@ -276,7 +277,7 @@ async def test_a_server_lives_as_long_as_the_sessions_sandbox(rt: Runtime) -> No
 
 
 async def test_a_stdio_server_sees_its_workspace_and_nothing_else(
-    bus: Bus, runtime_worker: Callable[..., WorkerProcess], workspace: Path, tmp_path: Path
+    bus: Bus, runtime_worker: Callable[..., WorkerProcess], workspace: Path, tmp_path: Path, redis_url: str
 ) -> None:
     runtime_worker()
     tiny = MCPServer(name="tiny", command=TINY)
@@ -310,6 +311,11 @@ async def test_a_stdio_server_sees_its_workspace_and_nothing_else(
         assert "[project]" not in pried.content
     env = json.loads((await call(bus, "mine", tiny, "env")).content)
     assert not [name for name in env if name.startswith(("RIVERBED_", "OPENAI_"))], env
+    redis = urlsplit(redis_url)  # the worker's Redis, on this host's loopback: not the sandbox's
+    assert redis.hostname in ("127.0.0.1", "localhost")
+    reached = await call(bus, "mine", tiny, "connect", {"host": "127.0.0.1", "port": redis.port})
+    assert reached.is_error, reached
+    assert "ConnectionRefusedError" in reached.content, reached
 
 
 # --- the agent's side: definitions, names, remote servers ------------------------------------

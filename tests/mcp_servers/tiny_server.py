@@ -1,12 +1,14 @@
 """A tiny stdio MCP server (standard library only) whose tools misbehave on purpose.
 
-Tools: ``read`` (a file's text, or the error reading it), ``env`` (its environment), ``where``
+Tools: ``read`` (a file's text, or the error reading it), ``env`` (its environment), ``connect``
+(a TCP connection to a host and port, or the error), ``where``
 (its working directory and a token of this process), ``hang`` (never answers), ``die`` (exits
 with code 3).  ``--hang-at-start``: it never answers ``initialize``.
 """
 
 import json
 import os
+import socket
 import sys
 import time
 
@@ -17,6 +19,8 @@ TOOLS = [
         "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
     {"name": "env", "description": "The server's environment", "inputSchema": {"type": "object"}},
     {"name": "where", "description": "Working directory and process token", "inputSchema": {"type": "object"}},
+    {"name": "connect", "description": "Open a TCP connection", "inputSchema": {
+        "type": "object", "properties": {"host": {"type": "string"}, "port": {"type": "integer"}}}},
     {"name": "hang", "description": "Never answers", "inputSchema": {"type": "object"}},
     {"name": "die", "description": "Exits", "inputSchema": {"type": "object"}},
 ]  # fmt: skip
@@ -43,6 +47,12 @@ def call(request_id: object, name: str, arguments: dict) -> None:
         text(request_id, json.dumps(dict(os.environ)))
     elif name == "where":
         text(request_id, json.dumps({"cwd": os.getcwd(), "token": TOKEN}))
+    elif name == "connect":
+        try:
+            socket.create_connection((arguments["host"], arguments["port"]), timeout=2).close()
+            text(request_id, "connected")
+        except OSError as exc:
+            text(request_id, f"{type(exc).__name__}: {exc}", error=True)
     elif name == "hang":
         time.sleep(3600)
     elif name == "die":
