@@ -623,6 +623,9 @@ class Delegate(Action, frozen=True, kw_only=True, tag="delegate"):
     max_steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_RUN_STEPS, description="model calls at most")] | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=1, description="prompt + completion tokens at most")] | None = None
     max_cost: Annotated[float, msgspec.Meta(gt=0, le=1_000_000, description="USD at most")] | None = None
+    sub_agent: str | msgspec.UnsetType = msgspec.UNSET
+    """the hosted agent that works on the task (one of the parent agent's ``sub_agents``;
+    unset: the parent's own definition)"""
 
 
 class Delegated(Event, frozen=True, kw_only=True, tag="delegated"):

@@ -12,18 +12,20 @@ import pytest
 
 import riverbed
 from riverbed import events
-from riverbed.agent.llm import AgentOptions, build_messages, make_client, render, run_llm_agent
-from riverbed.agent.tools import action_from_call, tool_names, tools
+from riverbed.agent.llm import AgentOptions, build_messages, make_client, render
+from riverbed.agent.tools import ROLE_TOOL_ACTIONS, action_from_call, tool_names, tools
 from riverbed.client.session import Bus
 from riverbed.errors import ConfigError, InputError
 from riverbed.runtime.paths import workspace_name
 from riverbed.settings import Settings
+from riverbed.workers.agent_run import run_llm_agent
 from tests.kit.agents import roles, workers  # noqa: F401  (fixtures)
 from tests.kit.openai_server import OpenAIServer, server  # noqa: F401  (server: a fixture)
 
 pytestmark = pytest.mark.anyio
 
-SETTINGS = Settings(llm_model="test-model")
+SETTINGS = Settings(llm_model="test-model", agent_llm_retry_seconds=0)
+"""(a model call that fails ends the run: the retries are the agent role's tests')"""
 
 
 def seed_workspace(workspace: Path, session: str) -> Path:
@@ -102,7 +104,12 @@ def test_templates_render_and_ship_with_the_package() -> None:
     context = render("workspace_context.j2", ctx=events.RecallResult(recall_type="workspace_context", date="today"))
     assert "Today's date: today" in context
     prompts = Path(riverbed.__file__).parent / "agent" / "prompts"
-    assert sorted(p.name for p in prompts.glob("*.j2")) == ["knowledge.j2", "system.j2", "workspace_context.j2"]
+    assert sorted(p.name for p in prompts.glob("*.j2")) == [
+        "agent.j2",
+        "knowledge.j2",
+        "system.j2",
+        "workspace_context.j2",
+    ]
 
 
 def test_a_client_needs_a_key_or_a_base_url() -> None:
@@ -137,9 +144,10 @@ async def test_a_recorded_run_with_tools_and_replay_without_the_model(
     log = await session.events()
     assert [e.kind for e in log] == [
         "message",
+        "run_started",
+        "recall",
         "recall",
         "recall_result",
-        "recall",
         "recall_result",
         "llm_response",
         "cmd_run",
@@ -156,16 +164,14 @@ async def test_a_recorded_run_with_tools_and_replay_without_the_model(
     recalls = [e for e in log if isinstance(e, events.Recall)]
     assert [r.recall_type for r in recalls] == ["workspace_context", "knowledge"]
     assert all(r.cause == task.id and r.agent == "llm" for r in recalls)
-    context = log[2]
-    assert isinstance(context, events.RecallResult)
+    (context,) = [e for e in log if isinstance(e, events.RecallResult) and e.recall_type == "workspace_context"]
     assert context.repo_instructions is not None
-    knowledge = log[4]
-    assert isinstance(knowledge, events.RecallResult)
+    (knowledge,) = [e for e in log if isinstance(e, events.RecallResult) and e.recall_type == "knowledge"]
     assert [k.name for k in knowledge.knowledge] == ["docker"]
 
     # Every response is recorded before its actions, which point back at it.
     responses = [e for e in log if isinstance(e, events.LlmResponse)]
-    for response, calls, action in zip(responses, [first, second, third], log[6::3], strict=True):
+    for response, calls, action in zip(responses, [first, second, third], log[7::3], strict=True):
         assert response.model == "test-model"
         assert [c["id"] for c in response.tool_calls] == [c["id"] for c in calls]
         assert response.tool_calls[0]["function"]["name"] == action.kind
@@ -175,14 +181,14 @@ async def test_a_recorded_run_with_tools_and_replay_without_the_model(
         assert (response.id or 0) < (action.id or 0)
         assert response.usage["total_tokens"] >= 0
     assert responses[1].content == "Writing the notes."
-    output = log[7]
+    output = log[8]
     assert isinstance(output, events.CmdOutput)
     assert output.content.strip() == "hello from the shell"
 
     # The first prompt: system, the task, the rendered workspace context and knowledge.
     request = server.requests[0]
     assert request["model"] == "test-model"
-    assert [t["function"]["name"] for t in request["tools"]] == tool_names()
+    assert [t["function"]["name"] for t in request["tools"]] == tool_names(ROLE_TOOL_ACTIONS)
     roles_sent = [m["role"] for m in request["messages"]]
     assert roles_sent == ["system", "user", "user", "user"]
     assert "<workspace_context>" in request["messages"][2]["content"]
@@ -251,13 +257,14 @@ async def test_a_bad_tool_call_is_reported_to_the_model_which_tries_again(
     assert "bad arguments for cmd_run" in server.requests[1]["messages"][-1]["content"]
 
 
-async def test_a_text_answer_waits_for_the_user_and_the_next_message_recalls_knowledge(
+async def test_a_text_answer_ends_the_run_and_the_next_message_recalls_knowledge(
     bus: Bus, server: OpenAIServer, workers: None
 ) -> None:
+    # A text answer ends the run (the agent role's rule): its text is the run's final word.
     server.reply("Which file do you mean?")
     asked = await run_llm_agent(bus, "llm-chat", "Fix the file.", settings=SETTINGS, client=server.client())
-    assert isinstance(asked, events.Message)
-    assert (asked.source, asked.content, asked.wait_for_response) == ("agent", "Which file do you mean?", True)
+    assert isinstance(asked, events.Finish)
+    assert (asked.source, asked.final_thought) == ("agent", "Which file do you mean?")
 
     server.reply(tool_calls=[("think", {"thought": "the user means app.py"})])
     server.reply(tool_calls=[("finish", {})])
@@ -291,7 +298,7 @@ async def test_the_step_limit_ends_the_run(bus: Bus, server: OpenAIServer, worke
     assert final.reason == "step_limit"
     log = await bus.session("llm-steps").events()
     assert sum(isinstance(e, events.CmdOutput) for e in log) == 2
-    assert {e.agent for e in log if isinstance(e, events.Action)} == {"looper"}
+    assert {e.agent for e in log if isinstance(e, events.Action) and e.source == "agent"} == {"looper"}
     with pytest.raises(InputError, match="max_steps"):
         await run_llm_agent(bus, "llm-steps", "x", settings=SETTINGS, client=server.client(), max_steps=0)
 

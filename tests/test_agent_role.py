@@ -13,6 +13,7 @@ import pytest
 from riverbed import events
 from riverbed.agent.hosted import RunLimits, cancel_run, list_runs, open_run
 from riverbed.agent.replay import fork
+from riverbed.agent.tools import ROLE_TOOL_ACTIONS, tools
 from riverbed.bus.keys import AGENT_ROLE
 from riverbed.client.session import Bus
 from riverbed.errors import InputError
@@ -68,12 +69,12 @@ async def test_the_model_receives_the_request_as_the_role_built_it(
     # The role hands the client its request as the body's extra part (the client's own typed
     # pass over it costs more CPU than the rest of a step): the wire carries every field.
     server.reply("all done")
-    async with roles(bus, workspace, server) as agent:
+    async with roles(bus, workspace, server):
         opened = await open_run(bus, "s-wire", "say hello")
         await ended(bus, "s-wire", opened.opened)
     (request,) = server.requests
     assert request["model"] == "test-model"
-    assert request["tools"] == agent.tools
+    assert request["tools"] == tools(ROLE_TOOL_ACTIONS)  # the reference agent's: every built-in tool
     assert (request["tool_choice"], request["parallel_tool_calls"]) == ("auto", True)  # delegates run in parallel
     assert request["messages"][0]["role"] == "system"
     assert request["messages"][-1] == {"role": "user", "content": "say hello"}

@@ -29,9 +29,10 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.hosted import RunLimits, follow_run, list_runs, open_run
-from riverbed.agent.llm import AgentOptions, run_llm_agent
+from riverbed.agent.llm import AgentOptions
 from riverbed.client.session import Bus
 from riverbed.settings import Settings
+from riverbed.workers.agent_run import run_llm_agent
 from tests.kit.agents import roles, workers  # noqa: F401  (fixtures)
 from tests.kit.workers import WorkerProcess
 

@@ -15,11 +15,12 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.hosted import RunLimits, follow_run, open_run
-from riverbed.agent.llm import AgentOptions, model_parameters, run_llm_agent
+from riverbed.agent.llm import AgentOptions, model_parameters
 from riverbed.client.session import Bus
 from riverbed.runtime import Runtime
 from riverbed.settings import Settings
 from riverbed.workers.agent_role import AgentHandler
+from riverbed.workers.agent_run import run_llm_agent
 from riverbed.workers.runtime_role import RuntimeHandler
 from tests.kit.agents import (
     owners,
@@ -73,7 +74,9 @@ def test_a_slow_model_ends_the_run_with_one_sentence_naming_the_setting(
     agent_env: dict[str, str], server: OpenAIServer
 ) -> None:
     server.reply(tool_calls=[("finish", {"final_thought": "too late"})], delay=4)
-    result = run(agent_env, "agent", "t1", "do it", "--in-process", "--llm-timeout", "1", timeout=120)
+    # (no retry: a slow model is retried within RIVERBED_AGENT_LLM_RETRY_SECONDS, then says the same with its tries)
+    env = {**agent_env, "RIVERBED_AGENT_LLM_RETRY_SECONDS": "0"}
+    result = run(env, "agent", "t1", "do it", "--in-process", "--llm-timeout", "1", timeout=120)
     err = result.stderr.decode()
     assert result.returncode == 1, err
     assert "Traceback" not in err
@@ -128,7 +131,13 @@ async def test_the_in_process_loop_uses_the_settings(
     server: OpenAIServer,
     workers: None,
 ) -> None:
-    settings = Settings(llm_model="test-model", llm_temperature=0.1, llm_max_output_tokens=128, llm_timeout=0.5)
+    settings = Settings(
+        llm_model="test-model",
+        llm_temperature=0.1,
+        llm_max_output_tokens=128,
+        llm_timeout=0.5,
+        agent_llm_retry_seconds=0,
+    )
     server.reply(tool_calls=[("finish", {"final_thought": "done"})])
     options = AgentOptions(recall_timeout=15)
     ended = await run_llm_agent(bus, "p1", "do it", settings=settings, client=server.client(), options=options)

@@ -21,36 +21,35 @@ of a run that no agent worker has picked up yet.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import msgspec
 
 from riverbed import events
+from riverbed.agent.define import RULES_VERSION, Agent, RunLimits
 from riverbed.agent.quotas import Quotas
+from riverbed.agent.registry import known_agents, resolve
 from riverbed.agent.runs import RunFold, RunState, RunSummary, fold_runs, saved_summary, summarize
 from riverbed.agent.usage import Price
 from riverbed.client.session import Bus
 from riverbed.errors import InputError
 
-__all__ = ["STATES", "OpenedRun", "RunLimits", "RunRow", "cancel_run", "follow_run", "list_runs", "open_run"]
+__all__ = [
+    "STATES",
+    "OpenedRun",
+    "RunLimits",
+    "RunRow",
+    "cancel_run",
+    "follow_run",
+    "list_runs",
+    "open_run",
+    "upgrade_run",
+]
 
 STATES: tuple[RunState, ...] = ("running", "finished", "failed", "cancelled")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunLimits:
-    model: str | None = None
-    max_steps: int = 30
-    max_tokens: int | None = None
-    max_cost: float | None = None
-    max_output_tokens: int | None = None
-    """tokens one model answer may have (None: the worker's ``RIVERBED_LLM_MAX_OUTPUT_TOKENS``)"""
-    temperature: float | None = None
-    """None: the worker's ``RIVERBED_LLM_TEMPERATURE``"""
-    llm_timeout: float | None = None
-    """seconds one model call may take (None: the worker's ``RIVERBED_LLM_TIMEOUT``)"""
 
 
 @dataclass(frozen=True)
@@ -82,6 +81,10 @@ class RunRow(msgspec.Struct, kw_only=True):
     """the session a sub-agent's run works for"""
     children: list[str] = msgspec.field(default_factory=list)
     """the sessions of the run's sub-agents"""
+    agent: str = "llm"
+    """the hosted agent that works on it"""
+    detail: str = ""
+    """how it ended, or what an open run waits for (a worker that hosts its agent's definition)"""
 
 
 async def _fold(bus: Bus, session: str, prices: dict[str, Price] | None = None) -> RunFold:
@@ -89,16 +92,36 @@ async def _fold(bus: Bus, session: str, prices: dict[str, Price] | None = None) 
 
 
 async def open_run(
-    bus: Bus, session_id: str, task: str, *, limits: RunLimits | None = None, tenant: str | None = None
+    bus: Bus,
+    session_id: str,
+    task: str,
+    *,
+    limits: RunLimits | None = None,
+    tenant: str | None = None,
+    agent: str | Agent | None = None,
+    images: Sequence[str] = (),
 ) -> OpenedRun:
     """Record a run on the log (task message + ``run_started``) and return at once.
 
-    :class:`InputError` when the session has a run open already, or when the task is empty;
+    ``agent`` names the hosted agent that works on it (a name the deployment knows, or an
+    :class:`~riverbed.agent.define.Agent`; None: the reference agent); the run records its
+    definition's digest and the run rules' version, and without ``limits`` opens with the
+    agent's own.  :class:`InputError` when the session has a run open already, the task is
+    empty or the agent is unknown (the sentence names the known ones);
     :class:`~riverbed.errors.QuotaExceeded` when the session's tenant is at a quota
     (:mod:`riverbed.agent.quotas`)."""
-    limits = limits or RunLimits()
     if not task.strip():
         raise InputError("the task is empty: say what the agent should do")
+    chosen: dict[str, Any] = {}
+    if isinstance(agent, Agent):
+        chosen = {"agent_name": agent.name, "digest": agent.digest, "rules": RULES_VERSION}
+        limits = limits or agent.limits
+    elif agent is not None:
+        known = resolve(await known_agents(bus.client, bus.keys), agent)
+        chosen = {"agent_name": known.name, "digest": known.digest, "rules": known.rules}
+        if limits is None and known.limits:
+            limits = msgspec.convert(known.limits, RunLimits)
+    limits = limits or RunLimits()
     session = await bus.operate(session_id, tenant=tenant)
     fold = await _fold(bus, session_id)
     if fold.run is not None and fold.run.open:
@@ -114,14 +137,16 @@ async def open_run(
         max_output_tokens=limits.max_output_tokens,
         temperature=limits.temperature,
         llm_timeout=limits.llm_timeout,
+        **chosen,
     )
     quotas = Quotas(bus.log_store) if session.tenant is not None else None
     if quotas is not None and session.tenant is not None:
         await quotas.admit(session.tenant, session_id)
     try:
         # expected_last: two callers opening a run at once cannot both succeed.
+        message = events.Message(content=task, source="user", images=list(images)) if images else None
         task_id, opened = await session.append(
-            events.Message(content=task, source="user"), started, expected_last=fold.last
+            message or events.Message(content=task, source="user"), started, expected_last=fold.last
         )
     except BaseException:
         if quotas is not None and session.tenant is not None:
@@ -146,6 +171,26 @@ async def cancel_run(bus: Bus, session_id: str, *, note: str = "", tenant: str |
     session = await bus.operate(session_id, tenant=tenant)
     (cancel_id,) = await session.append(events.RunCancel(note=note))
     return cancel_id
+
+
+async def upgrade_run(bus: Bus, session_id: str, *, tenant: str | None = None) -> int:
+    """Let the session's open run continue on the definition of its agent seen most recently
+    and the current run rules (``run_upgraded``); returns the event's id.  :class:`InputError`
+    when no run is open, or when it runs on that definition already."""
+    fold = await _fold(bus, session_id)
+    run = fold.run
+    if run is None or not run.open:
+        raise InputError(f"session {session_id} has no open run to upgrade")
+    known = resolve(await known_agents(bus.client, bus.keys), run.agent_name)
+    if known.digest == run.digest and known.rules == run.rules:
+        raise InputError(
+            f"the run of {session_id} runs on agent {run.agent_name} at digest {known.digest} already: "
+            "there is nothing to upgrade to"
+        )
+    session = await bus.operate(session_id, tenant=tenant)
+    upgraded = events.RunUpgraded(digest=known.digest, rules=known.rules, previous=run.digest)
+    (upgrade_id,) = await session.append(upgraded)
+    return upgrade_id
 
 
 async def follow_run(bus: Bus, session_id: str, start: int) -> AsyncIterator[events.Event]:
@@ -228,4 +273,6 @@ def _row(summary: RunSummary, now: float) -> RunRow:
         model=summary.model,
         parent=summary.parent,
         children=summary.children,
+        agent=summary.agent,
+        detail=summary.detail,
     )

@@ -1,41 +1,24 @@
-"""The reference LLM agent: an OpenAI tool-calling loop over the session log.
+"""What the agent asks the model: the prompt as a pure function of the log, the request's
+model parameters, and the ``llm_response`` that records an answer.
 
-::
+The loop that works on a run is the agent role's (``riverbed.workers.agent_role``; in this
+process: ``riverbed.workers.agent_run.run_llm_agent``).  What it sends:
 
-    async with riverbed.connect() as bus:
-        final = await run_llm_agent(bus, "s-42", "Fix the failing test", settings=Settings.from_env())
-
-One run, step by step:
-
-1. The task is appended as the user's ``message``.  On the session's first user message the
-   agent recalls the ``workspace_context`` (and the ``knowledge`` microagents the message
-   triggers); on a later user message, the ``knowledge`` it triggers.  These recalls carry
-   ``cause`` = the message, and they are shown to the model through the Jinja2 templates in
-   ``prompts/`` (``workspace_context.j2``, ``knowledge.j2``) as user messages where they
-   happened.  A user message that arrives while the agent works gets its knowledge recall too.
-2. The prompt is a pure function of the log (:func:`build_messages`): the condensed view
-   (the fold, then the session's masking), turned into chat messages by
-   :mod:`riverbed.agent.messages`, after the ``system.j2`` prompt.  Between two steps the
-   prompt only grows at its end (tools and system prompt byte-identical), so provider prompt
-   caches hit; a condensation changes it from the first forgotten event on.  With
-   ``RIVERBED_PROMPT_CACHE=anthropic`` the request marks cache breakpoints
-   (:func:`~riverbed.agent.messages.cache_breakpoints`).  A model with vision
-   (``RIVERBED_LLM_VISION``) is sent a message's images and the images Python cells saved,
-   read from the session's workspace under ``RIVERBED_WORKSPACE`` (:mod:`riverbed.agent.images`);
-   this needs the agent on a machine that sees the workspace, else an image is left out.
-3. The model's response is recorded as an ``llm_response`` *before* anything it asks for is
-   published; its ``cause`` is the id of the last event the prompt was built from, so
-   ``build_messages(events up to that id)`` is exactly the prompt that was sent.
-4. Each tool call becomes its action (tools: :mod:`riverbed.agent.tools`), with ``cause`` =
-   the response and ``tool_call_id`` = the call's id, so prompts pair calls and results by
-   identity.  The
-   agent awaits each action's observation before the next one goes out.  A response with a
-   tool call that cannot be parsed runs none of its calls: one ``error`` (source agent,
-   ``cause`` = the response) tells the model what was wrong.
-5. The run ends on ``finish``, on a response without tool calls (recorded as the agent's
-   ``message`` waiting for the user), on an LLM failure (an ``error`` with reason
-   ``llm_error``) or at the step limit (an ``error`` with reason ``step_limit``); the event
-   that ended it is returned.
+- The prompt is a pure function of the log (:func:`build_messages`): the condensed view (the
+  fold, then the session's masking), turned into chat messages by
+  :mod:`riverbed.agent.messages`, after the agent's system prompt (:func:`system_prompt`:
+  ``system.j2`` for the reference agent, a hosted agent's own instructions otherwise).  The
+  context recalls a user message caused (the workspace's ``workspace_context``, the
+  ``knowledge`` it triggers) are shown through ``workspace_context.j2`` and ``knowledge.j2`` as
+  user messages where they happened.  Between two steps the prompt only grows at its end, so
+  provider prompt caches hit; a condensation changes it from the first forgotten event on.
+  With ``RIVERBED_PROMPT_CACHE=anthropic`` the request marks cache breakpoints
+  (:func:`~riverbed.agent.messages.cache_breakpoints`).  A model with vision
+  (``RIVERBED_LLM_VISION``) is sent a message's images and the images Python cells saved,
+  read from the session's workspace (:mod:`riverbed.agent.images`).
+- The model's response is recorded as an ``llm_response`` (:func:`recorded_response`) before
+  anything it asks for is published; its ``cause`` is the id of the last event the prompt was
+  built from, so ``build_messages(events up to that id)`` is exactly the prompt that was sent.
 
 Replaying a session needs no model: every prompt is rebuilt from the log, and every model
 decision is in its ``llm_response``.
@@ -48,25 +31,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import replace as replace_options
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
-import anyio
 import jinja2
 import openai
 import structlog
-from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 from riverbed import events
 from riverbed.agent import messages as chat
-from riverbed.agent.images import ImageSource, WorkspaceImages, vision
-from riverbed.agent.tools import action_from_call, tools
-from riverbed.client.session import Bus, Session
-from riverbed.errors import ActTimeout, AlreadyAnswered, ConfigError, InputError, RiverbedError
-from riverbed.memory.condensers import CondenserConfig, config_from_log, prepare, should_condense
+from riverbed.agent.define import REFERENCE, Agent
+from riverbed.agent.images import ImageSource
+from riverbed.errors import ConfigError
+from riverbed.memory.condensers import CondenserConfig, config_from_log, prepare
 from riverbed.memory.view import view as fold
-from riverbed.runtime.paths import workspace_name
 from riverbed.settings import Settings
 
 __all__ = [
@@ -76,7 +54,7 @@ __all__ = [
     "model_parameters",
     "recorded_response",
     "render",
-    "run_llm_agent",
+    "system_prompt",
     "timeout_sentence",
 ]
 
@@ -179,16 +157,28 @@ def build_messages(
     instructions: str | None = None,
     images: ImageSource | None = None,
     condenser_defaults: Mapping[str, Any] | None = None,
+    system: str | None = None,
 ) -> list[dict[str, Any]]:
     """The chat messages the agent sends after these events (a log prefix, with ids).
 
     Pure: the same events (and ``condenser_defaults``, the ``RIVERBED_CONDENSER_*`` settings a
     ``session_config`` overrides) always give the same prompt, so any step of a recorded
-    session can be rebuilt without a model.
+    session can be rebuilt without a model.  ``system`` is the system prompt of a hosted agent
+    (:func:`system_prompt`); without it, the reference agent's (``system.j2``, with ``agent``
+    and ``instructions``).
     """
     view = prepare(fold(log_events), _condenser_config(log_events, condenser_defaults))
-    system = render("system.j2", agent=agent, instructions=instructions)
+    if system is None:
+        system = render("system.j2", agent=agent, instructions=instructions)
     return chat.to_messages(_with_context(view), system_prompt=system, images=images)
+
+
+def system_prompt(definition: Agent) -> str:
+    """The system prompt of a hosted agent: the reference agent's ``system.j2``; any other
+    agent's own instructions (``agent.j2`` when it has none)."""
+    if definition is REFERENCE:
+        return render("system.j2", agent=definition.name, instructions=definition.instructions)
+    return definition.instructions or render("agent.j2", agent=definition.name)
 
 
 # --- the model ---------------------------------------------------------------------------
@@ -272,247 +262,3 @@ def _llm_error(exc: BaseException, timeout: float) -> events.Error:
     return events.Error(
         source="agent", content=f"the model call failed ({detail}{message})", reason="llm_error", retryable=retryable
     )
-
-
-# --- the loop ----------------------------------------------------------------------------
-
-
-class _Run:
-    def __init__(
-        self,
-        session: Session,
-        client: AsyncOpenAI,
-        model: str,
-        options: AgentOptions,
-        prompt_cache: str = "none",
-        images: ImageSource | None = None,
-    ) -> None:
-        self.session = session
-        self.images = images
-        self.prompt_cache = prompt_cache
-        self.client = client
-        self.model = model
-        self.options = options
-        self.events: list[events.Event] = []
-        self.recalled: set[int] = set()
-        self.tools = tools()
-        self.condenser_defaults: dict[str, Any] = {}
-
-    async def refresh(self) -> None:
-        start = (self.events[-1].id or 0) + 1 if self.events else 1
-        self.events.extend(await self.session.events(start))
-
-    async def append(self, event: events.Event) -> events.Event:
-        """Append one event; returns it as the log holds it (id, agent, tenant and trace set)."""
-        stamped = self.session.stamp(event)
-        (event_id,) = await self.session.append(stamped)
-        return events.with_id(stamped, event_id)
-
-    async def recall_context(self, message_id: int, content: str, *, first: bool) -> None:
-        """Recall what a user message calls for; a memory that does not answer is not fatal."""
-        self.recalled.add(message_id)
-        asks = [events.Recall(recall_type="workspace_context", cause=message_id)] if first else []
-        asks.append(events.Recall(recall_type="knowledge", query=content, cause=message_id))
-        for action in asks:
-            try:
-                await self.session.act(action, timeout=self.options.recall_timeout)
-            except ActTimeout as exc:
-                log.warning(
-                    "agent.recall_unanswered", session=self.session.id, recall_type=action.recall_type, error=str(exc)
-                )
-
-    async def new_user_messages(self) -> None:
-        """Knowledge recalls for user messages that arrived while the agent was working."""
-        for event in list(self.events):
-            if isinstance(event, events.Message) and event.source == "user" and event.id not in self.recalled:
-                assert event.id is not None
-                await self.recall_context(event.id, event.content, first=False)
-
-    async def keep_within_budget(self) -> None:
-        """When the view is over the session's budget, ask the condenser and wait for its answer,
-        so the model is never sent a view the policy says is too large (the condenser role may
-        simply not have caught up yet)."""
-        if not should_condense(fold(self.events), _condenser_config(self.events, self.condenser_defaults)):
-            return
-        try:
-            # cause: the last event of the view seen over the limit (a condensation the condenser
-            # made meanwhile answers it: one condensation per step)
-            seen = self.events[-1].id if self.events else None
-            await self.session.act(events.CondensationRequest(cause=seen), timeout=self.options.condense_timeout)
-        except ActTimeout as exc:
-            log.warning("agent.condensation_unanswered", session=self.session.id, error=str(exc))
-        await self.refresh()
-
-    async def complete(self) -> dict[str, Any]:
-        """The model's answer to the prompt the log makes, as its JSON (empty fields left out)."""
-        until = self.events[-1].id if self.events else 0
-        request: dict[str, Any] = {
-            "model": self.model,
-            "messages": chat.cache_breakpoints(
-                build_messages(
-                    self.events,
-                    agent=self.options.name,
-                    instructions=self.options.instructions,
-                    images=self.images,
-                    condenser_defaults=self.condenser_defaults,
-                ),
-                self.prompt_cache,
-            ),
-            "tools": self.tools,
-            "tool_choice": "auto",
-            "parallel_tool_calls": False,
-        }
-        request.update(model_parameters(self.options.temperature, self.options.max_output_tokens))
-        assert self.options.llm_timeout is not None  # (resolved)
-        with anyio.fail_after(self.options.llm_timeout):
-            response = await self.client.chat.completions.create(**request)
-        answer: dict[str, Any] = response.model_dump(exclude_none=True)
-        log.info("agent.llm_response", session=self.session.id, until=until, usage=answer.get("usage", {}))
-        return answer
-
-    async def act(self, action: events.Action) -> events.Event:
-        """Publish an action and wait for its answer; give up with an ``error`` answer in time."""
-        appended = await self.append(action)
-        assert appended.id is not None
-        try:
-            return await self.session.wait_for_answer(appended.id, timeout=self.options.action_timeout)
-        except ActTimeout as exc:
-            try:
-                return await self.append(
-                    events.Error(source="agent", cause=appended.id, content=str(exc), reason="timeout", retryable=True)
-                )
-            except AlreadyAnswered:  # the answer came after all
-                return await self.session.wait_for_answer(appended.id, timeout=5)
-
-    async def step(self) -> events.Event | None:
-        """One model call and the actions it asks for; returns the event that ends the run, if any."""
-        await self.refresh()
-        await self.new_user_messages()
-        await self.refresh()
-        await self.keep_within_budget()
-        until = self.events[-1].id if self.events else None
-        try:
-            answer = await self.complete()
-        except (openai.OpenAIError, TimeoutError) as exc:
-            error = _llm_error(exc, self.options.llm_timeout or 0)
-            log.info("agent.llm_failed", session=self.session.id, error=error.content)
-            return await self.append(error)
-        if not answer.get("choices"):
-            return await self.append(
-                events.Error(
-                    source="agent", content="the model returned no choices", reason="llm_error", retryable=True
-                )
-            )
-        llm = recorded_response(answer, self.model, until)
-        recorded = await self.append(llm)
-        response_id = recorded.id
-        if not llm.tool_calls:
-            return await self.append(
-                events.Message(content=llm.content or "", wait_for_response=True, cause=response_id)
-            )
-        actions: list[events.Action] = []
-        problems: list[str] = []
-        for record in llm.tool_calls:
-            try:
-                action = action_from_call(record["function"]["name"], record["function"]["arguments"])
-            except InputError as exc:
-                problems.append(f"tool call {record['id']}: {exc}")
-                continue
-            call_id = record["id"]
-            if isinstance(call_id, str) and call_id:
-                action = replace(action, tool_call_id=call_id)
-            actions.append(replace(action, cause=response_id))
-        if problems:
-            await self.reject(response_id, problems)
-            return None
-        for action in actions:
-            if isinstance(action, events.Finish):
-                return await self.append(action)
-            if type(action).answered_by is None:
-                await self.append(action)
-            else:
-                await self.act(action)
-        return None
-
-    async def reject(self, response_id: int | None, problems: list[str]) -> None:
-        text = "; ".join(problems) + ". None of the tool calls of that response were run; call the tools again."
-        await self.append(events.Error(source="agent", cause=response_id, content=text, reason="bad_tool_call"))
-
-
-async def run_llm_agent(
-    bus: Bus,
-    session_id: str,
-    task: str,
-    *,
-    settings: Settings,
-    client: AsyncOpenAI | None = None,
-    max_steps: int = 30,
-    options: AgentOptions | None = None,
-    tenant: str | None = None,
-    images: Sequence[str] = (),
-) -> events.Event | None:
-    """Work on ``task`` (with ``images``: URLs or workspace paths) in session ``session_id``
-    until ``finish``, a question for the user, an LLM failure or ``max_steps`` model calls;
-    returns the event that ended the run."""
-    if max_steps < 1:
-        raise InputError("max_steps must be at least 1")
-    if client is not None:
-        return await _work(bus, session_id, task, settings, client, max_steps, options, tenant, images)
-    own = make_client(settings)  # made here, closed here
-    try:
-        return await _work(bus, session_id, task, settings, own, max_steps, options, tenant, images)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await own.close()
-
-
-async def _work(
-    bus: Bus,
-    session_id: str,
-    task: str,
-    settings: Settings,
-    client: AsyncOpenAI,
-    max_steps: int,
-    options: AgentOptions | None,
-    tenant: str | None,
-    images: Sequence[str],
-) -> events.Event | None:
-    options = (options or AgentOptions()).resolved(settings)
-    session = bus.session(session_id, agent=options.name, tenant=tenant)
-    image_source = (
-        WorkspaceImages(Path(settings.workspace) / workspace_name(session_id), max_bytes=settings.max_image_bytes)
-        if vision(settings.llm_vision, settings.llm_model)
-        else None
-    )
-    run = _Run(session, client, settings.llm_model, options, settings.prompt_cache, image_source)
-    run.condenser_defaults = settings.condenser_defaults()
-    await run.refresh()
-    first = not any(isinstance(e, events.Message) and e.source == "user" for e in run.events)
-    run.recalled.update(e.id for e in run.events if isinstance(e, events.Message) and e.id is not None)
-    task_message = await run.append(
-        events.Message(content=task, source="user", images=list(images))
-        if images
-        else events.Message(content=task, source="user")
-    )
-    assert task_message.id is not None
-    bound = log.bind(session=session_id, agent=options.name)
-    try:
-        await run.recall_context(task_message.id, task, first=first)
-        for _ in range(max_steps):
-            ended = await run.step()
-            if ended is not None:
-                bound.info("agent.done", ended_by=ended.kind, event_id=ended.id)
-                return ended
-    except RiverbedError as exc:
-        bound.warning("agent.failed", error=str(exc))
-        raise
-    stopped = await run.append(
-        events.Error(
-            source="agent",
-            content=f"the agent stopped after {max_steps} model calls without finishing",
-            reason="step_limit",
-            retryable=True,
-        )
-    )
-    bound.info("agent.done", ended_by="step_limit", event_id=stopped.id)
-    return stopped

@@ -33,7 +33,7 @@ import dataclasses
 import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import anyio
@@ -41,9 +41,13 @@ import msgspec
 import structlog
 
 from riverbed import events
-from riverbed.agent.quotas import Quotas
 from riverbed.errors import InputError
-from riverbed.runtime.mcp import mcp_types, result_text, tools_of
+
+if TYPE_CHECKING:
+    from riverbed.agent.quotas import Quotas
+
+# (``riverbed.runtime.mcp``, which turns the SDK's results into events, is imported where a remote
+# server is asked: ``import riverbed`` exports MCPServer and stays light)
 
 __all__ = [
     "MCPServer",
@@ -232,6 +236,8 @@ async def list_remote(server: MCPServer) -> events.McpTools | events.Error:
     the ``error`` answer (reason ``mcp_failed``, retryable) when it cannot be reached, fails or
     does not answer within its timeout.  Never raises for the server's failure."""
     assert server.url is not None, "list_remote asks a url server"
+    from riverbed.runtime.mcp import tools_of  # noqa: PLC0415
+
     try:
         with anyio.fail_after(server.timeout):
             async with _connected(server.url) as session:
@@ -258,6 +264,8 @@ async def call_remote(
     not answer within ``timeout``, the server's own when None).  Never raises for the server's
     failure."""
     assert server.url is not None, "call_remote asks a url server"
+    from riverbed.runtime.mcp import result_text  # noqa: PLC0415
+
     seconds = timeout if timeout is not None else server.timeout
     try:
         with anyio.fail_after(seconds):
@@ -314,6 +322,8 @@ class _connected:
 
     async def __aenter__(self) -> Any:
         from contextlib import AsyncExitStack  # noqa: PLC0415
+
+        from riverbed.runtime.mcp import mcp_types  # noqa: PLC0415
 
         await mcp_types()  # (the SDK imported in a thread the first time, not on the worker's loop)
         from mcp import ClientSession  # noqa: PLC0415  (the worker extra)

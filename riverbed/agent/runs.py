@@ -35,13 +35,14 @@ import hashlib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 from msgspec.structs import replace
 
 from riverbed import events
-from riverbed.agent.tools import ROLE_TOOL_ACTIONS, action_from_call
+from riverbed.agent.define import REFERENCE, Agent, StuckLimits
+from riverbed.agent.toolbox import Toolbox
 from riverbed.agent.usage import Price, step
 from riverbed.bus.keys import valid_session
 from riverbed.errors import InputError
@@ -52,25 +53,30 @@ __all__ = [
     "AppendDelegates",
     "CallModel",
     "EndRun",
+    "ListTools",
     "Move",
+    "RecallContext",
     "RejectCalls",
     "Run",
     "RunFold",
     "RunState",
     "RunSummary",
+    "RunTool",
     "Wait",
     "child_session",
     "fold_runs",
     "is_child_id",
     "next_move",
     "planned_actions",
+    "runs_here",
     "saved_summary",
+    "stuck",
     "summarize",
 ]
 
 RunState = Literal["running", "finished", "failed", "cancelled"]
 
-END_REASONS = frozenset({"step_limit", "budget_exhausted", "cancelled", "llm_error"})
+END_REASONS = frozenset({"step_limit", "budget_exhausted", "cancelled", "llm_error", "stuck"})
 """Reasons of an ``error`` from ``source: agent`` that end a run."""
 
 
@@ -116,6 +122,26 @@ class Run:
     """what the run's sub-agents spent, from their ``delegate_result`` events"""
     cancel_requested: int | None = None
     """the id of a ``run_cancel`` that came while it was open"""
+    agent_name: str = "llm"
+    """the hosted agent definition that works on it"""
+    digest: str | None = None
+    """the digest of that definition it runs on (None: whichever a worker hosts)"""
+    rules: int = 1
+    """the run rules' version it runs on"""
+    listing: dict[str, int] = field(default_factory=dict)
+    """MCP server -> the id of the ``mcp_list`` the run asked it with"""
+    repeats: list[tuple[str, str]] = field(default_factory=list)
+    """(call, result) of its answered calls since the last different one (stuck detection)"""
+    errors: list[str] = field(default_factory=list)
+    """the text of its calls' errors since the last call that did not fail"""
+    idle: int = 0
+    """responses in a row that called nothing but ``think``"""
+    said: list[tuple[int, str]] = field(default_factory=list)
+    """(id, text) of the user messages it works on: its task, and those that came while it ran"""
+    recalls: dict[int, list[int]] = field(default_factory=dict)
+    """user message -> the ids of the context recalls the agent asked for it"""
+    recalled_at: dict[int, float] = field(default_factory=dict)
+    """context recall -> when it was asked (unix seconds)"""
     ended: int | None = None
     """the id of the event that ended it"""
     end_reason: str | None = None
@@ -180,8 +206,13 @@ class RunFold:
         """the session's ``delegated`` header (event 1 of a child session), None for a top-level one"""
         self.forked = False
         """the session is a fork (a forked child keeps its header but never answers the parent)"""
+        self.mcp: dict[str, events.McpTools] = {}
+        """MCP server -> the tools it listed last (``mcp_tools``)"""
         self._delegated_run: int | None = None
         self._last_user_message: int | None = None
+        self._last_user_text = ""
+        self.first_user_message: int | None = None
+        """the session's first user message (its context recall asks for the workspace's too)"""
 
     def add(self, event: events.Event) -> None:
         event_id = event.id
@@ -190,11 +221,17 @@ class RunFold:
         self.last = event_id
         run = self.run
         if isinstance(event, events.Message) and event.source == "user":
-            self._last_user_message = event_id
+            self._last_user_message, self._last_user_text = event_id, event.content
+            if self.first_user_message is None:
+                self.first_user_message = event_id
+            if run is not None and run.open:
+                run.said.append((event_id, event.content))
         if isinstance(event, events.Delegated) and event_id == 1:
             self.delegated = event
         if isinstance(event, events.Forked):
             self.forked = True
+        if isinstance(event, events.McpTools):
+            self.mcp[event.server] = event
         if isinstance(event, events.RunStarted):
             if run is None or not run.open:
                 if self.delegated is not None and self._delegated_run is None and self.runs == 0:
@@ -209,7 +246,12 @@ class RunFold:
                     tenant=event.tenant,
                     task=self._last_user_message,
                     last_event=event_id,
+                    agent_name=event.agent_name if isinstance(event.agent_name, str) else "llm",
+                    digest=event.digest if isinstance(event.digest, str) else None,
+                    rules=event.rules if isinstance(event.rules, int) else 1,
                 )
+                if self._last_user_message is not None:
+                    self.run.said.append((self._last_user_message, self._last_user_text))
                 self.runs += 1
             return
         if run is None or not run.open:
@@ -223,6 +265,13 @@ class RunFold:
             case events.RunCancel():
                 if run.cancel_requested is None:
                     run.cancel_requested = event_id
+            case events.RunUpgraded():
+                run.digest, run.rules = event.digest, event.rules
+            case events.McpList() if event.source == "agent":
+                run.listing.setdefault(event.server, event_id)
+            case events.Recall() if event.source == "agent" and any(m == event.cause for m, _ in run.said):
+                run.recalls.setdefault(event.cause or 0, []).append(event_id)
+                run.recalled_at[event_id] = event.ts.timestamp()
             case events.LlmResponse():
                 counted = step(event, event_id, self.prices)
                 run.steps += 1
@@ -235,6 +284,8 @@ class RunFold:
                 run.response = event
                 run.actions = []
                 run.rejected = False
+                thinking = [c for c in event.tool_calls if _called(c) != "think"]
+                run.idle = run.idle + 1 if event.tool_calls and not thinking else 0
                 run.delegate_calls = sum(1 for call in event.tool_calls if _called(call) == "delegate")
                 run.spent_at_response = (run.tokens, run.cost)
             case events.Finish() if event.source == "agent":
@@ -262,6 +313,7 @@ class RunFold:
                     run.cost += event.cost
             case events.Observation() if event.cause is not None:
                 run.answered.add(event.cause)
+                _note_result(run, event)
             case events.Action() if event.source == "agent":
                 self._own_action(run, event)
 
@@ -312,6 +364,53 @@ def _called(call: object) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def _note_result(run: Run, event: events.Observation) -> None:
+    """Keep what stuck detection reads: the last answered calls and errors of the run."""
+    action = next((a for a in run.actions if a.id == event.cause), None)
+    if action is None:
+        return
+    call = f"{action.kind}:{_arguments_of(action)}"
+    failed = isinstance(event, events.Error) or (isinstance(event, events.ToolResult) and event.is_error)
+    text = event_text_of(event)
+    result = f"{event.kind}:{text}"
+    if run.repeats and run.repeats[-1] != (call, result):
+        run.repeats.clear()
+    run.repeats.append((call, result))
+    del run.repeats[:-64]
+    if failed:
+        if run.errors and run.errors[-1] != text:
+            run.errors.clear()
+        run.errors.append(text)
+        del run.errors[:-64]
+    else:
+        run.errors.clear()
+
+
+def _arguments_of(action: events.Action) -> str:
+    fields = msgspec.to_builtins(action)
+    for name in ("id", "source", "cause", "ts", "agent", "tenant", "trace", "v", "tool_call_id", "kind"):
+        fields.pop(name, None)
+    return msgspec.json.encode(fields, order="sorted").decode()
+
+
+def event_text_of(event: events.Observation) -> str:
+    content = getattr(event, "content", None)
+    return content if isinstance(content, str) else msgspec.json.encode(msgspec.to_builtins(event)).decode()
+
+
+def stuck(run: Run, limits: StuckLimits) -> str | None:
+    """Why the run counts as stuck (a sentence), or None: it repeats a call and its result,
+    an error, or answers that do nothing but think (``StuckLimits``)."""
+    if limits.repeats and len(run.repeats) >= limits.repeats:
+        call = run.repeats[-1][0]
+        return f"the run repeated the same call with the same result {len(run.repeats)} times ({call[:200]})"
+    if limits.errors and len(run.errors) >= limits.errors:
+        return f"the run got the same error {len(run.errors)} times in a row ({run.errors[-1][:200]})"
+    if limits.idle and run.idle >= limits.idle:
+        return f"the run answered {run.idle} times in a row without a call that acts"
+    return None
+
+
 def fold_runs(log_events: Iterable[events.Event], prices: Mapping[str, Price] | None = None) -> RunFold:
     """The fold of a whole log (events with ids, in order)."""
     fold = RunFold(prices)
@@ -342,6 +441,8 @@ class RunSummary(msgspec.Struct, kw_only=True):
     """the session this one works for (a sub-agent's), None for a top-level run"""
     children: list[str] = msgspec.field(default_factory=list)
     """the sub-agents' sessions the run created"""
+    agent: str = "llm"
+    """the hosted agent that works on it"""
 
 
 def saved_summary(raw: bytes | None) -> RunSummary | None:
@@ -373,6 +474,7 @@ def summarize(
         ended=run.ended,
         reason=run.end_reason,
         detail=run.end_content[:500],
+        agent=run.agent_name,
     )
 
 
@@ -424,26 +526,64 @@ class RejectCalls:
     content: str
 
 
-Move = Wait | EndRun | CallModel | AppendAction | AppendDelegates | RejectCalls
+@dataclass(frozen=True)
+class ListTools:
+    """Ask an MCP server of the agent for its tools before the run's first model call uses it."""
+
+    server: Any
 
 
-def planned_actions(response: events.LlmResponse) -> tuple[list[events.Action], list[str]]:
+@dataclass(frozen=True)
+class RecallContext:
+    """Ask the memory role what a user message calls for before the model reads it: the
+    workspace's context (on the session's first user message) and the knowledge it triggers."""
+
+    message: int
+    text: str
+    first: bool
+
+
+@dataclass(frozen=True)
+class RunTool:
+    """Run an action the agent worker answers itself (a Python tool's ``tool_call``, a remote MCP
+    server's call or listing), claimed first."""
+
+    action: events.ToolCall | events.McpList
+
+
+Move = Wait | EndRun | CallModel | AppendAction | AppendDelegates | RejectCalls | ListTools | RecallContext | RunTool
+
+
+MAX_CALLS_PER_STEP = 32
+"""The tool calls of one response that are run, unless the caller says otherwise
+(``RIVERBED_AGENT_MAX_CALLS_PER_STEP``); the rest are answered by one error the model reads."""
+
+
+def planned_actions(
+    response: events.LlmResponse, toolbox: Toolbox | None = None, *, max_calls: int = MAX_CALLS_PER_STEP
+) -> tuple[list[events.Action], list[str]]:
     """The actions a response asks for, in call order (``cause`` = the response, with each
     call's ``tool_call_id``), and what is wrong with the calls that do not parse.  A response
-    without tool calls asks for a ``finish`` with its text."""
+    without tool calls asks for a ``finish`` with its text.  ``toolbox`` is the agent's (the
+    reference agent's when None).  Calls past ``max_calls`` are a problem of their own: the
+    model is told how many it may make."""
     if not response.tool_calls:
         return [events.Finish(final_thought=response.content or "", cause=response.id)], []
+    box = toolbox if toolbox is not None else _reference_toolbox()
     actions: list[events.Action] = []
     problems: list[str] = []
+    if len(response.tool_calls) > max_calls:
+        problems.append(
+            f"the response made {len(response.tool_calls)} tool calls; at most {max_calls} are run per response"
+        )
+        return actions, problems
     for raw in response.tool_calls:
         function = raw.get("function") if isinstance(raw, Mapping) else None
         name = function.get("name") if isinstance(function, Mapping) else None
         arguments = function.get("arguments") if isinstance(function, Mapping) else None
         call_id = raw.get("id") if isinstance(raw, Mapping) else None
         try:
-            action = action_from_call(
-                str(name or ""), arguments if isinstance(arguments, str) else "{}", ROLE_TOOL_ACTIONS
-            )
+            action = box.action(str(name or ""), arguments if isinstance(arguments, str) else "{}")
         except InputError as exc:
             problems.append(f"tool call {call_id}: {exc}")
             continue
@@ -453,31 +593,62 @@ def planned_actions(response: events.LlmResponse) -> tuple[list[events.Action], 
     return actions, problems
 
 
-def appended_with(response: events.LlmResponse) -> events.Action | None:
+_REFERENCE_TOOLBOX: list[Toolbox] = []
+
+
+def _reference_toolbox() -> Toolbox:
+    if not _REFERENCE_TOOLBOX:
+        _REFERENCE_TOOLBOX.append(Toolbox(REFERENCE))
+    return _REFERENCE_TOOLBOX[0]
+
+
+def appended_with(response: events.LlmResponse, toolbox: Toolbox | None = None) -> events.Action | None:
     """The action written in the same append as ``response`` (its ``id`` as it will be on the
     log): its first, unless its calls do not parse or the first is a ``delegate`` (those have
     moves of their own).  No crash can then come between a response and its first action."""
-    planned, problems = planned_actions(response)
+    planned, problems = planned_actions(response, toolbox)
     if problems or not planned or isinstance(planned[0], events.Delegate):
         return None
     return planned[0]
 
 
-def next_move(run: Run | None) -> Move:
-    """What the agent does next for ``run``, decided from the fold alone."""
+def runs_here(action: events.Action) -> bool:
+    """Whether the agent worker answers ``action`` itself (rather than another role, or a child)."""
+    return isinstance(action, events.ToolCall | events.McpList) and action.answering_role == "agent"
+
+
+def next_move(
+    run: Run | None,
+    agent: Agent | None = None,
+    listed: Mapping[str, events.McpTools] | None = None,
+    *,
+    recalls: bool = False,
+    first_message: int | None = None,
+) -> Move:
+    """What the agent does next for ``run``, decided from the fold alone (``agent``: its
+    definition, the reference agent when None; ``listed``: the MCP listings of the log;
+    ``recalls``: ask the memory role for each user message's context before the model reads
+    it, ``first_message`` being the session's first user message)."""
     if run is None or not run.open:
         return Wait()
     if run.cancel_requested is not None:
         return EndRun("cancelled", f"the run was cancelled (event {run.cancel_requested})")
+    definition = agent if agent is not None else REFERENCE
     response = run.response
     if response is not None and response.id is not None:
-        planned, problems = planned_actions(response)
+        toolbox = None if agent is None else Toolbox(definition, listed)
+        planned, problems = planned_actions(response, toolbox)
         if problems:
             if not run.rejected:
                 text = "; ".join(problems) + ". None of the tool calls of that response were run; call the tools again."
                 return RejectCalls(response.id, text)
         else:
-            if run.unanswered:
+            waiting = run.unanswered
+            if waiting:
+                for action in run.actions:
+                    if action.id in waiting and runs_here(action):
+                        assert isinstance(action, events.ToolCall | events.McpList)
+                        return RunTool(action)
                 return Wait()
             done = len(run.actions)
             if done < len(planned):
@@ -489,7 +660,24 @@ def next_move(run: Run | None) -> Move:
                 if together:
                     return AppendDelegates(response.id, done, tuple(together))
                 return AppendAction(response.id, done, planned[done])
+    if recalls:
+        for message, text in run.said:
+            recalled = run.recalls.get(message)
+            if recalled is None:
+                return RecallContext(message, text, message == first_message)
+            if any(a not in run.answered for a in recalled):
+                return Wait()
+    for server in definition.mcp:
+        name = getattr(server, "name", "")
+        asked = run.listing.get(name)
+        if asked is None:
+            return ListTools(server)
+        if asked not in run.answered:
+            return Wait()
     over = run.over_limit()
     if over is not None:
         return EndRun(*over)
+    why = stuck(run, definition.stuck)
+    if why is not None:
+        return EndRun("stuck", why)
     return CallModel()

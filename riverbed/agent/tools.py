@@ -34,6 +34,9 @@ TOOL_ACTIONS: tuple[type[events.Action], ...] = (
 ROLE_TOOL_ACTIONS: tuple[type[events.Action], ...] = (*TOOL_ACTIONS[:-1], events.Delegate, events.Finish)
 
 _ENVELOPE = frozenset(("kind", "id", "source", "cause", "ts", "agent", "tenant", "trace", "v", "tool_call_id"))
+_OFFERED_APART = frozenset(("sub_agent",))
+"""Fields a tool's schema leaves out: the toolbox adds them where the agent has them
+(``delegate``'s ``sub_agent``, for an agent with sub-agents: ``riverbed.agent.toolbox``)."""
 
 _TOOLS: dict[str, tuple[str, dict[str, str]]] = {
     "cmd_run": (
@@ -124,7 +127,7 @@ def tool_schema(cls: type[events.Action]) -> dict[str, Any]:
     described = _TOOLS.get(kind, ("", {}))[1]
     properties: dict[str, Any] = {}
     for name, prop in body.get("properties", {}).items():
-        if name in _ENVELOPE:
+        if name in _ENVELOPE or name in _OFFERED_APART:
             continue
         properties[name] = {**prop, "description": described[name]} if name in described else prop
     schema: dict[str, Any] = {

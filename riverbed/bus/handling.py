@@ -230,8 +230,12 @@ class SessionContext:
     async def claim(self, entry: Entry, *, force: bool = False, again: Claimed | None = None) -> Claimed:
         """Claim ``entry`` with the owner's fencing token before running it (``bus/action_claims.py``);
         :class:`FencedError` when this owner's lease was taken over."""
+        return await self.claim_id(entry.id, force=force, again=again)
+
+    async def claim_id(self, action_id: int, *, force: bool = False, again: Claimed | None = None) -> Claimed:
+        """:meth:`claim` by the action's id (an action this owner appended itself, never delivered)."""
         return await self._handles.claims.claim(
-            self.session, entry.id, self.fence, force=force, again=again, stopping=self._stopping
+            self.session, action_id, self.fence, force=force, again=again, stopping=self._stopping
         )
 
     async def holds(self) -> bool:

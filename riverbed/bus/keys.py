@@ -100,6 +100,8 @@ class Keys:
         self.tenant_index = f"{prefix}:{{{prefix}}}:tenant-index"
         self.runs = f"{prefix}:{{{prefix}}}:runs"
         self.quotas = f"{prefix}:{{{prefix}}}:quotas"
+        self.agents = f"{prefix}:{{{prefix}}}:agents"
+        """The agent definitions workers host (a hash: ``<name>@<digest>`` -> JSON, ``agent/registry.py``)."""
 
     def tenant_running(self, tenant: str) -> str:
         """The sessions of ``tenant`` holding one of its run slots (a hash)."""

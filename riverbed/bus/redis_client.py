@@ -423,6 +423,11 @@ class Pipeline:
         self._pipe.set(key, value, ex=ex)
         return self._queued()
 
+    def hset(self, key: str, mapping: Mapping[str, Arg]) -> Reply[int]:
+        fields: dict[Any, Any] = dict(mapping)
+        self._pipe.hset(key, mapping=fields)
+        return self._queued()
+
     def delete(self, *keys: str) -> Reply[int]:
         self._pipe.delete(*keys)
         return self._queued()

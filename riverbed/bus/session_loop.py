@@ -52,6 +52,9 @@ __all__ = [
 
 log = structlog.get_logger("riverbed.worker")
 
+#: How long a session whose handler ``leaves`` it is held before it is announced again: a worker
+#: that hosts none of what the session needs takes it at most this often.
+LEAVE_AFTER = 2.0
 #: How long a read by a session that just had work waits for the next entry, on one of the
 #: worker's few hot connections (``HotReads``): a busy session's next action is delivered as
 #: it is appended, with no wake-up and no second read in between.
@@ -119,6 +122,14 @@ class SessionLoop:
         self.retires: Callable[[SessionContext], bool] | None = getattr(handler, "retires", None)
         """The handler's "nothing more to do here until the role is asked for again" (the agent
         role's, once a run ended): the idle session is then retired, not parked."""
+        self.wake_at: Callable[[SessionContext], float | None] | None = getattr(handler, "wake_at", None)
+        """The handler's next deadline (``time.monotonic()``) for the session, when it has one
+        (the agent role's: an action that may go unanswered for only so long): at that time the
+        loop calls its ``tick``, and it does not park the session before."""
+        self.leaves: Callable[[SessionContext], bool] | None = getattr(handler, "leaves", None)
+        """The handler's "this session is another worker's to serve" (the agent role's, for a run
+        whose agent definition it does not host): held :data:`LEAVE_AFTER`, then released and
+        announced again, for a worker that matches."""
 
     async def serve(self) -> None:
         handles, ctx = self.handles, self.ctx
@@ -175,8 +186,27 @@ class SessionLoop:
                     stray_check = min(stray_check, idle_since + quiet)
                     backoff.reset()
                     continue
+                deadline = self.wake_at(ctx) if self.wake_at is not None and self.held is None else None
+                if deadline is not None and deadline <= time.monotonic():
+                    await self.flush()
+                    tick: Callable[[SessionContext], Awaitable[None]] = getattr(self.handler, "tick")  # noqa: B009
+                    await tick(ctx)
+                    idle_since = time.monotonic()
+                    continue
+                if (
+                    self.leaves is not None
+                    and self.held is None
+                    and self.leaves(ctx)
+                    and time.monotonic() - idle_since > LEAVE_AFTER
+                ):
+                    await self.flush()
+                    left = await handles.leases.release(self.session, self.owned.entry, self.owned.token)
+                    if left == 0:
+                        raise FencedError(self.session, handles.role, self.owned.token)
+                    self.log.info("session.left")
+                    return True
                 retire = self.retires is not None and self.held is None and self.retires(ctx)
-                if retire or time.monotonic() - idle_since > handles.park_after:
+                if retire or (deadline is None and time.monotonic() - idle_since > handles.park_after):
                     await self.flush()
                     parked = await handles.leases.release(
                         self.session,
@@ -194,6 +224,10 @@ class SessionLoop:
                     idle_since = time.monotonic()
                     continue
                 wake_by = min(stray_check, idle_since + handles.park_after)
+                if deadline is not None:
+                    wake_by = min(wake_by, deadline)
+                if self.leaves is not None and self.leaves(ctx):
+                    wake_by = min(wake_by, idle_since + LEAVE_AFTER + 0.01)
                 await bell.wait(self.mark, max(0.0, wake_by - time.monotonic()))
             except UnavailableError as exc:
                 self.log.warning("read.unavailable", error=str(exc), retry_in=backoff.next)

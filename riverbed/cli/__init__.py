@@ -47,6 +47,7 @@ from riverbed.cli.app import _leaf, _plain_help, app
 from riverbed.cli.commands import (  # noqa: F401  (importing a command module registers its commands)
     actions,
     agent,
+    agents,
     archive,
     context,
     dlq,

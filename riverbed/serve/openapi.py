@@ -71,6 +71,10 @@ def _run_schemas() -> dict[str, Any]:
                 "max_tokens": {"type": ["integer", "null"], "minimum": 1},
                 "max_cost": {**number_or_null, "description": "USD, priced by RIVERBED_PRICES"},
                 "model": {"type": ["string", "null"], "description": "default: the worker's RIVERBED_LLM_MODEL"},
+                "agent": {
+                    "type": ["string", "null"],
+                    "description": "the hosted agent of the run (GET /v1/agents); default: the reference agent",
+                },
             },
         },
         "Run": {
@@ -386,6 +390,12 @@ def document() -> dict[str, Any]:
                     ),
                     **_problems(400, 401),
                 },
+            },
+        },
+        "/v1/agents": {
+            "get": {
+                "summary": "The agents the deployment knows: name, digest, tools, MCP servers, where defined",
+                "responses": {"200": _ok("the agents"), **_problems(401)},
             },
         },
         "/v1/status": {

@@ -18,12 +18,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from riverbed.agent.hosted import STATES, RunLimits, RunRow, cancel_run, list_runs, open_run
+from riverbed.agent.registry import known_agents
 from riverbed.agent.usage import parse_prices
 from riverbed.errors import InputError
 from riverbed.events import MAX_RUN_STEPS
 from riverbed.serve.routes import _api, _body_as, _json, _session_tenant, bounded, principal
 
-__all__ = ["cancel", "handlers", "list_all", "start"]
+__all__ = ["agents", "cancel", "handlers", "list_all", "start"]
 
 MAX_TASK_CHARS = 100_000
 
@@ -34,13 +35,14 @@ class _RunBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     max_cost: Annotated[float, msgspec.Meta(gt=0, le=1_000_000)] | None = None
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
+    agent: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
 
 
 class _CancelBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     note: Annotated[str, msgspec.Meta(max_length=2000)] = ""
 
 
-_RUN_SHAPE = '{"task": "...", "max_steps": N, "max_tokens": N, "max_cost": USD, "model": "..."}'
+_RUN_SHAPE = '{"task": "...", "max_steps": N, "max_tokens": N, "max_cost": USD, "model": "...", "agent": "..."}'
 
 
 def run_document(row: RunRow) -> dict[str, Any]:
@@ -69,7 +71,7 @@ async def start(request: Request) -> Response:
     tenant = await _session_tenant(api, who, session, create=True)
     body = await _body_as(request, _RunBody, f"the run body must be {_RUN_SHAPE} with only task required")
     limits = RunLimits(model=body.model, max_steps=body.max_steps, max_tokens=body.max_tokens, max_cost=body.max_cost)
-    opened = await open_run(api.bus, session, body.task, limits=limits, tenant=tenant)
+    opened = await open_run(api.bus, session, body.task, limits=limits, tenant=tenant, agent=body.agent)
     rows = await list_runs(api.bus, sessions=[session], prices=parse_prices(api.config.prices))
     run = run_document(rows[0]) if rows else {"session": session, "tenant": tenant, "state": "running"}
     limits_doc = {"max_steps": body.max_steps, "max_tokens": body.max_tokens, "max_cost": body.max_cost}
@@ -119,10 +121,21 @@ async def cancel(request: Request) -> Response:
     return _json({"session": session, "cancel": cancel_id}, status=202)
 
 
+@bounded
+async def agents(request: Request) -> Response:
+    """The agents the deployment knows (``riverbed agents``): name, digest, tools, MCP servers,
+    where each is defined and whether a live worker hosts it."""
+    await principal(request)
+    api = _api(request)
+    known = await known_agents(api.bus.client, api.bus.keys)
+    return _json({"agents": [{**msgspec.to_builtins(k), "live": k.live} for k in known]})
+
+
 def handlers() -> list[tuple[str, Any, list[str]]]:
     """(path, handler, methods) of the runs routes."""
     return [
         ("/v1/sessions/{session}/runs", start, ["POST"]),
         ("/v1/sessions/{session}/runs/cancel", cancel, ["POST"]),
         ("/v1/runs", list_all, ["GET"]),
+        ("/v1/agents", agents, ["GET"]),
     ]

@@ -68,9 +68,11 @@ memory role for context recalls.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from dataclasses import replace as dataclass_replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -81,26 +83,34 @@ from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 from riverbed import events
+from riverbed.agent import tooling
+from riverbed.agent.define import REFERENCE, RULES_VERSION, Agent
 from riverbed.agent.delegation import REFUSED, ChildPlan, plan_child, refusal, result
-from riverbed.agent.llm import build_messages, model_parameters, recorded_response, timeout_sentence
+from riverbed.agent.images import ImageSource, WorkspaceImages, vision
+from riverbed.agent.llm import build_messages, model_parameters, recorded_response, system_prompt, timeout_sentence
 from riverbed.agent.messages import cache_breakpoints
 from riverbed.agent.quotas import Quotas, TenantQuota
+from riverbed.agent.registry import Hosted, load
 from riverbed.agent.runs import (
     AppendAction,
     AppendDelegates,
     CallModel,
     EndRun,
+    ListTools,
+    RecallContext,
     RejectCalls,
     Run,
     RunFold,
     RunSummary,
+    RunTool,
     Wait,
     appended_with,
     child_session,
     next_move,
+    runs_here,
     summarize,
 )
-from riverbed.agent.tools import ROLE_TOOL_ACTIONS, tools
+from riverbed.agent.toolbox import Toolbox
 from riverbed.agent.usage import Price, StepUsage, parse_prices, step
 from riverbed.bus.backoff import Backoff
 from riverbed.bus.faults import crashpoint
@@ -108,6 +118,7 @@ from riverbed.bus.handling import Entry, SessionContext
 from riverbed.bus.keys import AGENT_ROLE
 from riverbed.bus.redis_client import Pipeline
 from riverbed.errors import AppendConflict, FencedError, TenantMismatch
+from riverbed.runtime.paths import workspace_name
 from riverbed.settings import Settings
 from riverbed.workers.agent_pace import Pace
 from riverbed.workers.model_client import CheckedClient, checked_by
@@ -218,6 +229,9 @@ class _Session:
     waited: float = 0.0
     """the time the model calls made for the session during the batch in hand, and their
     retries' pauses, took (0: none was made); the batch's own time leaves it out (:mod:`agent_pace`)"""
+    foreign: str | None = None
+    """why this worker does not work on the open run (its agent definition or run rules are not
+    the ones this worker hosts): the session is left to a worker that matches"""
 
     def add(self, event: events.Event) -> None:
         if event.id is not None and event.id > self.fold.last:
@@ -244,6 +258,13 @@ class AgentHandler:
         max_output_tokens: int = 0,
         condenser_defaults: dict[str, Any] | None = None,
         pace: Pace | None = None,
+        hosted: Hosted | None = None,
+        max_calls_per_step: int = 32,
+        action_timeout: float = 0.0,
+        context_recalls: bool = False,
+        recall_timeout: float = 15.0,
+        only_session: str | None = None,
+        images: Callable[[str], ImageSource | None] | None = None,
     ) -> None:
         self.client = client
         self.model = model
@@ -253,7 +274,21 @@ class AgentHandler:
         self.prompt_cache = prompt_cache
         self.max_depth = max_depth
         self.max_fanout = max_fanout
-        self.tools = tools(ROLE_TOOL_ACTIONS)
+        self.hosted = hosted if hosted is not None else load(entry_point_group=None)
+        """the agent definitions this worker works on (the reference agent among them)"""
+        self.max_calls_per_step = max_calls_per_step
+        self.action_timeout = action_timeout
+        """seconds an action of a run may wait for its answer (beyond its own timeout) before the
+        agent answers it with an ``error`` (reason ``timeout``) and goes on; 0: it waits as long
+        as it takes"""
+        self.context_recalls = context_recalls
+        """ask the memory role for each user message's context (the workspace's, the knowledge it
+        triggers) before the model reads it, waiting up to ``recall_timeout`` seconds for it"""
+        self.recall_timeout = recall_timeout
+        self.only_session = only_session
+        """serve this session alone (a run served in the caller's process), leaving others to workers"""
+        self.images = images
+        """the images a session's prompt may show (a vision model), by session"""
         self.temperature = temperature
         self.max_output_tokens = max_output_tokens
         self.condenser_defaults = condenser_defaults
@@ -323,13 +358,108 @@ class AgentHandler:
 
     # --- moves ----------------------------------------------------------------------------------
 
+    def definition(self, run: Run) -> Agent | str:
+        """The hosted definition that works on ``run``, or why this worker has none for it."""
+        agent = self.hosted.get(run.agent_name)
+        if agent is None:
+            return f"waiting for a worker that hosts agent {run.agent_name!r} (this one hosts {self._names()})"
+        if run.digest is not None and run.digest != agent.digest:
+            return (
+                f"waiting for a worker that hosts agent {run.agent_name!r} at digest {run.digest} (this one has "
+                f"{agent.digest}; `riverbed agent SESSION --upgrade` moves the run to it)"
+            )
+        if run.rules != RULES_VERSION:
+            return (
+                f"waiting for a worker with run rules {run.rules} (this one has {RULES_VERSION}; "
+                "`riverbed agent SESSION --upgrade` moves the run to them)"
+            )
+        return agent
+
+    def _names(self) -> str:
+        return ", ".join(sorted(self.hosted.agents))
+
+    def _deadlines(self, run: Run | None) -> list[tuple[float, int, str]]:
+        """(wall-clock deadline, action id, kind) of the run's actions that wait for another role's answer."""
+        if run is None or not run.open:
+            return []
+        out = [
+            (asked + self.recall_timeout, recall, "recall")
+            for recall, asked in run.recalled_at.items()
+            if recall not in run.answered
+        ]
+        if not self.action_timeout:
+            return out
+        waiting = set(run.unanswered)
+        for action in run.actions:
+            if action.id in waiting and not runs_here(action) and not isinstance(action, events.Delegate):
+                own = getattr(action, "timeout", None)
+                limit = self.action_timeout + (own if isinstance(own, int | float) else 0.0)
+                out.append((action.ts.timestamp() + limit, action.id or 0, action.kind))
+        return out
+
+    def wake_at(self, ctx: SessionContext) -> float | None:
+        """When the session's next action deadline passes (``time.monotonic()``), if it has one."""
+        state = self.sessions.get(ctx.session)
+        deadlines = self._deadlines(state.fold.run) if state is not None and state.foreign is None else []
+        if not deadlines:
+            return None
+        return time.monotonic() + (min(d for d, _, _ in deadlines) - time.time())
+
+    async def tick(self, ctx: SessionContext) -> None:
+        """A deadline passed with nothing new on the log: answer what is overdue, and go on."""
+        state = self.sessions.get(ctx.session)
+        if state is None:
+            return
+        await self._catch_up(ctx, state)
+        await self._advance(ctx, state)
+        await self._save_summary(ctx, state)
+
+    async def _answer_overdue(self, ctx: SessionContext, state: _Session) -> None:
+        """Answer each action past its deadline with an ``error`` (reason ``timeout``): a run never
+        waits forever for a role that is not there (an answer that comes later is refused)."""
+        now = time.time()
+        for deadline, action, kind in self._deadlines(state.fold.run):
+            if deadline > now:
+                continue
+            content = (
+                f"no answer to {kind} (action {action}) in time: no worker of the role that runs it answered; "
+                "it may still run, so check before calling it again"
+            )
+            error = events.Error(source="agent", cause=action, content=content, reason="timeout", retryable=True)
+            await self._append(ctx, state, error, f"action-{action}-timeout")
+
+    def leaves(self, ctx: SessionContext) -> bool:
+        """The session's open run is not this worker's to work on: leave it to a worker that matches."""
+        state = self.sessions.get(ctx.session)
+        return state is not None and state.foreign is not None
+
     async def _advance(self, ctx: SessionContext, state: _Session) -> None:
         """Make the moves the log calls for, until the run must wait for the log (or ended)."""
+        run = state.fold.run
+        if self.only_session is not None and ctx.session != self.only_session:
+            state.foreign = f"this agent serves {self.only_session} alone"
+            return
+        if run is not None and run.open:
+            found = self.definition(run)
+            if isinstance(found, str):
+                if state.foreign != found:
+                    log.info("agent.run_left", session=ctx.session, run=run.opened, why=found)
+                state.foreign = found
+                if run.cancel_requested is None:
+                    return
+                found = REFERENCE  # (any worker may end a cancelled run: no rule of the definition is used)
+            state.foreign = None
+            agent = found
+        else:
+            agent = REFERENCE
         await self._delegate(ctx, state)  # (after a takeover: children not made sure of yet)
+        await self._answer_overdue(ctx, state)
         made: tuple[str, int] | None = None
         while True:
             run = state.fold.run
-            move = next_move(run)
+            move = next_move(
+                run, agent, state.fold.mcp, recalls=self.context_recalls, first_message=state.fold.first_user_message
+            )
             if isinstance(move, Wait) or run is None:
                 break
             if made == (type(move).__name__, state.fold.last):
@@ -355,23 +485,112 @@ class AgentHandler:
                     crashpoint("agent_between_actions")
                 await self._append_all(ctx, state, move.actions, f"resp-{move.response}-call-{move.index}")
                 await self._delegate(ctx, state)
+            elif isinstance(move, ListTools):
+                server = move.server
+                url = getattr(server, "url", None)
+                listing = events.McpList(
+                    server=server.name,
+                    command=list(server.command) if getattr(server, "command", None) else None,
+                    url=url,
+                    env=list(getattr(server, "env", None) or []),
+                    timeout=float(getattr(server, "timeout", 30.0)),
+                    runs_in="agent" if url else "runtime",
+                )
+                await self._append(ctx, state, listing, f"run-{run.opened}-mcp-{server.name}")
+            elif isinstance(move, RecallContext):
+                asks = [events.Recall(recall_type="workspace_context", cause=move.message)] if move.first else []
+                asks.append(events.Recall(recall_type="knowledge", query=move.text, cause=move.message))
+                await self._append_all(ctx, state, asks, f"recall-{move.message}")
+            elif isinstance(move, RunTool):
+                await self._run_tool(ctx, state, run, agent, move.action)
             elif isinstance(move, CallModel):
                 refused = await self._over_quota(ctx, state, run)
                 if refused is not None:
                     await self._end(ctx, state, run, "budget_exhausted", refused)
                 else:
-                    await self._step(ctx, state, run)
+                    await self._step(ctx, state, run, agent)
         await self._wind_up(ctx, state)
         await self._release_slot(ctx, state)
 
-    async def _step(self, ctx: SessionContext, state: _Session, run: Run) -> None:
+    async def _run_tool(
+        self, ctx: SessionContext, state: _Session, run: Run, agent: Agent, action: events.ToolCall | events.McpList
+    ) -> None:
+        """Claim ``action`` (one this worker answers itself) with the owner's fencing token, run it,
+        and append its answer.  A call a lost owner had claimed is answered ``tool_lost``, or run
+        again when its tool is idempotent; one answered meanwhile is only folded."""
+        assert action.id is not None
+        tool = agent.user_tools.get(action.tool) if isinstance(action, events.ToolCall) else None
+        claimed = await ctx.claim_id(action.id)
+        if claimed.status == "claimed" and tool is not None and tool.idempotent:
+            log.info("agent.tool_again", session=ctx.session, action=action.id, tool=tool.name)
+            claimed = await ctx.claim_id(action.id, force=True)
+        if claimed.status == "answered":
+            await self._catch_up(ctx, state)
+            return
+        key = f"tool-{action.id}-answer"
+        if claimed.status != "ok":
+            name = action.tool if isinstance(action, events.ToolCall) else f"{action.server} listing"
+            lost = events.Error(
+                source="agent",
+                cause=action.id,
+                content=f"the worker running {name} (action {action.id}) was lost; it may or may not have taken "
+                "effect: check before calling it again",
+                reason="tool_lost",
+                retryable=True,
+            )
+            await self._append(ctx, state, lost, key)
+            return
+        crashpoint("agent_tool_claimed")
+        answer = await self._tool_answer(ctx, run, agent, action, tool)
+        crashpoint("agent_tool_ran")
+        await self._append(ctx, state, answer, key)
+
+    async def _tool_answer(
+        self, ctx: SessionContext, run: Run, agent: Agent, action: events.ToolCall | events.McpList, tool: Any
+    ) -> events.Observation:
+        """The answer of a call this worker runs: a Python tool's outcome, or a remote MCP server's."""
+        if isinstance(action, events.ToolCall) and tool is not None:
+            context = tooling.ToolContext(
+                session=ctx.session,
+                tenant=ctx.tenant,
+                run=run.opened,
+                action_id=action.id or 0,
+                log=log.bind(session=ctx.session, run=run.opened),
+            )
+            started = time.monotonic()
+            outcome = await tooling.call(tool, action.arguments, context)
+            log.info(
+                "agent.tool_ran",
+                session=ctx.session,
+                action=action.id,
+                tool=tool.name,
+                is_error=outcome.is_error,
+                seconds=round(time.monotonic() - started, 3),
+            )
+            return events.ToolResult(content=outcome.content, is_error=outcome.is_error, cause=action.id)
+        return await self._remote_mcp(ctx, agent, action)
+
+    async def _remote_mcp(
+        self, ctx: SessionContext, agent: Agent, action: events.ToolCall | events.McpList
+    ) -> events.Observation:
+        """A remote MCP server's listing or call (its tools are not this worker's functions)."""
+        name = action.server if action.server is not None else ""
+        return events.Error(
+            source="agent",
+            cause=action.id,
+            content=f"the tool {getattr(action, 'tool', name)!r} is not one this worker can run (MCP server {name!r})",
+            reason="tool_unavailable",
+        )
+
+    async def _step(self, ctx: SessionContext, state: _Session, run: Run, agent: Agent) -> None:
         """One model call and its ``llm_response`` (or the ``llm_error`` that ends the run)."""
-        model = run.model or self.model
+        model = run.model or agent.model or self.model
         until = state.fold.last
         crashpoint("agent_before_llm")
         await self._save_summary(ctx, state)
+        toolbox = Toolbox(agent, state.fold.mcp, sub_agents=self.max_depth > 0)
         try:
-            response = await self._complete(ctx, state, model, _started(state.seen, run.opened))
+            response = await self._complete(ctx, state, model, _started(state.seen, run.opened), agent, toolbox)
         except _ModelFailed as exc:
             await self._catch_up(ctx, state)
             if state.fold.run is run and run.open and run.cancel_requested is None:
@@ -385,7 +604,7 @@ class AgentHandler:
             # The response's first action goes in the same write (its id follows the response's),
             # unless it ends the run: the step's tokens are counted (metrics, the tenant's day)
             # before the run's end is on the log.
-            first = appended_with(replace(recorded, id=state.fold.last + 1))
+            first = appended_with(replace(recorded, id=state.fold.last + 1), toolbox)
             if isinstance(first, events.Finish):
                 first = None
             try:
@@ -467,7 +686,10 @@ class AgentHandler:
         log holds nothing else up to them); otherwise (a repeat, or events came in between) the
         log is read."""
         written = await ctx.append_events(
-            [_stamped(event, ctx.tenant) for event in batch],
+            [
+                _stamped(event, ctx.tenant, state.fold.run.agent_name if state.fold.run else AGENT_NAME)
+                for event in batch
+            ],
             expected_last=expected_last,
             idempotency_key=key,
             pass_own=True,
@@ -497,7 +719,7 @@ class AgentHandler:
                 continue
             refused = refusal(state.fold, run, action, max_depth=self.max_depth, max_fanout=self.max_fanout)
             if refused is None:
-                refused = await self._create_child(ctx, plan_child(ctx.session, state.fold, run, action))
+                refused = await self._create_child(ctx, self._child_plan(ctx, state, run, action))
             if refused is not None:
                 error = events.Error(source="agent", cause=action.id, content=refused, reason=REFUSED)
                 await self._append(ctx, state, error, f"delegate-{action.id}-refused")
@@ -505,6 +727,20 @@ class AgentHandler:
         if waiting:
             # A cancel (or a peer's end of the run) that came meanwhile reaches the children made here.
             await self._catch_up(ctx, state)
+
+    def _child_plan(self, ctx: SessionContext, state: _Session, run: Run, action: events.Delegate) -> ChildPlan:
+        """The child of ``action``; it runs the sub-agent the call names, else its parent's agent
+        (a parent on a hosted definition passes it on with the digest this worker hosts)."""
+        plan = plan_child(ctx.session, state.fold, run, action)
+        named = action.sub_agent if isinstance(action.sub_agent, str) else None
+        if named is None and run.digest is None:
+            return plan  # (the reference agent, on whichever digest a worker hosts)
+        name = named or run.agent_name
+        definition = self.hosted.get(name)
+        chosen: dict[str, Any] = {"agent_name": name, "rules": RULES_VERSION}
+        if definition is not None:
+            chosen["digest"] = definition.digest
+        return dataclass_replace(plan, started=replace(plan.started, **chosen))
 
     async def _create_child(self, ctx: SessionContext, plan: ChildPlan) -> str | None:
         """Create the child session (once: its log must be empty); None when it exists as this
@@ -581,17 +817,31 @@ class AgentHandler:
     # --- the model ------------------------------------------------------------------------------
 
     async def _complete(
-        self, ctx: SessionContext, state: _Session, model: str, started: events.RunStarted | None = None
+        self,
+        ctx: SessionContext,
+        state: _Session,
+        model: str,
+        started: events.RunStarted | None,
+        agent: Agent,
+        toolbox: Toolbox,
     ) -> Any:
         """The model's response to the prompt the log makes; a server that is down or answers
         5xx/429 is asked again, backing off, for ``retry_seconds`` (a cancel stops that)."""
+        condenser = self.condenser_defaults
+        if agent.condenser:
+            condenser = {**(condenser or {}), **agent.condenser}
         request: dict[str, Any] = {
             "model": model,
             "messages": cache_breakpoints(
-                build_messages(state.seen, agent=AGENT_NAME, condenser_defaults=self.condenser_defaults),
+                build_messages(
+                    state.seen,
+                    condenser_defaults=condenser,
+                    system=system_prompt(agent),
+                    images=self.images(ctx.session) if self.images is not None else None,
+                ),
                 self.prompt_cache,
             ),
-            "tools": self.tools,
+            "tools": toolbox.openai(),
             "tool_choice": "auto",
             # Several calls in one response: the role appends them in order (each after the one
             # before is answered), and ``delegate`` calls that follow one another run at once.
@@ -704,6 +954,8 @@ class AgentHandler:
         header = state.fold.delegated
         parent = header.parent if header is not None else None
         summary = summarize(ctx.session, run, worker=ctx.worker, model=self.model, parent=parent)
+        if state.foreign is not None and run.open:
+            summary = replace(summary, worker=None, detail=state.foreign)
         return None if summary == state.summary else summary
 
     async def _save_summary(self, ctx: SessionContext, state: _Session) -> None:
@@ -745,9 +997,9 @@ def _served(run: Run | None) -> bool:
     return not waiting or len(run.waiting_delegates) < len(waiting)
 
 
-def _stamped(event: events.Event, tenant: str | None) -> events.Event:
-    """``event`` as the role writes it: its ``agent``, and the session's tenant."""
-    changes: dict[str, Any] = {"agent": event.agent or AGENT_NAME}
+def _stamped(event: events.Event, tenant: str | None, agent: str = AGENT_NAME) -> events.Event:
+    """``event`` as the role writes it: its ``agent`` (the run's agent), and the session's tenant."""
+    changes: dict[str, Any] = {"agent": event.agent or agent}
     if event.tenant is None and tenant is not None:
         changes["tenant"] = tenant
     return replace(event, **changes)
@@ -796,4 +1048,24 @@ def build_agent_handler(settings: Settings) -> AgentHandler:
         max_output_tokens=settings.llm_max_output_tokens,
         condenser_defaults=settings.condenser_defaults(),
         pace=Pace(settings.agent_min_runs, slack=settings.agent_pace_slack) if settings.agent_pace else None,
+        hosted=load(agent_modules(settings)),
+        max_calls_per_step=settings.agent_max_calls_per_step,
+        action_timeout=settings.agent_action_timeout,
+        context_recalls=settings.agent_context_recalls,
+        recall_timeout=settings.agent_recall_timeout,
+        images=workspace_images(settings),
     )
+
+
+def workspace_images(settings: Settings) -> Callable[[str], ImageSource | None] | None:
+    """The images a session's prompt may show, read from its workspace (a vision model's:
+    ``RIVERBED_LLM_VISION``), else None."""
+    if not vision(settings.llm_vision, settings.llm_model):
+        return None
+    root = Path(settings.workspace)
+    return lambda session: WorkspaceImages(root / workspace_name(session), max_bytes=settings.max_image_bytes)
+
+
+def agent_modules(settings: Settings) -> list[str]:
+    """The modules whose agents the worker hosts (``RIVERBED_AGENTS``, comma-separated)."""
+    return [name.strip() for name in settings.agents.split(",") if name.strip()]

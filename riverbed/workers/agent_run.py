@@ -27,16 +27,21 @@ import openai
 from openai import AsyncOpenAI
 
 from riverbed import events
-from riverbed.agent.llm import AgentOptions, make_client, run_llm_agent
+from riverbed.agent.define import REFERENCE, Agent, RunLimits
+from riverbed.agent.hosted import follow_run, open_run
+from riverbed.agent.llm import AgentOptions, make_client, render
+from riverbed.agent.registry import Hosted
 from riverbed.agent.usage import UsageReport, parse_prices, usage
 from riverbed.bus.connection import connect_redis
+from riverbed.bus.consumer import Owner
 from riverbed.bus.status import live_workers
 from riverbed.client.session import Bus
-from riverbed.errors import ConfigError, UnavailableError
+from riverbed.errors import ConfigError, InputError, UnavailableError
 from riverbed.settings import Settings
+from riverbed.workers.agent_role import AgentHandler, workspace_images
 from riverbed.workers.main import Worker, build_handlers
 
-__all__ = ["AgentRun", "check_model_server", "require_workers", "run_agent"]
+__all__ = ["AgentRun", "check_model_server", "require_workers", "run_agent", "run_llm_agent"]
 
 PROBE_TIMEOUT = 10.0
 """Seconds the model server has to answer the first check."""
@@ -176,3 +181,111 @@ class _Follower:
         with anyio.move_on_after(timeout):
             while self.seen < last_id:
                 await self.moved.wait()
+
+
+# --- one run, served by the agent role in this process ------------------------------------
+
+
+async def run_llm_agent(
+    bus: Bus,
+    session_id: str,
+    task: str,
+    *,
+    settings: Settings,
+    client: AsyncOpenAI | None = None,
+    max_steps: int = 30,
+    options: AgentOptions | None = None,
+    tenant: str | None = None,
+    images: Sequence[str] = (),
+    agent: Agent | None = None,
+) -> events.Event | None:
+    """Work on ``task`` (with ``images``: URLs or workspace paths) in session ``session_id``
+    until ``finish``, an LLM failure, a limit or ``max_steps`` model calls; returns the event
+    that ended the run.
+
+    It is a run like any other (the task message and ``run_started``, then the agent role's
+    moves), served by the agent role's own step in this process while it is open: the rules,
+    the log it writes and what a crash costs are the role's.  ``agent`` is the definition
+    (None: the reference agent; ``options.instructions`` add to its prompt)."""
+    if max_steps < 1:
+        raise InputError("max_steps must be at least 1")
+    if client is not None:
+        return await _serve(bus, session_id, task, settings, client, max_steps, options, tenant, images, agent)
+    own = make_client(settings)  # made here, closed here
+    try:
+        return await _serve(bus, session_id, task, settings, own, max_steps, options, tenant, images, agent)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await own.close()
+
+
+def _definition(options: AgentOptions, agent: Agent | None) -> Agent:
+    if agent is not None:
+        return agent
+    if options.name == REFERENCE.name and not options.instructions:
+        return REFERENCE
+    prompt = render("system.j2", agent=options.name, instructions=options.instructions)
+    return Agent(options.name, prompt, tools=REFERENCE.tools)
+
+
+async def _serve(
+    bus: Bus,
+    session_id: str,
+    task: str,
+    settings: Settings,
+    client: AsyncOpenAI,
+    max_steps: int,
+    options: AgentOptions | None,
+    tenant: str | None,
+    images: Sequence[str],
+    agent: Agent | None,
+) -> events.Event | None:
+    options = (options or AgentOptions()).resolved(settings)
+    definition = _definition(options, agent)
+    handler = AgentHandler(
+        client=client,
+        model=settings.llm_model,
+        prices=parse_prices(settings.prices),
+        llm_timeout=settings.llm_timeout,
+        retry_seconds=settings.agent_llm_retry_seconds,
+        prompt_cache=settings.prompt_cache,
+        max_depth=settings.agent_max_depth,
+        max_fanout=settings.agent_max_fanout,
+        condenser_defaults=settings.condenser_defaults(),
+        hosted=Hosted({definition.name: definition}, {definition.name: "this process"}),
+        max_calls_per_step=settings.agent_max_calls_per_step,
+        action_timeout=options.action_timeout,
+        context_recalls=settings.agent_context_recalls,
+        recall_timeout=options.recall_timeout,
+        only_session=session_id,
+        images=workspace_images(settings),
+    )
+    limits = RunLimits(
+        max_steps=max_steps,
+        max_output_tokens=options.max_output_tokens,
+        temperature=options.temperature,
+        llm_timeout=options.llm_timeout,
+    )
+    owner = Owner(
+        bus.redis,
+        bus.keys,
+        handler,
+        worker=f"agent-{uuid.uuid4().hex[:8]}",
+        url=bus.url,
+        capacity=4,
+        lease_seconds=settings.lease_seconds,
+    )
+    ended: events.Event | None = None
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        try:
+            opened = await open_run(
+                bus, session_id, task, limits=limits, tenant=tenant, agent=definition, images=images
+            )
+            async for event in follow_run(bus, session_id, opened.task):
+                ended = event
+        finally:
+            with anyio.CancelScope(shield=True):
+                await owner.drain(5)
+            tg.cancel_scope.cancel()
+    return ended

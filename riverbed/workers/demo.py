@@ -214,8 +214,8 @@ async def _llm_agent(bus: Bus, settings: Settings, sid: str, out: _Transcript, c
     """The reference LLM agent on a small task (when a model server is configured): the
     check is that every request was accepted and the run ended by ``finish``, a question
     for the user or its step limit, never what the model chose to do."""
-    from riverbed.agent.llm import make_client, run_llm_agent  # noqa: PLC0415
-    from riverbed.workers.agent_run import check_model_server  # noqa: PLC0415
+    from riverbed.agent.llm import make_client  # noqa: PLC0415
+    from riverbed.workers.agent_run import check_model_server, run_llm_agent  # noqa: PLC0415
 
     out.step(f"the LLM agent ({settings.llm_model}) on a small task in session {sid}")
     client = make_client(settings)

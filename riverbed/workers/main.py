@@ -26,6 +26,7 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
+from riverbed.agent.registry import Hosted, publish_fields
 from riverbed.bus.archive import Archive, Retention
 from riverbed.bus.connection import RawClient, connect_redis
 from riverbed.bus.consumer import Handler, HotReads, Owner
@@ -177,6 +178,7 @@ class Worker:
             "owned": {role: sorted(o.owned) for role, o in self.owners.items()},
             "sandbox": self._sandbox(),
             "bwrap": self._bwrap(),
+            "agents": [f"{a['name']}@{a['digest']}" for a in hosted.describe()] if (hosted := self._hosted()) else [],
             "stats": {
                 role: {
                     "handled": o.stats.handled,
@@ -203,6 +205,11 @@ class Worker:
         binary = sandbox.binary()
         return f"{binary.describe()} {binary.path}"
 
+    def _hosted(self) -> Hosted | None:
+        owner = self.owners.get(AGENT_ROLE)
+        hosted = getattr(owner.handler, "hosted", None) if owner is not None else None
+        return hosted if isinstance(hosted, Hosted) else None
+
     def _runtime_sandbox(self) -> Any:
         owner = self.owners.get("runtime")
         runtime = getattr(owner.handler, "runtime", None) if owner is not None else None
@@ -214,6 +221,9 @@ class Worker:
                 async with self.client.pipeline() as pipe:
                     pipe.zadd(self.keys.workers, {self.name: time.time()})
                     pipe.set(self.keys.worker(self.name), json.dumps(self.describe()), ex=30)
+                    hosted = self._hosted()
+                    if hosted is not None:  # (the agent definitions it hosts: `riverbed agents`)
+                        pipe.hset(self.keys.agents, mapping=publish_fields(hosted, self.name))
                     await pipe.execute()
                 self.last_heartbeat = time.monotonic()
             except UnavailableError as exc:

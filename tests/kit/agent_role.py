@@ -10,6 +10,7 @@ import anyio
 
 from riverbed import events
 from riverbed.agent.hosted import follow_run
+from riverbed.agent.registry import Hosted
 from riverbed.agent.usage import parse_prices
 from riverbed.client.session import Bus
 from riverbed.runtime import Runtime
@@ -35,14 +36,23 @@ async def roles(
     prices: str | None = None,
     checked: bool = False,
     pace: Pace | None = None,
+    hosted: Hosted | None = None,
+    action_timeout: float = 0.0,
 ) -> AsyncIterator[AgentHandler]:
     """The runtime and agent roles in this process; ``checked``: the agent role asks the model as a
     worker does (``CheckedClient``), else through a plain client of the client library; ``pace``:
-    how many runs it takes on at once (None: as many as come)."""
+    how many runs it takes on at once (None: as many as come); ``hosted``: the agent definitions
+    it hosts (None: the reference agent only)."""
     runtime = Runtime(workspace_root=workspace)
     client = CheckedClient(api_key="test-key", base_url=server.base_url) if checked else server.client()
     agent = AgentHandler(
-        client=client, model="test-model", retry_seconds=retry_seconds, prices=parse_prices(prices), pace=pace
+        client=client,
+        model="test-model",
+        retry_seconds=retry_seconds,
+        prices=parse_prices(prices),
+        pace=pace,
+        hosted=hosted,
+        action_timeout=action_timeout,
     )
     try:
         async with owners(bus, [RuntimeHandler(runtime), agent]):

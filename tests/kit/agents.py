@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from riverbed import events
-from riverbed.agent.llm import AgentOptions, run_llm_agent
+from riverbed.agent.llm import AgentOptions
 from riverbed.bus.consumer import Handler, Owner
 from riverbed.client.session import Bus, Session
 from riverbed.errors import AlreadyAnswered
@@ -20,6 +20,7 @@ from riverbed.memory.recall import Memory
 from riverbed.memory.store import Store
 from riverbed.runtime import Runtime
 from riverbed.settings import Settings
+from riverbed.workers.agent_run import run_llm_agent
 from riverbed.workers.memory_role import MemoryHandler
 from riverbed.workers.runtime_role import RuntimeHandler
 from tests.kit.openai_server import OpenAIServer

@@ -42,6 +42,18 @@ def agent_command(
         bool, typer.Option("--detach", help="Record the run for the agent role and return at once.")
     ] = False,
     cancel: Annotated[bool, typer.Option("--cancel", help="End the session's open run (reason cancelled).")] = False,
+    agent: Annotated[
+        str | None,
+        typer.Option(
+            "--agent", help="The hosted agent that works on the run (`riverbed agents` lists them).", show_default=False
+        ),
+    ] = None,
+    upgrade: Annotated[
+        bool,
+        typer.Option(
+            "--upgrade", help="Let the open run continue on its agent's newest definition and the current run rules."
+        ),
+    ] = False,
     max_steps: Annotated[int, typer.Option("--max-steps", help="Model calls at most.", min=1, max=10_000)] = 30,
     max_tokens: Annotated[
         int | None,
@@ -97,17 +109,22 @@ def agent_command(
     --in-process runs the loop here instead, with the runtime, memory and condenser roles.
     Exits 0 when the run finishes or reaches --max-steps.
     """
-    if cancel:
+    if cancel and upgrade:
+        _fail("--cancel and --upgrade are two different things: pass one", 2)
+    if cancel or upgrade:
         if task is not None:
-            _fail("--cancel takes no task", 2)
-        _cancel(session, tenant, prefix)
+            _fail(f"{'--cancel' if cancel else '--upgrade'} takes no task", 2)
+        _cancel_or_upgrade(session, tenant, prefix, upgrade=upgrade)
         return
     if task is None:
-        _fail("say what the agent should do (the TASK argument), or pass --cancel", 2)
+        _fail("say what the agent should do (the TASK argument), or pass --cancel or --upgrade", 2)
     model_flags = _model_flags(max_output_tokens, temperature, llm_timeout)
     if in_process:
-        if detach or max_tokens is not None or max_cost is not None:
-            _fail("--detach, --max-tokens and --max-cost are for runs served by the agent role, not --in-process", 2)
+        if detach or max_tokens is not None or max_cost is not None or agent is not None:
+            _fail(
+                "--detach, --agent, --max-tokens and --max-cost are for runs the agent role serves, not --in-process",
+                2,
+            )
         _in_process(session, task, max_steps, model, tenant, image or [], prefix, model_flags)
         return
     if image:
@@ -118,7 +135,7 @@ def agent_command(
         model=model, max_steps=max_steps, max_tokens=max_tokens, max_cost=max_cost,
         max_output_tokens=max_output_tokens, temperature=temperature, llm_timeout=llm_timeout,
     )  # fmt: skip
-    _hosted(session, task, limits, detach=detach, tenant=tenant, prefix=prefix, model_flags=model_flags)
+    _hosted(session, task, limits, detach=detach, tenant=tenant, prefix=prefix, model_flags=model_flags, agent=agent)
 
 
 def _model_flags(max_output_tokens: int | None, temperature: float | None, llm_timeout: float | None) -> dict[str, Any]:
@@ -137,16 +154,21 @@ def _model_flags(max_output_tokens: int | None, temperature: float | None, llm_t
     return given
 
 
-def _cancel(session: str, tenant: str | None, prefix: str | None) -> None:
-    from riverbed.agent.hosted import cancel_run  # noqa: PLC0415
+def _cancel_or_upgrade(session: str, tenant: str | None, prefix: str | None, *, upgrade: bool) -> None:
+    from riverbed.agent.hosted import cancel_run, upgrade_run  # noqa: PLC0415
 
     cli = Invocation(prefix)
 
     async def go() -> int:
+        if upgrade:
+            return await upgrade_run(await cli.bus(), session, tenant=tenant)
         return await cancel_run(await cli.bus(), session, tenant=tenant)
 
-    cancel_id = cli.run(go)
-    _progress(f"asked the agent to end the run of {session} (event {cancel_id})")
+    event_id = cli.run(go)
+    if upgrade:
+        _progress(f"the run of {session} continues on its agent's newest definition (event {event_id})")
+    else:
+        _progress(f"asked the agent to end the run of {session} (event {event_id})")
 
 
 def _hosted(
@@ -158,6 +180,7 @@ def _hosted(
     tenant: str | None,
     prefix: str | None,
     model_flags: dict[str, Any],
+    agent: str | None = None,
 ) -> None:
     from riverbed.agent.hosted import follow_run, open_run  # noqa: PLC0415
     from riverbed.agent.llm import make_client  # noqa: PLC0415
@@ -176,7 +199,7 @@ def _hosted(
         bus = await cli.bus()
         if not detach:
             await require_workers(bus, ["runtime", "agent"])
-        opened = await open_run(bus, session, task, limits=limits, tenant=tenant)
+        opened = await open_run(bus, session, task, limits=limits, tenant=tenant, agent=agent)
         if detach:
             _progress(f"run opened on {session} (event {opened.opened}): `riverbed runs` shows it")
             return []

@@ -67,11 +67,19 @@ def worker_command(
         typer.Option("--metrics-port", help="Serve /metrics, /healthz, /readyz (default RIVERBED_METRICS_PORT)."),
     ] = None,
     prefix: PrefixOption = None,
+    agents: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--agents",
+            help="A module whose riverbed.Agent definitions the agent role hosts (repeatable; RIVERBED_AGENTS).",
+        ),
+    ] = None,
 ) -> None:
     """Run a long-lived worker for the given roles until SIGTERM/SIGINT (then drain and hand over)."""
     from riverbed.workers.main import parse_roles, run_process, run_worker  # noqa: PLC0415
 
-    cli = Invocation(prefix, concurrency=concurrency, metrics_port=metrics_port)
+    modules = ",".join(agents) if agents else None
+    cli = Invocation(prefix, concurrency=concurrency, metrics_port=metrics_port, agents=modules)
     chosen = parse_roles(roles, model_configured=cli.settings.model_configured)
     if not cli.settings.redis_url:
         cli.with_settings(redis_url=cli.redis_url())

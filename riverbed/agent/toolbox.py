@@ -1,0 +1,140 @@
+"""What one agent offers the model in a step, and the way back from a tool call to its action.
+
+:class:`Toolbox` joins an agent's three kinds of tools under the names the model sees:
+
+- built-in tools (``cmd_run`` …, ``delegate``, ``finish``): a call is that action
+  (:func:`riverbed.agent.tools.action_from_call`);
+- ``@riverbed.tool`` functions: a call is a ``tool_call`` (``runs_in`` agent) whose arguments
+  were checked against the function's schema;
+- MCP servers' tools, as their server listed them on the log (``mcp_tools``): a call of
+  ``<server>__<tool>`` (the model-facing name: OpenAI allows only ``[a-zA-Z0-9_-]``) is a
+  ``tool_call`` named ``<server>.<tool>`` (``runs_in`` runtime for a stdio server, which runs in
+  the session's sandbox; agent for a remote one).
+
+A call the toolbox cannot turn into an action raises :class:`InputError` with a sentence for
+the model; nothing of that response runs (``riverbed.agent.runs``).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from riverbed import events
+from riverbed.agent.define import Agent
+from riverbed.agent.tooling import check_arguments
+from riverbed.agent.tools import action_from_call, tools
+from riverbed.errors import InputError
+
+__all__ = ["Toolbox", "model_name"]
+
+_UNSAFE = re.compile(r"[^a-zA-Z0-9_-]")
+_arguments = msgspec.json.Decoder(dict[str, Any])
+
+
+def model_name(server: str, tool: str) -> str:
+    """The name the model calls an MCP server's tool by (at most 64 characters)."""
+    return _UNSAFE.sub("_", f"{server}__{tool}")[:64]
+
+
+def _agent_as_sub_agent(arguments: str) -> str:
+    """``delegate``'s arguments with the model's ``agent`` choice as the action's ``sub_agent``
+    (the action's own ``agent`` is the name of whoever wrote it)."""
+    try:
+        raw = _arguments.decode(arguments or "{}")
+    except msgspec.DecodeError:
+        return arguments  # (action_from_call says what is wrong with them)
+    if "agent" not in raw:
+        return arguments
+    raw["sub_agent"] = raw.pop("agent")
+    return msgspec.json.encode(raw).decode()
+
+
+class Toolbox:
+    """The tools of ``agent`` in one step, with the MCP listings recorded on the log so far
+    (``listed``: server -> its latest ``mcp_tools``)."""
+
+    def __init__(
+        self, agent: Agent, listed: Mapping[str, events.McpTools] | None = None, *, sub_agents: bool = True
+    ) -> None:
+        self.agent = agent
+        kinds = agent.builtin_kinds
+        if not sub_agents:
+            kinds = tuple(k for k in kinds if k is not events.Delegate)
+        self.kinds = kinds
+        self._builtin = {events.kind_of(k) for k in kinds}
+        self._mcp: dict[str, tuple[str, events.McpTool, str]] = {}
+        """model-facing name -> (server, tool, runs_in)"""
+        servers = {getattr(s, "name", ""): s for s in agent.mcp}
+        for name, listing in (listed or {}).items():
+            server = servers.get(name)
+            if server is None:
+                continue
+            runs_in = "agent" if getattr(server, "url", None) else "runtime"
+            for tool in listing.tools:
+                self._mcp.setdefault(model_name(name, tool.name), (name, tool, runs_in))
+
+    def openai(self) -> list[dict[str, Any]]:
+        """The request's ``tools``: built-ins (``finish`` last), the agent's functions, MCP tools."""
+        out = tools(self.kinds)
+        for entry in out:
+            if entry["function"]["name"] == "delegate":
+                entry["function"]["parameters"] = self._delegate_parameters(entry["function"]["parameters"])
+        finish = out.pop()
+        out.extend(t.openai() for t in self.agent.user_tools.values())
+        for name, (server, tool, _runs_in) in self._mcp.items():
+            schema = tool.input_schema if tool.input_schema.get("type") == "object" else {"type": "object"}
+            description = tool.description or f"{tool.name} (MCP server {server})"
+            out.append(
+                {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
+            )
+        out.append(finish)
+        return out
+
+    def _delegate_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
+        schema = copy.deepcopy(parameters)
+        properties = schema.get("properties", {})
+        if self.agent.sub_agents:
+            properties["agent"] = {
+                "enum": list(self.agent.sub_agents),
+                "description": "Which agent works on the task: "
+                + ", ".join(self.agent.sub_agents)
+                + " (omitted: one like you).",
+            }
+        return schema
+
+    def action(self, name: str, arguments: str) -> events.Action:
+        """The action the call ``name(arguments)`` asks for; :class:`InputError` says what is wrong."""
+        if name in self._builtin:
+            if name == "delegate" and self.agent.sub_agents:
+                arguments = _agent_as_sub_agent(arguments)
+            action = action_from_call(name, arguments, self.kinds)
+            asked = action.sub_agent if isinstance(action, events.Delegate) else None
+            if isinstance(asked, str) and asked not in self.agent.sub_agents:
+                known = ", ".join(self.agent.sub_agents) or "none"
+                raise InputError(f"there is no sub-agent {asked!r}; the sub-agents are {known}")
+            return action
+        user = self.agent.user_tools.get(name)
+        mcp = self._mcp.get(name)
+        if user is None and mcp is None:
+            names = [*self._builtin, *self.agent.user_tools, *self._mcp]
+            raise InputError(f"there is no tool {name!r}; the tools are {', '.join(sorted(names))}")
+        try:
+            raw = _arguments.decode(arguments or "{}")
+        except msgspec.DecodeError as exc:
+            raise InputError(f"the arguments of {name} are not a JSON object: {exc}") from exc
+        if user is not None:
+            check_arguments(user, raw)
+            return events.ToolCall(tool=name, arguments=raw, runs_in="agent")
+        assert mcp is not None
+        server, tool, runs_in = mcp
+        return events.ToolCall(
+            tool=f"{server}.{tool.name}",
+            arguments=raw,
+            server=server,
+            runs_in="agent" if runs_in == "agent" else "runtime",
+        )
