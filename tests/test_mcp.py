@@ -27,7 +27,9 @@ import anyio
 import pytest
 from msgspec.structs import replace
 
+import riverbed
 from riverbed import events
+from riverbed.agent.hosted import RunLimits, open_run
 from riverbed.agent.mcp import (
     MCPServer,
     answer_remote,
@@ -41,12 +43,15 @@ from riverbed.agent.mcp import (
     url_refusal,
 )
 from riverbed.agent.quotas import Quotas
+from riverbed.agent.registry import Hosted
 from riverbed.agent.replay import fork, wait_rebuilt
 from riverbed.client.session import Bus
 from riverbed.errors import InputError
 from riverbed.runtime import Runtime
 from riverbed.runtime.paths import workspace_name
+from tests.kit.agent_role import ended, roles, server  # noqa: F401  (fixtures)
 from tests.kit.cli import run
+from tests.kit.openai_server import OpenAIServer
 from tests.kit.workers import Spawn, WorkerProcess, spawn, workers  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.anyio
@@ -168,6 +173,46 @@ async def test_the_npm_everything_server_runs_in_the_sandbox_with_only_the_names
     assert env["HOME"].endswith(workspace_name("every"))
     image = await call(bus, "every", everything, "get-tiny-image")
     assert "[image: image/png" in image.content  # a block that is not text is described
+
+
+# --- a hosted agent's run, end to end ---------------------------------------------------------
+
+clock_agent = riverbed.Agent(
+    "clock",
+    "You tell the time.",
+    mcp=[riverbed.MCPServer(name="time", command=["mcp-server-time", "--local-timezone", "UTC"])],
+)
+
+
+async def test_a_hosted_agents_run_lists_its_server_and_calls_a_tool_in_the_sandbox(
+    bus: Bus, workspace: Path, server: OpenAIServer
+) -> None:
+    server.reply(tool_calls=[("time__get_current_time", {"timezone": "Europe/Paris"})])
+    server.reply(tool_calls=[("finish", {"final_thought": "told"})])
+    hosted = Hosted(agents={"clock": clock_agent}, where={"clock": __name__})
+    async with roles(bus, workspace, server, hosted=hosted):
+        opened = await open_run(bus, "clock", "what time is it?", agent=clock_agent, limits=RunLimits(max_steps=4))
+        seen = await ended(bus, "clock", opened.task)
+    kinds = [e.kind for e in seen]
+    assert kinds[kinds.index("mcp_list") :] == [
+        "mcp_list",
+        "mcp_tools",
+        "llm_response",
+        "tool_call",
+        "tool_result",
+        "llm_response",
+        "finish",
+    ], kinds
+    offered = [t["function"]["name"] for t in server.requests[0]["tools"]]
+    assert "time__get_current_time" in offered
+    call_event = next(e for e in seen if isinstance(e, events.ToolCall))
+    assert (call_event.tool, call_event.server, call_event.runs_in) == ("time.get_current_time", "time", "runtime")
+    result = next(e for e in seen if isinstance(e, events.ToolResult))
+    assert result.cause == call_event.id
+    assert not result.is_error, result
+    assert json.loads(result.content)["timezone"] == "Europe/Paris"
+    tool_messages = [m for m in server.requests[1]["messages"] if m["role"] == "tool"]
+    assert [m["content"] for m in tool_messages] == [result.content]  # what the model read next
 
 
 # --- lifecycle --------------------------------------------------------------------------------
