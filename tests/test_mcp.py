@@ -444,7 +444,7 @@ def everything_http() -> Iterator[str]:
 
 
 async def test_a_remote_server_is_listed_and_called_and_its_failures_are_answers(everything_http: str) -> None:
-    docs = MCPServer(name="docs", url=everything_http, timeout=10)
+    docs = MCPServer(name="docs", url=everything_http, timeout=20)
     tools = await list_remote(docs)
     assert isinstance(tools, events.McpTools), tools
     assert "echo" in {t.name for t in tools.tools}
@@ -476,7 +476,7 @@ async def test_the_agent_worker_answers_a_remote_servers_actions_for_allowed_ten
     bus: Bus, everything_http: str
 ) -> None:
     quotas = Quotas(bus.log_store)
-    docs = MCPServer(name="docs", url=everything_http, timeout=10)
+    docs = MCPServer(name="docs", url=everything_http, timeout=20)
     listing = replace(list_action(docs), id=7)
     echo = replace(call_action(docs, "echo", {"message": "allowed"}), id=9)
 

@@ -236,9 +236,10 @@ async def list_remote(server: MCPServer) -> events.McpTools | events.Error:
     the ``error`` answer (reason ``mcp_failed``, retryable) when it cannot be reached, fails or
     does not answer within its timeout.  Never raises for the server's failure."""
     assert server.url is not None, "list_remote asks a url server"
-    from riverbed.runtime.mcp import tools_of  # noqa: PLC0415
+    from riverbed.runtime.mcp import mcp_types, tools_of  # noqa: PLC0415
 
     try:
+        await mcp_types()  # (the SDK's first import is not the server's time)
         with anyio.fail_after(server.timeout):
             async with _connected(server.url) as session:
                 tools: list[Any] = []
@@ -264,10 +265,11 @@ async def call_remote(
     not answer within ``timeout``, the server's own when None).  Never raises for the server's
     failure."""
     assert server.url is not None, "call_remote asks a url server"
-    from riverbed.runtime.mcp import result_text  # noqa: PLC0415
+    from riverbed.runtime.mcp import mcp_types, result_text  # noqa: PLC0415
 
     seconds = timeout if timeout is not None else server.timeout
     try:
+        await mcp_types()  # (the SDK's first import is not the server's time)
         with anyio.fail_after(seconds):
             async with _connected(server.url) as session:
                 result = await session.call_tool(tool, dict(arguments))
@@ -323,9 +325,6 @@ class _connected:
     async def __aenter__(self) -> Any:
         from contextlib import AsyncExitStack  # noqa: PLC0415
 
-        from riverbed.runtime.mcp import mcp_types  # noqa: PLC0415
-
-        await mcp_types()  # (the SDK imported in a thread the first time, not on the worker's loop)
         from mcp import ClientSession  # noqa: PLC0415  (the worker extra)
         from mcp.client.streamable_http import streamable_http_client  # noqa: PLC0415
 

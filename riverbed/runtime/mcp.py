@@ -71,17 +71,22 @@ PROTOCOL_VERSION = "2025-11-25"
 speak it answers with one it does, as the protocol says)."""
 
 
+class McpFailed(Exception):
+    """A server could not be started, failed, or did not answer in time (one sentence)."""
+
+
 async def mcp_types() -> Any:
     """``mcp.types`` (the worker extra), imported in a thread the first time: the SDK's models
     take a second or more to import, which would stall every session of the worker's loop."""
     module = sys.modules.get("mcp.types")
     if module is None:
-        module = await anyio.to_thread.run_sync(importlib.import_module, "mcp.types")
+        try:
+            module = await anyio.to_thread.run_sync(importlib.import_module, "mcp.types")
+        except ModuleNotFoundError as exc:
+            raise McpFailed(
+                f"the worker cannot speak MCP: {exc.name} is not installed (pip install 'riverbed[worker]')"
+            ) from exc
     return module
-
-
-class McpFailed(Exception):
-    """A server could not be started, failed, or did not answer in time (one sentence)."""
 
 
 # --- results as riverbed's events (shared with the agent worker's remote client) -----------
@@ -375,6 +380,7 @@ class McpServers:
         """Answer an ``mcp_list``: the server's tools, or an ``error`` (retryable)."""
         self.learn(spec)
         try:
+            await mcp_types()  # (the SDK's first import is not the server's time)
             server = await self._server(spec.server, env)
             with anyio.fail_after(spec.timeout):
                 tools = await server.list_tools()
@@ -398,6 +404,7 @@ class McpServers:
             return _error_result(f"the MCP server {name!r} was never listed in this session (no mcp_list)")
         tool = action.tool.removeprefix(f"{name}.")
         try:
+            await mcp_types()
             server = await self._server(name, env)
             with anyio.fail_after(spec.timeout):
                 result = await server.call_tool(tool, action.arguments)
@@ -438,12 +445,6 @@ class McpServers:
                         f"{self._placement.limits.start_timeout:g} seconds"
                     ) from None
                 await _handshake(server, spec.timeout)
-            except ModuleNotFoundError as exc:
-                with anyio.CancelScope(shield=True):
-                    await server.close()
-                raise McpFailed(
-                    f"the worker cannot speak MCP: {exc.name} is not installed (pip install 'riverbed[worker]')"
-                ) from exc
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await server.close()
