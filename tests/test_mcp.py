@@ -409,7 +409,8 @@ def test_model_names_fit_openai_and_read_back() -> None:
         assert len(name) <= 64, name
         assert all(c.isalnum() or c in "_-" for c in name), name
     assert len(set(names)) == 3
-    assert entries[1]["function"]["parameters"]["type"] == "object"
+    assert entries[1]["function"]["parameters"] == {"type": "object", "properties": {}}
+    assert entries[0]["function"]["parameters"]["properties"] == {"repo_path": {}}
     assert [tool_of(name, [tools]) for name in names] == [("git", t.name) for t in tools.tools]
     assert tool_of("git__nope", [tools]) is None
     assert model_name("git", "weird.name/with spaces") == names[1]  # the same pair, the same name

@@ -189,6 +189,7 @@ def openai_tools(listed: events.McpTools) -> list[dict[str, Any]]:
         schema = dict(tool.input_schema) if tool.input_schema else {}
         if schema.get("type") != "object":
             schema = {"type": "object", "properties": {}, **({"anyOf": [schema]} if schema else {})}
+        schema.setdefault("properties", {})  # (some model servers refuse an object without it)
         out.append(
             {
                 "type": "function",
