@@ -1,6 +1,7 @@
 """riverbed: an event-sourced runtime for AI agents on Redis Streams and Postgres + pgvector."""
 
 from riverbed.agent.define import Agent, RunLimits, StuckLimits
+from riverbed.agent.mcp import MCPServer
 from riverbed.agent.tooling import Tool, ToolContext, ToolError, tool
 from riverbed.client.session import Bus, Session, connect
 from riverbed.errors import (
@@ -31,6 +32,7 @@ __all__ = [
     "FencedError",
     "IdempotencyKeyReused",
     "InputError",
+    "MCPServer",
     "NotFoundError",
     "QuotaExceeded",
     "RiverbedError",

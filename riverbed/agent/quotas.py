@@ -54,6 +54,8 @@ class TenantQuota(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     max_runs: int | None = None
     tokens_per_day: int | None = None
+    mcp_urls: list[str] | None = None
+    """the remote MCP servers the tenant's runs may use (``riverbed.agent.mcp.url_refusal``)"""
 
 
 class TenantUsage(msgspec.Struct, kw_only=True):
@@ -94,8 +96,11 @@ class Quotas:
 
     # --- the operator's settings ------------------------------------------------------------
 
-    async def set(self, tenant: str, *, max_runs: int | None, tokens_per_day: int | None) -> TenantQuota:
-        """Set ``tenant``'s quotas (0 removes one, None keeps it as it is)."""
+    async def set(
+        self, tenant: str, *, max_runs: int | None, tokens_per_day: int | None, mcp_urls: list[str] | None = None
+    ) -> TenantQuota:
+        """Set ``tenant``'s quotas (0 removes one, None keeps it as it is); ``mcp_urls`` replaces
+        the remote MCP servers it may use (``[]``: none)."""
         if not tenant or len(tenant) > 200:
             raise InputError("a tenant name is 1 to 200 characters")
         for name, value in (("--max-runs", max_runs), ("--tokens-per-day", tokens_per_day)):
@@ -106,6 +111,8 @@ class Quotas:
             quota.max_runs = max_runs or None
         if tokens_per_day is not None:
             quota.tokens_per_day = tokens_per_day or None
+        if mcp_urls is not None:
+            quota.mcp_urls = list(mcp_urls) or None
         await self.redis.hset(self.keys.quotas, tenant, msgspec.json.encode(quota))
         return quota
 

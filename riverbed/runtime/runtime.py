@@ -44,7 +44,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from types import MappingProxyType
@@ -60,6 +60,7 @@ from riverbed.errors import RiverbedError
 from riverbed.runtime import files
 from riverbed.runtime.gate import LATE_TRIES, LateStart, before_start, starting_by
 from riverbed.runtime.limits import Limits
+from riverbed.runtime.mcp import McpServers
 from riverbed.runtime.paths import PathRefused, confine, stamp_file, stamp_of, workspace_name
 from riverbed.runtime.python import PythonProcess, PythonUnavailable
 from riverbed.runtime.sandbox import Sandbox, SandboxUnavailable
@@ -137,7 +138,13 @@ def _error(reason: str, content: str, *, retryable: bool = False) -> events.Erro
 
 class _Session:
     def __init__(
-        self, session_id: str, workspace: Path, base_env: Mapping[str, str], limits: Limits, sandbox: Sandbox
+        self,
+        session_id: str,
+        workspace: Path,
+        base_env: Mapping[str, str],
+        limits: Limits,
+        sandbox: Sandbox,
+        mcp_mounts: Sequence[str] = (),
     ) -> None:
         self.id = session_id
         self.workspace = workspace
@@ -147,6 +154,7 @@ class _Session:
         placement = Placement(workspace, base_env, limits, sandbox, self.tmp)
         self.shell = Shell(placement)
         self.python = PythonProcess(placement)
+        self.mcp = McpServers(placement, mcp_mounts)
         self.history = files.EditHistory(limits.edit_history)
         self.workspace_made = False
         self.created: str | None = None
@@ -156,6 +164,7 @@ class _Session:
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
             await self.shell.close()
             await self.python.close()
+            await self.mcp.close()
             await self.tmp.close()
 
 
@@ -169,8 +178,12 @@ class Runtime:
         *,
         base_env: Mapping[str, str] | None = None,
         sandbox: Sandbox | None = None,
+        mcp_mounts: Sequence[str] = (),
     ) -> None:
+        """``mcp_mounts``: directories mounted read-only for stdio MCP servers and searched for
+        their commands (``RIVERBED_MCP_MOUNTS``; see :mod:`riverbed.runtime.mcp`)."""
         self._root = Path(workspace_root)
+        self._mcp_mounts = tuple(mcp_mounts)
         self._limits = limits or Limits()
         self._sandbox = sandbox or Sandbox()
         self._sessions: dict[str, _Session] = {}
@@ -183,6 +196,8 @@ class Runtime:
             events.FileRead: self._file_read,
             events.FileWrite: self._file_write,
             events.FileEdit: self._file_edit,
+            events.McpList: self._mcp_list,
+            events.ToolCall: self._tool_call,
         }
 
     @property
@@ -261,7 +276,7 @@ class Runtime:
         session = self._sessions.get(session_id)
         if session is None:
             ws = self.workspace(session_id)
-            session = _Session(session_id, ws, self._base(ws), self._limits, self._sandbox)
+            session = _Session(session_id, ws, self._base(ws), self._limits, self._sandbox, self._mcp_mounts)
             self._sessions[session_id] = session
         return session
 
@@ -333,6 +348,18 @@ class Runtime:
                 with anyio.move_on_after(interval * 5):
                     await session.shell.enforce_limits()
                     await session.python.enforce_limits()
+                    await session.mcp.enforce_limits()
+
+    def knows_mcp(self, session_id: str, server: str) -> bool:
+        """Whether the session's runtime has the spec of MCP server ``server`` (an ``mcp_list``
+        it ran or was given with :meth:`learn_mcp`)."""
+        session = self._sessions.get(session_id)
+        return session is not None and session.mcp.knows(server)
+
+    def learn_mcp(self, session_id: str, spec: events.McpList) -> None:
+        """Give the session's runtime the spec of a stdio MCP server, from the log's latest
+        ``mcp_list`` for it (a new owner's, or a fork's, first ``tool_call`` of that server)."""
+        self._session(session_id).mcp.learn(spec)
 
     # --- cancel ------------------------------------------------------------------------------
 
@@ -387,7 +414,7 @@ class Runtime:
             name = action.original_kind if isinstance(action, events.Unknown) else action.kind
             return _error("unknown_kind", f"the runtime cannot run a {name!r} event")
         kind = type(action)
-        if kind.answered_by != "runtime":
+        if action.answering_role != "runtime":
             return _error("unknown_kind", f"{action.kind!r} is not an action the runtime runs")
         custom = self._handlers.get(kind) or _handlers.get(kind)
         builtin = self._builtin.get(kind)
@@ -453,6 +480,16 @@ class Runtime:
 
     async def _python_run(self, session: _Session, action: events.PythonRun) -> events.Observation:
         return await session.python.run(action, session.overrides)
+
+    async def _mcp_list(self, session: _Session, action: events.McpList) -> events.Observation:
+        if not action.command:
+            return _error("not_a_stdio_server", f"the MCP server {action.server!r} has no command: the agent asks it")
+        return await session.mcp.list(action, self._effective_env(session))
+
+    async def _tool_call(self, session: _Session, action: events.ToolCall) -> events.Observation:
+        if action.server is None:
+            return _error("unknown_kind", f"the tool {action.tool!r} is not an MCP server's: the agent runs it")
+        return await session.mcp.call(action, self._effective_env(session))
 
     async def _file_read(self, session: _Session, action: events.FileRead) -> events.Observation:
         # Reading a few KiB of a local file takes microseconds: less than the hop to a thread.

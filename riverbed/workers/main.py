@@ -248,7 +248,11 @@ def build_handlers(roles: Sequence[str], settings: Settings) -> tuple[dict[str, 
         from riverbed.runtime import Runtime  # noqa: PLC0415
         from riverbed.workers.runtime_role import RuntimeHandler, checked_sandbox  # noqa: PLC0415
 
-        runtime = Runtime(workspace_root=Path(settings.workspace), sandbox=checked_sandbox(settings))
+        runtime = Runtime(
+            workspace_root=Path(settings.workspace),
+            sandbox=checked_sandbox(settings),
+            mcp_mounts=[path for path in settings.mcp_mounts.split(":") if path],
+        )
         handlers["runtime"] = RuntimeHandler(runtime)
         closers.append(runtime.aclose)
     if "memory" in roles:

@@ -328,6 +328,9 @@ class RuntimeHandler:
         sent with the loop's next read)."""
         event = entry.event
         assert isinstance(event, events.Action | events.Unknown)
+        server = event.server if isinstance(event, events.ToolCall) else None
+        if server and not self.runtime.knows_mcp(ctx.session, server):
+            await self._learn_mcp(ctx, server, event.id or 0)
         if isinstance(event, CANCELLABLE):
             observation = await self._execute_cancellable(ctx, event)
         else:
@@ -337,6 +340,16 @@ class RuntimeHandler:
             return Answer(entry, observation)
         await ctx.answer(entry, observation)
         return None
+
+    async def _learn_mcp(self, ctx: SessionContext, server: str, before: int) -> None:
+        """Give the runtime the spec of a stdio MCP server this owner has not started: the
+        log's latest ``mcp_list`` for it before the call (a takeover, a fork's copied events)."""
+        spec: events.McpList | None = None
+        async for event in ctx.log.read(ctx.session, 1, before):
+            if isinstance(event, events.McpList) and event.server == server and event.command:
+                spec = event
+        if spec is not None:
+            self.runtime.learn_mcp(ctx.session, spec)
 
     async def _execute_cancellable(self, ctx: SessionContext, action: events.Action) -> events.Observation:
         """Run a command while the log after it is watched for a ``run_cancel`` (the log says

@@ -31,24 +31,46 @@ def tenants_set(
             "--tokens-per-day", help="Prompt + completion tokens a UTC day at most (0: no limit).", show_default=False
         ),
     ] = None,
+    mcp_urls: Annotated[
+        str | None,
+        typer.Option(
+            "--mcp-urls",
+            help="The remote MCP servers (comma-separated URLs) the tenant's agents may use ('': none).",
+            show_default=False,
+        ),
+    ] = None,
     prefix: PrefixOption = None,
 ) -> None:
     """Set TENANT's quotas; a run over one is refused (the CLI exits 2, the API answers 429), and a
     running run stops before its next model call once the day's tokens are spent."""
     from riverbed.agent.quotas import Quotas  # noqa: PLC0415
 
-    if max_runs is None and tokens_per_day is None:
-        _fail("say which quota to set: --max-runs N and/or --tokens-per-day N (0 removes one)", 2)
+    if max_runs is None and tokens_per_day is None and mcp_urls is None:
+        _fail("say which quota to set: --max-runs N, --tokens-per-day N (0 removes one) or --mcp-urls URL,...", 2)
+    urls = _mcp_urls(mcp_urls) if mcp_urls is not None else None
     cli = Invocation(prefix)
 
     async def go() -> Any:
         bus = await cli.bus()
-        return await Quotas(bus.log_store).set(tenant, max_runs=max_runs, tokens_per_day=tokens_per_day)
+        return await Quotas(bus.log_store).set(tenant, max_runs=max_runs, tokens_per_day=tokens_per_day, mcp_urls=urls)
 
     quota = cli.run(go)
     _progress(
         f"tenant {tenant}: at most {_limit(quota.max_runs)} runs at once, {_limit(quota.tokens_per_day)} tokens a day"
+        + (f"; MCP servers: {', '.join(quota.mcp_urls)}" if quota.mcp_urls else "")
     )
+
+
+def _mcp_urls(given: str) -> list[str]:
+    """The URLs of ``--mcp-urls``; one that is not http(s) is refused in one sentence."""
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    urls = [url.strip() for url in given.split(",") if url.strip()]
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            _fail(f"--mcp-urls takes http:// or https:// URLs separated by commas, and {url!r} is not one", 2)
+    return urls
 
 
 @tenants_app.command("show")
