@@ -43,6 +43,7 @@ from typing import Any
 import msgspec
 
 from riverbed import events
+from riverbed.agent.mcp import MCPServer
 from riverbed.agent.risk import Analyzer
 from riverbed.agent.tooling import Tool
 from riverbed.errors import InputError
@@ -104,8 +105,7 @@ class Agent:
     model: str | None = None
     """the model its runs use unless the run names one (None: the worker's ``RIVERBED_LLM_MODEL``)"""
     tools: Sequence[str | Tool] = ("cmd_run", "file_read", "file_write", "file_edit", "python_run", "think")
-    mcp: Sequence[Any] = ()
-    """``riverbed.MCPServer`` values"""
+    mcp: Sequence[MCPServer] = ()
     sub_agents: Sequence[str] = ()
     limits: RunLimits | None = None
     """limits its runs open with unless the caller gives others"""
@@ -153,10 +153,11 @@ class Agent:
             seen.add(name)
         servers: set[str] = set()
         for server in self.mcp:
-            server_name = getattr(server, "name", None)
-            if not isinstance(server_name, str) or server_name in servers:
-                raise InputError(f"agent {self.name}: each MCP server needs a name of its own ({server!r})")
-            servers.add(server_name)
+            if not isinstance(server, MCPServer):
+                raise InputError(f"agent {self.name}: mcp is a list of riverbed.MCPServer, not {server!r}")
+            if server.name in servers:
+                raise InputError(f"agent {self.name}: two MCP servers are named {server.name!r}")
+            servers.add(server.name)
         check_policy(self.confirm, f"agent {self.name}")
         if self.approval_timeout is not None and not self.approval_timeout > 0:
             raise InputError(f"agent {self.name}: approval_timeout is a number of seconds above 0, or None")

@@ -33,7 +33,7 @@ import dataclasses
 import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import anyio
@@ -43,8 +43,15 @@ import structlog
 from riverbed import events
 from riverbed.errors import InputError
 
-if TYPE_CHECKING:
-    from riverbed.agent.quotas import Quotas
+
+class _Quota(Protocol):
+    mcp_urls: list[str] | None
+
+
+class Quotas(Protocol):
+    """What :func:`url_refusal` reads of ``riverbed.agent.quotas.Quotas``: a tenant's allowed URLs."""
+
+    async def get(self, tenant: str) -> _Quota: ...
 
 # (``riverbed.runtime.mcp``, which turns the SDK's results into events, is imported where a remote
 # server is asked: ``import riverbed`` exports MCPServer and stays light)

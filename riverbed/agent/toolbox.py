@@ -27,19 +27,15 @@ import msgspec
 from riverbed import events
 from riverbed.agent.define import Agent
 from riverbed.agent.llm import OVERSIZED
+from riverbed.agent.mcp import model_name, openai_tools
 from riverbed.agent.tooling import check_arguments
 from riverbed.agent.tools import action_from_call, tools
 from riverbed.errors import InputError
 
-__all__ = ["Toolbox", "model_name"]
+__all__ = ["Toolbox"]
 
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_-]")
 _arguments = msgspec.json.Decoder(dict[str, Any])
-
-
-def model_name(server: str, tool: str) -> str:
-    """The name the model calls an MCP server's tool by (at most 64 characters)."""
-    return _UNSAFE.sub("_", f"{server}__{tool}")[:64]
 
 
 def _agent_as_sub_agent(arguments: str) -> str:
@@ -70,14 +66,12 @@ class Toolbox:
         self._builtin = {events.kind_of(k) for k in kinds}
         self._mcp: dict[str, tuple[str, events.McpTool, str]] = {}
         """model-facing name -> (server, tool, runs_in)"""
-        servers = {getattr(s, "name", ""): s for s in agent.mcp}
-        for name, listing in (listed or {}).items():
-            server = servers.get(name)
-            if server is None:
-                continue
-            runs_in = "agent" if getattr(server, "url", None) else "runtime"
+        servers = {s.name: s for s in agent.mcp}
+        self._listings = [listing for name, listing in (listed or {}).items() if name in servers]
+        for listing in self._listings:
+            runs_in = "agent" if servers[listing.server].url else "runtime"
             for tool in listing.tools:
-                self._mcp.setdefault(model_name(name, tool.name), (name, tool, runs_in))
+                self._mcp[model_name(listing.server, tool.name)] = (listing.server, tool, runs_in)
 
     def openai(self) -> list[dict[str, Any]]:
         """The request's ``tools``: built-ins (``finish`` last), the agent's functions, MCP tools."""
@@ -87,12 +81,8 @@ class Toolbox:
                 entry["function"]["parameters"] = self._delegate_parameters(entry["function"]["parameters"])
         finish = out.pop()
         out.extend(t.openai() for t in self.agent.user_tools.values())
-        for name, (server, tool, _runs_in) in self._mcp.items():
-            schema = tool.input_schema if tool.input_schema.get("type") == "object" else {"type": "object"}
-            description = tool.description or f"{tool.name} (MCP server {server})"
-            out.append(
-                {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
-            )
+        for listing in self._listings:
+            out.extend(openai_tools(listing))
         out.append(finish)
         return out
 

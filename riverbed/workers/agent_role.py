@@ -95,6 +95,7 @@ from riverbed.agent.llm import (
     system_prompt,
     timeout_sentence,
 )
+from riverbed.agent.mcp import answer_remote
 from riverbed.agent.messages import cache_breakpoints
 from riverbed.agent.quotas import Quotas, TenantQuota
 from riverbed.agent.registry import Hosted, load
@@ -624,14 +625,15 @@ class AgentHandler:
     async def _remote_mcp(
         self, ctx: SessionContext, agent: Agent, action: events.ToolCall | events.McpList
     ) -> events.Observation:
-        """A remote MCP server's listing or call (its tools are not this worker's functions)."""
-        name = action.server if action.server is not None else ""
-        return events.Error(
-            source="agent",
-            cause=action.id,
-            content=f"the tool {getattr(action, 'tool', name)!r} is not one this worker can run (MCP server {name!r})",
-            reason="tool_unavailable",
-        )
+        """A remote MCP server's listing or call (a server of the agent's, by its name): the
+        tenant's allowed URLs are checked first, and the server's failures are answers."""
+        server = next((s for s in agent.mcp if s.name == action.server), None)
+        if server is None or server.url is None:
+            missing = f"agent {agent.name} on this worker has no remote MCP server {action.server!r}"
+            if isinstance(action, events.McpList):
+                return events.Error(source="agent", cause=action.id, content=missing, reason="mcp_failed")
+            return events.ToolResult(content=missing, is_error=True, cause=action.id)
+        return await answer_remote(action, server, self._quotas_of(ctx), ctx.tenant)
 
     async def _step(self, ctx: SessionContext, state: _Session, run: Run, agent: Agent) -> None:
         """One model call and its ``llm_response`` (or the ``llm_error`` that ends the run)."""
