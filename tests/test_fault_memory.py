@@ -230,7 +230,7 @@ def start_private_postgres(pgdata: Path) -> str:
         [sys.executable, "-W", "ignore", "-c", code, str(pgdata)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=within(60),
         check=True,
     )
     return done.stdout.strip().splitlines()[-1]
@@ -263,9 +263,11 @@ async def served_on(
     worker = start("memory", database_url=url, recall_timeout=recall_timeout)
     worker.wait_ready()
     await record(session, *work_script())
-    with anyio.fail_after(60):  # a first recall loads the model and the schema: retried while retryable
+    # a first recall loads the model and the schema: retried while retryable (a set-up, not the
+    # bound under test: scaled by the load)
+    with anyio.fail_after(within(60)):
         while isinstance(
-            warm := await session.act(events.Recall(query="which pods are running?"), timeout=RECALL_TIMEOUT),
+            warm := await session.act(events.Recall(query="which pods are running?"), timeout=within(RECALL_TIMEOUT)),
             events.Error,
         ) and (warm.reason, warm.retryable) == ("memory_unavailable", True):
             await anyio.sleep(0.5)
