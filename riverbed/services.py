@@ -386,17 +386,46 @@ def up(directory: Path) -> Services:
     return services
 
 
-def down(directory: Path) -> bool:
-    """Stop the services recorded in ``directory``; False when none were recorded."""
+def down(directory: Path) -> list[str]:
+    """Stop the services in ``directory``: those its state file records, and a Redis or Postgres
+    still running there without one (its starter killed before it wrote the file, or the file
+    lost or stale).  What was stopped ("Redis", "Postgres"); empty when nothing ran there."""
+    stopped: list[str] = []
     state = directory / STATE_FILE
-    if not state.exists():
-        return False
+    recorded: Services | None = None
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        recorded = Services(**json.loads(state.read_text()))
+    redis_pids = {recorded.redis_pid} if recorded is not None else set()
+    with contextlib.suppress(OSError, ValueError):
+        redis_pids.add(int((directory / "redis" / "redis.pid").read_text().strip()))
+    running = [pid for pid in redis_pids if pid > 0 and _runs_in(pid, directory / "redis")]
+    if running:
+        stop_redis_cluster(running)
+        stopped.append("Redis")
+    pgdatas = dict.fromkeys([*([Path(recorded.pgdata)] if recorded is not None else []), directory / "pg"])
+    for pgdata in pgdatas:
+        if _postgres_runs(pgdata):
+            stop_postgres(pgdata)
+            stopped.append("Postgres")
+    state.unlink(missing_ok=True)
+    return stopped
+
+
+def _runs_in(pid: int, directory: Path) -> bool:
+    """Whether process ``pid`` runs with ``directory`` as its working directory (a redis-server
+    started with ``--dir`` there), so a recorded pid that was reused since is never signalled."""
+    if not os.path.isdir("/proc/self"):  # (no /proc, as on macOS: the pid is all there is)
+        return _alive(pid)
     try:
-        services = Services(**json.loads(state.read_text()))
-    except (ValueError, TypeError):
-        state.unlink()
+        return os.path.samefile(os.readlink(f"/proc/{pid}/cwd"), directory)
+    except OSError:
         return False
-    stop_redis(services.redis_pid)
-    stop_postgres(Path(services.pgdata))
-    state.unlink()
-    return True
+
+
+def _postgres_runs(pgdata: Path) -> bool:
+    """Whether the Postgres whose pid ``pgdata``'s ``postmaster.pid`` holds is running."""
+    try:
+        pid = int((pgdata / "postmaster.pid").read_text().splitlines()[0])
+    except (OSError, ValueError, IndexError):
+        return False
+    return pid > 0 and _alive(pid) and _runs_in(pid, pgdata)

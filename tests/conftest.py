@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import riverbed
 from riverbed import services
 from riverbed.client.session import Bus
 from riverbed.logs import processors
+from tests.kit import guards
 
 if TYPE_CHECKING:
     from riverbed.memory.embedders import LocalEmbedder
@@ -88,6 +88,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # What runs in the test process logs as a worker's console does: a traceback as text, not
     # structlog's default rich one with every frame's locals, which takes a busy machine seconds.
     structlog.configure(processors=processors(structlog.dev.ConsoleRenderer(colors=False)))
+    guards.configure(config)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -102,9 +103,10 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="session")
-def service_root() -> Iterator[Path]:
-    root = Path(tempfile.mkdtemp(prefix="riverbed-test-"))
-    root.chmod(0o755)
+def service_root(pytestconfig: pytest.Config) -> Iterator[Path]:
+    """This test process's directory for its services (see :mod:`tests.kit.guards`)."""
+    root = guards.own_directory(pytestconfig) / "services"
+    root.mkdir(mode=0o755)
     yield root
     shutil.rmtree(root, ignore_errors=True)
 

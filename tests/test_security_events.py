@@ -26,6 +26,7 @@ from riverbed.client.session import Bus
 from riverbed.errors import InputError
 from riverbed.runtime.paths import workspace_name
 from tests.kit.cli import assert_one_sentence, run
+from tests.kit.patience import within
 from tests.kit.serve import assert_problem, bearer, new_key, serve_process
 from tests.kit.workers import Spawn, WorkerProcess, spawn, workers  # noqa: F401  (fixtures)
 
@@ -79,7 +80,7 @@ def runtime_worker(spawn: Spawn) -> WorkerProcess:
 async def victim_with_a_secret(bus: Bus) -> None:
     """Another tenant's session whose workspace holds a secret file."""
     victim = bus.session("victim", tenant="globex")
-    written = await victim.act(events.FileWrite(path="secret.txt", content=SECRET), timeout=30)
+    written = await victim.act(events.FileWrite(path="secret.txt", content=SECRET), timeout=within(30))
     assert isinstance(written, events.FileWritten), written
 
 
@@ -88,7 +89,7 @@ async def test_http_clients_cannot_append_system_events(bus: Bus, redis_url: str
     await bus.session("victim", tenant="globex").append(events.Message(content="mine", source="user"))
     await bus.session("shared").append(events.Message(content="no tenant", source="user"))
     with serve_process(redis_url, prefix, tmp_path / "serve.log") as base:
-        async with httpx.AsyncClient(base_url=base, headers=bearer(attacker), timeout=30) as http:
+        async with httpx.AsyncClient(base_url=base, headers=bearer(attacker), timeout=within(30)) as http:
             for forged in SYSTEM_ONLY:
                 response = await http.post("/v1/sessions/mine/events", json=forged)
                 body = assert_problem(response, 400, "a client cannot append", repr(forged["kind"]))
@@ -106,7 +107,7 @@ async def test_http_clients_cannot_append_system_events(bus: Bus, redis_url: str
             assert created.status_code == 201, created.text
             assert len(created.json()["ids"]) == len(CLIENT_KINDS)
         # An admin key is a client too (here on a session without a tenant).
-        async with httpx.AsyncClient(base_url=base, headers=bearer(admin), timeout=30) as http:
+        async with httpx.AsyncClient(base_url=base, headers=bearer(admin), timeout=within(30)) as http:
             assert_problem(await http.post("/v1/sessions/shared/events", json=FORGED_FORK), 400, "'forked'")
     assert [e.kind for e in await bus.session("mine").events()] == [e["kind"] for e in CLIENT_KINDS]
 
@@ -178,15 +179,17 @@ async def test_the_runtime_builds_nothing_from_a_forged_fork(
     await victim_with_a_secret(bus)
     forked_id = await forge_fork_in_the_log(bus, marked=marked)
 
-    record = await wait_rebuilt(bus, "mine", forked_id, timeout=30)
+    record = await wait_rebuilt(bus, "mine", forked_id, timeout=within(30))
     assert record.method == "empty"
     assert record.tenant == "acme"
     why = "is not this session's tenant's" if marked else "was not written by fork()"
     assert why in record.note, record.note
     assert "nothing was copied or replayed" in record.note
-    read = await bus.session("mine", tenant="acme").act(events.FileRead(path="secret.txt"), timeout=30)
+    read = await bus.session("mine", tenant="acme").act(events.FileRead(path="secret.txt"), timeout=within(30))
     assert isinstance(read, events.Error), read
-    listing = await bus.session("mine", tenant="acme").act(events.CmdRun(command="ls -A; grep -r . . || true"))
+    listing = await bus.session("mine", tenant="acme").act(
+        events.CmdRun(command="ls -A; grep -r . . || true"), timeout=within(30)
+    )
     assert isinstance(listing, events.CmdOutput)
     assert SECRET not in listing.content
     mine = workspace / workspace_name("mine")
@@ -196,10 +199,10 @@ async def test_the_runtime_builds_nothing_from_a_forged_fork(
 async def test_a_fork_of_the_same_tenant_still_copies(bus: Bus, runtime_worker: WorkerProcess) -> None:
     """The wall lets the real thing through: fork() of one's own session, workspace copy."""
     own = bus.session("own", tenant="globex")
-    await own.act(events.FileWrite(path="notes.txt", content="mine to copy"), timeout=30)
+    await own.act(events.FileWrite(path="notes.txt", content="mine to copy"), timeout=within(30))
     forked_id = await fork(bus, "own", await own.last_id(), "own-copy", workspace="copy")
-    record = await wait_rebuilt(bus, "own-copy", forked_id, timeout=30)
+    record = await wait_rebuilt(bus, "own-copy", forked_id, timeout=within(30))
     assert (record.method, record.note) == ("copy", "")
-    read = await bus.session("own-copy", tenant="globex").act(events.FileRead(path="notes.txt"), timeout=30)
+    read = await bus.session("own-copy", tenant="globex").act(events.FileRead(path="notes.txt"), timeout=within(30))
     assert isinstance(read, events.FileContent)
     assert read.content == "mine to copy"

@@ -20,6 +20,7 @@ from riverbed.errors import QuotaExceeded
 from riverbed.serve import KeyStore
 from tests.kit.delegation import all_answered, model_env, ready, run_end, server, spawn, start, workers  # noqa: F401  (fixtures)
 from tests.kit.openai_server import OpenAIServer
+from tests.kit.patience import within
 from tests.kit.serve import assert_problem, bearer, new_key, running
 from tests.kit.workers import WorkerProcess
 
@@ -33,7 +34,7 @@ async def test_a_client_cannot_take_the_id_of_a_sub_agent_before_the_agent_role_
     that knows a session's id could create the next children first, and every ``delegate`` of
     that session would be refused (the id is taken).  Such ids are the agent role's alone."""
     acme, globex = await new_key(bus, "acme"), await new_key(bus, "globex")
-    async with running(bus) as base, httpx.AsyncClient(base_url=base) as http:
+    async with running(bus) as base, httpx.AsyncClient(base_url=base, timeout=within(30)) as http:
         made = await http.post("/v1/sessions/work/events", json={"kind": "message", "content": "hi"},
                                headers=bearer(acme))  # fmt: skip
         assert made.status_code == 201, made.text
@@ -86,7 +87,7 @@ async def test_a_tenants_tokens_today_count_each_model_call_once_across_a_tree_o
                 prompt, _cached, completion = tokens(event.usage)
                 spent += prompt + completion
     assert spent > 0
-    with anyio.fail_after(10):
+    with anyio.fail_after(within(10)):
         while await quotas.tokens_today("acme") < spent:  # (the last report follows the last append)
             await anyio.sleep(0.05)
     assert await quotas.tokens_today("acme") == spent
@@ -103,10 +104,10 @@ async def test_a_tenants_run_list_reads_only_its_own_runs(bus: Bus) -> None:
     runs other tenants opened (no reads of their summaries, no folds of their logs)."""
     acme, globex = await new_key(bus, "acme"), await new_key(bus, "globex")
     await open_run(bus, "mine", "a task", tenant="acme")
-    with anyio.fail_after(60):
+    with anyio.fail_after(within(60)):
         for i in range(300):
             await open_run(bus, f"theirs-{i}", "their task", tenant="globex")
-    async with running(bus) as base, httpx.AsyncClient(base_url=base) as http:
+    async with running(bus) as base, httpx.AsyncClient(base_url=base, timeout=within(30)) as http:
         await http.get("/v1/me", headers=bearer(acme))  # (the key's lookups cached alike)
         before = await reads(bus)
         listed = await http.get("/v1/runs", headers=bearer(acme))
@@ -127,10 +128,10 @@ async def test_the_session_list_shows_a_tenant_nothing_of_another_whatever_it_as
         await bus.session(name, tenant="acme").append(events.Message(content=f"task of {name}"))
     await open_run(bus, "a-run", "acme's run", tenant="acme")
     await open_run(bus, "g-run", "globex's secret run", tenant="globex")
-    with anyio.fail_after(60):
+    with anyio.fail_after(within(60)):
         for i in range(300):
             await bus.session(f"g-{i}-a-one", tenant="globex").append(events.Message(content="globex secret"))
-    async with running(bus) as base, httpx.AsyncClient(base_url=base) as http:
+    async with running(bus) as base, httpx.AsyncClient(base_url=base, timeout=within(30)) as http:
         await http.get("/v1/me", headers=bearer(acme))
 
         async def page(query: str) -> dict[str, object]:
@@ -246,7 +247,7 @@ async def test_a_parent_whose_childs_id_another_tenant_holds_answers_its_delegat
 async def test_a_revoked_key_neither_opens_nor_cancels_nor_lists_runs(bus: Bus) -> None:
     store = KeyStore(bus.redis, bus.keys, bus.url)
     key, record = await store.create("acme")
-    async with running(bus) as base, httpx.AsyncClient(base_url=base) as http:
+    async with running(bus) as base, httpx.AsyncClient(base_url=base, timeout=within(30)) as http:
         opened = await http.post("/v1/sessions/r/runs", json={"task": "work"}, headers=bearer(key))
         assert opened.status_code == 202, opened.text
         await store.revoke(record.id)

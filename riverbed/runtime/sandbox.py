@@ -56,8 +56,8 @@ import hashlib
 import io
 import json
 import os
+import re
 import select
-import shutil
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -68,7 +68,7 @@ import anyio
 import structlog
 
 from riverbed.errors import ConfigError
-from riverbed.runtime import seccomp
+from riverbed.runtime import seccomp, tools
 from riverbed.runtime.bwrap import Bwrap, choose
 
 log = structlog.get_logger("riverbed.runtime.sandbox")
@@ -346,7 +346,9 @@ class Sandbox:
             args += ["--size", str(self.tmp_bytes), "--perms", "1777", "--tmpfs", _TMP]
         else:
             args += ["--bind", tmp.source, _TMP]
-        for host, inside in (*_python_mounts(), *readonly):
+        # the tools that run inside, where the sandbox would not see them (riverbed.runtime.tools)
+        found = tools.mounts(_inside("setpriv") if root else None, _inside("prlimit") if nproc and not root else None)
+        for host, inside in (*_python_mounts(), *readonly, *found):
             args += _dirs_for(inside)
             args += ["--ro-bind", host, inside]
         args += _dirs_for(str(workspace))
@@ -354,7 +356,7 @@ class Sandbox:
         if root:
             owner = self.owner(workspace)
             assert owner is not None
-            setpriv = _which("setpriv")
+            setpriv = _inside("setpriv")
             if setpriv is None:
                 raise SandboxUnavailable("setpriv (util-linux) is missing; it is needed to drop the sandbox's root")
             args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--"]
@@ -371,7 +373,7 @@ class Sandbox:
         else:
             args.append("--")
         if nproc is not None and not root:  # a root worker's passes from the launcher to the uid
-            prlimit = _which("prlimit")
+            prlimit = _inside("prlimit")
             if prlimit is None:
                 raise SandboxUnavailable("prlimit (util-linux) is missing; it sets the sandbox's process limit")
             args += [prlimit, f"--nproc={nproc}", "--"]
@@ -540,9 +542,8 @@ _MISSING_SLIRP = (
 )
 
 
-@functools.cache
-def _which(name: str) -> str | None:
-    return shutil.which(name)
+_which = tools.find  # a tool run on the host
+_inside = tools.find_inside  # a tool run inside the sandbox
 
 
 @functools.cache
@@ -606,10 +607,52 @@ def probe(sandbox: Sandbox, workspace_root: Path) -> None:
     finally:
         link.close()
     if done.returncode != 0 or done.stdout.strip() != b"ok":
-        reason = done.stderr.decode(errors="replace").strip().splitlines()
-        raise SandboxUnavailable(
-            "a namespaces sandbox could not be started"
-            + (f" ({reason[-1]})" if reason else "")
-            + ": user namespaces may be disabled here, or a container's seccomp/AppArmor profile blocks them "
-            "(see docs/security.md); set RIVERBED_SANDBOX=process to run without isolation"
+        said = done.stderr.decode(errors="replace").strip().splitlines()
+        raise SandboxUnavailable(_start_failure(sandbox, said[-1] if said else ""))
+
+
+#: How bubblewrap (``execvp``) and util-linux's tools (``failed to execute``) say that the next
+#: program of the sandbox's command line could not be run.
+_EXEC_FAILED = re.compile(r"(?:execvp|failed to execute) (/\S+): (.+)$")
+
+
+def _start_failure(sandbox: Sandbox, said: str) -> str:
+    """Why the probe's sandbox did not start, in one sentence: the tool and path that could not
+    run inside it, when that is what it said; else whether this machine's namespaces work, tried
+    apart with a plain bubblewrap sandbox, since only when they do not is turning isolation off
+    the advice."""
+    failed = _EXEC_FAILED.search(said)
+    if failed is not None:
+        path, error = failed.groups()
+        return (
+            f"a namespaces sandbox could not run {os.path.basename(path)} at {path} ({error} inside the sandbox, "
+            "which has the host's /usr and riverbed's own mounts only): install it under /usr "
+            "(Debian: apt-get install util-linux)"
         )
+    detail = f" ({said})" if said else ""
+    if _namespaces_work(sandbox):
+        return (
+            f"a namespaces sandbox could not be started{detail}, though a plain bubblewrap sandbox starts here, "
+            "so the namespaces work: this is riverbed's sandbox set-up failing (see docs/security.md)"
+        )
+    return (
+        f"a namespaces sandbox could not be started{detail}: user namespaces may be disabled here, or a container's "
+        "seccomp/AppArmor profile blocks them (see docs/security.md); set RIVERBED_SANDBOX=process to run "
+        "without isolation"
+    )
+
+
+def _namespaces_work(sandbox: Sandbox) -> bool:
+    """Whether a plain bubblewrap sandbox with the same namespaces (the host's files read-only,
+    nothing of riverbed's: no seccomp filter, no tool) runs a command here."""
+    args = [sandbox.binary().path, "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
+    if sandbox.network != "host":
+        args.append("--unshare-net")
+    if os.geteuid() != 0:
+        args.append("--unshare-user")
+    args += ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "/bin/sh", "-c", "exit 0"]
+    try:
+        done = subprocess.run(args, capture_output=True, timeout=15, check=False, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0

@@ -23,9 +23,7 @@ processes keep a private tmpfs each (``Sandbox.tmp_bytes`` each).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import shutil
 import subprocess
 from functools import partial
 from pathlib import Path
@@ -33,6 +31,7 @@ from pathlib import Path
 import anyio
 import structlog
 
+from riverbed.runtime import tools
 from riverbed.runtime.limits import wait_exit
 from riverbed.runtime.output import read_some
 from riverbed.runtime.sandbox import Sandbox, SandboxUnavailable, SharedTmp
@@ -129,6 +128,4 @@ class SessionTmp:
             log.warning("tmp.holder_killed", workspace=str(self._workspace))
 
 
-@functools.cache
-def _which(name: str) -> str | None:
-    return shutil.which(name)
+_which = tools.find

@@ -18,6 +18,7 @@ from riverbed.client.session import Bus
 from riverbed.runtime.paths import workspace_name
 from tests.kit.answers import check_exactly_one_answer
 from tests.kit.openai_server import OpenAIServer
+from tests.kit.patience import within
 from tests.kit.workers import Spawn, WorkerProcess, ready, spawn  # noqa: F401  (fixtures)
 
 LEASE = 1.0
@@ -100,7 +101,7 @@ def start(spawn: Spawn, model_env: dict[str, str]) -> Callable[..., WorkerProces
 
 
 async def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    with anyio.fail_after(timeout):
+    with anyio.fail_after(within(timeout)):
         while not condition():
             await anyio.sleep(0.05)
     assert condition(), what
@@ -121,7 +122,7 @@ async def open_runs(bus: Bus, sessions: list[str]) -> None:
 
 
 async def all_finished(bus: Bus, sessions: list[str], timeout: float = 90.0) -> None:
-    with anyio.fail_after(timeout):
+    with anyio.fail_after(within(timeout)):
         for session in sessions:
             async for event in follow_run(bus, session, 1):
                 last = event

@@ -24,6 +24,7 @@ from riverbed.workers.runtime_role import RuntimeHandler
 from tests.kit.agents import owners
 from tests.kit.metrics import samples
 from tests.kit.openai_server import OpenAIServer, server  # noqa: F401  (server: a fixture)
+from tests.kit.patience import within
 
 
 @contextlib.asynccontextmanager
@@ -73,5 +74,5 @@ def scrape(bus: Bus, agent: AgentHandler) -> list[tuple[str, dict[str, str]]]:
 
 async def ended(bus: Bus, session: str, start: int, timeout: float = 30.0) -> list[events.Event]:
     """The events from ``start`` until the run ends (the ending event last)."""
-    with anyio.fail_after(timeout):
+    with anyio.fail_after(within(timeout)):
         return [event async for event in follow_run(bus, session, start)]

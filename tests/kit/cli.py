@@ -25,6 +25,7 @@ import riverbed.cli
 from riverbed import events
 from tests.kit.agents import record
 from tests.kit.openai_server import OpenAIServer
+from tests.kit.patience import within
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def run_process(
 ) -> subprocess.CompletedProcess[bytes]:
     """``riverbed args...`` as a real process."""
     return subprocess.run(
-        [*riverbed_command(), *args], env=env, input=stdin, capture_output=True, timeout=timeout, check=False
+        [*riverbed_command(), *args], env=env, input=stdin, capture_output=True, timeout=within(timeout), check=False
     )
 
 
@@ -144,7 +145,7 @@ def run(
 
     thread = threading.Thread(target=command, name="riverbed-command", daemon=True)
     thread.start()
-    thread.join(timeout)
+    thread.join(within(timeout))
     if failed:
         raise failed[0]
     if not done:

@@ -15,6 +15,7 @@ from riverbed.agent.runs import child_session
 from riverbed.client.session import Bus
 from tests.kit.agent_faults import LEASE, model_env, start, workers  # noqa: F401  (fixtures)
 from tests.kit.openai_server import OpenAIServer
+from tests.kit.patience import within
 from tests.kit.workers import ready, spawn  # noqa: F401  (spawn: a fixture)
 
 # --- the scripted model: what each session's agent does, read from its task -------------------
@@ -91,7 +92,7 @@ def server() -> Iterator[OpenAIServer]:
 
 async def run_end(bus: Bus, session: str, timeout: float = 60.0) -> events.Event:
     """The event that ended the session's (first) run."""
-    with anyio.fail_after(timeout):
+    with anyio.fail_after(within(timeout)):
         async for event in follow_run(bus, session, 1):
             last = event
     return last
@@ -110,7 +111,7 @@ async def answers(bus: Bus, session: str) -> dict[int, list[events.Event]]:
 async def all_answered(bus: Bus, session: str, timeout: float = 30.0) -> dict[int, list[events.Event]]:
     """:func:`answers` once every ``delegate`` of the session has one (a child answers its
     parent right after its run ended)."""
-    with anyio.fail_after(timeout):
+    with anyio.fail_after(within(timeout)):
         while True:
             answered = await answers(bus, session)
             if all(answered.values()):

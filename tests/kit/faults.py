@@ -16,6 +16,7 @@ from riverbed import events, services
 from riverbed.client.session import Session
 from riverbed.errors import ActTimeout, UnavailableError
 from tests.kit.answers import answers_of, assert_answered_once
+from tests.kit.patience import within
 from tests.kit.workers import WorkerProcess, ready, starter
 
 
@@ -109,7 +110,7 @@ class Driver:
 
     async def answer(self, action_id: int) -> events.Event:
         backoff = 0.05
-        with anyio.fail_after(60):
+        with anyio.fail_after(within(60)):
             while True:
                 try:
                     return await self.session.wait_for_answer(action_id, timeout=5)
@@ -208,8 +209,9 @@ async def assert_each_action_answered_once(drivers: Sequence[Driver], workspace:
 
 
 async def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    with anyio.move_on_after(timeout):
+    bound = within(timeout)
+    with anyio.move_on_after(bound):
         while not condition():
             await anyio.sleep(0.02)
         return
-    raise AssertionError(f"{what}: not reached within {timeout:g}s")
+    raise AssertionError(f"{what}: not reached within {bound:.1f}s")

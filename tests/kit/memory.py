@@ -18,6 +18,7 @@ from riverbed.memory.embedders import Embedder
 from riverbed.memory.recall import Memory
 from riverbed.memory.store import Store
 from riverbed.workers.memory_role import MemoryHandler
+from tests.kit.patience import within
 
 INDEX_DEADLINE = 30.0
 
@@ -77,7 +78,7 @@ async def chunk_rows(database_url: str, schema: str, session: str) -> list[async
 async def wait_indexed(database_url: str, schema: str, session: Session, *, deadline: float = INDEX_DEADLINE) -> None:
     """Until every event of the log up to now is tracked in the index."""
     last = await session.last_id()
-    with anyio.fail_after(deadline):
+    with anyio.fail_after(within(deadline)):
         while True:
             with contextlib.suppress(asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError):
                 if set(range(1, last + 1)) <= set(await tracked(database_url, schema, session.id)):

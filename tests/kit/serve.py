@@ -17,6 +17,7 @@ from riverbed.client.session import Bus
 from riverbed.memory.recall import Memory
 from riverbed.serve import Api, KeyStore, ServeConfig, serve
 from tests.kit.cli import riverbed_command
+from tests.kit.patience import within
 
 
 @contextlib.asynccontextmanager
@@ -49,7 +50,7 @@ def serve_process(
     with log_path.open("wb") as log:
         proc = subprocess.Popen([*riverbed_command(), "serve", "--port", "0"], env=env, stdout=log, stderr=log)
         try:
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + within(20)
             while time.monotonic() < deadline:
                 found = re.search(rb"serving (http://\S+)", log_path.read_bytes())
                 if found:

@@ -19,6 +19,10 @@ import redis
 from riverbed import events
 from riverbed.bus.keys import Keys
 from riverbed.client.session import Bus
+from tests.kit.patience import within
+
+READY = 20.0
+"""Seconds a worker process takes at most to register on a quiet machine (scaled by the load)."""
 
 
 def sync_client(url: str) -> redis.Redis | redis.RedisCluster:
@@ -72,19 +76,28 @@ class WorkerProcess:
             stderr=subprocess.STDOUT,
         )
 
-    def wait_ready(self, timeout: float = 20.0) -> None:
+    def wait_ready(self, timeout: float = READY) -> None:
+        """Until the worker has registered; ``timeout`` is scaled by the machine's load
+        (:func:`~tests.kit.patience.within`).  A worker that exits meanwhile is reported at once."""
+        bound = within(timeout)
         client = sync_client(self.redis_url)
         try:
-            deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + bound
             while time.monotonic() < deadline:
                 if client.exists(self.keys.worker(self.name)):
                     return
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"worker {self.name} exited early:\n{self.log_path.read_text()[-3000:]}")
+                    raise RuntimeError(
+                        f"worker {self.name} exited with code {self.proc.returncode} before it was ready:\n"
+                        f"{self.log_path.read_text()[-3000:]}"
+                    )
                 time.sleep(0.05)
         finally:
             client.close()
-        raise RuntimeError(f"worker {self.name} not ready in {timeout}s:\n{self.log_path.read_text()[-3000:]}")
+        raise RuntimeError(
+            f"worker {self.name} not ready in {bound:.1f}s ({timeout:g}s on a quiet machine):\n"
+            f"{self.log_path.read_text()[-3000:]}"
+        )
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -95,7 +108,7 @@ class WorkerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout)
+            return self.proc.wait(within(timeout))
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
@@ -163,7 +176,7 @@ def spawn(workers: list[WorkerProcess], redis_url: str, prefix: str, workspace: 
 def standalone_worker(
     standalone_redis_url: str, prefix: str, workspace: Path, tmp_path: Path
 ) -> Iterator[Callable[..., WorkerProcess]]:
-    """``standalone_worker(name, roles=["runtime"], ready_within=20, **options)``: a worker
+    """``standalone_worker(name, roles=["runtime"], ready_within=READY, **options)``: a worker
     process on the standalone Redis with this test's prefix and workspace, its log in
     ``tmp_path``, registered when it is returned unless ``ready_within`` is None (``options``
     as :class:`WorkerProcess` takes them); each is closed at the end of the test."""
@@ -171,7 +184,7 @@ def standalone_worker(
     start = starter(started, standalone_redis_url, prefix, workspace, tmp_path)
 
     def start_ready(
-        name: str, roles: Sequence[str] = ("runtime",), *, ready_within: float | None = 20.0, **options: Any
+        name: str, roles: Sequence[str] = ("runtime",), *, ready_within: float | None = READY, **options: Any
     ) -> WorkerProcess:
         worker = start(name, roles, **options)
         if ready_within is not None:
@@ -186,13 +199,13 @@ async def run_command(bus: Bus, session: str, command: str, *, timeout: float, w
     """``command`` run blocking in ``session``'s shell with its own ``timeout``; its output,
     which must come within ``wait``."""
     action = events.CmdRun(command=command, timeout=timeout, blocking=True)
-    out = await bus.session(session).act(action, timeout=wait)
+    out = await bus.session(session).act(action, timeout=within(wait))
     assert isinstance(out, events.CmdOutput), out
     return out
 
 
 async def run_cell(bus: Bus, session: str, code: str, *, wait: float) -> events.PythonOutput:
     """``code`` run as a cell of ``session``'s Python; its output, which must come within ``wait``."""
-    out = await bus.session(session).act(events.PythonRun(code=code), timeout=wait)
+    out = await bus.session(session).act(events.PythonRun(code=code), timeout=within(wait))
     assert isinstance(out, events.PythonOutput), out
     return out

@@ -42,8 +42,9 @@ def services_up(directory: DirOption = None) -> None:
 def services_down(directory: DirOption = None) -> None:
     """Stop the embedded services started by `services up` in the same directory."""
     where = _services_dir(directory)
-    if services.down(where):
-        _progress(f"stopped the services in {where}")
+    stopped = services.down(where)
+    if stopped:
+        _progress(f"stopped the services in {where} ({' and '.join(stopped)})")
     else:
         _progress(f"no services were running in {where}")
 
@@ -100,16 +101,22 @@ def demo_command(prefix: PrefixOption = None) -> None:
     cli = Invocation(prefix)
     settings = cli.settings
     embedded = not settings.redis_url or not settings.database_url
-    url = cli.redis_url()
-    if not settings.database_url:
-        _progress("RIVERBED_DATABASE_URL is not set: using the embedded Postgres")
-    configure_logging(settings.log_format, level=settings.log_level or "warning")
-    console = Console(highlight=False)
+    ours = embedded and services.load(_services_dir(None)) is None  # (started by this demo)
+    try:
+        url = cli.redis_url()
+        if not settings.database_url:
+            _progress("RIVERBED_DATABASE_URL is not set: using the embedded Postgres")
+        configure_logging(settings.log_format, level=settings.log_level or "warning")
+        console = Console(highlight=False)
 
-    async def go() -> Any:
-        return await run_demo(settings, console, redis_url=url)
+        async def go() -> Any:
+            return await run_demo(settings, console, redis_url=url)
 
-    result = cli.run(go)
+        result = cli.run(go)
+    except BaseException:  # an error, Ctrl-C or SIGTERM: what the demo started must not keep running
+        if ours:
+            _stop_early(_services_dir(None))
+        raise
     me = command_name()  # the command that works in the user's shell (a venv may not be activated)
     console.print()
     for check, passed in result.checks.items():
@@ -132,3 +139,16 @@ def demo_command(prefix: PrefixOption = None) -> None:
         )
     if not result.ok:
         raise typer.Exit(1)
+
+
+def _stop_early(where: Path) -> None:
+    """The demo stopped before its end: stop the services it started in ``where``, or say the
+    one command that does."""
+    command = f"{command_name()} services down --dir {shlex.quote(str(where))}"
+    try:
+        stopped = services.down(where)
+    except BaseException:
+        _progress(f"the demo stopped early; stop the services it started with: {command}")
+        raise
+    if stopped:
+        _progress(f"the demo stopped early: stopped the {' and '.join(stopped)} it started in {where}")
