@@ -4,6 +4,7 @@ the agent and runtime roles: each agent's tools, sub-agents and log are what a u
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +68,44 @@ async def test_the_research_team_writes_a_report_from_its_researchers_answers(
     assert json.loads(counted.content) == {"words": 12, "lines": 5}  # "# Report" and two lines of five
     report = (workspace / workspace_name("report-1") / "report.md").read_text()
     assert report.count("found: the answer is 42") == 2
+
+
+async def test_the_repo_helper_asks_the_git_server_in_the_sandbox_and_its_python_tool(
+    bus: Bus, workspace: Path, server: OpenAIServer
+) -> None:
+    hosted = load(["examples.repo_helper.agents"], entry_point_group=None)
+    helper = hosted.agents["repo-helper"]
+    root = workspace / workspace_name("repo-1")
+    root.mkdir(parents=True)
+    git = ["git", "-C", str(root), "-c", "user.name=Ada", "-c", "user.email=ada@example.com"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (root / "a.txt").write_text("one\n")
+    subprocess.run([*git, "add", "a.txt"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "first file"], check=True)
+    (root / "a.txt").write_text("two\n")
+    (root / "b.txt").write_text("new\n")
+
+    def script(request: dict[str, Any]) -> dict[str, Any]:
+        tools = [t["function"]["name"] for t in request["tools"]]
+        assert {"git__git_status", "git__git_log", "summarize_status"} <= set(tools)
+        done = [m for m in request["messages"] if m["role"] == "tool"]
+        if not done:
+            return {"tool_calls": [tool_call("git__git_log", {"repo_path": ".", "max_count": 1})]}
+        if len(done) == 1:
+            status = " M a.txt\n?? b.txt\n"
+            return {"tool_calls": [tool_call("summarize_status", {"status": status})]}
+        return {"tool_calls": [tool_call("finish", {"final_thought": "Ada made the last commit"})]}
+
+    server.respond(script, times=10)
+    async with roles(bus, workspace, server, hosted=hosted):
+        opened = await open_run(bus, "repo-1", "Who made the last commit?", agent=helper)
+        seen = await ended(bus, "repo-1", opened.task, timeout=90)
+    assert seen[-1].kind == "finish", seen[-1]
+    (listing,) = [e for e in seen if isinstance(e, events.McpTools)]
+    assert "git_log" in [t.name for t in listing.tools]
+    calls = [e for e in seen if isinstance(e, events.ToolCall)]
+    assert [(c.tool, c.runs_in) for c in calls] == [("git.git_log", "runtime"), ("summarize_status", "agent")]
+    results = [e for e in seen if isinstance(e, events.ToolResult)]
+    assert not results[0].is_error, results[0]
+    assert "Ada" in results[0].content and "first file" in results[0].content
+    assert json.loads(results[1].content) == {"modified": ["a.txt"], "added": [], "deleted": [], "untracked": ["b.txt"]}

@@ -53,6 +53,7 @@ class Quotas(Protocol):
 
     async def get(self, tenant: str) -> _Quota: ...
 
+
 # (``riverbed.runtime.mcp``, which turns the SDK's results into events, is imported where a remote
 # server is asked: ``import riverbed`` exports MCPServer and stays light)
 
