@@ -107,5 +107,6 @@ async def test_the_repo_helper_asks_the_git_server_in_the_sandbox_and_its_python
     assert [(c.tool, c.runs_in) for c in calls] == [("git.git_log", "runtime"), ("summarize_status", "agent")]
     results = [e for e in seen if isinstance(e, events.ToolResult)]
     assert not results[0].is_error, results[0]
-    assert "Ada" in results[0].content and "first file" in results[0].content
+    assert "Ada" in results[0].content
+    assert "first file" in results[0].content
     assert json.loads(results[1].content) == {"modified": ["a.txt"], "added": [], "deleted": [], "untracked": ["b.txt"]}
