@@ -70,11 +70,9 @@ async def test_the_research_team_writes_a_report_from_its_researchers_answers(
     assert report.count("found: the answer is 42") == 2
 
 
-async def test_the_repo_helper_asks_the_git_server_in_the_sandbox_and_its_python_tool(
-    bus: Bus, workspace: Path, server: OpenAIServer
-) -> None:
-    hosted = load(["examples.repo_helper.agents"], entry_point_group=None)
-    helper = hosted.agents["repo-helper"]
+@pytest.fixture
+def repository(workspace: Path) -> Path:
+    """The session repo-1's workspace: a git repository with one commit by Ada, a change and a new file."""
     root = workspace / workspace_name("repo-1")
     root.mkdir(parents=True)
     git = ["git", "-C", str(root), "-c", "user.name=Ada", "-c", "user.email=ada@example.com"]
@@ -84,6 +82,14 @@ async def test_the_repo_helper_asks_the_git_server_in_the_sandbox_and_its_python
     subprocess.run([*git, "commit", "-q", "-m", "first file"], check=True)
     (root / "a.txt").write_text("two\n")
     (root / "b.txt").write_text("new\n")
+    return root
+
+
+async def test_the_repo_helper_asks_the_git_server_in_the_sandbox_and_its_python_tool(
+    bus: Bus, workspace: Path, server: OpenAIServer, repository: Path
+) -> None:
+    hosted = load(["examples.repo_helper.agents"], entry_point_group=None)
+    helper = hosted.agents["repo-helper"]
 
     def script(request: dict[str, Any]) -> dict[str, Any]:
         tools = [t["function"]["name"] for t in request["tools"]]
