@@ -18,11 +18,13 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import pytest
 
 from riverbed import events
-from riverbed.agent.hosted import RunLimits, follow_run, open_run
+from riverbed.agent.hosted import RunLimits, decide, follow_run, list_runs, open_run
 from riverbed.client.session import Bus
+from riverbed.runtime.paths import workspace_name
 from tests.kit.agent_faults import (  # noqa: F401  (fixtures)
     model_env,
     ready,
@@ -33,6 +35,7 @@ from tests.kit.agent_faults import (  # noqa: F401  (fixtures)
 )
 from tests.kit.cli import ok, run
 from tests.kit.openai_server import OpenAIServer
+from tests.kit.patience import within
 from tests.kit.user_agents import scribe
 from tests.kit.workers import WorkerProcess
 
@@ -122,3 +125,28 @@ async def test_workers_publish_the_agents_they_host_and_runs_open_on_them_by_nam
     started = next(e for e in seen if isinstance(e, events.RunStarted))
     assert (started.agent_name, started.digest) == ("scribe", scribe.digest)
     assert seen[-1].kind == "finish"
+
+
+async def test_a_call_waiting_for_approval_survives_its_workers_death(
+    bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer, workspace: Path
+) -> None:
+    server.reply(tool_calls=[("cmd_run", {"command": "rm -rf cache && echo cleaned > done.txt"})])
+    server.reply(tool_calls=[("finish", {"final_thought": "cleaned"})])
+    runtime, doomed = start("r1", ["runtime"]), start("a1", ["agent"])
+    await ready(runtime, doomed)
+    opened = await open_run(bus, "wait", "clean", limits=RunLimits(max_steps=3), confirm="risky")
+    with anyio.fail_after(within(30)):
+        while not any(r.awaiting for r in await list_runs(bus) if r.session == "wait"):
+            await anyio.sleep(0.05)
+    doomed.kill()
+    runtime.kill()
+    assert not (workspace / workspace_name("wait") / "done.txt").exists()
+    peer, runtime2 = start("a2", ["agent"]), start("r2", ["runtime"])
+    await ready(peer, runtime2)
+    _, decided = await decide(bus, "wait", by="ops")
+    seen = [e async for e in follow_run(bus, "wait", opened.task)]
+    assert seen[-1].kind == "finish", seen[-1]
+    (output,) = [e for e in seen if isinstance(e, events.CmdOutput)]
+    assert output.cause == decided[0]
+    assert (workspace / workspace_name("wait") / "done.txt").read_text() == "cleaned\n"
+    assert len(server.requests) == 2  # no model call was repeated
