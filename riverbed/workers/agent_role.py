@@ -100,7 +100,7 @@ from riverbed.agent.runs import (
     next_move,
     summarize,
 )
-from riverbed.agent.tools import ROLE_TOOL_ACTIONS, tools
+from riverbed.agent.tools import ROLE_TOOL_ACTIONS, TOOL_ACTIONS, tools
 from riverbed.agent.usage import Price, StepUsage, parse_prices, step
 from riverbed.bus.backoff import Backoff
 from riverbed.bus.faults import crashpoint
@@ -253,7 +253,7 @@ class AgentHandler:
         self.prompt_cache = prompt_cache
         self.max_depth = max_depth
         self.max_fanout = max_fanout
-        self.tools = tools(ROLE_TOOL_ACTIONS)
+        self.tools = tools(ROLE_TOOL_ACTIONS if max_depth > 0 else TOOL_ACTIONS)  # depth 0: no delegate to offer
         self.temperature = temperature
         self.max_output_tokens = max_output_tokens
         self.condenser_defaults = condenser_defaults
