@@ -14,7 +14,7 @@ from riverbed import events
 from riverbed.agent.hosted import open_run
 from riverbed.client.session import Bus
 from tests.kit.agents import record
-from tests.kit.console import console, needs_chromium
+from tests.kit.console import console, needs_chromium, record_session
 from tests.kit.serve import new_key, running
 
 pytestmark = [pytest.mark.anyio, needs_chromium]
@@ -96,10 +96,13 @@ async def test_runs_show_their_tree_and_tokens_and_cost_one_way_on_every_page(bu
         events.DelegateResult(session=child.id, content="42 words", tokens=786, cost=None, cause=delegate),
     )
     await open_run(bus, "fresh", "Not started yet", tenant="acme")  # no model call yet
+    await open_run(bus, "limit", "Refactor everything", tenant="acme")
+    ended = events.Error(source="agent", reason="step_limit", content="stopped after 30 model calls", retryable=True)
+    (end,) = await record(bus.session("limit", tenant="acme"), ended)
     key = await new_key(bus, "acme")
     async with running(bus) as base, console(base, key, "/runs", width=WIDTH) as page:
         row = lambda s: page.locator(f'#run-rows tr[data-session="{s}"]')  # noqa: E731
-        await expect(page.locator("#run-rows > tr[data-session]")).to_have_count(3)
+        await expect(page.locator("#run-rows > tr[data-session]")).to_have_count(4)
         headers = await page.locator("#run-table thead th").all_inner_texts()
         assert "tokens, with sub-agents" in headers
         assert "cost, with sub-agents" in headers
@@ -130,3 +133,36 @@ async def test_runs_show_their_tree_and_tokens_and_cost_one_way_on_every_page(bu
         await page.goto(f"{base}/#/s/fresh")
         await expect(page.locator("#run-numbers")).to_have_text("run #2: 0 steps of 30, 0 tokens, $0.0000")
         await expect(page.locator("#usage-rows")).to_contain_text("no model calls")
+        # A run's end reads as one, not as an error to retry.
+        await page.goto(f"{base}/#/s/limit")
+        card = page.locator(f'#timeline > li[data-id="{end}"]')
+        await expect(card).to_contain_text("step_limit, the run ended: stopped after 30 model calls")
+
+
+async def test_restoring_what_a_condenser_hid_says_it_will_hide_them_again(bus: Bus) -> None:
+    from playwright.async_api import expect  # noqa: PLC0415
+
+    await record_session(bus, "fix-calc")  # the condenser's #12 hides #3-#6
+    key = await new_key(bus, "acme")
+    async with running(bus) as base, console(base, key, "/s/fix-calc", width=WIDTH) as page:
+        await expect(page.locator("#at")).to_have_text("14")
+        await page.select_option("#ctx-op", "restore")
+        await page.fill("#ctx-from", "3")
+        await page.fill("#ctx-to", "6")
+        await page.click("#ctx-preview")
+        await expect(page.locator("#ctx-result")).to_contain_text("would show again 4 events")
+        await page.click("#ctx-apply")
+        result = page.locator("#ctx-result")
+        await expect(result).to_contain_text("applied edit #15 (restore): showed again 4 events")
+        await expect(result).to_contain_text("A condenser had hidden #3\u2013#6: it hides them again")
+        await expect(result).to_contain_text("pin them to keep them in view")
+        # The user's own forget, restored, warns of nothing.
+        await page.select_option("#ctx-op", "forget")
+        await page.click("#ctx-preview")
+        await page.click("#ctx-apply")
+        await expect(result).to_contain_text("applied edit #16 (forget)")
+        await page.select_option("#ctx-op", "restore")
+        await page.click("#ctx-preview")
+        await page.click("#ctx-apply")
+        await expect(result).to_contain_text("applied edit #17 (restore)")
+        await expect(result).not_to_contain_text("condenser")

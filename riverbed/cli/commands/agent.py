@@ -295,7 +295,7 @@ def runs_command(
     columns = ("session", "tenant", "state", "steps", "tokens", "cost", "worker", "age", "parent")
     table = Table(*columns, box=None, header_style="bold")
     for row in rows:
-        cost = "" if row.cost is None else f"{row.cost:.4f}"
+        cost = "—" if row.cost is None else f"{row.cost:.4f}"  # (as the console shows it: no price)
         state_text = row.state if row.state in ("running", "finished") else f"{row.state} ({row.reason})"
         table.add_row(
             row.session, row.tenant or "", state_text, str(row.steps), str(row.tokens), cost, row.worker or "",

@@ -9,6 +9,7 @@ const LONG_LINES = 14;
 const MAX_TEXT = 200_000; // the most characters of one field put on the page
 const STATUSES = ["running", "finished", "step limit", "budget exhausted", "cancelled", "error", "open"];
 const RUN_STATES = ["running", "finished", "failed", "cancelled"];
+const RUN_ENDS = new Set(["step_limit", "budget_exhausted", "cancelled", "llm_error"]); // an agent error with one ends its run
 
 // --- the API ---------------------------------------------------------------------------------
 
@@ -365,7 +366,7 @@ function summary(e) {
     case "recall_result": return (e.hits ?? []).map((h) => `#${h.event_id} ${h.kind}  ${h.text}`).join("\n") || `${e.recall_type}: no hits`;
     case "think": return e.thought;
     case "finish": return e.final_thought;
-    case "error": return `${e.reason}${e.retryable ? " (retryable)" : ""}: ${e.content}`;
+    case "error": return e.source === "agent" && RUN_ENDS.has(e.reason) ? `${e.reason}, the run ended: ${e.content}` : `${e.reason}${e.retryable ? " (retryable)" : ""}: ${e.content}`;
     case "condensation": return e.summary ?? `hid ${ranges(e.forgotten) || "nothing"}`;
     case "condensation_request": return "asked the condenser to condense now";
     case "summary": return e.content;
@@ -667,8 +668,19 @@ class SessionView {
     this.clearPreview();
     this.pinned = false; // travel with the log to the edit, to show what it did
     try {
+      // What hid each event before a restore: a condenser hides its own again at its next condensation.
+      const before = body.op === "restore" ? await (await api(`${sessionPath(this.session)}/context`, { signal: this.signal })).json() : null;
       const change = await (await api(`${sessionPath(this.session)}/context`, { method: "POST", body, signal: this.signal })).json();
-      if (this.current) $("ctx-result").textContent = `applied edit #${change.edit} (${body.op}): ${this.describe(change, "did")}`;
+      if (!this.current) return;
+      let said = `applied edit #${change.edit} (${body.op}): ${this.describe(change, "did")}`;
+      if (before) {
+        const hidBy = new Map(before.hidden.map((h) => [h.id, h.by]));
+        const pinned = new Set(before.pinned);
+        const again = change.shown.filter((id) => !pinned.has(id) && this.events.get(hidBy.get(id))?.kind === "condensation" && this.events.get(hidBy.get(id))?.source === "condenser");
+        const spans = ranges(again.reduce((runs, id) => { const last = runs[runs.length - 1]; if (last && id === last[1] + 1) last[1] = id; else runs.push([id, id]); return runs; }, []));
+        if (again.length) said += `. A condenser had hidden ${spans}: it hides them again at its next condensation (within seconds when the view is over its limits); pin them to keep them in view.`;
+      }
+      $("ctx-result").textContent = said;
     } catch (error) {
       if (this.current) $("ctx-result").textContent = error.message;
     }
