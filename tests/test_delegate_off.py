@@ -28,24 +28,26 @@ def offered(request: dict[str, object]) -> list[str]:
     return [tool["function"]["name"] for tool in tools]
 
 
-async def test_depth_0_offers_no_delegate_and_the_default_does(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
+async def run_once(bus: Bus, workspace: Path, server: OpenAIServer, session: str, env: dict[str, str]) -> list[str]:
+    """One run on an agent role configured by ``env``: the tools the model was offered."""
     model = {"openai_base_url": server.base_url, "openai_api_key": "test-key", "llm_model": "test-model"}
-    default = build_agent_handler(Settings.from_env({}, **model))
-    assert "delegate" in [tool["function"]["name"] for tool in default.tools]
-    await default.aclose()
-
-    off = build_agent_handler(Settings.from_env({"RIVERBED_AGENT_MAX_DEPTH": "0"}, **model))
+    agent = build_agent_handler(Settings.from_env(env, **model))
     server.reply(tool_calls=[("finish", {"final_thought": "did it myself"})])
     runtime = Runtime(workspace_root=workspace)
     try:
-        async with owners(bus, [RuntimeHandler(runtime), off]):
-            opened = await open_run(bus, "alone", "count the words of a.txt")
-            seen = await ended(bus, "alone", opened.task)
+        async with owners(bus, [RuntimeHandler(runtime), agent]):
+            opened = await open_run(bus, session, "count the words of a.txt")
+            seen = await ended(bus, session, opened.task)
     finally:
         await runtime.aclose()
-        await off.aclose()
+        await agent.aclose()
     assert isinstance(seen[-1], events.Finish)
-    (request,) = server.requests
-    names = offered(request)
+    return offered(server.requests[-1])
+
+
+async def test_depth_0_offers_no_delegate_and_the_default_does(bus: Bus, workspace: Path, server: OpenAIServer) -> None:
+    assert "delegate" in await run_once(bus, workspace, server, "default", {})
+    names = await run_once(bus, workspace, server, "alone", {"RIVERBED_AGENT_MAX_DEPTH": "0"})
     assert "delegate" not in names
     assert {"cmd_run", "python_run", "finish"} <= set(names)  # the rest of the tools are there
+    assert len(server.requests) == 2
