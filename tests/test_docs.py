@@ -127,16 +127,23 @@ def test_the_defaults_on_the_configuration_page_are_the_codes() -> None:
     assert checked >= 35  # the page states most defaults as values, which are checked here
 
 
-def test_the_defaults_the_agents_page_states_are_the_codes() -> None:
-    """docs/agents.md names each RIVERBED_AGENT_* variable and its default in a sentence."""
-    text = " ".join((ROOT / "docs" / "agents.md").read_text().split())
-    checked, wrong = 0, []
-    for found in re.finditer(r"`(RIVERBED_AGENT_[A-Z_]+)`", text):
-        # Up to the next variable named: "… `RIVERBED_AGENT_PACE_SLACK`, default 1.2)" or "(default 3)".
-        following = re.split(r"`RIVERBED_[A-Z_]+", text[found.end() :], maxsplit=1)[0]
-        value = re.match(rf"[^.;]*?\(?default ({_VALUE})", following)
-        if value is not None:
-            checked += 1
-            wrong.append(_agrees(found.group(1), value.group(1)))
+def test_the_defaults_the_other_pages_state_are_the_codes() -> None:
+    """A page names a variable and its default in a sentence: "`RIVERBED_AGENT_MAX_DEPTH` levels
+    below a top-level run (default 3)", "(`RIVERBED_AGENT_PACE_SLACK`, default 1.2)"."""
+    checked: dict[str, set[str]] = {}
+    wrong = []
+    for page in PAGES:
+        if page.name == "configuration.md":
+            continue  # its table is read above
+        text = " ".join(page.read_text().split())
+        for found in re.finditer(r"`((?:RIVERBED|OPENAI)_[A-Z_]+)`", text):
+            # Up to the next variable named, within the sentence.
+            following = re.split(r"`(?:RIVERBED|OPENAI)_[A-Z_]+", text[found.end() :], maxsplit=1)[0]
+            value = re.match(rf"[^.;]*?\(?default ({_VALUE})", following)
+            if value is not None:
+                checked.setdefault(page.name, set()).add(found.group(1))
+                wrong.append(_agrees(found.group(1), value.group(1)))
     assert [w for w in wrong if w] == []
-    assert checked >= 4  # MAX_DEPTH, MAX_FANOUT, MIN_RUNS, PACE_SLACK
+    agents = {f"RIVERBED_AGENT_{name}" for name in ("MAX_DEPTH", "MAX_FANOUT", "MIN_RUNS", "PACE_SLACK")}
+    assert checked.get("agents.md", set()) >= agents
+    assert sum(len(names) for names in checked.values()) >= 10
