@@ -44,7 +44,7 @@ def test_agent_stops_at_its_step_limit_with_exit_zero_and_takes_the_model_flag(
     result = run(agent_env, "agent", "a2", "loop", "--in-process", "--max-steps", "1", "--model", "other", timeout=120)
     assert result.returncode == 0, result.stderr.decode()
     assert "step_limit" in result.stdout.decode()
-    assert "agent ended by error (step_limit) after 1 model calls" in result.stderr.decode()
+    assert "agent ended by error (step_limit) after 1 model call:" in result.stderr.decode()
     assert [r["model"] for r in server.requests] == ["other"]
 
 

@@ -9,13 +9,17 @@ import re
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from click.testing import Result
+from rich.text import Text
 from typer.testing import CliRunner
 
 from riverbed import events
 from riverbed.cli import app
+from riverbed.client.session import Bus
 from riverbed.errors import InputError
+from tests.kit.agents import record
 
 
 def cli(env: dict[str, str], *args: str) -> Result:
@@ -121,6 +125,93 @@ def test_archive_says_what_it_did_in_sentences(cli_env: dict[str, str], database
     assert said == _said("young", 0, 0, 0, 10)
     assert said[0].isupper()
     assert said.endswith(".")
+
+
+def test_log_reads_run_events_as_sentences(cli_env: dict[str, str]) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "think", "arguments": '{"thought": "x"}'}}
+    append(
+        cli_env,
+        "run-log",
+        events.Message(content="count the words", source="user"),
+        events.RunStarted(model="small", max_steps=5, max_tokens=9000, max_cost=0.25, temperature=0.2),
+        events.LlmResponse(model="small", tool_calls=[call], source="agent"),
+        events.Error(source="agent", reason="step_limit", content="stopped after 5 model calls", retryable=True),
+        events.RunCancel(note="enough"),
+    )
+    lines = ok(cli_env, "log", "run-log").stdout.splitlines()
+    by_kind = {line.split()[4]: line for line in lines}
+    assert by_kind["run_started"].endswith(
+        "run opened: model small, at most 5 steps, 9000 tokens, $0.25, temperature 0.2"
+    )
+    assert by_kind["llm_response"].endswith("small: (1 tool call)")
+    # A run's end: no "(retryable)", which reads as if the same run were tried again.
+    assert by_kind["error"].endswith("step_limit, the run ended: stopped after 5 model calls")
+    assert by_kind["run_cancel"].endswith("asked the agent to cancel the run: enough")
+    assert not any("{" in line for line in lines), lines
+
+
+def test_readable_output_without_a_terminal_folds_no_line(cli_env: dict[str, str]) -> None:
+    """A pipe, a file or CI: no terminal, and no COLUMNS. Rich would fold at 80 columns."""
+    long = "a-session-whose-name-runs-well-past-eighty-columns-" + "x" * 60
+    append(cli_env, long, events.Message(content="hello", source="user"))
+    runner = CliRunner()
+    result = runner.invoke(app, ["sessions"], env={**cli_env, "COLUMNS": None}, catch_exceptions=True)
+    assert result.exit_code == 0, (result.output, result.exception)
+    (row,) = [line for line in result.stdout.splitlines() if "a-session" in line]
+    assert long in row  # the whole id, on one line
+    assert ", " not in row
+
+    from riverbed.cli.output import out_console  # noqa: PLC0415
+
+    command = "riverbed services down --dir /tmp/riverbed-0/" + "deep/" * 30 + "services-0123456789"
+    with runner.isolation(env={"COLUMNS": None}) as (out, _err, *_):
+        out_console().print(f"Stop them: {command}")
+        out_console().print(Text(f"look: {command}"))
+        printed = out.getvalue().decode().splitlines()
+    assert printed == [f"Stop them: {command}", f"look: {command}"]
+
+
+def test_a_fork_difference_shows_where_the_values_differ() -> None:
+    from riverbed.cli.commands.transfer import _rebuilt_summary  # noqa: PLC0415
+    from riverbed.cli.output import differing  # noqa: PLC0415
+
+    prefix = "Build 2026-11-29 on host ci-runner-7, Python 3.11.9, started at 12:00:01, output: "
+    was, now = differing(prefix + "3 passed", prefix + "2 passed, 1 failed")
+    assert was.endswith("3 passed")
+    assert now.endswith("2 passed, 1 failed")
+    assert was.startswith("…")
+    assert now.startswith("…")
+    assert was != now
+    assert differing("short", "shorter") == ("short", "shorter")  # nothing to cut
+    assert differing("x" * 200, "y" * 200)[0] == "x" * 79 + "…"  # differ at once: the start, cut
+    drift = events.Divergence(action_id=3, kind="cmd_output", field="content", recorded=prefix + "A", new=prefix + "B")
+    built = events.SandboxRebuilt(method="replay", at=5, actions=1, differences=[drift])
+    text = _rebuilt_summary(built).plain
+    assert text.startswith("sandbox rebuilt by replaying 1 action: 1 difference from the recording")
+    assert "A'" in text  # both values show their ends
+    assert "B'" in text
+
+
+@pytest.mark.anyio
+async def test_restoring_what_a_condenser_hid_warns_and_names_the_pin(bus: Bus, cli_env: dict[str, str]) -> None:
+    s = bus.session("restored")
+    await s.append(
+        events.Message(content="the task", source="user"),
+        *[events.Think(thought=f"step {n}", source="agent") for n in range(4)],
+    )
+    await record(s, events.Condensation(forgotten=[(2, 4)], summary="three steps"))
+    await s.append(events.ContextEdit(op="forget", ranges=[(5, 5)]))  # the user's own: no warning for it
+    result = await anyio.to_thread.run_sync(lambda: ok(cli_env, "context", "restored", "restore", "2-5"))
+    assert json.loads(result.stdout)["shown"] == [2, 3, 4, 5]
+    warning = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1, result.stderr
+    assert "a condenser had hidden 2-4" in warning[0]
+    assert warning[0].endswith("context restored pin 2-4")
+    # What the user hid (an edit, or a condensation of the user's), no condenser hides again: no warning.
+    await s.append(events.Condensation(source="user", forgotten=[(2, 5)]))
+    again = await anyio.to_thread.run_sync(lambda: ok(cli_env, "context", "restored", "restore", "2-5"))
+    assert json.loads(again.stdout)["shown"] == [2, 3, 4, 5]
+    assert "warning" not in again.stderr
 
 
 @pytest.fixture(autouse=True)

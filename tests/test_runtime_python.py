@@ -124,3 +124,20 @@ async def test_a_late_answer_of_another_cell_is_never_taken_for_this_one(rt: Run
     fresh = await cell(rt, "import time\ntime.sleep(0.3)\n'fresh answer'")
     assert fresh.result == "'fresh answer'"
     assert (await cell(rt, "x + 1")).result == "2"
+
+
+async def test_a_cell_that_does_not_parse_reads_as_pythons_prompt_shows_it(rt: Runtime) -> None:
+    # The model reads this: the cell's own line and caret, no frame of the driver or of `ast`.
+    syntax = await cell(rt, "x = 1\ndef broken(:\n    pass")
+    assert syntax.exception is not None
+    assert syntax.exception.splitlines()[0] == '  File "<cell-1>", line 2'
+    assert "def broken(:" in syntax.exception
+    assert syntax.exception.rstrip().endswith("SyntaxError: invalid syntax")
+    assert "ast.py" not in syntax.exception
+    assert "_driver.py" not in syntax.exception
+    assert "Traceback" not in syntax.exception  # no frame to show
+    # The cell's own use of `ast` keeps its frames: only the driver's parse is left out.
+    nested = await cell(rt, "import ast\nast.parse('(')")
+    assert nested.exception is not None
+    assert '<cell-2>", line 2' in nested.exception
+    assert "ast.py" in nested.exception

@@ -22,7 +22,8 @@ same.  What they bound is shared state, kept so that racing processes cannot ove
   role reports them after each model call to the day's hash (``scripts.COUNT_TOKENS``), which
   keeps per run the count already added, so a repeated report adds nothing.  Days are UTC.  A
   tenant at its daily tokens is refused new runs, and its open runs end with
-  ``budget_exhausted`` before their next model call (a run overspends by at most one call).
+  ``budget_exhausted`` before their next model call (each run may make one call past the
+  quota, so the day goes over by at most one call per run the tenant has open).
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ key                                    what
 ``{p}:{s}:answers``                    hash: action id -> id of its one answering observation
 ``{p}:{s}:claims``                     hash: action id -> ``worker:token:nonce`` of the runtime owner
                                        that started it (removed when the action is answered)
-``{p}:{s}:run``                        hash: the agent role's summary of the session's latest run
-                                       (``riverbed runs``; derived from the log, rewritten each step)
+``{p}:{s}:run``                        string: the agent role's summary of the session's latest run,
+                                       one JSON object (``agent.runs.RunSummary``: ``riverbed runs``;
+                                       derived from the log, rewritten each step)
 ``{p}:{s}:idem:<key>``                 string ``first:count`` for a retried append (with TTL)
 ``{p}:{s}:wake``                       shard Pub/Sub channel (not a key): the append script publishes
                                        the log's last id on it (``bus/wakeups.py``)
@@ -138,7 +139,7 @@ class Keys:
         return f"{self.prefix}:{{{session}}}:wake"
 
     def run(self, session: str) -> str:
-        """The agent role's summary of the session's latest run (a hash)."""
+        """The agent role's summary of the session's latest run (a string: one JSON ``RunSummary``)."""
         return f"{self.prefix}:{{{session}}}:run"
 
     def folds(self, session: str) -> str:

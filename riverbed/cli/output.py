@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
 import sys
 from collections.abc import Iterable
@@ -15,8 +16,27 @@ from rich.console import Console
 from rich.text import Text
 
 from riverbed import events
+from riverbed.agent.runs import END_REASONS
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+_UNFOLDED = 1_000_000
+"""The width of a console with no terminal: no line of it is ever folded."""
+
+
+def out_console(*, stderr: bool = False) -> Console:
+    """A console for readable output.  Lines are never folded (``soft_wrap``): a command or a
+    path printed for the user to copy stays on one line.  Without a terminal (a pipe, a file,
+    CI), where rich would lay out tables at 80 columns, it takes the width its lines need."""
+    console = Console(stderr=stderr, highlight=False, soft_wrap=True)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = _UNFOLDED
+    return console
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``1 tool call``, ``2 tool calls`` (``many``: a plural that is not ``word`` + s)."""
+    return f"{n} {word if n == 1 else many or word + 's'}"
 
 
 _JSON = msgspec.json.Encoder(enc_hook=str)  # a value JSON has no form for is shown as its string
@@ -86,6 +106,25 @@ def _one_line(text: str, width: int = _TEXT_WIDTH) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
+def differing(recorded: str, new: str, width: int = 80) -> tuple[str, str]:
+    """Two values of one line each, cut to ``width`` around where they first differ: a long
+    common beginning (a path, a date, a banner) becomes ``…``, so the difference is shown."""
+    a, b = _one_line(recorded, 1 << 30), _one_line(new, 1 << 30)
+    same = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        same += 1
+    lead = min(same, 20)  # of the common beginning, what is kept as context
+    start = 0 if same <= lead else same - lead
+
+    def cut(text: str) -> str:
+        shown = ("…" if start else "") + text[start:]
+        return shown if len(shown) <= width else shown[: width - 1] + "…"
+
+    return cut(a), cut(b)
+
+
 def _specific(event: events.Event) -> dict[str, Any]:
     """The fields that belong to the event's kind (not the envelope every event has)."""
     raw = events.to_builtins(event)
@@ -114,7 +153,9 @@ def _summary(event: events.Event) -> str:
             return f"{recall_type} k={k}: {query}"
         case events.RecallResult(recall_type=recall_type, hits=hits, knowledge=knowledge, indexed_to=indexed_to):
             behind = f" (index up to event {indexed_to})" if isinstance(indexed_to, int) else ""
-            return f"{recall_type}: {len(hits)} hits, {len(knowledge)} knowledge{behind}"
+            return f"{recall_type}: {plural(len(hits), 'hit')}, {len(knowledge)} knowledge{behind}"
+        case events.Error(source="agent", reason=reason, content=content) if reason in END_REASONS:
+            return f"{reason}, the run ended: {content}"  # (its retryable flag is for a new run)
         case events.Error(reason=reason, content=content, retryable=retryable):
             return f"{reason}{' (retryable)' if retryable else ''}: {content}"
         case events.Condensation(forgotten=forgotten, summary=summary):
@@ -124,7 +165,9 @@ def _summary(event: events.Event) -> str:
             return f"forked from {source_session} at {at} (sandbox: {workspace})"
         case events.SandboxRebuilt(method=method, actions=actions, differences=differences, note=note):
             done = (
-                f"{method}: {actions} actions re-run, {len(differences)} differences" if method == "replay" else method
+                f"{method}: {plural(actions, 'action')} re-run, {plural(len(differences), 'difference')}"
+                if method == "replay"
+                else method
             )
             return done + (f"; {note}" if note else "")
         case events.ContextEdit(op=op, ranges=ranges, kinds=kinds, note=note):
@@ -158,7 +201,11 @@ def _summary(event: events.Event) -> str:
         case events.DelegateResult(session=session, state=state, content=content):
             return f"{session} {state}: {content}"
         case events.LlmResponse(model=model, content=content, tool_calls=tool_calls):
-            return f"{model}: {content or ''} ({len(tool_calls)} tool calls)"
+            return f"{model}: {content or ''} ({plural(len(tool_calls), 'tool call')})"
+        case events.RunStarted():
+            return f"run opened: {_run_limits(event)}"
+        case events.RunCancel(note=note):
+            return "asked the agent to cancel the run" + (f": {note}" if note else "")
         case events.Unknown(original_kind=original_kind, payload=payload):
             return f"{original_kind}: {json.dumps(payload, default=str)}"
     fields = _specific(event)
@@ -167,6 +214,26 @@ def _summary(event: events.Event) -> str:
         if isinstance(value, str) and value:
             return value
     return json.dumps(fields, default=str) if fields else ""
+
+
+def _run_limits(event: events.RunStarted) -> str:
+    """A run's limits and model settings as the CLI's ``--max-steps`` … would say them."""
+    parts = [
+        f"model {event.model}" if event.model else "the worker's model",
+        f"at most {plural(event.max_steps, 'step')}",
+    ]
+    if event.max_tokens is not None:
+        parts.append(f"{event.max_tokens} tokens")
+    if event.max_cost is not None:
+        parts.append(f"${event.max_cost:g}")
+    for name, value in (
+        ("max output tokens", event.max_output_tokens),
+        ("temperature", event.temperature),
+        ("model call timeout", event.llm_timeout),
+    ):
+        if value is not None:
+            parts.append(f"{name} {value:g}")
+    return ", ".join(parts)
 
 
 def _python_summary(event: events.PythonOutput) -> str:

@@ -66,9 +66,15 @@ def _write_frame(fd: int, obj: dict[str, Any]) -> None:
             continue
 
 
+_OWN_FRAMES = frozenset((__file__, ast.__file__))
+"""Where the driver's frames come from: itself, and ``ast`` as it parses a cell."""
+
+
 def _format(exc: BaseException) -> str:
+    """The cell's traceback from its own first frame: the driver's frames (and ``ast``'s, for a
+    cell that does not parse) are left out, so a ``SyntaxError`` reads as Python's prompt shows it."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    while tb is not None and tb.tb_frame.f_code.co_filename in _OWN_FRAMES:
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb))
 

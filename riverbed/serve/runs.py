@@ -68,6 +68,8 @@ def run_document(row: RunRow) -> dict[str, Any]:
         "worker": row.worker,
         "started_at": row.started_at,
         "age": round(row.age, 3),
+        "parent": row.parent,
+        "children": row.children,
     }
 
 

@@ -300,8 +300,8 @@ class AgentHandler:
         triggers) before the model reads it, waiting up to ``recall_timeout`` seconds for it"""
         self.recall_timeout = recall_timeout
         self.only_session = only_session
-        self.max_event_bytes = max_event_bytes
         """serve this session alone (a run served in the caller's process), leaving others to workers"""
+        self.max_event_bytes = max_event_bytes
         self.images = images
         """the images a session's prompt may show (a vision model), by session"""
         self.temperature = temperature

@@ -22,14 +22,14 @@ needs_chromium = pytest.mark.skipif(
 
 
 @contextlib.asynccontextmanager
-async def console(base: str, key: str, path: str = "/") -> AsyncIterator[Any]:
-    """A signed-in page of the console at ``#path``; fails the test on any page error."""
+async def console(base: str, key: str, path: str = "/", *, width: int = 1440) -> AsyncIterator[Any]:
+    """A signed-in page of the console at ``#path`` (``width`` px wide); fails the test on any page error."""
     from playwright.async_api import async_playwright  # noqa: PLC0415  (only where chromium exists)
 
     async with async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
         try:
-            page = await browser.new_page(viewport={"width": 1440, "height": 900})
+            page = await browser.new_page(viewport={"width": width, "height": 900})
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             await page.goto(f"{base}/#{path}")

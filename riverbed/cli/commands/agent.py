@@ -9,7 +9,6 @@ import msgspec
 import typer
 import typer.core
 import typer.main
-from rich.console import Console
 from rich.table import Table
 
 from riverbed import events
@@ -25,7 +24,7 @@ from riverbed.cli.app import (
     _progress,
     app,
 )
-from riverbed.cli.output import _fail, _stdout_lines, err_console, json_bytes, render
+from riverbed.cli.output import _fail, _stdout_lines, err_console, json_bytes, out_console, plural, render
 from riverbed.errors import InputError
 
 # --- agent: the reference LLM agent from the command line (issue 17) ----------------------------
@@ -232,7 +231,7 @@ def _hosted(
     settings = cli.settings
     if not detach:
         make_client(settings)  # the model server is checked before anything is appended
-    console = Console(highlight=False, soft_wrap=True)
+    console = out_console()
 
     async def go() -> list[events.Event]:
         if not detach:
@@ -274,7 +273,7 @@ def _summary(ended: events.Event | None, spent: Any) -> None:
     if isinstance(ended, events.Error):
         what = f"{what} ({ended.reason})"
     err_console.print(
-        f"agent ended by {what} after {len(spent.steps)} model calls: {spent.prompt_tokens} prompt tokens "
+        f"agent ended by {what} after {plural(len(spent.steps), 'model call')}: {spent.prompt_tokens} prompt tokens "
         f"({spent.cached_tokens} cached), {spent.completion_tokens} completion tokens{cost}",
         markup=False,
     )
@@ -299,7 +298,7 @@ def _in_process(
     url = cli.redis_url()
     if not settings.database_url:
         _progress("RIVERBED_DATABASE_URL is not set: using the embedded Postgres")
-    console = Console(highlight=False, soft_wrap=True)
+    console = out_console()
 
     async def go() -> Any:
         async with make_client(settings) as client:
@@ -361,13 +360,13 @@ def runs_command(
     columns = ("session", "tenant", "state", "steps", "tokens", "cost", "worker", "age", "parent")
     table = Table(*columns, box=None, header_style="bold")
     for row in rows:
-        cost = "" if row.cost is None else f"{row.cost:.4f}"
+        cost = "—" if row.cost is None else f"{row.cost:.4f}"  # (as the console shows it: no price)
         state_text = row.state if row.state in ("running", "finished") else f"{row.state} ({row.reason})"
         table.add_row(
             row.session, row.tenant or "", state_text, str(row.steps), str(row.tokens), cost, row.worker or "",
             _age(row.age), row.parent or "",
         )  # fmt: skip
-    Console(highlight=False).print(table)
+    out_console().print(table)
 
 
 def _age(seconds: float) -> str:

@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from rich.console import Console
 from rich.table import Table
 
 from riverbed.cli.app import Invocation, JsonOption, PrefixOption, _progress, app
-from riverbed.cli.output import _stdout_lines, json_bytes
+from riverbed.cli.output import _stdout_lines, json_bytes, out_console
 
 
 @app.command("agents")
@@ -37,4 +36,4 @@ def agents_command(as_json: JsonOption = False, prefix: PrefixOption = None) -> 
         servers = ", ".join(str(s.get("name")) for s in row.mcp)
         hosted = f"live ({row.worker})" if row.live else "no live worker"
         table.add_row(row.name, row.digest, ", ".join(row.tools), servers, row.where, hosted)
-    Console(highlight=False, soft_wrap=True).print(table)
+    out_console().print(table)

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Annotated, Any
 
 import msgspec
 import typer
 import typer.core
 import typer.main
-from rich.console import Console
 from rich.text import Text
 
-from riverbed.cli.app import Invocation, PrefixOption, SessionArg, _require_events, app
-from riverbed.cli.output import _id_list, _one_line, _stdout_lines, err_console, json_bytes, render, visible
+from riverbed import events
+from riverbed.cli.app import Invocation, PrefixOption, SessionArg, _require_events, app, command_name
+from riverbed.cli.output import (
+    _id_list,
+    _one_line,
+    _stdout_lines,
+    err_console,
+    json_bytes,
+    out_console,
+    render,
+    visible,
+)
 from riverbed.errors import (
     InputError,
 )
@@ -86,7 +96,7 @@ def _context_show(cli: Invocation, session: str, until: int | None, json_out: bo
     if json_out:
         _stdout_lines([json_bytes(document(session, report))])
         return
-    console = Console(highlight=False, soft_wrap=True)
+    console = out_console()
     console.print(
         f"context of {session} after event {report.view.last_id}: {len(report.view.ids())} events visible, "
         f"{len(report.hidden)} hidden, {len(report.pinned)} pinned",
@@ -119,19 +129,29 @@ def _context_edit(
 
     spans = [parse_range(r) for r in targets or ()]
 
-    async def go() -> Any:
+    async def go() -> tuple[Any, set[int]]:
         bus = await cli.bus()
         await _require_events(bus, session)
         handle = await bus.operate(session)  # an operator's edit, as the session's own tenant
+        before = await handle.context.show() if op == "restore" else None
         make = handle.context.preview if dry_run else handle.context.edit
-        return await make(
+        changed = await make(
             op,  # type: ignore[arg-type]  # checked against _CONTEXT_OPS
             ranges=spans,
             kinds=kinds or (),
             note=note,
         )
+        if before is None:
+            return changed, set()
+        # Events a condenser had hidden: it hides them again once the view is over its limits.
+        condensed = {
+            h.event.id
+            for h in before.hidden
+            if isinstance(h.by, events.Condensation) and h.by.source == "condenser" and h.event.id is not None
+        }
+        return changed, (condensed - before.pinned) & set(changed.shown)
 
-    changed = cli.run(go)
+    changed, recondensable = cli.run(go)
     _stdout_lines([json_bytes({"dry_run": dry_run, **msgspec.to_builtins(changed)} if dry_run else changed)])
     verbs = (
         (("would hide", "hid"), changed.hidden),
@@ -149,6 +169,23 @@ def _context_edit(
         err_console.print(f"dry run of a {op} edit (nothing appended): it {said}", markup=False)
         return
     err_console.print(f"context edit {changed.edit} ({op}): " + ("; ".join(parts) or "nothing changed"), markup=False)
+    if recondensable:
+        _warn_recondensed(session, tuple(sorted(recondensable)))
+
+
+def _warn_recondensed(session: str, ids: tuple[int, ...]) -> None:
+    """A restore of what a condenser hid lasts until the condenser's next look at the view: say
+    so, with the pin that keeps them (a condensation never forgets a pinned event)."""
+    from riverbed.memory.view import id_runs  # noqa: PLC0415
+
+    spans = " ".join(f"{a}-{b}" if a != b else str(a) for a, b in id_runs(ids))
+    err_console.print(
+        f"warning: a condenser had hidden {spans}, and hides them again at its next condensation "
+        f"(within seconds when the view is over its limits); to keep them in view, pin them: "
+        f"{command_name()} context {shlex.quote(session)} pin {spans}",
+        style="yellow",
+        markup=False,
+    )
 
 
 # --- context suggest: condensation by conversation (issue 17) -----------------------------------
@@ -171,7 +208,7 @@ def _context_suggest(cli: Invocation, session: str, request: str, *, apply: bool
         return proposal, (await context.apply(proposal) if apply else None)
 
     proposal, applied = cli.run(go)
-    console = Console(highlight=False, soft_wrap=True)
+    console = out_console()
     hidden = set(proposal.change.hidden)
     for event in proposal.before.view:
         line = Text("- " if event.id in hidden else "  ", style="red" if event.id in hidden else "dim")

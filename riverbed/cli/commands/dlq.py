@@ -7,11 +7,10 @@ from typing import Annotated, Any
 import typer
 import typer.core
 import typer.main
-from rich.console import Console
 from rich.table import Table
 
 from riverbed.cli.app import Invocation, JsonOption, PrefixOption, app
-from riverbed.cli.output import _cell, _stdout_lines, err_console, json_bytes
+from riverbed.cli.output import _cell, _stdout_lines, err_console, json_bytes, out_console
 
 dlq_app = typer.Typer(help="Dead letters: entries a role could not handle.", no_args_is_help=True)
 app.add_typer(dlq_app, name="dlq")
@@ -37,7 +36,7 @@ def dlq_list(json_out: JsonOption = False, prefix: PrefixOption = None) -> None:
         table.add_row(
             letter.id, letter.session, str(letter.event_id), letter.role, str(letter.attempts), _cell(letter.reason)
         )
-    Console(highlight=False).print(table)
+    out_console().print(table)
 
 
 @dlq_app.command("requeue")

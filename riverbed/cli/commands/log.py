@@ -7,11 +7,10 @@ from typing import Annotated
 import typer
 import typer.core
 import typer.main
-from rich.console import Console
 
 from riverbed import events
 from riverbed.cli.app import Invocation, JsonOption, PrefixOption, SessionArg, _check_range, _require_events, app
-from riverbed.cli.output import _stdout_lines, json_bytes, render
+from riverbed.cli.output import _stdout_lines, json_bytes, out_console, render
 from riverbed.errors import (
     InputError,
 )
@@ -30,7 +29,7 @@ def log_cmd(
     """The raw events of a session (readable, or JSON lines with --json)."""
     cli = Invocation(prefix)
     _check_range(start, until)
-    console = Console(highlight=False, soft_wrap=True)
+    console = out_console()
 
     async def go() -> None:
         bus = await cli.bus()
@@ -70,6 +69,6 @@ def view_command(
     if json_out:
         _stdout_lines(json_bytes(e) for e in context)
         return
-    console = Console(highlight=False, soft_wrap=True)
+    console = out_console()
     for event in context:
         console.print(render(event))

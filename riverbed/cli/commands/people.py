@@ -7,11 +7,10 @@ from typing import Annotated, Any
 
 import msgspec
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from riverbed.cli.app import Invocation, JsonOption, PrefixOption, SessionArg, _progress, app
-from riverbed.cli.output import _fail, _stdout_lines, json_bytes
+from riverbed.cli.output import _fail, _stdout_lines, json_bytes, out_console
 
 
 @app.command("approvals")
@@ -43,7 +42,7 @@ def approvals_command(
     table = Table("session", "action", "tool", "risk", "why", "arguments", box=None, header_style="bold")
     for row, call in rows:
         table.add_row(row.session, str(call.action), call.tool, call.level, call.reason, call.arguments)
-    Console(highlight=False, soft_wrap=True).print(table)
+    out_console().print(table)
 
 
 @app.command("approve")

@@ -8,12 +8,11 @@ import anyio
 import typer
 import typer.core
 import typer.main
-from rich.console import Console
 from rich.table import Table
 
 from riverbed.cli.app import Invocation, JsonOption, PrefixOption, _progress, app
 from riverbed.cli.commands.sessions import _iso_ms
-from riverbed.cli.output import _cell, _stdout_lines, err_console, json_bytes
+from riverbed.cli.output import _cell, _stdout_lines, err_console, json_bytes, out_console
 from riverbed.logs import configure_logging
 
 # --- serve, keys (the HTTP API: riverbed.serve) ----------------------------------------------
@@ -128,7 +127,7 @@ def keys_list(json_out: JsonOption = False, prefix: PrefixOption = None) -> None
             _iso_ms(str(int(r.revoked * 1000))) if r.revoked else "",
             _cell(r.note or ""),
         )
-    Console(highlight=False).print(table)
+    out_console().print(table)
 
 
 @keys_app.command("revoke")

@@ -11,10 +11,10 @@ from typing import Annotated, Any
 import typer
 import typer.core
 import typer.main
-from rich.console import Console
 
 from riverbed import services
 from riverbed.cli.app import DirOption, Invocation, PrefixOption, _leaf, _progress, app, command_name, services_app
+from riverbed.cli.output import out_console
 from riverbed.logs import configure_logging
 
 # --- services ------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def demo_command(prefix: PrefixOption = None) -> None:
         if not settings.database_url:
             _progress("RIVERBED_DATABASE_URL is not set: using the embedded Postgres")
         configure_logging(settings.log_format, level=settings.log_level or "warning")
-        console = Console(highlight=False)
+        console = out_console()
 
         async def go() -> Any:
             return await run_demo(settings, console, redis_url=url)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from riverbed.bus import status
 from riverbed.cli.app import Invocation, JsonOption, PrefixOption, _progress, app
-from riverbed.cli.output import _cell, _stdout_lines, json_bytes
+from riverbed.cli.output import _cell, _stdout_lines, json_bytes, out_console
 
 # --- sessions, schema ------------------------------------------------------------------------
 
@@ -50,7 +49,7 @@ def sessions_cmd(as_json: JsonOption = False, prefix: PrefixOption = None) -> No
     table = Table("session", "last id", "tenant", "created", box=None, header_style="bold")
     for row in rows:
         table.add_row(row["session"], str(row["last"]), _cell(row["tenant"] or ""), row["created"] or "")
-    Console(highlight=False).print(table)
+    out_console().print(table)
 
 
 # --- operations ----------------------------------------------------------------------------
@@ -69,7 +68,7 @@ def status_command(json_out: JsonOption = False, prefix: PrefixOption = None) ->
     if json_out:
         _stdout_lines([json_bytes(snapshot)])
         return
-    console = Console(highlight=False)
+    console = out_console()
     table = Table("role", "lag", "pending", "oldest pending (s)", "owned sessions", "waiting for an owner")
     for role in snapshot.roles:
         owned = sum(1 for s in role.sessions if s.owned)

@@ -6,11 +6,10 @@ from typing import Annotated, Any
 
 import msgspec
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from riverbed.cli.app import Invocation, JsonOption, PrefixOption, _progress, app
-from riverbed.cli.output import _fail, _stdout_lines, json_bytes
+from riverbed.cli.output import _fail, _stdout_lines, json_bytes, out_console
 
 tenants_app = typer.Typer(help="Tenants' quotas: runs at once and tokens a day.", no_args_is_help=True)
 app.add_typer(tenants_app, name="tenants")
@@ -101,7 +100,7 @@ def tenants_show(
         table.add_row(
             row.tenant, _limit(row.max_runs), str(row.running), _limit(row.tokens_per_day), str(row.tokens_today)
         )
-    Console(highlight=False).print(table)
+    out_console().print(table)
 
 
 def _limit(value: int | None) -> str:

@@ -20,7 +20,7 @@ from riverbed.agent.transfer import import_session, parse_import
 from riverbed.bus import status
 from riverbed.bus.keys import require_session
 from riverbed.cli.app import Invocation, JsonOption, PrefixOption, SessionArg, _progress, _require_events, app
-from riverbed.cli.output import _one_line, _stdout_lines, err_console, json_bytes, visible
+from riverbed.cli.output import _stdout_lines, differing, err_console, json_bytes, plural, visible
 from riverbed.client.session import Bus
 from riverbed.errors import (
     InputError,
@@ -207,14 +207,19 @@ def _rebuilt_summary(built: events.SandboxRebuilt) -> Text:
     if built.method == "copy":
         line = Text("sandbox rebuilt: copied the source's workspace")
         return line.append(f" ({visible(built.note)})" if built.note else "")
-    line = Text(f"sandbox rebuilt by replaying {built.actions} actions: ")
+    line = Text(f"sandbox rebuilt by replaying {plural(built.actions, 'action')}: ")
     if not built.differences:
         return line.append("every observation matched the recording")
-    line.append(f"{len(built.differences)} differences from the recording", style="bold yellow")
+    line.append(f"{plural(len(built.differences), 'difference')} from the recording", style="bold yellow")
     for d in built.differences:
-        line.append(f"\n  action {d.action_id} ({d.kind}): {d.field} was {_one_line(repr(d.recorded), 80)}, "
-                    f"now {_one_line(repr(d.new), 80)}")  # fmt: skip
+        line.append("\n  " + _difference_line(d))
     return line
+
+
+def _difference_line(d: events.Divergence) -> str:
+    """One difference, both values cut around where they differ (not at the same prefix)."""
+    was, now = differing(repr(d.recorded), repr(d.new))
+    return f"action {d.action_id} ({d.kind}): {d.field} was {was}, now {now}"
 
 
 @app.command("rerun")
@@ -251,6 +256,6 @@ def rerun_command(
         err_console.print("no differences: every observation matched the recording")
     else:
         for d in differences:
-            err_console.print(f"action {d.action_id} ({d.kind}): {d.field} was {d.recorded!r}, now {d.new!r}")
+            err_console.print(_difference_line(d), markup=False)
     if differences:
         raise typer.Exit(3)

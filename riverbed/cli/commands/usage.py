@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from riverbed.cli.app import Invocation, JsonOption, PrefixOption, SessionArg, _require_events, app
-from riverbed.cli.output import _cell, _stdout_lines, json_bytes, visible
+from riverbed.cli.output import _cell, _stdout_lines, json_bytes, out_console, visible
 
 # --- usage: tokens and cost per model call -------------------------------------------------------
 
@@ -66,7 +65,7 @@ def usage_command(session: SessionArg, json_out: JsonOption = False, prefix: Pre
         money(report.cost),
         style="bold",
     )
-    Console(highlight=False).print(table)
+    out_console().print(table)
 
 
 # --- usage: the condenser's effect (issue 17) ----------------------------------------------------

@@ -9,6 +9,7 @@ const LONG_LINES = 14;
 const MAX_TEXT = 200_000; // the most characters of one field put on the page
 const STATUSES = ["running", "finished", "step limit", "budget exhausted", "cancelled", "error", "open"];
 const RUN_STATES = ["running", "finished", "failed", "cancelled"];
+const RUN_ENDS = new Set(["step_limit", "budget_exhausted", "cancelled", "llm_error"]); // an agent error with one ends its run
 
 // --- the API ---------------------------------------------------------------------------------
 
@@ -117,6 +118,13 @@ function clip(text, n = 400) {
 }
 
 const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
+const count = (n) => Number(n ?? 0).toLocaleString("en-US");
+// One way to show money everywhere: "—" when the model has no price (RIVERBED_PRICES), else dollars.
+const UNPRICED = "no price for this model: set RIVERBED_PRICES to count its cost";
+const money = (cost, digits = 4) => (cost == null ? "—" : `$${Number(cost).toFixed(digits)}`);
+function moneyCell(cost, digits = 4) {
+  return el("td", { class: "num", text: money(cost, digits), title: cost == null ? UNPRICED : null });
+}
 const ranges = (list) => (list ?? []).map(([a, b]) => (a === b ? `#${a}` : `#${a}–#${b}`)).join(", ");
 const stop = (ev) => ev.stopPropagation();
 
@@ -246,27 +254,31 @@ async function listPage(signal) {
   const render = async () => {
     const page = await (await api(`/v1/sessions?${query}`, { signal })).json();
     const rows = page.sessions.map((s) => {
-      const roleCells = ["runtime", "memory", "condenser"].flatMap((role) => {
+      // One line per role: its owner (cut to the column, whole in the title) and its lag.
+      const roleLines = ["runtime", "memory", "condenser"].map((role) => {
         const r = s.roles[role] ?? {};
-        return [
-          el("td", { class: "mono", text: r.owner ?? "—" }),
-          el("td", { class: "num" + (r.lag > 0 ? " lagging" : ""), text: String(r.lag ?? "") }),
-        ];
+        const behind = r.lag ?? 0;
+        return el(
+          "div",
+          { class: "role", "data-role": role, title: `${role}: ${r.owner ? `owned by ${r.owner}` : "no owner"}, ${plural(behind, "event")} behind` },
+          el("span", { class: "role-name", text: role }),
+          el("span", { class: "owner mono", text: r.owner ?? "—" }),
+          el("span", { class: "lag" + (behind > 0 ? " lagging" : ""), text: r.lag == null ? "" : String(r.lag) }),
+        );
       });
       return el(
         "tr",
         { "data-session": s.session },
-        el("td", {}, el("a", { href: sessionHref(s.session), text: s.session })),
+        el("td", { class: "session", title: s.session }, el("a", { href: sessionHref(s.session), text: s.session })),
         el("td", {}, statusBadge(s.status)),
         el("td", { class: "task", title: s.task ?? "", text: clip(s.task ?? "—", 90) }),
         el("td", { text: s.tenant ?? "—" }),
         el("td", { class: "num", text: String(s.last) }),
-        el("td", {}, timeEl(s.created_ms)),
-        el("td", {}, timeEl(s.last_ts)),
-        ...roleCells,
+        el("td", { class: "times" }, el("div", {}, timeEl(s.created_ms)), el("div", {}, timeEl(s.last_ts))),
+        el("td", { class: "roles" }, ...roleLines),
       );
     });
-    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: "13", class: "muted", text: "no sessions match" })));
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: "7", class: "muted", text: "no sessions match" })));
     $("session-rows").replaceChildren(...rows);
     const shown = page.sessions.length;
     const span = shown ? `${offset + 1}–${offset + shown}` : "none";
@@ -289,29 +301,38 @@ async function runsPage(signal) {
   const render = async () => {
     const path = `/v1/runs${wanted ? `?state=${encodeURIComponent(wanted)}` : ""}`;
     const { runs } = await (await api(path, { signal })).json();
-    const money = (c) => (c == null ? "—" : `$${Number(c).toFixed(4)}`);
     const rows = runs.map((r) =>
       el(
         "tr",
         { "data-session": r.session },
-        el("td", {}, el("a", { href: sessionHref(r.session), text: r.session })),
+        el("td", { class: "session", title: r.session }, el("a", { href: sessionHref(r.session), text: r.session })),
+        el("td", { class: "tree" }, ...treeCell(r)),
         el("td", { text: r.tenant ?? "—" }),
         el("td", {}, el("span", { class: `status run-${r.state}`, text: r.state + (r.reason && r.state !== "finished" && r.reason !== r.state ? ` (${r.reason})` : "") })),
         el("td", { class: "num", text: String(r.steps ?? 0) }),
-        el("td", { class: "num", text: String(r.tokens ?? 0) }),
-        el("td", { class: "num", text: money(r.cost) }),
+        el("td", { class: "num tokens", text: count(r.tokens), title: "its own model calls and its sub-agents'" }),
+        moneyCell(r.cost),
         el("td", { class: "mono", text: r.worker ?? "—" }),
         el("td", {}, timeEl(r.started_at ?? r.opened_at ?? (r.age != null ? Date.now() / 1000 - r.age : null))),
         el("td", {}, r.state === "running" ? el("button", { type: "button", class: "cancel", text: "cancel", onclick: (ev) => cancelRun(r.session, ev.currentTarget, $("runs-note")) }) : null),
       ),
     );
-    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: "9", class: "muted", text: wanted ? `no ${wanted} runs` : "no runs yet: start one with riverbed agent S \"task\" --detach" })));
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: "10", class: "muted", text: wanted ? `no ${wanted} runs` : "no runs yet: start one with riverbed agent S \"task\" --detach" })));
     $("run-rows").replaceChildren(...rows);
     $("runs-refreshed").replaceChildren(`${plural(runs.length, "run")} · refreshed `, timeEl(new Date()));
   };
   await every(2, signal, render, (error) => {
     $("runs-note").textContent = error.status === 404 || error.status === 405 ? "this server has no runs route (GET /v1/runs)" : error.message;
   });
+}
+
+// Where a run sits in a delegation tree: the parent of a sub-agent's run, the sub-agents of a parent's.
+function treeCell(r) {
+  const parts = [];
+  if (r.parent) parts.push("sub-agent of ", link(r.parent));
+  const children = r.children ?? [];
+  if (children.length) parts.push(parts.length ? " · " : "", el("span", { title: children.join("\n"), text: plural(children.length, "sub-agent") }));
+  return parts.length ? parts : ["—"];
 }
 
 async function cancelRun(session, button, note) {
@@ -345,7 +366,7 @@ function summary(e) {
     case "recall_result": return (e.hits ?? []).map((h) => `#${h.event_id} ${h.kind}  ${h.text}`).join("\n") || `${e.recall_type}: no hits`;
     case "think": return e.thought;
     case "finish": return e.final_thought;
-    case "error": return `${e.reason}${e.retryable ? " (retryable)" : ""}: ${e.content}`;
+    case "error": return e.source === "agent" && RUN_ENDS.has(e.reason) ? `${e.reason}, the run ended: ${e.content}` : `${e.reason}${e.retryable ? " (retryable)" : ""}: ${e.content}`;
     case "condensation": return e.summary ?? `hid ${ranges(e.forgotten) || "nothing"}`;
     case "condensation_request": return "asked the condenser to condense now";
     case "summary": return e.content;
@@ -451,7 +472,7 @@ function render(e) {
     case "delegate_result":
       return [
         el("p", { class: "text" }, "sub-agent ", link(e.session), e.content ? `: ${clip(e.content, 2000)}` : ""),
-        e.state ? el("div", { class: "usage" }, statusBadge(e.state), e.tokens != null ? el("span", { text: `${e.tokens} tokens` }) : null, e.cost != null ? el("span", { text: `$${Number(e.cost).toFixed(4)}` }) : null) : null,
+        e.state ? el("div", { class: "usage" }, statusBadge(e.state), e.tokens != null ? el("span", { text: `${e.tokens} tokens` }) : null, el("span", { text: money(e.cost) })) : null,
       ];
     default: {
       const text = summary(e);
@@ -533,9 +554,8 @@ class SessionView {
     try {
       const used = await (await api(`${sessionPath(this.session)}/usage`, { signal: this.signal })).json();
       if (!this.current) return;
-      const money = (c) => (c == null ? "" : c.toFixed(6));
-      const rows = used.steps.map((s) => el("tr", {}, el("td", { class: "num", text: `#${s.event_id}` }), el("td", { text: s.model }), el("td", { class: "num", text: String(s.prompt_tokens) }), el("td", { class: "num", text: String(s.cached_tokens) }), el("td", { class: "num", text: String(s.completion_tokens) }), el("td", { class: "num", text: money(s.cost) })));
-      if (used.steps.length) rows.push(el("tr", { class: "total" }, el("td", { text: "total" }), el("td", { text: `${used.steps.length} calls` }), el("td", { class: "num", text: String(used.prompt_tokens) }), el("td", { class: "num", text: String(used.cached_tokens) }), el("td", { class: "num", text: String(used.completion_tokens) }), el("td", { class: "num", text: money(used.cost) })));
+      const rows = used.steps.map((s) => el("tr", {}, el("td", { class: "num", text: `#${s.event_id}` }), el("td", { text: s.model }), el("td", { class: "num", text: String(s.prompt_tokens) }), el("td", { class: "num", text: String(s.cached_tokens) }), el("td", { class: "num", text: String(s.completion_tokens) }), moneyCell(s.cost, 6)));
+      if (used.steps.length) rows.push(el("tr", { class: "total" }, el("td", { text: "total" }), el("td", { text: plural(used.steps.length, "call") }), el("td", { class: "num", text: String(used.prompt_tokens) }), el("td", { class: "num", text: String(used.cached_tokens) }), el("td", { class: "num", text: String(used.completion_tokens) }), moneyCell(used.cost, 6)));
       else rows.push(el("tr", {}, el("td", { colspan: "6", class: "muted", text: "no model calls in this session" })));
       $("usage-rows").replaceChildren(...rows);
       this.renderRun(used);
@@ -554,12 +574,22 @@ class SessionView {
     }
     const after = all.filter((e) => e.id > opened.id);
     const status = sessionStatus([opened, ...after]);
+    // Its own model calls, and with its sub-agents' (their delegate_result): what the runs list shows.
     const steps = (used?.steps ?? []).filter((s) => s.event_id > opened.id);
+    const results = after.filter((e) => e.kind === "delegate_result");
     const tokens = steps.reduce((n, s) => n + s.prompt_tokens + s.completion_tokens, 0);
-    const cost = steps.some((s) => s.cost != null) ? `$${steps.reduce((n, s) => n + (s.cost ?? 0), 0).toFixed(4)}` : "—";
+    const sum = (costs) => (costs.some((c) => c == null) ? null : costs.reduce((n, c) => n + c, 0));
+    const cost = sum(steps.map((s) => s.cost));
+    let spent = `${count(tokens)} tokens, ${money(cost)}`;
+    if (results.length) {
+      const treeTokens = tokens + results.reduce((n, e) => n + (e.tokens ?? 0), 0);
+      const treeCost = cost == null ? null : sum([cost, ...results.map((e) => e.cost)]);
+      spent = `its own calls ${spent}; with its ${plural(results.length, "sub-agent")} ${count(treeTokens)} tokens, ${money(treeCost)}`;
+    }
     $("run-panel").hidden = false;
     $("run-state").replaceChildren(statusBadge(status));
-    $("run-numbers").textContent = `run #${opened.id}: ${plural(steps.length, "step")} of ${opened.max_steps ?? 30}, ${tokens} tokens, ${cost}`;
+    $("run-numbers").textContent = `run #${opened.id}: ${plural(steps.length, "step")} of ${opened.max_steps ?? 30}, ${spent}`;
+    $("run-numbers").title = cost == null ? UNPRICED : "";
     $("run-cancel").hidden = status !== "running" || after.some((e) => e.kind === "run_cancel");
   }
 
@@ -638,8 +668,19 @@ class SessionView {
     this.clearPreview();
     this.pinned = false; // travel with the log to the edit, to show what it did
     try {
+      // What hid each event before a restore: a condenser hides its own again at its next condensation.
+      const before = body.op === "restore" ? await (await api(`${sessionPath(this.session)}/context`, { signal: this.signal })).json() : null;
       const change = await (await api(`${sessionPath(this.session)}/context`, { method: "POST", body, signal: this.signal })).json();
-      if (this.current) $("ctx-result").textContent = `applied edit #${change.edit} (${body.op}): ${this.describe(change, "did")}`;
+      if (!this.current) return;
+      let said = `applied edit #${change.edit} (${body.op}): ${this.describe(change, "did")}`;
+      if (before) {
+        const hidBy = new Map(before.hidden.map((h) => [h.id, h.by]));
+        const pinned = new Set(before.pinned);
+        const again = change.shown.filter((id) => !pinned.has(id) && this.events.get(hidBy.get(id))?.kind === "condensation" && this.events.get(hidBy.get(id))?.source === "condenser");
+        const spans = ranges(again.reduce((runs, id) => { const last = runs[runs.length - 1]; if (last && id === last[1] + 1) last[1] = id; else runs.push([id, id]); return runs; }, []));
+        if (again.length) said += `. A condenser had hidden ${spans}: it hides them again at its next condensation (within seconds when the view is over its limits); pin them to keep them in view.`;
+      }
+      $("ctx-result").textContent = said;
     } catch (error) {
       if (this.current) $("ctx-result").textContent = error.message;
     }
@@ -677,7 +718,7 @@ class SessionView {
     const parts = [];
     if (this.parent) parts.push(el("span", { class: "parent" }, "sub-agent of ", link(this.parent.parent), ` (action #${this.parent.parent_action})`));
     if (this.children.size) parts.push(el("span", { class: "children" }, "sub-agents: ", ...[...this.children.keys()].flatMap((s, i) => [i ? ", " : null, link(s)])));
-    $("delegation").replaceChildren(...parts.flatMap((p, i) => [i ? " · " : null, p]));
+    $("delegation").replaceChildren(...parts.flatMap((p, i) => (i ? [" · ", p] : [p]))); // (a null would read "null")
     $("delegation").hidden = !parts.length;
   }
 
