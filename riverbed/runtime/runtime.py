@@ -11,7 +11,8 @@
 A session's sandbox is its workspace directory (see :mod:`riverbed.runtime.paths`), a
 persistent bash (:mod:`~riverbed.runtime.shell`) and a persistent Python process
 (:mod:`~riverbed.runtime.python`) sharing one ``/tmp`` (:mod:`~riverbed.runtime.tmp`), both
-started lazily and bounded as described in :mod:`~riverbed.runtime.limits`.  The runtime
+started lazily and bounded as described in :mod:`~riverbed.runtime.limits`, and, given
+``cgroups``, together in one cgroup of the session's (:mod:`~riverbed.runtime.cgroups`).  The runtime
 role's owner binds a session to its log when it opens it (:meth:`Runtime.open_session`: the
 workspace of that log, the sandbox user kept for the session).  Actions of one session run one at a time, in arrival
 order; sessions run concurrently.
@@ -58,6 +59,7 @@ from msgspec.structs import replace
 from riverbed import events, tracing
 from riverbed.errors import RiverbedError
 from riverbed.runtime import files
+from riverbed.runtime.cgroups import Cgroups, SessionCgroup
 from riverbed.runtime.gate import LATE_TRIES, LateStart, before_start, starting_by
 from riverbed.runtime.limits import Limits
 from riverbed.runtime.paths import PathRefused, confine, stamp_file, stamp_of, workspace_name
@@ -137,14 +139,21 @@ def _error(reason: str, content: str, *, retryable: bool = False) -> events.Erro
 
 class _Session:
     def __init__(
-        self, session_id: str, workspace: Path, base_env: Mapping[str, str], limits: Limits, sandbox: Sandbox
+        self,
+        session_id: str,
+        workspace: Path,
+        base_env: Mapping[str, str],
+        limits: Limits,
+        sandbox: Sandbox,
+        cgroup: SessionCgroup | None,
     ) -> None:
         self.id = session_id
         self.workspace = workspace
         self.lock = anyio.Lock()
         self.overrides: dict[str, str | None] = {}
         self.tmp = SessionTmp(sandbox, workspace)
-        placement = Placement(workspace, base_env, limits, sandbox, self.tmp)
+        self.cgroup = cgroup
+        placement = Placement(workspace, base_env, limits, sandbox, self.tmp, cgroup)
         self.shell = Shell(placement)
         self.python = PythonProcess(placement)
         self.history = files.EditHistory(limits.edit_history)
@@ -157,6 +166,8 @@ class _Session:
             await self.shell.close()
             await self.python.close()
             await self.tmp.close()
+            if self.cgroup is not None:  # what the sandboxes left (a setsid double fork): killed
+                await anyio.to_thread.run_sync(self.cgroup.close)
 
 
 class Runtime:
@@ -169,10 +180,12 @@ class Runtime:
         *,
         base_env: Mapping[str, str] | None = None,
         sandbox: Sandbox | None = None,
+        cgroups: Cgroups | None = None,
     ) -> None:
         self._root = Path(workspace_root)
         self._limits = limits or Limits()
         self._sandbox = sandbox or Sandbox()
+        self._cgroups = cgroups
         self._sessions: dict[str, _Session] = {}
         self._handlers: dict[type[events.Action], Handler] = {}
         self._closed = False
@@ -261,7 +274,8 @@ class Runtime:
         session = self._sessions.get(session_id)
         if session is None:
             ws = self.workspace(session_id)
-            session = _Session(session_id, ws, self._base(ws), self._limits, self._sandbox)
+            cgroup = self._cgroups.session() if self._cgroups is not None else None
+            session = _Session(session_id, ws, self._base(ws), self._limits, self._sandbox, cgroup)
             self._sessions[session_id] = session
         return session
 
