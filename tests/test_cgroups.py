@@ -12,8 +12,11 @@ import os
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from riverbed.runtime.cgroups import Bounds, Cgroups, CgroupsUnusable, Hierarchy, detect, find
+from riverbed.settings import Settings
+from riverbed.workers.runtime_role import checked_cgroups
 
 HYBRID = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
@@ -67,6 +70,11 @@ def test_a_delegated_v2_subtree_is_preferred_and_no_cgroups_is_one_sentence(tmp_
     (proc / "cgroup").write_text("0::/\n")
     with pytest.raises(CgroupsUnusable, match=r"^no cgroup v2 subtree"):
         detect(Bounds(), proc_self=proc)
+    # a worker on such a host says so once at start, and runs its sandboxes with their rlimits
+    with capture_logs() as logs:
+        assert checked_cgroups(Settings.from_env({}), proc_self=proc) is None
+    assert [(e["event"], e["log_level"]) for e in logs] == [("sandbox.no_cgroups", "warning")]
+    assert logs[0]["detail"].endswith("each sandbox process keeps its rlimits")
 
 
 def test_a_v2_session_cgroup_is_bounded_joined_told_and_killed(tmp_path: Path) -> None:

@@ -268,6 +268,8 @@ class Cgroups:
         removed = 0
         names: set[str] = set()
         for base in self.hierarchy.dirs.values():
+            if not os.access(base, os.W_OK):
+                return 0  # (a worker that cannot make cgroups here cannot remove any either)
             with contextlib.suppress(OSError):
                 names.update(entry.name for entry in os.scandir(base) if entry.is_dir(follow_symlinks=False))
         for name in sorted(names):

@@ -75,13 +75,13 @@ def checked_sandbox(settings: Settings) -> Sandbox:
     return sandbox
 
 
-def checked_cgroups(settings: Settings) -> Cgroups | None:
+def checked_cgroups(settings: Settings, *, proc_self: Path = Path("/proc/self")) -> Cgroups | None:
     """The session cgroups of this worker (``RIVERBED_SANDBOX_CPU``, ``_MEMORY``, ``_PIDS``),
     or None, said once at start, when the host gives it none: each sandbox process then keeps
-    its rlimits only."""
+    its rlimits only.  (``proc_self``: where this process's ``mountinfo`` and ``cgroup`` are read.)"""
     bounds = Bounds(cpu=settings.sandbox_cpu, memory=settings.sandbox_memory, pids=settings.sandbox_pids)
     try:
-        cgroups = detect(bounds)
+        cgroups = detect(bounds, proc_self=proc_self)
     except CgroupsUnusable as exc:
         log.warning(
             "sandbox.no_cgroups",
