@@ -166,7 +166,7 @@ class _Session:
             await self.shell.close()
             await self.python.close()
             await self.tmp.close()
-            if self.cgroup is not None:  # what the sandboxes left (a setsid double fork): killed
+            if self.cgroup is not None and self.cgroup.made:  # what the sandboxes left (a setsid double fork): killed
                 await anyio.to_thread.run_sync(self.cgroup.close)
 
 
