@@ -13,6 +13,7 @@ is never reached and reported, the 1 GiB processes all live), and the kill left 
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -86,7 +87,7 @@ async def _eventually(cond: Callable[[], bool], timeout: float, what: str) -> No
         raise AssertionError(f"waited {timeout:g} s for {what}") from None
 
 
-async def _p50(bus: Bus, session: str, n: int = 21) -> float:
+async def _p50(bus: Bus, session: str, n: int = 41) -> float:
     took = []
     for _ in range(n):
         start = time.perf_counter()
@@ -148,10 +149,11 @@ async def test_a_sessions_memory_is_capped_across_its_processes(standalone_bus: 
         timeout=60,
         wait=90,
     )
-    assert "ended: 137" in out.content, out  # SIGKILL: the OOM killer's
-    assert out.content.splitlines().count("held") <= 2, out  # (the job notices quote the command)
+    assert "ended: 137" in out.content, out  # one of the three was SIGKILLed: the OOM killer's
     assert "the session's memory limit (2 GiB for all its processes together) was reached" in out.content, out
-    assert "the kernel killed 1 of its processes" in out.content, out
+    killed = re.search(r"the kernel killed (\d+) of its processes", out.content)
+    assert killed is not None, out
+    assert int(killed.group(1)) >= 1  # (two of 1 GiB and their interpreters are over 2 GiB too)
     again = await run_command(standalone_bus, "greedy", "echo fine", timeout=10, wait=30)
     assert again.content == "fine\n", again  # told once; the shell lives on
 
