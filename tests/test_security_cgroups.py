@@ -25,21 +25,18 @@ import pytest
 from riverbed import events
 from riverbed.client.session import Bus
 from riverbed.runtime import Limits, Runtime, Sandbox
-from riverbed.runtime.cgroups import Bounds, Cgroups, CgroupsUnusable, Hierarchy, detect, find
+from riverbed.runtime.cgroups import Bounds, Cgroups, CgroupsUnusable, Hierarchy, detect
 from tests.kit.workers import WorkerProcess, run_command, standalone_worker  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.security]
 
 
-def _hierarchy() -> Hierarchy:
-    """The cgroups of this test process, which its worker processes share."""
+def _cgroups() -> Cgroups:
+    """Session cgroups for this test process, in the hierarchy its worker processes share."""
     try:
-        detect(Bounds())
+        return detect(Bounds())
     except CgroupsUnusable as exc:
         pytest.skip(f"no usable cgroups here: {exc}")
-    found = find(Path("/proc/self/mountinfo").read_text(), Path("/proc/self/cgroup").read_text())
-    assert isinstance(found, Hierarchy), found
-    return found
 
 
 def _groups_of(hierarchy: Hierarchy, pid: int) -> list[Path]:
@@ -106,7 +103,7 @@ def worker(standalone_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
 async def test_a_background_fork_bomb_is_contained_and_dies_with_its_session(
     standalone_bus: Bus, worker: WorkerProcess
 ) -> None:
-    hierarchy = _hierarchy()
+    hierarchy = _cgroups().hierarchy
     bus = standalone_bus
     await run_command(bus, "calm", "true", timeout=10, wait=30)
     await run_command(bus, "bomb", "true", timeout=10, wait=30)
@@ -140,7 +137,7 @@ async def test_a_background_fork_bomb_is_contained_and_dies_with_its_session(
 
 @pytest.mark.timeout(120)
 async def test_a_sessions_memory_is_capped_across_its_processes(standalone_bus: Bus, worker: WorkerProcess) -> None:
-    _hierarchy()
+    _cgroups()
     hold = "import time; b = b'x' * (1 << 30); print('held', flush=True); time.sleep(60)"
     out = await run_command(
         standalone_bus,
@@ -159,12 +156,13 @@ async def test_a_sessions_memory_is_capped_across_its_processes(standalone_bus: 
 
 
 async def test_the_end_of_a_sandbox_kills_every_process_of_its_cgroup(workspace: Path) -> None:
-    hierarchy = _hierarchy()
+    cgroups = _cgroups()
+    hierarchy = cgroups.hierarchy
     runtime = Runtime(
         workspace_root=workspace,
         limits=Limits(interrupt_grace=1.0),
         sandbox=Sandbox(mode="process"),  # no PID namespace: only the cgroup holds the escapee
-        cgroups=Cgroups(hierarchy, Bounds()),
+        cgroups=cgroups,
     )
     try:
         out = await runtime.execute(
