@@ -55,6 +55,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     sandbox: Literal["namespaces", "process"] = "namespaces"
     sandbox_network: Literal["none", "outbound", "host"] = "none"
     sandbox_tmp_bytes: Annotated[int, Meta(ge=1024 * 1024)] = DEFAULT_SANDBOX_TMP_BYTES
+    sandbox_cpu: Annotated[float, Meta(ge=0.01, le=4096)] = 1.0
+    sandbox_memory: Annotated[int, Meta(ge=64 * 1024 * 1024)] = 2 * 1024 * 1024 * 1024
+    sandbox_pids: Annotated[int, Meta(ge=16, le=4_194_304)] = 256
     bwrap: str = ""
     mcp_mounts: str = ""
     embedder: Annotated[str, Meta(pattern=r"^(local|openai:.+)$")] = "local"

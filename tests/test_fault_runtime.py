@@ -235,11 +235,13 @@ async def until(condition: Callable[[], bool], timeout: float, message: str) -> 
 
 
 async def test_sandbox_bounds_hold_through_a_worker(
-    bus: Bus, start: Callable[..., WorkerProcess], workers: list[WorkerProcess], tmp_path: Path
+    bus: Bus, spawn: Spawn, workers: list[WorkerProcess], tmp_path: Path
 ) -> None:
     # Process mode: its bounds are the process-count watcher's (a namespaces sandbox's are the
-    # kernel's: RLIMIT_NPROC on its own uid, a PID namespace; see test_security_sandbox.py).
-    await ready(start("sandbox", sandbox="process"))
+    # kernel's: RLIMIT_NPROC on its own uid, a PID namespace; see test_security_sandbox.py).  The
+    # session's cgroup allows more processes here, so that the watcher is what is tested (the
+    # cgroup's bound is attacked in test_security_cgroups.py).
+    await ready(spawn("sandbox", ["runtime"], lease=LEASE, RIVERBED_SANDBOX="process", RIVERBED_SANDBOX_PIDS="1024"))
     session = bus.session("sandbox")
 
     async def run(action: events.Action, timeout: float = 30) -> events.Event:

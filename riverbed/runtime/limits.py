@@ -1,7 +1,7 @@
 """Sandbox limits and the process plumbing that enforces them.
 
-How a sandbox is bounded (there is no cgroup on the machines riverbed targets, and the
-worker usually runs as root):
+How each sandbox process is bounded (the worker usually runs as root); what bounds a session's
+processes together, where the host has cgroups, is :mod:`~riverbed.runtime.cgroups`:
 
 - **Per-process rlimits.**  Every sandbox process (the session's bash, its Python driver)
   is started through util-linux's ``setsid`` + ``prlimit`` when installed (a few ms), else
@@ -23,7 +23,8 @@ worker usually runs as root):
   killed with ``SIGKILL`` (a stop pass first, so a fork loop cannot outrun the kill).
 
 A program that calls ``setsid()`` itself leaves the sandbox session and escapes the count;
-a container or a cgroup is the answer to that, outside riverbed.
+the session's cgroup (:mod:`~riverbed.runtime.cgroups`) still holds it, and kills it when the
+session's sandbox ends.
 """
 
 from __future__ import annotations

@@ -42,11 +42,9 @@ import anyio
 import structlog
 
 from riverbed import events
-from riverbed.runtime.limits import launcher_argv
 from riverbed.runtime.output import CappedText, read_some, write_all
 from riverbed.runtime.sandbox import start_again_on_a_network_race
 from riverbed.runtime.sandboxed import Placement, SandboxedProcess
-from riverbed.runtime.spawner import spawn
 
 __all__ = ["McpFailed", "McpServers", "mcp_types", "result_text", "tools_of"]
 
@@ -208,8 +206,8 @@ class McpProcess(SandboxedProcess):
             await self._drop_link()
             raise
         try:
-            self._proc = await spawn(
-                launcher_argv(self._limits, inner, confined=self._sandbox.confined),
+            self._proc = await self._spawn(  # (in the session's cgroup, like its shell)
+                inner,
                 stdin=in_r,
                 stdout=out_w,
                 stderr=stderr,

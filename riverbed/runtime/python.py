@@ -37,11 +37,10 @@ import structlog
 
 from riverbed import events
 from riverbed.runtime.gate import LATE_TRIES, before_start
-from riverbed.runtime.limits import DRIVER, kill_processes, launcher_argv
+from riverbed.runtime.limits import DRIVER, kill_processes
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
 from riverbed.runtime.sandbox import DRIVER_INSIDE, start_again_on_a_network_race
 from riverbed.runtime.sandboxed import Placement, SandboxedProcess
-from riverbed.runtime.spawner import spawn
 
 log = structlog.get_logger("riverbed.runtime.python")
 
@@ -138,11 +137,10 @@ class PythonProcess(SandboxedProcess):
                 os.close(fd)
             await self._drop_link()
             raise
-        argv = launcher_argv(self._limits, inner, confined=self._sandbox.confined)
         env = {"MPLBACKEND": "Agg", **self._env}
         try:
-            self._proc = await spawn(
-                argv,
+            self._proc = await self._spawn(
+                inner,
                 stdin=subprocess.DEVNULL,
                 stdout=out_w,
                 stderr=out_w,
@@ -219,6 +217,8 @@ class PythonProcess(SandboxedProcess):
         images_after = await anyio.to_thread.run_sync(_images, self._workspace)
         files = sorted(path for path, stamp in images_after.items() if images_before.get(path) != stamp)
         content = cell.text.render()
+        if (news := self._bounds_news()) is not None:
+            cell.notes.append(news)
         if cell.notes:
             content = (content + "\n" if content and not content.endswith("\n") else content) + "\n".join(cell.notes)
         result = cell.reply.get("result") if cell.reply else None

@@ -11,7 +11,8 @@
 A session's sandbox is its workspace directory (see :mod:`riverbed.runtime.paths`), a
 persistent bash (:mod:`~riverbed.runtime.shell`) and a persistent Python process
 (:mod:`~riverbed.runtime.python`) sharing one ``/tmp`` (:mod:`~riverbed.runtime.tmp`), both
-started lazily and bounded as described in :mod:`~riverbed.runtime.limits`.  The runtime
+started lazily and bounded as described in :mod:`~riverbed.runtime.limits`, and, given
+``cgroups``, together in one cgroup of the session's (:mod:`~riverbed.runtime.cgroups`).  The runtime
 role's owner binds a session to its log when it opens it (:meth:`Runtime.open_session`: the
 workspace of that log, the sandbox user kept for the session).  Actions of one session run one at a time, in arrival
 order; sessions run concurrently.
@@ -58,6 +59,7 @@ from msgspec.structs import replace
 from riverbed import events, tracing
 from riverbed.errors import RiverbedError
 from riverbed.runtime import files
+from riverbed.runtime.cgroups import Cgroups, SessionCgroup
 from riverbed.runtime.gate import LATE_TRIES, LateStart, before_start, starting_by
 from riverbed.runtime.limits import Limits
 from riverbed.runtime.mcp import McpServers
@@ -144,6 +146,7 @@ class _Session:
         base_env: Mapping[str, str],
         limits: Limits,
         sandbox: Sandbox,
+        cgroup: SessionCgroup | None,
         mcp_mounts: Sequence[str] = (),
     ) -> None:
         self.id = session_id
@@ -151,7 +154,8 @@ class _Session:
         self.lock = anyio.Lock()
         self.overrides: dict[str, str | None] = {}
         self.tmp = SessionTmp(sandbox, workspace)
-        placement = Placement(workspace, base_env, limits, sandbox, self.tmp)
+        self.cgroup = cgroup
+        placement = Placement(workspace, base_env, limits, sandbox, self.tmp, cgroup)
         self.shell = Shell(placement)
         self.python = PythonProcess(placement)
         self.mcp = McpServers(placement, mcp_mounts)
@@ -166,6 +170,8 @@ class _Session:
             await self.python.close()
             await self.mcp.close()
             await self.tmp.close()
+            if self.cgroup is not None and self.cgroup.made:  # what the sandboxes left (a setsid double fork): killed
+                await anyio.to_thread.run_sync(self.cgroup.close)
 
 
 class Runtime:
@@ -179,6 +185,7 @@ class Runtime:
         base_env: Mapping[str, str] | None = None,
         sandbox: Sandbox | None = None,
         mcp_mounts: Sequence[str] = (),
+        cgroups: Cgroups | None = None,
     ) -> None:
         """``mcp_mounts``: directories mounted read-only for stdio MCP servers and searched for
         their commands (``RIVERBED_MCP_MOUNTS``; see :mod:`riverbed.runtime.mcp`)."""
@@ -186,6 +193,7 @@ class Runtime:
         self._mcp_mounts = tuple(mcp_mounts)
         self._limits = limits or Limits()
         self._sandbox = sandbox or Sandbox()
+        self._cgroups = cgroups
         self._sessions: dict[str, _Session] = {}
         self._handlers: dict[type[events.Action], Handler] = {}
         self._closed = False
@@ -276,7 +284,10 @@ class Runtime:
         session = self._sessions.get(session_id)
         if session is None:
             ws = self.workspace(session_id)
-            session = _Session(session_id, ws, self._base(ws), self._limits, self._sandbox, self._mcp_mounts)
+            cgroup = self._cgroups.session() if self._cgroups is not None else None
+            session = _Session(
+                session_id, ws, self._base(ws), self._limits, self._sandbox, cgroup, self._mcp_mounts
+            )
             self._sessions[session_id] = session
         return session
 

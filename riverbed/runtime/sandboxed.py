@@ -2,6 +2,11 @@
 Python driver (:mod:`~riverbed.runtime.python`), share: one process started in the session's
 sandbox with the session's environment and limits, the count of the processes it holds, and
 the kill that ends it with everything it started.
+
+Every sandbox process of a session starts through :meth:`SandboxedProcess._spawn`: the rlimits'
+launcher, the session's cgroup joined before anything of the session runs
+(:mod:`~riverbed.runtime.cgroups`), forked by the spawner thread.  A program of the session of
+another kind (a tool server) starts through it too, and so shares the session's bounds.
 """
 
 from __future__ import annotations
@@ -11,12 +16,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 import structlog
 
-from riverbed.runtime.limits import Limits, Lister, kill_processes, session_processes, tree_processes, wait_exit
+from riverbed.runtime.cgroups import SessionCgroup
+from riverbed.runtime.limits import (
+    Limits,
+    Lister,
+    kill_processes,
+    launcher_argv,
+    session_processes,
+    tree_processes,
+    wait_exit,
+)
 from riverbed.runtime.sandbox import Link, Sandbox
+from riverbed.runtime.spawner import spawn
 from riverbed.runtime.tmp import SessionTmp
 
 __all__ = ["Placement", "SandboxedProcess"]
@@ -34,6 +50,8 @@ class Placement:
     sandbox: Sandbox
     tmp: SessionTmp | None = None
     """the session's one /tmp (None: a private one)"""
+    cgroup: SessionCgroup | None = None
+    """the session's cgroup (None: no usable cgroups, the rlimits only)"""
 
 
 class SandboxedProcess:
@@ -45,6 +63,7 @@ class SandboxedProcess:
         self._limits = placement.limits
         self._sandbox = sandbox = placement.sandbox
         self._tmp = placement.tmp
+        self._cgroup = placement.cgroup
         self._kernel_nproc = sandbox.confined
         """the sandbox's own RLIMIT_NPROC bounds its processes: the kernel refuses the fork"""
         self._processes: Lister = tree_processes if sandbox.confined else session_processes
@@ -56,6 +75,22 @@ class SandboxedProcess:
     @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    async def _spawn(self, inner: list[str], *, ctty: bool = False, **popen: Any) -> subprocess.Popen[bytes]:
+        """Start ``inner`` (a command line :meth:`Sandbox.wrap` made) as a process of the
+        session: in a new POSIX session with the rlimits (``ctty``: its stdin, a pty, becomes
+        its controlling terminal), in the session's cgroup before it runs, forked by the
+        spawner thread (``popen``: ``subprocess.Popen``'s other arguments)."""
+        argv = launcher_argv(self._limits, inner, ctty=ctty, confined=self._sandbox.confined)
+        if self._cgroup is not None:
+            if not self._cgroup.made:
+                await anyio.to_thread.run_sync(self._cgroup.create)
+            argv = self._cgroup.join_argv(argv)
+        return await spawn(argv, **popen)
+
+    def _bounds_news(self) -> str | None:
+        """What the session's cgroup did since the last observation (an OOM kill, refused forks)."""
+        return self._cgroup.news() if self._cgroup is not None else None
 
     async def _kill(self) -> None:
         """Kill the program and everything in its sandbox session (bounded); drop its network link."""

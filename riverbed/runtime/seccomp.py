@@ -29,6 +29,11 @@ What is refused, and why (:data:`REFUSED` holds the same list as data):
   ``quotactl``, ``quotactl_fd``, ``syslog`` (the kernel log shows kernel addresses),
   ``iopl`` and ``ioperm`` (x86_64 only), and ``open_by_handle_at`` with
   ``name_to_handle_at`` (opening files by handle, past every mount: the "shocker" escape).
+- **what Docker's default profile refuses too**: ``kcmp`` (compares two processes' kernel
+  objects: a probe of kernel addresses), ``modify_ldt`` (x86_64 only: a process's own segment
+  table, old exploit ground), ``move_pages`` (moves another process's pages between NUMA nodes
+  and tells where its memory lies) and ``memfd_secret`` (memory the kernel hides from itself,
+  which a session has no use for).
 - **personality changes** other than the harmless ones (``PER_LINUX``, ``PER_LINUX32``,
   ``UNAME26``, the query ``0xffffffff``): ``ADDR_NO_RANDOMIZE`` and ``READ_IMPLIES_EXEC``
   switch off exploit mitigations.
@@ -106,6 +111,10 @@ REFUSED: tuple[str, ...] = (
     "ioperm",
     "open_by_handle_at",
     "name_to_handle_at",
+    "kcmp",
+    "modify_ldt",
+    "move_pages",
+    "memfd_secret",
 )
 """System calls refused outright (``EPERM``), on the architectures that have them."""
 
@@ -132,6 +141,7 @@ _COMMON_NEW = {  # numbered alike on every architecture since Linux 5.1
     "pidfd_getfd": 438,
     "mount_setattr": 442,
     "quotactl_fd": 443,
+    "memfd_secret": 447,
     "io_uring_setup": 425,
     "io_uring_enter": 426,
     "io_uring_register": 427,
@@ -153,6 +163,7 @@ ARCHES: dict[str, Arch] = {
             "swapon": 167,
             "swapoff": 168,
             "reboot": 169,
+            "modify_ldt": 154,
             "iopl": 172,
             "ioperm": 173,
             "init_module": 175,
@@ -163,12 +174,14 @@ ARCHES: dict[str, Arch] = {
             "request_key": 249,
             "keyctl": 250,
             "unshare": 272,
+            "move_pages": 279,
             "perf_event_open": 298,
             "name_to_handle_at": 303,
             "open_by_handle_at": 304,
             "setns": 308,
             "process_vm_readv": 310,
             "process_vm_writev": 311,
+            "kcmp": 312,
             "finit_module": 313,
             "kexec_file_load": 320,
             "bpf": 321,
@@ -198,12 +211,14 @@ ARCHES: dict[str, Arch] = {
             "clone": 220,
             "swapon": 224,
             "swapoff": 225,
+            "move_pages": 239,
             "perf_event_open": 241,
             "name_to_handle_at": 264,
             "open_by_handle_at": 265,
             "setns": 268,
             "process_vm_readv": 270,
             "process_vm_writev": 271,
+            "kcmp": 272,
             "finit_module": 273,
             "bpf": 280,
             "userfaultfd": 282,

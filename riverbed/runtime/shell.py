@@ -43,11 +43,10 @@ import structlog
 
 from riverbed import events
 from riverbed.runtime.gate import LATE_TRIES, before_start, boottime_centiseconds
-from riverbed.runtime.limits import kill_processes, launcher_argv, signal_group
+from riverbed.runtime.limits import kill_processes, signal_group
 from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
 from riverbed.runtime.sandbox import start_again_on_a_network_race
 from riverbed.runtime.sandboxed import Placement, SandboxedProcess
-from riverbed.runtime.spawner import spawn
 
 log = structlog.get_logger("riverbed.runtime.shell")
 
@@ -113,9 +112,9 @@ class Shell(SandboxedProcess):
                 nproc=self._limits.max_processes,
                 tmp=tmp,
             )
-            argv = launcher_argv(self._limits, inner, ctty=True, confined=self._sandbox.confined)
-            self._proc = await spawn(
-                argv,
+            self._proc = await self._spawn(
+                inner,
+                ctty=True,
                 stdin=slave,
                 stdout=slave,
                 stderr=slave,
@@ -313,6 +312,8 @@ class Shell(SandboxedProcess):
         timed_out: bool = False,
     ) -> events.CmdOutput:
         content = text.render()
+        if (news := self._bounds_news()) is not None:
+            notes = [*notes, news]
         if notes:
             content = (content + "\n" if content and not content.endswith("\n") else content) + "\n".join(notes)
         return events.CmdOutput(

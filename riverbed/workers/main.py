@@ -246,11 +246,13 @@ def build_handlers(roles: Sequence[str], settings: Settings) -> tuple[dict[str, 
     closers: list[Callable[[], Any]] = []
     if "runtime" in roles:
         from riverbed.runtime import Runtime  # noqa: PLC0415
-        from riverbed.workers.runtime_role import RuntimeHandler, checked_sandbox  # noqa: PLC0415
+        from riverbed.workers.runtime_role import RuntimeHandler, checked_cgroups, checked_sandbox  # noqa: PLC0415
 
+        sandbox, cgroups = checked_sandbox(settings), checked_cgroups(settings)
         runtime = Runtime(
             workspace_root=Path(settings.workspace),
-            sandbox=checked_sandbox(settings),
+            sandbox=sandbox,
+            cgroups=cgroups,
             mcp_mounts=[path for path in settings.mcp_mounts.split(":") if path],
         )
         handlers["runtime"] = RuntimeHandler(runtime)

@@ -42,6 +42,7 @@ from riverbed.bus.consumer import Answer, Entry, SessionContext
 from riverbed.bus.faults import crashpoint
 from riverbed.errors import InputError, RiverbedError
 from riverbed.runtime import Runtime, Sandbox
+from riverbed.runtime.cgroups import Bounds, Cgroups, CgroupsUnusable, detect
 from riverbed.runtime.gate import gated
 from riverbed.runtime.sandbox import probe
 from riverbed.settings import Settings
@@ -72,6 +73,30 @@ def checked_sandbox(settings: Settings) -> Sandbox:
     elif sandbox.network == "host":
         log.warning("sandbox.host_network", detail="commands can reach every service the worker host can")
     return sandbox
+
+
+def checked_cgroups(settings: Settings, *, proc_self: Path = Path("/proc/self")) -> Cgroups | None:
+    """The session cgroups of this worker (``RIVERBED_SANDBOX_CPU``, ``_MEMORY``, ``_PIDS``),
+    or None, said once at start, when the host gives it none: each sandbox process then keeps
+    its rlimits only.  (``proc_self``: where this process's ``mountinfo`` and ``cgroup`` are read.)"""
+    bounds = Bounds(cpu=settings.sandbox_cpu, memory=settings.sandbox_memory, pids=settings.sandbox_pids)
+    try:
+        cgroups = detect(bounds, proc_self=proc_self)
+    except CgroupsUnusable as exc:
+        log.warning(
+            "sandbox.no_cgroups",
+            detail=f"{exc}; a session's CPU, memory and process count are not bounded together, "
+            "each sandbox process keeps its rlimits",
+        )
+        return None
+    log.info(
+        "sandbox.cgroups",
+        cgroups=cgroups.describe(),
+        cpu=bounds.cpu,
+        memory=bounds.memory,
+        pids=bounds.pids,
+    )
+    return cgroups
 
 
 def for_runtime(event: events.Event) -> bool:

@@ -235,12 +235,13 @@ def rerun_command(
     """Re-execute the recorded runtime actions in a fresh workspace and report each difference."""
     from riverbed.agent.replay import rerun  # noqa: PLC0415
     from riverbed.runtime import Runtime  # noqa: PLC0415
-    from riverbed.workers.runtime_role import checked_sandbox  # noqa: PLC0415
+    from riverbed.workers.runtime_role import checked_cgroups, checked_sandbox  # noqa: PLC0415
 
     cli = Invocation(prefix)
 
     async def go() -> list[Any]:
-        runtime = Runtime(workspace_root=Path(cli.settings.workspace), sandbox=checked_sandbox(cli.settings))
+        sandbox, cgroups = checked_sandbox(cli.settings), checked_cgroups(cli.settings)
+        runtime = Runtime(workspace_root=Path(cli.settings.workspace), sandbox=sandbox, cgroups=cgroups)
         try:
             bus = await cli.bus()
             await _require_events(bus, session)
