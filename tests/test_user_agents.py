@@ -15,7 +15,7 @@ from riverbed.agent.define import REFERENCE
 from riverbed.agent.hosted import RunLimits, list_runs, open_run, upgrade_run
 from riverbed.agent.registry import Hosted, load, publish_fields
 from riverbed.client.session import Bus
-from riverbed.errors import InputError
+from riverbed.errors import ConfigError, InputError
 from riverbed.settings import Settings
 from riverbed.workers.agent_run import run_llm_agent
 from tests.kit.agent_role import ended, roles, server  # noqa: F401  (fixtures)
@@ -292,3 +292,21 @@ async def test_oversized_model_output_is_bounded_and_the_run_goes_on(
     # The model read both errors.
     assert "at most 32" in server.requests[1]["messages"][-1]["content"]
     assert "20,000," in server.requests[2]["messages"][-1]["content"]
+
+
+def test_an_installed_packages_entry_point_registers_its_agents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dist = tmp_path / "acme_agents-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-agents\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[riverbed.agents]\nscribe = tests.kit.user_agents:scribe\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hosted = load()
+    assert hosted.get("scribe") is scribe
+    assert hosted.where["scribe"] == "entry point scribe (tests.kit.user_agents:scribe)"
+    (dist / "entry_points.txt").write_text("[riverbed.agents]\nbroken = tests.kit.nowhere:agents\n")
+    with pytest.raises(ConfigError, match="the entry point 'broken' of riverbed.agents does not load"):
+        load()
+    with pytest.raises(ConfigError, match="the agents module 'tests.kit.nowhere' does not import"):
+        load(["tests.kit.nowhere"], entry_point_group=None)
