@@ -306,7 +306,7 @@ def test_an_installed_packages_entry_point_registers_its_agents(
     assert hosted.get("scribe") is scribe
     assert hosted.where["scribe"] == "entry point scribe (tests.kit.user_agents:scribe)"
     (dist / "entry_points.txt").write_text("[riverbed.agents]\nbroken = tests.kit.nowhere:agents\n")
-    with pytest.raises(ConfigError, match="the entry point 'broken' of riverbed.agents does not load"):
+    with pytest.raises(ConfigError, match=r"the entry point 'broken' of riverbed\.agents does not load"):
         load()
-    with pytest.raises(ConfigError, match="the agents module 'tests.kit.nowhere' does not import"):
+    with pytest.raises(ConfigError, match=r"the agents module 'tests\.kit\.nowhere' does not import"):
         load(["tests.kit.nowhere"], entry_point_group=None)
