@@ -285,9 +285,7 @@ class Runtime:
         if session is None:
             ws = self.workspace(session_id)
             cgroup = self._cgroups.session() if self._cgroups is not None else None
-            session = _Session(
-                session_id, ws, self._base(ws), self._limits, self._sandbox, cgroup, self._mcp_mounts
-            )
+            session = _Session(session_id, ws, self._base(ws), self._limits, self._sandbox, cgroup, self._mcp_mounts)
             self._sessions[session_id] = session
         return session
 
