@@ -34,6 +34,7 @@ key                                    what
 ``{p}:{p}:apikeys``                    hash: HTTP API key id -> JSON record (tenant, admin, the
                                        key's sha256, created, revoked); the key itself is never kept
 ``{p}:{p}:rate:<key id>``              hash: an API key's request token bucket (``tokens``, ``at`` ms)
+``{p}:{p}:tenant:<t>:rate``            hash: tenant ``t``'s request token bucket, shared by its keys
 ``{p}:{p}:tenant:<t>:sessions``        sorted set: the sessions of tenant ``t``, scored by creation
                                        time (written with ``sessions``; a tenant's list reads only it)
 ``{p}:{p}:tenant-index``               hash: ``done`` once the sessions made before the tenant indexes
@@ -112,6 +113,10 @@ class Keys:
     def rate(self, key_id: str) -> str:
         """An HTTP API key's request token bucket."""
         return f"{self.prefix}:{{{self.prefix}}}:rate:{key_id}"
+
+    def tenant_rate(self, tenant: str) -> str:
+        """A tenant's HTTP request token bucket (every key of the tenant draws from it)."""
+        return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:rate"
 
     def tenant_sessions(self, tenant: str) -> str:
         """The sorted set of ``tenant``'s sessions (the sessions index, one tenant's part)."""

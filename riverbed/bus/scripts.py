@@ -291,26 +291,37 @@ if to > archived then redis.call('HSET', KEYS[2], 'archived_to', to) end
 return {'ok', trimmed}
 """
 
-# KEYS: a token bucket (hash: tokens, at ms).  ARGV: rate (tokens a second), burst (the bucket's size).
-# Reply: {1, 0} a token taken | {0, ms until the next token}.  An API key's request rate (``serve/limits.py``):
-# the bucket fills at ``rate`` up to ``burst``; a refused request takes nothing.
-TAKE_TOKEN = (
+
+# KEYS: an API key's bucket, its tenant's bucket.  ARGV: the key's rate (tokens a second) and burst,
+# the tenant's rate and burst (a rate of 0: that bucket is not drawn from).  Reply: {1, 0} a token
+# taken from each | {0, ms until one would be, 1 the key's bucket | 2 the tenant's}.  Nothing is
+# taken unless both have one, so a refused request costs neither.
+TAKE_TOKENS = (
     _NOW
     + """
-local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
-local got = redis.call('HMGET', KEYS[1], 'tokens', 'at')
-local tokens = tonumber(got[1] or ARGV[2])
-local at = tonumber(got[2] or now)
-if now > at then tokens = math.min(burst, tokens + (now - at) * rate / 1000) end
-if tokens < 1 then
-  return {0, math.ceil((1 - tokens) * 1000 / rate)}
+local state, wait, empty = {}, 0, 0
+for i = 1, 2 do
+  local rate, burst = tonumber(ARGV[2 * i - 1]), tonumber(ARGV[2 * i])
+  if rate > 0 then
+    local got = redis.call('HMGET', KEYS[i], 'tokens', 'at')
+    local tokens = tonumber(got[1] or burst)
+    local at = tonumber(got[2] or now)
+    if now > at then tokens = math.min(burst, tokens + (now - at) * rate / 1000) end
+    if tokens < 1 then
+      local ms = math.ceil((1 - tokens) * 1000 / rate)
+      if ms > wait then wait, empty = ms, i end
+    end
+    state[i] = {tokens, math.max(now, at), rate, burst}
+  end
 end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - 1), 'at', math.max(now, at))
-redis.call('PEXPIRE', KEYS[1], math.ceil(burst * 1000 / rate) + 1000)
-return {1, 0}
+if empty > 0 then return {0, wait, empty} end
+for i, s in pairs(state) do
+  redis.call('HSET', KEYS[i], 'tokens', tostring(s[1] - 1), 'at', s[2])
+  redis.call('PEXPIRE', KEYS[i], math.ceil(s[4] * 1000 / s[3]) + 1000)
+end
+return {1, 0, 0}
 """
 )
-
 
 # --- tenant quotas (``agent/quotas.py``) --------------------------------------------------------
 
