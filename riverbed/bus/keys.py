@@ -29,6 +29,11 @@ key                                    what
 ``{p}:{p}:uids``                       string: the last sandbox user number handed out (``INCR``)
 ``{p}:{p}:worker:<name>``              hash: a worker's roles, owned sessions, start time
 ``{p}:{p}:runs``                        sorted set: sessions that had a run, scored by its opening time
+``{p}:{p}:runs:open``                  sorted set: the sessions of ``runs`` whose run is open, same scores
+``{p}:{p}:runs:ended``                 sorted set: the sessions of ``runs`` whose run ended, scored by when
+                                       it ended (``RIVERBED_RUNS_RETENTION`` trims them from the index)
+``{p}:{p}:runs:agents``                hash: session -> the agent its run was opened for (runs that name one)
+``{p}:{p}:tenant:<t>:runs``            sorted set: the sessions of ``runs`` of tenant ``t``, same scores
 ``{p}:{p}:dlq``                        stream: dead letters
 ``{p}:{p}:retention``                  string: the worker running this round's retention pass
 ``{p}:{p}:apikeys``                    hash: HTTP API key id -> JSON record (tenant, admin, the
@@ -100,11 +105,18 @@ class Keys:
         self.uids = f"{prefix}:{{{prefix}}}:uids"
         self.tenant_index = f"{prefix}:{{{prefix}}}:tenant-index"
         self.runs = f"{prefix}:{{{prefix}}}:runs"
+        self.runs_open = f"{prefix}:{{{prefix}}}:runs:open"
+        self.runs_ended = f"{prefix}:{{{prefix}}}:runs:ended"
+        self.runs_agents = f"{prefix}:{{{prefix}}}:runs:agents"
         self.quotas = f"{prefix}:{{{prefix}}}:quotas"
 
     def tenant_running(self, tenant: str) -> str:
         """The sessions of ``tenant`` holding one of its run slots (a hash)."""
         return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:running"
+
+    def tenant_runs(self, tenant: str) -> str:
+        """The sessions of ``tenant`` with a run, scored by when it opened (a sorted set)."""
+        return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:runs"
 
     def tenant_tokens(self, tenant: str, day: str) -> str:
         """The tokens ``tenant``'s runs spent on UTC ``day`` (``YYYY-MM-DD``; a hash)."""

@@ -97,6 +97,8 @@ class ServeConfig:
     """Requests a second per tenant, over all its keys and every process (0: no limit; 429 above it)."""
     tenant_burst: int = 400
     """Requests a tenant may make at once above ``tenant_rate``."""
+    runs_retention: float = 7 * 24 * 3600.0
+    """Seconds an ended run stays in the list of runs (``RIVERBED_RUNS_RETENTION``)."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServeConfig:
@@ -114,6 +116,7 @@ class ServeConfig:
             max_acts_per_tenant=settings.serve_max_acts_per_tenant,
             tenant_rate=settings.serve_tenant_rate,
             tenant_burst=settings.serve_tenant_burst,
+            runs_retention=settings.runs_retention,
         )
 
 

@@ -81,6 +81,7 @@ from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 from riverbed import events
+from riverbed.agent import run_index
 from riverbed.agent.delegation import REFUSED, ChildPlan, plan_child, refusal, result
 from riverbed.agent.llm import build_messages, model_parameters, recorded_response, timeout_sentence
 from riverbed.agent.messages import cache_breakpoints
@@ -526,7 +527,7 @@ class AgentHandler:
         else:
             redis, keys = ctx.log.redis, ctx.log.keys
             async with redis.pipeline() as pipe:  # (listed by `riverbed runs` before a worker picks it up)
-                pipe.zadd(keys.runs, {plan.session: time.time()}, nx=True)
+                run_index.queue_opened(pipe, keys, plan.session, time.time(), ctx.tenant, None)
                 await pipe.execute()
             log.info("agent.delegated", session=ctx.session, child=plan.session, action=plan.header.parent_action)
         return None
@@ -720,7 +721,7 @@ def _queue_summary(ctx: SessionContext, summary: RunSummary, pipe: Pipeline) -> 
     """The writes that save ``summary`` (``riverbed runs`` lists the session by when its run opened)."""
     keys = ctx.log.keys
     pipe.set(keys.run(ctx.session), msgspec.json.encode(replace(summary, updated=time.time())))
-    pipe.zadd(keys.runs, {ctx.session: summary.opened_at}, nx=True)
+    run_index.queue_summary(pipe, keys, summary)
 
 
 def _as_built(request: dict[str, Any]) -> dict[str, Any]:

@@ -268,15 +268,26 @@ def _in_process(
 def runs_command(
     state: Annotated[
         str | None,
-        typer.Option("--state", help="running, finished, failed or cancelled.", show_default=False),
+        typer.Option(
+            "--state",
+            help="running, waiting (no agent worker holds it), finished, failed or cancelled.",
+            show_default=False,
+        ),
     ] = None,
     tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant's runs.", show_default=False)] = None,
+    agent: Annotated[
+        str | None, typer.Option("--agent", help="Only the runs opened for this agent.", show_default=False)
+    ] = None,
+    limit: Annotated[int, typer.Option("--limit", help="Runs on one page.", min=1, max=200)] = 50,
+    cursor: Annotated[
+        str | None, typer.Option("--cursor", help="The page after the one that printed it.", show_default=False)
+    ] = None,
     as_json: JsonOption = False,
     prefix: PrefixOption = None,
 ) -> None:
-    """Runs handed to the agent role, newest first: session, tenant, state, steps, tokens, cost,
-    owning worker, age, and the parent session of a sub-agent's run."""
-    from riverbed.agent.hosted import STATES, list_runs  # noqa: PLC0415
+    """Runs handed to the agent role, newest first, a page at a time: session, tenant, state, steps,
+    tokens, cost, owning worker, age, and the parent session of a sub-agent's run."""
+    from riverbed.agent.hosted import STATES, page_runs  # noqa: PLC0415
     from riverbed.agent.usage import parse_prices  # noqa: PLC0415
 
     if state is not None and state not in STATES:
@@ -284,25 +295,34 @@ def runs_command(
     cli = Invocation(prefix)
 
     async def go() -> Any:
-        return await list_runs(await cli.bus(), state=state, tenant=tenant, prices=parse_prices(cli.settings.prices))
+        return await page_runs(
+            await cli.bus(), state=state, tenant=tenant, agent=agent, prices=parse_prices(cli.settings.prices),
+            limit=limit, cursor=cursor, retention=cli.settings.runs_retention,
+        )  # fmt: skip
 
-    rows = cli.run(go)
+    page = cli.run(go)
+    rows = page.rows
+    more = f"more runs: riverbed runs --cursor {page.next_cursor}" if page.next_cursor else None
     if as_json:
         _stdout_lines(json_bytes(msgspec.to_builtins(row)) for row in rows)
+        if more:
+            _progress(more)
         return
     if not rows:
-        _progress("no runs" + (f" in state {state}" if state else ""))
+        _progress(more or "no runs" + (f" in state {state}" if state else ""))
         return
     columns = ("session", "tenant", "state", "steps", "tokens", "cost", "worker", "age", "parent")
     table = Table(*columns, box=None, header_style="bold")
     for row in rows:
         cost = "" if row.cost is None else f"{row.cost:.4f}"
-        state_text = row.state if row.state in ("running", "finished") else f"{row.state} ({row.reason})"
+        state_text = row.state if row.state in ("running", "waiting", "finished") else f"{row.state} ({row.reason})"
         table.add_row(
             row.session, row.tenant or "", state_text, str(row.steps), str(row.tokens), cost, row.worker or "",
             _age(row.age), row.parent or "",
         )  # fmt: skip
     Console(highlight=False).print(table)
+    if more:
+        _progress(more)
 
 
 def _age(seconds: float) -> str:
