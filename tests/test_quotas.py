@@ -41,7 +41,9 @@ async def test_the_operator_sets_quotas_and_an_open_over_them_is_refused(bus: Bu
         assert words in refused.stderr
         assert b"Traceback" not in refused.stderr
     shown = [json.loads(line) for line in run_cli(env, "tenants", "show", "--json").stdout.splitlines()]
-    assert shown == [{"tenant": "acme", "max_runs": 1, "running": 0, "tokens_per_day": 500, "tokens_today": 0}]
+    assert shown == [
+        {"tenant": "acme", "max_runs": 1, "running": 0, "tokens_per_day": 500, "tokens_today": 0, "models": None}
+    ]
 
     # one run at once: the CLI refuses the second with one sentence and exit 2, the API with 429
     first = run_cli(env, "agent", "a1", "first", "--detach", "--tenant", "acme")
@@ -76,7 +78,9 @@ async def test_the_operator_sets_quotas_and_an_open_over_them_is_refused(bus: Bu
     assert spent.returncode == 2
     assert b"tokens a day" in spent.stderr
     shown = [json.loads(line) for line in run_cli(env, "tenants", "show", "acme", "--json").stdout.splitlines()]
-    assert shown == [{"tenant": "acme", "max_runs": None, "running": 1, "tokens_per_day": 500, "tokens_today": 600}]
+    assert shown == [
+        {"tenant": "acme", "max_runs": None, "running": 1, "tokens_per_day": 500, "tokens_today": 600, "models": None}
+    ]
 
 
 async def test_a_token_report_counts_once(bus: Bus) -> None:

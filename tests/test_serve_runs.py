@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from riverbed import events
+from riverbed.agent.quotas import Quotas
 from riverbed.client.session import Bus
 from tests.kit.serve import assert_problem, bearer, new_key, running
 
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.anyio
 async def test_open_list_and_cancel_runs_scoped_to_the_tenant(bus: Bus) -> None:
     acme, globex = await new_key(bus, "acme"), await new_key(bus, "globex")
     admin = await new_key(bus, None, admin=True)
+    await Quotas(bus.log_store).set("acme", max_runs=None, tokens_per_day=None, models=["m1"])
     async with running(bus) as base, httpx.AsyncClient(base_url=base) as http:
         body = {"task": "list the files", "max_steps": 5, "max_tokens": 1000, "model": "m1"}
         opened = await http.post("/v1/sessions/r1/runs", json=body, headers=bearer(acme))

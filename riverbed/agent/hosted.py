@@ -39,10 +39,11 @@ from riverbed.agent import run_index
 from riverbed.agent.quotas import Quotas
 from riverbed.agent.run_index import DEFAULT_RETENTION, Candidate
 from riverbed.agent.runs import RunFold, RunSummary, fold_runs, summarize
-from riverbed.agent.usage import Price
+from riverbed.agent.usage import Price, unpriced
 from riverbed.bus.keys import AGENT_ROLE
 from riverbed.client.session import Bus
 from riverbed.errors import AppendConflict, InputError
+from riverbed.settings import Settings
 
 __all__ = [
     "STATES",
@@ -131,16 +132,27 @@ async def open_run(
     limits: RunLimits | None = None,
     tenant: str | None = None,
     agent: str | None = None,
+    default_model: str | None = None,
+    prices: dict[str, Price] | None = None,
 ) -> OpenedRun:
     """Record a run on the log (task message + ``run_started``) and return at once.
 
     :class:`InputError` when the session has a run open already, or when the task is empty;
     :class:`~riverbed.errors.QuotaExceeded` when the session's tenant is at a quota
-    (:mod:`riverbed.agent.quotas`).  ``agent``: the agent the run is for (its ``run_started``'s
-    ``agent``; ``riverbed runs --agent`` lists by it)."""
+    (:mod:`riverbed.agent.quotas`); :class:`InputError` too when the run asks for a model that is
+    not its tenant's to use, or for a ``max_cost`` that ``prices`` cannot bound (a model without a
+    price).  ``agent``: the agent the run is for (its ``run_started``'s ``agent``; ``riverbed runs
+    --agent`` lists by it); ``default_model``: the model a run that names none gets (default
+    ``RIVERBED_LLM_MODEL``)."""
     limits = limits or RunLimits()
     if not task.strip():
         raise InputError("the task is empty: say what the agent should do")
+    if default_model is None:
+        default_model = str(Settings.one("llm_model"))
+    if limits.max_cost is not None and prices is not None:
+        refused = unpriced(limits.model or default_model, prices)
+        if refused is not None:
+            raise InputError(f"no run opens: {refused}")
     session = await bus.operate(session_id, tenant=tenant)
     fold = await _fold(bus, session_id)
     if fold.run is not None and fold.run.open:
@@ -160,7 +172,7 @@ async def open_run(
     )
     quotas = Quotas(bus.log_store) if session.tenant is not None else None
     if quotas is not None and session.tenant is not None:
-        await quotas.admit(session.tenant, session_id)
+        await quotas.admit(session.tenant, session_id, model=limits.model, default_model=default_model)
     try:
         # expected_last: two callers opening a run at once cannot both succeed.
         task_id, opened = await session.append(

@@ -47,6 +47,8 @@ key                                    what
 ``{p}:{p}:quotas``                     hash: tenant -> its quotas (JSON: ``max_runs``, ``tokens_per_day``),
                                        set by the operator (``riverbed tenants set``)
 ``{p}:{p}:tenant:<t>:running``         hash: the sessions of tenant ``t`` holding a run slot -> when taken
+``{p}:{p}:tenant:<t>:inflight``        hash: the model calls of ``t``'s runs in flight (``<session>:<run>`` ->
+                                       ``<estimated tokens> <expiry ms>``), reserved before each call
 ``{p}:{p}:tenant:<t>:tokens:<day>``    hash: tokens of ``t``'s runs counted on UTC ``day``: per run
                                        (``<session>:<run id>``) its tokens so far, ``_total`` their sum
 =====================================  =======================================================
@@ -117,6 +119,10 @@ class Keys:
     def tenant_runs(self, tenant: str) -> str:
         """The sessions of ``tenant`` with a run, scored by when it opened (a sorted set)."""
         return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:runs"
+
+    def tenant_inflight(self, tenant: str) -> str:
+        """The model calls of ``tenant``'s runs in flight, each with its reserved tokens (a hash)."""
+        return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:inflight"
 
     def tenant_tokens(self, tenant: str, day: str) -> str:
         """The tokens ``tenant``'s runs spent on UTC ``day`` (``YYYY-MM-DD``; a hash)."""

@@ -99,6 +99,9 @@ class ServeConfig:
     """Requests a tenant may make at once above ``tenant_rate``."""
     runs_retention: float = 7 * 24 * 3600.0
     """Seconds an ended run stays in the list of runs (``RIVERBED_RUNS_RETENTION``)."""
+    llm_model: str | None = None
+    """The model a run that names none gets, a tenant's only one without an allow-list (None:
+    ``RIVERBED_LLM_MODEL``)."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServeConfig:
@@ -117,6 +120,7 @@ class ServeConfig:
             tenant_rate=settings.serve_tenant_rate,
             tenant_burst=settings.serve_tenant_burst,
             runs_retention=settings.runs_retention,
+            llm_model=settings.llm_model,
         )
 
 

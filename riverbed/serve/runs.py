@@ -69,7 +69,15 @@ async def start(request: Request) -> Response:
     tenant = await _session_tenant(api, who, session, create=True)
     body = await _body_as(request, _RunBody, f"the run body must be {_RUN_SHAPE} with only task required")
     limits = RunLimits(model=body.model, max_steps=body.max_steps, max_tokens=body.max_tokens, max_cost=body.max_cost)
-    opened = await open_run(api.bus, session, body.task, limits=limits, tenant=tenant)
+    opened = await open_run(
+        api.bus,
+        session,
+        body.task,
+        limits=limits,
+        tenant=tenant,
+        default_model=api.config.llm_model,
+        prices=parse_prices(api.config.prices),
+    )
     rows = await list_runs(api.bus, sessions=[session], prices=parse_prices(api.config.prices))
     run = run_document(rows[0]) if rows else {"session": session, "tenant": tenant, "state": "running"}
     limits_doc = {"max_steps": body.max_steps, "max_tokens": body.max_tokens, "max_cost": body.max_cost}

@@ -85,7 +85,7 @@ from riverbed.agent import run_index
 from riverbed.agent.delegation import REFUSED, ChildPlan, plan_child, refusal, result
 from riverbed.agent.llm import build_messages, model_parameters, recorded_response, timeout_sentence
 from riverbed.agent.messages import cache_breakpoints
-from riverbed.agent.quotas import Quotas, TenantQuota
+from riverbed.agent.quotas import Quotas, TenantQuota, call_estimate, model_refusal
 from riverbed.agent.runs import (
     AppendAction,
     AppendDelegates,
@@ -102,7 +102,7 @@ from riverbed.agent.runs import (
     summarize,
 )
 from riverbed.agent.tools import ROLE_TOOL_ACTIONS, tools
-from riverbed.agent.usage import Price, StepUsage, parse_prices, step
+from riverbed.agent.usage import Price, StepUsage, parse_prices, step, unpriced
 from riverbed.bus.backoff import Backoff
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.handling import Entry, SessionContext
@@ -419,7 +419,9 @@ class AgentHandler:
         return self._quotas
 
     async def _over_quota(self, ctx: SessionContext, state: _Session, run: Run) -> str | None:
-        """Why the run's tenant may not have another model call (None: it may)."""
+        """Why the run's tenant may not have another model call (None: it may: its tokens are reserved)."""
+        if run.max_cost is not None and (unbound := unpriced(run.model or self.model, self.prices)) is not None:
+            return f"the run may not start: {unbound}"
         tenant = ctx.tenant
         if tenant is None:
             return None
@@ -434,7 +436,12 @@ class AgentHandler:
         if cached is None or cached[0] < now:
             cached = (now + QUOTA_CACHE_SECONDS, await quotas.get(tenant))
             self._quota_cache[tenant] = cached
-        refused = await quotas.tokens_refusal(tenant, cached[1])
+        if (other_model := model_refusal(tenant, cached[1], run.model, self.model)) is not None:
+            return f"the run may not start: {other_model}"
+        refused = await quotas.reserve_call(
+            tenant, ctx.session, run.opened, cached[1], ttl=self.llm_timeout + self.retry_seconds + 30,
+            estimate=lambda: call_estimate(state.seen, self.max_output_tokens),
+        )  # fmt: skip
         return None if refused is None else f"the run stopped: {refused}"
 
     async def _release_slot(self, ctx: SessionContext, state: _Session) -> None:

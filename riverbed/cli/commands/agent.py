@@ -161,6 +161,7 @@ def _hosted(
 ) -> None:
     from riverbed.agent.hosted import follow_run, open_run  # noqa: PLC0415
     from riverbed.agent.llm import make_client  # noqa: PLC0415
+    from riverbed.agent.usage import parse_prices  # noqa: PLC0415
     from riverbed.workers.agent_run import check_model_server, require_workers  # noqa: PLC0415
 
     cli = Invocation(prefix, **model_flags)
@@ -176,7 +177,10 @@ def _hosted(
         bus = await cli.bus()
         if not detach:
             await require_workers(bus, ["runtime", "agent"])
-        opened = await open_run(bus, session, task, limits=limits, tenant=tenant)
+        opened = await open_run(
+            bus, session, task, limits=limits, tenant=tenant, default_model=settings.llm_model,
+            prices=parse_prices(settings.prices),
+        )  # fmt: skip
         if detach:
             _progress(f"run opened on {session} (event {opened.opened}): `riverbed runs` shows it")
             return []
