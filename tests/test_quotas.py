@@ -28,7 +28,7 @@ __all__ = ["server"]  # the fixture this module shares
 
 
 async def test_the_operator_sets_quotas_and_an_open_over_them_is_refused(bus: Bus, cli_env: dict[str, str]) -> None:
-    env = {**cli_env, "RIVERBED_PREFIX": bus.keys.prefix}
+    env = {**cli_env, "RIVERBED_PREFIX": bus.keys.prefix, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
     result = run_cli(env, "tenants", "set", "acme", "--max-runs", "1", "--tokens-per-day", "500")
     assert result.returncode == 0, result.stderr.decode()
     assert b"at most 1 runs at once, 500 tokens a day" in result.stderr
@@ -115,7 +115,7 @@ async def test_the_last_slot_goes_to_exactly_one_of_racing_opens(bus: Bus, cli_e
     assert (await quotas.usage("acme")).running == 3
     # across processes too: two CLI processes racing for one freed slot
     await quotas.set("acme", max_runs=4, tokens_per_day=None)
-    env = {**cli_env, "RIVERBED_PREFIX": bus.keys.prefix}
+    env = {**cli_env, "RIVERBED_PREFIX": bus.keys.prefix, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
     jobs = [(env, ["agent", f"proc-{i}", "race", "--detach", "--tenant", "acme"]) for i in range(2)]
     codes = sorted(result.returncode for result in await anyio.to_thread.run_sync(run_all, jobs))
     assert codes == [0, 2]

@@ -179,3 +179,22 @@ async def test_a_run_no_worker_holds_is_waiting_and_its_cancel_ends_it_at_once_a
             await anyio.sleep(0.05)
     rows = [json.loads(line) for line in run_cli(env, "runs", "--json", "--state", "cancelled").stdout.splitlines()]
     assert [r["session"] for r in rows] == ["q2", "q1"]
+
+
+async def test_detach_without_a_model_is_refused_and_without_an_agent_worker_says_it_waits(
+    bus: Bus, cli_env: dict[str, str]
+) -> None:
+    env = {**cli_env, "RIVERBED_PREFIX": bus.keys.prefix}
+    refused = run_cli(env, "agent", "n1", "do it", "--detach")
+    assert refused.returncode == 2
+    said = refused.stderr.decode().strip()
+    assert len(said.splitlines()) == 1, said
+    assert "no model server is configured" in said
+    assert "OPENAI_BASE_URL" in said
+    assert await bus.session("n1").last_id() == 0
+    configured = {**env, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+    opened = run_cli(configured, "agent", "n1", "do it", "--detach")
+    assert opened.returncode == 0, opened.stderr
+    assert b"waiting for an agent worker" in opened.stderr
+    rows = [json.loads(line) for line in run_cli(env, "runs", "--json").stdout.splitlines()]
+    assert [(r["session"], r["state"]) for r in rows] == [("n1", "waiting")]

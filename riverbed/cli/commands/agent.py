@@ -162,7 +162,13 @@ def _hosted(
     from riverbed.agent.hosted import follow_run, open_run  # noqa: PLC0415
     from riverbed.agent.llm import make_client  # noqa: PLC0415
     from riverbed.agent.usage import parse_prices  # noqa: PLC0415
-    from riverbed.workers.agent_run import check_model_server, require_workers  # noqa: PLC0415
+    from riverbed.errors import ConfigError  # noqa: PLC0415
+    from riverbed.workers.agent_run import (  # noqa: PLC0415
+        AGENT_SEEN_SECONDS,
+        agent_workers,
+        check_model_server,
+        require_workers,
+    )
 
     cli = Invocation(prefix, **model_flags)
     settings = cli.settings
@@ -177,12 +183,23 @@ def _hosted(
         bus = await cli.bus()
         if not detach:
             await require_workers(bus, ["runtime", "agent"])
+        agents = await agent_workers(bus)
+        if not agents and not settings.model_configured:
+            raise ConfigError(
+                "no model server is configured and no agent worker is running: set OPENAI_BASE_URL "
+                "(or OPENAI_API_KEY) and start `riverbed worker all`, which then serves the agent role"
+            )
         opened = await open_run(
             bus, session, task, limits=limits, tenant=tenant, default_model=settings.llm_model,
             prices=parse_prices(settings.prices),
         )  # fmt: skip
         if detach:
             _progress(f"run opened on {session} (event {opened.opened}): `riverbed runs` shows it")
+            if not agents:
+                _progress(
+                    f"waiting for an agent worker: none has been seen in the last {AGENT_SEEN_SECONDS:g}s "
+                    "(start one with `riverbed worker all` where OPENAI_BASE_URL is set); the run starts when one does"
+                )
             return []
         _progress(f"run opened on {session} (event {opened.opened}); following it (Ctrl-C detaches, the run goes on)")
         seen: list[events.Event] = []
