@@ -1,8 +1,9 @@
 """A worker process: one :class:`Owner` per role, a heartbeat, signals, graceful drain.
 
 ``riverbed worker runtime memory condenser agent`` (or ``all``) runs :func:`run_worker`.
-SIGTERM or SIGINT stops intake, lets in-flight work finish within ``drain_seconds``,
-then cancels and releases every session so peers take them over at once.
+SIGTERM or SIGINT stops intake, lets in-flight work finish within ``drain_seconds`` (at most
+the lease: a worker under load exits within its lease and a few seconds), then cancels and
+releases every session so peers take them over at once.
 
 With ``RIVERBED_DATABASE_URL`` set every role reads archived events through the Postgres
 archive, and with ``RIVERBED_RETENTION_SECONDS`` > 0 a memory worker also runs retention
@@ -158,11 +159,12 @@ class Worker:
             log.info("worker.ready", worker=self.name, roles=self.roles, sandbox=self._sandbox(), bwrap=self._bwrap())
             task_status.started()
             await self._stop.wait()
-            log.info("worker.draining", worker=self.name, deadline=self.settings.drain_seconds)
+            deadline = min(self.settings.drain_seconds, self.settings.lease_seconds)
+            log.info("worker.draining", worker=self.name, deadline=deadline)
             with anyio.CancelScope(shield=True):
                 async with anyio.create_task_group() as drain:
                     for owner in self.owners.values():
-                        drain.start_soon(owner.drain, self.settings.drain_seconds)
+                        drain.start_soon(owner.drain, deadline)
                 await self._deregister()
             tg.cancel_scope.cancel()
         log.info("worker.stopped", worker=self.name)
