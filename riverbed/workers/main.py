@@ -21,13 +21,12 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import structlog
 from anyio.abc import TaskStatus
 
-from riverbed.bus.archive import Archive, Retention
 from riverbed.bus.connection import RawClient, connect_redis
 from riverbed.bus.consumer import Handler, HotReads, Owner
 from riverbed.bus.keys import AGENT_ROLE, ROLES, Keys
@@ -37,6 +36,9 @@ from riverbed.errors import ConfigError, UnavailableError
 from riverbed.settings import Settings
 from riverbed.workers.http import serve as serve_http
 from riverbed.workers.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from riverbed.bus.archive import Archive, Retention
 
 __all__ = ["Worker", "default_name", "parse_roles", "run_process", "run_worker"]
 
@@ -120,6 +122,8 @@ class Worker:
             owner.log.archive = archive
         self.retention: Retention | None = None
         if archive is not None and settings.retention_seconds > 0 and "memory" in self.owners:
+            from riverbed.bus.archive import Retention  # noqa: PLC0415  (asyncpg only with a database)
+
             self.retention = Retention(
                 self.client,
                 self.keys,
@@ -290,7 +294,11 @@ async def run_worker(
     redis = await connect_redis(url, max_connections=settings.redis_connections, shared=True, name=f"riverbed:{name}")
     hot = await connect_redis(url, max_connections=HOT_READERS, shared=True, name=f"riverbed:{name}", spare=0)
     handlers, closers = build_handlers(roles, settings)
-    archive = Archive(settings.database_url, schema=settings.prefix) if settings.database_url else None
+    archive: Archive | None = None
+    if settings.database_url:
+        from riverbed.bus.archive import Archive  # noqa: PLC0415  (asyncpg only with a database)
+
+        archive = Archive(settings.database_url, schema=settings.prefix)
     if archive is not None:
         closers.append(archive.close)
     worker = Worker(
