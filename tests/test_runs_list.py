@@ -198,3 +198,25 @@ async def test_detach_without_a_model_is_refused_and_without_an_agent_worker_say
     assert b"waiting for an agent worker" in opened.stderr
     rows = [json.loads(line) for line in run_cli(env, "runs", "--json").stdout.splitlines()]
     assert [(r["session"], r["state"]) for r in rows] == [("n1", "waiting")]
+
+
+async def test_runs_listed_before_the_indexes_are_indexed_once(bus: Bus) -> None:
+    now = time.time()
+    old = {
+        "was-open": RunSummary(session="was-open", tenant="a", state="running", opened_at=now - 30, updated=now - 1),
+        "was-done": RunSummary(session="was-done", tenant="b", state="finished", opened_at=now - 20, updated=now - 10),
+        "long-done": RunSummary(
+            session="long-done", tenant="b", state="failed", opened_at=now - 9_000, updated=now - 8_000
+        ),
+    }
+    async with bus.client.pipeline() as pipe:  # what the agent role wrote before: a summary and the runs set
+        for session, summary in old.items():
+            pipe.set(bus.keys.run(session), encode(summary))
+            pipe.zadd(bus.keys.runs, {session: summary.opened_at})
+        await pipe.execute()
+    assert await list_runs(bus, tenant="b") == []
+    assert await run_index.backfill(bus.client, bus.keys) == 3
+    assert await run_index.backfill(bus.client, bus.keys) == 0  # once
+    assert [r.session for r in await list_runs(bus, tenant="b")] == ["was-done", "long-done"]
+    assert [(r.session, r.state) for r in await list_runs(bus, state="waiting")] == [("was-open", "waiting")]
+    assert [r.session for r in await list_runs(bus, retention=3_600)] == ["was-done", "was-open"]

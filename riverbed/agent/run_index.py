@@ -12,7 +12,9 @@ tenant's for a tenant, else every run), after an opaque cursor, a chunk at a tim
 candidate's saved summary is read in one pipelined round trip; filters the set does not hold
 (an ended state, the agent) are applied to what was read, and at most :data:`SCAN_MOST`
 candidates are read per call: a page may then come back short, with a cursor to go on from.
-The first page of 100,000 ended runs costs the same few commands as that of ten.
+The first page of 100,000 ended runs costs the same few commands as that of ten.  The runs
+listed before these indexes existed are indexed once per prefix (:func:`backfill`, when ``serve``
+starts and by ``riverbed runs``).
 
 Ended runs stay listed for ``RIVERBED_RUNS_RETENTION`` seconds, then are trimmed: each listing
 first removes at most :data:`TRIM_MOST` runs that ended before that (one command when there are
@@ -40,6 +42,7 @@ __all__ = [
     "TRIM_MOST",
     "Candidate",
     "Scan",
+    "backfill",
     "candidates",
     "decode_cursor",
     "encode_cursor",
@@ -105,6 +108,32 @@ async def trim(redis: RedisClient, keys: Keys, retention: float, *, now: float |
         pipe.hdel(keys.runs_agents, *old)
         await pipe.execute()
     return len(old)
+
+
+BACKFILL_CHUNK = 1000
+
+
+async def backfill(redis: RedisClient, keys: Keys) -> int:
+    """Index the runs listed before the open, ended and tenant indexes existed, from their saved
+    summaries, once per prefix (``Keys.tenant_index`` field ``runs`` marks it done; running it
+    twice changes nothing); how many runs it read.  A run ended then counts its retention from
+    its summary's last save."""
+    if await redis.hget(keys.tenant_index, "runs") is not None:
+        return 0
+    sessions = [name.decode() for name in await redis.zrange(keys.runs)]
+    for begin in range(0, len(sessions), BACKFILL_CHUNK):
+        part = sessions[begin : begin + BACKFILL_CHUNK]
+        async with redis.pipeline() as pipe:
+            saved = [pipe.get(keys.run(session)) for session in part]
+            await pipe.execute()
+        async with redis.pipeline() as pipe:
+            for reply in saved:
+                summary = saved_summary(reply.value)
+                if summary is not None:
+                    queue_summary(pipe, keys, summary, now=summary.updated or None)
+            await pipe.execute()
+    await redis.hset(keys.tenant_index, "runs", len(sessions))
+    return len(sessions)
 
 
 def encode_cursor(score: float, session: str) -> str:

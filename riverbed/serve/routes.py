@@ -30,6 +30,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from riverbed import events
+from riverbed.agent import run_index
 from riverbed.agent.replay import fork
 from riverbed.agent.runs import is_child_id
 from riverbed.agent.usage import parse_prices
@@ -159,6 +160,8 @@ class Api:
         (and, once per prefix, the sessions older than the tenant indexes indexed)."""
         if indexed := await index_older_sessions(self.bus):
             log.info("serve.tenant_indexes_built", sessions=indexed)
+        if indexed := await run_index.backfill(self.bus.client, self.bus.keys):
+            log.info("serve.run_indexes_built", runs=indexed)
         async with anyio.create_task_group() as tg:
             await tg.start(self.followers.run)
             await tg.start(self.streams.run)

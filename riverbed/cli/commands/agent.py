@@ -308,6 +308,7 @@ def runs_command(
 ) -> None:
     """Runs handed to the agent role, newest first, a page at a time: session, tenant, state, steps,
     tokens, cost, owning worker, age, and the parent session of a sub-agent's run."""
+    from riverbed.agent import run_index  # noqa: PLC0415
     from riverbed.agent.hosted import STATES, page_runs  # noqa: PLC0415
     from riverbed.agent.usage import parse_prices  # noqa: PLC0415
 
@@ -316,8 +317,10 @@ def runs_command(
     cli = Invocation(prefix)
 
     async def go() -> Any:
+        bus = await cli.bus()
+        await run_index.backfill(bus.client, bus.keys)  # (once per prefix: the runs listed before the indexes)
         return await page_runs(
-            await cli.bus(), state=state, tenant=tenant, agent=agent, prices=parse_prices(cli.settings.prices),
+            bus, state=state, tenant=tenant, agent=agent, prices=parse_prices(cli.settings.prices),
             limit=limit, cursor=cursor, retention=cli.settings.runs_retention,
         )  # fmt: skip
 
