@@ -70,6 +70,7 @@ async def cost(bus: Bus, **options: object) -> tuple[int, list[str]]:
     return await commands(bus) - before - idle, [row.session for row in page.rows]
 
 
+@pytest.mark.fault
 async def test_the_first_page_of_100k_ended_runs_takes_a_few_commands(standalone_bus: Bus) -> None:
     bus = standalone_bus
     await load_ended(bus, 10, start=1_000.0)
@@ -133,6 +134,7 @@ async def test_ended_runs_are_trimmed_after_the_retention_a_bounded_few_per_list
     assert await bus.redis.zcard(bus.keys.tenant_runs("t7")) == 0
 
 
+@pytest.mark.fault
 async def test_a_run_no_worker_holds_is_waiting_and_its_cancel_ends_it_at_once_and_frees_the_slot(
     bus: Bus, cli_env: dict[str, str]
 ) -> None:

@@ -35,6 +35,7 @@ def one_sentence(stderr: bytes) -> str:
     return said
 
 
+@pytest.mark.security
 async def test_a_tenants_models_are_an_allow_list_on_the_cli_and_the_api(bus: Bus, cli_env: dict[str, str]) -> None:
     env = {
         **cli_env,
@@ -69,6 +70,7 @@ async def test_a_tenants_models_are_an_allow_list_on_the_cli_and_the_api(bus: Bu
     assert (await Quotas(bus.log_store).get("acme")).models is None
 
 
+@pytest.mark.security
 async def test_a_cost_limit_on_a_model_without_a_price_is_refused(bus: Bus, cli_env: dict[str, str]) -> None:
     env = {**cli_env, "RIVERBED_PREFIX": bus.keys.prefix, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
     refused = run_cli(env, "agent", "c1", "t", "--detach", "--max-cost", "1")
@@ -82,6 +84,7 @@ async def test_a_cost_limit_on_a_model_without_a_price_is_refused(bus: Bus, cli_
         await open_run(bus, "c2", "t", limits=RunLimits(model="m9", max_cost=1.0), prices={})
 
 
+@pytest.mark.security
 async def test_the_agent_role_refuses_a_run_opened_around_the_checks(
     bus: Bus, workspace: Path, server: OpenAIServer
 ) -> None:
@@ -107,6 +110,7 @@ QUOTA = 1000
 CALL = 400
 
 
+@pytest.mark.security
 async def test_a_tenants_daily_tokens_are_overspent_by_at_most_one_call_not_one_per_run(
     bus: Bus, workspace: Path, server: OpenAIServer
 ) -> None:
