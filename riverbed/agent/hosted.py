@@ -203,7 +203,7 @@ async def cancel_run(bus: Bus, session_id: str, *, note: str = "", tenant: str |
     session = await bus.operate(session_id, tenant=tenant)
     (cancel_id,) = await session.append(events.RunCancel(note=note))
     if not await _held(bus, session_id):
-        await _end_queued(bus, session_id, fold, cancel_id, note)
+        await _end_queued(bus, session_id, fold, cancel_id)
     return cancel_id
 
 
@@ -215,14 +215,14 @@ async def _held(bus: Bus, session_id: str) -> bool:
     return bool(holder) and float(expires or 0) > await bus.client.time() * 1000
 
 
-async def _end_queued(bus: Bus, session_id: str, fold: RunFold, cancel_id: int, note: str) -> None:
+async def _end_queued(bus: Bus, session_id: str, fold: RunFold, cancel_id: int) -> None:
     """End a run no agent worker holds, as the agent role would: its ``error`` right after the
     ``run_cancel`` (only there: anything else between means a worker is at it), under the key the
     role ends a run with; then its summary, its index entry and its tenant's slot."""
     run = fold.run
     assert run is not None
     tenant = run.tenant
-    content = "the run was cancelled" + (f": {note}" if note else "")
+    content = f"the run was cancelled (event {cancel_id})"  # (the agent role's words)
     error = events.Error(
         source="agent", content=content, reason="cancelled", retryable=False, agent=AGENT_NAME, tenant=tenant
     )
