@@ -89,6 +89,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     serve_max_acts_per_key: Annotated[int, Meta(ge=1)] = 100
     serve_rate: Annotated[float, Meta(ge=0, le=1e9)] = 50.0
     serve_burst: Annotated[int, Meta(ge=1)] = 200
+    serve_max_streams_per_tenant: Annotated[int, Meta(ge=1)] = 1000
+    serve_max_acts_per_tenant: Annotated[int, Meta(ge=1)] = 200
+    serve_tenant_rate: Annotated[float, Meta(ge=0, le=1e9)] = 100.0
+    serve_tenant_burst: Annotated[int, Meta(ge=1)] = 400
+    runs_retention: Annotated[float, Meta(ge=0)] = 7 * 24 * 3600.0
     llm_timeout: Annotated[float, Meta(gt=0, le=86_400)] = 120.0
     llm_max_output_tokens: Annotated[int, Meta(ge=0, le=1_000_000)] = 4096
     llm_temperature: Annotated[float, Meta(ge=0, le=2)] | None = None

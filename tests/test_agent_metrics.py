@@ -10,6 +10,7 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.hosted import RunLimits, open_run
+from riverbed.agent.quotas import Quotas
 from riverbed.client.session import Bus
 from tests.kit.agent_role import ended, roles, scrape, server
 from tests.kit.metrics import value
@@ -82,6 +83,10 @@ async def test_a_tenant_naming_models_of_its_own_adds_no_series(
     operator did not name (``RIVERBED_LLM_MODEL``, ``RIVERBED_PRICES``) are counted as ``other``."""
     for _ in range(3):
         server.reply(tool_calls=[("finish", {"final_thought": "done"})], usage=USAGE)
+    # (the operator lets the tenant name them: `riverbed tenants set acme --models`)
+    await Quotas(bus.log_store).set(
+        "acme", max_runs=None, tokens_per_day=None, models=[f"made-up-{i}" for i in range(3)]
+    )
     async with roles(bus, workspace, server, prices=PRICES) as agent:
         for i in range(3):
             opened = await open_run(bus, f"junk{i}", "go", limits=RunLimits(model=f"made-up-{i}"), tenant="acme")

@@ -85,7 +85,7 @@ async def test_a_second_run_is_refused_while_one_is_open(bus: Bus) -> None:
     with pytest.raises(InputError, match="has a run open already"):
         await open_run(bus, "s2", "two")
     (row,) = await list_runs(bus)  # not picked up by an agent worker: folded from its log
-    assert (row.session, row.state, row.worker) == ("s2", "running", None)
+    assert (row.session, row.state, row.worker) == ("s2", "waiting", None)
 
 
 async def test_the_step_limit_ends_a_run(bus: Bus, workspace: Path, server: OpenAIServer) -> None:

@@ -28,7 +28,7 @@ __all__ = ["server"]  # the fixture this module shares
 
 
 async def test_the_operator_sets_quotas_and_an_open_over_them_is_refused(bus: Bus, cli_env: dict[str, str]) -> None:
-    env = {**cli_env, "RIVERBED_PREFIX": bus.keys.prefix}
+    env = {**cli_env, "RIVERBED_PREFIX": bus.keys.prefix, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
     result = run_cli(env, "tenants", "set", "acme", "--max-runs", "1", "--tokens-per-day", "500")
     assert result.returncode == 0, result.stderr.decode()
     assert b"at most 1 runs at once, 500 tokens a day" in result.stderr
@@ -41,7 +41,9 @@ async def test_the_operator_sets_quotas_and_an_open_over_them_is_refused(bus: Bu
         assert words in refused.stderr
         assert b"Traceback" not in refused.stderr
     shown = [json.loads(line) for line in run_cli(env, "tenants", "show", "--json").stdout.splitlines()]
-    assert shown == [{"tenant": "acme", "max_runs": 1, "running": 0, "tokens_per_day": 500, "tokens_today": 0}]
+    assert shown == [
+        {"tenant": "acme", "max_runs": 1, "running": 0, "tokens_per_day": 500, "tokens_today": 0, "models": None}
+    ]
 
     # one run at once: the CLI refuses the second with one sentence and exit 2, the API with 429
     first = run_cli(env, "agent", "a1", "first", "--detach", "--tenant", "acme")
@@ -76,7 +78,9 @@ async def test_the_operator_sets_quotas_and_an_open_over_them_is_refused(bus: Bu
     assert spent.returncode == 2
     assert b"tokens a day" in spent.stderr
     shown = [json.loads(line) for line in run_cli(env, "tenants", "show", "acme", "--json").stdout.splitlines()]
-    assert shown == [{"tenant": "acme", "max_runs": None, "running": 1, "tokens_per_day": 500, "tokens_today": 600}]
+    assert shown == [
+        {"tenant": "acme", "max_runs": None, "running": 1, "tokens_per_day": 500, "tokens_today": 600, "models": None}
+    ]
 
 
 async def test_a_token_report_counts_once(bus: Bus) -> None:
@@ -111,7 +115,7 @@ async def test_the_last_slot_goes_to_exactly_one_of_racing_opens(bus: Bus, cli_e
     assert (await quotas.usage("acme")).running == 3
     # across processes too: two CLI processes racing for one freed slot
     await quotas.set("acme", max_runs=4, tokens_per_day=None)
-    env = {**cli_env, "RIVERBED_PREFIX": bus.keys.prefix}
+    env = {**cli_env, "RIVERBED_PREFIX": bus.keys.prefix, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
     jobs = [(env, ["agent", f"proc-{i}", "race", "--detach", "--tenant", "acme"]) for i in range(2)]
     codes = sorted(result.returncode for result in await anyio.to_thread.run_sync(run_all, jobs))
     assert codes == [0, 2]

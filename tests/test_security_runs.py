@@ -115,9 +115,16 @@ async def test_a_tenants_run_list_reads_only_its_own_runs(bus: Bus) -> None:
         assert listed.status_code == 200, listed.text
         assert [r["session"] for r in listed.json()["runs"]] == ["mine"]
         assert spent < 30, spent
-        theirs = await http.get("/v1/runs?state=running", headers=bearer(globex))
-        assert len(theirs.json()["runs"]) == 300
-        assert [r["session"] for r in theirs.json()["runs"]][-1] == "theirs-0"  # newest first
+        pages = [(await http.get("/v1/runs?state=waiting&limit=200", headers=bearer(globex))).json()]
+        assert len(pages[0]["runs"]) == 200  # (no agent worker holds them: waiting)
+        cursor = pages[0]["next_cursor"]
+        pages.append(
+            (await http.get(f"/v1/runs?state=waiting&limit=200&cursor={cursor}", headers=bearer(globex))).json()
+        )
+        theirs = [r["session"] for page in pages for r in page["runs"]]
+        assert len(theirs) == len(set(theirs)) == 300
+        assert theirs[-1] == "theirs-0"  # newest first
+        assert pages[1]["next_cursor"] is None
 
 
 async def test_the_session_list_shows_a_tenant_nothing_of_another_whatever_it_asks(bus: Bus) -> None:

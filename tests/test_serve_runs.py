@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from riverbed import events
+from riverbed.agent.quotas import Quotas
 from riverbed.client.session import Bus
 from tests.kit.serve import assert_problem, bearer, new_key, running
 
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.anyio
 async def test_open_list_and_cancel_runs_scoped_to_the_tenant(bus: Bus) -> None:
     acme, globex = await new_key(bus, "acme"), await new_key(bus, "globex")
     admin = await new_key(bus, None, admin=True)
+    await Quotas(bus.log_store).set("acme", max_runs=None, tokens_per_day=None, models=["m1"])
     async with running(bus) as base, httpx.AsyncClient(base_url=base) as http:
         body = {"task": "list the files", "max_steps": 5, "max_tokens": 1000, "model": "m1"}
         opened = await http.post("/v1/sessions/r1/runs", json=body, headers=bearer(acme))
@@ -22,7 +24,7 @@ async def test_open_list_and_cancel_runs_scoped_to_the_tenant(bus: Bus) -> None:
         run = opened.json()
         assert run["session"] == "r1"
         assert run["tenant"] == "acme"
-        assert run["state"] == "running"
+        assert run["state"] == "waiting"  # no agent worker holds it
         assert (run["steps"], run["max_steps"], run["max_tokens"]) == (0, 5, 1000)
         assert (run["task"], run["opened"]) == (1, 2)
         logged = await bus.session("r1").events()
@@ -59,17 +61,23 @@ async def test_open_list_and_cancel_runs_scoped_to_the_tenant(bus: Bus) -> None:
         assert [r["session"] for r in only] == ["g1"]
         assert_problem(await http.get("/v1/runs?state=sleeping", headers=bearer(acme)), 400, "running")
 
-        # cancel: 202 with the run_cancel's id; the fold then ends the run (no agent worker here)
+        # cancel: 202 with the run_cancel's id; no agent worker holds the run, so it ends at once
         cancelled = await http.post("/v1/sessions/r1/runs/cancel", json={"note": "enough"}, headers=bearer(acme))
         assert cancelled.status_code == 202, cancelled.text
         assert cancelled.json() == {"session": "r1", "cancel": 3}
-        last = (await bus.session("r1").events())[-1]
-        assert isinstance(last, events.RunCancel)
-        assert (last.note, last.tenant) == ("enough", "acme")
+        asked, last = (await bus.session("r1").events())[-2:]
+        assert isinstance(asked, events.RunCancel)
+        assert (asked.note, asked.tenant) == ("enough", "acme")
+        assert isinstance(last, events.Error)
+        assert (last.source, last.reason, last.tenant) == ("agent", "cancelled", "acme")
         assert_problem(await http.post("/v1/sessions/r1/runs/cancel", content=b"[", headers=bearer(acme)), 400)
-        running_runs = (await http.get("/v1/runs?state=running", headers=bearer(acme))).json()["runs"]
-        assert [r["session"] for r in running_runs] == ["r1"]  # until the agent role ends it
-        assert (await http.get("/v1/runs?state=finished", headers=bearer(acme))).json() == {"runs": []}
+        assert (await http.get("/v1/runs?state=running", headers=bearer(acme))).json()["runs"] == []
+        ended = (await http.get("/v1/runs?state=cancelled", headers=bearer(acme))).json()["runs"]
+        assert [r["session"] for r in ended] == ["r1"]
+        assert (await http.get("/v1/runs?state=finished", headers=bearer(acme))).json() == {
+            "runs": [],
+            "next_cursor": None,
+        }
         assert_problem(await http.post("/v1/sessions/g1/runs/cancel", headers=bearer(acme)), 404)
 
         spec = (await http.get("/openapi.json")).json()

@@ -76,7 +76,12 @@ async def test_thousands_of_streams_hold_no_redis_connection_and_another_tenant_
     attacker, victim = await new_key(bus, "mallory"), await new_key(bus, "acme")
     for n in range(SESSIONS):
         await bus.session(f"flood{n}", tenant="mallory").append(events.Think(thought="bait"))
-    env = {"RIVERBED_SERVE_MAX_STREAMS_PER_KEY": str(2 * STREAMS), "RIVERBED_SERVE_RATE": "0"}
+    env = {
+        "RIVERBED_SERVE_MAX_STREAMS_PER_KEY": str(2 * STREAMS),
+        "RIVERBED_SERVE_MAX_STREAMS_PER_TENANT": str(2 * STREAMS),
+        "RIVERBED_SERVE_RATE": "0",
+        "RIVERBED_SERVE_TENANT_RATE": "0",
+    }
     with serve_process(standalone_redis_url, prefix, tmp_path / "serve.log", env) as base:
         url = httpx.URL(base)
         host, port = url.host, url.port

@@ -166,7 +166,7 @@ async def test_a_run_on_another_definition_waits_until_upgraded(
         assert server.requests == []
         # The operator moves the run to the new definition: the switch is on the log.
         async with bus.client.pipeline() as pipe:
-            pipe.hset(bus.keys.agents, publish_fields(new_deployment, "w-new"))
+            pipe.hset(bus.keys.agents, mapping=publish_fields(new_deployment, "w-new"))
             await pipe.execute()
         upgrade = await upgrade_run(bus, "v1")
         seen = await ended(bus, "v1", opened.task)

@@ -14,42 +14,62 @@ A run is two events on the session's log, appended in one write: the task as the
 ``message`` and a ``run_started`` holding the limits and model.  That append announces the
 session to the agent role (``bus/scripts.py``), which works on the run from then on; the
 caller may go away.  Whether a run is open is read from the log (:mod:`riverbed.agent.runs`).
-``riverbed runs`` reads the summaries the agent role keeps (``keys.run``), and folds the log
-of a run that no agent worker has picked up yet.
+``riverbed runs`` pages through the index of runs (:mod:`riverbed.agent.run_index`), reads
+the summaries the agent role keeps (``keys.run``), and folds the log of a run that no agent
+worker has picked up yet.  An open run that no live agent worker holds is ``waiting``, not
+``running``.
+
+A run no agent worker has taken yet is cancelled here at once: the ``run_cancel`` and, right
+after it, the ``error`` (reason ``cancelled``) the agent role would write, under the same
+idempotency key, so a worker that takes the session meanwhile writes nothing twice; its
+tenant's run slot is given back in the same call.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from dataclasses import replace as dataclass_replace
 from typing import Any
 
 import anyio
 import msgspec
 
 from riverbed import events
+from riverbed.agent import run_index
 from riverbed.agent.define import RULES_VERSION, Agent, RunLimits, check_policy
 from riverbed.agent.quotas import Quotas
 from riverbed.agent.registry import known_agents, resolve
-from riverbed.agent.runs import PendingCall, RunFold, RunState, RunSummary, fold_runs, saved_summary, summarize
-from riverbed.agent.usage import Price
+from riverbed.agent.run_index import DEFAULT_RETENTION, Candidate
+from riverbed.agent.runs import PendingCall, RunFold, RunSummary, fold_runs, summarize
+from riverbed.agent.usage import Price, unpriced
+from riverbed.bus.keys import AGENT_ROLE
 from riverbed.client.session import Bus
 from riverbed.errors import AlreadyAnswered, AppendConflict, InputError
+from riverbed.settings import Settings
 
 __all__ = [
     "STATES",
     "OpenedRun",
     "RunLimits",
+    "RunPage",
     "RunRow",
     "cancel_run",
     "follow_run",
     "list_runs",
     "open_run",
+    "page_runs",
     "upgrade_run",
 ]
 
-STATES: tuple[RunState, ...] = ("running", "finished", "failed", "cancelled")
+STATES = ("running", "waiting", "finished", "failed", "cancelled")
+"""What ``riverbed runs`` says of a run: ``waiting`` is an open run no agent worker holds now."""
+OPEN_STATES = ("running", "waiting")
+AGENT_NAME = "llm"
+"""The ``agent`` of what the agent role appends (a queued run's end is written as it would be)."""
+MAX_PAGE = 200
+"""The most runs one page holds."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +110,14 @@ class RunRow(msgspec.Struct, kw_only=True):
     paused: bool = False
 
 
+@dataclass(frozen=True)
+class RunPage:
+    """One page of runs, newest first, and the cursor of the next (None: the last page)."""
+
+    rows: list[RunRow] = field(default_factory=list)
+    next_cursor: str | None = None
+
+
 async def _fold(bus: Bus, session: str, prices: dict[str, Price] | None = None) -> RunFold:
     return fold_runs([e async for e in bus.log_store.read(session, 1)], prices)
 
@@ -104,6 +132,8 @@ async def open_run(
     agent: str | Agent | None = None,
     images: Sequence[str] = (),
     confirm: str | Sequence[str] | None = None,
+    default_model: str | None = None,
+    prices: dict[str, Price] | None = None,
 ) -> OpenedRun:
     """Record a run on the log (task message + ``run_started``) and return at once.
 
@@ -114,22 +144,35 @@ async def open_run(
     empty or the agent is unknown (the sentence names the known ones).  ``confirm`` is the run's
     approval policy (``never``, ``always``, ``risky`` or tool names; None: the agent's);
     :class:`~riverbed.errors.QuotaExceeded` when the session's tenant is at a quota
-    (:mod:`riverbed.agent.quotas`)."""
+    (:mod:`riverbed.agent.quotas`); :class:`InputError` too when the run asks for a model that is
+    not its tenant's to use, or for a ``max_cost`` that ``prices`` cannot bound (a model without a
+    price).  ``default_model``: the model a run that names none gets (default
+    ``RIVERBED_LLM_MODEL``)."""
     if not task.strip():
         raise InputError("the task is empty: say what the agent should do")
     chosen: dict[str, Any] = {}
+    agent_model: str | None = None
     if isinstance(agent, Agent):
         chosen = {"agent_name": agent.name, "digest": agent.digest, "rules": RULES_VERSION}
-        limits = limits or agent.limits
+        limits, agent_model = limits or agent.limits, agent.model
     elif agent is not None:
         known = resolve(await known_agents(bus.client, bus.keys), agent)
         chosen = {"agent_name": known.name, "digest": known.digest, "rules": known.rules}
+        agent_model = known.model
         if limits is None and known.limits:
             limits = msgspec.convert(known.limits, RunLimits)
     limits = limits or RunLimits()
+    if limits.model is None and agent_model is not None:  # (the agent's model: the one quotas and prices see)
+        limits = dataclass_replace(limits, model=agent_model)
     if confirm is not None:
         check_policy(confirm, "the run")
         chosen["confirm"] = confirm if isinstance(confirm, str) else list(confirm)
+    if default_model is None:
+        default_model = str(Settings.one("llm_model"))
+    if limits.max_cost is not None and prices is not None:
+        refused = unpriced(limits.model or default_model, prices)
+        if refused is not None:
+            raise InputError(f"no run opens: {refused}")
     session = await bus.operate(session_id, tenant=tenant)
     fold = await _fold(bus, session_id)
     if fold.run is not None and fold.run.open:
@@ -149,7 +192,7 @@ async def open_run(
     )
     quotas = Quotas(bus.log_store) if session.tenant is not None else None
     if quotas is not None and session.tenant is not None:
-        await quotas.admit(session.tenant, session_id)
+        await quotas.admit(session.tenant, session_id, model=limits.model, default_model=default_model)
     try:
         # expected_last: two callers opening a run at once cannot both succeed.
         message = events.Message(content=task, source="user", images=list(images)) if images else None
@@ -164,20 +207,24 @@ async def open_run(
                 if now.run is None or not now.run.open:
                     await quotas.release(session.tenant, session_id)
         raise
-    async with bus.client.pipeline() as pipe:  # (the agent role adds it too, when it picks the run up)
-        pipe.zadd(bus.keys.runs, {session_id: time.time()}, nx=True)
+    async with bus.client.pipeline() as pipe:  # (the agent role indexes it too, with each summary)
+        run_index.queue_opened(pipe, bus.keys, session_id, time.time(), session.tenant, chosen.get("agent_name"))
         await pipe.execute()
     return OpenedRun(session_id, task_id, opened)
 
 
 async def cancel_run(bus: Bus, session_id: str, *, note: str = "", tenant: str | None = None) -> int:
     """Ask the agent role to end the session's open run; returns the ``run_cancel``'s id.
-    :class:`InputError` when no run is open."""
+    A run that no agent worker holds is ended here and now, and its tenant's run slot given
+    back.  :class:`InputError` when no run is open."""
     fold = await _fold(bus, session_id)
-    if fold.run is None or not fold.run.open:
+    run = fold.run
+    if run is None or not run.open:
         raise InputError(f"session {session_id} has no open run to cancel")
     session = await bus.operate(session_id, tenant=tenant)
     (cancel_id,) = await session.append(events.RunCancel(note=note))
+    if not await _held(bus, session_id):
+        await _end_queued(bus, session_id, fold, cancel_id)
     return cancel_id
 
 
@@ -270,6 +317,44 @@ async def _decide(
     return approval_id, chosen
 
 
+async def _held(bus: Bus, session_id: str) -> bool:
+    """Whether a live agent worker holds the session now."""
+    holder, expires = await bus.client.hmget(
+        bus.keys.meta(session_id), [f"holder:{AGENT_ROLE}", f"expires:{AGENT_ROLE}"]
+    )
+    return bool(holder) and float(expires or 0) > await bus.client.time() * 1000
+
+
+async def _end_queued(bus: Bus, session_id: str, fold: RunFold, cancel_id: int) -> None:
+    """End a run no agent worker holds, as the agent role would: its ``error`` right after the
+    ``run_cancel`` (only there: anything else between means a worker is at it), under the key the
+    role ends a run with; then its summary, its index entry and its tenant's slot."""
+    run = fold.run
+    assert run is not None
+    tenant = run.tenant
+    content = f"the run was cancelled (event {cancel_id})"  # (the agent role's words)
+    error = events.Error(
+        source="agent", content=content, reason="cancelled", retryable=False, agent=AGENT_NAME, tenant=tenant
+    )
+    try:
+        await bus.log_store.append(
+            session_id, [error], expected_last=cancel_id, idempotency_key=f"run-{run.opened}-end", tenant=tenant
+        )
+    except AppendConflict:
+        return  # a worker took the session meanwhile: it ends the run
+    ended = await _fold(bus, session_id)
+    if ended.run is None or ended.run.open:
+        return
+    parent = ended.delegated.parent if ended.delegated else None
+    summary = summarize(session_id, ended.run, parent=parent)
+    async with bus.client.pipeline() as pipe:
+        pipe.set(bus.keys.run(session_id), msgspec.json.encode(msgspec.structs.replace(summary, updated=time.time())))
+        run_index.queue_summary(pipe, bus.keys, summary)
+        await pipe.execute()
+    if tenant is not None:
+        await Quotas(bus.log_store).release(tenant, session_id)
+
+
 async def follow_run(bus: Bus, session_id: str, start: int) -> AsyncIterator[events.Event]:
     """The session's events from ``start`` on, as they are appended, until a run ends at or
     after ``start`` (the run open then, or the next one); the ending event is the last yielded."""
@@ -288,51 +373,93 @@ async def list_runs(
     *,
     state: str | None = None,
     tenant: str | None = None,
+    agent: str | None = None,
     prices: dict[str, Price] | None = None,
     sessions: list[str] | None = None,
+    retention: float = DEFAULT_RETENTION,
 ) -> list[RunRow]:
-    """The sessions' latest runs, newest first (filtered by ``state`` and ``tenant``; only
-    those of ``sessions`` when it is given)."""
+    """Every listed run, newest first (filtered by ``state``, ``tenant`` and ``agent``; only
+    those of ``sessions`` when it is given): :func:`page_runs`, page after page."""
+    if sessions is not None:
+        entries = [(session, 0.0) for session in sessions]
+        return await _rows(bus, await run_index.candidates(bus.client, bus.keys, entries), prices)
+    rows: list[RunRow] = []
+    cursor: str | None = None
+    while True:
+        page = await page_runs(
+            bus, state=state, tenant=tenant, agent=agent, prices=prices, limit=MAX_PAGE, cursor=cursor,
+            retention=retention,
+        )  # fmt: skip
+        rows.extend(page.rows)
+        if page.next_cursor is None:
+            return rows
+        cursor = page.next_cursor
+
+
+async def page_runs(
+    bus: Bus,
+    *,
+    state: str | None = None,
+    tenant: str | None = None,
+    agent: str | None = None,
+    prices: dict[str, Price] | None = None,
+    limit: int = 50,
+    cursor: str | None = None,
+    retention: float = DEFAULT_RETENTION,
+) -> RunPage:
+    """One page of runs, newest first, after ``cursor`` (:mod:`riverbed.agent.run_index`); the
+    ended runs older than ``retention`` seconds are trimmed from the index first (a bounded few)."""
     if state is not None and state not in STATES:
         raise InputError(f"unknown run state {state!r}: use {', '.join(STATES)}")
-    if sessions is None and tenant is not None and await bus.client.hget(bus.keys.tenant_index, "done") is not None:
-        sessions = await _tenant_runs(bus, tenant)  # (every session is in its tenant's index)
-    elif sessions is None:
-        sessions = [s.decode() for s, _score in reversed(await bus.client.zrange_scores(bus.keys.runs))]
-    async with bus.client.pipeline() as pipe:
-        replies = [pipe.get(bus.keys.run(s)) for s in sessions]
-        await pipe.execute()
-    summaries = [reply.value for reply in replies]
+    if not 1 <= limit <= MAX_PAGE:
+        raise InputError(f"the page size must be from 1 to {MAX_PAGE}, not {limit}")
+    keys = bus.keys
+    await run_index.trim(bus.client, keys, retention)
+    if state in OPEN_STATES:
+        source = keys.runs_open
+    elif tenant is not None:
+        source = keys.tenant_runs(tenant)
+    else:
+        source = keys.runs
+
+    def keep(candidate: Candidate) -> bool:
+        summary = candidate.summary
+        if agent is not None and candidate.agent != agent:
+            return False
+        if summary is None:  # not picked up yet: open, and its tenant is read from its log below
+            return state is None or state == ("running" if candidate.held else "waiting")
+        if tenant is not None and summary.tenant != tenant:
+            return False
+        return state is None or _state(summary, candidate.held) == state
+
+    found = await run_index.scan(bus.client, keys, source, limit=limit, cursor=cursor, keep=keep)
+    rows = await _rows(bus, found.kept, prices)
+    if tenant is not None:
+        rows = [row for row in rows if row.tenant == tenant]
+    return RunPage(rows, found.next_cursor)
+
+
+def _state(summary: RunSummary, held: bool) -> str:
+    if summary.state == "running" and not held:
+        return "waiting"
+    return summary.state
+
+
+async def _rows(bus: Bus, candidates: list[Candidate], prices: dict[str, Price] | None) -> list[RunRow]:
     now = time.time()
     rows: list[RunRow] = []
-    for session, raw in zip(sessions, summaries, strict=True):
-        summary = saved_summary(raw)
+    for candidate in candidates:
+        summary = candidate.summary
         if summary is None:  # no agent worker has picked the run up yet: its log says where it is
-            fold = await _fold(bus, session, prices)
+            fold = await _fold(bus, candidate.session, prices)
             if fold.run is None:
                 continue
-            summary = summarize(session, fold.run, parent=fold.delegated.parent if fold.delegated else None)
+            summary = summarize(candidate.session, fold.run, parent=fold.delegated.parent if fold.delegated else None)
         row = _row(summary, now)
-        if (state is None or row.state == state) and (tenant is None or row.tenant == tenant):
-            rows.append(row)
+        if row.state == "running" and not candidate.held:
+            row.state, row.worker = "waiting", None
+        rows.append(row)
     return rows
-
-
-_CHUNK = 1000
-"""Sessions whose run scores one command reads."""
-
-
-async def _tenant_runs(bus: Bus, tenant: str) -> list[str]:
-    """The sessions with a run among ``tenant``'s (its index of sessions), newest run first: what
-    one tenant's list costs does not grow with the other tenants' runs."""
-    names = [name.decode() for name in await bus.client.zrange(bus.keys.tenant_sessions(tenant))]
-    scored: list[tuple[float, str]] = []
-    for begin in range(0, len(names), _CHUNK):
-        part = names[begin : begin + _CHUNK]
-        scores = await bus.client.zmscore(bus.keys.runs, part)
-        scored.extend((score, name) for name, score in zip(part, scores, strict=True) if score is not None)
-    scored.sort(reverse=True)
-    return [name for _score, name in scored]
 
 
 def _row(summary: RunSummary, now: float) -> RunRow:

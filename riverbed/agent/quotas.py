@@ -22,24 +22,46 @@ same.  What they bound is shared state, kept so that racing processes cannot ove
   role reports them after each model call to the day's hash (``scripts.COUNT_TOKENS``), which
   keeps per run the count already added, so a repeated report adds nothing.  Days are UTC.  A
   tenant at its daily tokens is refused new runs, and its open runs end with
-  ``budget_exhausted`` before their next model call (each run may make one call past the
-  quota, so the day goes over by at most one call per run the tenant has open).
+  ``budget_exhausted`` before their next model call.  Before each call the role *reserves* an
+  estimate of its tokens (``scripts.RESERVE_TOKENS``, one script for all of a tenant's runs):
+  a call goes when no other call of the tenant is in flight, or when all of them, estimates
+  included, fit in what is left of the day; otherwise it waits for those to settle.  The report
+  after the call settles the reservation.  So the day is overspent by at most one call of the
+  tenant (while the estimates hold), not one per open run.
+- **models**: a tenant's runs may ask only for the models of its allow-list (``riverbed tenants
+  set T --models m1,m2``; without one, only the deployment's ``RIVERBED_LLM_MODEL``): refused when
+  the run opens, and by the agent role before its first call for a run opened by other means.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
+from typing import Literal
 
+import anyio
 import msgspec
 from cachetools import LRUCache
 
+from riverbed import events
 from riverbed.agent.runs import RunFold
+from riverbed.agent.usage import tokens
 from riverbed.bus import scripts
 from riverbed.bus.log import Log
 from riverbed.errors import InputError, QuotaExceeded
 
-__all__ = ["TOKENS_TTL", "Quotas", "TenantQuota", "TenantUsage", "seconds_to_midnight", "today"]
+__all__ = [
+    "TOKENS_TTL",
+    "Quotas",
+    "TenantQuota",
+    "TenantUsage",
+    "call_estimate",
+    "model_refusal",
+    "parse_models",
+    "seconds_to_midnight",
+    "today",
+]
 
 TOKENS_TTL = 3 * 24 * 3600
 """Seconds a day's token counts are kept (the day after still reads them)."""
@@ -57,6 +79,59 @@ class TenantQuota(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokens_per_day: int | None = None
     mcp_urls: list[str] | None = None
     """the remote MCP servers the tenant's runs may use (``riverbed.agent.mcp.url_refusal``)"""
+    models: list[str] | None = None
+    """the models its runs may ask for (None: only the deployment's ``RIVERBED_LLM_MODEL``)"""
+
+
+MAX_MODELS = 100
+RESERVE_POLL_SECONDS = 0.2
+"""How often a call that waits for its tenant's calls in flight asks again."""
+PROMPT_FLOOR = 2000
+"""Tokens a first call's estimate counts for the system prompt and the tools."""
+
+
+def call_estimate(seen: Sequence[events.Event], max_output: int) -> int:
+    """The tokens the next model call of a run whose log is ``seen`` may take, on the high side:
+    the last call's prompt and completion (else :data:`PROMPT_FLOOR`), a token per 3 bytes of what
+    came since, and the answer's bound (``max_output``; 0: 4096)."""
+    base, since = PROMPT_FLOOR, 0
+    for event in reversed(seen):
+        if isinstance(event, events.LlmResponse) and event.usage:
+            prompt, _cached, completion = tokens(event.usage)
+            base = prompt + completion
+            break
+        since += len(events.encode(event))
+    return base + since // 3 + (max_output or 4096)
+
+
+def parse_models(raw: str) -> list[str]:
+    """``m1,m2`` as a list of model names (empty: none named); :class:`InputError` for a bad one."""
+    names = [part.strip() for part in raw.split(",") if part.strip()]
+    if len(names) > MAX_MODELS:
+        raise InputError(f"--models names at most {MAX_MODELS} models, not {len(names)}")
+    for name in names:
+        if len(name) > 200:
+            raise InputError(f"a model name is at most 200 characters, not {len(name)}")
+    return list(dict.fromkeys(names))
+
+
+def model_refusal(tenant: str, quota: TenantQuota, model: str | None, default_model: str | None) -> str | None:
+    """Why ``tenant``'s run may not ask for ``model`` (None: it may; a run that names no model
+    gets the deployment's ``default_model``)."""
+    if model is None:
+        return None
+    allowed = quota.models if quota.models is not None else [m for m in (default_model,) if m is not None]
+    if model in allowed:
+        return None
+    if not allowed:
+        return (
+            f"tenant {tenant!r} may not choose its model (the operator allows some with "
+            f"`riverbed tenants set {tenant} --models`)"
+        )
+    return (
+        f"tenant {tenant!r} may use the model{'s' if len(allowed) > 1 else ''} {', '.join(allowed)}, not {model!r} "
+        f"(the operator sets them with `riverbed tenants set {tenant} --models`)"
+    )
 
 
 class TenantUsage(msgspec.Struct, kw_only=True):
@@ -67,6 +142,7 @@ class TenantUsage(msgspec.Struct, kw_only=True):
     running: int
     tokens_per_day: int | None
     tokens_today: int
+    models: list[str] | None = None
 
 
 def today(now: float | None = None) -> str:
@@ -94,14 +170,22 @@ class Quotas:
         self._take = self.redis.script(scripts.TAKE_RUN_SLOT)
         self._release = self.redis.script(scripts.RELEASE_RUN_SLOTS)
         self._count = self.redis.script(scripts.COUNT_TOKENS)
+        self._reserve = self.redis.script(scripts.RESERVE_TOKENS)
 
     # --- the operator's settings ------------------------------------------------------------
 
     async def set(
-        self, tenant: str, *, max_runs: int | None, tokens_per_day: int | None, mcp_urls: list[str] | None = None
+        self,
+        tenant: str,
+        *,
+        max_runs: int | None,
+        tokens_per_day: int | None,
+        mcp_urls: list[str] | None = None,
+        models: Sequence[str] | None = None,
     ) -> TenantQuota:
         """Set ``tenant``'s quotas (0 removes one, None keeps it as it is); ``mcp_urls`` replaces
-        the remote MCP servers it may use (``[]``: none)."""
+        the remote MCP servers it may use (``[]``: none); ``models`` empty: back to the
+        deployment's model only."""
         if not tenant or len(tenant) > 200:
             raise InputError("a tenant name is 1 to 200 characters")
         for name, value in (("--max-runs", max_runs), ("--tokens-per-day", tokens_per_day)):
@@ -114,6 +198,8 @@ class Quotas:
             quota.tokens_per_day = tokens_per_day or None
         if mcp_urls is not None:
             quota.mcp_urls = list(mcp_urls) or None
+        if models is not None:
+            quota.models = list(models) or None
         await self.redis.hset(self.keys.quotas, tenant, msgspec.json.encode(quota))
         return quota
 
@@ -134,6 +220,7 @@ class Quotas:
             running=len(running),
             tokens_per_day=quota.tokens_per_day,
             tokens_today=await self.tokens_today(tenant),
+            models=quota.models,
         )
 
     # --- what they bound ------------------------------------------------------------------------
@@ -155,10 +242,17 @@ class Quotas:
             f"(UTC; the operator sets it with `riverbed tenants set`)"
         )
 
-    async def admit(self, tenant: str, session: str) -> None:
-        """A run of ``tenant`` on ``session`` may start: it holds one of the tenant's run slots.
-        :class:`QuotaExceeded` when the tenant is at its daily tokens or at its runs at once."""
+    async def admit(
+        self, tenant: str, session: str, *, model: str | None = None, default_model: str | None = None
+    ) -> None:
+        """A run of ``tenant`` on ``session`` (asking for ``model``) may start: it holds one of the
+        tenant's run slots.  :class:`InputError` when the model is not the tenant's to ask for
+        (:func:`model_refusal`), :class:`QuotaExceeded` when the tenant is at its daily tokens or
+        at its runs at once."""
         quota = await self.get(tenant)
+        refused_model = model_refusal(tenant, quota, model, default_model)
+        if refused_model is not None:
+            raise InputError(f"no run opens: {refused_model}")
         refusal = await self.tokens_refusal(tenant, quota)
         if refusal is not None:
             raise QuotaExceeded(f"no run opens: {refusal}", retry_after=seconds_to_midnight())
@@ -215,15 +309,65 @@ class Quotas:
         return len(ended)
 
     async def release(self, tenant: str, session: str) -> None:
-        """Give ``session``'s run slot back (its run ended; a repeat does nothing)."""
+        """Give ``session``'s run slot back, and any token reservation of its runs (its run
+        ended; a repeat does nothing)."""
         await self._release([self.keys.tenant_running(tenant)], [session])
+        inflight = self.keys.tenant_inflight(tenant)
+        held = [f.decode() for f in await self.redis.hgetall(inflight)]
+        mine = [f for f in held if f.rpartition(":")[0] == session]
+        if mine:
+            await self._release([inflight], mine)
 
     async def count_tokens(self, tenant: str, session: str, run: int, tokens: int) -> int:
-        """Report that run ``run`` of ``session`` spent ``tokens`` so far; today's total."""
+        """Report that run ``run`` of ``session`` spent ``tokens`` so far (settling the
+        reservation of its call); today's total."""
         day = today()
-        keys = [self.keys.tenant_tokens(tenant, day), self.keys.tenant_tokens(tenant, _yesterday(day))]
+        keys = [
+            self.keys.tenant_tokens(tenant, day),
+            self.keys.tenant_tokens(tenant, _yesterday(day)),
+            self.keys.tenant_inflight(tenant),
+        ]
         total = await self._count(keys, [f"{session}:{run}", tokens, TOKENS_TTL])
         return int(total)
+
+    async def reserve_call(
+        self, tenant: str, session: str, run: int, quota: TenantQuota, *, estimate: Callable[[], int], ttl: float
+    ) -> str | None:
+        """Reserve tokens of ``tenant``'s day for the next call of run ``run`` (``estimate()`` of
+        them), waiting while the tenant's calls in flight leave no room; None: the call may go,
+        else why not (the day is spent)."""
+        if quota.tokens_per_day is None:
+            return None
+        guess = estimate()
+        while True:
+            got = await self.reserve(tenant, session, run, guess, quota, ttl=ttl)
+            if got != "wait":
+                return None if got == "reserved" else got
+            # (another process's call settles it: nothing here to wait on but the clock)
+            await anyio.sleep(RESERVE_POLL_SECONDS)
+
+    async def reserve(
+        self, tenant: str, session: str, run: int, estimate: int, quota: TenantQuota, *, ttl: float
+    ) -> Literal["reserved", "wait"] | str:
+        """Reserve ``estimate`` tokens of ``tenant``'s day for the next call of run ``run``:
+        ``reserved`` (the call may go), ``wait`` (other calls of the tenant are in flight and
+        leave no room: ask again once they settle), or why it may not (the day is spent).  The
+        reservation lapses after ``ttl`` seconds (a worker that died mid-call)."""
+        if quota.tokens_per_day is None:
+            return "reserved"
+        keys = [self.keys.tenant_tokens(tenant, today()), self.keys.tenant_inflight(tenant)]
+        args: list[str | int] = [
+            f"{session}:{run}", max(1, int(estimate)), quota.tokens_per_day, max(1000, int(ttl * 1000))
+        ]  # fmt: skip
+        reply = await self._reserve(keys, args)
+        if int(reply[0]) == 1:
+            return "reserved"
+        if int(reply[0]) == 2:
+            return "wait"
+        return (
+            f"tenant {tenant!r} used {int(reply[1])} tokens today, its quota of {quota.tokens_per_day} tokens a day "
+            f"(UTC; the operator sets it with `riverbed tenants set`)"
+        )
 
 
 def _decode(raw: bytes | None) -> TenantQuota:

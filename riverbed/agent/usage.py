@@ -39,6 +39,7 @@ __all__ = [
     "parse_prices",
     "step",
     "tokens",
+    "unpriced",
     "usage",
 ]
 
@@ -99,6 +100,16 @@ def parse_prices(text: str | None) -> dict[str, Price]:
 
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def unpriced(model: str, prices: Mapping[str, Price]) -> str | None:
+    """Why a cost limit cannot bound a run of ``model`` (None: the table prices it)."""
+    if model in prices or "*" in prices:
+        return None
+    return (
+        f"a cost limit needs a price for the model {model!r}, and RIVERBED_PRICES has none: "
+        "add it to the price table, or leave out the cost limit"
+    )
 
 
 def tokens(raw: Mapping[str, Any]) -> tuple[int, int, int]:

@@ -30,11 +30,17 @@ key                                    what
 ``{p}:{p}:uids``                       string: the last sandbox user number handed out (``INCR``)
 ``{p}:{p}:worker:<name>``              hash: a worker's roles, owned sessions, start time
 ``{p}:{p}:runs``                        sorted set: sessions that had a run, scored by its opening time
+``{p}:{p}:runs:open``                  sorted set: the sessions of ``runs`` whose run is open, same scores
+``{p}:{p}:runs:ended``                 sorted set: the sessions of ``runs`` whose run ended, scored by when
+                                       it ended (``RIVERBED_RUNS_RETENTION`` trims them from the index)
+``{p}:{p}:runs:agents``                hash: session -> the agent its run was opened for (runs that name one)
+``{p}:{p}:tenant:<t>:runs``            sorted set: the sessions of ``runs`` of tenant ``t``, same scores
 ``{p}:{p}:dlq``                        stream: dead letters
 ``{p}:{p}:retention``                  string: the worker running this round's retention pass
 ``{p}:{p}:apikeys``                    hash: HTTP API key id -> JSON record (tenant, admin, the
                                        key's sha256, created, revoked); the key itself is never kept
 ``{p}:{p}:rate:<key id>``              hash: an API key's request token bucket (``tokens``, ``at`` ms)
+``{p}:{p}:tenant:<t>:rate``            hash: tenant ``t``'s request token bucket, shared by its keys
 ``{p}:{p}:tenant:<t>:sessions``        sorted set: the sessions of tenant ``t``, scored by creation
                                        time (written with ``sessions``; a tenant's list reads only it)
 ``{p}:{p}:tenant-index``               hash: ``done`` once the sessions made before the tenant indexes
@@ -42,6 +48,8 @@ key                                    what
 ``{p}:{p}:quotas``                     hash: tenant -> its quotas (JSON: ``max_runs``, ``tokens_per_day``),
                                        set by the operator (``riverbed tenants set``)
 ``{p}:{p}:tenant:<t>:running``         hash: the sessions of tenant ``t`` holding a run slot -> when taken
+``{p}:{p}:tenant:<t>:inflight``        hash: the model calls of ``t``'s runs in flight (``<session>:<run>`` ->
+                                       ``<estimated tokens> <expiry ms>``), reserved before each call
 ``{p}:{p}:tenant:<t>:tokens:<day>``    hash: tokens of ``t``'s runs counted on UTC ``day``: per run
                                        (``<session>:<run id>``) its tokens so far, ``_total`` their sum
 =====================================  =======================================================
@@ -100,6 +108,9 @@ class Keys:
         self.uids = f"{prefix}:{{{prefix}}}:uids"
         self.tenant_index = f"{prefix}:{{{prefix}}}:tenant-index"
         self.runs = f"{prefix}:{{{prefix}}}:runs"
+        self.runs_open = f"{prefix}:{{{prefix}}}:runs:open"
+        self.runs_ended = f"{prefix}:{{{prefix}}}:runs:ended"
+        self.runs_agents = f"{prefix}:{{{prefix}}}:runs:agents"
         self.quotas = f"{prefix}:{{{prefix}}}:quotas"
         self.agents = f"{prefix}:{{{prefix}}}:agents"
         """The agent definitions workers host (a hash: ``<name>@<digest>`` -> JSON, ``agent/registry.py``)."""
@@ -108,6 +119,14 @@ class Keys:
         """The sessions of ``tenant`` holding one of its run slots (a hash)."""
         return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:running"
 
+    def tenant_runs(self, tenant: str) -> str:
+        """The sessions of ``tenant`` with a run, scored by when it opened (a sorted set)."""
+        return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:runs"
+
+    def tenant_inflight(self, tenant: str) -> str:
+        """The model calls of ``tenant``'s runs in flight, each with its reserved tokens (a hash)."""
+        return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:inflight"
+
     def tenant_tokens(self, tenant: str, day: str) -> str:
         """The tokens ``tenant``'s runs spent on UTC ``day`` (``YYYY-MM-DD``; a hash)."""
         return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:tokens:{day}"
@@ -115,6 +134,10 @@ class Keys:
     def rate(self, key_id: str) -> str:
         """An HTTP API key's request token bucket."""
         return f"{self.prefix}:{{{self.prefix}}}:rate:{key_id}"
+
+    def tenant_rate(self, tenant: str) -> str:
+        """A tenant's HTTP request token bucket (every key of the tenant draws from it)."""
+        return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:rate"
 
     def tenant_sessions(self, tenant: str) -> str:
         """The sorted set of ``tenant``'s sessions (the sessions index, one tenant's part)."""

@@ -216,6 +216,18 @@ class RedisClient:
         with translate(self.url):
             return cast(list[tuple[bytes, float]], await self._raw.zrange(key, start, end, withscores=True))
 
+    async def zrange_down(self, key: str, top: float | str, *, count: int) -> list[tuple[bytes, float]]:
+        """At most ``count`` (member, score) pairs scored ``top`` or lower, highest score first
+        (``top`` ``"+inf"``: from the highest)."""
+        with translate(self.url):
+            got = await self._raw.zrevrangebyscore(key, top, "-inf", start=0, num=count, withscores=True)
+        return cast(list[tuple[bytes, float]], got)
+
+    async def zrange_up(self, key: str, top: float, *, count: int) -> list[bytes]:
+        """At most ``count`` members scored ``top`` or lower, lowest score first."""
+        with translate(self.url):
+            return cast(list[bytes], await self._raw.zrangebyscore(key, "-inf", top, start=0, num=count))
+
     async def zmscore(self, key: str, members: Sequence[str]) -> list[float | None]:
         """The scores of ``members`` (None for one not in the set)."""
         if not members:
@@ -423,11 +435,6 @@ class Pipeline:
         self._pipe.set(key, value, ex=ex)
         return self._queued()
 
-    def hset(self, key: str, mapping: Mapping[str, Arg]) -> Reply[int]:
-        fields: dict[Any, Any] = dict(mapping)
-        self._pipe.hset(key, mapping=fields)
-        return self._queued()
-
     def delete(self, *keys: str) -> Reply[int]:
         self._pipe.delete(*keys)
         return self._queued()
@@ -442,6 +449,18 @@ class Pipeline:
 
     def zadd(self, key: str, scores: Mapping[str, float], *, nx: bool = False) -> Reply[int]:
         self._pipe.zadd(key, dict(scores), nx=nx)
+        return self._queued()
+
+    def hset(
+        self, key: str, field: str | None = None, value: Arg | None = None, *, mapping: Mapping[str, Arg] | None = None
+    ) -> Reply[int]:
+        """One field (``field``, ``value``) or several (``mapping``)."""
+        fields: dict[Any, Any] | None = dict(mapping) if mapping is not None else None
+        self._pipe.hset(key, field, value, mapping=fields)
+        return self._queued()
+
+    def hdel(self, key: str, *fields: str) -> Reply[int]:
+        self._pipe.hdel(key, *fields)
         return self._queued()
 
     def zrem(self, key: str, *members: str) -> Reply[int]:

@@ -291,26 +291,37 @@ if to > archived then redis.call('HSET', KEYS[2], 'archived_to', to) end
 return {'ok', trimmed}
 """
 
-# KEYS: a token bucket (hash: tokens, at ms).  ARGV: rate (tokens a second), burst (the bucket's size).
-# Reply: {1, 0} a token taken | {0, ms until the next token}.  An API key's request rate (``serve/limits.py``):
-# the bucket fills at ``rate`` up to ``burst``; a refused request takes nothing.
-TAKE_TOKEN = (
+
+# KEYS: an API key's bucket, its tenant's bucket.  ARGV: the key's rate (tokens a second) and burst,
+# the tenant's rate and burst (a rate of 0: that bucket is not drawn from).  Reply: {1, 0} a token
+# taken from each | {0, ms until one would be, 1 the key's bucket | 2 the tenant's}.  Nothing is
+# taken unless both have one, so a refused request costs neither.
+TAKE_TOKENS = (
     _NOW
     + """
-local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
-local got = redis.call('HMGET', KEYS[1], 'tokens', 'at')
-local tokens = tonumber(got[1] or ARGV[2])
-local at = tonumber(got[2] or now)
-if now > at then tokens = math.min(burst, tokens + (now - at) * rate / 1000) end
-if tokens < 1 then
-  return {0, math.ceil((1 - tokens) * 1000 / rate)}
+local state, wait, empty = {}, 0, 0
+for i = 1, 2 do
+  local rate, burst = tonumber(ARGV[2 * i - 1]), tonumber(ARGV[2 * i])
+  if rate > 0 then
+    local got = redis.call('HMGET', KEYS[i], 'tokens', 'at')
+    local tokens = tonumber(got[1] or burst)
+    local at = tonumber(got[2] or now)
+    if now > at then tokens = math.min(burst, tokens + (now - at) * rate / 1000) end
+    if tokens < 1 then
+      local ms = math.ceil((1 - tokens) * 1000 / rate)
+      if ms > wait then wait, empty = ms, i end
+    end
+    state[i] = {tokens, math.max(now, at), rate, burst}
+  end
 end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - 1), 'at', math.max(now, at))
-redis.call('PEXPIRE', KEYS[1], math.ceil(burst * 1000 / rate) + 1000)
-return {1, 0}
+if empty > 0 then return {0, wait, empty} end
+for i, s in pairs(state) do
+  redis.call('HSET', KEYS[i], 'tokens', tostring(s[1] - 1), 'at', s[2])
+  redis.call('PEXPIRE', KEYS[i], math.ceil(s[4] * 1000 / s[3]) + 1000)
+end
+return {1, 0, 0}
 """
 )
-
 
 # --- tenant quotas (``agent/quotas.py``) --------------------------------------------------------
 
@@ -341,8 +352,10 @@ return redis.call('HDEL', KEYS[1], unpack(ARGV))
 # KEYS: the tenant's tokens hash of today, of yesterday.  ARGV: the run's field, the run's tokens so
 # far (a fold of its log), the hashes' time to live (seconds).  A report only raises a run's count
 # (a repeat changes nothing); what it adds goes to today's ``_total``; a run counted yesterday adds
-# only what it spent since.  Reply: today's total.
+# only what it spent since.  Reply: today's total.  With a third key (the tenant's calls in flight),
+# the run's reservation there is settled (removed) too.
 COUNT_TOKENS = """
+if KEYS[3] then redis.call('HDEL', KEYS[3], ARGV[1]) end
 local tokens = tonumber(ARGV[2])
 local counted = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or redis.call('HGET', KEYS[2], ARGV[1]) or 0)
 if tokens > counted then
@@ -353,3 +366,35 @@ if tokens > counted then
 end
 return tonumber(redis.call('HGET', KEYS[1], '_total') or 0)
 """
+
+
+# KEYS: the tenant's tokens hash of today, the tenant's calls in flight (hash: ``<session>:<run>`` ->
+# ``<estimate> <expires ms>``).  ARGV: the run's field, its call's estimated tokens, the tenant's
+# tokens a day, the reservation's time to live (ms).  A call may go when the day has tokens left
+# and either no other call of the tenant is in flight or every call in flight, this one's estimate
+# included, fits in what is left: so the day is overspent by at most one call of the tenant, not
+# one per open run.  Expired reservations (a worker that died mid-call) are dropped.
+# Reply: {1, total} reserved | {0, total} the day is spent | {2, total, in flight} wait for those.
+RESERVE_TOKENS = (
+    _NOW
+    + """
+local total = tonumber(redis.call('HGET', KEYS[1], '_total') or 0)
+if total >= tonumber(ARGV[3]) then return {0, total} end
+local flat = redis.call('HGETALL', KEYS[2])
+local reserved, others = 0, 0
+for i = 1, #flat, 2 do
+  local estimate, expires = string.match(flat[i + 1], '(%d+) (%d+)')
+  if tonumber(expires) < now then
+    redis.call('HDEL', KEYS[2], flat[i])
+  elseif flat[i] ~= ARGV[1] then
+    reserved, others = reserved + tonumber(estimate), others + 1
+  end
+end
+if others > 0 and total + reserved + tonumber(ARGV[2]) > tonumber(ARGV[3]) then
+  return {2, total, others}
+end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2] .. ' ' .. (now + tonumber(ARGV[4])))
+redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]) * 2)
+return {1, total}
+"""
+)

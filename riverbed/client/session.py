@@ -139,16 +139,27 @@ class Session:
             raise result
         return result
 
-    async def act(self, action: events.Action, *, timeout: float = 30.0) -> events.Event:
+    async def act(
+        self,
+        action: events.Action,
+        *,
+        timeout: float = 30.0,
+        idempotency_key: str | None = None,
+        idempotency_digest: str | None = None,
+    ) -> events.Event:
         """Append ``action`` and wait for the event that answers it (``cause`` = its id).
 
         A kind nothing answers (``message``, ``think``, ``finish``) returns at once: the
-        action itself, carrying its new id.
+        action itself, carrying its new id.  ``idempotency_key`` (and ``idempotency_digest``) as
+        :meth:`append` takes them: the same key again appends nothing and waits for the first
+        action's answer (the answer it had, when it has one).
         """
         if not isinstance(action, events.Action):
             raise InputError(f"act() takes an action, not a {type(action).__name__} event")
         if not (timeout > 0 and math.isfinite(timeout)):
             raise InputError(f"the act timeout must be a finite number of seconds greater than 0, not {timeout}")
+        if idempotency_key is not None:
+            return await self._act_once(action, timeout, idempotency_key, idempotency_digest)
         stamped = self.stamp(action)
         if self.tenant is not None:
             events.check_client(stamped)
@@ -175,6 +186,17 @@ class Session:
         cursor = after[-1][0] if after else action_id
         waited = time.monotonic() - started
         return await self._answer(action_id, timeout, look_up=False, cursor=cursor, waited=waited)
+
+    async def _act_once(self, action: events.Action, timeout: float, key: str, digest: str | None) -> events.Event:
+        """:meth:`act` under an idempotency key: the append is made once, and a repeat waits for
+        the answer of the action the first made."""
+        started = time.monotonic()
+        (action_id,) = await self.append(action, idempotency_key=key, idempotency_digest=digest)
+        if type(action).answered_by is None:
+            async for event in self.bus.log_store.read(self.id, action_id, action_id):
+                return event
+            return events.with_id(self.stamp(action), action_id)
+        return await self._answer(action_id, timeout, look_up=True, waited=time.monotonic() - started)
 
     async def _act_crowded(self, answers: Answers, payload: bytes, tenant: str | None, timeout: float) -> events.Event:
         """:meth:`act` when every connection is taken: the append goes in a batch, and the

@@ -85,7 +85,10 @@ def _run_schemas() -> dict[str, Any]:
             "properties": {
                 "session": {"type": "string"},
                 "tenant": {"type": ["string", "null"]},
-                "state": {"enum": ["running", "finished", "failed", "cancelled"]},
+                "state": {
+                    "enum": ["running", "waiting", "finished", "failed", "cancelled"],
+                    "description": "waiting: open, and no live agent worker holds it",
+                },
                 "reason": {"type": ["string", "null"], "description": "finish, or the ending error's reason"},
                 "steps": {"type": "integer", "description": "model calls made"},
                 "tokens": {"type": "integer", "description": "its own model calls' and its sub-agents'"},
@@ -299,9 +302,19 @@ def document() -> dict[str, Any]:
             "post": {
                 "summary": "Append one action and wait for its observation",
                 "description": "A kind nothing answers (message, think, finish) returns the appended action at once.",
-                "parameters": [_query("timeout", "seconds to wait (default 30, at most 300)", "number")],
+                "parameters": [
+                    _query("timeout", "seconds to wait (default 30, at most 300)", "number"),
+                    {
+                        "name": "Idempotency-Key",
+                        "in": "header",
+                        "required": False,
+                        "description": "a retry with the same key and body appends nothing and answers with the "
+                        "first action's observation (another body: 409)",
+                        "schema": {"type": "string", "maxLength": 200},
+                    },
+                ],
                 "requestBody": _json_body(event, "an action"),
-                "responses": {"200": _ok("the observation", event), **_problems(400, 401, 404, 413, 503, 504)},
+                "responses": {"200": _ok("the observation", event), **_problems(400, 401, 404, 409, 413, 503, 504)},
             },
         },
         "/v1/sessions/{session}/view": {
@@ -388,14 +401,24 @@ def document() -> dict[str, Any]:
         },
         "/v1/runs": {
             "get": {
-                "summary": "The runs of the key's tenant (an admin key: every tenant's), newest first",
+                "summary": "One page of the runs of the key's tenant (an admin key: every tenant's), newest first",
                 "parameters": [
-                    _query("state", "running, finished, failed or cancelled", "string"),
+                    _query("state", "running, waiting, finished, failed or cancelled", "string"),
                     _query("tenant", "an admin key: only this tenant's runs", "string"),
+                    _query("agent", "only the runs opened for this agent", "string"),
+                    _query("limit", "runs on the page (default 50, at most 200)"),
+                    _query("cursor", "the last page's next_cursor", "string"),
                 ],
                 "responses": {
                     "200": _ok(
-                        "the runs", {"type": "object", "properties": {"runs": {"type": "array", "items": _ref("Run")}}}
+                        "the runs",
+                        {
+                            "type": "object",
+                            "properties": {
+                                "runs": {"type": "array", "items": _ref("Run")},
+                                "next_cursor": {"type": ["string", "null"], "description": "null: the last page"},
+                            },
+                        },
                     ),
                     **_problems(400, 401),
                 },

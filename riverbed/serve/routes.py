@@ -30,6 +30,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from riverbed import events
+from riverbed.agent import run_index
 from riverbed.agent.replay import fork
 from riverbed.agent.runs import is_child_id
 from riverbed.agent.usage import parse_prices
@@ -89,6 +90,19 @@ class ServeConfig:
     """Requests a second per key, over every process of the prefix (0: no limit; 429 above it)."""
     burst: int = 200
     """Requests a key may make at once above ``rate``."""
+    max_streams_per_tenant: int = 1000
+    """Event streams all keys of one tenant may hold open on this process (429 above it)."""
+    max_acts_per_tenant: int = 200
+    """Acts of all keys of one tenant waiting for their answer on this process at once (429 above it)."""
+    tenant_rate: float = 100.0
+    """Requests a second per tenant, over all its keys and every process (0: no limit; 429 above it)."""
+    tenant_burst: int = 400
+    """Requests a tenant may make at once above ``tenant_rate``."""
+    runs_retention: float = 7 * 24 * 3600.0
+    """Seconds an ended run stays in the list of runs (``RIVERBED_RUNS_RETENTION``)."""
+    llm_model: str | None = None
+    """The model a run that names none gets, a tenant's only one without an allow-list (None:
+    ``RIVERBED_LLM_MODEL``)."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServeConfig:
@@ -102,6 +116,12 @@ class ServeConfig:
             max_acts_per_key=settings.serve_max_acts_per_key,
             rate=settings.serve_rate,
             burst=settings.serve_burst,
+            max_streams_per_tenant=settings.serve_max_streams_per_tenant,
+            max_acts_per_tenant=settings.serve_max_acts_per_tenant,
+            tenant_rate=settings.serve_tenant_rate,
+            tenant_burst=settings.serve_tenant_burst,
+            runs_retention=settings.runs_retention,
+            llm_model=settings.llm_model,
         )
 
 
@@ -115,10 +135,21 @@ class Api:
         self.memory = memory
         self.keys = KeyStore(bus.client, bus.keys)
         self.tenants = Tenants(bus)
-        self.rate = RateLimit(bus.client, bus.keys, rate=self.config.rate, burst=self.config.burst)
-        self.streams = Streams(self.keys, most=self.config.max_streams_per_key)
+        config = self.config
+        self.rate = RateLimit(
+            bus.client,
+            bus.keys,
+            rate=config.rate,
+            burst=config.burst,
+            tenant_rate=config.tenant_rate,
+            tenant_burst=config.tenant_burst,
+        )
+        self.streams = Streams(self.keys, most=config.max_streams_per_tenant, per_key=config.max_streams_per_key)
         self.acts = Slots(
-            "acts waiting for their answer", "RIVERBED_SERVE_MAX_ACTS_PER_KEY", most=self.config.max_acts_per_key
+            "acts waiting for their answer",
+            "RIVERBED_SERVE_MAX_ACTS",
+            most=config.max_acts_per_tenant,
+            per_key=config.max_acts_per_key,
         )
         self.followers = Followers(bus.log_store, bus.client)
         self.stopping = anyio.Event()
@@ -129,6 +160,8 @@ class Api:
         (and, once per prefix, the sessions older than the tenant indexes indexed)."""
         if indexed := await index_older_sessions(self.bus):
             log.info("serve.tenant_indexes_built", sessions=indexed)
+        if indexed := await run_index.backfill(self.bus.client, self.bus.keys):
+            log.info("serve.run_indexes_built", runs=indexed)
         async with anyio.create_task_group() as tg:
             await tg.start(self.followers.run)
             await tg.start(self.streams.run)
@@ -364,7 +397,9 @@ async def append(request: Request) -> Response:
 
 
 async def act(request: Request) -> Response:
-    """Append one action and answer with its observation (504 when none comes in time)."""
+    """Append one action and answer with its observation (504 when none comes in time); with an
+    ``Idempotency-Key``, a repeat of the request appends nothing and answers with the first's
+    action's observation (409 for the key sent with another body)."""
     api = _api(request)
     timeout = _timeout(request, api.config)
     with anyio.move_on_after(timeout + api.config.request_timeout) as scope:
@@ -389,7 +424,12 @@ async def _act_as(request: Request, api: Api, who: Principal, timeout: float) ->
     if not isinstance(action, events.Action):
         raise InputError(f"{action.kind!r} is not an action (see `riverbed schema`); POST it to /events instead")
     events.check_client(action)
-    answer = await api.bus.session(session, tenant=tenant).act(replace(action, tenant=tenant), timeout=timeout)
+    answer = await api.bus.session(session, tenant=tenant).act(
+        replace(action, tenant=tenant),
+        timeout=timeout,
+        idempotency_key=request.headers.get("idempotency-key"),
+        idempotency_digest=request.state.body_digest,
+    )
     return Response(events.encode_json(answer), media_type="application/json")
 
 

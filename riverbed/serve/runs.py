@@ -5,8 +5,8 @@ user's ``message``, then ``run_started`` with the limits), under the session's t
 agent role serves it from then on, and its progress is the session's event stream.  The
 session rules are the other routes' (:mod:`riverbed.serve.routes`): another tenant's session
 answers 404 like one that does not exist, and opening a run on a free id creates the session
-for the key's tenant.  ``GET /v1/runs`` lists the runs ``riverbed runs`` lists, only the key's
-tenant's (an admin key: every tenant's, or one named with ``?tenant=``).
+for the key's tenant.  ``GET /v1/runs`` pages through the runs ``riverbed runs`` lists, only the
+key's tenant's (an admin key: every tenant's, or one named with ``?tenant=``).
 """
 
 from __future__ import annotations
@@ -17,12 +17,23 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from riverbed.agent.hosted import STATES, RunLimits, RunRow, cancel_run, decide, list_runs, open_run, pause_run
+from riverbed.agent.hosted import (
+    MAX_PAGE,
+    STATES,
+    RunLimits,
+    RunRow,
+    cancel_run,
+    decide,
+    list_runs,
+    open_run,
+    page_runs,
+    pause_run,
+)
 from riverbed.agent.registry import known_agents
 from riverbed.agent.usage import parse_prices
 from riverbed.errors import InputError
 from riverbed.events import MAX_RUN_STEPS, Confirm
-from riverbed.serve.routes import _api, _body_as, _json, _session_tenant, bounded, principal
+from riverbed.serve.routes import _api, _body_as, _int_param, _json, _session_tenant, bounded, principal
 
 __all__ = ["agents", "approvals", "cancel", "decide_calls", "handlers", "list_all", "pause", "start"]
 
@@ -83,7 +94,15 @@ async def start(request: Request) -> Response:
     body = await _body_as(request, _RunBody, f"the run body must be {_RUN_SHAPE} with only task required")
     limits = RunLimits(model=body.model, max_steps=body.max_steps, max_tokens=body.max_tokens, max_cost=body.max_cost)
     opened = await open_run(
-        api.bus, session, body.task, limits=limits, tenant=tenant, agent=body.agent, confirm=body.confirm
+        api.bus,
+        session,
+        body.task,
+        limits=limits,
+        tenant=tenant,
+        default_model=api.config.llm_model,
+        prices=parse_prices(api.config.prices),
+        agent=body.agent,
+        confirm=body.confirm,
     )
     rows = await list_runs(api.bus, sessions=[session], prices=parse_prices(api.config.prices))
     run = run_document(rows[0]) if rows else {"session": session, "tenant": tenant, "state": "running"}
@@ -93,23 +112,37 @@ async def start(request: Request) -> Response:
 
 @bounded
 async def list_all(request: Request) -> Response:
-    """The runs of the key's tenant (an admin key: every tenant's, or ``?tenant=``), newest first."""
+    """One page of the runs of the key's tenant (an admin key: every tenant's, or ``?tenant=``),
+    newest first: ``state``, ``agent``, ``limit`` (default 50) and ``cursor`` (the last page's
+    ``next_cursor``)."""
     who = await principal(request)
     api = _api(request)
-    state = request.query_params.get("state") or None
+    params = request.query_params
+    state = params.get("state") or None
     if state is not None and state not in STATES:
         raise InputError(f"the state parameter must be one of {', '.join(STATES)}, not {state[:40]!r}")
-    named = request.query_params.get("tenant") or None
+    named = params.get("tenant") or None
     if who.admin:
         tenant = named
     else:
         if named is not None and named != who.tenant:
             raise InputError("a tenant's key lists only its own tenant's runs: leave out the tenant parameter")
         tenant = who.tenant
-    rows = await list_runs(api.bus, state=state, tenant=tenant, prices=parse_prices(api.config.prices))
-    if not who.admin:
-        rows = [row for row in rows if who.may_see(row.tenant)]
-    return _json({"runs": [run_document(row) for row in rows]})
+    limit = _int_param(request, "limit") or 50
+    if limit > MAX_PAGE:
+        raise InputError(f"the limit parameter must be at most {MAX_PAGE}, not {limit}")
+    page = await page_runs(
+        api.bus,
+        state=state,
+        tenant=tenant,
+        agent=params.get("agent") or None,
+        prices=parse_prices(api.config.prices),
+        limit=limit,
+        cursor=params.get("cursor") or None,
+        retention=api.config.runs_retention,
+    )
+    rows = page.rows if who.admin else [row for row in page.rows if who.may_see(row.tenant)]
+    return _json({"runs": [run_document(row) for row in rows], "next_cursor": page.next_cursor})
 
 
 @bounded

@@ -83,7 +83,7 @@ from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 from riverbed import events
-from riverbed.agent import tooling
+from riverbed.agent import run_index, tooling
 from riverbed.agent.define import REFERENCE, RULES_VERSION, Agent
 from riverbed.agent.delegation import REFUSED, ChildPlan, plan_child, refusal, result
 from riverbed.agent.images import ImageSource, WorkspaceImages, vision
@@ -97,7 +97,7 @@ from riverbed.agent.llm import (
 )
 from riverbed.agent.mcp import answer_remote
 from riverbed.agent.messages import cache_breakpoints
-from riverbed.agent.quotas import Quotas, TenantQuota
+from riverbed.agent.quotas import Quotas, TenantQuota, call_estimate, model_refusal
 from riverbed.agent.registry import Hosted, load
 from riverbed.agent.risk import judged
 from riverbed.agent.runs import (
@@ -121,7 +121,7 @@ from riverbed.agent.runs import (
     summarize,
 )
 from riverbed.agent.toolbox import Toolbox
-from riverbed.agent.usage import Price, StepUsage, parse_prices, step
+from riverbed.agent.usage import Price, StepUsage, parse_prices, step, unpriced
 from riverbed.bus.backoff import Backoff
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.handling import Entry, SessionContext
@@ -692,7 +692,9 @@ class AgentHandler:
         return self._quotas
 
     async def _over_quota(self, ctx: SessionContext, state: _Session, run: Run) -> str | None:
-        """Why the run's tenant may not have another model call (None: it may)."""
+        """Why the run's tenant may not have another model call (None: it may: its tokens are reserved)."""
+        if run.max_cost is not None and (unbound := unpriced(run.model or self.model, self.prices)) is not None:
+            return f"the run may not start: {unbound}"
         tenant = ctx.tenant
         if tenant is None:
             return None
@@ -707,7 +709,12 @@ class AgentHandler:
         if cached is None or cached[0] < now:
             cached = (now + QUOTA_CACHE_SECONDS, await quotas.get(tenant))
             self._quota_cache[tenant] = cached
-        refused = await quotas.tokens_refusal(tenant, cached[1])
+        if (other_model := model_refusal(tenant, cached[1], run.model, self.model)) is not None:
+            return f"the run may not start: {other_model}"
+        refused = await quotas.reserve_call(
+            tenant, ctx.session, run.opened, cached[1], ttl=self.llm_timeout + self.retry_seconds + 30,
+            estimate=lambda: call_estimate(state.seen, self.max_output_tokens),
+        )  # fmt: skip
         return None if refused is None else f"the run stopped: {refused}"
 
     async def _release_slot(self, ctx: SessionContext, state: _Session) -> None:
@@ -821,7 +828,7 @@ class AgentHandler:
         else:
             redis, keys = ctx.log.redis, ctx.log.keys
             async with redis.pipeline() as pipe:  # (listed by `riverbed runs` before a worker picks it up)
-                pipe.zadd(keys.runs, {plan.session: time.time()}, nx=True)
+                run_index.queue_opened(pipe, keys, plan.session, time.time(), ctx.tenant, None)
                 await pipe.execute()
             log.info("agent.delegated", session=ctx.session, child=plan.session, action=plan.header.parent_action)
         return None
@@ -1033,7 +1040,7 @@ def _queue_summary(ctx: SessionContext, summary: RunSummary, pipe: Pipeline) -> 
     """The writes that save ``summary`` (``riverbed runs`` lists the session by when its run opened)."""
     keys = ctx.log.keys
     pipe.set(keys.run(ctx.session), msgspec.json.encode(replace(summary, updated=time.time())))
-    pipe.zadd(keys.runs, {ctx.session: summary.opened_at}, nx=True)
+    run_index.queue_summary(pipe, keys, summary)
 
 
 def _as_built(request: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,15 @@ from riverbed.settings import Settings
 from riverbed.workers.agent_role import AgentHandler, workspace_images
 from riverbed.workers.main import Worker, build_handlers
 
-__all__ = ["AgentRun", "check_model_server", "require_workers", "run_agent", "run_llm_agent"]
+__all__ = [
+    "AGENT_SEEN_SECONDS",
+    "AgentRun",
+    "agent_workers",
+    "check_model_server",
+    "require_workers",
+    "run_agent",
+    "run_llm_agent",
+]
 
 PROBE_TIMEOUT = 10.0
 """Seconds the model server has to answer the first check."""
@@ -79,6 +87,16 @@ async def check_model_server(client: AsyncOpenAI, settings: Settings) -> None:
         raise UnavailableError(f"cannot reach the model server at {where} ({exc.message})") from exc
     except openai.APIStatusError:
         return  # it answered: reachable
+
+
+AGENT_SEEN_SECONDS = 10.0
+"""An agent worker whose heartbeat is older than this is not counted on (``bus/status.py``)."""
+
+
+async def agent_workers(bus: Bus) -> list[str]:
+    """The live workers that serve the agent role (a heartbeat within :data:`AGENT_SEEN_SECONDS`)."""
+    workers = await live_workers(bus.client, bus.keys, window=AGENT_SEEN_SECONDS)
+    return [w.name for w in workers if "agent" in w.description.get("roles", [])]
 
 
 async def require_workers(bus: Bus, roles: Sequence[str] = ("runtime",)) -> None:

@@ -1,8 +1,9 @@
 """A worker process: one :class:`Owner` per role, a heartbeat, signals, graceful drain.
 
 ``riverbed worker runtime memory condenser agent`` (or ``all``) runs :func:`run_worker`.
-SIGTERM or SIGINT stops intake, lets in-flight work finish within ``drain_seconds``,
-then cancels and releases every session so peers take them over at once.
+SIGTERM or SIGINT stops intake, lets in-flight work finish within ``drain_seconds`` (at most
+the lease: a worker under load exits within its lease and a few seconds), then cancels and
+releases every session so peers take them over at once.
 
 With ``RIVERBED_DATABASE_URL`` set every role reads archived events through the Postgres
 archive, and with ``RIVERBED_RETENTION_SECONDS`` > 0 a memory worker also runs retention
@@ -20,14 +21,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import structlog
 from anyio.abc import TaskStatus
 
 from riverbed.agent.registry import Hosted, publish_fields
-from riverbed.bus.archive import Archive, Retention
 from riverbed.bus.connection import RawClient, connect_redis
 from riverbed.bus.consumer import Handler, HotReads, Owner
 from riverbed.bus.keys import AGENT_ROLE, ROLES, Keys
@@ -37,6 +37,9 @@ from riverbed.errors import ConfigError, UnavailableError
 from riverbed.settings import Settings
 from riverbed.workers.http import serve as serve_http
 from riverbed.workers.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from riverbed.bus.archive import Archive, Retention
 
 __all__ = ["Worker", "default_name", "parse_roles", "run_process", "run_worker"]
 
@@ -120,6 +123,8 @@ class Worker:
             owner.log.archive = archive
         self.retention: Retention | None = None
         if archive is not None and settings.retention_seconds > 0 and "memory" in self.owners:
+            from riverbed.bus.archive import Retention  # noqa: PLC0415  (asyncpg only with a database)
+
             self.retention = Retention(
                 self.client,
                 self.keys,
@@ -159,11 +164,12 @@ class Worker:
             log.info("worker.ready", worker=self.name, roles=self.roles, sandbox=self._sandbox(), bwrap=self._bwrap())
             task_status.started()
             await self._stop.wait()
-            log.info("worker.draining", worker=self.name, deadline=self.settings.drain_seconds)
+            deadline = min(self.settings.drain_seconds, self.settings.lease_seconds)
+            log.info("worker.draining", worker=self.name, deadline=deadline)
             with anyio.CancelScope(shield=True):
                 async with anyio.create_task_group() as drain:
                     for owner in self.owners.values():
-                        drain.start_soon(owner.drain, self.settings.drain_seconds)
+                        drain.start_soon(owner.drain, deadline)
                 await self._deregister()
             tg.cancel_scope.cancel()
         log.info("worker.stopped", worker=self.name)
@@ -304,7 +310,11 @@ async def run_worker(
     redis = await connect_redis(url, max_connections=settings.redis_connections, shared=True, name=f"riverbed:{name}")
     hot = await connect_redis(url, max_connections=HOT_READERS, shared=True, name=f"riverbed:{name}", spare=0)
     handlers, closers = build_handlers(roles, settings)
-    archive = Archive(settings.database_url, schema=settings.prefix) if settings.database_url else None
+    archive: Archive | None = None
+    if settings.database_url:
+        from riverbed.bus.archive import Archive  # noqa: PLC0415  (asyncpg only with a database)
+
+        archive = Archive(settings.database_url, schema=settings.prefix)
     if archive is not None:
         closers.append(archive.close)
     worker = Worker(

@@ -225,7 +225,14 @@ def _hosted(
 ) -> None:
     from riverbed.agent.hosted import follow_run, open_run  # noqa: PLC0415
     from riverbed.agent.llm import make_client  # noqa: PLC0415
-    from riverbed.workers.agent_run import check_model_server, require_workers  # noqa: PLC0415
+    from riverbed.agent.usage import parse_prices  # noqa: PLC0415
+    from riverbed.errors import ConfigError  # noqa: PLC0415
+    from riverbed.workers.agent_run import (  # noqa: PLC0415
+        AGENT_SEEN_SECONDS,
+        agent_workers,
+        check_model_server,
+        require_workers,
+    )
 
     cli = Invocation(prefix, **model_flags)
     settings = cli.settings
@@ -240,9 +247,23 @@ def _hosted(
         bus = await cli.bus()
         if not detach:
             await require_workers(bus, ["runtime", "agent"])
-        opened = await open_run(bus, session, task, limits=limits, tenant=tenant, agent=agent, confirm=confirm)
+        agents = await agent_workers(bus)
+        if not agents and not settings.model_configured:
+            raise ConfigError(
+                "no model server is configured and no agent worker is running: set OPENAI_BASE_URL "
+                "(or OPENAI_API_KEY) and start `riverbed worker all`, which then serves the agent role"
+            )
+        opened = await open_run(
+            bus, session, task, limits=limits, tenant=tenant, agent=agent, confirm=confirm,
+            default_model=settings.llm_model, prices=parse_prices(settings.prices),
+        )  # fmt: skip
         if detach:
             _progress(f"run opened on {session} (event {opened.opened}): `riverbed runs` shows it")
+            if not agents:
+                _progress(
+                    f"waiting for an agent worker: none has been seen in the last {AGENT_SEEN_SECONDS:g}s "
+                    "(start one with `riverbed worker all` where OPENAI_BASE_URL is set); the run starts when one does"
+                )
             return []
         _progress(f"run opened on {session} (event {opened.opened}); following it (Ctrl-C detaches, the run goes on)")
         seen: list[events.Event] = []
@@ -332,15 +353,27 @@ def _in_process(
 def runs_command(
     state: Annotated[
         str | None,
-        typer.Option("--state", help="running, finished, failed or cancelled.", show_default=False),
+        typer.Option(
+            "--state",
+            help="running, waiting (no agent worker holds it), finished, failed or cancelled.",
+            show_default=False,
+        ),
     ] = None,
     tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant's runs.", show_default=False)] = None,
+    agent: Annotated[
+        str | None, typer.Option("--agent", help="Only the runs opened for this agent.", show_default=False)
+    ] = None,
+    limit: Annotated[int, typer.Option("--limit", help="Runs on one page.", min=1, max=200)] = 50,
+    cursor: Annotated[
+        str | None, typer.Option("--cursor", help="The page after the one that printed it.", show_default=False)
+    ] = None,
     as_json: JsonOption = False,
     prefix: PrefixOption = None,
 ) -> None:
-    """Runs handed to the agent role, newest first: session, tenant, state, steps, tokens, cost,
-    owning worker, age, and the parent session of a sub-agent's run."""
-    from riverbed.agent.hosted import STATES, list_runs  # noqa: PLC0415
+    """Runs handed to the agent role, newest first, a page at a time: session, tenant, state, steps,
+    tokens, cost, owning worker, age, and the parent session of a sub-agent's run."""
+    from riverbed.agent import run_index  # noqa: PLC0415
+    from riverbed.agent.hosted import STATES, page_runs  # noqa: PLC0415
     from riverbed.agent.usage import parse_prices  # noqa: PLC0415
 
     if state is not None and state not in STATES:
@@ -348,25 +381,36 @@ def runs_command(
     cli = Invocation(prefix)
 
     async def go() -> Any:
-        return await list_runs(await cli.bus(), state=state, tenant=tenant, prices=parse_prices(cli.settings.prices))
+        bus = await cli.bus()
+        await run_index.backfill(bus.client, bus.keys)  # (once per prefix: the runs listed before the indexes)
+        return await page_runs(
+            bus, state=state, tenant=tenant, agent=agent, prices=parse_prices(cli.settings.prices),
+            limit=limit, cursor=cursor, retention=cli.settings.runs_retention,
+        )  # fmt: skip
 
-    rows = cli.run(go)
+    page = cli.run(go)
+    rows = page.rows
+    more = f"more runs: riverbed runs --cursor {page.next_cursor}" if page.next_cursor else None
     if as_json:
         _stdout_lines(json_bytes(msgspec.to_builtins(row)) for row in rows)
+        if more:
+            _progress(more)
         return
     if not rows:
-        _progress("no runs" + (f" in state {state}" if state else ""))
+        _progress(more or "no runs" + (f" in state {state}" if state else ""))
         return
     columns = ("session", "tenant", "state", "steps", "tokens", "cost", "worker", "age", "parent")
     table = Table(*columns, box=None, header_style="bold")
     for row in rows:
         cost = "—" if row.cost is None else f"{row.cost:.4f}"  # (as the console shows it: no price)
-        state_text = row.state if row.state in ("running", "finished") else f"{row.state} ({row.reason})"
+        state_text = row.state if row.state in ("running", "waiting", "finished") else f"{row.state} ({row.reason})"
         table.add_row(
             row.session, row.tenant or "", state_text, str(row.steps), str(row.tokens), cost, row.worker or "",
             _age(row.age), row.parent or "",
         )  # fmt: skip
     out_console().print(table)
+    if more:
+        _progress(more)
 
 
 def _age(seconds: float) -> str:

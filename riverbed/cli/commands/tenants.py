@@ -1,4 +1,5 @@
-"""`riverbed tenants set|show`: the operator's per-tenant quotas (runs at once, tokens a day)."""
+"""`riverbed tenants set|show`: the operator's per-tenant quotas (runs at once, tokens a day) and
+the models a tenant's runs may ask for."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from rich.table import Table
 from riverbed.cli.app import Invocation, JsonOption, PrefixOption, _progress, app
 from riverbed.cli.output import _fail, _stdout_lines, json_bytes, out_console
 
-tenants_app = typer.Typer(help="Tenants' quotas: runs at once and tokens a day.", no_args_is_help=True)
+tenants_app = typer.Typer(
+    help="Tenants' quotas (runs at once, tokens a day) and the models they may use.", no_args_is_help=True
+)
 app.add_typer(tenants_app, name="tenants")
 
 TenantArg = Annotated[str, typer.Argument(help="The tenant (as named by its API keys and sessions).")]
@@ -38,26 +41,47 @@ def tenants_set(
             show_default=False,
         ),
     ] = None,
+    models: Annotated[
+        str | None,
+        typer.Option(
+            "--models",
+            help="The models its runs may ask for, comma-separated ('': only RIVERBED_LLM_MODEL, the default).",
+            show_default=False,
+        ),
+    ] = None,
     prefix: PrefixOption = None,
 ) -> None:
     """Set TENANT's quotas; a run over one is refused (the CLI exits 2, the API answers 429), and a
-    running run stops before its next model call once the day's tokens are spent."""
-    from riverbed.agent.quotas import Quotas  # noqa: PLC0415
+    running run stops before its next model call once the day's tokens are spent.  A run that asks
+    for a model not in --models (default: the deployment's RIVERBED_LLM_MODEL only) is refused."""
+    from riverbed.agent.quotas import Quotas, parse_models  # noqa: PLC0415
 
-    if max_runs is None and tokens_per_day is None and mcp_urls is None:
-        _fail("say which quota to set: --max-runs N, --tokens-per-day N (0 removes one) or --mcp-urls URL,...", 2)
+    if max_runs is None and tokens_per_day is None and models is None and mcp_urls is None:
+        _fail(
+            "say what to set: --max-runs N, --tokens-per-day N (0 removes one), --models M,... "
+            "and/or --mcp-urls URL,...",
+            2,
+        )
     urls = _mcp_urls(mcp_urls) if mcp_urls is not None else None
     cli = Invocation(prefix)
 
     async def go() -> Any:
+        allowed = None if models is None else parse_models(models)  # (an InputError: one sentence, exit 2)
         bus = await cli.bus()
-        return await Quotas(bus.log_store).set(tenant, max_runs=max_runs, tokens_per_day=tokens_per_day, mcp_urls=urls)
+        return await Quotas(bus.log_store).set(
+            tenant, max_runs=max_runs, tokens_per_day=tokens_per_day, models=allowed, mcp_urls=urls
+        )
 
     quota = cli.run(go)
     _progress(
-        f"tenant {tenant}: at most {_limit(quota.max_runs)} runs at once, {_limit(quota.tokens_per_day)} tokens a day"
+        f"tenant {tenant}: at most {_limit(quota.max_runs)} runs at once, {_limit(quota.tokens_per_day)} tokens a day, "
+        f"models {_models_text(quota.models)}"
         + (f"; MCP servers: {', '.join(quota.mcp_urls)}" if quota.mcp_urls else "")
     )
+
+
+def _models_text(models: list[str] | None) -> str:
+    return ", ".join(models) if models else "RIVERBED_LLM_MODEL only"
 
 
 def _mcp_urls(given: str) -> list[str]:
@@ -95,11 +119,13 @@ def tenants_show(
     if not rows:
         _progress("no tenant has a quota (riverbed tenants set T --max-runs N --tokens-per-day N)")
         return
-    table = Table("tenant", "max runs", "running", "tokens/day", "tokens today", box=None, header_style="bold")
+    columns = ("tenant", "max runs", "running", "tokens/day", "tokens today", "models")
+    table = Table(*columns, box=None, header_style="bold")
     for row in rows:
         table.add_row(
-            row.tenant, _limit(row.max_runs), str(row.running), _limit(row.tokens_per_day), str(row.tokens_today)
-        )
+            row.tenant, _limit(row.max_runs), str(row.running), _limit(row.tokens_per_day), str(row.tokens_today),
+            _models_text(row.models),
+        )  # fmt: skip
     out_console().print(table)
 
 

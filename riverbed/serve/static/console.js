@@ -8,8 +8,8 @@ const LONG_CHARS = 1200; // an output longer than this (or LONG_LINES lines) sho
 const LONG_LINES = 14;
 const MAX_TEXT = 200_000; // the most characters of one field put on the page
 const STATUSES = ["running", "finished", "step limit", "budget exhausted", "cancelled", "error", "open"];
-const RUN_STATES = ["running", "finished", "failed", "cancelled"];
-const RUN_ENDS = new Set(["step_limit", "budget_exhausted", "cancelled", "llm_error"]); // an agent error with one ends its run
+const RUN_STATES = ["running", "waiting", "finished", "failed", "cancelled"];
+const RUN_ENDS = new Set(["step_limit", "budget_exhausted", "cancelled", "llm_error", "stuck"]); // an agent error with one ends its run
 
 // --- the API ---------------------------------------------------------------------------------
 
@@ -314,7 +314,7 @@ async function runsPage(signal) {
         moneyCell(r.cost),
         el("td", { class: "mono", text: r.worker ?? "—" }),
         el("td", {}, timeEl(r.started_at ?? r.opened_at ?? (r.age != null ? Date.now() / 1000 - r.age : null))),
-        el("td", {}, r.state === "running" ? el("button", { type: "button", class: "cancel", text: "cancel", onclick: (ev) => cancelRun(r.session, ev.currentTarget, $("runs-note")) }) : null),
+        el("td", {}, r.state === "running" || r.state === "waiting" ? el("button", { type: "button", class: "cancel", text: "cancel", onclick: (ev) => cancelRun(r.session, ev.currentTarget, $("runs-note")) }) : null),
       ),
     );
     if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: "10", class: "muted", text: wanted ? `no ${wanted} runs` : "no runs yet: start one with riverbed agent S \"task\" --detach" })));
