@@ -94,7 +94,7 @@ function el(tag, props = {}, ...children) {
 }
 
 function show(section) {
-  for (const id of ["login", "sessions", "session", "runs"]) $(id).hidden = id !== section;
+  for (const id of ["login", "sessions", "session", "runs", "approvals"]) $(id).hidden = id !== section;
 }
 
 // One time format everywhere: UTC, to the second (the full instant in the title).
@@ -213,6 +213,7 @@ async function route() {
   const match = location.hash.match(/^#\/s\/([^?]+)$/);
   if (match) await sessionPage(decodeURIComponent(match[1]), controller.signal);
   else if (location.hash.startsWith("#/runs")) await runsPage(controller.signal);
+  else if (location.hash.startsWith("#/approvals")) await approvalsPage(controller.signal);
   else await listPage(controller.signal);
 }
 
@@ -346,6 +347,103 @@ async function cancelRun(session, button, note) {
   }
 }
 
+// --- approvals: calls that wait for a person ---------------------------------------------------
+
+// Approve and Reject for one waiting call; Reject opens a small form for an optional reason.
+// All of it is text (a reason or arguments come from a model's output).
+function decisionControls(session, action) {
+  const note = el("span", { class: "decide-note muted", role: "status" });
+  const reason = el("input", { class: "reject-reason", maxlength: "4000", size: "34", placeholder: "why (optional; the model reads it)", "aria-label": `why reject call #${action}` });
+  const send = el("button", { type: "submit", class: "reject-send", text: "Reject the call" });
+  const back = el("button", { type: "button", class: "link", text: "keep waiting" });
+  const form = el("form", { class: "reject-form", hidden: "" }, reason, send, back);
+  const approve = el("button", { type: "button", class: "approve", text: "Approve" });
+  const reject = el("button", { type: "button", class: "reject", text: "Reject" });
+  const decide = async (decision, why) => {
+    for (const button of [approve, reject, send]) button.disabled = true;
+    note.textContent = decision === "approve" ? "approving…" : "rejecting…";
+    try {
+      await api(`${sessionPath(session)}/approvals`, { method: "POST", body: { decision, actions: [action], reason: why } });
+      note.textContent = decision === "approve" ? "approved: the call runs now" : "rejected: the model reads why";
+      form.hidden = true;
+    } catch (error) {
+      note.textContent = error.message;
+      for (const button of [approve, reject, send]) button.disabled = false;
+    }
+  };
+  approve.addEventListener("click", () => decide("approve", ""));
+  reject.addEventListener("click", () => {
+    form.hidden = false;
+    reject.hidden = true;
+    reason.focus();
+  });
+  back.addEventListener("click", () => {
+    form.hidden = true;
+    reject.hidden = false;
+  });
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    decide("reject", reason.value.trim());
+  });
+  return el("div", { class: "decide", "data-action": String(action), onclick: stop }, approve, reject, form, note);
+}
+
+function riskBadge(level) {
+  return el("span", { class: `badge risk risk-${String(level).replace(/[^a-z]/g, "")}`, text: `${level} risk` });
+}
+
+// The calls of GET /v1/approvals, refreshed every 2 s. A row stays the same node while its call
+// waits, so a reason being typed is not lost to a refresh.
+async function approvalsPage(signal) {
+  show("approvals");
+  $("crumbs").textContent = "";
+  $("approvals-note").textContent = "";
+  const rows = new Map(); // "session#action" -> tr
+  const render = async () => {
+    const { approvals } = await (await api("/v1/approvals", { signal })).json();
+    const wanted = approvals.map((a) => {
+      const key = `${a.session}#${a.action}`;
+      if (!rows.has(key)) {
+        let args = a.arguments ?? "";
+        try {
+          args = JSON.stringify(JSON.parse(args), null, 2);
+        } catch {
+          // cut at 500 characters by the server, or not JSON: shown as it is
+        }
+        rows.set(
+          key,
+          el(
+            "tr",
+            { "data-session": a.session, "data-action": String(a.action) },
+            el("td", { class: "session", title: a.session }, el("a", { href: sessionHref(a.session), text: a.session })),
+            el("td", { text: a.tenant ?? "—" }),
+            el("td", { class: "num", text: `#${a.action}` }),
+            el("td", { class: "call-name", text: a.tool }),
+            el("td", { class: "args" }, el("pre", { text: clip(args, 2000) })),
+            el("td", { class: "why" }, riskBadge(a.level), el("div", { class: "risk-reason", text: clip(a.reason, 2000) })),
+            el("td", {}, timeEl(a.since)),
+            el("td", { class: "decide-cell" }, decisionControls(a.session, a.action)),
+          ),
+        );
+      }
+      return key;
+    });
+    for (const key of [...rows.keys()]) if (!wanted.includes(key)) rows.delete(key);
+    const body = $("approval-rows");
+    const shown = [...body.children].map((tr) => tr.dataset.key);
+    if (shown.join("\n") !== wanted.join("\n") || !wanted.length) {
+      const trs = wanted.map((key) => rows.get(key));
+      for (const [i, tr] of trs.entries()) tr.dataset.key = wanted[i];
+      if (!trs.length) trs.push(el("tr", {}, el("td", { colspan: "8", class: "muted", text: "no call waits for approval (a run opened with confirm never, the default, asks for none)" })));
+      body.replaceChildren(...trs);
+    }
+    $("approvals-refreshed").replaceChildren(`${plural(approvals.length, "call")} waiting · refreshed `, timeEl(new Date()));
+  };
+  await every(2, signal, render, (error) => {
+    $("approvals-note").textContent = error.status === 404 || error.status === 405 ? "this server has no approvals route (GET /v1/approvals)" : error.message;
+  });
+}
+
 // --- the session page: how each event reads --------------------------------------------------
 
 // A kind the server does not know reads back with its own kind and fields (the raw payload).
@@ -378,6 +476,9 @@ function summary(e) {
     case "session_config": return configLines(e).join("; ") || "no change";
     case "run_started": return `run opened: ${runLimits(e)}`;
     case "run_cancel": return `asked the agent to cancel the run${e.note ? `: ${e.note}` : ""}`;
+    case "run_paused": return `paused the run${e.note ? `: ${e.note}` : ""}`;
+    case "run_resumed": return `resumed the run${e.note ? `: ${e.note}` : ""}`;
+    case "approval": return `${e.decision === "approve" ? "approved" : "rejected"} ${(e.actions ?? []).map((a) => `#${a}`).join(", ")}${e.by ? ` (by ${e.by})` : ""}${e.reason ? `: ${e.reason}` : ""}`;
     case "delegate": return e.task ?? "";
     case "delegated": return `sub-agent of ${e.parent} (its action #${e.parent_action})`;
     case "delegate_result": return `${e.session}: ${e.content ?? ""}`;
@@ -512,6 +613,8 @@ function sessionStatus(events) {
     const e = events[i];
     if (e.kind === "finish") return "finished";
     if (e.kind === "error" && e.source === "agent" && e.reason in ends) return ends[e.reason];
+    if (e.kind === "run_paused" && e.source === "user") return "paused";
+    if (e.kind === "run_resumed" && e.source === "user") return "running";
     if (e.kind === "run_started") return "running";
     if (e.kind === "message" && e.source === "user") return "open";
   }
@@ -538,6 +641,8 @@ class SessionView {
     this.refreshTimer = null;
     this.children = new Map(); // sub-agent session -> delegate_result
     this.parent = null; // the delegated event, when this session is a sub-agent
+    this.decisions = new Map(); // action id -> the approval that decided it (the first holds)
+    this.waiting = new Set(); // ids of the calls shown with Approve and Reject
   }
 
   get current() {
@@ -590,7 +695,13 @@ class SessionView {
     $("run-state").replaceChildren(statusBadge(status));
     $("run-numbers").textContent = `run #${opened.id}: ${plural(steps.length, "step")} of ${opened.max_steps ?? 30}, ${spent}`;
     $("run-numbers").title = cost == null ? UNPRICED : "";
-    $("run-cancel").hidden = status !== "running" || after.some((e) => e.kind === "run_cancel");
+    const open = status === "running" || status === "paused";
+    const asked = after.some((e) => e.kind === "run_cancel");
+    $("run-cancel").hidden = !open || asked;
+    $("run-pause").hidden = status !== "running" || asked;
+    $("run-resume").hidden = status !== "paused" || asked;
+    const waiting = after.filter((e) => this.pending(e) === "waiting").length;
+    $("run-waiting").textContent = waiting ? `${plural(waiting, "call")} ${waiting === 1 ? "waits" : "wait"} for your approval` : "";
   }
 
   // What hides each event and what is pinned as of the selected event (condensations and user
@@ -693,6 +804,7 @@ class SessionView {
       this.last = Math.max(this.last, e.id);
       if (e.kind === "delegated" && !this.parent) this.parent = e;
       if (e.kind === "delegate_result" && e.session) this.children.set(e.session, e);
+      if (e.kind === "approval" && e.source === "user") for (const a of e.actions ?? []) if (!this.decisions.has(a)) this.decisions.set(a, e);
       const action = e.cause != null ? this.events.get(e.cause) : undefined;
       if (action && ACTIONS.has(action.kind) && !ACTIONS.has(e.kind) && e.kind !== "condensation" && !this.answers.has(e.cause)) {
         this.answers.set(e.cause, e);
@@ -702,6 +814,14 @@ class SessionView {
         const li = this.card(e);
         this.nodes.set(e.id, li);
         $("timeline").append(li);
+      }
+    }
+    // A call shown waiting that was decided, answered or whose run ended meanwhile.
+    for (const id of [...this.waiting]) {
+      const e = this.events.get(id);
+      if (e && this.pending(e) !== "waiting") {
+        this.waiting.delete(id);
+        this.rerender(id);
       }
     }
     this.renderTree();
@@ -767,6 +887,7 @@ class SessionView {
     const li = el("li", { class: classes.join(" "), "data-id": String(e.id), title: "click to choose it (or its answer) for a context edit; shift-click: a range", onclick: (ev) => { if (ev.target.closest("a, button, details, pre")) return; this.choose(Number(ev.target.closest("[data-id]").dataset.id), ev.shiftKey); } }, head);
     if (e.kind === "condensation") li.append(...this.condensed(e));
     for (const node of render(e)) if (node) li.append(node);
+    if (e.risk) li.append(this.risk(e));
     li.append(raw(e));
     const answer = this.answers.get(e.id);
     if (answer) {
@@ -781,6 +902,42 @@ class SessionView {
       li.append(answerNode);
     }
     return li;
+  }
+
+  // Where a call that waits for approval stands: "waiting" (no decision, no answer, its run
+  // open), "approved", "rejected", "answered", or "ended" (its run ended undecided).
+  pending(e) {
+    if (!e.risk?.confirm) return null;
+    if (this.answers.has(e.id)) return "answered";
+    const decided = this.decisions.get(e.id);
+    if (decided) return decided.decision === "approve" ? "approved" : "rejected";
+    for (const x of this.events.values()) {
+      if (x.id <= e.id) continue;
+      if (x.kind === "finish" || (x.kind === "error" && x.source === "agent" && RUN_ENDS.has(x.reason))) return "ended";
+    }
+    return "waiting";
+  }
+
+  // A call's risk as the agent labelled it, and, when it waits for a person, Approve and Reject.
+  risk(e) {
+    const where = this.pending(e);
+    const node = el(
+      "div",
+      { class: "risk-line" + (where === "waiting" ? " waiting" : ""), "data-pending": where },
+      riskBadge(e.risk.level),
+      e.risk.reason ? el("span", { class: "risk-reason", text: clip(e.risk.reason, 2000) }) : null,
+    );
+    const decided = this.decisions.get(e.id);
+    if (where === "waiting") {
+      node.append(el("span", { class: "waits", text: "waits for your approval" }), decisionControls(this.session, e.id));
+      this.waiting.add(e.id);
+    } else if (decided) {
+      const verb = decided.decision === "approve" ? "approved" : "rejected";
+      node.append(el("span", { class: "decided", text: `${verb} (#${decided.id}${decided.by ? `, by ${decided.by}` : ""})${decided.reason ? `: ${clip(decided.reason, 2000)}` : ""}` }));
+    } else if (where === "ended") {
+      node.append(el("span", { class: "muted", text: "the run ended before anyone decided" }));
+    }
+    return node;
   }
 
   select(id, byUser) {
@@ -985,6 +1142,22 @@ $("fork-form").addEventListener("submit", async (event) => {
 $("run-cancel").addEventListener("click", (event) => {
   if (state.view) cancelRun(state.view.session, event.currentTarget, $("run-note"));
 });
+for (const [id, verb] of [["run-pause", "pause"], ["run-resume", "resume"]]) {
+  $(id).addEventListener("click", async (event) => {
+    const view = state.view;
+    if (!view) return;
+    const button = event.currentTarget;
+    button.disabled = true;
+    try {
+      await api(`${sessionPath(view.session)}/runs/${verb}`, { method: "POST" });
+      if (view.current) $("run-note").textContent = verb === "pause" ? "paused: no model call and no new action until resumed" : "resumed";
+    } catch (error) {
+      if (view.current) $("run-note").textContent = error.message;
+    } finally {
+      button.disabled = false;
+    }
+  });
+}
 $("list-form").addEventListener("submit", (event) => {
   event.preventDefault();
   const params = new URLSearchParams();
