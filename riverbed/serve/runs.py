@@ -81,6 +81,10 @@ def run_document(row: RunRow) -> dict[str, Any]:
         "age": round(row.age, 3),
         "parent": row.parent,
         "children": row.children,
+        "agent": row.agent,
+        "detail": row.detail if row.state in ("running", "waiting") else "",
+        "paused": row.paused,
+        "awaiting": len(row.awaiting),
     }
 
 
