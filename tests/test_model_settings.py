@@ -73,7 +73,8 @@ def test_a_slow_model_ends_the_run_with_one_sentence_naming_the_setting(
     agent_env: dict[str, str], server: OpenAIServer
 ) -> None:
     server.reply(tool_calls=[("finish", {"final_thought": "too late"})], delay=4)
-    result = run(agent_env, "agent", "t1", "do it", "--in-process", "--llm-timeout", "1", timeout=120)
+    once = {**agent_env, "RIVERBED_AGENT_LLM_RETRY_SECONDS": "0"}  # (no retry: the one answer is late)
+    result = run(once, "agent", "t1", "do it", "--in-process", "--llm-timeout", "1", timeout=120)
     err = result.stderr.decode()
     assert result.returncode == 1, err
     assert "Traceback" not in err
@@ -128,7 +129,10 @@ async def test_the_in_process_loop_uses_the_settings(
     server: OpenAIServer,
     workers: None,
 ) -> None:
-    settings = Settings(llm_model="test-model", llm_temperature=0.1, llm_max_output_tokens=128, llm_timeout=0.5)
+    settings = Settings(
+        llm_model="test-model", llm_temperature=0.1, llm_max_output_tokens=128, llm_timeout=0.5,
+        agent_llm_retry_seconds=0,
+    )  # fmt: skip
     server.reply(tool_calls=[("finish", {"final_thought": "done"})])
     options = AgentOptions(recall_timeout=15)
     ended = await run_llm_agent(bus, "p1", "do it", settings=settings, client=server.client(), options=options)

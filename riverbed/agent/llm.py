@@ -53,7 +53,6 @@ from typing import Any
 
 import anyio
 import jinja2
-import openai
 import structlog
 from msgspec.structs import replace
 from openai import AsyncOpenAI
@@ -61,6 +60,7 @@ from openai import AsyncOpenAI
 from riverbed import events
 from riverbed.agent import messages as chat
 from riverbed.agent.images import ImageSource, WorkspaceImages, vision
+from riverbed.agent.retry import GaveUp, RetryPolicy, retryable, retrying
 from riverbed.agent.tools import action_from_call, tools
 from riverbed.client.session import Bus, Session
 from riverbed.errors import ActTimeout, AlreadyAnswered, ConfigError, InputError, RiverbedError
@@ -201,7 +201,7 @@ def make_client(settings: Settings) -> AsyncOpenAI:
     return AsyncOpenAI(
         api_key=settings.openai_api_key or "unused",
         base_url=settings.openai_base_url or None,
-        max_retries=2,
+        max_retries=0,  # (retried by the agent's policy: ``agent/retry.py``)
     )
 
 
@@ -266,11 +266,13 @@ def _llm_error(exc: BaseException, timeout: float) -> events.Error:
     if isinstance(exc, TimeoutError):
         return events.Error(source="agent", content=timeout_sentence(timeout), reason="llm_error", retryable=True)
     status = getattr(exc, "status_code", None)
-    retryable = isinstance(exc, openai.APIConnectionError | openai.RateLimitError | openai.InternalServerError)
     detail = f"HTTP {status}: " if status is not None else ""
     message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
     return events.Error(
-        source="agent", content=f"the model call failed ({detail}{message})", reason="llm_error", retryable=retryable
+        source="agent",
+        content=f"the model call failed ({detail}{message})",
+        reason="llm_error",
+        retryable=retryable(exc),
     )
 
 
@@ -297,6 +299,7 @@ class _Run:
         self.recalled: set[int] = set()
         self.tools = tools()
         self.condenser_defaults: dict[str, Any] = {}
+        self.retry = RetryPolicy()
 
     async def refresh(self) -> None:
         start = (self.events[-1].id or 0) + 1 if self.events else 1
@@ -363,9 +366,14 @@ class _Run:
             "parallel_tool_calls": False,
         }
         request.update(model_parameters(self.options.temperature, self.options.max_output_tokens))
-        assert self.options.llm_timeout is not None  # (resolved)
-        with anyio.fail_after(self.options.llm_timeout):
-            response = await self.client.chat.completions.create(**request)
+        timeout = self.options.llm_timeout
+        assert timeout is not None  # (resolved)
+
+        async def once() -> Any:
+            with anyio.fail_after(timeout):
+                return await self.client.chat.completions.create(**request)
+
+        response = await retrying(self.retry, once)
         answer: dict[str, Any] = response.model_dump(exclude_none=True)
         log.info("agent.llm_response", session=self.session.id, until=until, usage=answer.get("usage", {}))
         return answer
@@ -393,8 +401,8 @@ class _Run:
         until = self.events[-1].id if self.events else None
         try:
             answer = await self.complete()
-        except (openai.OpenAIError, TimeoutError) as exc:
-            error = _llm_error(exc, self.options.llm_timeout or 0)
+        except GaveUp as failed:
+            error = _llm_error(failed.error, self.options.llm_timeout or 0)
             log.info("agent.llm_failed", session=self.session.id, error=error.content)
             return await self.append(error)
         if not answer.get("choices"):
@@ -486,6 +494,7 @@ async def _work(
     )
     run = _Run(session, client, settings.llm_model, options, settings.prompt_cache, image_source)
     run.condenser_defaults = settings.condenser_defaults()
+    run.retry = RetryPolicy(budget=settings.agent_llm_retry_seconds)
     await run.refresh()
     first = not any(isinstance(e, events.Message) and e.source == "user" for e in run.events)
     run.recalled.update(e.id for e in run.events if isinstance(e, events.Message) and e.id is not None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -35,14 +36,21 @@ async def roles(
     prices: str | None = None,
     checked: bool = False,
     pace: Pace | None = None,
+    **options: Any,
 ) -> AsyncIterator[AgentHandler]:
     """The runtime and agent roles in this process; ``checked``: the agent role asks the model as a
     worker does (``CheckedClient``), else through a plain client of the client library; ``pace``:
-    how many runs it takes on at once (None: as many as come)."""
+    how many runs it takes on at once (None: as many as come); ``options``: more of
+    :class:`AgentHandler`'s keywords."""
     runtime = Runtime(workspace_root=workspace)
     client = CheckedClient(api_key="test-key", base_url=server.base_url) if checked else server.client()
     agent = AgentHandler(
-        client=client, model="test-model", retry_seconds=retry_seconds, prices=parse_prices(prices), pace=pace
+        client=client,
+        model="test-model",
+        retry_seconds=retry_seconds,
+        prices=parse_prices(prices),
+        pace=pace,
+        **options,
     )
     try:
         async with owners(bus, [RuntimeHandler(runtime), agent]):
