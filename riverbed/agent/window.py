@@ -23,6 +23,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import anyio
 import httpx2
 
 from riverbed import events
@@ -84,16 +85,22 @@ async def read_window(base_url: str, *, api_key: str | None = None, timeout: flo
     root = base_url.rstrip("/")
     server = root.removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx2.AsyncClient(timeout=timeout, headers=headers) as http:
-        for url in (f"{server}/props", f"{server}/slots", f"{root}/models"):
-            try:
-                response = await http.get(url)
-                answer = response.json() if response.status_code == 200 else None
-            except (httpx2.HTTPError, json.JSONDecodeError, ValueError):
-                continue
-            window = _reported(answer)
-            if window is not None:
-                return window
+    with anyio.move_on_after(timeout):
+        async with httpx2.AsyncClient(timeout=timeout, headers=headers) as http:
+            return await _first_reported(http, [f"{server}/props", f"{server}/slots", f"{root}/models"])
+    return None
+
+
+async def _first_reported(http: httpx2.AsyncClient, urls: list[str]) -> int | None:
+    for url in urls:
+        try:
+            response = await http.get(url)
+            answer = response.json() if response.status_code == 200 else None
+        except (httpx2.HTTPError, ValueError):
+            continue
+        window = _reported(answer)
+        if window is not None:
+            return window
     return None
 
 

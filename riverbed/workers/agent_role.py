@@ -39,9 +39,12 @@ the middle leaves them pending, and the next owner, having folded the whole log,
 moves still due.  A model call whose ``llm_response`` is in the log is never made again; only
 a call in flight when its worker died is repeated, once.
 
-A model server that is down, times out or answers 5xx/429 is tried again with backoff for
-``RIVERBED_AGENT_LLM_RETRY_SECONDS``, then the run ends with ``llm_error`` saying what the
-server said.  A ``run_cancel`` ends the run at the next move; a model call in flight is given
+A model call is retried by one policy (:mod:`riverbed.agent.retry`: a server that is down,
+breaks the connection, times out or answers 408/409/429/5xx, for ``RIVERBED_AGENT_LLM_RETRY_SECONDS``
+from the first failure, honouring ``Retry-After``), within the model's limits shared by every
+agent worker (:mod:`riverbed.agent.throttle`), then the run ends with ``llm_error`` saying what the
+server said; a prompt over the model's context window gets one condensation and one retry first
+(:mod:`riverbed.agent.window`).  A ``run_cancel`` ends the run at the next move; a model call in flight is given
 up within :data:`CANCEL_POLL_SECONDS` (a command in flight is interrupted by the runtime role,
 which watches the log for the same ``run_cancel``).  Once the run ended
 the idle session is *retired* (released without being announced again until another run opens).

@@ -76,9 +76,13 @@ def tool_call(name: str, arguments: Mapping[str, Any] | str, call_id: str | None
 
 
 class OpenAIServer:
-    def __init__(self, *, model: str = "test-model", embedding_dim: int = 8, window: int | None = None) -> None:
+    def __init__(
+        self, *, model: str = "test-model", embedding_dim: int = 8, window: int | None = None, reports: bool = False
+    ) -> None:
         self.model = model
         self.window = window
+        self.reports = reports
+        """``GET /props`` reports ``window`` as llama.cpp's server does (else 404, as llama-cpp-python's)"""
         self.context_errors = 0
         self.in_flight = 0
         self.most_in_flight = 0
@@ -340,8 +344,11 @@ class _Handler(BaseHTTPRequestHandler):
         """Quiet: tests read ``requests`` instead."""
 
     def do_GET(self) -> None:
+        state = self.server_state
         if self.path.rstrip("/") == "/v1/models":
-            self._send(200, {"object": "list", "data": [{"id": self.server_state.model, "object": "model"}]})
+            self._send(200, {"object": "list", "data": [{"id": state.model, "object": "model"}]})
+        elif self.path.rstrip("/") == "/props" and state.reports and state.window is not None:
+            self._send(200, {"default_generation_settings": {"n_ctx": state.window}, "total_slots": 1})
         else:
             self._send(404, _error(f"no route {self.path}", "invalid_request_error"))
 
