@@ -16,8 +16,10 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.hosted import open_run
+from riverbed.agent.llm import AgentOptions, run_llm_agent
 from riverbed.agent.retry import GaveUp, RetryPolicy, Saturated, retry_after, retryable, retrying
 from riverbed.client.session import Bus
+from riverbed.settings import Settings
 from tests.kit.agent_role import (
     ended,
     roles,
@@ -148,3 +150,16 @@ async def test_a_retry_after_past_the_budget_ends_the_run_at_once(
     assert "HTTP 429" in last.content
     assert "come back in an hour" in last.content
     assert len(server.requests) == 1
+
+
+async def test_the_in_process_loop_retries_by_the_same_policy(bus: Bus, server: OpenAIServer) -> None:
+    # (no memory role: the context recalls time out at once, which the loop survives)
+    server.drop(after=0.2)
+    server.fail(503, "loading the model", retry_after=1.2)
+    server.reply(tool_calls=[("finish", {"final_thought": "done"})])
+    settings = Settings(llm_model="test-model", agent_llm_retry_seconds=3)
+    options = AgentOptions(recall_timeout=0.2)
+    final = await run_llm_agent(bus, "s-loop", "try", settings=settings, client=server.client(), options=options)
+    assert isinstance(final, events.Finish), final
+    assert len(server.requests) == 3
+    assert server.received[2] - server.received[1] >= 1.2  # (the server's Retry-After, not a backoff step)
