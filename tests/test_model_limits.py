@@ -132,17 +132,34 @@ async def test_two_workers_with_a_limit_of_one_never_call_the_model_twice_at_onc
     assert all(served), served  # (both workers served runs)
 
 
+def working(delay: float, steps: int) -> Any:
+    """Each run thinks ``steps`` times, then finishes; each answer takes ``delay`` seconds."""
+
+    answered: dict[str, int] = {}
+
+    def answer(request: dict[str, Any]) -> dict[str, Any]:
+        task = next(str(m["content"]) for m in request["messages"] if m.get("role") == "user")
+        done = answered[task] = answered.get(task, -1) + 1
+        if done >= steps:
+            return {"content": "done", "delay": delay}
+        return {"tool_calls": [("think", {"thought": f"step {done}"})], "delay": delay}
+
+    return answer
+
+
 async def test_a_tenant_flooding_the_model_does_not_starve_another(
     bus: Bus, workspace: Path, server: OpenAIServer
 ) -> None:
-    server.respond(finishing(0.2), times=30)
+    # Tenant "flood" keeps six runs of six steps each asking; a run's next step asks again the
+    # moment its answer is in, so without turns the run that holds the permit keeps it.
+    server.respond(working(0.1, 5), times=100)
     async with roles(bus, workspace, server, checked=True, retry_seconds=30, max_in_flight=1):
-        flood = [f"s-flood-{i}" for i in range(12)]
+        flood = [f"s-flood-{i}" for i in range(6)]
         for session in flood:
             await open_run(bus, session, f"task for {session}", tenant="flood")
         counts = bus.keys.model_limit("test-model", "counts")
-        with anyio.fail_after(10):  # until the flood's other eleven calls wait for their turn
-            while int(await bus.client.raw.hget(counts, "flood") or 0) < 11:
+        with anyio.fail_after(10):  # until the flood's other five runs wait for their turn
+            while int(await bus.client.raw.hget(counts, "flood") or 0) < 5:
                 await anyio.sleep(0.02)
         before = len(server.requests)
         opened = await open_run(bus, "s-other", "task for s-other", tenant="other")
@@ -152,6 +169,7 @@ async def test_a_tenant_flooding_the_model_does_not_starve_another(
     assert isinstance(seen[-1], events.Finish)
     other = next(i for i, r in enumerate(server.requests) if "task for s-other" in str(r["messages"]))
     # Served after at most one more of the flood's calls (whose turn may have come first), not
-    # behind the flood's eleven waiting calls.
+    # behind the steps of the flood's runs.
     assert other <= before + 2, (other, before)
+    assert len(server.requests) == 7 * 6  # (every run made its six calls)
     assert server.most_in_flight == 1
