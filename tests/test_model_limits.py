@@ -32,7 +32,11 @@ MODEL = "m-1"
 
 async def take(throttle: Throttle, tenant: str, ticket: str) -> str | None:
     """One try for a permit, kept as a call in flight keeps it: None when granted, else why not."""
-    granted, _, why = await throttle.try_take(MODEL, tenant, ticket)
+    return await take_model(throttle, MODEL, ticket, tenant)
+
+
+async def take_model(throttle: Throttle, model: str, ticket: str, tenant: str = "") -> str | None:
+    granted, _, why = await throttle.try_take(model, tenant, ticket)
     return None if granted else why
 
 
@@ -173,3 +177,19 @@ async def test_a_tenant_flooding_the_model_does_not_starve_another(
     assert other <= before + 2, (other, before)
     assert len(server.requests) == 7 * 6  # (every run made its six calls)
     assert server.most_in_flight == 1
+
+
+async def test_a_run_that_waits_past_the_budget_ends_in_one_sentence(
+    bus: Bus, workspace: Path, server: OpenAIServer
+) -> None:
+    held = Throttle(bus.client, bus.keys, max_in_flight=1, lease=30)
+    assert await take_model(held, "test-model", "another worker's call") is None  # (it never gives it back)
+    async with roles(bus, workspace, server, checked=True, retry_seconds=1.0, max_in_flight=1):
+        opened = await open_run(bus, "s-starved", "try")
+        seen = await ended(bus, "s-starved", opened.opened, timeout=10)
+    end = seen[-1]
+    assert isinstance(end, events.Error)
+    assert end.reason == "llm_error"
+    assert "waited for its turn past the retry budget" in end.content
+    assert "RIVERBED_LLM_MAX_CONCURRENCY" in end.content
+    assert server.requests == []

@@ -392,8 +392,7 @@ class AgentHandler:
             except _ModelFailed as exc:
                 if not exceeds_context(exc.__cause__):
                     raise
-                response = await self._condensed_retry(ctx, state, run, model, exc)
-                until = state.fold.last
+                response, until = await self._condensed_retry(ctx, state, run, model, exc)
         except _ModelFailed as exc:
             await self._catch_up(ctx, state)
             if state.fold.run is run and run.open and run.cancel_requested is None:
@@ -428,10 +427,11 @@ class AgentHandler:
 
     async def _condensed_retry(
         self, ctx: SessionContext, state: _Session, run: Run, model: str, failed: _ModelFailed
-    ) -> Any:
+    ) -> tuple[Any, int]:
         """The prompt did not fit the model's context window: ask the condenser role once
-        (a ``condensation_request``), wait for its answer, and ask the model once more; a step that
-        asked already (the log says so, also after a takeover) ends the run (``agent/window.py``)."""
+        (a ``condensation_request``), wait for its answer, and ask the model once more (its
+        response, and the last event its prompt was built from); a step that asked already (the
+        log says so, also after a takeover) ends the run (``agent/window.py``)."""
         error = failed.__cause__
         assert error is not None
         window = self.context_tokens or window_in(error)
@@ -455,8 +455,9 @@ class AgentHandler:
         await self._catch_up(ctx, state)
         if state.fold.run is not run or not run.open or run.cancel_requested is not None:
             raise _ModelFailed("the model call was given up: the run was cancelled") from error
+        until = state.fold.last
         try:
-            return await self._complete(ctx, state, model, _started(state.seen, run.opened))
+            return await self._complete(ctx, state, model, _started(state.seen, run.opened)), until
         except _ModelFailed as again:
             cause = again.__cause__
             if cause is not None and exceeds_context(cause):
@@ -699,6 +700,8 @@ class AgentHandler:
             exc = failed.error
             if isinstance(exc, TimeoutError):
                 raise _ModelFailed(timeout_sentence(timeout, failed.tries)) from exc
+            if isinstance(exc, Saturated):
+                raise _ModelFailed(f"the model call waited for its turn past the retry budget ({exc})") from exc
             again = f" after {failed.tries} tries" if failed.tries > 1 else ""
             raise _ModelFailed(f"the model call failed{again} ({_said(exc, timeout)})") from exc
         if not response.get("choices"):
