@@ -6,8 +6,15 @@ real agent and condenser worker processes against the scripted server with a win
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -20,10 +27,18 @@ from riverbed.agent.hosted import RunLimits, follow_run, open_run
 from riverbed.agent.window import exceeds_context, fit_condenser, prompt_overhead, read_window, window_in
 from riverbed.client.session import Bus
 from riverbed.errors import ConfigError
+from riverbed.workers.model_client import CheckedClient
 from tests.kit.openai_server import OpenAIServer
 from tests.kit.workers import Spawn, ready, spawn, workers  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.anyio
+
+TINYLLM = Path(__file__).with_name("tinyllm.py")
+LLAMA_PYTHON = os.environ.get("RIVERBED_TEST_LLAMA_PYTHON") or (
+    sys.executable
+    if all(importlib.util.find_spec(name) is not None for name in ("llama_cpp", "uvicorn", "fastapi", "gguf"))
+    else None
+)
 
 LLAMA_CPP_PYTHON = (  # what llama-cpp-python's server 0.3.x answers (its errors.py)
     "This model's maximum context length is 8192 tokens. However, you requested 9011 tokens "
@@ -174,3 +189,54 @@ async def test_a_known_window_is_kept_by_the_condenser(bus: Bus, spawn: Spawn, m
     assert [e for e in seen if isinstance(e, events.Condensation)]  # (it had to condense to stay within)
     assert not [e for e in seen if isinstance(e, events.CondensationRequest)]
     assert max(len(json.dumps(r["messages"])) // 4 for r in model.requests) > 1000
+
+
+@pytest.fixture
+def small_llama(tmp_path: Path) -> Iterator[str]:
+    """llama-cpp-python's server on the tests' tiny model with a 256-token window."""
+    assert LLAMA_PYTHON is not None
+    model = tmp_path / "tiny.gguf"
+    subprocess.run([LLAMA_PYTHON, str(TINYLLM), str(model)], check=True, timeout=120)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (tmp_path / "server.log").open("wb")
+    proc = subprocess.Popen(
+        [LLAMA_PYTHON, "-m", "llama_cpp.server", "--model", str(model), "--model_alias", "tiny",
+         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "256"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx2.get(f"{url}/models", timeout=2).status_code == 200:
+                    break
+            except httpx2.HTTPError:
+                pass
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            assert time.monotonic() < deadline, "the llama-cpp server did not start within 60 s"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(LLAMA_PYTHON is None, reason="llama-cpp-python[server] is needed: RIVERBED_TEST_LLAMA_PYTHON")
+async def test_llama_cpp_pythons_server_says_its_window_only_in_its_errors(small_llama: str) -> None:
+    # llama-cpp-python's server (0.3.x) reports no n_ctx (no /props, /slots, max_model_len): the
+    # window is read from its context-length error, which the agent role recognises.
+    assert await read_window(small_llama) is None
+    client = CheckedClient(api_key="unused", base_url=small_llama)
+    body = {"model": "tiny", "max_tokens": 16, "messages": [{"role": "user", "content": "word " * 400}]}
+    try:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat_completion(body)
+    finally:
+        await client.close()
+    assert exceeds_context(refused.value)
+    assert window_in(refused.value) == 256
