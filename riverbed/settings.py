@@ -117,6 +117,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     condenser_mask_window: Annotated[int, Meta(ge=1)] = 10
     condenser_summary_tokens: Annotated[int, Meta(ge=16)] = 1024
     condenser_model: str | None = None
+    llm_max_concurrency: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    llm_rpm: Annotated[int, Meta(ge=0, le=100_000_000)] = 0
+    llm_context_tokens: Annotated[int, Meta(ge=0, le=100_000_000)] = 0
 
     @classmethod
     def from_env(

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.anyio
 
 SETTINGS = Settings(llm_model="test-model", agent_llm_retry_seconds=0)
 """(a model call that fails ends the run: the retries are the agent role's tests')"""
+NO_RETRY = SETTINGS
 
 
 def seed_workspace(workspace: Path, session: str) -> Path:
@@ -219,7 +220,7 @@ async def test_an_llm_failure_is_an_error_in_the_log_and_ends_the_run(
     bus: Bus, server: OpenAIServer, workers: None
 ) -> None:
     server.fail(500, "the model is on fire")
-    final = await run_llm_agent(bus, "llm-500", "Do something.", settings=SETTINGS, client=server.client())
+    final = await run_llm_agent(bus, "llm-500", "Do something.", settings=NO_RETRY, client=server.client())
     assert isinstance(final, events.Error)
     assert final.source == "agent"
     assert final.reason == "llm_error"
@@ -235,7 +236,7 @@ async def test_an_llm_failure_is_an_error_in_the_log_and_ends_the_run(
 async def test_an_unreachable_model_is_an_error_too(bus: Bus, workers: None) -> None:
     with OpenAIServer() as gone:
         client = gone.client()
-    final = await run_llm_agent(bus, "llm-gone", "Hello?", settings=SETTINGS, client=client)
+    final = await run_llm_agent(bus, "llm-gone", "Hello?", settings=NO_RETRY, client=client)
     assert isinstance(final, events.Error)
     assert final.reason == "llm_error"
     assert final.retryable

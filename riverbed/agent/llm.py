@@ -193,7 +193,7 @@ def make_client(settings: Settings) -> AsyncOpenAI:
     return AsyncOpenAI(
         api_key=settings.openai_api_key or "unused",
         base_url=settings.openai_base_url or None,
-        max_retries=2,
+        max_retries=0,  # (retried by the agent's policy: ``agent/retry.py``)
     )
 
 

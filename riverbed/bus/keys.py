@@ -52,6 +52,12 @@ key                                    what
                                        ``<estimated tokens> <expiry ms>``), reserved before each call
 ``{p}:{p}:tenant:<t>:tokens:<day>``    hash: tokens of ``t``'s runs counted on UTC ``day``: per run
                                        (``<session>:<run id>``) its tokens so far, ``_total`` their sum
+``{p}:{p}:llm:<model>:<part>``         the model's shared limits (``agent/throttle.py``): ``held`` (zset:
+                                       permit -> lease end ms), ``window`` (zset: the last minute's calls),
+                                       ``turns`` (zset: tenant -> its turn), ``waiting`` (zset: waiter ->
+                                       when it is given up), ``owners`` (hash: waiter -> tenant), ``counts``
+                                       (hash: tenant -> its waiters), ``paused`` (string: no permit before
+                                       this ms), ``seq`` (string: the last turn handed out)
 =====================================  =======================================================
 """
 
@@ -130,6 +136,11 @@ class Keys:
     def tenant_tokens(self, tenant: str, day: str) -> str:
         """The tokens ``tenant``'s runs spent on UTC ``day`` (``YYYY-MM-DD``; a hash)."""
         return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:tokens:{day}"
+
+    def model_limit(self, model: str, part: str) -> str:
+        """One of the keys of ``model``'s shared limits (``part``: ``held``, ``window``, ``turns``,
+        ``waiting``, ``owners``, ``counts``, ``paused``, ``seq``)."""
+        return f"{self.prefix}:{{{self.prefix}}}:llm:{model}:{part}"
 
     def rate(self, key_id: str) -> str:
         """An HTTP API key's request token bucket."""

@@ -398,3 +398,114 @@ redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]) * 2)
 return {1, total}
 """
 )
+
+
+# --- the model's shared limits (``agent/throttle.py``) ---------------------------------------------
+
+# KEYS: held (zset: ticket -> lease end ms), window (zset: ticket -> when granted, ms), turns (zset:
+#       tenant -> its turn, lowest first), waiting (zset: ticket -> when its waiter is given up, ms),
+#       owners (hash: waiting ticket -> tenant), counts (hash: tenant -> its live waiters), paused
+#       (string: until when, ms), seq (string: the last turn handed out)
+# ARGV: ticket, tenant, max in flight (0: no limit), calls a minute (0: no limit), lease ms, waiter ttl ms
+# Reply: {1, 0, ''} the ticket holds a permit | {0, ms to wait, why}: 'paused', 'concurrency', 'rate', 'turn'.
+# Fair among tenants: a permit free now goes to the tenants whose turn comes first (each tenant with a
+# live waiter has one turn in the queue; served, it goes to the back), so a tenant with a hundred calls
+# waiting and one with one alternate.  A waiter that stops asking is given up after its ttl, a holder
+# that stops renewing after its lease: a dead worker's permits come back by themselves.
+MODEL_PERMIT = (
+    _NOW
+    + """
+local ticket, tenant = ARGV[1], ARGV[2]
+local most, rpm, lease, ttl = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local KEEP = 600000
+local function forget_waiter(t)
+  if redis.call('ZREM', KEYS[4], t) == 1 then
+    local who = redis.call('HGET', KEYS[5], t)
+    redis.call('HDEL', KEYS[5], t)
+    if who and redis.call('HINCRBY', KEYS[6], who, -1) <= 0 then
+      redis.call('HDEL', KEYS[6], who)
+      redis.call('ZREM', KEYS[3], who)
+    end
+  end
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+for _, t in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now, 'LIMIT', 0, 100)) do forget_waiter(t) end
+if redis.call('ZSCORE', KEYS[1], ticket) then
+  redis.call('ZADD', KEYS[1], now + lease, ticket)
+  return {1, 0, ''}
+end
+-- (the caller waits in its tenant's turn from now on, until granted or given up)
+if redis.call('ZADD', KEYS[4], now + ttl, ticket) == 1 then
+  redis.call('HSET', KEYS[5], ticket, tenant)
+  if redis.call('HINCRBY', KEYS[6], tenant, 1) == 1 then
+    redis.call('ZADD', KEYS[3], 'NX', redis.call('INCR', KEYS[8]), tenant)
+  end
+end
+for i = 3, 8 do redis.call('PEXPIRE', KEYS[i], KEEP) end
+local paused = tonumber(redis.call('GET', KEYS[7]) or '0')
+if paused > now then return {0, paused - now, 'paused'} end
+local room = -1
+if most > 0 then room = most - redis.call('ZCARD', KEYS[1]) end
+if rpm > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - 60000)
+  local left = rpm - redis.call('ZCARD', KEYS[2])
+  if left <= 0 then
+    local oldest = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+    return {0, math.max(1, tonumber(oldest[2]) + 60000 - now), 'rate'}
+  end
+  if room < 0 or left < room then room = left end
+end
+local rank = redis.call('ZRANK', KEYS[3], tenant) or 0
+if room == 0 then return {0, math.min(1000, 50 * (rank + 1)), 'concurrency'} end
+if room > 0 and rank >= room then return {0, math.min(1000, 50 * (rank - room + 1)), 'turn'} end
+forget_waiter(ticket)
+if redis.call('HGET', KEYS[6], tenant) then
+  redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[8]), tenant)  -- to the back of the turns
+end
+redis.call('ZADD', KEYS[1], now + lease, ticket)
+redis.call('PEXPIRE', KEYS[1], math.max(KEEP, lease))
+if rpm > 0 then
+  redis.call('ZADD', KEYS[2], now, ticket .. ':' .. now)
+  redis.call('PEXPIRE', KEYS[2], 61000)
+end
+return {1, 0, ''}
+"""
+)
+
+# KEYS: held, waiting, owners, counts, turns (as MODEL_PERMIT's).  ARGV: ticket.  The ticket gives its
+# permit back, or stops waiting.
+MODEL_LEAVE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
+  local who = redis.call('HGET', KEYS[3], ARGV[1])
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  if who and redis.call('HINCRBY', KEYS[4], who, -1) <= 0 then
+    redis.call('HDEL', KEYS[4], who)
+    redis.call('ZREM', KEYS[5], who)
+  end
+end
+return 1
+"""
+
+# KEYS: held.  ARGV: ticket, lease ms.  Reply: 1 the permit is held for another lease | 0 it was lost.
+MODEL_RENEW = (
+    _NOW
+    + """
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+return 1
+"""
+)
+
+# KEYS: paused.  ARGV: ms.  No permit is granted for the next ARGV[1] ms (a server's Retry-After),
+# unless a longer pause was asked for already.  Reply: until when (ms).
+MODEL_PAUSE = (
+    _NOW
+    + """
+local till = now + tonumber(ARGV[1])
+local paused = tonumber(redis.call('GET', KEYS[1]) or '0')
+if paused >= till then return paused end
+redis.call('SET', KEYS[1], till, 'PX', tonumber(ARGV[1]) + 1000)
+return till
+"""
+)

@@ -39,9 +39,12 @@ the middle leaves them pending, and the next owner, having folded the whole log,
 moves still due.  A model call whose ``llm_response`` is in the log is never made again; only
 a call in flight when its worker died is repeated, once.
 
-A model server that is down, times out or answers 5xx/429 is tried again with backoff for
-``RIVERBED_AGENT_LLM_RETRY_SECONDS``, then the run ends with ``llm_error`` saying what the
-server said.  A ``run_cancel`` ends the run at the next move; a model call in flight is given
+A model call is retried by one policy (:mod:`riverbed.agent.retry`: a server that is down,
+breaks the connection, times out or answers 408/409/429/5xx, for ``RIVERBED_AGENT_LLM_RETRY_SECONDS``
+from the first failure, honouring ``Retry-After``), within the model's limits shared by every
+agent worker (:mod:`riverbed.agent.throttle`), then the run ends with ``llm_error`` saying what the
+server said; a prompt over the model's context window gets one condensation and one retry first
+(:mod:`riverbed.agent.window`).  A ``run_cancel`` ends the run at the next move; a model call in flight is given
 up within :data:`CANCEL_POLL_SECONDS` (a command in flight is interrupted by the runtime role,
 which watches the log for the same ``run_cancel``).  Once the run ended
 the idle session is *retired* (released without being announced again until another run opens).
@@ -99,6 +102,7 @@ from riverbed.agent.mcp import answer_remote
 from riverbed.agent.messages import cache_breakpoints
 from riverbed.agent.quotas import Quotas, TenantQuota, call_estimate, model_refusal
 from riverbed.agent.registry import Hosted, load
+from riverbed.agent.retry import GaveUp, RetryPolicy, Saturated, retry_after, retrying
 from riverbed.agent.risk import judged
 from riverbed.agent.runs import (
     AppendAction,
@@ -120,9 +124,10 @@ from riverbed.agent.runs import (
     runs_here,
     summarize,
 )
+from riverbed.agent.throttle import Throttle
 from riverbed.agent.toolbox import Toolbox
 from riverbed.agent.usage import Price, StepUsage, parse_prices, step, unpriced
-from riverbed.bus.backoff import Backoff
+from riverbed.agent.window import asked_to_condense, exceeds_context, too_long, window_in
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.handling import Entry, SessionContext
 from riverbed.bus.keys import AGENT_ROLE
@@ -141,6 +146,8 @@ AGENT_NAME = "llm"
 """The ``agent`` of what the role appends."""
 CANCEL_POLL_SECONDS = 0.5
 """How often the log is looked at for a ``run_cancel`` while a model call is in flight."""
+CONDENSE_WAIT_SECONDS = 60.0
+"""How long a step whose prompt did not fit waits for the condenser's answer before it retries."""
 QUOTA_CACHE_SECONDS = 2.0
 """How long a worker keeps a tenant's quotas before reading them again."""
 
@@ -279,12 +286,21 @@ class AgentHandler:
         only_session: str | None = None,
         images: Callable[[str], ImageSource | None] | None = None,
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        max_in_flight: int = 0,
+        per_minute: int = 0,
+        context_tokens: int = 0,
     ) -> None:
         self.client = client
         self.model = model
         self.prices = prices or {}
         self.llm_timeout = llm_timeout
         self.retry_seconds = retry_seconds
+        self.retry = RetryPolicy(budget=retry_seconds)
+        self.max_in_flight = max_in_flight
+        self.per_minute = per_minute
+        self.context_tokens = context_tokens
+        """the model's context window (0: unknown, read from the server's context-length errors)"""
+        self._throttle: Throttle | None = None
         self.prompt_cache = prompt_cache
         self.max_depth = max_depth
         self.max_fanout = max_fanout
@@ -643,7 +659,12 @@ class AgentHandler:
         await self._save_summary(ctx, state)
         toolbox = Toolbox(agent, state.fold.mcp, sub_agents=self.max_depth > 0)
         try:
-            response = await self._complete(ctx, state, model, _started(state.seen, run.opened), agent, toolbox)
+            try:
+                response = await self._complete(ctx, state, model, _started(state.seen, run.opened), agent, toolbox)
+            except _ModelFailed as exc:
+                if not exceeds_context(exc.__cause__):
+                    raise
+                response, until = await self._condensed_retry(ctx, state, run, model, exc, agent, toolbox)
         except _ModelFailed as exc:
             await self._catch_up(ctx, state)
             if state.fold.run is run and run.open and run.cancel_requested is None:
@@ -678,6 +699,52 @@ class AgentHandler:
             await self._quotas_of(ctx).count_tokens(ctx.tenant, ctx.session, run.opened, own)
         crashpoint("agent_after_response")
 
+    async def _condensed_retry(
+        self,
+        ctx: SessionContext,
+        state: _Session,
+        run: Run,
+        model: str,
+        failed: _ModelFailed,
+        agent: Agent,
+        toolbox: Toolbox,
+    ) -> tuple[Any, int]:
+        """The prompt did not fit the model's context window: ask the condenser role once
+        (a ``condensation_request``), wait for its answer, and ask the model once more (its
+        response, and the last event its prompt was built from); a step that asked already (the
+        log says so, also after a takeover) ends the run (``agent/window.py``)."""
+        error = failed.__cause__
+        assert error is not None
+        window = self.context_tokens or window_in(error)
+        since = run.response.id if run.response is not None and run.response.id is not None else run.opened
+        asked = asked_to_condense(state.seen, since)
+        if asked is not None and asked.id is not None and await ctx.is_answered(asked.id):
+            raise _ModelFailed(too_long(window, _said(error, 0))) from error
+        if asked is None:
+            request = events.CondensationRequest(source="agent", cause=state.fold.last)
+            await self._append(ctx, state, request, f"run-{run.opened}-step-{run.steps + 1}-condense")
+            asked = asked_to_condense(state.seen, since)
+            log.info("agent.context_exceeded", session=ctx.session, window=window, request=asked and asked.id)
+        assert asked is not None
+        assert asked.id is not None
+        with anyio.move_on_after(CONDENSE_WAIT_SECONDS):  # (no condenser role: the retry comes anyway)
+            while True:
+                await self._catch_up(ctx, state)
+                if run.cancel_requested is not None or await ctx.is_answered(asked.id):
+                    break
+                await anyio.sleep(CANCEL_POLL_SECONDS)
+        await self._catch_up(ctx, state)
+        if state.fold.run is not run or not run.open or run.cancel_requested is not None:
+            raise _ModelFailed("the model call was given up: the run was cancelled") from error
+        until = state.fold.last
+        try:
+            return await self._complete(ctx, state, model, _started(state.seen, run.opened), agent, toolbox), until
+        except _ModelFailed as again:
+            cause = again.__cause__
+            if cause is not None and exceeds_context(cause):
+                raise _ModelFailed(too_long(window or window_in(cause), _said(cause, 0))) from again
+            raise
+
     async def _end(self, ctx: SessionContext, state: _Session, run: Run, reason: str, content: str) -> None:
         error = events.Error(source="agent", content=content, reason=reason, retryable=reason != "cancelled")
         await self._append(ctx, state, error, f"run-{run.opened}-end")
@@ -685,6 +752,13 @@ class AgentHandler:
         log.info("agent.run_ended", session=ctx.session, run=run.opened, reason=reason, steps=run.steps)
 
     # --- tenant quotas --------------------------------------------------------------------------
+
+    def _throttle_of(self, ctx: SessionContext) -> Throttle:
+        if self._throttle is None:
+            self._throttle = Throttle(
+                ctx.log.redis, ctx.log.keys, max_in_flight=self.max_in_flight, per_minute=self.per_minute
+            )
+        return self._throttle
 
     def _quotas_of(self, ctx: SessionContext) -> Quotas:
         if self._quotas is None:
@@ -891,8 +965,8 @@ class AgentHandler:
         agent: Agent,
         toolbox: Toolbox,
     ) -> Any:
-        """The model's response to the prompt the log makes; a server that is down or answers
-        5xx/429 is asked again, backing off, for ``retry_seconds`` (a cancel stops that)."""
+        """The model's response to the prompt the log makes; a model error is retried by
+        ``self.retry`` (``agent/retry.py``; a cancel stops that)."""
         condenser = self.condenser_defaults
         if agent.condenser:
             condenser = {**(condenser or {}), **agent.condenser}
@@ -923,32 +997,39 @@ class AgentHandler:
                 self.max_output_tokens if run_output is None else run_output,
             )
         )
-        deadline = time.monotonic() + self.retry_seconds
-        backoff = Backoff(first=0.5, cap=5.0)
-        tries = 0
-        while True:
-            tries += 1
-            try:
-                response = await self._call_once(ctx, state, request, timeout)
-            except (TimeoutError, openai.OpenAIError) as exc:
-                said = _said(exc, timeout)
-                if not _retryable(exc) or time.monotonic() + backoff.next > deadline:
-                    if isinstance(exc, TimeoutError):
-                        raise _ModelFailed(timeout_sentence(timeout, tries)) from exc
-                    again = f" after {tries} tries" if tries > 1 else ""
-                    raise _ModelFailed(f"the model call failed{again} ({said})") from exc
-                log.warning("agent.llm_retry", session=ctx.session, error=said, retry_in=backoff.next)
-                paused = time.monotonic()
-                await backoff.pause()
-                state.waited += time.monotonic() - paused
-                await self._catch_up(ctx, state)
-                run = state.fold.run
-                if run is None or not run.open or run.cancel_requested is not None:
-                    raise _ModelFailed(f"the model call was given up ({said})") from exc
-                continue
-            if not response.get("choices"):
-                raise _ModelFailed("the model call failed (the model returned no choices)")
-            return response
+
+        async def wait(exc: BaseException, pause: float) -> None:
+            said = _said(exc, timeout)
+            waiting = log.debug if isinstance(exc, Saturated) else log.warning  # (a wait for a turn is no failure)
+            waiting("agent.llm_retry", session=ctx.session, error=said, retry_in=round(pause, 3))
+            status = getattr(exc, "status_code", None)
+            if status in (429, 503) and retry_after(exc) is not None:  # (every worker waits it out)
+                await self._throttle_of(ctx).pause(model, pause)
+            paused = time.monotonic()
+            await anyio.sleep(pause)
+            state.waited += time.monotonic() - paused
+            await self._catch_up(ctx, state)
+            run = state.fold.run
+            if run is None or not run.open or run.cancel_requested is not None:
+                raise _ModelFailed(f"the model call was given up ({said})") from exc
+
+        try:
+            # (within the model's shared limits: Saturated, waited out like a 429, when they are full)
+            limited = partial(self._throttle_of(ctx).run, model, ctx.tenant, f"{ctx.worker}:{ctx.session}")
+            response = await retrying(
+                self.retry, partial(limited, partial(self._call_once, ctx, state, request, timeout)), wait=wait
+            )
+        except GaveUp as failed:
+            exc = failed.error
+            if isinstance(exc, TimeoutError):
+                raise _ModelFailed(timeout_sentence(timeout, failed.tries)) from exc
+            if isinstance(exc, Saturated):
+                raise _ModelFailed(f"the model call waited for its turn past the retry budget ({exc})") from exc
+            again = f" after {failed.tries} tries" if failed.tries > 1 else ""
+            raise _ModelFailed(f"the model call failed{again} ({_said(exc, timeout)})") from exc
+        if not response.get("choices"):
+            raise _ModelFailed("the model call failed (the model returned no choices)")
+        return response
 
     async def _call_once(
         self, ctx: SessionContext, state: _Session, request: dict[str, Any], timeout: float
@@ -1089,13 +1170,6 @@ def _started(seen: list[events.Event], opened: int) -> events.RunStarted | None:
     return None
 
 
-def _retryable(exc: BaseException) -> bool:
-    if isinstance(exc, TimeoutError | openai.APIConnectionError | openai.RateLimitError):
-        return True
-    status = getattr(exc, "status_code", None)
-    return isinstance(status, int) and status >= 500
-
-
 def _said(exc: BaseException, timeout: float) -> str:
     """What the server said, in a few words."""
     if isinstance(exc, TimeoutError):
@@ -1129,6 +1203,9 @@ def build_agent_handler(settings: Settings) -> AgentHandler:
         recall_timeout=settings.agent_recall_timeout,
         images=workspace_images(settings),
         max_event_bytes=settings.max_event_bytes,
+        max_in_flight=settings.llm_max_concurrency,
+        per_minute=settings.llm_rpm,
+        context_tokens=settings.llm_context_tokens,
     )
 
 

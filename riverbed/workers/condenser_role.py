@@ -15,14 +15,17 @@ by it, and a request whose ``cause`` (the last event of the view its agent saw) 
 a condensation, with the view now within its limits, is answered by an ``error``
 (``already_condensed``) instead of a second condensation.  Nothing is condensed after the
 agent's run ended (the next prompt is the next run's), and a session's config is its
-``session_config`` over the worker's ``RIVERBED_CONDENSER_*`` defaults (``docs/condensers.md``).
+``session_config`` over the worker's ``RIVERBED_CONDENSER_*`` defaults (``docs/condensers.md``),
+whose token budget keeps the prompt and its answer within the model's context window when it is
+known (``RIVERBED_LLM_CONTEXT_TOKENS``, else asked of the server once: ``agent/window.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import msgspec
@@ -32,6 +35,7 @@ from openai import AsyncOpenAI
 
 from riverbed import events, tracing
 from riverbed.agent.runs import END_REASONS
+from riverbed.agent.window import fit_condenser, read_window
 from riverbed.bus.consumer import Entry, SessionContext
 from riverbed.errors import ConfigError, InputError, RiverbedError, UnavailableError
 from riverbed.memory.condensers import CondenserConfig, condense, should_condense
@@ -95,19 +99,46 @@ class CondenserHandler:
     ignores_own_answers = False
 
     def __init__(
-        self, *, llm: AsyncOpenAI | None, model: str | None, defaults: Mapping[str, Any] | None = None
+        self,
+        *,
+        llm: AsyncOpenAI | None,
+        model: str | None,
+        defaults: Mapping[str, Any] | None = None,
+        window: Callable[[], Awaitable[int | None]] | None = None,
+        max_output_tokens: int = 0,
     ) -> None:
         self.llm = llm
         self.model = model
         self.defaults = dict(defaults or {})
         """the config of a session whose ``session_config`` does not say (``RIVERBED_CONDENSER_*``)"""
         self.states: dict[str, _State] = {}
+        self._window = window
+        """asks the model server for its context window, once, before the first session opens"""
+        self.max_output_tokens = max_output_tokens
+
+    async def _learn_window(self) -> None:
+        """Fit the defaults' token budget to the window the model server reports (``agent/window.py``)."""
+        ask, self._window = self._window, None
+        if ask is None:
+            return
+        window = await ask()
+        if window is None:
+            return
+        try:
+            fitted = fit_condenser(self.defaults, window, self.max_output_tokens)
+            CondenserConfig.from_dict(None, fitted)
+            self.defaults = fitted
+        except ConfigError as exc:
+            log.warning("condenser.window_too_small", window=window, error=str(exc))
+            return
+        log.info("condenser.window", window=window, budget=self.defaults.get("budget_tokens"))
 
     def _state(self, builder: ViewBuilder | None = None) -> _State:
         config = CondenserConfig.from_dict(None, self.defaults)
         return _State(builder=_lean() if builder is None else builder, config=config)
 
     async def open(self, ctx: SessionContext) -> None:
+        await self._learn_window()
         await ctx.read_tenant()
         group_next = await ctx.delivered_up_to()
         state = await self._thawed(ctx) or self._state()
@@ -371,6 +402,11 @@ def _stamped(ctx: SessionContext, state: _State, event: E, requests: Sequence[En
 
 def build_condenser_handler(settings: Settings) -> CondenserHandler:
     defaults = settings.condenser_defaults()
+    window = None
+    if settings.llm_context_tokens:  # (else the server is asked, when it is one)
+        defaults = fit_condenser(defaults, settings.llm_context_tokens, settings.llm_max_output_tokens)
+    elif settings.openai_base_url:
+        window = partial(read_window, settings.openai_base_url, api_key=settings.openai_api_key)
     try:
         CondenserConfig.from_dict(None, defaults)
     except ConfigError as exc:
@@ -378,4 +414,10 @@ def build_condenser_handler(settings: Settings) -> CondenserHandler:
     llm = None
     if settings.openai_api_key or settings.openai_base_url:
         llm = AsyncOpenAI(api_key=settings.openai_api_key or "unused", base_url=settings.openai_base_url)
-    return CondenserHandler(llm=llm, model=settings.llm_model, defaults=defaults)
+    return CondenserHandler(
+        llm=llm,
+        model=settings.llm_model,
+        defaults=defaults,
+        window=window,
+        max_output_tokens=settings.llm_max_output_tokens,
+    )

@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 
 from riverbed import events
 from riverbed.agent.hosted import follow_run
-from riverbed.agent.registry import Hosted
 from riverbed.agent.usage import parse_prices
 from riverbed.client.session import Bus
 from riverbed.runtime import Runtime
@@ -37,13 +37,12 @@ async def roles(
     prices: str | None = None,
     checked: bool = False,
     pace: Pace | None = None,
-    hosted: Hosted | None = None,
-    action_timeout: float = 0.0,
+    **options: Any,
 ) -> AsyncIterator[AgentHandler]:
     """The runtime and agent roles in this process; ``checked``: the agent role asks the model as a
     worker does (``CheckedClient``), else through a plain client of the client library; ``pace``:
-    how many runs it takes on at once (None: as many as come); ``hosted``: the agent definitions
-    it hosts (None: the reference agent only)."""
+    how many runs it takes on at once (None: as many as come); ``options``: more of
+    :class:`AgentHandler`'s keywords."""
     runtime = Runtime(workspace_root=workspace)
     client = CheckedClient(api_key="test-key", base_url=server.base_url) if checked else server.client()
     agent = AgentHandler(
@@ -52,8 +51,7 @@ async def roles(
         retry_seconds=retry_seconds,
         prices=parse_prices(prices),
         pace=pace,
-        hosted=hosted,
-        action_timeout=action_timeout,
+        **options,
     )
     try:
         async with owners(bus, [RuntimeHandler(runtime), agent]):

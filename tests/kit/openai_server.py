@@ -6,6 +6,8 @@
         server.reply("a summary")                                  # queue scripted answers
         server.reply(tool_calls=[("cmd_run", {"command": "ls"})])  # ... with tool calls
         server.fail(500, times=2)                                  # ... or HTTP errors
+        server.fail(429, retry_after=2)                            # ... with a Retry-After header
+        server.drop(after=1.5)                                     # ... or a connection closed mid-answer
         server.respond(lambda request: {"content": "computed"})    # ... or a function of the request
         client = server.client()                                   # AsyncOpenAI, max_retries=0
         ...
@@ -17,13 +19,18 @@ deterministic unit vectors (``dimensions`` from the request, else ``embedding_di
 Usage counts about four characters a token and reports as ``cached_tokens`` the messages a
 request shares, from the start, with the previous one (a prompt cache).
 ``GET /v1/models`` lists ``model``.  Every request body is recorded in ``requests`` (chat) or
-``embedding_requests``.  The server runs in a thread on 127.0.0.1 and a free port.
+``embedding_requests``; ``most_in_flight`` is the most chat requests it was answering at once.
+With a ``window`` (tokens), a chat request whose prompt (four characters a token) and
+``max_tokens`` do not fit is answered 400 ``context_length_exceeded`` in llama-cpp-python's
+server's words (counted in ``context_errors``), before any scripted answer is taken.
+The server runs in a thread on 127.0.0.1 and a free port.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import sys
 import threading
 import time
@@ -52,6 +59,10 @@ class Scripted:
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     responder: Responder | None = None
+    retry_after: float | None = None
+    code: str | None = None
+    drop: bool = False
+    """send part of the answer and close the connection"""
 
 
 def tool_call(name: str, arguments: Mapping[str, Any] | str, call_id: str | None = None) -> dict[str, Any]:
@@ -65,8 +76,16 @@ def tool_call(name: str, arguments: Mapping[str, Any] | str, call_id: str | None
 
 
 class OpenAIServer:
-    def __init__(self, *, model: str = "test-model", embedding_dim: int = 8) -> None:
+    def __init__(
+        self, *, model: str = "test-model", embedding_dim: int = 8, window: int | None = None, reports: bool = False
+    ) -> None:
         self.model = model
+        self.window = window
+        self.reports = reports
+        """``GET /props`` reports ``window`` as llama.cpp's server does (else 404, as llama-cpp-python's)"""
+        self.context_errors = 0
+        self.in_flight = 0
+        self.most_in_flight = 0
         self.embedding_dim = embedding_dim
         self.requests: list[dict[str, Any]] = []
         self.received: list[float] = []
@@ -95,10 +114,24 @@ class OpenAIServer:
         self._push(Scripted(content=content, tool_calls=calls, delay=delay, finish_reason=finish_reason, usage=usage))
         return calls
 
-    def fail(self, status: int = 500, message: str = "scripted failure", *, times: int = 1) -> None:
-        """Queue ``times`` HTTP errors."""
+    def fail(
+        self,
+        status: int = 500,
+        message: str = "scripted failure",
+        *,
+        times: int = 1,
+        retry_after: float | None = None,
+        code: str | None = None,
+    ) -> None:
+        """Queue ``times`` HTTP errors (with a ``Retry-After`` header, an error ``code``)."""
         for _ in range(times):
-            self._push(Scripted(status=status, error=message))
+            self._push(Scripted(status=status, error=message, retry_after=retry_after, code=code))
+
+    def drop(self, *, after: float = 0.0, times: int = 1) -> None:
+        """Queue ``times`` answers cut short: ``after`` seconds, the status line, headers announcing
+        a whole body and the start of it, then the connection is closed."""
+        for _ in range(times):
+            self._push(Scripted(drop=True, delay=after))
 
     def respond(self, responder: Responder, *, times: int = 1) -> None:
         """Queue answers computed from the request body: the function returns ``reply`` keywords."""
@@ -173,10 +206,13 @@ class OpenAIServer:
 
     # --- answers --------------------------------------------------------------------------
 
-    def _chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]] | Scripted:
         with self._lock:
             self.requests.append(body)
             self.received.append(time.time())
+        too_long = self._over_window(body)
+        if too_long is not None:
+            return too_long
         item = self._pop()
         if item is None:
             self.unexpected += 1
@@ -185,8 +221,11 @@ class OpenAIServer:
             item = Scripted(**_scripted_kwargs(item.responder(body)))
         if item.delay:
             time.sleep(item.delay)
+        if item.drop or item.retry_after is not None:
+            return item
         if item.status != 200:
-            return item.status, _error(item.error, "server_error" if item.status >= 500 else "invalid_request_error")
+            kind = "server_error" if item.status >= 500 else "invalid_request_error"
+            return item.status, _error(item.error, kind, item.code)
         message: dict[str, Any] = {"role": "assistant", "content": item.content}
         if item.tool_calls:
             message["tool_calls"] = item.tool_calls
@@ -211,6 +250,24 @@ class OpenAIServer:
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": usage,
         }
+
+    def _over_window(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        """The context-length error for a request that does not fit ``window`` (None: it fits)."""
+        if self.window is None:
+            return None
+        prompt = sum(len(json.dumps(m)) for m in body.get("messages", [])) // 4
+        prompt += len(json.dumps(body.get("tools", []))) // 4
+        answer = int(body.get("max_tokens") or 0)
+        if prompt + answer <= self.window:
+            return None
+        with self._lock:
+            self.context_errors += 1
+        message = (
+            f"This model's maximum context length is {self.window} tokens. However, you requested "
+            f"{prompt + answer} tokens ({prompt} in the messages, {answer} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+        return 400, _error(message, "invalid_request_error", "context_length_exceeded")
 
     def _embeddings(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self._lock:
@@ -253,8 +310,8 @@ def _scripted_kwargs(raw: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _error(message: str, kind: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+def _error(message: str, kind: str, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
 def _vector(text: str, dim: int) -> list[float]:
@@ -287,8 +344,11 @@ class _Handler(BaseHTTPRequestHandler):
         """Quiet: tests read ``requests`` instead."""
 
     def do_GET(self) -> None:
+        state = self.server_state
         if self.path.rstrip("/") == "/v1/models":
-            self._send(200, {"object": "list", "data": [{"id": self.server_state.model, "object": "model"}]})
+            self._send(200, {"object": "list", "data": [{"id": state.model, "object": "model"}]})
+        elif self.path.rstrip("/") == "/props" and state.reports and state.window is not None:
+            self._send(200, {"default_generation_settings": {"n_ctx": state.window}, "total_slots": 1})
         else:
             self._send(404, _error(f"no route {self.path}", "invalid_request_error"))
 
@@ -307,16 +367,45 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/v1/chat/completions" and body.get("stream"):
             self._send(400, _error("this test server does not stream", "invalid_request_error"))
         elif path == "/v1/chat/completions":
-            self._send(*self.server_state._chat(body))
+            state = self.server_state
+            with state._lock:
+                state.in_flight += 1
+                state.most_in_flight = max(state.most_in_flight, state.in_flight)
+            try:
+                answer = state._chat(body)
+                if isinstance(answer, Scripted):
+                    self._scripted(answer)
+                else:
+                    self._send(*answer)
+            finally:
+                with state._lock:
+                    state.in_flight -= 1
         elif path == "/v1/embeddings":
             self._send(*self.server_state._embeddings(body))
         else:
             self._send(404, _error(f"no route {self.path}", "invalid_request_error"))
 
-    def _send(self, status: int, payload: Mapping[str, Any]) -> None:
+    def _send(self, status: int, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
+
+    def _scripted(self, item: Scripted) -> None:
+        """An error with a ``Retry-After``, or an answer cut short by a closed connection."""
+        if not item.drop:
+            kind = "rate_limit_error" if item.status == 429 else "server_error"
+            self._send(item.status, _error(item.error, kind, item.code), {"Retry-After": f"{item.retry_after:g}"})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "4096")
+        self.end_headers()
+        self.wfile.write(b'{"id": "chatcmpl-cut", "object": "chat.completion", "choices": [')
+        self.wfile.flush()
+        self.close_connection = True
+        self.connection.shutdown(socket.SHUT_RDWR)
