@@ -106,7 +106,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     agents: str = ""
     agent_max_calls_per_step: Annotated[int, Meta(ge=1, le=10_000)] = 32
     agent_action_timeout: Annotated[float, Meta(ge=0, le=86_400)] = 120.0
-    agent_context_recalls: bool = True
+    agent_context_recalls: Literal["auto", "on", "off"] = "auto"
     agent_recall_timeout: Annotated[float, Meta(gt=0, le=3_600)] = 15.0
     condenser_strategy: Literal["noop", "recent", "amortized", "masking", "summarizing", "attention"] = "amortized"
     condenser_max_events: Annotated[int, Meta(ge=0)] = 100

@@ -132,6 +132,7 @@ from riverbed.bus.faults import crashpoint
 from riverbed.bus.handling import Entry, SessionContext
 from riverbed.bus.keys import AGENT_ROLE
 from riverbed.bus.redis_client import Pipeline
+from riverbed.bus.status import live_workers
 from riverbed.errors import AppendConflict, FencedError, TenantMismatch
 from riverbed.runtime.paths import workspace_name
 from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
@@ -151,6 +152,9 @@ CONDENSE_WAIT_SECONDS = 60.0
 QUOTA_CACHE_SECONDS = 2.0
 """How long a worker keeps a tenant's quotas before reading them again."""
 
+
+MEMORY_LOOK_SECONDS = 10.0
+"""How long an agent worker trusts what it saw of the memory role's live workers (auto recalls)."""
 
 APPROVAL = "approval"
 """The deadline kind of a call waiting for a person (``Agent.approval_timeout``)."""
@@ -281,7 +285,7 @@ class AgentHandler:
         hosted: Hosted | None = None,
         max_calls_per_step: int = 32,
         action_timeout: float = 0.0,
-        context_recalls: bool = False,
+        context_recalls: bool | None = False,
         recall_timeout: float = 15.0,
         only_session: str | None = None,
         images: Callable[[str], ImageSource | None] | None = None,
@@ -313,7 +317,9 @@ class AgentHandler:
         as it takes"""
         self.context_recalls = context_recalls
         """ask the memory role for each user message's context (the workspace's, the knowledge it
-        triggers) before the model reads it, waiting up to ``recall_timeout`` seconds for it"""
+        triggers) before the model reads it, waiting up to ``recall_timeout`` seconds for it
+        (None: when a live worker of the deployment serves the memory role)"""
+        self._memory_seen: tuple[float, bool] = (0.0, False)
         self.recall_timeout = recall_timeout
         self.only_session = only_session
         """serve this session alone (a run served in the caller's process), leaving others to workers"""
@@ -485,6 +491,20 @@ class AgentHandler:
             error = events.Error(source="agent", cause=action, content=content, reason="timeout", retryable=True)
             await self._append(ctx, state, error, f"action-{action}-timeout")
 
+    async def _recalls(self, ctx: SessionContext, run: Run) -> bool:
+        """Whether the run's user messages get their context recalls: as configured, or (auto) when
+        a live worker serves the memory role (looked at every :data:`MEMORY_LOOK_SECONDS`)."""
+        if self.context_recalls is not None:
+            return self.context_recalls
+        if all(message in run.recalls for message, _text in run.said):
+            return True  # (nothing left to ask: the answer changes nothing)
+        checked, live = self._memory_seen
+        if time.monotonic() - checked > MEMORY_LOOK_SECONDS:
+            workers = await live_workers(ctx.log.redis, ctx.log.keys)
+            live = any("memory" in w.description.get("roles", []) for w in workers)
+            self._memory_seen = (time.monotonic(), live)
+        return live
+
     def leaves(self, ctx: SessionContext) -> bool:
         """The session's open run is not this worker's to work on: leave it to a worker that matches."""
         state = self.sessions.get(ctx.session)
@@ -515,7 +535,11 @@ class AgentHandler:
         while True:
             run = state.fold.run
             move = next_move(
-                run, agent, state.fold.mcp, recalls=self.context_recalls, first_message=state.fold.first_user_message
+                run,
+                agent,
+                state.fold.mcp,
+                recalls=run is not None and await self._recalls(ctx, run),
+                first_message=state.fold.first_user_message,
             )
             if isinstance(move, Wait) or run is None:
                 break
@@ -1199,7 +1223,7 @@ def build_agent_handler(settings: Settings) -> AgentHandler:
         hosted=load(agent_modules(settings)),
         max_calls_per_step=settings.agent_max_calls_per_step,
         action_timeout=settings.agent_action_timeout,
-        context_recalls=settings.agent_context_recalls,
+        context_recalls=recall_setting(settings),
         recall_timeout=settings.agent_recall_timeout,
         images=workspace_images(settings),
         max_event_bytes=settings.max_event_bytes,
@@ -1207,6 +1231,11 @@ def build_agent_handler(settings: Settings) -> AgentHandler:
         per_minute=settings.llm_rpm,
         context_tokens=settings.llm_context_tokens,
     )
+
+
+def recall_setting(settings: Settings, default: bool | None = None) -> bool | None:
+    """``RIVERBED_AGENT_CONTEXT_RECALLS`` as the handler takes it (``auto``: ``default``)."""
+    return {"on": True, "off": False}.get(settings.agent_context_recalls, default)
 
 
 def workspace_images(settings: Settings) -> Callable[[str], ImageSource | None] | None:

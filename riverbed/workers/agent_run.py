@@ -38,7 +38,7 @@ from riverbed.bus.status import live_workers
 from riverbed.client.session import Bus
 from riverbed.errors import ConfigError, InputError, UnavailableError
 from riverbed.settings import Settings
-from riverbed.workers.agent_role import AgentHandler, workspace_images
+from riverbed.workers.agent_role import AgentHandler, recall_setting, workspace_images
 from riverbed.workers.main import Worker, build_handlers
 
 __all__ = [
@@ -273,7 +273,7 @@ async def _serve(
         hosted=Hosted({definition.name: definition}, {definition.name: "this process"}),
         max_calls_per_step=settings.agent_max_calls_per_step,
         action_timeout=options.action_timeout,
-        context_recalls=settings.agent_context_recalls,
+        context_recalls=recall_setting(settings, default=True),  # (in a process that runs the memory role)
         recall_timeout=options.recall_timeout,
         only_session=session_id,
         images=workspace_images(settings),
