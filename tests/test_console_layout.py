@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from riverbed import events
+from riverbed.agent import run_index
 from riverbed.agent.hosted import open_run
 from riverbed.client.session import Bus
 from tests.kit.agents import record
@@ -89,7 +90,7 @@ async def test_runs_show_their_tree_and_tokens_and_cost_one_way_on_every_page(bu
         events.Finish(final_thought="42 words", source="agent"),
     )
     async with bus.client.pipeline() as pipe:  # as the agent role lists a child it made
-        pipe.zadd(bus.keys.runs, {child.id: time.time()})
+        run_index.queue_opened(pipe, bus.keys, child.id, time.time(), "acme", None)
         await pipe.execute()
     await record(
         parent,

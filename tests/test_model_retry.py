@@ -16,10 +16,11 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.hosted import open_run
-from riverbed.agent.llm import AgentOptions, run_llm_agent
+from riverbed.agent.llm import AgentOptions
 from riverbed.agent.retry import GaveUp, RetryPolicy, Saturated, retry_after, retryable, retrying
 from riverbed.client.session import Bus
 from riverbed.settings import Settings
+from riverbed.workers.agent_run import run_llm_agent
 from tests.kit.agent_role import (
     ended,
     roles,

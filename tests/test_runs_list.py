@@ -14,6 +14,7 @@ import httpx
 import msgspec
 import pytest
 
+import riverbed
 from riverbed import events
 from riverbed.agent import run_index
 from riverbed.agent.hosted import cancel_run, list_runs, open_run, page_runs
@@ -139,7 +140,7 @@ async def test_a_run_no_worker_holds_is_waiting_and_its_cancel_ends_it_at_once_a
     bus: Bus, cli_env: dict[str, str]
 ) -> None:
     await Quotas(bus.log_store).set("acme", max_runs=1, tokens_per_day=None)
-    await open_run(bus, "q1", "queued", tenant="acme", agent="reviewer")
+    await open_run(bus, "q1", "queued", tenant="acme", agent=riverbed.Agent("reviewer", "You review."))
     (row,) = await list_runs(bus)
     assert (row.session, row.state, row.worker) == ("q1", "waiting", None)
     assert [r.session for r in await list_runs(bus, state="waiting", agent="reviewer")] == ["q1"]

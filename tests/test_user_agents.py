@@ -178,7 +178,9 @@ async def test_a_run_on_another_definition_waits_until_upgraded(
 
 
 def test_the_cli_refuses_an_unknown_agent_and_lists_the_known_ones(cli_env: dict[str, str]) -> None:
-    result = run(cli_env, "agent", "c1", "do it", "--agent", "nobody", "--detach")
+    result = run(
+        {**cli_env, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}, "agent", "c1", "do it", "--agent", "nobody", "--detach"
+    )
     assert_one_sentence(result, 2, "there is no agent 'nobody'", "llm")
     assert ok(cli_env, "agents", "--json") == b""  # no worker published any yet
 
@@ -242,7 +244,7 @@ async def test_the_in_process_loop_and_the_role_write_the_same_log(
     def shape(log: list[events.Event]) -> list[tuple[str, str, bool]]:
         return [(e.kind, e.source, isinstance(e, events.Action) and isinstance(e.tool_call_id, str)) for e in log]
 
-    settings = Settings(llm_model="test-model", agent_context_recalls=False, agent_llm_retry_seconds=0)
+    settings = Settings(llm_model="test-model", agent_context_recalls="off", agent_llm_retry_seconds=0)
     script()
     async with runtime_worker(bus, workspace):
         ended_in_process = await run_llm_agent(

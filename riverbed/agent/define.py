@@ -88,11 +88,12 @@ class RunLimits:
 class StuckLimits:
     """When a run counts as stuck (it then ends with reason ``stuck``): the same call with the
     same result ``repeats`` times in a row, the same error ``errors`` times in a row, or
-    ``idle`` responses in a row that call nothing but ``think``.  0 turns a pattern off."""
+    ``idle`` responses in a row that call nothing but ``think``.  0 turns a pattern off; ``idle``
+    is off unless an agent sets it (a model may plan over several thoughts)."""
 
     repeats: int = 4
     errors: int = 4
-    idle: int = 6
+    idle: int = 0
 
 
 @dataclass(frozen=True, eq=False)

@@ -355,6 +355,16 @@ async def _end_queued(bus: Bus, session_id: str, fold: RunFold, cancel_id: int) 
         await Quotas(bus.log_store).release(tenant, session_id)
 
 
+async def awaiting_approval(bus: Bus, *, tenant: str | None = None) -> list[tuple[RunRow, PendingCall]]:
+    """The calls that wait for a person's approval in the open runs (``tenant``'s only when
+    given), oldest first, with their run.  A run that waits only for people is let go by its
+    worker, so it lists as ``waiting``; one with other work as ``running``."""
+    rows = [row for state in ("running", "waiting") for row in await list_runs(bus, state=state, tenant=tenant)]
+    pending = [(row, call) for row in rows for call in row.awaiting]
+    pending.sort(key=lambda pair: pair[1].since)
+    return pending
+
+
 async def follow_run(bus: Bus, session_id: str, start: int) -> AsyncIterator[events.Event]:
     """The session's events from ``start`` on, as they are appended, until a run ends at or
     after ``start`` (the run open then, or the next one); the ending event is the last yielded."""

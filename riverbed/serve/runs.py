@@ -22,6 +22,7 @@ from riverbed.agent.hosted import (
     STATES,
     RunLimits,
     RunRow,
+    awaiting_approval,
     cancel_run,
     decide,
     list_runs,
@@ -178,14 +179,11 @@ async def approvals(request: Request) -> Response:
     who = await principal(request)
     api = _api(request)
     tenant = request.query_params.get("tenant") or None if who.admin else who.tenant
-    rows = await list_runs(api.bus, state="running", tenant=tenant)
     pending = [
         {"session": row.session, "tenant": row.tenant, **msgspec.to_builtins(call)}
-        for row in rows
+        for row, call in await awaiting_approval(api.bus, tenant=tenant)
         if who.may_see(row.tenant)
-        for call in row.awaiting
     ]
-    pending.sort(key=lambda p: p["since"])
     return _json({"approvals": pending})
 
 

@@ -21,15 +21,14 @@ def approvals_command(
 ) -> None:
     """The calls that wait for a person's approval, oldest first: session, action, tool, risk
     and why, and the call's arguments.  `riverbed approve SESSION [ACTION...]` decides."""
-    from riverbed.agent.hosted import list_runs  # noqa: PLC0415
+    from riverbed.agent.hosted import awaiting_approval  # noqa: PLC0415
 
     cli = Invocation(prefix)
 
     async def go() -> Any:
-        return await list_runs(await cli.bus(), state="running", tenant=tenant)
+        return await awaiting_approval(await cli.bus(), tenant=tenant)
 
-    rows = [(row, call) for row in cli.run(go) for call in row.awaiting]
-    rows.sort(key=lambda pair: pair[1].since)
+    rows = cli.run(go)
     if as_json:
         _stdout_lines(
             json_bytes({"session": row.session, "tenant": row.tenant, **msgspec.to_builtins(call)})
