@@ -43,7 +43,7 @@ from riverbed.agent import messages as chat
 from riverbed.agent.define import REFERENCE, Agent
 from riverbed.agent.images import ImageSource
 from riverbed.errors import ConfigError
-from riverbed.memory.condensers import CondenserConfig, config_from_log, prepare
+from riverbed.memory.condensers import CondenserConfig, config_from_log, prepare, should_condense
 from riverbed.memory.view import view as fold
 from riverbed.settings import Settings
 
@@ -54,6 +54,7 @@ __all__ = [
     "build_messages",
     "make_client",
     "model_parameters",
+    "over_budget",
     "recorded_response",
     "render",
     "system_prompt",
@@ -142,6 +143,12 @@ def _with_context(view: Iterable[events.Event]) -> list[events.Event]:
             continue
         out.append(e)
     return out
+
+
+def over_budget(log_events: Sequence[events.Event], defaults: Mapping[str, Any] | None = None) -> bool:
+    """Whether the view of these events is over the session's condenser budget (its policy
+    would condense now): the model is not sent such a view before the condenser answered."""
+    return should_condense(fold(log_events), _condenser_config(log_events, defaults))
 
 
 def _condenser_config(log_events: Sequence[events.Event], defaults: Mapping[str, Any] | None = None) -> CondenserConfig:

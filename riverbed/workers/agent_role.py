@@ -94,6 +94,7 @@ from riverbed.agent.llm import (
     bounded_response,
     build_messages,
     model_parameters,
+    over_budget,
     recorded_response,
     system_prompt,
     timeout_sentence,
@@ -427,11 +428,19 @@ class AgentHandler:
     def _names(self) -> str:
         return ", ".join(sorted(self.hosted.agents))
 
-    def _deadlines(self, run: Run | None) -> list[tuple[float, int, str]]:
+    def _deadlines(self, state: _Session) -> list[tuple[float, int, str]]:
         """(wall-clock deadline, action id, kind) of the run's actions that wait for another role's answer."""
+        run = state.fold.run
         if run is None or not run.open:
             return []
-        out = [
+        since = run.response.id if run.response is not None and run.response.id is not None else run.opened
+        budget = asked_to_condense(state.seen, since)
+        condensing = (
+            [(budget.ts.timestamp() + CONDENSE_WAIT_SECONDS, budget.id, budget.kind)]
+            if budget is not None and budget.id is not None and budget.id not in run.answered
+            else []
+        )
+        out = condensing + [
             (asked + self.recall_timeout, recall, "recall")
             for recall, asked in run.recalled_at.items()
             if recall not in run.answered
@@ -454,7 +463,7 @@ class AgentHandler:
     def wake_at(self, ctx: SessionContext) -> float | None:
         """When the session's next action deadline passes (``time.monotonic()``), if it has one."""
         state = self.sessions.get(ctx.session)
-        deadlines = self._deadlines(state.fold.run) if state is not None and state.foreign is None else []
+        deadlines = self._deadlines(state) if state is not None and state.foreign is None else []
         if not deadlines:
             return None
         return time.monotonic() + (min(d for d, _, _ in deadlines) - time.time())
@@ -472,7 +481,7 @@ class AgentHandler:
         """Answer each action past its deadline with an ``error`` (reason ``timeout``): a run never
         waits forever for a role that is not there (an answer that comes later is refused)."""
         now = time.time()
-        for deadline, action, kind in self._deadlines(state.fold.run):
+        for deadline, action, kind in self._deadlines(state):
             if deadline > now:
                 continue
             if kind == APPROVAL:
@@ -596,6 +605,8 @@ class AgentHandler:
                 )
                 await self._append(ctx, state, rejection, f"approval-{move.action}-rejected")
             elif isinstance(move, CallModel):
+                if not await self._within_budget(ctx, state, run, agent):
+                    break  # (the condenser's answer wakes the session)
                 refused = await self._over_quota(ctx, state, run)
                 if refused is not None:
                     await self._end(ctx, state, run, "budget_exhausted", refused)
@@ -603,6 +614,28 @@ class AgentHandler:
                     await self._step(ctx, state, run, agent)
         await self._wind_up(ctx, state)
         await self._release_slot(ctx, state)
+
+    def _condenser(self, agent: Agent) -> dict[str, Any] | None:
+        """The condenser settings of ``agent``'s runs: the worker's, with the agent's over them."""
+        if agent.condenser:
+            return {**(self.condenser_defaults or {}), **agent.condenser}
+        return self.condenser_defaults
+
+    async def _within_budget(self, ctx: SessionContext, state: _Session, run: Run, agent: Agent) -> bool:
+        """Whether the model may be sent the view now: it is within the session's condenser
+        budget, or the condenser answered this step's ``condensation_request`` (or did not in
+        :data:`CONDENSE_WAIT_SECONDS`: the agent answered it, and goes on).  Else the request is
+        made (once a step) and the step waits for its answer: a condenser that is behind never
+        lets a prompt over the budget go out."""
+        if not over_budget(state.seen, self._condenser(agent)):
+            return True
+        since = run.response.id if run.response is not None and run.response.id is not None else run.opened
+        asked = asked_to_condense(state.seen, since)
+        if asked is None:
+            request = events.CondensationRequest(source="agent", cause=state.fold.last)
+            await self._append(ctx, state, request, f"run-{run.opened}-step-{run.steps + 1}-condense")
+            return False
+        return asked.id in run.answered or await ctx.is_answered(asked.id or 0)
 
     async def _run_tool(
         self, ctx: SessionContext, state: _Session, run: Run, agent: Agent, action: events.ToolCall | events.McpList
@@ -991,9 +1024,7 @@ class AgentHandler:
     ) -> Any:
         """The model's response to the prompt the log makes; a model error is retried by
         ``self.retry`` (``agent/retry.py``; a cancel stops that)."""
-        condenser = self.condenser_defaults
-        if agent.condenser:
-            condenser = {**(condenser or {}), **agent.condenser}
+        condenser = self._condenser(agent)
         request: dict[str, Any] = {
             "model": model,
             "messages": cache_breakpoints(
