@@ -44,6 +44,11 @@ key                                    what
 ``{p}:{p}:tenant:<t>:running``         hash: the sessions of tenant ``t`` holding a run slot -> when taken
 ``{p}:{p}:tenant:<t>:tokens:<day>``    hash: tokens of ``t``'s runs counted on UTC ``day``: per run
                                        (``<session>:<run id>``) its tokens so far, ``_total`` their sum
+``{p}:{p}:tenant:<t>:secrets``         hash: the secrets of tenant ``t``: name -> JSON (``nonce`` and
+                                       ``ciphertext`` in base64, AES-GCM, ``set_at``; ``agent/secrets.py``)
+``{p}:{p}:secret-tenants``             hash: tenant -> ``1`` for every tenant that had a secret (the
+                                       tenants ``riverbed secrets rotate`` re-encrypts)
+``{p}:{p}:secrets-key``                string: the id of the key the secrets are encrypted under
 =====================================  =======================================================
 """
 
@@ -111,6 +116,20 @@ class Keys:
     def tenant_tokens(self, tenant: str, day: str) -> str:
         """The tokens ``tenant``'s runs spent on UTC ``day`` (``YYYY-MM-DD``; a hash)."""
         return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:tokens:{day}"
+
+    def tenant_secrets(self, tenant: str) -> str:
+        """The encrypted secrets of ``tenant`` (a hash: name -> JSON record)."""
+        return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:secrets"
+
+    @property
+    def secret_tenants(self) -> str:
+        """The tenants that had a secret (a hash: tenant -> ``1``)."""
+        return f"{self.prefix}:{{{self.prefix}}}:secret-tenants"
+
+    @property
+    def secrets_key_id(self) -> str:
+        """The id of the key every secret is encrypted under (a string; never the key)."""
+        return f"{self.prefix}:{{{self.prefix}}}:secrets-key"
 
     def rate(self, key_id: str) -> str:
         """An HTTP API key's request token bucket."""

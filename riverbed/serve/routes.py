@@ -16,7 +16,7 @@ import hashlib
 import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -89,6 +89,9 @@ class ServeConfig:
     """Requests a second per key, over every process of the prefix (0: no limit; 429 above it)."""
     burst: int = 200
     """Requests a key may make at once above ``rate``."""
+    secrets_key: str | None = field(default=None, repr=False)
+    """The key tenants' secrets are encrypted under (``RIVERBED_SECRETS_KEY``; None: the
+    ``/v1/secrets`` routes answer 503)."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServeConfig:
@@ -102,6 +105,7 @@ class ServeConfig:
             max_acts_per_key=settings.serve_max_acts_per_key,
             rate=settings.serve_rate,
             burst=settings.serve_burst,
+            secrets_key=settings.secrets_key,
         )
 
 
