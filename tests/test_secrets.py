@@ -89,14 +89,14 @@ async def test_bad_values_names_and_keys_are_refused_in_one_sentence(bus: Bus) -
 
     keyless = _store(bus, None)
     for call in (
-        keyless.set("acme", "A_TOKEN", TOKEN),
-        keyless.list("acme"),
-        keyless.get_many("acme", ["EIGHT_CHARS"]),
-        keyless.remove("acme", "EIGHT_CHARS"),
-        keyless.rotate(keygen()),
+        lambda: keyless.set("acme", "A_TOKEN", TOKEN),
+        lambda: keyless.list("acme"),
+        lambda: keyless.get_many("acme", ["EIGHT_CHARS"]),
+        lambda: keyless.remove("acme", "EIGHT_CHARS"),
+        lambda: keyless.rotate(keygen()),
     ):
         with pytest.raises(ConfigError, match=r"RIVERBED_SECRETS_KEY.*riverbed secrets keygen"):
-            await call
+            await call()
     with pytest.raises(ConfigError, match="32 bytes in base64"):
         _store(bus, "not-a-key")
 
@@ -104,12 +104,12 @@ async def test_bad_values_names_and_keys_are_refused_in_one_sentence(bus: Bus) -
     wrong = _store(bus, keygen())
     before = await _raw_redis(bus)
     for call in (
-        wrong.get_many("acme", ["EIGHT_CHARS"]),
-        wrong.set("acme", "A_TOKEN", TOKEN),
-        wrong.rotate(keygen()),
+        lambda: wrong.get_many("acme", ["EIGHT_CHARS"]),
+        lambda: wrong.set("acme", "A_TOKEN", TOKEN),
+        lambda: wrong.rotate(keygen()),
     ):
         with pytest.raises(ConfigError, match="another key than RIVERBED_SECRETS_KEY"):
-            await call
+            await call()
     assert await _raw_redis(bus) == before
 
 
