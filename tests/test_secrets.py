@@ -81,6 +81,8 @@ async def test_bad_values_names_and_keys_are_refused_in_one_sentence(bus: Bus) -
         ("SHORT", "1234567", "at least 8 characters"),
         ("lower_case", TOKEN, "is not a secret name"),
         ("1DIGIT", TOKEN, "is not a secret name"),
+        ("SPACED", f" {TOKEN}", "may not begin or end with spaces"),
+        ("TWO_LINES", f"{TOKEN}\n", "may not begin or end with spaces"),
     ):
         with pytest.raises(InputError, match=words) as refused:
             await store.set("acme", name, value)
@@ -167,7 +169,8 @@ async def test_the_cli_takes_values_from_stdin_or_the_environment_never_from_arg
         assert key.encode() not in shown
 
     # a value is never an argument: an extra one is refused before anything is stored
-    assert_one_sentence(run_cli(env, "secrets", "set", "acme", "ARG_TOKEN", TOKEN), 2)
+    said = assert_one_sentence(run_cli(env, "secrets", "set", "acme", "ARG_TOKEN", TOKEN), 2, "never from the command")
+    assert TOKEN not in said
     assert_one_sentence(
         run_cli(env, "secrets", "set", "acme", "SHORT_ONE", stdin=b"short\n"), 2, "at least 8 characters"
     )
@@ -204,14 +207,25 @@ async def test_the_http_routes_see_only_their_keys_tenant(bus: Bus) -> None:
         assert [row["name"] for row in listed.json()["secrets"]] == ["GITHUB_TOKEN", "JSON_TOKEN"]
         assert TOKEN not in listed.text
         assert (await http.get("/v1/secrets", headers=bearer(globex))).json()["secrets"] == []
-        gone = await http.delete("/v1/secrets/GITHUB_TOKEN", headers=bearer(globex))
-        assert_problem(gone, 404, "no secret GITHUB_TOKEN for this tenant")
+        # the same name for another tenant is its own secret; a tenant's key cannot name another tenant
+        put = await http.put("/v1/secrets/GITHUB_TOKEN", content="globex-value\n", headers=bearer(globex))
+        assert put.status_code == 200, put.text
+        other = await http.get("/v1/secrets?tenant=acme", headers=bearer(globex))
+        assert_problem(other, 400, "only its own tenant's secrets")
+        admin = await new_key(bus, None, admin=True)
+        assert_problem(await http.get("/v1/secrets", headers=bearer(admin)), 400, "?tenant=T")
+        by_admin = await http.get("/v1/secrets?tenant=globex", headers=bearer(admin))
+        assert [row["name"] for row in by_admin.json()["secrets"]] == ["GITHUB_TOKEN"]
+        gone = await http.delete("/v1/secrets/JSON_TOKEN", headers=bearer(globex))  # acme's
+        assert_problem(gone, 404, "no secret JSON_TOKEN for this tenant")
         assert_problem(await http.put("/v1/secrets/SHORT", content="short", headers=bearer(acme)), 400, "8 characters")
         assert_problem(await http.put("/v1/secrets/bad-name", content=TOKEN, headers=bearer(acme)), 400, "secret name")
         assert_problem(await http.get("/v1/secrets"), 401)
         assert (await http.delete("/v1/secrets/GITHUB_TOKEN", headers=bearer(acme))).status_code == 204
     assert await _store(bus, secrets_key).get_many("acme", ["JSON_TOKEN"]) == {"JSON_TOKEN": "json-value-123"}
-    assert await _store(bus, secrets_key).list("globex") == []
+    assert await _store(bus, secrets_key).get_many("globex", ["GITHUB_TOKEN"]) == {"GITHUB_TOKEN": "globex-value"}
+    with pytest.raises(InputError, match="no secret GITHUB_TOKEN"):
+        await _store(bus, secrets_key).get_many("acme", ["GITHUB_TOKEN"])
 
     async with running(bus, ServeConfig()) as base, httpx.AsyncClient(base_url=base) as http:
         refused = await http.get("/v1/secrets", headers=bearer(acme))

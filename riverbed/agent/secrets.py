@@ -50,6 +50,7 @@ __all__ = [
     "MIN_VALUE_CHARS",
     "Rotated",
     "SecretStore",
+    "check_key",
     "check_name",
     "check_value",
     "keygen",
@@ -107,9 +108,20 @@ def check_value(value: str) -> str:
             f"a secret's value must be at least {MIN_VALUE_CHARS} characters, since masking a shorter "
             "one in outputs would hide ordinary text"
         )
+    if value != value.strip():
+        raise InputError(
+            "a secret's value may not begin or end with spaces or line breaks, since masking looks for the exact value"
+        )
     if len(value.encode()) > MAX_VALUE_BYTES:
         raise InputError(f"a secret's value may be at most {MAX_VALUE_BYTES} bytes")
     return value
+
+
+def check_key(key: str | None) -> None:
+    """Refuse (:class:`ConfigError`, one sentence) a missing or malformed ``RIVERBED_SECRETS_KEY``."""
+    if not key:
+        raise ConfigError(_NO_KEY)
+    _parse_key(key, "RIVERBED_SECRETS_KEY")
 
 
 def _check_tenant(tenant: str) -> str:

@@ -74,6 +74,8 @@ async def put_secret(request: Request) -> Response:
     else:
         try:
             value = raw.decode()
+            value = value[:-1] if value.endswith("\n") else value  # a file's last line break
+            value = value[:-1] if value.endswith("\r") else value
         except UnicodeDecodeError as exc:
             raise InputError("a secret's value must be UTF-8 text") from exc
     set_at = await store.set(tenant, name, value)

@@ -85,9 +85,10 @@ def secrets_set(
     prefix: PrefixOption = None,
 ) -> None:
     """Store TENANT's secret NAME (replacing one), the value read from stdin or --from-env VAR."""
-    from riverbed.agent.secrets import check_name, check_value  # noqa: PLC0415
+    from riverbed.agent.secrets import check_key, check_name, check_value  # noqa: PLC0415
 
     cli = Invocation(prefix)
+    check_key(cli.settings.secrets_key)  # before asking for the value
     check_name(name)
     value = check_value(_read_value("the secret's value", from_env, stray))
 
@@ -135,7 +136,10 @@ def secrets_rm(tenant: TenantArg, name: NameArg, prefix: PrefixOption = None) ->
 def secrets_rotate(stray: _Stray = None, from_env: FromEnvOption = None, prefix: PrefixOption = None) -> None:
     """Re-encrypt every tenant's secrets under a new key (read from stdin or --from-env VAR;
     `riverbed secrets keygen` makes one), all or nothing; then set it as RIVERBED_SECRETS_KEY."""
+    from riverbed.agent.secrets import check_key  # noqa: PLC0415
+
     cli = Invocation(prefix)
+    check_key(cli.settings.secrets_key)  # before asking for the new key
     new_key = _read_value("the new key", from_env, stray).strip()
 
     async def go() -> Any:
