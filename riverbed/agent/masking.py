@@ -93,7 +93,11 @@ class Masker:
         return value
 
     def mask_event(self, event: E) -> E:
-        """``event`` with every string field masked (the same object when nothing changed)."""
+        """``event`` with every string field masked (the same object when nothing changed).
+
+        Raises :class:`msgspec.ValidationError` only when a form sits in a field of a fixed shape
+        (the timestamp, a literal such as ``kind``), which a value of 8 characters or more set
+        by a person does not: no event with a value in it is ever rebuilt silently."""
         if self._pattern is None:
             return event
         plain = msgspec.to_builtins(event, builtin_types=(bytes, bytearray, memoryview))
