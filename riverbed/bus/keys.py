@@ -58,6 +58,11 @@ key                                    what
                                        when it is given up), ``owners`` (hash: waiter -> tenant), ``counts``
                                        (hash: tenant -> its waiters), ``paused`` (string: no permit before
                                        this ms), ``seq`` (string: the last turn handed out)
+``{p}:{p}:tenant:<t>:secrets``         hash: the secrets of tenant ``t``: name -> JSON (``nonce`` and
+                                       ``ciphertext`` in base64, AES-GCM, ``set_at``; ``agent/secrets.py``)
+``{p}:{p}:secret-tenants``             hash: tenant -> ``1`` for every tenant that had a secret (the
+                                       tenants ``riverbed secrets rotate`` re-encrypts)
+``{p}:{p}:secrets-key``                string: the id of the key the secrets are encrypted under
 =====================================  =======================================================
 """
 
@@ -141,6 +146,20 @@ class Keys:
         """One of the keys of ``model``'s shared limits (``part``: ``held``, ``window``, ``turns``,
         ``waiting``, ``owners``, ``counts``, ``paused``, ``seq``)."""
         return f"{self.prefix}:{{{self.prefix}}}:llm:{model}:{part}"
+
+    def tenant_secrets(self, tenant: str) -> str:
+        """The encrypted secrets of ``tenant`` (a hash: name -> JSON record)."""
+        return f"{self.prefix}:{{{self.prefix}}}:tenant:{tenant}:secrets"
+
+    @property
+    def secret_tenants(self) -> str:
+        """The tenants that had a secret (a hash: tenant -> ``1``)."""
+        return f"{self.prefix}:{{{self.prefix}}}:secret-tenants"
+
+    @property
+    def secrets_key_id(self) -> str:
+        """The id of the key every secret is encrypted under (a string; never the key)."""
+        return f"{self.prefix}:{{{self.prefix}}}:secrets-key"
 
     def rate(self, key_id: str) -> str:
         """An HTTP API key's request token bucket."""

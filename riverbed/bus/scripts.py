@@ -509,3 +509,48 @@ redis.call('SET', KEYS[1], till, 'PX', tonumber(ARGV[1]) + 1000)
 return till
 """
 )
+
+
+# --- tenants' secrets (``agent/secrets.py``) --------------------------------------------------------
+
+# KEYS: the tenant's secrets hash, the secret tenants hash, the secrets' key id string.  ARGV: the
+# tenant, the name, the record (JSON), the id of the key it is encrypted under.  A record under
+# another key than the one the stored secrets are under is refused, so a process with a stale key
+# cannot mix two keys in one store.  Reply: 1 (set), or 0 (another key).
+SET_SECRET = """
+local kid = redis.call('GET', KEYS[3])
+if kid and kid ~= ARGV[4] then
+  return 0
+end
+redis.call('SET', KEYS[3], ARGV[4])
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[1], '1')
+return 1
+"""  # noqa: S105  (a script, not a password)
+
+# KEYS: the secrets' key id string, then the tenants' secrets hashes.  ARGV: the old key id, the new
+# key id, then per record the number of its hash in KEYS (2 and up), its name, the record read
+# (decrypted under the old key), the record re-encrypted under the new key.  All or nothing: when
+# the key id or a record changed since they were read, nothing is written.  Reply: records
+# rewritten, -1 (a record changed: read again) or -2 (the stored secrets are under another key).
+REWRITE_SECRETS = """
+local kid = redis.call('GET', KEYS[1])
+if kid and kid ~= ARGV[1] then
+  return -2
+end
+for i = 3, #ARGV, 4 do
+  if redis.call('HGET', KEYS[tonumber(ARGV[i])], ARGV[i + 1]) ~= ARGV[i + 2] then
+    return -1
+  end
+end
+for i = 3, #ARGV, 4 do
+  redis.call('HSET', KEYS[tonumber(ARGV[i])], ARGV[i + 1], ARGV[i + 3])
+end
+redis.call('SET', KEYS[1], ARGV[2])
+return (#ARGV - 2) / 4
+"""
+
+# KEYS: the tenant's secrets hash.  ARGV: the name.  Reply: 1 (removed) or 0 (there was none).
+REMOVE_SECRET = """
+return redis.call('HDEL', KEYS[1], ARGV[1])
+"""  # noqa: S105  (a script, not a password)

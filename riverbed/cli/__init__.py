@@ -54,6 +54,7 @@ from riverbed.cli.commands import (  # noqa: F401  (importing a command module r
     log,
     people,
     schema,
+    secrets,
     serve,
     services,
     sessions,

@@ -34,7 +34,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from riverbed.errors import ConfigError, RiverbedError
-from riverbed.serve import openapi, runs
+from riverbed.serve import openapi, runs, secrets
 from riverbed.serve.problems import from_exception, problem
 from riverbed.serve.routes import Api, handlers
 
@@ -125,7 +125,10 @@ async def _handle(request: Request, exc: Exception) -> Response:
 def create_app(api: Api) -> Starlette:
     """The whole HTTP surface: ``/v1`` API, ``/openapi.json``, probes and the console at ``/``."""
     routes = [
-        *(Route(path, handler, methods=methods) for path, handler, methods in [*handlers(), *runs.handlers()]),
+        *(
+            Route(path, handler, methods=methods)
+            for path, handler, methods in [*handlers(), *runs.handlers(), *secrets.handlers()]
+        ),
         _openapi(msgspec.json.encode(openapi.document())),
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/readyz", _readyz, methods=["GET"]),

@@ -399,6 +399,63 @@ def document() -> dict[str, Any]:
                 "responses": {"202": _ok("the run_cancel's id"), **_problems(400, 401, 404)},
             },
         },
+        "/v1/secrets": {
+            "get": {
+                "summary": "The key's tenant's secrets: names and when each was set, never values",
+                "parameters": [_query("tenant", "an admin key: the tenant whose secrets", "string")],
+                "responses": {
+                    "200": _ok(
+                        "the names",
+                        {
+                            "type": "object",
+                            "properties": {
+                                "tenant": {"type": "string"},
+                                "secrets": {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "object",
+                                        "properties": {"name": {"type": "string"}, "set_at": {"type": "number"}},
+                                    },
+                                },
+                            },
+                        },
+                    ),
+                    **_problems(400, 401, 503),
+                },
+            },
+        },
+        "/v1/secrets/{name}": {
+            "parameters": [
+                {
+                    "name": "name",
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string"},
+                    "description": "like GITHUB_TOKEN",
+                }
+            ],
+            "put": {
+                "summary": "Store the key's tenant's secret (encrypted; at least 8 characters)",
+                "description": (
+                    'The body is the value, as text, or {"value": "..."} with Content-Type: application/json. '
+                    "No route ever answers a value; 503 when the server has no RIVERBED_SECRETS_KEY."
+                ),
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "text/plain": {"schema": {"type": "string", "minLength": 8}},
+                        "application/json": {
+                            "schema": {"type": "object", "properties": {"value": {"type": "string", "minLength": 8}}}
+                        },
+                    },
+                },
+                "responses": {"200": _ok("the name and when it was set"), **_problems(400, 401, 413, 503)},
+            },
+            "delete": {
+                "summary": "Remove the key's tenant's secret",
+                "responses": {"204": {"description": "removed"}, **_problems(400, 401, 404, 503)},
+            },
+        },
         "/v1/runs": {
             "get": {
                 "summary": "One page of the runs of the key's tenant (an admin key: every tenant's), newest first",

@@ -16,7 +16,7 @@ import hashlib
 import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -103,6 +103,9 @@ class ServeConfig:
     llm_model: str | None = None
     """The model a run that names none gets, a tenant's only one without an allow-list (None:
     ``RIVERBED_LLM_MODEL``)."""
+    secrets_key: str | None = field(default=None, repr=False)
+    """The key tenants' secrets are encrypted under (``RIVERBED_SECRETS_KEY``; None: the
+    ``/v1/secrets`` routes answer 503)."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServeConfig:
@@ -122,6 +125,7 @@ class ServeConfig:
             tenant_burst=settings.serve_tenant_burst,
             runs_retention=settings.runs_retention,
             llm_model=settings.llm_model,
+            secrets_key=settings.secrets_key,
         )
 
 
