@@ -1234,34 +1234,41 @@ def _said(exc: BaseException, timeout: float) -> str:
     return f"HTTP {status}: {message}" if status is not None else message
 
 
-def build_agent_handler(settings: Settings) -> AgentHandler:
+def build_agent_handler(settings: Settings, **overrides: Any) -> AgentHandler:
     """The agent role's handler for the configured model server (``OPENAI_BASE_URL`` /
-    ``OPENAI_API_KEY``; retries are the role's own)."""
-    client = CheckedClient(api_key=settings.openai_api_key or "unused", base_url=settings.openai_base_url or None)
-    return AgentHandler(
-        client=client,
-        model=settings.llm_model,
-        prices=parse_prices(settings.prices),
-        llm_timeout=settings.llm_timeout,
-        retry_seconds=settings.agent_llm_retry_seconds,
-        prompt_cache=settings.prompt_cache,
-        max_depth=settings.agent_max_depth,
-        max_fanout=settings.agent_max_fanout,
-        temperature=settings.llm_temperature,
-        max_output_tokens=settings.llm_max_output_tokens,
-        condenser_defaults=settings.condenser_defaults(),
-        pace=Pace(settings.agent_min_runs, slack=settings.agent_pace_slack) if settings.agent_pace else None,
-        hosted=load(agent_modules(settings)),
-        max_calls_per_step=settings.agent_max_calls_per_step,
-        action_timeout=settings.agent_action_timeout,
-        context_recalls=recall_setting(settings),
-        recall_timeout=settings.agent_recall_timeout,
-        images=workspace_images(settings),
-        max_event_bytes=settings.max_event_bytes,
-        max_in_flight=settings.llm_max_concurrency,
-        per_minute=settings.llm_rpm,
-        context_tokens=settings.llm_context_tokens,
-    )
+    ``OPENAI_API_KEY``; retries are the role's own), ``overrides`` (``AgentHandler``'s keywords)
+    over what the settings say: a run served in the caller's process passes its client, the
+    one definition it serves and its session."""
+    options: dict[str, Any] = {
+        "model": settings.llm_model,
+        "prices": parse_prices(settings.prices),
+        "llm_timeout": settings.llm_timeout,
+        "retry_seconds": settings.agent_llm_retry_seconds,
+        "prompt_cache": settings.prompt_cache,
+        "max_depth": settings.agent_max_depth,
+        "max_fanout": settings.agent_max_fanout,
+        "temperature": settings.llm_temperature,
+        "max_output_tokens": settings.llm_max_output_tokens,
+        "condenser_defaults": settings.condenser_defaults(),
+        "pace": Pace(settings.agent_min_runs, slack=settings.agent_pace_slack) if settings.agent_pace else None,
+        "max_calls_per_step": settings.agent_max_calls_per_step,
+        "action_timeout": settings.agent_action_timeout,
+        "context_recalls": recall_setting(settings),
+        "recall_timeout": settings.agent_recall_timeout,
+        "images": workspace_images(settings),
+        "max_event_bytes": settings.max_event_bytes,
+        "max_in_flight": settings.llm_max_concurrency,
+        "per_minute": settings.llm_rpm,
+        "context_tokens": settings.llm_context_tokens,
+        **overrides,
+    }
+    if "hosted" not in options:
+        options["hosted"] = load(agent_modules(settings))
+    if "client" not in options:
+        options["client"] = CheckedClient(
+            api_key=settings.openai_api_key or "unused", base_url=settings.openai_base_url or None
+        )
+    return AgentHandler(**options)
 
 
 def recall_setting(settings: Settings, default: bool | None = None) -> bool | None:

@@ -38,7 +38,7 @@ from riverbed.bus.status import live_workers
 from riverbed.client.session import Bus
 from riverbed.errors import ConfigError, InputError, UnavailableError
 from riverbed.settings import Settings
-from riverbed.workers.agent_role import AgentHandler, recall_setting, workspace_images
+from riverbed.workers.agent_role import build_agent_handler, recall_setting
 from riverbed.workers.main import Worker, build_handlers
 
 __all__ = [
@@ -260,24 +260,15 @@ async def _serve(
 ) -> events.Event | None:
     options = (options or AgentOptions()).resolved(settings)
     definition = _definition(options, agent)
-    handler = AgentHandler(
+    handler = build_agent_handler(
+        settings,
         client=client,
-        model=settings.llm_model,
-        prices=parse_prices(settings.prices),
-        llm_timeout=settings.llm_timeout,
-        retry_seconds=settings.agent_llm_retry_seconds,
-        prompt_cache=settings.prompt_cache,
-        max_depth=settings.agent_max_depth,
-        max_fanout=settings.agent_max_fanout,
-        condenser_defaults=settings.condenser_defaults(),
+        pace=None,  # (one run)
         hosted=Hosted({definition.name: definition}, {definition.name: "this process"}),
-        max_calls_per_step=settings.agent_max_calls_per_step,
         action_timeout=options.action_timeout,
         context_recalls=recall_setting(settings, default=True),  # (in a process that runs the memory role)
         recall_timeout=options.recall_timeout,
         only_session=session_id,
-        images=workspace_images(settings),
-        max_event_bytes=settings.max_event_bytes,
     )
     limits = RunLimits(
         max_steps=max_steps,
