@@ -146,9 +146,9 @@ async def test_the_model_settings_reach_a_real_local_server(bus: Bus, llama_serv
     # at most three tokens past the limit, where a rambling answer would run on to the timeout.
     assert all(0 < r.usage.get("completion_tokens", 0) <= 6 + 3 for r in responses), [r.usage for r in responses]
 
-    hurried = Settings(
+    hurried = Settings(  # (no retry: the first late answer ends the run, saying so)
         llm_model="tiny", openai_base_url=llama_server, openai_api_key="unused", llm_timeout=0.001,
-        llm_max_output_tokens=6,
+        llm_max_output_tokens=6, agent_llm_retry_seconds=0,
     )  # fmt: skip
     ended = await run_llm_agent(bus, "hurried", "Say hello.", settings=hurried, max_steps=1, options=options)
     assert isinstance(ended, events.Error)
