@@ -325,6 +325,7 @@ class AgentHandler:
         self.only_session = only_session
         """serve this session alone (a run served in the caller's process), leaving others to workers"""
         self.max_event_bytes = max_event_bytes
+        self._toolboxes: dict[tuple[str, tuple[tuple[str, int], ...]], tuple[Toolbox, list[dict[str, Any]]]] = {}
         self.images = images
         """the images a session's prompt may show (a vision model), by session"""
         self.temperature = temperature
@@ -615,6 +616,18 @@ class AgentHandler:
         await self._wind_up(ctx, state)
         await self._release_slot(ctx, state)
 
+    def _toolbox(self, agent: Agent, listed: dict[str, events.McpTools]) -> tuple[Toolbox, list[dict[str, Any]]]:
+        """The agent's toolbox with the MCP listings of the log, and the request's ``tools``: made
+        once per definition and listings (a schema per tool is a few milliseconds to build)."""
+        key = (agent.digest, tuple(sorted((name, tools.id or 0) for name, tools in listed.items())))
+        made = self._toolboxes.get(key)
+        if made is None:
+            toolbox = Toolbox(agent, listed, sub_agents=self.max_depth > 0)
+            made = self._toolboxes[key] = (toolbox, toolbox.openai())
+            if len(self._toolboxes) > 256:  # (listings of many sessions: keep the newest)
+                self._toolboxes.pop(next(iter(self._toolboxes)))
+        return made
+
     def _condenser(self, agent: Agent) -> dict[str, Any] | None:
         """The condenser settings of ``agent``'s runs: the worker's, with the agent's over them."""
         if agent.condenser:
@@ -714,14 +727,14 @@ class AgentHandler:
         until = state.fold.last
         crashpoint("agent_before_llm")
         await self._save_summary(ctx, state)
-        toolbox = Toolbox(agent, state.fold.mcp, sub_agents=self.max_depth > 0)
+        toolbox, offered = self._toolbox(agent, state.fold.mcp)
         try:
             try:
-                response = await self._complete(ctx, state, model, _started(state.seen, run.opened), agent, toolbox)
+                response = await self._complete(ctx, state, model, _started(state.seen, run.opened), agent, offered)
             except _ModelFailed as exc:
                 if not exceeds_context(exc.__cause__):
                     raise
-                response, until = await self._condensed_retry(ctx, state, run, model, exc, agent, toolbox)
+                response, until = await self._condensed_retry(ctx, state, run, model, exc, agent, offered)
         except _ModelFailed as exc:
             await self._catch_up(ctx, state)
             if state.fold.run is run and run.open and run.cancel_requested is None:
@@ -764,7 +777,7 @@ class AgentHandler:
         model: str,
         failed: _ModelFailed,
         agent: Agent,
-        toolbox: Toolbox,
+        offered: list[dict[str, Any]],
     ) -> tuple[Any, int]:
         """The prompt did not fit the model's context window: ask the condenser role once
         (a ``condensation_request``), wait for its answer, and ask the model once more (its
@@ -795,7 +808,7 @@ class AgentHandler:
             raise _ModelFailed("the model call was given up: the run was cancelled") from error
         until = state.fold.last
         try:
-            return await self._complete(ctx, state, model, _started(state.seen, run.opened), agent, toolbox), until
+            return await self._complete(ctx, state, model, _started(state.seen, run.opened), agent, offered), until
         except _ModelFailed as again:
             cause = again.__cause__
             if cause is not None and exceeds_context(cause):
@@ -1020,7 +1033,7 @@ class AgentHandler:
         model: str,
         started: events.RunStarted | None,
         agent: Agent,
-        toolbox: Toolbox,
+        offered: list[dict[str, Any]],
     ) -> Any:
         """The model's response to the prompt the log makes; a model error is retried by
         ``self.retry`` (``agent/retry.py``; a cancel stops that)."""
@@ -1036,7 +1049,7 @@ class AgentHandler:
                 ),
                 self.prompt_cache,
             ),
-            "tools": toolbox.openai(),
+            "tools": offered,
             "tool_choice": "auto",
             # Several calls in one response: the role appends them in order (each after the one
             # before is answered), and ``delegate`` calls that follow one another run at once.
