@@ -46,6 +46,7 @@ from riverbed.agent.toolbox import Toolbox
 from riverbed.agent.usage import Price, step
 from riverbed.bus.keys import valid_session
 from riverbed.errors import InputError
+from riverbed.memory.tokens import action_arguments
 
 __all__ = [
     "END_REASONS",
@@ -423,10 +424,7 @@ def _note_result(run: Run, event: events.Observation) -> None:
 
 
 def _arguments_of(action: events.Action) -> str:
-    fields = msgspec.to_builtins(action)
-    for name in ("id", "source", "cause", "ts", "agent", "tenant", "trace", "v", "tool_call_id", "kind", "risk"):
-        fields.pop(name, None)
-    return msgspec.json.encode(fields, order="sorted").decode()
+    return msgspec.json.encode(action_arguments(action), order="sorted").decode()
 
 
 def event_text_of(event: events.Observation) -> str:

@@ -51,7 +51,9 @@ Tokenizer = Literal["auto", "tiktoken", "estimate"]
 PER_EVENT_OVERHEAD = 4
 
 #: Fields every event has: not part of what a model reads.
-_ENVELOPE = frozenset({"id", "source", "cause", "ts", "agent", "tenant", "trace", "v", "kind", "tool_call_id"})
+_ENVELOPE = frozenset({"id", "source", "cause", "ts", "agent", "tenant", "trace", "v", "kind", "tool_call_id", "risk"})
+"""Fields every event (or every action) has that are no argument of the call: the risk a judge
+recorded on an action is the agent's, not the model's."""
 
 
 def action_arguments(event: Event) -> dict[str, Any]:
