@@ -251,9 +251,13 @@ class _Session:
     """``delegate`` actions whose child this worker cancelled (the run ended without its answer)"""
     reported: int | None = None
     """the run whose ``delegate_result`` this worker appended to the parent"""
+    mark: float = 0.0
+    """when the batch in hand began, or its last step did (the start of a step's own time)"""
     waited: float = 0.0
-    """the time the model calls made for the session during the batch in hand, and their
-    retries' pauses, took (0: none was made); the batch's own time leaves it out (:mod:`agent_pace`)"""
+    """the time since ``mark`` that model calls, their retries' pauses and Python tools took:
+    the step's own time leaves it out (:mod:`agent_pace`)"""
+    calls: int = 0
+    """the model calls made in the batch in hand"""
     foreign: str | None = None
     """why this worker does not work on the open run (its agent definition or run rules are not
     the ones this worker hosts): the session is left to a worker that matches"""
@@ -356,7 +360,7 @@ class AgentHandler:
 
     async def handle(self, ctx: SessionContext, entries: list[Entry]) -> None:
         state = self.sessions[ctx.session]
-        started, state.waited = time.monotonic(), 0.0
+        state.mark, state.waited, state.calls = time.monotonic(), 0.0, 0
         if entries[-1].id > state.fold.last:
             if entries[0].id > state.fold.last + 1:
                 await self._catch_up(ctx, state)
@@ -367,8 +371,17 @@ class AgentHandler:
         await ctx.ack([e.id for e in entries], along=None if summary is None else partial(_queue_summary, ctx, summary))
         if summary is not None:
             state.summary = summary
-        if self.pace is not None and state.waited > 0:
-            self.pace.observe(time.monotonic() - started - state.waited)
+        if self.pace is not None and state.calls:
+            self.pace.observe(time.monotonic() - state.mark - state.waited)
+
+    def _step_begins(self, state: _Session) -> None:
+        """A model call is about to be made: the pace is told the own time of the step before it
+        in this batch (a batch may make many steps: a Python tool's answer is the role's own)."""
+        if self.pace is not None and state.calls:
+            now = time.monotonic()
+            self.pace.observe(now - state.mark - state.waited)
+            state.mark, state.waited = now, 0.0
+        state.calls += 1
 
     def retires(self, ctx: SessionContext) -> bool:
         """Nothing to do for the session until a client appends: another run opens, or the open
@@ -679,7 +692,9 @@ class AgentHandler:
             await self._append(ctx, state, lost, key)
             return
         crashpoint("agent_tool_claimed")
+        began = time.monotonic()
         answer = await self._tool_answer(ctx, run, agent, action, tool)
+        state.waited += time.monotonic() - began  # (the tool's time is the user's, as the model's is)
         crashpoint("agent_tool_ran")
         await self._append(ctx, state, answer, key)
 
@@ -726,6 +741,7 @@ class AgentHandler:
         model = run.model or agent.model or self.model
         until = state.fold.last
         crashpoint("agent_before_llm")
+        self._step_begins(state)
         await self._save_summary(ctx, state)
         toolbox, offered = self._toolbox(agent, state.fold.mcp)
         try:
