@@ -368,17 +368,23 @@ async def test_a_sandbox_that_exits_while_its_network_is_set_up_is_started_once_
     attempts: list[str] = []
 
     def flaky(self: Outbound, timeout: float = 10.0) -> None:
-        attempts.append("failed" if len(attempts) in (0, 2) else "attached")
-        if attempts[-1] == "failed":  # the first try of the shell, then of the Python driver
+        # The first try of the shell, then the first of the Python driver (once the shell is up):
+        # counted by what happened, so a real race lost on a busy machine shifts nothing.
+        if attempts.count("failed") == attempts.count("attached") < 2:
+            attempts.append("failed")
             raise NetworkSetupFailed(errno.EPIPE, "the sandbox exited while its network was set up")
-        attach(self, timeout)
+        try:
+            attach(self, timeout)
+        except NetworkSetupFailed:
+            attempts.append("raced")  # (the real race, lost)
+            raise
+        attempts.append("attached")
 
     monkeypatch.setattr(Outbound, "attach", flaky)
     rt = Runtime(workspace_root=workspace, sandbox=Sandbox(network="outbound"))
     await _runs_a_command_and_a_cell(rt)
     # each forced failure was followed by a fresh sandbox (one more when the real race was lost too)
-    assert attempts[:3] == ["failed", "attached", "failed"], attempts
-    assert set(attempts[3:]) == {"attached"}, attempts
+    assert [a for a in attempts if a != "raced"] == ["failed", "attached", "failed", "attached"], attempts
     assert not [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "slirp4netns"]
 
 
