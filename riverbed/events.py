@@ -58,6 +58,7 @@ __all__ = [
     "MAX_SKIPPED",
     "MAX_TIMEOUT",
     "RESERVED_ENV",
+    "SECRET_NAME_PATTERN",
     "Action",
     "Approval",
     "CmdOutput",
@@ -567,6 +568,10 @@ class LlmResponse(Event, frozen=True, kw_only=True, tag="llm_response"):
 # the actions, the ``error`` from ``source: agent`` that ends it) is system-written.
 
 
+SECRET_NAME_PATTERN = r"[A-Z_][A-Z0-9_]{0,127}"  # noqa: S105  (a name's shape, no secret)
+"""What a secret's name is: capital letters, digits and ``_``, not starting with a digit."""
+SecretName: TypeAlias = Annotated[str, msgspec.Meta(pattern=f"^{SECRET_NAME_PATTERN}$")]
+"""A tenant's secret's name (``riverbed secrets set TENANT NAME``)."""
 Confirm: TypeAlias = Literal["never", "always", "risky"] | Annotated[list[str], msgspec.Meta(max_length=100)]
 
 _OutputTokens = Annotated[
@@ -607,6 +612,9 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     confirm: Confirm | msgspec.UnsetType = msgspec.UNSET
     """which calls wait for a person's approval: ``never``, ``always``, ``risky`` (those the
     analyzer labels high or unknown) or a list of tool names (unset: the agent's policy)"""
+    secrets: Annotated[list[SecretName], msgspec.Meta(max_length=100)] | msgspec.UnsetType = msgspec.UNSET
+    """the names of the tenant's secrets the run may use (its agent's and its own; unset: none):
+    the values reach the sandbox's environment, stdio MCP servers and Python tools, never the log"""
 
 
 class RunUpgraded(Event, frozen=True, kw_only=True, tag="run_upgraded"):

@@ -137,7 +137,8 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
 
 
 def bounded(tp: Any, *metas: msgspec.Meta) -> st.SearchStrategy[Any]:
-    """Values of a number type within the bounds its schema states (``msgspec.Meta``)."""
+    """Values of a number type within the bounds its schema states, and strings of its pattern
+    (``msgspec.Meta``)."""
     low = max([m.ge for m in metas if m.ge is not None] + [m.gt for m in metas if m.gt is not None], default=None)
     high = min([m.le for m in metas if m.le is not None], default=None)
     exclude_low = any(m.gt is not None for m in metas)
@@ -146,6 +147,9 @@ def bounded(tp: Any, *metas: msgspec.Meta) -> st.SearchStrategy[Any]:
     if tp is int:
         low = -(2**63) if low is None else int(low) + (1 if exclude_low else 0)
         return st.integers(low, 2**63 - 1 if high is None else int(high))
+    pattern = next((m.pattern for m in metas if m.pattern is not None), None)
+    if tp is str and pattern is not None:
+        return st.from_regex(pattern, fullmatch=True)
     return strategy_for(tp)
 
 

@@ -68,6 +68,7 @@ BUILTIN_TOOLS: dict[str, type[events.Action]] = {
 """The built-in tools an agent may name in ``tools``, and the action each call becomes."""
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+SECRET_NAME = re.compile(events.SECRET_NAME_PATTERN)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +121,9 @@ class Agent:
     """labels each call's risk (``riverbed.Risk``); None: the built-in rule-based analyzer"""
     approval_timeout: float | None = None
     """seconds a call may wait for approval before it is rejected, saying so (None: no limit)"""
+    secrets: Sequence[str] = ()
+    """names of its tenant's secrets its runs may use (``riverbed secrets set``): in the sandbox's
+    environment, in its stdio MCP servers' and through ``ToolContext.secret``"""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -165,6 +169,14 @@ class Agent:
         for sub in self.sub_agents:
             if not isinstance(sub, str) or not _NAME.fullmatch(sub):
                 raise InputError(f"agent {self.name}: sub_agents names other agents by name, not {sub!r}")
+        if isinstance(self.secrets, str):
+            raise InputError(f"agent {self.name}: secrets is a list of secret names, not {self.secrets!r}")
+        for secret in self.secrets:
+            if not isinstance(secret, str) or not SECRET_NAME.fullmatch(secret):
+                raise InputError(
+                    f"agent {self.name}: {secret!r} is not a secret name (capital letters, digits and '_', "
+                    "starting with a letter or '_')"
+                )
 
     # --- what the model is offered ---------------------------------------------------------
 
@@ -202,6 +214,8 @@ class Agent:
             "analyzer": _where(self.analyzer),
             "approval_timeout": self.approval_timeout,
             "rules": RULES_VERSION,
+            # (only when named: the digests of definitions without secrets stay what they were)
+            **({"secrets": sorted(set(self.secrets))} if self.secrets else {}),
         }
 
     @cached_property
@@ -221,6 +235,7 @@ class Agent:
             "mcp": [_server(s) for s in self.mcp],
             "sub_agents": list(self.sub_agents),
             "limits": msgspec.to_builtins(self.limits) if self.limits is not None else None,
+            "secrets": sorted(set(self.secrets)),
             "where": where,
         }
 

@@ -43,6 +43,7 @@ from riverbed.agent.quotas import Quotas
 from riverbed.agent.registry import known_agents, resolve
 from riverbed.agent.run_index import DEFAULT_RETENTION, Candidate
 from riverbed.agent.runs import PendingCall, RunFold, RunSummary, fold_runs, summarize
+from riverbed.agent.secrets import SecretStore, check_name
 from riverbed.agent.usage import Price, unpriced
 from riverbed.bus.keys import AGENT_ROLE
 from riverbed.client.session import Bus
@@ -134,6 +135,7 @@ async def open_run(
     confirm: str | Sequence[str] | None = None,
     default_model: str | None = None,
     prices: dict[str, Price] | None = None,
+    secrets: Sequence[str] = (),
 ) -> OpenedRun:
     """Record a run on the log (task message + ``run_started``) and return at once.
 
@@ -147,18 +149,23 @@ async def open_run(
     (:mod:`riverbed.agent.quotas`); :class:`InputError` too when the run asks for a model that is
     not its tenant's to use, or for a ``max_cost`` that ``prices`` cannot bound (a model without a
     price).  ``default_model``: the model a run that names none gets (default
-    ``RIVERBED_LLM_MODEL``)."""
+    ``RIVERBED_LLM_MODEL``).  ``secrets`` names the tenant's secrets the run may use besides its
+    agent's own; :class:`InputError` when the session's tenant has no secret under one of
+    either (another tenant's gets the same answer), or the session has no tenant."""
     if not task.strip():
         raise InputError("the task is empty: say what the agent should do")
     chosen: dict[str, Any] = {}
     agent_model: str | None = None
+    named = [check_name(name) for name in secrets]
     if isinstance(agent, Agent):
         chosen = {"agent_name": agent.name, "digest": agent.digest, "rules": RULES_VERSION}
         limits, agent_model = limits or agent.limits, agent.model
+        named += agent.secrets
     elif agent is not None:
         known = resolve(await known_agents(bus.client, bus.keys), agent)
         chosen = {"agent_name": known.name, "digest": known.digest, "rules": known.rules}
         agent_model = known.model
+        named += known.secrets
         if limits is None and known.limits:
             limits = msgspec.convert(known.limits, RunLimits)
     limits = limits or RunLimits()
@@ -174,6 +181,9 @@ async def open_run(
         if refused is not None:
             raise InputError(f"no run opens: {refused}")
     session = await bus.operate(session_id, tenant=tenant)
+    if named:
+        chosen["secrets"] = sorted(set(named))
+        await _check_secrets(bus, session.tenant, chosen["secrets"])
     fold = await _fold(bus, session_id)
     if fold.run is not None and fold.run.open:
         raise InputError(
@@ -211,6 +221,21 @@ async def open_run(
         run_index.queue_opened(pipe, bus.keys, session_id, time.time(), session.tenant, chosen.get("agent_name"))
         await pipe.execute()
     return OpenedRun(session_id, task_id, opened)
+
+
+async def _check_secrets(bus: Bus, tenant: str | None, names: list[str]) -> None:
+    """:class:`InputError` unless ``tenant`` has a secret under each of ``names``."""
+    if tenant is None:
+        raise InputError(
+            f"no run opens: secrets belong to a tenant and this session has none, so {names[0]} cannot be used "
+            "(open the run with a tenant's key, or --tenant)"
+        )
+    missing = await SecretStore(bus.client, bus.keys, None).missing(tenant, names)
+    if missing:
+        raise InputError(
+            f"no run opens: no secret {missing[0]} for this tenant "
+            f"(`riverbed secrets set {tenant} {missing[0]}` stores one)"
+        )
 
 
 async def cancel_run(bus: Bus, session_id: str, *, note: str = "", tenant: str | None = None) -> int:

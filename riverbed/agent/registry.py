@@ -116,6 +116,8 @@ class Known(msgspec.Struct, kw_only=True):
     mcp: list[dict[str, Any]] = msgspec.field(default_factory=list)
     sub_agents: list[str] = msgspec.field(default_factory=list)
     limits: dict[str, Any] | None = None
+    secrets: list[str] = msgspec.field(default_factory=list)
+    """the names of its tenant's secrets its runs may use"""
     where: str = ""
     worker: str | None = None
     """the worker that said so last"""

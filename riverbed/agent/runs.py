@@ -147,6 +147,8 @@ class Run:
     """context recall -> when it was asked (unix seconds)"""
     confirm: events.Confirm | None = None
     """the run's approval policy (None: its agent's)"""
+    secrets: tuple[str, ...] = ()
+    """the names of its tenant's secrets it may use (its ``run_started``'s)"""
     approved: set[int] = field(default_factory=set)
     """calls a person approved"""
     refused_by_person: dict[int, str] = field(default_factory=dict)
@@ -274,6 +276,7 @@ class RunFold:
                     digest=event.digest if isinstance(event.digest, str) else None,
                     rules=event.rules if isinstance(event.rules, int) else 1,
                     confirm=None if isinstance(event.confirm, msgspec.UnsetType) else event.confirm,
+                    secrets=tuple(event.secrets) if isinstance(event.secrets, list) else (),
                 )
                 if self._last_user_message is not None:
                     self.run.said.append((self._last_user_message, self._last_user_text))

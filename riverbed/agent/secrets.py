@@ -33,10 +33,13 @@ import os
 import re
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
+import structlog
 
+from riverbed import events
+from riverbed.agent.masking import Masker
 from riverbed.bus import scripts
 from riverbed.bus.keys import Keys
 from riverbed.bus.redis_client import RedisClient
@@ -50,6 +53,7 @@ __all__ = [
     "MIN_VALUE_CHARS",
     "Rotated",
     "SecretStore",
+    "TenantSecrets",
     "check_key",
     "check_name",
     "check_value",
@@ -60,7 +64,7 @@ MIN_VALUE_CHARS = 8
 """The shortest value stored: a shorter one, masked in outputs, would eat ordinary text."""
 MAX_VALUE_BYTES = 64 * 1024
 """The longest value stored (UTF-8 bytes)."""
-_NAME_RE = re.compile(r"[A-Z_][A-Z0-9_]{0,127}")
+_NAME_RE = re.compile(events.SECRET_NAME_PATTERN)
 _NO_KEY = (
     "secrets need RIVERBED_SECRETS_KEY (32 random bytes in base64) in the environment of the CLI, "
     "the workers and riverbed serve: `riverbed secrets keygen` prints one"
@@ -70,6 +74,11 @@ _WRONG_KEY = (
     "or written: set the key they were stored (or last rotated) with"
 )
 _KID_LABEL = b"riverbed secrets key id"
+FRESH_SECONDS = 1.0
+"""How old a worker's copy of a tenant's secrets may be before it reads them again."""
+
+log = structlog.get_logger("riverbed.secrets")
+E = TypeVar("E", bound=msgspec.Struct)
 
 
 class Rotated(msgspec.Struct, kw_only=True, frozen=True):
@@ -212,6 +221,10 @@ class SecretStore:
         self._rewrite = redis.script(scripts.REWRITE_SECRETS)
         self._remove = redis.script(scripts.REMOVE_SECRET)
 
+    @property
+    def has_key(self) -> bool:
+        return self._key is not None
+
     def check_key(self) -> None:
         """Refuse (:class:`ConfigError`, one sentence) when the store has no key."""
         self._need_key()
@@ -271,6 +284,23 @@ class SecretStore:
             values[name] = key.open(tenant, name, _record(raw, name))
         return values
 
+    async def get_all(self, tenant: str) -> dict[str, str]:
+        """Every secret of ``tenant``, by name (what masking looks for in its sessions' outputs)."""
+        key = self._need_key()
+        stored = await self.redis.hgetall(self.keys.tenant_secrets(_check_tenant(tenant)))
+        return {
+            name.decode(): key.open(tenant, name.decode(), _record(raw, name.decode())) for name, raw in stored.items()
+        }
+
+    async def missing(self, tenant: str, names: Iterable[str]) -> tuple[str, ...]:
+        """Which of ``names`` ``tenant`` has no secret under (read without the key: a run is
+        refused before it opens)."""
+        wanted = list(dict.fromkeys(check_name(name) for name in names))
+        if not wanted:
+            return ()
+        stored = await self.redis.hmget(self.keys.tenant_secrets(_check_tenant(tenant)), wanted)
+        return tuple(name for name, raw in zip(wanted, stored, strict=True) if raw is None)
+
     async def rotate(self, new_key: str) -> Rotated:
         """Re-encrypt every tenant's secrets under ``new_key``, all or nothing; afterwards only
         ``new_key`` reads them (set it as RIVERBED_SECRETS_KEY everywhere)."""
@@ -298,3 +328,70 @@ class SecretStore:
                 self._key = new
                 return Rotated(tenants=used, secrets=count)
         raise InputError("the secrets kept changing during the rotation, so nothing was rotated: run it again")
+
+
+class TenantSecrets:
+    """One worker's view of its tenants' secrets: the values a session's actions and tools may
+    use, and a masker over every value of a tenant for what its sessions append.
+
+    Both read one cache per tenant, refreshed at most every :data:`FRESH_SECONDS`, and at once
+    when a name is asked for that the cache does not hold: a value this worker hands out is
+    always in the masker it masks with afterwards.  Without a key (``store`` None) nothing is
+    handed out and nothing needs masking."""
+
+    def __init__(self, store: SecretStore | None, *, fresh_seconds: float = FRESH_SECONDS) -> None:
+        self.store = store if store is not None and store.has_key else None
+        self.fresh_seconds = fresh_seconds
+        self._cache: dict[str, tuple[float, dict[str, str], Masker | None]] = {}
+        self._failed: set[str] = set()
+
+    async def refresh(self, tenant: str | None, *, force: bool = False) -> None:
+        """Read ``tenant``'s secrets again when the cache is older than :data:`FRESH_SECONDS`."""
+        if self.store is None or tenant is None:
+            return
+        cached = self._cache.get(tenant)
+        now = time.monotonic()
+        if cached is not None and not force and now - cached[0] < self.fresh_seconds:
+            return
+        try:
+            values = await self.store.get_all(tenant)
+        except (ConfigError, InputError) as exc:
+            if tenant not in self._failed:  # (said once per tenant: the operator's to fix)
+                self._failed.add(tenant)
+                log.error("secrets.unreadable", tenant=tenant, error=str(exc))  # noqa: TRY400  (one sentence)
+            values = {}
+        masker = (cached[2] if cached is not None and cached[1] == values else Masker(values)) if values else None
+        self._cache[tenant] = (now, values, masker)
+        if len(self._cache) > 10_000:  # (many tenants: keep the newest)
+            self._cache.pop(next(iter(self._cache)))
+
+    def masker(self, tenant: str | None) -> Masker | None:
+        """The masker of ``tenant``'s values as last read (None: it has none, or not read yet)."""
+        cached = self._cache.get(tenant) if tenant is not None else None
+        return cached[2] if cached is not None else None
+
+    def mask_event(self, tenant: str | None, event: E) -> E:
+        """``event`` with ``tenant``'s values masked in every string of it."""
+        masker = self.masker(tenant)
+        return event if masker is None else masker.mask_event(event)
+
+    async def values(self, tenant: str | None, names: Iterable[str]) -> dict[str, str]:
+        """The values of ``names`` for ``tenant``'s session; :class:`InputError` for a name it
+        has no secret under (another tenant's gets the same answer), :class:`ConfigError` when
+        this worker has no key."""
+        wanted = list(dict.fromkeys(names))
+        if not wanted:
+            return {}
+        if self.store is None:
+            raise ConfigError(f"this worker cannot read secrets ({_NO_KEY})")
+        if tenant is None:
+            raise InputError(f"secrets belong to a tenant, and this session has none, so {wanted[0]} cannot be used")
+        await self.refresh(tenant)
+        cached = self._cache[tenant][1]
+        if any(name not in cached for name in wanted):
+            await self.refresh(tenant, force=True)
+            cached = self._cache[tenant][1]
+        for name in wanted:
+            if name not in cached:
+                raise InputError(f"no secret {name} for this tenant")
+        return {name: cached[name] for name in wanted}

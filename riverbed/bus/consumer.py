@@ -37,7 +37,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from riverbed.bus.backoff import retry_unavailable
 from riverbed.bus.connection import RawClient
 from riverbed.bus.dispatch import Dispatcher
-from riverbed.bus.handles import Handles, HotReads, Owned, OwnerState, OwnerStats
+from riverbed.bus.handles import Handles, HotReads, Masks, Owned, OwnerState, OwnerStats
 from riverbed.bus.handling import Answer, Entry, Handler, SessionContext
 from riverbed.bus.keys import Keys
 from riverbed.bus.lease_loops import LeaseLoops
@@ -87,6 +87,7 @@ class Owner:
         url: str = "redis",
         wakeups: Wakeups | None = None,
         hot: HotReads | None = None,
+        masks: Masks | None = None,
     ) -> None:
         self.redis = redis
         """The redis-py client the wake-up feeds open their connections from."""
@@ -104,6 +105,7 @@ class Owner:
             max_attempts=max_attempts,
             url=url,
             hot=hot,
+            masks=masks,
         )
         """What the rooms talk to Redis through (the wake-ups are shared by the worker's roles;
         an owner made alone runs its own)."""

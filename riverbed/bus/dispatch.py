@@ -74,6 +74,7 @@ class Dispatcher:
                 self.stats.redeliveries += len(todo)
             started = time.perf_counter()
             try:
+                await ctx.refresh_masks()
                 run = self.handler.recover if recovering else self.handler.handle
                 held = await run(ctx, todo)
             except FencedError:

@@ -22,8 +22,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import anyio
+import msgspec
 
 from riverbed.bus.action_claims import Claims
 from riverbed.bus.dlq import DeadLetters
@@ -35,7 +37,9 @@ from riverbed.bus.log import Log
 from riverbed.bus.redis_client import RawClient, RedisClient, as_client
 from riverbed.bus.wakeups import Wakeups
 
-__all__ = ["READ_COUNT", "Handles", "HotReads", "Owned", "OwnerState", "OwnerStats"]
+E = TypeVar("E", bound=msgspec.Struct)
+
+__all__ = ["READ_COUNT", "Handles", "HotReads", "Masks", "Owned", "OwnerState", "OwnerStats"]
 
 #: Entries one read of a session's log asks for.
 READ_COUNT = 100
@@ -48,6 +52,16 @@ class HotReads:
 
     client: RedisClient
     slots: anyio.CapacityLimiter
+
+
+class Masks(Protocol):
+    """What masks the tenants' secrets in everything a role appends (``agent/secrets.py``'s
+    ``TenantSecrets``): ``refresh`` reads a tenant's values again when its copy is old, and
+    ``mask_event`` replaces every value, and its encoded forms, in an event's strings."""
+
+    async def refresh(self, tenant: str | None) -> None: ...
+
+    def mask_event(self, tenant: str | None, event: E) -> E: ...
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,8 @@ class Handles:
     wakeups: Wakeups
     hot: HotReads | None = None
     """Without it every read is a non-blocking one after a wake-up."""
+    masks: Masks | None = None
+    """Without it nothing appended is masked (a deployment with no secrets key)."""
     lease_seconds: float = 5.0
     park_after: float = 60.0
     max_attempts: int = 3
@@ -91,6 +107,7 @@ class Handles:
         max_attempts: int = 3,
         url: str = "redis",
         hot: HotReads | None = None,
+        masks: Masks | None = None,
     ) -> Handles:
         """The handles of ``role`` for ``worker`` over one Redis client (made from it, none started)."""
         client = as_client(redis, url)
@@ -111,6 +128,7 @@ class Handles:
             pending=GroupedPending(client, role),
             wakeups=wakeups,
             hot=hot,
+            masks=masks,
             lease_seconds=lease_seconds,
             park_after=park_after,
             max_attempts=max_attempts,

@@ -12,7 +12,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -30,6 +30,8 @@ from riverbed.bus.redis_client import Pipeline
 from riverbed.errors import AppendConflict
 
 __all__ = ["Answer", "Entry", "Handler", "OwnerStats", "SessionContext"]
+
+E = TypeVar("E", bound=events.Event)
 
 
 @dataclass
@@ -134,7 +136,7 @@ class SessionContext:
             changes["tenant"] = self.tenant
         if observation.trace is None and entry.event.trace is not None:
             changes["trace"] = tracing.child_of(entry.event.trace)
-        obs = replace(observation, **changes) if changes else observation
+        obs = self.masked(replace(observation, **changes) if changes else observation)
         return self.log.prepare(
             self.session,
             [(events.encode(obs), entry.id)],
@@ -156,6 +158,9 @@ class SessionContext:
     ) -> list[int]:
         """Append ``batch`` with the owner's fencing token; counts an :class:`AppendConflict`.
         With ``idempotency_key``, a repeat returns the ids of the first append."""
+        masks = self._handles.masks
+        if masks is not None:
+            batch = [masks.mask_event(self.tenant, event) for event in batch]
         with self._conflicts_counted():
             result = await self.log.append(
                 self.session, batch, fence=self.fence, expected_last=expected_last, idempotency_key=idempotency_key
@@ -180,7 +185,7 @@ class SessionContext:
         ``pass_own``: the caller never needs these events delivered (it folds what it writes and
         reads the log for the rest), so when this role's group had delivered the whole log before
         them, the append moves the group past them (a read and an acknowledgement saved)."""
-        pairs = [(events.encode(event), answered_cause(event)) for event in batch]
+        pairs = [(events.encode(self.masked(event)), answered_cause(event)) for event in batch]
         delivered = self.delivered
         prepared = self.log.prepare(
             self.session,
@@ -200,6 +205,17 @@ class SessionContext:
             self.delivered = result[-1]
             self.last_seen = max(self.last_seen, result[-1])
         return [decode_entry(payload, event_id) for (payload, _cause), event_id in zip(pairs, result, strict=True)]
+
+    def masked(self, event: E) -> E:
+        """``event`` with the values of the tenant's secrets, and their encoded forms, replaced
+        by ``[secret NAME]`` (``agent/masking.py``): everything a role appends goes through here."""
+        masks = self._handles.masks
+        return event if masks is None else masks.mask_event(self.tenant, event)
+
+    async def refresh_masks(self) -> None:
+        """Read the tenant's secrets again when this worker's copy is old (before a batch)."""
+        if self._handles.masks is not None:
+            await self._handles.masks.refresh(self.tenant)
 
     @contextlib.contextmanager
     def _conflicts_counted(self) -> Iterator[None]:

@@ -16,16 +16,36 @@ import errno
 import functools
 import os
 import re
+from typing import Protocol
 
 import anyio
 
 _CHUNK = 65536
 
 
-class CappedText:
-    """Text of at most ``limit`` characters: the first half and the last half are kept."""
+class Stream(Protocol):
+    """Rewrites one output chunk by chunk (``agent/masking.py``'s ``StreamMasker``: a secret's
+    value is masked even when it straddles two chunks)."""
 
-    def __init__(self, limit: int) -> None:
+    def feed(self, chunk: str) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class StreamSource(Protocol):
+    """Makes a :class:`Stream` per output (``agent/masking.py``'s ``Masker``)."""
+
+    def stream(self) -> Stream: ...
+
+
+class CappedText:
+    """Text of at most ``limit`` characters: the first half and the last half are kept.
+
+    With ``masks``, the text is masked as it arrives, before anything is cut: a value cut in
+    two by the truncation is masked too."""
+
+    def __init__(self, limit: int, masks: StreamSource | None = None) -> None:
+        self._stream = masks.stream() if masks is not None else None
         self._limit = max(limit, 2)
         self._head_budget = self._limit // 2
         self._head: list[str] = []
@@ -39,6 +59,11 @@ class CappedText:
         self.feed(self._decoder.decode(data, final))
 
     def feed(self, text: str) -> None:
+        if self._stream is not None and text:
+            text = self._stream.feed(text)
+        self._keep(text)
+
+    def _keep(self, text: str) -> None:
         if not text:
             return
         if self._head_len < self._head_budget:
@@ -68,6 +93,9 @@ class CappedText:
         return self._dropped > 0
 
     def render(self) -> str:
+        if self._stream is not None:
+            self._keep(self._stream.flush())
+            self._stream = None
         tail_text = "".join(self._tail)
         text = "".join(self._head)
         if self._dropped:

@@ -38,7 +38,7 @@ import structlog
 from riverbed import events
 from riverbed.runtime.gate import LATE_TRIES, before_start
 from riverbed.runtime.limits import DRIVER, kill_processes
-from riverbed.runtime.output import CappedText, MarkerScanner, read_some, write_all
+from riverbed.runtime.output import CappedText, MarkerScanner, StreamSource, read_some, write_all
 from riverbed.runtime.sandbox import DRIVER_INSIDE, start_again_on_a_network_race
 from riverbed.runtime.sandboxed import Placement, SandboxedProcess
 
@@ -79,8 +79,8 @@ class _Frames:
 class _Cell:
     """What one cell produced so far."""
 
-    def __init__(self, limit: int, marker: bytes) -> None:
-        self.text = CappedText(limit)
+    def __init__(self, limit: int, marker: bytes, masks: StreamSource | None = None) -> None:
+        self.text = CappedText(limit, masks)
         self.scanner = MarkerScanner(marker, b"")
         self.reply: dict[str, Any] | None = None
         self.output_done = False
@@ -195,7 +195,7 @@ class PythonProcess(SandboxedProcess):
         self._before = {pid for pid, _ in await anyio.to_thread.run_sync(self._processes, self._proc.pid)}
         for _ in range(LATE_TRIES):
             self._cell_id += 1
-            cell = _Cell(self._limits.max_output_chars, self._marker + f"{self._cell_id}__\x1e".encode())
+            cell = _Cell(self._limits.max_output_chars, self._marker + f"{self._cell_id}__\x1e".encode(), self.masks)
             request = {"cell": self._cell_id, "code": action.code, "env": dict(env)}
             start_by = await before_start()  # nothing awaited from here to the write that starts the cell
             body = json.dumps({**request, "start_by": start_by}).encode()

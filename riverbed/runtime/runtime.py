@@ -63,6 +63,7 @@ from riverbed.runtime.cgroups import Cgroups, SessionCgroup
 from riverbed.runtime.gate import LATE_TRIES, LateStart, before_start, starting_by
 from riverbed.runtime.limits import Limits
 from riverbed.runtime.mcp import McpServers
+from riverbed.runtime.output import StreamSource
 from riverbed.runtime.paths import PathRefused, confine, stamp_file, stamp_of, workspace_name
 from riverbed.runtime.python import PythonProcess, PythonUnavailable
 from riverbed.runtime.sandbox import Sandbox, SandboxUnavailable
@@ -254,6 +255,12 @@ class Runtime:
         """
         events.check_env(env)
         self._session(session_id).overrides.update(env)
+
+    def set_masks(self, session_id: str, masks: StreamSource | None) -> None:
+        """Mask a session's command and cell outputs as they are read (the tenant's secrets'
+        values: ``agent/masking.py``); None: no masking."""
+        session = self._session(session_id)
+        session.shell.masks = session.python.masks = masks
 
     def env(self, session_id: str) -> dict[str, str]:
         """The environment a session's sandbox sees now."""

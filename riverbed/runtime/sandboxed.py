@@ -31,6 +31,7 @@ from riverbed.runtime.limits import (
     tree_processes,
     wait_exit,
 )
+from riverbed.runtime.output import StreamSource
 from riverbed.runtime.sandbox import Link, Sandbox
 from riverbed.runtime.spawner import spawn
 from riverbed.runtime.tmp import SessionTmp
@@ -64,6 +65,8 @@ class SandboxedProcess:
         self._sandbox = sandbox = placement.sandbox
         self._tmp = placement.tmp
         self._cgroup = placement.cgroup
+        self.masks: StreamSource | None = None
+        """masks its outputs as they are read (the tenant's secrets; set by the runtime)"""
         self._kernel_nproc = sandbox.confined
         """the sandbox's own RLIMIT_NPROC bounds its processes: the kernel refuses the fork"""
         self._processes: Lister = tree_processes if sandbox.confined else session_processes

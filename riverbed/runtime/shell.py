@@ -251,7 +251,7 @@ class Shell(SandboxedProcess):
         return self._proc.pid
 
     async def _collect(self, action: events.CmdRun, timeout: float, notes: list[str]) -> events.Observation:
-        text = CappedText(self._limits.max_output_chars)
+        text = CappedText(self._limits.max_output_chars, self.masks)
         loop_start = anyio.current_time()
         deadline = loop_start + timeout
         last_output = loop_start
@@ -339,13 +339,13 @@ class Shell(SandboxedProcess):
         what it printed since, with ``note``; None when no command runs."""
         if not self._running or self._collecting is not None or not self.alive:
             return None
-        text = CappedText(self._limits.max_output_chars)
+        text = CappedText(self._limits.max_output_chars, self.masks)
         notes: list[str] = []
         await self._interrupt(text, notes)
         return "\n".join([text.render().rstrip("\n"), *notes, note]).lstrip("\n")
 
     async def _interrupt_and_report(self, command: str) -> events.CmdOutput:
-        text = CappedText(self._limits.max_output_chars)
+        text = CappedText(self._limits.max_output_chars, self.masks)
         notes: list[str] = []
         code = await self._interrupt(text, notes)
         action = events.CmdRun(command=command, is_input=True)

@@ -78,6 +78,12 @@ def _run_schemas() -> dict[str, Any]:
                     "type": ["string", "null"],
                     "description": "the hosted agent of the run (GET /v1/agents); default: the reference agent",
                 },
+                "secrets": {
+                    "type": "array",
+                    "items": {"type": "string", "pattern": "^[A-Z_][A-Z0-9_]{0,127}$"},
+                    "description": "names of the tenant's secrets the run may use besides its agent's "
+                    "(PUT /v1/secrets)",
+                },
             },
         },
         "Run": {

@@ -33,7 +33,7 @@ from riverbed.agent.hosted import (
 from riverbed.agent.registry import known_agents
 from riverbed.agent.usage import parse_prices
 from riverbed.errors import InputError
-from riverbed.events import MAX_RUN_STEPS, Confirm
+from riverbed.events import MAX_RUN_STEPS, Confirm, SecretName
 from riverbed.serve.routes import _api, _body_as, _int_param, _json, _session_tenant, bounded, principal
 
 __all__ = ["agents", "approvals", "cancel", "decide_calls", "handlers", "list_all", "pause", "start"]
@@ -49,6 +49,7 @@ class _RunBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
     agent: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
     confirm: Confirm | None = None
+    secrets: Annotated[list[SecretName], msgspec.Meta(max_length=100)] = msgspec.field(default_factory=list)
 
 
 class _DecisionBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -63,7 +64,10 @@ class _CancelBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     note: Annotated[str, msgspec.Meta(max_length=2000)] = ""
 
 
-_RUN_SHAPE = '{"task": "...", "max_steps": N, "max_tokens": N, "max_cost": USD, "model": "...", "agent": "..."}'
+_RUN_SHAPE = (
+    '{"task": "...", "max_steps": N, "max_tokens": N, "max_cost": USD, "model": "...", "agent": "...", '
+    '"confirm": ..., "secrets": ["NAME", ...]}'
+)
 
 
 def run_document(row: RunRow) -> dict[str, Any]:
@@ -108,6 +112,7 @@ async def start(request: Request) -> Response:
         prices=parse_prices(api.config.prices),
         agent=body.agent,
         confirm=body.confirm,
+        secrets=body.secrets,
     )
     rows = await list_runs(api.bus, sessions=[session], prices=parse_prices(api.config.prices))
     run = run_document(rows[0]) if rows else {"session": session, "tenant": tenant, "state": "running"}

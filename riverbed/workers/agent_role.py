@@ -125,6 +125,7 @@ from riverbed.agent.runs import (
     runs_here,
     summarize,
 )
+from riverbed.agent.secrets import TenantSecrets
 from riverbed.agent.throttle import Throttle
 from riverbed.agent.toolbox import Toolbox
 from riverbed.agent.usage import Price, StepUsage, parse_prices, step, unpriced
@@ -134,7 +135,7 @@ from riverbed.bus.handling import Entry, SessionContext
 from riverbed.bus.keys import AGENT_ROLE
 from riverbed.bus.redis_client import Pipeline
 from riverbed.bus.status import live_workers
-from riverbed.errors import AppendConflict, FencedError, TenantMismatch
+from riverbed.errors import AppendConflict, ConfigError, FencedError, RiverbedError, TenantMismatch
 from riverbed.runtime.paths import workspace_name
 from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
 from riverbed.workers.agent_pace import Pace
@@ -337,6 +338,8 @@ class AgentHandler:
         self.condenser_defaults = condenser_defaults
         self.pace = pace
         """how many runs this worker takes on at once (None: as many as its capacity)"""
+        self.secrets: TenantSecrets | None = None
+        """the tenants' secrets (set by the worker: none without ``RIVERBED_SECRETS_KEY``)"""
         self.sessions: dict[str, _Session] = {}
         self.counters = AgentCounters(known=frozenset({model, *self.prices} - {"*"}))
         self._quotas: Quotas | None = None
@@ -703,12 +706,21 @@ class AgentHandler:
     ) -> events.Observation:
         """The answer of a call this worker runs: a Python tool's outcome, or a remote MCP server's."""
         if isinstance(action, events.ToolCall) and tool is not None:
+            try:
+                secrets = await self._secret_values(ctx, run, agent)
+            except RiverbedError as exc:
+                return events.ToolResult(
+                    content=f"the tool {tool.name} did not run: the run's secrets are not available ({exc})",
+                    is_error=True,
+                    cause=action.id,
+                )
             context = tooling.ToolContext(
                 session=ctx.session,
                 tenant=ctx.tenant,
                 run=run.opened,
                 action_id=action.id or 0,
                 log=log.bind(session=ctx.session, run=run.opened),
+                secrets=secrets,
             )
             started = time.monotonic()
             outcome = await tooling.call(tool, action.arguments, context)
@@ -722,6 +734,15 @@ class AgentHandler:
             )
             return events.ToolResult(content=outcome.content, is_error=outcome.is_error, cause=action.id)
         return await self._remote_mcp(ctx, agent, action)
+
+    async def _secret_values(self, ctx: SessionContext, run: Run, agent: Agent) -> dict[str, str]:
+        """The values of the secrets ``run`` may use (its own and its agent's), for its tools."""
+        names = sorted({*run.secrets, *agent.secrets})
+        if not names:
+            return {}
+        if self.secrets is None:
+            raise ConfigError("this worker cannot read secrets: RIVERBED_SECRETS_KEY is not set in its environment")
+        return await self.secrets.values(ctx.tenant, names)
 
     async def _remote_mcp(
         self, ctx: SessionContext, agent: Agent, action: events.ToolCall | events.McpList
@@ -960,12 +981,21 @@ class AgentHandler:
         plan = plan_child(ctx.session, state.fold, run, action)
         named = action.sub_agent if isinstance(action.sub_agent, str) else None
         if named is None and run.digest is None:
-            return plan  # (the reference agent, on whichever digest a worker hosts)
+            # (the reference agent, on whichever digest a worker hosts)
+            return (
+                dataclass_replace(plan, started=replace(plan.started, secrets=list(run.secrets)))
+                if run.secrets
+                else plan
+            )
         name = named or run.agent_name
         definition = self.hosted.get(name)
         chosen: dict[str, Any] = {"agent_name": name, "rules": RULES_VERSION}
         if definition is not None:
             chosen["digest"] = definition.digest
+        # (a child may use the secrets its parent's run may, and its own agent's)
+        secrets = sorted({*run.secrets, *(definition.secrets if definition is not None else ())})
+        if secrets:
+            chosen["secrets"] = secrets
         return dataclass_replace(plan, started=replace(plan.started, **chosen))
 
     async def _create_child(self, ctx: SessionContext, plan: ChildPlan) -> str | None:

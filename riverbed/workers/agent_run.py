@@ -31,6 +31,7 @@ from riverbed.agent.define import REFERENCE, Agent, RunLimits
 from riverbed.agent.hosted import follow_run, open_run
 from riverbed.agent.llm import AgentOptions, make_client, render
 from riverbed.agent.registry import Hosted
+from riverbed.agent.secrets import SecretStore, TenantSecrets
 from riverbed.agent.usage import UsageReport, parse_prices, usage
 from riverbed.bus.connection import connect_redis
 from riverbed.bus.consumer import Owner
@@ -216,6 +217,7 @@ async def run_llm_agent(
     tenant: str | None = None,
     images: Sequence[str] = (),
     agent: Agent | None = None,
+    secrets: Sequence[str] = (),
 ) -> events.Event | None:
     """Work on ``task`` (with ``images``: URLs or workspace paths) in session ``session_id``
     until ``finish``, an LLM failure, a limit or ``max_steps`` model calls; returns the event
@@ -224,14 +226,15 @@ async def run_llm_agent(
     It is a run like any other (the task message and ``run_started``, then the agent role's
     moves), served by the agent role's own step in this process while it is open: the rules,
     the log it writes and what a crash costs are the role's.  ``agent`` is the definition
-    (None: the reference agent; ``options.instructions`` add to its prompt)."""
+    (None: the reference agent; ``options.instructions`` add to its prompt); ``secrets`` names
+    the tenant's secrets the run may use besides the agent's own."""
     if max_steps < 1:
         raise InputError("max_steps must be at least 1")
     if client is not None:
-        return await _serve(bus, session_id, task, settings, client, max_steps, options, tenant, images, agent)
+        return await _serve(bus, session_id, task, settings, client, max_steps, options, tenant, images, agent, secrets)
     own = make_client(settings)  # made here, closed here
     try:
-        return await _serve(bus, session_id, task, settings, own, max_steps, options, tenant, images, agent)
+        return await _serve(bus, session_id, task, settings, own, max_steps, options, tenant, images, agent, secrets)
     finally:
         with anyio.CancelScope(shield=True):
             await own.close()
@@ -257,6 +260,7 @@ async def _serve(
     tenant: str | None,
     images: Sequence[str],
     agent: Agent | None,
+    secrets: Sequence[str],
 ) -> events.Event | None:
     options = (options or AgentOptions()).resolved(settings)
     definition = _definition(options, agent)
@@ -276,6 +280,8 @@ async def _serve(
         temperature=options.temperature,
         llm_timeout=options.llm_timeout,
     )
+    masks = TenantSecrets(SecretStore(bus.client, bus.keys, settings.secrets_key)) if settings.secrets_key else None
+    handler.secrets = masks
     owner = Owner(
         bus.redis,
         bus.keys,
@@ -284,13 +290,14 @@ async def _serve(
         url=bus.url,
         capacity=4,
         lease_seconds=settings.lease_seconds,
+        masks=masks,
     )
     ended: events.Event | None = None
     async with anyio.create_task_group() as tg:
         await tg.start(owner.run)
         try:
             opened = await open_run(
-                bus, session_id, task, limits=limits, tenant=tenant, agent=definition, images=images
+                bus, session_id, task, limits=limits, tenant=tenant, agent=definition, images=images, secrets=secrets
             )
             async for event in follow_run(bus, session_id, opened.task):
                 ended = event

@@ -28,6 +28,7 @@ import structlog
 from anyio.abc import TaskStatus
 
 from riverbed.agent.registry import Hosted, publish_fields
+from riverbed.agent.secrets import SecretStore, TenantSecrets
 from riverbed.bus.connection import RawClient, connect_redis
 from riverbed.bus.consumer import Handler, HotReads, Owner
 from riverbed.bus.keys import AGENT_ROLE, ROLES, Keys
@@ -103,6 +104,14 @@ class Worker:
         self.started = time.time()
         self.wakeups = Wakeups(redis, self.keys)
         """One subscribed connection per Redis node wakes every role's session loops."""
+        self.secrets = (
+            TenantSecrets(SecretStore(self.client, self.keys, settings.secrets_key)) if settings.secrets_key else None
+        )
+        """The tenants' secrets: masked in everything every role appends, and handed to the
+        sandboxes and Python tools of the runs that name them (none without a key)."""
+        for handler in handlers.values():
+            if hasattr(handler, "secrets"):
+                setattr(handler, "secrets", self.secrets)  # noqa: B010  (a role's handler that uses them)
         self.owners = {
             role: Owner(
                 redis,
@@ -116,6 +125,7 @@ class Worker:
                 url=url,
                 wakeups=self.wakeups,
                 hot=hot,
+                masks=self.secrets,
             )
             for role in self.roles
         }

@@ -26,7 +26,7 @@ when the ``run_cancel`` reaches this role.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -38,6 +38,7 @@ from msgspec.structs import replace
 
 from riverbed import events
 from riverbed.agent.replay import fork_mark, fork_refusal, rebuild
+from riverbed.agent.secrets import TenantSecrets
 from riverbed.bus.consumer import Answer, Entry, SessionContext
 from riverbed.bus.faults import crashpoint
 from riverbed.errors import InputError, RiverbedError
@@ -120,6 +121,7 @@ SAVE_ON_CLOSE = 1_000
 
 class _SavedEnv(msgspec.Struct, array_like=True):
     env: dict[str, str | None]
+    secrets: list[str] = msgspec.field(default_factory=list)
 
 
 @dataclass
@@ -129,14 +131,18 @@ class _Folded:
     env: dict[str, str | None]
     last: int
     saved: int
+    secrets: set[str] = field(default_factory=set)
+    """the names of the tenant's secrets the session's runs may use (their ``run_started``'s)"""
 
 
 class RuntimeHandler:
     role = "runtime"
     ignores_own_answers = True  # it handles actions and session settings, never observations
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, secrets: TenantSecrets | None = None) -> None:
         self.runtime = runtime
+        self.secrets = secrets
+        """the tenants' secrets: values for the sandboxes' environments, and the outputs' masks"""
         self._folds: dict[str, _Folded] = {}
 
     async def background(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -156,10 +162,12 @@ class RuntimeHandler:
         fold an owner saved before and the log after it); build a fork's sandbox if that is
         still due."""
         env: dict[str, str | None] = {}
+        secrets: set[str] = set()
         saved = await ctx.saved_fold() if until is None else None
         if saved is not None:
             try:
-                env = dict(msgspec.msgpack.decode(saved.blob, type=_SavedEnv).env)
+                decoded = msgspec.msgpack.decode(saved.blob, type=_SavedEnv)
+                env, secrets = dict(decoded.env), set(decoded.secrets)
             except msgspec.DecodeError:
                 saved = None
         start = saved.last + 1 if saved is not None else 1
@@ -174,6 +182,8 @@ class RuntimeHandler:
                 continue
             if isinstance(event, events.SessionConfig):
                 env.update(event.env)
+            elif isinstance(event, events.RunStarted) and event.secrets:
+                secrets.update(event.secrets)
             elif isinstance(event, events.Forked) and event.workspace != "empty":
                 forks.append(event)
         if forks:
@@ -185,7 +195,9 @@ class RuntimeHandler:
         if env:
             self._set_env(ctx.session, env)
         if until is None:
-            self._folds[ctx.session] = _Folded(env=env, last=last, saved=saved.last if saved is not None else 0)
+            self._folds[ctx.session] = _Folded(
+                env=env, last=last, saved=saved.last if saved is not None else 0, secrets=secrets
+            )
             log.info(
                 "runtime.opened", session=ctx.session, saved=self._folds[ctx.session].saved, folded=last - start + 1
             )
@@ -217,7 +229,8 @@ class RuntimeHandler:
         folded = self._folds.get(ctx.session)
         if folded is None or folded.last <= folded.saved:
             return
-        await ctx.save_fold(folded.last, msgspec.msgpack.encode(_SavedEnv(env=folded.env)))
+        saved = _SavedEnv(env=folded.env, secrets=sorted(folded.secrets))
+        await ctx.save_fold(folded.last, msgspec.msgpack.encode(saved))
         folded.saved = folded.last
 
     async def handle(self, ctx: SessionContext, entries: list[Entry]) -> Answer | None:
@@ -249,6 +262,8 @@ class RuntimeHandler:
                     self._set_env(ctx.session, event.env)
                     if (folded := self._folds.get(ctx.session)) is not None:
                         folded.env.update(event.env)
+                if isinstance(event, events.RunStarted) and event.secrets and ctx.session in self._folds:
+                    self._folds[ctx.session].secrets.update(event.secrets)
                 done.append(entry.id)
         await ctx.ack(done)
         folded = self._folds.get(ctx.session)
@@ -356,7 +371,11 @@ class RuntimeHandler:
         server = event.server if isinstance(event, events.ToolCall) else None
         if server and not self.runtime.knows_mcp(ctx.session, server):
             await self._learn_mcp(ctx, server, event.id or 0)
-        if isinstance(event, CANCELLABLE):
+        refused = await self._arm(ctx)
+        observation: events.Observation
+        if refused is not None:
+            observation = refused
+        elif isinstance(event, CANCELLABLE):
             observation = await self._execute_cancellable(ctx, event)
         else:
             observation = await self.runtime.execute(ctx.session, event)
@@ -364,6 +383,26 @@ class RuntimeHandler:
         if hold:
             return Answer(entry, observation)
         await ctx.answer(entry, observation)
+        return None
+
+    async def _arm(self, ctx: SessionContext) -> events.Error | None:
+        """Give the session's sandbox the values of the secrets its runs may use, and mask its
+        outputs with its tenant's as they are read; the error that answers the action instead
+        when a value cannot be had (the action does not run without it)."""
+        if self.secrets is None:
+            return None
+        folded = self._folds.get(ctx.session)
+        names = sorted(folded.secrets) if folded is not None else []
+        try:
+            values = await self.secrets.values(ctx.tenant, names)
+        except RiverbedError as exc:
+            return events.Error(
+                content=f"the session's secrets are not available, so the action did not run: {exc}",
+                reason="secret_unavailable",
+            )
+        if values:
+            self._set_env(ctx.session, dict(values))
+        self.runtime.set_masks(ctx.session, self.secrets.masker(ctx.tenant))
         return None
 
     async def _learn_mcp(self, ctx: SessionContext, server: str, before: int) -> None:

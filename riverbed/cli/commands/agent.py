@@ -64,6 +64,14 @@ def agent_command(
             show_default=False,
         ),
     ] = None,
+    secrets: Annotated[
+        str | None,
+        typer.Option(
+            "--secrets",
+            help="Names of the tenant's secrets the run may use, separated by commas (`riverbed secrets set`).",
+            show_default=False,
+        ),
+    ] = None,
     upgrade: Annotated[
         bool,
         typer.Option(
@@ -158,9 +166,10 @@ def agent_command(
         policy = (
             confirm if confirm in ("never", "always", "risky") else [t.strip() for t in confirm.split(",") if t.strip()]
         )
+    named = [name.strip() for name in (secrets or "").split(",") if name.strip()]
     _hosted(
         session, task, limits, detach=detach, tenant=tenant, prefix=prefix, model_flags=model_flags, agent=agent,
-        confirm=policy,
+        confirm=policy, secrets=named,
     )  # fmt: skip
 
 
@@ -222,6 +231,7 @@ def _hosted(
     model_flags: dict[str, Any],
     agent: str | None = None,
     confirm: str | list[str] | None = None,
+    secrets: list[str] | None = None,
 ) -> None:
     from riverbed.agent.hosted import follow_run, open_run  # noqa: PLC0415
     from riverbed.agent.llm import make_client  # noqa: PLC0415
@@ -255,7 +265,7 @@ def _hosted(
             )
         opened = await open_run(
             bus, session, task, limits=limits, tenant=tenant, agent=agent, confirm=confirm,
-            default_model=settings.llm_model, prices=parse_prices(settings.prices),
+            default_model=settings.llm_model, prices=parse_prices(settings.prices), secrets=secrets or (),
         )  # fmt: skip
         if detach:
             _progress(f"run opened on {session} (event {opened.opened}): `riverbed runs` shows it")
