@@ -97,6 +97,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     runs_retention: Annotated[float, Meta(ge=0)] = 7 * 24 * 3600.0
     llm_timeout: Annotated[float, Meta(gt=0, le=86_400)] = 120.0
     llm_max_output_tokens: Annotated[int, Meta(ge=0, le=1_000_000)] = 4096
+    llm_max_response_bytes: Annotated[int, Meta(ge=0)] = 8 * 1024 * 1024
     llm_temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
     agent_llm_retry_seconds: Annotated[float, Meta(ge=0, le=86_400)] = 60.0
     agent_max_depth: Annotated[int, Meta(ge=0, le=100)] = 3

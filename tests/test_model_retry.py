@@ -5,7 +5,10 @@ scripted server: a connection closed mid-answer is retried like a server that is
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
+import http.server
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from riverbed.agent.retry import GaveUp, RetryPolicy, Saturated, retry_after, re
 from riverbed.client.session import Bus
 from riverbed.settings import Settings
 from riverbed.workers.agent_run import run_llm_agent
+from riverbed.workers.model_client import CheckedClient, ResponseTooLarge
 from tests.kit.agent_role import (
     ended,
     roles,
@@ -164,3 +168,50 @@ async def test_the_in_process_loop_retries_by_the_same_policy(bus: Bus, server: 
     assert isinstance(final, events.Finish), final
     assert len(server.requests) == 3
     assert server.received[2] - server.received[1] >= 1.2  # (the server's Retry-After, not a backoff step)
+
+
+async def test_an_answer_over_the_cap_is_refused_before_it_is_read(
+    bus: Bus, workspace: Path, server: OpenAIServer
+) -> None:
+    server.reply("x" * 200_000)  # (a 20 MB answer, scaled down with the cap)
+    async with roles(bus, workspace, server, retry_seconds=5.0, checked=True, max_response_bytes=64 * 1024):
+        opened = await open_run(bus, "s-big", "try")
+        seen = await ended(bus, "s-big", opened.opened, timeout=10)
+    last = seen[-1]
+    assert isinstance(last, events.Error)
+    assert last.reason == "llm_error"
+    assert "over RIVERBED_LLM_MAX_RESPONSE_BYTES (65,536)" in last.content
+    assert not any(isinstance(e, events.LlmResponse) for e in seen)
+    assert len(server.requests) == 1  # the same request would bring the same answer: not asked again
+
+
+async def test_an_answer_without_a_length_is_cut_off_at_the_cap() -> None:
+    class Chunked(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            with contextlib.suppress(OSError):  # (the client hangs up at the cap)
+                for _ in range(64):
+                    chunk = b"x" * 16384
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.write(b"0\r\n\r\n")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Chunked)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    client = CheckedClient(
+        api_key="k", base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", max_response_bytes=100_000
+    )
+    try:
+        with pytest.raises(ResponseTooLarge, match="over RIVERBED_LLM_MAX_RESPONSE_BYTES"):
+            await client.chat_completion({"model": "m", "messages": []})
+    finally:
+        await client.close()
+        httpd.shutdown()
+        httpd.server_close()

@@ -1325,7 +1325,9 @@ def build_agent_handler(settings: Settings, **overrides: Any) -> AgentHandler:
         options["hosted"] = load(agent_modules(settings))
     if "client" not in options:
         options["client"] = CheckedClient(
-            api_key=settings.openai_api_key or "unused", base_url=settings.openai_base_url or None
+            api_key=settings.openai_api_key or "unused",
+            base_url=settings.openai_base_url or None,
+            max_response_bytes=settings.llm_max_response_bytes,
         )
     return AgentHandler(**options)
 

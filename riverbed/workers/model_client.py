@@ -54,6 +54,10 @@ LIMITS = httpx2.Limits(max_connections=1000 // SHARDS, max_keepalive_connections
 library allows by default."""
 
 
+MAX_RESPONSE_BYTES = 8 * 1024 * 1024
+"""The largest model answer read by default (``RIVERBED_LLM_MAX_RESPONSE_BYTES``)."""
+
+
 @contextlib.contextmanager
 def checked_by(check: Check) -> Iterator[None]:
     """Make ``check`` the last step before each request of this task is complete."""
@@ -190,7 +194,8 @@ class CheckedClient(AsyncOpenAI):
     a request and its response objects were about a sixth of the role's CPU per step
     (``python -m bench agents``); its errors are kept, made from the response as it makes them."""
 
-    def __init__(self, *, api_key: str, base_url: str | None) -> None:
+    def __init__(self, *, api_key: str, base_url: str | None, max_response_bytes: int = MAX_RESPONSE_BYTES) -> None:
+        self.max_response_bytes = max_response_bytes
         server = base_url or OPENAI_URL  # (``OPENAI_BASE_URL`` is read by the settings)
         http = httpx2.AsyncClient(transport=_Shards(proxy_for(server)), follow_redirects=True)
         super().__init__(api_key=api_key, base_url=server, max_retries=0, http_client=http)
@@ -213,13 +218,18 @@ class CheckedClient(AsyncOpenAI):
             "POST", self._completions, content=msgspec.json.encode(body), headers=self._headers, timeout=None
         )
         try:
-            response = await self._http.send(request)
+            response = await self._http.send(request, stream=True)
+            try:
+                content = await self._read_bounded(response)
+            finally:
+                await response.aclose()
         except httpx2.TransportError as exc:
             raise openai.APIConnectionError(request=request) from exc
         if response.status_code >= 400:
-            raise self._make_status_error_from_response(response)
+            read = httpx2.Response(response.status_code, headers=response.headers, content=content, request=request)
+            raise self._make_status_error_from_response(read)
         try:
-            answer = msgspec.json.decode(response.content)
+            answer = msgspec.json.decode(content)
         except msgspec.DecodeError:
             answer = None
         if not isinstance(answer, dict):
@@ -227,3 +237,31 @@ class CheckedClient(AsyncOpenAI):
                 response, None, message="the model server's answer is not a JSON object"
             )
         return answer
+
+    async def _read_bounded(self, response: httpx2.Response) -> bytes:
+        """The body, refused (:class:`ResponseTooLarge`) as soon as it is known to be over the
+        cap: by its ``Content-Length``, else while it is read, before anything is parsed."""
+        cap = self.max_response_bytes
+        declared = response.headers.get("content-length", "")
+        if cap and declared.isdigit() and int(declared) > cap:
+            raise ResponseTooLarge(int(declared), cap)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if cap and size > cap:
+                raise ResponseTooLarge(None, cap)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+class ResponseTooLarge(openai.OpenAIError):
+    """The model server's answer was over the cap (``RIVERBED_LLM_MAX_RESPONSE_BYTES``): refused
+    before it was parsed, and not asked again (the same request would bring the same answer)."""
+
+    def __init__(self, size: int | None, cap: int) -> None:
+        said = f"{size:,} bytes" if size is not None else "more bytes"
+        super().__init__(
+            f"the model's answer was {said}, over RIVERBED_LLM_MAX_RESPONSE_BYTES ({cap:,}): refused before it was "
+            "read (lower the run's --max-output-tokens)"
+        )

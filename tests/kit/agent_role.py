@@ -44,7 +44,8 @@ async def roles(
     how many runs it takes on at once (None: as many as come); ``options``: more of
     :class:`AgentHandler`'s keywords."""
     runtime = Runtime(workspace_root=workspace)
-    client = CheckedClient(api_key="test-key", base_url=server.base_url) if checked else server.client()
+    cap = {"max_response_bytes": options.pop("max_response_bytes")} if "max_response_bytes" in options else {}
+    client = CheckedClient(api_key="test-key", base_url=server.base_url, **cap) if checked else server.client()
     agent = AgentHandler(
         client=client,
         model="test-model",
