@@ -8,7 +8,8 @@ SIGSTOP itself there instead (a GC stall, a frozen VM: the test sends SIGCONT). 
 the start through), ``after_side_effect``,
 ``after_append``, ``before_ack``, ``during_renew``, ``after_index``; the agent role's ``agent_before_llm``,
 ``agent_after_response``, ``agent_between_actions``, ``agent_delegating`` (before each child
-session is made sure of) and ``agent_reporting`` (before a child's ``delegate_result`` goes to its parent), and
+session is made sure of), ``agent_creating`` (its checks passed, the child's session not made
+yet) and ``agent_reporting`` (before a child's ``delegate_result`` goes to its parent), and
 ``model_connected`` (the model client connected, its request not yet sent) and ``model_sending``
 (after each part of a request the model client wrote, the request not yet complete).
 """

@@ -959,13 +959,21 @@ class AgentHandler:
         for action in waiting:
             assert action.id is not None
             crashpoint("agent_delegating")
-            if await ctx.is_answered(action.id):
-                # Answered meanwhile (a peer that took the session over ended the run): a worker
-                # that lost the session creates nothing after the fact.
+            # Claimed with the owner's fencing token, as the runtime claims a command: a worker
+            # that lost the session (FencedError) makes nothing after the fact.
+            claimed = await ctx.claim_id(action.id)
+            if claimed.status == "claimed":  # (a lost owner's: this one makes sure of the child now)
+                claimed = await ctx.claim_id(action.id, force=True)
+            if claimed.status == "answered":  # (a peer that took the session over ended the run)
                 state.spawned.add(action.id)
                 continue
             refused = refusal(state.fold, run, action, max_depth=self.max_depth, max_fanout=self.max_fanout)
             if refused is None:
+                crashpoint("agent_creating")
+                if not claimed.fresh:  # (a stall since the claim: claimed again, or fenced)
+                    claimed = await ctx.claim_id(action.id, again=claimed)
+                    if claimed.status != "ok":
+                        continue
                 refused = await self._create_child(ctx, self._child_plan(ctx, state, run, action))
             if refused is not None:
                 error = events.Error(source="agent", cause=action.id, content=refused, reason=REFUSED)
