@@ -45,6 +45,7 @@ from riverbed.agent.mcp import (
 from riverbed.agent.quotas import Quotas
 from riverbed.agent.registry import Hosted
 from riverbed.agent.replay import fork, wait_rebuilt
+from riverbed.agent.secrets import SecretStore, keygen
 from riverbed.client.session import Bus
 from riverbed.errors import InputError
 from riverbed.runtime import Runtime
@@ -173,6 +174,26 @@ async def test_the_npm_everything_server_runs_in_the_sandbox_with_only_the_names
     assert env["HOME"].endswith(workspace_name("every"))
     image = await call(bus, "every", everything, "get-tiny-image")
     assert "[image: image/png" in image.content  # a block that is not text is described
+
+
+@needs_everything
+async def test_a_runs_secret_reaches_the_server_that_names_it_and_comes_back_masked(bus: Bus, spawn: Spawn) -> None:
+    key = keygen()
+    worker = spawn("mcp-secrets", ["runtime"], RIVERBED_MCP_MOUNTS=f"{TINY_DIR}:{NPM_PREFIX}", RIVERBED_SECRETS_KEY=key)
+    value = "ghp_" + uuid.uuid4().hex
+    await SecretStore(bus.client, bus.keys, key).set("acme", "GH_TOKEN", value)
+    await open_run(bus, "msec", "deploy", tenant="acme", secrets=["GH_TOKEN"])  # (no agent role: the names only)
+    worker.wait_ready()
+    everything = MCPServer(name="everything", command=["mcp-server-everything"], env=["GH_TOKEN"])
+    ids = await bus.log_store.append("msec", [list_action(everything)], tenant="acme")
+    assert isinstance(ids, list)
+    assert isinstance(await bus.session("msec").wait_for_answer(ids[0], timeout=30), events.McpTools)
+    ids = await bus.log_store.append("msec", [call_action(everything, "get-env", {})], tenant="acme")
+    assert isinstance(ids, list)
+    answer = await bus.session("msec").wait_for_answer(ids[0], timeout=30)
+    assert isinstance(answer, events.ToolResult), answer
+    assert json.loads(answer.content)["GH_TOKEN"] == "[secret GH_TOKEN]"  # the server had it; the log has not
+    assert value not in json.dumps([events.to_builtins(e) for e in await bus.session("msec").events()])
 
 
 # --- a hosted agent's run, end to end ---------------------------------------------------------
