@@ -11,13 +11,14 @@ import pytest
 
 from riverbed import events
 from riverbed.runtime import Limits, Runtime, Sandbox
+from tests.kit.patience import within
 
 pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
 async def rt(workspace: Path) -> AsyncIterator[Runtime]:
-    runtime = Runtime(workspace_root=workspace, limits=Limits(soft_timeout=1.0, interrupt_grace=1.0))
+    runtime = Runtime(workspace_root=workspace, limits=Limits(soft_timeout=1.0, interrupt_grace=within(1.0)))
     yield runtime
     await runtime.aclose()
 

@@ -242,6 +242,8 @@ class _Session:
     seen: list[events.Event] = field(default_factory=list)
     """the log's events 1..``fold.last`` (the prompt is built from them)"""
     summary: RunSummary | None = None
+    saved_at: float = 0.0
+    """when ``summary`` was saved (``time.monotonic()``)"""
     slot: int | None = None
     """the run (its ``run_started`` id) known to hold a run slot of its tenant"""
     released: int | None = None
@@ -267,6 +269,11 @@ class _Session:
         if event.id is not None and event.id > self.fold.last:
             self.seen.append(event)
             self.fold.add(event)
+
+
+SUMMARY_EVERY = 1.0
+"""Seconds a run's saved summary may lag behind its counters (steps, tokens, cost) in the
+middle of a batch of steps; anything else it says is saved at once."""
 
 
 class AgentHandler:
@@ -373,7 +380,7 @@ class AgentHandler:
         summary = self._summary_due(ctx, state)  # (saved in the round trip that acknowledges the batch)
         await ctx.ack([e.id for e in entries], along=None if summary is None else partial(_queue_summary, ctx, summary))
         if summary is not None:
-            state.summary = summary
+            state.summary, state.saved_at = summary, time.monotonic()
         if self.pace is not None and state.calls:
             self.pace.observe(time.monotonic() - state.mark - state.waited)
 
@@ -1230,13 +1237,21 @@ class AgentHandler:
         return None if summary == state.summary else summary
 
     async def _save_summary(self, ctx: SessionContext, state: _Session) -> None:
+        """Save the run's summary before a model call, unless only its counters moved since it
+        was saved less than :data:`SUMMARY_EVERY` ago (steps that follow one another in one
+        batch, a Python tool's: the batch's acknowledgement saves it with the rest)."""
         summary = self._summary_due(ctx, state)
         if summary is None:
             return
+        saved = state.summary
+        if saved is not None and time.monotonic() - state.saved_at < SUMMARY_EVERY:
+            counters = {"steps": saved.steps, "tokens": saved.tokens, "cost": saved.cost, "updated": saved.updated}
+            if replace(summary, **counters) == saved:
+                return
         async with ctx.log.redis.pipeline() as pipe:
             _queue_summary(ctx, summary, pipe)
             await pipe.execute()
-        state.summary = summary
+        state.summary, state.saved_at = summary, time.monotonic()
 
 
 def _queue_summary(ctx: SessionContext, summary: RunSummary, pipe: Pipeline) -> None:

@@ -24,6 +24,7 @@ from riverbed.workers.agent_run import run_llm_agent
 from riverbed.workers.memory_role import MemoryHandler
 from riverbed.workers.runtime_role import RuntimeHandler
 from tests.kit.openai_server import OpenAIServer
+from tests.kit.patience import within
 
 
 @contextlib.asynccontextmanager
@@ -103,5 +104,5 @@ async def run_scripted_agent(
         settings=Settings(llm_model="test-model", **settings),
         client=server.client(),
         max_steps=len(commands) + 2,
-        options=AgentOptions(action_timeout=30, recall_timeout=15, condense_timeout=30),
+        options=AgentOptions(action_timeout=30, recall_timeout=within(15), condense_timeout=30),
     )

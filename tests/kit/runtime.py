@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from riverbed.runtime import Limits, Runtime
+from tests.kit.patience import within
 
 
 @pytest.fixture
 async def rt(workspace: Path) -> AsyncIterator[Runtime]:
-    """A runtime whose interrupted processes get 1 s to stop before they are killed."""
-    runtime = Runtime(workspace_root=workspace, limits=Limits(interrupt_grace=1.0))
+    """A runtime whose interrupted processes get 1 s (scaled by the load) to stop before they are killed."""
+    runtime = Runtime(workspace_root=workspace, limits=Limits(interrupt_grace=within(1.0)))
     yield runtime
     await runtime.aclose()
