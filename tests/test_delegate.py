@@ -280,68 +280,41 @@ async def test_a_worker_frozen_while_delegating_appends_nothing_once_resumed(
 
 
 @pytest.mark.fault
+@pytest.mark.parametrize(("point", "session"), [("agent_delegating", "early"), ("agent_creating", "late")])
 async def test_a_parent_cancelled_before_its_children_exist_answers_each_delegate_and_its_frozen_worker_adds_nothing(
-    bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer
+    bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer, point: str, session: str
 ) -> None:
+    """Frozen before its first child is made sure of (``agent_delegating``), or after every check
+    just before that child's session is made (``agent_creating``: the delegate is claimed with
+    its fencing token first); the run is cancelled and a peer ends it meanwhile; resumed, the
+    frozen worker appends nothing and makes no orphan child."""
     runtime = start("rt", ["runtime"])
-    frozen = start("a1", ["agent"], RIVERBED_PAUSE_AT="agent_delegating:1")
+    frozen = start("a1", ["agent"], RIVERBED_PAUSE_AT=f"{point}:1")
     await ready(runtime, frozen)
-    await open_run(bus, "early", "split early 3", limits=RunLimits(max_steps=5))
+    await open_run(bus, session, f"split {session} 3", limits=RunLimits(max_steps=5))
     with anyio.fail_after(60):
         while not stopped(frozen):
             await anyio.sleep(0.05)
-    await cancel_run(bus, "early")
+    await cancel_run(bus, session)
     peer = start("a2", ["agent"])
     await ready(peer)
-    last = await run_end(bus, "early", timeout=60)
+    last = await run_end(bus, session, timeout=60)
     assert isinstance(last, events.Error)
     assert last.reason == "cancelled"
-    answered = await all_answered(bus, "early")
+    answered = await all_answered(bus, session)
     assert len(answered) == 3
     for replies in answered.values():
         assert [(e.kind, getattr(e, "reason", None)) for e in replies] == [("error", "delegate_refused")]
         assert "before a sub-agent took this task" in getattr(replies[0], "content", "")
-    lasts = await bus.session("early").last_id()
-    frozen.proc.send_signal(signal.SIGCONT)
-    with anyio.fail_after(30):
-        while "session.fenced" not in frozen.log_path.read_text():
-            await anyio.sleep(0.05)
-    await anyio.sleep(1.0)
-    assert await bus.session("early").last_id() == lasts
-    for action in answered:
-        assert not await bus.log_store.exists(child_session("early", action))
-
-
-@pytest.mark.fault
-async def test_a_worker_frozen_between_its_checks_and_making_a_child_makes_none_once_resumed(
-    bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer
-) -> None:
-    """Frozen after every check and just before the child's session is made: the run is
-    cancelled and a peer ends it meanwhile; resumed, the frozen worker makes no orphan child."""
-    runtime = start("rt", ["runtime"])
-    frozen = start("a1", ["agent"], RIVERBED_PAUSE_AT="agent_creating:1")
-    await ready(runtime, frozen)
-    await open_run(bus, "late", "split late 3", limits=RunLimits(max_steps=5))
-    with anyio.fail_after(60):
-        while not stopped(frozen):
-            await anyio.sleep(0.05)
-    await cancel_run(bus, "late")
-    peer = start("a2", ["agent"])
-    await ready(peer)
-    last = await run_end(bus, "late", timeout=60)
-    assert isinstance(last, events.Error)
-    assert last.reason == "cancelled"
-    answered = await all_answered(bus, "late")
-    assert len(answered) == 3
-    lasts = await bus.session("late").last_id()
+    lasts = await bus.session(session).last_id()
     frozen.proc.send_signal(signal.SIGCONT)
     with anyio.fail_after(30):
         while "session.fenced" not in frozen.log_path.read_text():
             await anyio.sleep(0.05)
     await anyio.sleep(1.0)  # (anything it still had to write would have been written by now)
-    assert await bus.session("late").last_id() == lasts
+    assert await bus.session(session).last_id() == lasts
     for action in answered:
-        assert not await bus.log_store.exists(child_session("late", action)), f"an orphan child of {action}"
+        assert not await bus.log_store.exists(child_session(session, action)), f"an orphan child of {action}"
 
 
 def test_the_agent_role_offers_delegate_and_the_in_process_loop_does_not() -> None:
