@@ -12,6 +12,7 @@ from riverbed.memory.view import view as fold
 from riverbed.workers import condenser_role
 from riverbed.workers.condenser_role import CondenserHandler
 from tests.kit.openai_server import OpenAIServer
+from tests.kit.patience import patience
 
 pytestmark = pytest.mark.anyio
 
@@ -39,9 +40,11 @@ async def test_event_ceiling_holds_in_every_view_and_the_log_keeps_everything(bu
         )
         await owner.drain(2)
     assert sum(isinstance(e, events.Message) for e in log) == 60  # nothing is ever deleted
+    # Between condensations a view may grow past the ceiling by what arrived while the condenser
+    # worked: 10 on a quiet machine, more on a busy one (the appends do not wait for it).
+    slack = round(10 * patience())
     for n in range(1, len(log) + 1):
-        # Between condensations a view may grow past the ceiling by what arrived in one batch.
-        assert len(fold(log, until=n)) <= 12 + 10
+        assert len(fold(log, until=n)) <= 12 + slack
 
 
 async def test_a_condensation_request_is_always_answered(bus: Bus) -> None:

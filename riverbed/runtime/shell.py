@@ -355,7 +355,15 @@ class Shell(SandboxedProcess):
         """Ctrl-C, then kill; leaves nothing the command started; restarts a stuck shell."""
         sid = self._sid()
         await write_all(self._master, b"\x03")
-        found = await self._wait_marker(text, self._limits.interrupt_grace)
+        found = await self._wait_marker(text, self._limits.interrupt_grace / 2)
+        if not found:
+            # A Ctrl-C that came while the command was still being started reached the shell, not
+            # the command: the command, in the foreground now, is interrupted itself.
+            with contextlib.suppress(OSError):
+                fg = os.tcgetpgrp(self._master)
+                if fg != self._shell_pgrp:
+                    signal_group(fg, signal.SIGINT)
+            found = await self._wait_marker(text, self._limits.interrupt_grace / 2)
         with contextlib.suppress(OSError):
             fg = os.tcgetpgrp(self._master)
             if not found and fg != self._shell_pgrp:
