@@ -114,7 +114,10 @@ async def test_sigkill_half_way_every_action_answered_once(
     for s in sessions:
         for event in await bus.session(s).events():
             if isinstance(event, events.Error):
-                assert event.reason == "runtime_lost", event.content
+                # runtime_lost: its owner died while it ran; sandbox_unavailable: on a loaded
+                # machine the shell did not get the command by its claim's deadline, and it did
+                # not run (the start gate). Either is its one answer, and says to try again.
+                assert event.reason in ("runtime_lost", "sandbox_unavailable"), event.content
                 assert event.retryable
                 lost += 1
     assert lost <= count
