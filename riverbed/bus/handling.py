@@ -158,9 +158,7 @@ class SessionContext:
     ) -> list[int]:
         """Append ``batch`` with the owner's fencing token; counts an :class:`AppendConflict`.
         With ``idempotency_key``, a repeat returns the ids of the first append."""
-        masks = self._handles.masks
-        if masks is not None:
-            batch = [masks.mask_event(self.tenant, event) for event in batch]
+        batch = [self.masked(event) for event in batch]
         with self._conflicts_counted():
             result = await self.log.append(
                 self.session, batch, fence=self.fence, expected_last=expected_last, idempotency_key=idempotency_key
