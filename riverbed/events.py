@@ -907,6 +907,11 @@ def upcaster(
     return deco
 
 
+def class_of(kind: str) -> type[Event] | None:
+    """The class registered for ``kind`` (None: no such kind)."""
+    return _kinds.get(kind)
+
+
 def kinds() -> dict[str, type[Event]]:
     """Every registered kind, by wire name."""
     return dict(_kinds)

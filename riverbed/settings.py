@@ -65,6 +65,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     llm_model: str = "gpt-4o-mini"
     lease_seconds: Annotated[float, Meta(gt=0.2, le=86_400)] = 5.0
     concurrency: Annotated[int, Meta(ge=1, le=1_000_000)] = 100
+    tenant_share: Annotated[float, Meta(gt=0, le=1)] = 0.5
     redis_connections: Annotated[int, Meta(ge=4)] = 12
     drain_seconds: Annotated[float, Meta(ge=0, le=86_400)] = 10.0
     max_attempts: Annotated[int, Meta(ge=1)] = 3

@@ -50,7 +50,7 @@ from tests.kit.faults import (
     wait_each_answered,
     wait_for,
 )
-from tests.kit.leases import acquired, expiries
+from tests.kit.leases import ROLE, acquired, expiries
 from tests.kit.workers import WorkerProcess, workers  # noqa: F401  (workers: a fixture)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]
@@ -251,7 +251,7 @@ async def test_pipelines_held_up_by_a_stopped_master_do_not_hold_up_renewals_els
     client lets run at once (each waits a socket timeout per try, and redis-py tries again): the
     renewal of the sessions on the other masters still goes out at once, on the connection kept
     for renewals, and renews them."""
-    directory_port = cluster.port_of(bus.keys.directory("runtime"))
+    directory_port = cluster.port_of(bus.keys.directory(ROLE))
     bystander = next(f"v{i}" for i in range(1000) if cluster.port_of(bus.keys.log(f"v{i}")) != directory_port)
     victim = cluster.master_of(bus.keys.log(bystander))
     probe = session_names(cluster, bus.keys, victim)
@@ -259,7 +259,7 @@ async def test_pipelines_held_up_by_a_stopped_master_do_not_hold_up_renewals_els
     _leases, owned = await acquired(bus, elsewhere, 30_000)
     raw = await connect_redis(cluster.url, shared=True, max_connections=6, name=f"held-{prefix}")
     client = RedisClient(raw, cluster.url)
-    leases = Leases(client, bus.keys, "runtime", worker="w", lease_ms=30_000, url=cluster.url)
+    leases = Leases(client, bus.keys, ROLE, worker="w", lease_ms=30_000, url=cluster.url)
     assert await leases.renew(owned) == set()  # (the script is loaded, the connections open)
     assert isinstance(raw, Cluster)
     assert raw.pipelines is not None

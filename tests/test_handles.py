@@ -78,7 +78,7 @@ async def test_the_runtime_handler_answers_through_a_context_made_from_handles(
 
 async def test_append_events_returns_what_the_log_holds_and_nothing_on_a_repeat(standalone_bus: Bus) -> None:
     bus = standalone_bus
-    handles = Handles.open(bus.redis, bus.keys, "runtime", worker="w-1", wakeups=Wakeups(bus.redis, bus.keys))
+    handles = Handles.open(bus.redis, bus.keys, "memory", worker="w-1", wakeups=Wakeups(bus.redis, bus.keys))
     session = bus.session("s-events")
     _claim, got = await _task_taken(handles, session)
     ctx = SessionContext(handles, session.id, got.token, got.meta)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import anyio
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,7 +16,7 @@ import riverbed
 from riverbed import events
 from riverbed.bus.backoff import retry_unavailable
 from riverbed.bus.keys import ROLES, Keys
-from riverbed.bus.log import AlreadyAnswered, Fence, auto_key
+from riverbed.bus.log import AlreadyAnswered, Fence, auto_key, payload_kind, wakes_runtime
 from riverbed.client.session import Bus
 from riverbed.errors import AppendConflict, FencedError, InputError
 
@@ -330,3 +331,33 @@ def test_a_fenced_error_names_the_current_token_only_when_it_is_known() -> None:
     unknown = FencedError("s", "agent", 3)  # (a lease check that found another holder)
     assert str(unknown).endswith("lease (token 3) was taken over")
     assert unknown.current is None
+
+
+def test_the_runtime_role_is_announced_only_by_its_own_work() -> None:
+    """Which appended events announce a session to the runtime role (``wakes_runtime``): its
+    actions, an approval, a fork whose sandbox it builds, a kind this version cannot read."""
+    work = [
+        events.CmdRun(command="ls"),
+        events.FileRead(path="a"),
+        events.ToolCall(tool="git.status", runs_in="runtime"),
+        events.McpList(server="git", command=["mcp-server-git"]),
+        events.Approval(decision="approve", actions=[3]),
+        events.Forked(source_session="s", at=3, workspace="replay"),
+    ]
+    other = [
+        events.Message(content="hi", source="user"),
+        events.Think(thought="x"),
+        events.ToolCall(tool="mine"),
+        events.McpList(server="docs", url="http://docs/mcp", runs_in="agent"),
+        events.Approval(decision="reject", actions=[3]),
+        events.Forked(source_session="s", at=3),
+        events.Recall(query="q"),
+        events.CmdOutput(content="", exit_code=0, cause=1),
+    ]
+    for event in work:
+        assert payload_kind(events.encode(event)) == event.kind
+        assert wakes_runtime(events.encode(event)), event
+    for event in other:
+        assert not wakes_runtime(events.encode(event)), event
+    assert wakes_runtime(msgspec.msgpack.encode({"kind": "cmd_run_v9", "source": "agent"}))  # (answered: unknown)
+    assert payload_kind(b"\x00garbage") is None

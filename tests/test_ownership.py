@@ -15,8 +15,9 @@ from riverbed.bus.leases import Claim, Leases
 from riverbed.bus.log import Fence
 from riverbed.client.session import Bus
 from riverbed.errors import FencedError
-from tests.kit.leases import acquired, expiries
+from tests.kit.leases import ROLE, acquired, expiries
 from tests.kit.owners import make_owner
+from tests.kit.patience import within
 
 pytestmark = pytest.mark.anyio
 
@@ -97,14 +98,14 @@ async def test_a_worker_holding_more_sessions_than_a_renewal_call_takes_renews_e
     names = [f"many{i}" for i in range(count)]
     async with bus.redis.pipeline(transaction=False) as pipe:
         for name in names:
-            pipe.hset(bus.keys.meta(name), mapping={"holder:runtime": "w", "fence:runtime": 3, "expires:runtime": 1})
+            pipe.hset(bus.keys.meta(name), mapping={f"holder:{ROLE}": "w", f"fence:{ROLE}": 3, f"expires:{ROLE}": 1})
         await pipe.execute()
-    leases = Leases(bus.redis, bus.keys, "runtime", worker="w", lease_ms=5000, url=bus.url)
+    leases = Leases(bus.redis, bus.keys, ROLE, worker="w", lease_ms=5000, url=bus.url)
     await leases.ensure_group()
     owned = dict.fromkeys(names, ("0-1", 3))
     owned["many7"] = ("0-1", 2)  # a token a takeover made stale
     owned["many1050"] = ("0-1", 4)
-    await bus.redis.hset(bus.keys.meta("many600"), "holder:runtime", "peer")
+    await bus.redis.hset(bus.keys.meta("many600"), f"holder:{ROLE}", "peer")
     pipelines = []
     open_pipeline = leases.redis.pipeline
 
@@ -162,3 +163,34 @@ def test_unknown_payload_is_kept_raw() -> None:
     event = events.decode(raw, 4)
     assert isinstance(event, events.Unknown)
     assert event.payload["x"] == 1
+
+
+async def test_a_tenant_holds_its_share_and_what_it_has_beyond_waits_set_aside_not_ahead(bus: Bus) -> None:
+    """A worker of capacity 4 with a share of a half: a tenant with eight sessions waiting holds
+    two of them; the rest are set aside in its own stream, so another tenant's session, announced
+    after them all, is taken at once.  Each set-aside session is taken once the tenant's own are
+    let go (parked here after 2.5 s idle), and answered once."""
+    owner, _ = make_owner(bus, "w1", capacity=4, tenant_share=0.5, lease_seconds=5, park_after=2.5)
+    hog = [f"hog{i}" for i in range(8)]
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        for name in hog:
+            await bus.session(name, tenant="hog").append(events.FileRead(path=name))
+        with anyio.fail_after(5):
+            while await bus.redis.xlen(bus.keys.waiting("runtime", "hog")) < len(hog) - 2:
+                await anyio.sleep(0.05)
+        assert len(owner.owned) == 2
+        assert set(owner.owned) <= set(hog)
+        started = time.monotonic()
+        calm = await bus.session("calm1", tenant="calm").act(events.FileRead(path="calm"), timeout=5)
+        assert isinstance(calm, events.FileContent)
+        # One read, not after a hog's session was let go (parked after 2.5 s idle).
+        assert time.monotonic() - started < within(1.5)
+        with anyio.fail_after(30):
+            for name in hog:
+                answer = await bus.session(name, tenant="hog").wait_for_answer(1, timeout=30)
+                assert isinstance(answer, events.FileContent)
+                assert answer.path == name
+        for name in hog:
+            assert [e.kind for e in await bus.session(name).events()] == ["file_read", "file_content"]
+        await owner.drain(2)

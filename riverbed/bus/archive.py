@@ -5,7 +5,9 @@ A retention pass over one session (:func:`retain`):
 1. finds the **safe point**: the highest event id that every role's consumer group on the log
    has been delivered (``last-delivered-id``) and that is below the first entry any group
    still has pending (``XPENDING`` summary); a role whose group does not exist yet has not
-   seen the session at all, so nothing is trimmed; at least ``keep_last`` events stay;
+   seen the session at all, so nothing is trimmed (but for the runtime role when the session
+   never had work for it: it folds the log from the archive up if it ever takes the session);
+   at least ``keep_last`` events stay;
 2. walks the stream from its first entry up to the safe point and stops at the first event
    younger than ``older_than_seconds`` (the event's ``ts``);
 3. copies those events, page by page, into ``<schema>.log_archive`` in one transaction per
@@ -42,7 +44,7 @@ from asyncpg.pool import PoolConnectionProxy
 
 from riverbed.bus import scripts
 from riverbed.bus.connection import redact
-from riverbed.bus.keys import PAYLOAD_FIELD, ROLES, Keys
+from riverbed.bus.keys import ON_DEMAND, PAYLOAD_FIELD, ROLES, Keys
 from riverbed.bus.log import PAGE, entry_id
 from riverbed.bus.redis_client import RawClient, RedisClient, as_client
 from riverbed.errors import InputError, RiverbedError, UnavailableError
@@ -211,7 +213,8 @@ async def safe_point(
 
     A role has finished with an event when its group was delivered it and nothing at or
     before it is pending in the group.  A missing group means the role never saw the
-    session: then nothing may be trimmed.
+    session: then nothing may be trimmed, unless the role is announced only for its work
+    (:data:`~riverbed.bus.keys.ON_DEMAND`) and never was for this session.
     """
     client = as_client(redis, url)
     key = keys.log(session)
@@ -221,14 +224,23 @@ async def safe_point(
         if "no such key" in str(exc).lower():
             return 0
         raise
-    if any(role not in groups for role in ROLES):
+    missing = [role for role in ROLES if role not in groups]
+    if any(role not in ON_DEMAND for role in missing):
         return 0
+    if missing:
+        # A role announced only for its work that never had any here has nothing to finish
+        # (when it takes the session, it folds the log from the archive up); one announced or
+        # held once has.
+        marks = await client.hmget(keys.meta(session), [f"{f}:{r}" for r in missing for f in ("need", "fence")])
+        if any(mark is not None for mark in marks):
+            return 0
+    roles = [role for role in ROLES if role in groups]
     async with client.pipeline() as pipe:
         last = pipe.hget(keys.meta(session), "last")
-        pending = [pipe.xpending(key, role) for role in ROLES]
+        pending = [pipe.xpending(key, role) for role in roles]
         await pipe.execute()
     point = int(last.value or 0) - keep_last
-    for role, reply in zip(ROLES, pending, strict=True):
+    for role, reply in zip(roles, pending, strict=True):
         point = min(point, entry_id(groups[role]["last-delivered-id"]))
         summary = reply.value
         if summary["pending"] > 0 and summary["min"] is not None:

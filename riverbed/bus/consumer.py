@@ -81,6 +81,7 @@ class Owner:
         *,
         worker: str,
         capacity: int = 100,
+        tenant_share: float = 1.0,
         lease_seconds: float = 5.0,
         park_after: float = 60.0,
         max_attempts: int = 3,
@@ -119,6 +120,8 @@ class Owner:
             capacity=capacity,
             start_session=self.start_session,
             room=getattr(handler, "room", None),
+            serves=getattr(handler, "serves", None),
+            tenant_share=tenant_share,
         )
         self._drained = anyio.Event()
         self._tg: TaskGroup | None = None
@@ -241,7 +244,9 @@ class Owner:
             del self.state.owned[loop.session]
         if not parked:
             try:
-                await self.handles.leases.release(loop.session, loop.owned.entry, loop.owned.token)
+                await self.handles.leases.release(
+                    loop.session, loop.owned.entry, loop.owned.token, tenant=loop.owned.tenant
+                )
             except UnavailableError as exc:
                 log.warning("release.unavailable", role=role, session=loop.session, error=str(exc))
             except Exception:

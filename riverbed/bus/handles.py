@@ -147,6 +147,11 @@ class Owned:
     meta: tuple[str | None, str] | None = None
     """The session's tenant and creation stamp as the acquire read them (None: not read)."""
 
+    @property
+    def tenant(self) -> str | None:
+        """The session's tenant ('' none), or None when the acquire did not read it."""
+        return None if self.meta is None else (self.meta[0] or "")
+
 
 @dataclass
 class OwnerStats:

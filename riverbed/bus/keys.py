@@ -24,7 +24,11 @@ key                                    what
 ``{p}:{s}:idem:<key>``                 string ``first:count`` for a retried append (with TTL)
 ``{p}:{s}:wake``                       shard Pub/Sub channel (not a key): the append script publishes
                                        the log's last id on it (``bus/wakeups.py``)
-``{p}:{p}:dir:<role>``                 stream: sessions waiting for / held by a role owner
+``{p}:{p}:dir:<role>``                 stream: sessions waiting for / held by a role owner (entries ``s``
+                                       the session, ``t`` its tenant)
+``{p}:{p}:dir:<role>:wait:<t>``        stream: tenant ``t``'s sessions set aside by a worker of the role
+                                       while ``t`` held its share there (``bus/lease_loops.py``)
+``{p}:{p}:dir:<role>:waiting``         set: the tenants with such a stream
 ``{p}:{p}:sessions``                   sorted set: every session, scored by creation time
 ``{p}:{p}:workers``                    sorted set: worker name -> last heartbeat (unix seconds)
 ``{p}:{p}:uids``                       string: the last sandbox user number handed out (``INCR``)
@@ -74,7 +78,10 @@ import re
 from riverbed.errors import InputError
 
 ROLES = ("runtime", "memory", "condenser")
-"""The roles every session is announced to when it is created."""
+"""The roles that serve every session's log (the agent role serves runs only)."""
+ON_DEMAND = ("runtime",)
+"""The roles of :data:`ROLES` a session is announced to only by an append of their work (the
+runtime role: an action it runs); the others, when the session is created."""
 AGENT_ROLE = "agent"
 """The role serving runs: a session is announced to it only when a run opens (``bus/scripts.py``)."""
 _SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@=+-]{0,127}")
@@ -201,6 +208,14 @@ class Keys:
 
     def directory(self, role: str) -> str:
         return f"{self.prefix}:{{{self.prefix}}}:dir:{role}"
+
+    def waiting(self, role: str, tenant: str) -> str:
+        """Tenant ``tenant``'s directory entries set aside for ``role`` ('' : no tenant)."""
+        return f"{self.prefix}:{{{self.prefix}}}:dir:{role}:wait:{tenant}"
+
+    def waiting_tenants(self, role: str) -> str:
+        """The tenants with entries set aside for ``role`` (a set)."""
+        return f"{self.prefix}:{{{self.prefix}}}:dir:{role}:waiting"
 
     def worker(self, name: str) -> str:
         return f"{self.prefix}:{{{self.prefix}}}:worker:{name}"

@@ -2,7 +2,7 @@
 for one role in one worker.
 
 - **intake** reads new directory entries (bounded ``BLOCK``) while the owner has room, and
-  acquires them;
+  acquires them, sharing the owner's capacity fairly among tenants (:meth:`LeaseLoops._read_fairly`);
 - **reclaim** takes over sessions whose owner stopped renewing (``XAUTOCLAIM`` after a lease);
 - **renew** pushes every owned lease forward every quarter of a lease; a session whose
   renewal fails is abandoned at once (its fencing token is stale anyway).
@@ -17,6 +17,7 @@ session is taken as new.  A loop that keeps failing is recorded in the owner's f
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -61,10 +62,17 @@ class LeaseLoops:
         capacity: int,
         start_session: StartSession,
         room: Room | None = None,
+        serves: Callable[[str], bool] | None = None,
+        tenant_share: float = 1.0,
     ) -> None:
         self.handles = handles
         self.state = state
         self.capacity = capacity
+        self.tenant_share = tenant_share
+        """The part of ``capacity`` one tenant may hold (``RIVERBED_TENANT_SHARE``)."""
+        self.serves = serves
+        """Whether an owned session counts toward its tenant's share (None: every one does; the
+        agent role leaves out runs waiting only for their sub-agents)."""
         self.room = room
         self.start_session = start_session
         self.leases = handles.leases
@@ -82,6 +90,18 @@ class LeaseLoops:
         """How many more sessions the capacity allows (what reclaim may take)."""
         return self.capacity - len(self.state.owned)
 
+    def share(self, tenant: str) -> int:
+        """How many sessions ``tenant`` may hold here.  Sessions without a tenant (an operator's
+        own, made with the Redis credentials) are not held to a share."""
+        return max(1, int(self.capacity * self.tenant_share)) if tenant else self.capacity
+
+    def held(self) -> Counter[str]:
+        """The sessions held here that count toward their tenants' shares, by tenant ('' none)."""
+        serves = self.serves
+        return Counter(
+            owned.tenant or "" for session, owned in self.state.owned.items() if serves is None or serves(session)
+        )
+
     async def intake(self) -> None:
         state = self.state
         for claim in await retry_unavailable(
@@ -95,7 +115,34 @@ class LeaseLoops:
                 with anyio.move_on_after(1.0 if self.room is None else PACED_POLL):
                     await self.slot_freed.wait()
                 continue
-            await self._round("intake", lambda: self.leases.read_new(self.free(), block_ms=1000), reclaimed=False)
+            await self._round("intake", self._read_fairly, reclaimed=False)
+
+    async def _read_fairly(self) -> list[Claim]:
+        """The sessions to take now, shared fairly among tenants.
+
+        A tenant holding its :meth:`share` of this worker takes no more here: the entries of
+        its sessions read meanwhile are set aside in its own stream (``Leases.set_aside``),
+        where this worker looks again once the tenant holds less, and where every other worker
+        looks as long as the tenant holds less there.  So a tenant with a thousand sessions
+        waiting delays another tenant's new session by one read, not by a thousand sessions;
+        and the set-aside streams are read one entry of each tenant in turn."""
+        free = self.free()
+        held = self.held()
+        tenants = sorted(t for t in await self.leases.refresh_waiting() if held[t] < self.share(t))
+        per_stream = max(1, -(-free // (len(tenants) + 1)))
+        claims = await self.leases.with_tenants(await self.leases.read_new(per_stream, block_ms=1000, tenants=tenants))
+        take: list[Claim] = []
+        aside: list[Claim] = []
+        for claim in claims:
+            tenant = claim.tenant or ""
+            if len(take) < free and held[tenant] < self.share(tenant):
+                take.append(claim)
+                held[tenant] += 1
+            else:
+                aside.append(claim)
+        if aside:
+            await self.leases.set_aside(aside)
+        return take
 
     async def reclaim(self) -> None:
         state = self.state

@@ -23,6 +23,13 @@ group named after the role.  A session that needs an owner for a role has an ent
 Duplicated entries (a crash between announce and acquire) are harmless: a worker whose
 acquire finds another live holder acknowledges and deletes the duplicate.
 
+An entry names its session's tenant (``t``).  A worker whose intake reads an entry of a tenant
+that holds its share of the worker moves it to that tenant's set-aside stream
+(``keys.waiting(role, tenant)``, with the same consumer group; :meth:`Leases.set_aside`), which
+intake reads, with the directory, while the tenant holds less (``bus/lease_loops.py``).  An entry
+taken from there is the lease's handle just as a directory entry is: its claim's ``entry`` names
+the stream (``w:<tenant>:<id>``), and renewals, releases and reclaims go to that stream.
+
 When Redis loses its data (a restart without persistence, a failover to an empty replica,
 FLUSHALL) the directory, its group and every lease go with it.  Renewals then fail (the
 owners let their sessions go), reads answer ``NOGROUP`` (the owner creates the group again,
@@ -31,7 +38,10 @@ owners let their sessions go), reads answer ``NOGROUP`` (the owner creates the g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +51,7 @@ import structlog
 from riverbed.bus import scripts
 from riverbed.bus.connection import closed_under_us
 from riverbed.bus.keys import Keys
-from riverbed.bus.redis_client import Arg, RawClient, RedisClient, Reply, as_client
+from riverbed.bus.redis_client import Arg, Pipeline, RawClient, RedisClient, Reply, StreamEntry, as_client
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -55,14 +65,26 @@ log = structlog.get_logger("riverbed.worker")
 #: Sessions renewed by one script call on a standalone Redis (a call blocks the server while it
 #: runs: about a millisecond for this many).
 RENEW_CHUNK = 500
+#: How often a worker reads again which tenants have set-aside streams (it knows its own at once).
+WAITING_REFRESH = 1.0
 
 
 @dataclass(frozen=True)
 class Claim:
-    """A directory entry naming a session, as read or reclaimed by a worker."""
+    """A directory entry naming a session, as read or reclaimed by a worker.
+
+    ``entry`` is the entry's id in the role's directory, or ``w:<tenant>:<id>`` for an entry of
+    a tenant's set-aside stream (``Keys.waiting``): unique across the role's streams, it is the
+    lease's handle wherever it is kept (the owner's record, the session's meta hash)."""
 
     session: str
     entry: str
+    tenant: str | None = None
+    """The session's tenant ('' none), when the entry names it (None: not known yet)."""
+
+    @property
+    def set_aside(self) -> bool:
+        return self.entry.startswith("w:")
 
 
 @dataclass(frozen=True)
@@ -102,25 +124,118 @@ class Leases:
         self._renew = self.redis.script(scripts.RENEW)
         self._renew_all = self.redis.script(scripts.RENEW_ALL)
         self._release = self.redis.script(scripts.RELEASE)
+        self.waiting: set[str] = set()
+        """The tenants with a set-aside stream for this role, as last read (:meth:`refresh_waiting`)."""
+        self._waiting_read = 0.0
+        self._aside_ready: set[str] = set()
+        """The tenants whose set-aside stream has its group (made by this worker)."""
 
     async def ensure_group(self) -> None:
         await self.redis.xgroup_create(self.directory, self.role, "0")
+        self.waiting.clear()  # (read again: a group made anew means Redis lost the set-aside streams too)
+        self._waiting_read = 0.0
 
-    async def read_new(self, count: int, block_ms: int) -> list[Claim]:
-        entries = await self.redis.xreadgroup(self.role, self.worker, self.directory, ">", count=count, block=block_ms)
-        return [_claim(entry_id, fields) for entry_id, fields in entries]
+    async def refresh_waiting(self) -> set[str]:
+        """The tenants with a set-aside stream (:attr:`waiting`), read again at most once a second."""
+        now = time.monotonic()
+        if now - self._waiting_read >= WAITING_REFRESH:
+            self.waiting |= await self.redis.smembers(self.keys.waiting_tenants(self.role))
+            self._waiting_read = now
+        return self.waiting
+
+    async def read_new(self, count: int, block_ms: int, *, tenants: Sequence[str] = ()) -> list[Claim]:
+        """New entries of the directory and of the set-aside streams of ``tenants``: up to
+        ``count`` of each stream, waiting up to ``block_ms`` for one.  The set-aside ones come
+        first, one of each tenant in turn (they waited longest), then the directory's."""
+        streams = {self.keys.waiting(self.role, t): t for t in tenants}
+        if not streams:
+            entries = await self.redis.xreadgroup(
+                self.role, self.worker, self.directory, ">", count=count, block=block_ms
+            )
+            return [_claim(entry_id, fields) for entry_id, fields in entries]
+        got = await self.redis.xreadgroup_many(
+            self.role, self.worker, [*streams, self.directory], count=count, block=block_ms
+        )
+        return self._claims(got, streams)
+
+    def _claims(self, got: dict[str, list[StreamEntry]], streams: dict[str, str]) -> list[Claim]:
+        """The claims of a many-stream read: the set-aside ones interleaved (one of each tenant
+        in turn), then the directory's."""
+        aside = [
+            [_claim(entry_id, fields, tenant=t, stream_tenant=t) for entry_id, fields in got.get(key, ()) if fields]
+            for key, t in streams.items()
+        ]
+        interleaved = [claim for rank in itertools.zip_longest(*aside) for claim in rank if claim is not None]
+        return interleaved + [_claim(entry_id, fields) for entry_id, fields in got.get(self.directory, ()) if fields]
 
     async def read_own_pending(self, count: int) -> list[Claim]:
         """Entries this worker name held before a restart (they are its to re-acquire)."""
-        entries = await self.redis.xreadgroup(self.role, self.worker, self.directory, "0", count=count)
-        return [_claim(entry_id, fields) for entry_id, fields in entries if fields]
+        streams = {self.keys.waiting(self.role, t): t for t in await self.refresh_waiting()}
+        got = await self.redis.xreadgroup_many(
+            self.role, self.worker, [*streams, self.directory], count=count, after="0"
+        )
+        return self._claims(got, streams)
 
     async def reclaim_stale(self, count: int) -> list[Claim]:
-        """Entries whose holder stopped renewing for a whole lease."""
+        """Entries whose holder stopped renewing for a whole lease (the set-aside streams' too)."""
         entries = await self.redis.xautoclaim(
             self.directory, self.role, self.worker, min_idle_ms=self.lease_ms, start="0-0", count=count
         )
-        return [_claim(entry_id, fields) for entry_id, fields in entries if fields]
+        claims = [_claim(entry_id, fields) for entry_id, fields in entries if fields]
+        for tenant in sorted(await self.refresh_waiting()):
+            if len(claims) >= count:
+                break
+            entries = await self.redis.xautoclaim(
+                self.keys.waiting(self.role, tenant),
+                self.role,
+                self.worker,
+                min_idle_ms=self.lease_ms,
+                start="0-0",
+                count=count - len(claims),
+            )
+            claims += [_claim(i, f, tenant=tenant, stream_tenant=tenant) for i, f in entries if f]
+        return claims
+
+    async def with_tenants(self, claims: list[Claim]) -> list[Claim]:
+        """``claims`` with every tenant known: an entry that does not name it (an announce by a
+        caller that did not know it) has it read from the session's meta hash."""
+        unknown = [claim for claim in claims if claim.tenant is None]
+        if not unknown:
+            return claims
+        async with self.redis.pipeline() as pipe:
+            replies = [pipe.hget(self.keys.meta(claim.session), "tenant") for claim in unknown]
+            await pipe.execute()
+        found = {
+            claim.entry: _text(reply.value) if reply.value else ""
+            for claim, reply in zip(unknown, replies, strict=True)
+        }
+        return [claim if claim.tenant is not None else replace(claim, tenant=found[claim.entry]) for claim in claims]
+
+    async def set_aside(self, claims: Sequence[Claim]) -> None:
+        """Move ``claims`` to the ends of their tenants' set-aside streams: their tenants hold
+        their share of this worker, and another worker (or this one, once a session of theirs
+        is let go) takes them from there.  The stream's group exists before any worker learns
+        of the stream from the set."""
+        for tenant in {claim.tenant or "" for claim in claims} - self._aside_ready:
+            await self.redis.xgroup_create(self.keys.waiting(self.role, tenant), self.role, "0")
+            self._aside_ready.add(tenant)
+        async with self.redis.pipeline() as pipe:
+            for claim in claims:
+                tenant = claim.tenant or ""
+                pipe.xadd(self.keys.waiting(self.role, tenant), {"s": claim.session})
+                pipe.sadd(self.keys.waiting_tenants(self.role), tenant)
+                stream, entry = self._locate(claim.entry)
+                pipe.xack(stream, self.role, entry)
+                pipe.xdel(stream, entry)
+            await pipe.execute()
+        self.waiting |= {claim.tenant or "" for claim in claims}
+
+    def _locate(self, entry: str) -> tuple[str, str]:
+        """The stream and id of a lease handle (:attr:`Claim.entry`)."""
+        if entry.startswith("w:"):
+            tenant, _, entry_id = entry[2:].rpartition(":")
+            return self.keys.waiting(self.role, tenant), entry_id
+        return self.directory, entry
 
     async def acquire(self, claim: Claim) -> Acquired:
         keys = [self.keys.meta(claim.session)]
@@ -203,7 +318,7 @@ class Leases:
             for chunk in chunks:
                 args: list[Arg] = [self.role, self.worker, self.lease_ms, *(token for _s, (_e, token) in chunk)]
                 replies.append(pipe.evalsha(sha, [self.keys.meta(session) for session, _ in chunk], args))
-                pipe.xclaim_ids(self.directory, self.role, self.worker, [entry for _, (entry, _t) in chunk])
+                self._xclaim_handles(pipe, [entry for _, (entry, _t) in chunk])
             await pipe.execute(raise_on_error=False)
         return replies
 
@@ -215,14 +330,32 @@ class Leases:
                 pipe.evalsha(sha, [self.keys.meta(session)], [self.role, self.worker, token, self.lease_ms])
                 for session, (_entry, token) in items
             ]
-            pipe.xclaim_ids(self.directory, self.role, self.worker, [entry for _, (entry, _t) in items])
+            self._xclaim_handles(pipe, [entry for _, (entry, _t) in items])
             await pipe.execute(raise_on_error=False)
         return replies
 
+    def _xclaim_handles(self, pipe: Pipeline, handles: list[str]) -> None:
+        """Claim the entries ``handles`` name to this worker again (one ``XCLAIM`` per stream)."""
+        by_stream: dict[str, list[str]] = {}
+        for handle in handles:
+            stream, entry = self._locate(handle)
+            by_stream.setdefault(stream, []).append(entry)
+        for stream, entries in by_stream.items():
+            pipe.xclaim_ids(stream, self.role, self.worker, entries)
+
     async def release(
-        self, session: str, entry: str, token: int, *, park: bool = False, seen_last: int = 0, retire: bool = False
+        self,
+        session: str,
+        entry: str,
+        token: int,
+        *,
+        park: bool = False,
+        seen_last: int = 0,
+        retire: bool = False,
+        tenant: str | None = None,
     ) -> int:
-        """Give the session up.  Graceful release re-announces it so a peer takes it at once.
+        """Give the session up.  Graceful release re-announces it (naming its ``tenant`` when
+        known) so a peer takes it at once.
 
         ``park``: the next append announces it again; ``park`` with ``retire``: only an append that
         asks for this role does (the agent role's, when a run opens).  Returns 1 when released, 0
@@ -235,27 +368,30 @@ class Leases:
             # -1: not parked, keep serving.  0: someone else owns the session now, and the
             # entry may be its lease handle (a reclaim moves it): leave it alone.
             return result
+        stream, entry_id = self._locate(entry)
         async with self.redis.pipeline() as pipe:
             if not park:
-                pipe.xadd(self.directory, {"s": session})
-            pipe.xack(self.directory, self.role, entry)
-            pipe.xdel(self.directory, entry)
+                pipe.xadd(self.directory, _fields(session, tenant))
+            pipe.xack(stream, self.role, entry_id)
+            pipe.xdel(stream, entry_id)
             await pipe.execute()
         return result
 
     async def drop(self, claim: Claim) -> None:
         """Acknowledge and delete a duplicate entry."""
+        stream, entry = self._locate(claim.entry)
         async with self.redis.pipeline() as pipe:
-            pipe.xack(self.directory, self.role, claim.entry)
-            pipe.xdel(self.directory, claim.entry)
+            pipe.xack(stream, self.role, entry)
+            pipe.xdel(stream, entry)
             await pipe.execute()
 
     async def reannounce(self, claim: Claim) -> None:
         """Put the session back in the directory as a new entry and drop ``claim``."""
+        stream, entry = self._locate(claim.entry)
         async with self.redis.pipeline() as pipe:
-            pipe.xadd(self.directory, {"s": claim.session})
-            pipe.xack(self.directory, self.role, claim.entry)
-            pipe.xdel(self.directory, claim.entry)
+            pipe.xadd(self.directory, _fields(claim.session, claim.tenant))
+            pipe.xack(stream, self.role, entry)
+            pipe.xdel(stream, entry)
             await pipe.execute()
 
     async def hand_back(self, claim: Claim, holder: str, left_ms: int) -> None:
@@ -265,7 +401,8 @@ class Leases:
         before its lease ends when the renewal's two writes land in that order, as they may on a
         cluster, where they go to different nodes.)"""
         idle = max(0, self.lease_ms - left_ms)
-        await self.redis.xclaim_ids(self.directory, self.role, holder, [claim.entry], idle_ms=idle)
+        stream, entry = self._locate(claim.entry)
+        await self.redis.xclaim_ids(stream, self.role, holder, [entry], idle_ms=idle)
 
 
 def _unanswered(reply: Reply[Any]) -> Exception | None:
@@ -290,5 +427,18 @@ def _text(value: bytes | str | int) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _claim(entry_id: bytes, fields: dict[bytes, bytes]) -> Claim:
-    return Claim(session=fields[b"s"].decode(), entry=entry_id.decode())
+def _claim(
+    entry_id: bytes, fields: dict[bytes, bytes], *, tenant: str | None = None, stream_tenant: str | None = None
+) -> Claim:
+    """The claim of a directory entry (``stream_tenant``: of that tenant's set-aside stream)."""
+    entry = entry_id.decode()
+    if stream_tenant is not None:
+        entry = f"w:{stream_tenant}:{entry}"
+    if tenant is None and b"t" in fields:
+        tenant = fields[b"t"].decode()
+    return Claim(session=fields[b"s"].decode(), entry=entry, tenant=tenant)
+
+
+def _fields(session: str, tenant: str | None) -> dict[str, Arg]:
+    """A directory entry's fields: the session, and its tenant when known."""
+    return {"s": session} if tenant is None else {"s": session, "t": tenant}

@@ -158,6 +158,47 @@ def wakes_agent(payload: bytes) -> bool:
     return any(mark in head for mark in _RUN_KINDS)
 
 
+def payload_kind(payload: bytes) -> str | None:
+    """The ``kind`` an encoded event starts with (None: it does not start with one)."""
+    first = payload[:1]
+    start = 1 if first and 0x80 <= first[0] <= 0x8F else 3 if first == b"\xde" else 5 if first == b"\xdf" else -1
+    if start < 0 or payload[start : start + 5] != b"\xa4kind" or len(payload) < start + 6:
+        return None
+    head = payload[start + 5]
+    if 0xA0 <= head <= 0xBF:
+        begin, size = start + 6, head & 0x1F
+    elif head == 0xD9 and len(payload) > start + 6:
+        begin, size = start + 7, payload[start + 6]
+    else:
+        return None
+    return payload[begin : begin + size].decode("utf-8", "replace")
+
+
+def wakes_runtime(payload: bytes) -> bool:
+    """Whether an appended event is work for the runtime role, which is announced only for it:
+    an action it runs, a person's approval (of an action waiting for one), a fork whose sandbox
+    it rebuilds, or an event of a kind this version cannot decode (the runtime answers those
+    with an error).  Most kinds are
+    told by their name; the few whose role depends on the call (``tool_call``, ``mcp_list``:
+    ``runs_in``), approvals and unknown ones are decoded."""
+    kind = payload_kind(payload)
+    cls = events.class_of(kind) if kind is not None else None
+    if cls is None:
+        return True
+    if issubclass(cls, events.Action) and cls.answering_role is events.Action.answering_role:
+        return cls.answered_by == "runtime"
+    if not issubclass(cls, events.Action | events.Approval | events.Forked | events.Unknown):
+        return False
+    event = events.decode(payload)
+    if isinstance(event, events.Forked):
+        return event.workspace != "empty"  # the runtime rebuilds the fork's sandbox (or says why not)
+    if isinstance(event, events.Action):
+        return event.answering_role == "runtime"
+    if isinstance(event, events.Approval):
+        return event.source == "user" and event.decision == "approve"
+    return isinstance(event, events.Unknown) and event.source in ("agent", "user") and bool(event.original_kind)
+
+
 def answered_cause(event: events.Event) -> int:
     """The action id this event answers (0: it answers nothing)."""
     if isinstance(event, events.Observation) and event.cause is not None:
@@ -309,12 +350,15 @@ class Log:
             session,
             digest or "",
         ]
-        wake_agent = False
+        wake_agent = wake_runtime = False
         for payload, cause in batch:
             args.append(payload)
             args.append(cause)
             wake_agent = wake_agent or wakes_agent(payload)
+            # (an owner's answers are never runtime work: no look at them)
+            wake_runtime = wake_runtime or (not cause and wakes_runtime(payload))
         args.append("1" if wake_agent else "")
+        args.append("1" if wake_runtime else "")
         keys = self.keys
         script_keys = [
             keys.log(session),
@@ -362,8 +406,9 @@ class Log:
         """Tell role workers that ``session`` needs an owner (the ownership scripts clear the flag);
         ``created``: add it to the sessions index (and to its ``tenant``'s)."""
         async with self.redis.pipeline() as pipe:
+            entry = {"s": session} if tenant is None else {"s": session, "t": tenant}
             for role in roles:
-                pipe.xadd(self.keys.directory(role), {"s": session})
+                pipe.xadd(self.keys.directory(role), entry)
             if created:
                 pipe.zadd(self.keys.sessions, {session: time.time()}, nx=True)
                 if tenant:

@@ -29,6 +29,7 @@ parts (``Log``, ``Leases``, ``Claims``, ``DeadLetters``, the ``stats`` reads...)
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Generic, TypeAlias, TypedDict, TypeVar, cast
@@ -263,16 +264,23 @@ class RedisClient:
             return _stream_reply(await self._raw.xreadgroup(group, consumer, {key: after}, count=count, block=block))
 
     async def xreadgroup_many(
-        self, group: str, consumer: str, keys: Sequence[str], *, count: int
+        self, group: str, consumer: str, keys: Sequence[str], *, count: int, block: int | None = None, after: str = ">"
     ) -> dict[str, list[StreamEntry]]:
         """New entries (``>``) of several streams for ``consumer`` in one command, by key (a
-        stream with none is absent).  Its keys must share a slot on a cluster."""
+        stream with none is absent; up to ``count`` of each, waiting up to ``block`` ms for
+        one), or with ``after`` an id the consumer's own pending ones.  Its keys must share a
+        slot on a cluster."""
         with translate(self.url):
-            reply = await self._raw.xreadgroup(group, consumer, dict.fromkeys(keys, ">"), count=count)
+            reply = await self._raw.xreadgroup(group, consumer, dict.fromkeys(keys, after), count=count, block=block)
         if not reply:
             return {}
         pairs = reply.items() if isinstance(reply, dict) else reply
         return {(key.decode() if isinstance(key, bytes) else key): _entries(entries) for key, entries in pairs}
+
+    async def smembers(self, key: str) -> builtins.set[str]:
+        with translate(self.url):
+            members = await self._raw.smembers(key)
+        return {m.decode() if isinstance(m, bytes) else str(m) for m in members}
 
     async def xack(self, key: str, group: str, *ids: str) -> int:
         with translate(self.url):
@@ -471,6 +479,10 @@ class Pipeline:
         """Its reply: the new entry's id."""
         entry: dict[EncodableT, EncodableT] = dict(fields.items())
         self._pipe.xadd(key, entry)
+        return self._queued()
+
+    def sadd(self, key: str, *members: str) -> Reply[int]:
+        self._pipe.sadd(key, *members)
         return self._queued()
 
     def xack(self, key: str, group: str, *ids: str) -> Reply[int]:

@@ -33,7 +33,8 @@ _NOW = _CLOCK + "clock()\n"
 #       digest (of the request the idempotency key is bound to, '' = none), then n pairs (payload,
 #       answered cause or 0), then wake_agent ('1': the batch opens or cancels a run, so the agent
 #       role is announced unless it holds the session or was announced already; the agent role is
-#       never announced otherwise)
+#       never announced otherwise), then wake_runtime ('1': the batch holds an action the runtime
+#       role runs, or an approval of one; likewise the only way the runtime role is announced)
 # Replies: {'ok', first, count, index, need...} | {'dup', first, count, index, need...} | {'conflict', last}
 #          | {'fenced', current} | {'answered', cause, existing id} | {'tenant', the session's tenant ('' none)}
 #          | {'reused', first}: the idempotency key was used with another digest (nothing appended)
@@ -54,7 +55,7 @@ APPEND = (
 -- clock() only where the time is needed: an append to a session every role owns asks for none.
 -- The session's meta in one read: last id, tenant, the role's fence, when each role was announced.
 local meta = redis.call('HMGET', KEYS[2], 'last', 'tenant', 'fence:' .. ARGV[3],
-  'need:runtime', 'need:memory', 'need:condenser', 'need:agent', 'holder:agent')
+  'need:runtime', 'need:memory', 'need:condenser', 'need:agent', 'holder:agent', 'holder:runtime')
 local ROLES = {'runtime', 'memory', 'condenser', 'agent'}
 local DIRECTORY = {7, 8, 9, 11}  -- the KEYS index of each role's directory (10: the sessions index)
 local pinned_last = tonumber(meta[1] or '0')
@@ -106,8 +107,8 @@ end
 local created = 0
 if last == 0 then
   created = 1
-  redis.call('HSET', KEYS[2], 'created', clock(), 'need:runtime', 0, 'need:memory', 0, 'need:condenser', 0)
-  meta[4], meta[5], meta[6] = '0', '0', '0'
+  redis.call('HSET', KEYS[2], 'created', clock(), 'need:memory', 0, 'need:condenser', 0)
+  meta[5], meta[6] = '0', '0'
   if ARGV[7] ~= '' then redis.call('HSET', KEYS[2], 'tenant', ARGV[7]) end
 end
 local first = last + 1
@@ -123,6 +124,9 @@ end
 redis.call('HSET', KEYS[2], 'last', last)
 if ARGV[12 + 2 * n] == '1' and not meta[7] and (not meta[8] or meta[8] == '') then
   meta[7] = '0'  -- a run opens (or is cancelled) with no agent owner: announce it below
+end
+if ARGV[13 + 2 * n] == '1' and not meta[4] and (not meta[9] or meta[9] == '') then
+  meta[4] = '0'  -- an action for the runtime role, which holds the session nowhere: announce it below
 end
 if ARGV[2] ~= '' then
   local bound = ARGV[11] ~= '' and (':' .. ARGV[11]) or ''
@@ -158,7 +162,7 @@ for i, role in ipairs(ROLES) do
   if announced and clock() - tonumber(announced) >= ANNOUNCE_MS then
     redis.call('HSET', KEYS[2], 'need:' .. role, now)
     if inline then
-      redis.call('XADD', KEYS[DIRECTORY[i]], '*', 's', ARGV[10])
+      redis.call('XADD', KEYS[DIRECTORY[i]], '*', 's', ARGV[10], 't', meta[2] or ARGV[7])
     else
       table.insert(reply, role)
     end

@@ -122,6 +122,9 @@ class SessionLoop:
         self.retires: Callable[[SessionContext], bool] | None = getattr(handler, "retires", None)
         """The handler's "nothing more to do here until the role is asked for again" (the agent
         role's, once a run ended): the idle session is then retired, not parked."""
+        self.on_demand: bool = getattr(handler, "on_demand", False)
+        """The role is announced only by appends of its own work (the runtime role: an action it
+        runs): an idle session is retired, so that other appends do not announce it again."""
         self.wake_at: Callable[[SessionContext], float | None] | None = getattr(handler, "wake_at", None)
         """The handler's next deadline (``time.monotonic()``) for the session, when it has one
         (the agent role's: an action that may go unanswered for only so long): at that time the
@@ -200,13 +203,16 @@ class SessionLoop:
                     and time.monotonic() - idle_since > LEAVE_AFTER
                 ):
                     await self.flush()
-                    left = await handles.leases.release(self.session, self.owned.entry, self.owned.token)
+                    left = await handles.leases.release(
+                        self.session, self.owned.entry, self.owned.token, tenant=self.owned.tenant
+                    )
                     if left == 0:
                         raise FencedError(self.session, handles.role, self.owned.token)
                     self.log.info("session.left")
                     return True
                 retire = self.retires is not None and self.held is None and self.retires(ctx)
                 if retire or (deadline is None and time.monotonic() - idle_since > handles.park_after):
+                    retire = retire or self.on_demand
                     await self.flush()
                     parked = await handles.leases.release(
                         self.session,

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import redis.exceptions as rexc
 
-from riverbed.bus.keys import AGENT_ROLE, ROLES, Keys
+from riverbed.bus.keys import AGENT_ROLE, ON_DEMAND, ROLES, Keys
 from riverbed.bus.redis_client import GroupInfo, PendingEntry, PendingSummary, RawClient, RedisClient, Reply, as_client
 
 __all__ = [
@@ -213,7 +213,7 @@ async def session_backlogs(
             queued = [
                 (
                     session,
-                    pipe.hmget(keys.meta(session), ["last", f"holder:{role}", f"expires:{role}"]),
+                    pipe.hmget(keys.meta(session), ["last", f"holder:{role}", f"expires:{role}", f"need:{role}"]),
                     pipe.xinfo_groups(keys.log(session)),
                     pipe.xpending(keys.log(session), role),
                     pipe.xpending_range(keys.log(session), role, count=1),
@@ -247,13 +247,16 @@ def _session_backlog(
 ) -> SessionBacklog:
     """One session's replies (None: its key or group is missing): HMGET meta, XINFO GROUPS,
     XPENDING summary, first pending entry."""
-    last_raw, holder_raw, expires_raw = meta if meta is not None else (None, None, None)
+    last_raw, holder_raw, expires_raw, need_raw = meta if meta is not None else (None, None, None, None)
     last = int(last_raw) if last_raw is not None else 0
     delivered = 0
     for group in groups or ():
         if _text(group.get("name", b"")) == role:
             delivered = _event_id(group.get("last-delivered-id", b"0-0"))
             break
+    else:
+        if role in ON_DEMAND and need_raw is None:
+            delivered = last  # never asked for here: nothing waits for the role
     pending = int(summary.get("pending", 0)) if summary is not None else 0
     oldest = 0.0
     if first:
@@ -287,9 +290,24 @@ def _unless_missing(reply: Reply[T]) -> T | None:
 async def directory_backlog(
     redis: RedisClient | RawClient, keys: Keys, role: str, *, url: str = "redis"
 ) -> DirectoryBacklog:
-    """Sessions waiting for an owner of ``role`` (lag) and sessions held (pending)."""
+    """Sessions waiting for an owner of ``role`` (lag) and sessions held (pending): the
+    directory's, and those of the tenants' set-aside streams (``bus/lease_loops.py``)."""
     client = as_client(redis, url)
-    key = keys.directory(role)
+    main = await _stream_backlog(client, role, keys.directory(role))
+    for tenant in sorted(await client.smembers(keys.waiting_tenants(role))):
+        aside = await _stream_backlog(client, role, keys.waiting(role, tenant))
+        main = DirectoryBacklog(
+            role=role,
+            length=main.length + aside.length,
+            lag=main.lag + aside.lag,
+            pending=main.pending + aside.pending,
+            consumers=max(main.consumers, aside.consumers),
+        )
+    return main
+
+
+async def _stream_backlog(client: RedisClient, role: str, key: str) -> DirectoryBacklog:
+    """One directory stream's backlog."""
     length = await client.xlen(key)
     if length == 0:
         return DirectoryBacklog(role=role, length=0, lag=0, pending=0, consumers=0)

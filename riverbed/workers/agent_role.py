@@ -423,6 +423,12 @@ class AgentHandler:
         idle = sum(1 for state in self.sessions.values() if not _served(state.fold.run))
         return self.pace.room(owned - idle)
 
+    def serves(self, session: str) -> bool:
+        """Whether an owned session counts toward its tenant's share of this worker: not when its
+        run ended or waits only for its sub-agents (they would wait behind their own parents)."""
+        state = self.sessions.get(session)
+        return state is None or _served(state.fold.run)
+
     def open_runs(self) -> int:
         """Open runs of the sessions this worker owns now."""
         return sum(1 for state in self.sessions.values() if state.fold.run is not None and state.fold.run.open)

@@ -119,6 +119,7 @@ class Worker:
                 handlers[role],
                 worker=name,
                 capacity=settings.concurrency,
+                tenant_share=settings.tenant_share,
                 lease_seconds=settings.lease_seconds,
                 park_after=park_after,
                 max_attempts=settings.max_attempts,

@@ -138,6 +138,10 @@ class _Folded:
 class RuntimeHandler:
     role = "runtime"
     ignores_own_answers = True  # it handles actions and session settings, never observations
+    on_demand = True
+    """A session is announced to the runtime role only by an append of an action it runs (or an
+    approval of one), and an idle one is retired: a session that runs no command never holds a
+    runtime slot (``bus/log.py``'s ``wakes_runtime``)."""
 
     def __init__(self, runtime: Runtime, secrets: TenantSecrets | None = None) -> None:
         self.runtime = runtime

@@ -6,13 +6,16 @@ from riverbed import events
 from riverbed.bus.leases import Leases
 from riverbed.client.session import Bus
 
+ROLE = "memory"
+"""(A role every append announces: the runtime role is announced only for its actions.)"""
+
 
 async def acquired(bus: Bus, names: list[str], lease_ms: int) -> tuple[Leases, dict[str, tuple[str, int]]]:
-    """The runtime role's leases of worker "w" on new sessions ``names``, and what it owns
+    """The memory role's leases of worker "w" on new sessions ``names``, and what it owns
     (session -> (entry, token)), as :meth:`Leases.renew` takes it."""
     for name in names:
         await bus.session(name).append(events.Think(thought="x"))
-    leases = Leases(bus.redis, bus.keys, "runtime", worker="w", lease_ms=lease_ms, url=bus.url)
+    leases = Leases(bus.redis, bus.keys, ROLE, worker="w", lease_ms=lease_ms, url=bus.url)
     await leases.ensure_group()
     owned: dict[str, tuple[str, int]] = {}
     for claim in await leases.read_new(20, 100):
@@ -22,5 +25,5 @@ async def acquired(bus: Bus, names: list[str], lease_ms: int) -> tuple[Leases, d
 
 
 async def expiries(bus: Bus, names: list[str]) -> list[int]:
-    """When the runtime role's lease of each of ``names`` runs out (ms)."""
-    return [int(await bus.redis.hget(bus.keys.meta(name), "expires:runtime")) for name in names]
+    """When the memory role's lease of each of ``names`` runs out (ms)."""
+    return [int(await bus.redis.hget(bus.keys.meta(name), f"expires:{ROLE}")) for name in names]
