@@ -194,3 +194,36 @@ async def test_a_tenant_holds_its_share_and_what_it_has_beyond_waits_set_aside_n
         for name in hog:
             assert [e.kind for e in await bus.session(name).events()] == ["file_read", "file_content"]
         await owner.drain(2)
+
+
+async def test_a_lease_taken_from_a_set_aside_stream_is_renewed_there_and_reclaimed_from_there(bus: Bus) -> None:
+    """A session taken from its tenant's set-aside stream keeps that entry as its lease's handle:
+    the renewal claims it there, and when its holder stops renewing a peer reclaims it from there."""
+    await bus.session("aside", tenant="t").append(events.Think(thought="x"))
+    first = Leases(bus.redis, bus.keys, ROLE, worker="w1", lease_ms=300, url=bus.url)
+    await first.ensure_group()
+    [claim] = await first.with_tenants(await first.read_new(10, block_ms=100))
+    assert claim.tenant == "t"
+    await first.set_aside([claim])
+    assert await bus.redis.xlen(bus.keys.directory(ROLE)) == 0  # moved, not copied
+    [aside] = await first.read_new(10, block_ms=100, tenants=["t"])
+    assert aside.set_aside
+    assert aside.session == "aside"
+    got = await first.acquire(aside)
+    assert got.token > 0
+    assert await first.renew({"aside": (aside.entry, got.token)}) == set()
+
+    second = Leases(bus.redis, bus.keys, ROLE, worker="w2", lease_ms=300, url=bus.url)
+    await second.ensure_group()
+    assert await second.reclaim_stale(10) == []  # the holder's lease still runs
+    await anyio.sleep(0.4)  # the holder stopped renewing
+    [reclaimed] = await second.reclaim_stale(10)
+    assert reclaimed.entry == aside.entry
+    assert reclaimed.tenant == "t"
+    taken = await second.acquire(reclaimed)
+    assert taken.token == got.token + 1
+    assert await second.release("aside", reclaimed.entry, taken.token, tenant="t") == 1
+    # Released (a drain's hand-over): announced again in the directory, the set-aside entry gone.
+    assert await bus.redis.xlen(bus.keys.waiting(ROLE, "t")) == 0
+    [again] = await second.read_new(10, block_ms=100, tenants=["t"])
+    assert (again.session, again.tenant, again.set_aside) == ("aside", "t", False)

@@ -14,6 +14,7 @@ slot, and the other tenant waits for the bomb's commands to end: the test fails.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,11 +45,10 @@ from tests.kit.workers import WorkerProcess
 
 pytestmark = [pytest.mark.anyio, pytest.mark.security]
 
-FANOUT = 4
-DEPTH = 2
-CAPACITY = 8
-"""Each worker's sessions per role (a tenant's share: 4): the bomb's 16 leaves outnumber two workers'."""
-LEAF_SECONDS = 25
+FANOUT, DEPTH, CAPACITY, LEAF_SECONDS = (int(v) for v in os.environ.get("RIVERBED_TEST_BOMB", "4,2,8,25").split(","))
+"""The bomb's children per run and levels, each worker's sessions per role (a tenant's share: half
+of them), and how long each leaf's command runs: the bomb's 16 leaves outnumber two workers' 8
+(``RIVERBED_TEST_BOMB=8,3,100,120`` is the size of the attack: 584 children, the default capacity)."""
 FIRST_ANSWER = 5.0
 """How soon another tenant's first command is answered (on a quiet machine) while the bomb runs."""
 
@@ -94,10 +94,13 @@ async def bomb_tree(bus: Bus) -> dict[str, int]:
 
 
 async def commands_running(bus: Bus, sessions: list[str]) -> int:
-    """How many of ``sessions`` have a command on their log."""
+    """How many of ``sessions`` have a command on their log, not answered yet."""
     count = 0
     for session in sessions:
-        count += any(isinstance(e, events.CmdRun) for e in await bus.session(session).events())
+        log = await bus.session(session).events()
+        count += any(isinstance(e, events.CmdRun) for e in log) and not any(
+            isinstance(e, events.CmdOutput) for e in log
+        )
     return count
 
 
@@ -122,8 +125,10 @@ async def test_a_delegation_bomb_does_not_delay_another_tenants_first_answer(
         bus, "bomb", f"bomb b {DEPTH}", tenant="hostile", limits=RunLimits(max_steps=4, max_tokens=1_000_000)
     )
     # The bomb holds its share: as many leaves run their long command as two workers let it.
-    with anyio.fail_after(within(60)):
-        while await commands_running(bus, [s for s, depth in (await bomb_tree(bus)).items() if depth == 0]) < 6:
+    with anyio.fail_after(within(60 + FANOUT**DEPTH)):
+        while (
+            await commands_running(bus, [s for s, depth in (await bomb_tree(bus)).items() if depth == 0]) < CAPACITY - 2
+        ):
             await anyio.sleep(0.2)
 
     # Another tenant's command, acted directly, and its run's first command.
@@ -142,13 +147,13 @@ async def test_a_delegation_bomb_does_not_delay_another_tenants_first_answer(
 
     # The runtime role took only the bomb's sessions that ran a command.
     sessions = await bomb_tree(bus)
-    assert len(sessions) == 1 + FANOUT + FANOUT**2, sorted(sessions)
+    assert len(sessions) == sum(FANOUT**level for level in range(DEPTH + 1)), sorted(sessions)
     for session, depth in sessions.items():
         fence = await bus.redis.hget(bus.keys.meta(session), "fence:runtime")
         assert depth == 0 or fence is None, f"{session} only delegates, yet the runtime role took it"
     # The bomb is still going, its leaves beyond its share waiting (set aside); a cancel ends it.
     leaves = [s for s, depth in sessions.items() if depth == 0]
-    assert await commands_running(bus, leaves) <= 2 * CAPACITY // 2
+    assert await commands_running(bus, leaves) <= 2 * (CAPACITY // 2)
     await cancel_run(bus, "bomb", tenant="hostile")
     last = await run_end(bus, "bomb", timeout=60)
     assert isinstance(last, events.Finish | events.Error), last

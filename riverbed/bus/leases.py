@@ -131,9 +131,19 @@ class Leases:
         """The tenants whose set-aside stream has its group (made by this worker)."""
 
     async def ensure_group(self) -> None:
+        """The directory's group, and each known set-aside stream's (made again after Redis lost
+        its data: a read of a stream without its group would fail every read)."""
         await self.redis.xgroup_create(self.directory, self.role, "0")
-        self.waiting.clear()  # (read again: a group made anew means Redis lost the set-aside streams too)
+        self.waiting = set()
+        self._aside_ready.clear()
         self._waiting_read = 0.0
+        for tenant in await self.refresh_waiting():
+            await self._ensure_aside(tenant)
+
+    async def _ensure_aside(self, tenant: str) -> None:
+        if tenant not in self._aside_ready:
+            await self.redis.xgroup_create(self.keys.waiting(self.role, tenant), self.role, "0")
+            self._aside_ready.add(tenant)
 
     async def refresh_waiting(self) -> set[str]:
         """The tenants with a set-aside stream (:attr:`waiting`), read again at most once a second."""
@@ -177,24 +187,31 @@ class Leases:
         return self._claims(got, streams)
 
     async def reclaim_stale(self, count: int) -> list[Claim]:
-        """Entries whose holder stopped renewing for a whole lease (the set-aside streams' too)."""
-        entries = await self.redis.xautoclaim(
-            self.directory, self.role, self.worker, min_idle_ms=self.lease_ms, start="0-0", count=count
-        )
-        claims = [_claim(entry_id, fields) for entry_id, fields in entries if fields]
-        for tenant in sorted(await self.refresh_waiting()):
-            if len(claims) >= count:
-                break
+        """Entries whose holder stopped renewing for a whole lease (the set-aside streams' too,
+        in the same round trip), up to ``count``."""
+        tenants = sorted(await self.refresh_waiting())
+        if not tenants:
             entries = await self.redis.xautoclaim(
-                self.keys.waiting(self.role, tenant),
-                self.role,
-                self.worker,
-                min_idle_ms=self.lease_ms,
-                start="0-0",
-                count=count - len(claims),
+                self.directory, self.role, self.worker, min_idle_ms=self.lease_ms, start="0-0", count=count
             )
-            claims += [_claim(i, f, tenant=tenant, stream_tenant=tenant) for i, f in entries if f]
-        return claims
+            return [_claim(entry_id, fields) for entry_id, fields in entries if fields]
+        streams: list[tuple[str, str | None]] = [(self.directory, None)]
+        streams += [(self.keys.waiting(self.role, t), t) for t in tenants]
+        async with self.redis.pipeline() as pipe:
+            replies = [
+                pipe.xautoclaim(key, self.role, self.worker, min_idle_ms=self.lease_ms, count=count)
+                for key, _ in streams
+            ]
+            await pipe.execute()
+        claims: list[Claim] = []
+        for (_key, tenant), reply in zip(streams, replies, strict=True):
+            claims += [_claim(i, f, tenant=tenant, stream_tenant=tenant) for i, f in reply.value[1] or () if f]
+        for surplus in claims[count:]:
+            # Claimed here beyond what there is room for: idle for a lease again at once, so the
+            # next round (here or at a peer) takes it, not a lease later.
+            stream, entry = self._locate(surplus.entry)
+            await self.redis.xclaim_ids(stream, self.role, self.worker, [entry], idle_ms=self.lease_ms)
+        return claims[:count]
 
     async def with_tenants(self, claims: list[Claim]) -> list[Claim]:
         """``claims`` with every tenant known: an entry that does not name it (an announce by a
@@ -216,9 +233,8 @@ class Leases:
         their share of this worker, and another worker (or this one, once a session of theirs
         is let go) takes them from there.  The stream's group exists before any worker learns
         of the stream from the set."""
-        for tenant in {claim.tenant or "" for claim in claims} - self._aside_ready:
-            await self.redis.xgroup_create(self.keys.waiting(self.role, tenant), self.role, "0")
-            self._aside_ready.add(tenant)
+        for tenant in {claim.tenant or "" for claim in claims}:
+            await self._ensure_aside(tenant)
         async with self.redis.pipeline() as pipe:
             for claim in claims:
                 tenant = claim.tenant or ""

@@ -515,6 +515,11 @@ class Pipeline:
         self._pipe.xpending(key, group)
         return self._queued()
 
+    def xautoclaim(self, key: str, group: str, consumer: str, *, min_idle_ms: int, count: int) -> Reply[Any]:
+        """Its reply as redis-py parses ``XAUTOCLAIM`` (the entries are its second item)."""
+        self._pipe.xautoclaim(key, group, consumer, min_idle_ms, start_id="0-0", count=count)
+        return self._queued()
+
     def xpending_range(self, key: str, group: str, *, count: int) -> Reply[list[PendingEntry]]:
         """Its reply: the first ``count`` pending entries."""
         self._pipe.xpending_range(key, group, min="-", max="+", count=count)
