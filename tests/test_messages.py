@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from riverbed.agent.llm import build_messages, over_budget
 from riverbed.agent.messages import SUMMARY_PREFIX, to_messages, tool_call_id
 from riverbed.events import (
     CmdOutput,
@@ -29,7 +30,7 @@ from riverbed.events import (
     with_id,
 )
 from riverbed.memory.condensers import CondenserConfig, prepare
-from riverbed.memory.view import view
+from riverbed.memory.view import ViewBuilder, view
 from tests.kit.openai_server import OpenAIServer, tool_call
 
 
@@ -506,3 +507,33 @@ def test_every_result_is_shown_under_the_call_that_produced_it(events: list[Even
     messages = to_messages(view(events), system_prompt="sys")
     assert_well_formed(messages)
     assert_pairing(messages, events)
+
+
+MASKING = {
+    "strategy": "pipeline",
+    "stages": [{"strategy": "masking", "mask_window": 2}, {"strategy": "recent", "max_events": 12}],
+}
+assert CondenserConfig.from_dict(MASKING).stages  # (a config the step honours, not one it drops)
+
+
+@settings(max_examples=150, deadline=None)
+@given(paired_sessions(), st.lists(st.integers(1, 8), max_size=12))
+def test_a_step_folding_only_what_is_new_sends_the_prompt_a_fold_from_scratch_sends(
+    events: list[Event], chunks: list[int]
+) -> None:
+    """The agent role keeps one view per session and folds each step's new events into it: at
+    every step the prompt (and the budget check) is the one built from the whole log."""
+    builder = ViewBuilder()
+    seen: list[Event] = []
+    rest = list(events)
+    for size in [*chunks, len(rest)]:
+        new, rest = rest[:size], rest[size:]
+        seen += new
+        builder.extend(new)
+        kept = builder.view()
+        assert build_messages(seen, system="sys", view=kept) == build_messages(seen, system="sys")
+        masking = MASKING
+        assert build_messages(seen, system="sys", view=kept, condenser_defaults=masking) == build_messages(
+            seen, system="sys", condenser_defaults=masking
+        )
+        assert over_budget(seen, masking, view=kept) == over_budget(seen, masking)

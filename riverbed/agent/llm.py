@@ -44,6 +44,7 @@ from riverbed.agent.define import REFERENCE, Agent
 from riverbed.agent.images import ImageSource
 from riverbed.errors import ConfigError
 from riverbed.memory.condensers import CondenserConfig, config_from_log, prepare, should_condense
+from riverbed.memory.view import View
 from riverbed.memory.view import view as fold
 from riverbed.settings import Settings
 
@@ -145,10 +146,13 @@ def _with_context(view: Iterable[events.Event]) -> list[events.Event]:
     return out
 
 
-def over_budget(log_events: Sequence[events.Event], defaults: Mapping[str, Any] | None = None) -> bool:
+def over_budget(
+    log_events: Sequence[events.Event], defaults: Mapping[str, Any] | None = None, *, view: View | None = None
+) -> bool:
     """Whether the view of these events is over the session's condenser budget (its policy
-    would condense now): the model is not sent such a view before the condenser answered."""
-    return should_condense(fold(log_events), _condenser_config(log_events, defaults))
+    would condense now): the model is not sent such a view before the condenser answered.
+    ``view``: their fold, when the caller keeps one (see :func:`build_messages`)."""
+    return should_condense(fold(log_events) if view is None else view, _condenser_config(log_events, defaults))
 
 
 def _condenser_config(log_events: Sequence[events.Event], defaults: Mapping[str, Any] | None = None) -> CondenserConfig:
@@ -167,6 +171,7 @@ def build_messages(
     images: ImageSource | None = None,
     condenser_defaults: Mapping[str, Any] | None = None,
     system: str | None = None,
+    view: View | None = None,
 ) -> list[dict[str, Any]]:
     """The chat messages the agent sends after these events (a log prefix, with ids).
 
@@ -174,12 +179,15 @@ def build_messages(
     ``session_config`` overrides) always give the same prompt, so any step of a recorded
     session can be rebuilt without a model.  ``system`` is the system prompt of a hosted agent
     (:func:`system_prompt`); without it, the reference agent's (``system.j2``, with ``agent``
-    and ``instructions``).
+    and ``instructions``).  ``view``: the fold of ``log_events`` when the caller keeps one, an
+    incremental :class:`~riverbed.memory.view.ViewBuilder`'s (a step then folds only what is
+    new); the same as folding them here.
     """
-    view = prepare(fold(log_events), _condenser_config(log_events, condenser_defaults))
+    folded = fold(log_events) if view is None else view
+    prepared = prepare(folded, _condenser_config(log_events, condenser_defaults))
     if system is None:
         system = render("system.j2", agent=agent, instructions=instructions)
-    return chat.to_messages(_with_context(view), system_prompt=system, images=images)
+    return chat.to_messages(_with_context(prepared), system_prompt=system, images=images)
 
 
 def system_prompt(definition: Agent) -> str:

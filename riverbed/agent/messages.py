@@ -174,15 +174,7 @@ def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, l
     for position, response in enumerate(events):
         if not isinstance(response, LlmResponse) or response.id is None:
             continue
-        claimants = caused.get(response.id)
-        if claimants is None:
-            claimants = []
-            for e in events[position + 1 :]:
-                if isinstance(e, LlmResponse) or (isinstance(e, Message) and e.source != "agent"):
-                    break
-                if _answerable(e) and e.source == "agent" and e.cause is None and e.id not in calls:
-                    claimants.append(e)
-        claimants = [e for e in claimants if not isinstance(getattr(e, "tool_call_id", None), str)]
+        ids = claimed_by.setdefault(response.id, [])
         # Calls that publish no answered action (think, finish) take no position among the claimants.
         used = taken.get(response.id, set())
         answered_calls = [
@@ -190,7 +182,18 @@ def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, l
             for raw in response.tool_calls
             if isinstance(raw, Mapping) and _call_name(raw) not in _UNANSWERED_TOOLS and raw.get("id") not in used
         ]
-        ids = claimed_by.setdefault(response.id, [])
+        if not answered_calls:
+            continue  # (every call went to its action by id: nothing is left to line up)
+        claimants = caused.get(response.id)
+        if claimants is None:
+            claimants = []
+            for index in range(position + 1, len(events)):
+                e = events[index]
+                if isinstance(e, LlmResponse) or (isinstance(e, Message) and e.source != "agent"):
+                    break
+                if _answerable(e) and e.source == "agent" and e.cause is None and e.id not in calls:
+                    claimants.append(e)
+        claimants = [e for e in claimants if not isinstance(getattr(e, "tool_call_id", None), str)]
         if not claimants or len(claimants) != len(answered_calls):
             continue
         if not all(_lines_up(a, raw) for a, raw in zip(claimants, answered_calls, strict=True)):

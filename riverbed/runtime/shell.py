@@ -358,12 +358,17 @@ class Shell(SandboxedProcess):
         found = await self._wait_marker(text, self._limits.interrupt_grace / 2)
         if not found:
             # A Ctrl-C that came while the command was still being started reached the shell, not
-            # the command: the command, in the foreground now, is interrupted itself.
-            with contextlib.suppress(OSError):
-                fg = os.tcgetpgrp(self._master)
-                if fg != self._shell_pgrp:
-                    signal_group(fg, signal.SIGINT)
-            found = await self._wait_marker(text, self._limits.interrupt_grace / 2)
+            # the command: the command is interrupted itself once it is in the foreground (on a
+            # busy machine the shell may hand it the terminal only later: looked at until then).
+            signalled: set[int] = set()
+            deadline = anyio.current_time() + self._limits.interrupt_grace
+            while not found and anyio.current_time() < deadline:
+                with contextlib.suppress(OSError):
+                    fg = os.tcgetpgrp(self._master)
+                    if fg != self._shell_pgrp and fg not in signalled:
+                        signal_group(fg, signal.SIGINT)
+                        signalled.add(fg)
+                found = await self._wait_marker(text, 0.1)
         with contextlib.suppress(OSError):
             fg = os.tcgetpgrp(self._master)
             if not found and fg != self._shell_pgrp:

@@ -136,6 +136,7 @@ from riverbed.bus.keys import AGENT_ROLE
 from riverbed.bus.redis_client import Pipeline
 from riverbed.bus.status import live_workers
 from riverbed.errors import AppendConflict, ConfigError, FencedError, RiverbedError, TenantMismatch
+from riverbed.memory.view import View, ViewBuilder
 from riverbed.runtime.paths import workspace_name
 from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
 from riverbed.workers.agent_pace import Pace
@@ -265,10 +266,21 @@ class _Session:
     """why this worker does not work on the open run (its agent definition or run rules are not
     the ones this worker hosts): the session is left to a worker that matches"""
 
+    builder: ViewBuilder = field(default_factory=ViewBuilder)
+    """the fold of ``seen`` up to ``built``, kept as the log grows (:meth:`view`)"""
+    built: int = 0
+
     def add(self, event: events.Event) -> None:
         if event.id is not None and event.id > self.fold.last:
             self.seen.append(event)
             self.fold.add(event)
+
+    def view(self) -> View:
+        """The view of ``seen``: a step folds only the events that are new since the last."""
+        if self.built < len(self.seen):
+            self.builder.extend(self.seen[self.built :])
+            self.built = len(self.seen)
+        return self.builder.view()
 
 
 SUMMARY_EVERY = 1.0
@@ -669,7 +681,7 @@ class AgentHandler:
         :data:`CONDENSE_WAIT_SECONDS`: the agent answered it, and goes on).  Else the request is
         made (once a step) and the step waits for its answer: a condenser that is behind never
         lets a prompt over the budget go out."""
-        if not over_budget(state.seen, self._condenser(agent)):
+        if not over_budget(state.seen, self._condenser(agent), view=state.view()):
             return True
         since = run.response.id if run.response is not None and run.response.id is not None else run.opened
         asked = asked_to_condense(state.seen, since)
@@ -1110,6 +1122,7 @@ class AgentHandler:
             "messages": cache_breakpoints(
                 build_messages(
                     state.seen,
+                    view=state.view(),
                     condenser_defaults=condenser,
                     system=system_prompt(agent),
                     images=self.images(ctx.session) if self.images is not None else None,
