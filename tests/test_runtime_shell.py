@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -115,6 +116,22 @@ async def test_input_to_a_prompt_and_ctrl_c(rt: Runtime) -> None:
     nothing = await rt.execute("s", events.CmdRun(id=3, command="more", is_input=True))
     assert isinstance(nothing, events.Error)
     assert nothing.reason == "no_running_command"
+
+
+async def test_ctrl_c_interrupts_a_command_of_a_worker_that_ignores_it(workspace: Path) -> None:
+    """A worker started by ``nohup`` or with ``&`` in a script ignores SIGINT and SIGQUIT, and an
+    ignored signal stays ignored across ``exec``: its sandboxes still start with the defaults."""
+    before = {number: signal.signal(number, signal.SIG_IGN) for number in (signal.SIGINT, signal.SIGQUIT)}
+    rt = Runtime(workspace_root=workspace, limits=Limits(soft_timeout=1.0, interrupt_grace=within(4.0)))
+    try:
+        assert (await run(rt, "cat")).timed_out
+        stopped = await run(rt, "C-c", is_input=True)
+        assert stopped.exit_code == 130
+        assert (await run(rt, "trap -p; echo next")).content == "next\n"  # (nothing left ignored)
+    finally:
+        await rt.aclose()
+        for number, handler in before.items():
+            signal.signal(number, handler)
 
 
 async def test_an_empty_command_waits_for_more_output(rt: Runtime) -> None:

@@ -1,4 +1,5 @@
-"""Start a sandbox process: new POSIX session, optional controlling tty, rlimits, exec.
+"""Start a sandbox process: new POSIX session, optional controlling tty, rlimits, the default
+handling of Ctrl-C and Ctrl-\\, exec.
 
 Run as ``python -I -S _launch.py '<json rlimits>' [--ctty] -- program args...``.
 Stdlib only and no imports from riverbed: it runs before the sandbox program exists.
@@ -8,6 +9,7 @@ import fcntl
 import json
 import os
 import resource
+import signal
 import sys
 import termios
 
@@ -42,6 +44,10 @@ def main(argv: list[str]) -> None:
                 resource.setrlimit(which, (value, hard))
             except (ValueError, OSError):
                 sys.stderr.write(f"riverbed sandbox: could not apply {name}={value}\n")
+    # A worker started where Ctrl-C is ignored (``nohup``, ``&`` in a script) would pass that on:
+    # the sandbox's programs start with the default, so a Ctrl-C interrupts a command.
+    for number in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(number, signal.SIG_DFL)
     os.execvp(program[0], program)  # noqa: S606  (the sandbox program, argv built by the runtime)
 
 

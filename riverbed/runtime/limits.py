@@ -127,10 +127,13 @@ def launcher_argv(limits: Limits, argv: list[str], *, ctty: bool = False, confin
 
     With util-linux's ``setsid`` and ``prlimit`` (two small execs, a few ms) when present,
     else our stdlib launcher script (a Python start-up, tens of ms: it adds up when a
-    worker takes over many sessions at once).
+    worker takes over many sessions at once).  The launcher script too when this process
+    ignores SIGINT or SIGQUIT (started by ``nohup`` or with ``&`` in a script): an ignored signal
+    stays ignored across ``exec``, and the script gives the sandbox's programs the default back
+    (else a Ctrl-C never interrupts a command).
     """
     tools = _util_linux()
-    if tools is None:
+    if tools is None or _ignores_interrupts():
         flags = ["--ctty"] if ctty else []
         rlimits = json.dumps(limits.rlimits(confined=confined))
         return [sys.executable, "-I", "-S", str(LAUNCHER), rlimits, *flags, "--", *argv]
@@ -141,6 +144,10 @@ def launcher_argv(limits: Limits, argv: list[str], *, ctty: bool = False, confin
         value = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
         bounds.append(f"{_PRLIMIT_FLAGS[name]}={value}")
     return [setsid, *(["--ctty"] if ctty else []), prlimit, *bounds, "--", *argv]
+
+
+def _ignores_interrupts() -> bool:
+    return any(signal.getsignal(number) == signal.SIG_IGN for number in (signal.SIGINT, signal.SIGQUIT))
 
 
 def _user_process_count() -> int:

@@ -32,9 +32,11 @@ import importlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,8 @@ MAX_LINE = 16 * 1024 * 1024
 MAX_PAGES = 50
 """How many pages of ``tools/list`` are read at most."""
 STDERR_TAIL = 2000
+EXIT_WAIT = 2.0
+"""Seconds a server whose output closed is given to exit, for its status to be told."""
 """How much of what a server wrote on stderr an error quotes (the last characters)."""
 STDERR_KEEP = 1024 * 1024
 """A server's stderr file is emptied at its next request once it holds more than this."""
@@ -331,8 +335,17 @@ class McpProcess(SandboxedProcess):
                 raise McpFailed(f"the MCP server {self.spec.server!r} sent a message over {MAX_LINE} bytes")
             data = await read_some(self._stdout)
             if not data:
+                await self._exited(EXIT_WAIT)
                 raise McpFailed(self._gone())
             self._buf += data
+
+    async def _exited(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the server to exit once its output closed (it is exiting:
+        its status says more than the closed pipe, and on a busy machine it may come later)."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await anyio.to_thread.run_sync(partial(proc.wait, seconds))
 
     def _gone(self) -> str:
         """Why the server stopped talking: its exit status and the end of its stderr."""

@@ -357,23 +357,13 @@ class Shell(SandboxedProcess):
         await write_all(self._master, b"\x03")
         found = await self._wait_marker(text, self._limits.interrupt_grace / 2)
         if not found:
-            # A Ctrl-C that came while the command was still being started reached the shell, or
-            # the shell's child before it became the command (it ran the shell's handler, then the
-            # program): the command is interrupted itself once it is in the foreground, and again
-            # when its group's first process has become another program since (on a busy
-            # machine each of those steps may come late: looked at until the grace ends).
-            signalled: dict[int, bytes | None] = {}
-            deadline = anyio.current_time() + self._limits.interrupt_grace
-            while not found and anyio.current_time() < deadline:
-                with contextlib.suppress(OSError):
-                    fg = os.tcgetpgrp(self._master)
-                    program = _program(fg)
-                    if fg != self._shell_pgrp and (fg not in signalled or signalled[fg] != program):
-                        signal_group(fg, signal.SIGINT)
-                        signalled[fg] = program
-                found = await self._wait_marker(text, 0.1)
-                if not found and not self.alive:
-                    break
+            # A Ctrl-C that came while the command was still being started reached the shell, not
+            # the command: the command, in the foreground now, is interrupted itself.
+            with contextlib.suppress(OSError):
+                fg = os.tcgetpgrp(self._master)
+                if fg != self._shell_pgrp:
+                    signal_group(fg, signal.SIGINT)
+            found = await self._wait_marker(text, self._limits.interrupt_grace / 2)
         with contextlib.suppress(OSError):
             fg = os.tcgetpgrp(self._master)
             if not found and fg != self._shell_pgrp:
@@ -454,12 +444,3 @@ def _exit_code(payload: str) -> int | None:
 
 def _error(reason: str, content: str, *, retryable: bool = False) -> events.Error:
     return events.Error(content=content, reason=reason, retryable=retryable)
-
-
-def _program(pid: int) -> bytes | None:
-    """The command line process ``pid`` runs now (None: it is gone, or cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return None
