@@ -108,3 +108,48 @@ def test_a_test_past_its_timeout_fails_alone_and_the_run_reaches_its_summary(tmp
     assert "2 failed, 1 passed" in out, out[-3000:]
     assert "FAILED ::test_stuck_in_an_await[asyncio] - TimeoutError: the test ran past its timeout" in out, out[-3000:]
     assert "FAILED ::test_stuck_in_a_call - worker 'gw0' crashed while running" in out
+
+
+@pytest.mark.slow
+def test_a_run_ended_by_sigterm_leaves_nothing_running(tmp_path: Path) -> None:
+    """The real configuration under pytest-xdist: a run killed by SIGTERM (a CI job's time limit)
+    while a test's process runs ends as Ctrl-C does, and the sweep ends that process."""
+    (tmp_path / "test_long.py").write_text(
+        "import subprocess\n"
+        "import time\n\n"
+        "def test_starts_a_process_and_waits():\n"
+        "    subprocess.Popen(['sleep', '300.7391'])\n"
+        "    time.sleep(600)\n"
+    )
+    inner = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-c", str(REPO / "pyproject.toml"), "--rootdir", str(REPO),
+         "-p", "tests.conftest", "-p", "no:cacheprovider", "-n", "1", str(tmp_path / "test_long.py")],
+        cwd=REPO, env={**os.environ, "COLUMNS": "300"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + within(60)
+        while not _running("sleep 300.7391"):
+            assert time.monotonic() < deadline, "the inner test never started its process"
+            assert inner.poll() is None, inner.communicate()[0].decode(errors="replace")[-3000:]
+            time.sleep(0.1)
+        inner.send_signal(signal.SIGTERM)
+        out = inner.communicate(timeout=within(60))[0].decode(errors="replace")
+    finally:
+        inner.kill()
+        inner.wait(10)
+    assert not _running("sleep 300.7391"), out[-3000:]
+    assert "processes this session left running, now ended" in out, out[-3000:]
+    assert "sleep 300.7391" in out, out[-3000:]
+
+
+def _running(command: str) -> bool:
+    """Whether a process of this machine runs exactly ``command``."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().replace(b"\0", b" ").strip() == command.encode():
+                        return True
+            except OSError:
+                continue
+    return False

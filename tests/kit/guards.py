@@ -11,8 +11,9 @@ machine's load, a timeout that fails its test and not the run, and nothing left 
   wherever the alarm landed, once inside pytest writing a report: the run ended in INTERNALERROR.)
 - **Leftovers.** Each test process has a directory of its own under the run's, named by
   ``$RBTEST_SESSION`` in the environment of everything it starts (:mod:`tests.kit.leftovers`).
-  After the run, however it ended, and as soon as a pytest-xdist worker dies, what still runs
-  there (or in pytest's temporary directories) is ended, and the summary lists it.
+  After the run, however it ended (SIGTERM ends it as Ctrl-C does), and as soon as a pytest-xdist
+  worker dies, what still runs there (or in pytest's temporary directories) is ended, and the
+  summary lists it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import functools
 import inspect
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -47,6 +49,18 @@ def configure(config: pytest.Config) -> None:
     config.pluginmanager.register(sys.modules[__name__], "riverbed-test-guards")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_Workers(), "riverbed-test-workers")
+    if (
+        not hasattr(config, "workerinput")
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
+        # A run ended by SIGTERM (a CI job's time limit, ``kill``) ends as Ctrl-C does: the
+        # session finishes, and what it left running is swept (by default it would just die).
+        signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def own_directory(config: pytest.Config) -> Path:
