@@ -416,14 +416,20 @@ class Pipeline:
 
     async def execute(self, *, raise_on_error: bool = True) -> None:
         """Send the commands and fill in their replies.  A command's server error raises
-        (the first one), or with ``raise_on_error=False`` is kept as its reply's ``error``."""
+        (the first one, as the server said it: redis-py's own raise would prefix it with the
+        command's place, and ``NOGROUP`` would no longer read as a lost group), or with
+        ``raise_on_error=False`` is kept as its reply's ``error``."""
         with translate(self._url):
-            results = await self._pipe.execute(raise_on_error=raise_on_error)
-        for reply, result in zip(self._replies, results, strict=True):
-            if isinstance(result, Exception):
-                reply.error = result
-            else:
-                reply._value = result
+            results = await self._pipe.execute(raise_on_error=False)
+            for reply, result in zip(self._replies, results, strict=True):
+                if isinstance(result, Exception):
+                    reply.error = result
+                else:
+                    reply._value = result
+            if raise_on_error:
+                for result in results:
+                    if isinstance(result, Exception):
+                        raise result
 
     def _queued(self) -> Reply[Any]:
         reply = Reply[Any]()
