@@ -907,6 +907,14 @@ def upcaster(
     return deco
 
 
+def for_runtime(event: Event) -> bool:
+    """Whether the runtime role answers this event: an action it runs, or one of a kind this
+    version cannot decode that a client sent (answered with an error)."""
+    if isinstance(event, Action):
+        return event.answering_role == "runtime"
+    return isinstance(event, Unknown) and event.source in ("agent", "user") and bool(event.original_kind)
+
+
 def class_of(kind: str) -> type[Event] | None:
     """The class registered for ``kind`` (None: no such kind)."""
     return _kinds.get(kind)

@@ -99,6 +99,11 @@ def _valid_id(session: str) -> bool:
     return _SESSION_RE.fullmatch(session) is not None
 
 
+def directory_entry(session: str, tenant: str | None) -> dict[str, str]:
+    """A directory entry's fields: the session (``s``), and its tenant (``t``) when known."""
+    return {"s": session} if tenant is None else {"s": session, "t": tenant}
+
+
 def require_session(session: str) -> str:
     """``session`` when it is a valid session id, else :class:`InputError` in one sentence.
 

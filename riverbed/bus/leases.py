@@ -50,7 +50,7 @@ import structlog
 
 from riverbed.bus import scripts
 from riverbed.bus.connection import closed_under_us
-from riverbed.bus.keys import Keys
+from riverbed.bus.keys import Keys, directory_entry
 from riverbed.bus.redis_client import Arg, Pipeline, RawClient, RedisClient, Reply, StreamEntry, as_client
 
 if TYPE_CHECKING:
@@ -158,11 +158,6 @@ class Leases:
         ``count`` of each stream, waiting up to ``block_ms`` for one.  The set-aside ones come
         first, one of each tenant in turn (they waited longest), then the directory's."""
         streams = {self.keys.waiting(self.role, t): t for t in tenants}
-        if not streams:
-            entries = await self.redis.xreadgroup(
-                self.role, self.worker, self.directory, ">", count=count, block=block_ms
-            )
-            return [_claim(entry_id, fields) for entry_id, fields in entries]
         got = await self.redis.xreadgroup_many(
             self.role, self.worker, [*streams, self.directory], count=count, block=block_ms
         )
@@ -189,14 +184,8 @@ class Leases:
     async def reclaim_stale(self, count: int) -> list[Claim]:
         """Entries whose holder stopped renewing for a whole lease (the set-aside streams' too,
         in the same round trip), up to ``count``."""
-        tenants = sorted(await self.refresh_waiting())
-        if not tenants:
-            entries = await self.redis.xautoclaim(
-                self.directory, self.role, self.worker, min_idle_ms=self.lease_ms, start="0-0", count=count
-            )
-            return [_claim(entry_id, fields) for entry_id, fields in entries if fields]
         streams: list[tuple[str, str | None]] = [(self.directory, None)]
-        streams += [(self.keys.waiting(self.role, t), t) for t in tenants]
+        streams += [(self.keys.waiting(self.role, t), t) for t in sorted(await self.refresh_waiting())]
         async with self.redis.pipeline() as pipe:
             replies = [
                 pipe.xautoclaim(key, self.role, self.worker, min_idle_ms=self.lease_ms, count=count)
@@ -387,7 +376,7 @@ class Leases:
         stream, entry_id = self._locate(entry)
         async with self.redis.pipeline() as pipe:
             if not park:
-                pipe.xadd(self.directory, _fields(session, tenant))
+                pipe.xadd(self.directory, directory_entry(session, tenant))
             pipe.xack(stream, self.role, entry_id)
             pipe.xdel(stream, entry_id)
             await pipe.execute()
@@ -405,7 +394,7 @@ class Leases:
         """Put the session back in the directory as a new entry and drop ``claim``."""
         stream, entry = self._locate(claim.entry)
         async with self.redis.pipeline() as pipe:
-            pipe.xadd(self.directory, _fields(claim.session, claim.tenant))
+            pipe.xadd(self.directory, directory_entry(claim.session, claim.tenant))
             pipe.xack(stream, self.role, entry)
             pipe.xdel(stream, entry)
             await pipe.execute()
@@ -453,8 +442,3 @@ def _claim(
     if tenant is None and b"t" in fields:
         tenant = fields[b"t"].decode()
     return Claim(session=fields[b"s"].decode(), entry=entry, tenant=tenant)
-
-
-def _fields(session: str, tenant: str | None) -> dict[str, Arg]:
-    """A directory entry's fields: the session, and its tenant when known."""
-    return {"s": session} if tenant is None else {"s": session, "t": tenant}

@@ -40,7 +40,7 @@ from riverbed import events
 from riverbed.bus import scripts
 from riverbed.bus.backoff import retry_unavailable
 from riverbed.bus.exchange import stream_entries
-from riverbed.bus.keys import AGENT_ROLE, PAYLOAD_FIELD, ROLES, Keys, require_session
+from riverbed.bus.keys import AGENT_ROLE, PAYLOAD_FIELD, ROLES, Keys, directory_entry, require_session
 from riverbed.bus.redis_client import RawClient, RedisClient, StreamEntry, as_client
 from riverbed.errors import (
     AlreadyAnswered,
@@ -178,9 +178,9 @@ def wakes_runtime(payload: bytes) -> bool:
     """Whether an appended event is work for the runtime role, which is announced only for it:
     an action it runs, a person's approval (of an action waiting for one), a fork whose sandbox
     it rebuilds, or an event of a kind this version cannot decode (the runtime answers those
-    with an error).  Most kinds are
-    told by their name; the few whose role depends on the call (``tool_call``, ``mcp_list``:
-    ``runs_in``), approvals and unknown ones are decoded."""
+    with an error: :func:`~riverbed.events.for_runtime`).  Most kinds are told by their name;
+    the few whose role depends on the call (``tool_call``, ``mcp_list``: ``runs_in``),
+    approvals, forks and unknown ones are decoded."""
     kind = payload_kind(payload)
     cls = events.class_of(kind) if kind is not None else None
     if cls is None:
@@ -192,11 +192,9 @@ def wakes_runtime(payload: bytes) -> bool:
     event = events.decode(payload)
     if isinstance(event, events.Forked):
         return event.workspace != "empty"  # the runtime rebuilds the fork's sandbox (or says why not)
-    if isinstance(event, events.Action):
-        return event.answering_role == "runtime"
     if isinstance(event, events.Approval):
         return event.source == "user" and event.decision == "approve"
-    return isinstance(event, events.Unknown) and event.source in ("agent", "user") and bool(event.original_kind)
+    return events.for_runtime(event)
 
 
 def answered_cause(event: events.Event) -> int:
@@ -406,7 +404,7 @@ class Log:
         """Tell role workers that ``session`` needs an owner (the ownership scripts clear the flag);
         ``created``: add it to the sessions index (and to its ``tenant``'s)."""
         async with self.redis.pipeline() as pipe:
-            entry = {"s": session} if tenant is None else {"s": session, "t": tenant}
+            entry = directory_entry(session, tenant)
             for role in roles:
                 pipe.xadd(self.keys.directory(role), entry)
             if created:

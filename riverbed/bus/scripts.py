@@ -34,7 +34,8 @@ _NOW = _CLOCK + "clock()\n"
 #       answered cause or 0), then wake_agent ('1': the batch opens or cancels a run, so the agent
 #       role is announced unless it holds the session or was announced already; the agent role is
 #       never announced otherwise), then wake_runtime ('1': the batch holds an action the runtime
-#       role runs, or an approval of one; likewise the only way the runtime role is announced)
+#       role runs, an approval, or a fork whose sandbox it builds: ``log.wakes_runtime``; likewise
+#       the only way the runtime role is announced)
 # Replies: {'ok', first, count, index, need...} | {'dup', first, count, index, need...} | {'conflict', last}
 #          | {'fenced', current} | {'answered', cause, existing id} | {'tenant', the session's tenant ('' none)}
 #          | {'reused', first}: the idempotency key was used with another digest (nothing appended)

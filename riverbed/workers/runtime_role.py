@@ -100,13 +100,6 @@ def checked_cgroups(settings: Settings, *, proc_self: Path = Path("/proc/self"))
     return cgroups
 
 
-def for_runtime(event: events.Event) -> bool:
-    """Whether the runtime role answers this event."""
-    if isinstance(event, events.Action):
-        return event.answering_role == "runtime"
-    return isinstance(event, events.Unknown) and event.source in ("agent", "user") and bool(event.original_kind)
-
-
 CANCEL_POLL_SECONDS = 0.25
 """How often the log after a running command is looked at for a ``run_cancel``."""
 CANCELLABLE = (events.CmdRun, events.PythonRun)
@@ -248,9 +241,9 @@ class RuntimeHandler:
         held: Answer | None = None
         for entry in entries:
             event = entry.event
-            if for_runtime(event) and isinstance(event, events.Action) and event.awaits_approval:
+            if events.for_runtime(event) and isinstance(event, events.Action) and event.awaits_approval:
                 done.append(entry.id)  # (it runs when an approval names it: see below)
-            elif for_runtime(event):
+            elif events.for_runtime(event):
                 await ctx.ack(done)
                 done = []
                 held = await self._claim_and_run(ctx, entry, hold=entry is last)
@@ -282,7 +275,7 @@ class RuntimeHandler:
         once (claimed like every action; one answered meanwhile, or rejected, is passed over)."""
         for action_id in sorted(set(approval.actions)):
             async for event in ctx.log.read(ctx.session, action_id, action_id):
-                if not (isinstance(event, events.Action) and for_runtime(event) and event.awaits_approval):
+                if not (isinstance(event, events.Action) and events.for_runtime(event) and event.awaits_approval):
                     continue
                 if await ctx.is_answered(action_id):
                     continue
@@ -305,7 +298,7 @@ class RuntimeHandler:
 
     async def recover(self, ctx: SessionContext, entries: list[Entry]) -> Answer | None:
         for entry in entries:
-            if for_runtime(entry.event):
+            if events.for_runtime(entry.event):
                 await self._claim_and_run(ctx, entry)
             else:
                 await self.handle(ctx, [entry])
