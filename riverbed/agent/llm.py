@@ -53,6 +53,7 @@ __all__ = [
     "AgentOptions",
     "bounded_response",
     "build_messages",
+    "context_shown",
     "make_client",
     "model_parameters",
     "over_budget",
@@ -125,25 +126,35 @@ def _context_text(result: events.RecallResult) -> str:
 def _with_context(view: Iterable[events.Event]) -> list[events.Event]:
     """The view with the agent's own context recalls (a ``recall`` caused by a user message)
     replaced by their rendered text, as a user message where the result arrived."""
-    items = list(view)
-    by_id = {e.id: e for e in items if e.id is not None}
+    by_id: dict[int, events.Event] = {}
     automatic: set[int] = set()
-    for e in items:
-        if isinstance(e, events.Recall) and e.id is not None and e.cause is not None:
-            asked_by = by_id.get(e.cause)
-            if isinstance(asked_by, events.Message) and asked_by.source == "user":
-                automatic.add(e.id)
     out: list[events.Event] = []
-    for e in items:
-        if e.id in automatic:
-            continue
-        if isinstance(e, events.Observation) and e.cause in automatic:
-            text = _context_text(e) if isinstance(e, events.RecallResult) else ""
-            if text:
-                out.append(events.Message(id=e.id, source="user", content=text, ts=e.ts))
-            continue
-        out.append(e)
+    for e in view:
+        shown = context_shown(e, by_id, automatic)
+        if shown is not None:
+            out.append(shown)
+        if e.id is not None:
+            by_id[e.id] = e
     return out
+
+
+def context_shown(event: events.Event, by_id: Mapping[int, events.Event], automatic: set[int]) -> events.Event | None:
+    """What the prompt shows of ``event`` (see :func:`_with_context`): None for an automatic
+    context recall and for a result of one that renders to nothing.  ``by_id`` holds the
+    view's events before it (a cause names an earlier event); ``automatic`` collects the
+    automatic recalls' ids as they come."""
+    cause = event.cause
+    if cause is None or event.id is None or cause >= event.id:
+        return event
+    if isinstance(event, events.Recall):
+        asked_by = by_id.get(cause)
+        if isinstance(asked_by, events.Message) and asked_by.source == "user":
+            automatic.add(event.id)
+            return None
+    if isinstance(event, events.Observation) and cause in automatic:
+        text = _context_text(event) if isinstance(event, events.RecallResult) else ""
+        return events.Message(id=event.id, source="user", content=text, ts=event.ts) if text else None
+    return event
 
 
 def over_budget(

@@ -25,6 +25,8 @@ Rules, in view order:
 - a tool call without an observation in the view (still running, or forgotten) is left out,
   and so is an observation whose action is not in the view, so the provider never sees an
   unmatched call or result;
+- a cause names an earlier event: one that names a later event is treated as naming an event
+  not in the view;
 - an observation with no cause, or answering something that is not a tool call (a
   workspace recall answering the user's message), becomes a user message;
 - other events (``session_config``, ``forked``, ``unknown``, an MCP server's listing:
@@ -65,7 +67,18 @@ from riverbed.events import (
 from riverbed.memory.tokens import action_arguments, event_text
 from riverbed.memory.view import Summary
 
-__all__ = ["CACHE_MODES", "SUMMARY_PREFIX", "cache_breakpoints", "to_messages", "tool_call_id", "tool_name"]
+__all__ = [
+    "CACHE_MODES",
+    "SUMMARY_PREFIX",
+    "Mark",
+    "cache_breakpoints",
+    "convert",
+    "shown_by_tools",
+    "starts_turn",
+    "to_messages",
+    "tool_call_id",
+    "tool_name",
+]
 
 ChatMessage = dict[str, Any]
 
@@ -82,6 +95,14 @@ def tool_call_id(event_id: int) -> str:
 def tool_name(kind: str) -> str:
     """An event kind as a function name the API accepts."""
     return _NAME_RE.sub("_", kind)[:64] or "action"
+
+
+def _cause(event: Event) -> int | None:
+    """``event.cause`` when it names an earlier event, else -1 (no event's id): an event cannot
+    answer, or be caused by, one that comes after it, so such a cause names an event not in the
+    view."""
+    cause = event.cause
+    return cause if cause is None or event.id is None or cause < event.id else -1
 
 
 def _answerable(event: Event) -> bool:
@@ -155,7 +176,8 @@ def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, l
         if not (_answerable(e) and isinstance(e, Action) and isinstance(e.tool_call_id, str)):
             continue
         assert e.id is not None
-        owner = e.cause if e.cause in responses else (latest.get(e.tool_call_id) if e.cause is None else None)
+        cause = _cause(e)
+        owner = cause if cause in responses else (latest.get(e.tool_call_id) if cause is None else None)
         if owner is None or e.tool_call_id in taken.setdefault(owner, set()):
             continue
         raw = next(
@@ -169,8 +191,9 @@ def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, l
 
     caused: dict[int, list[Event]] = {}
     for e in events:
-        if _answerable(e) and e.cause is not None and e.cause in responses and e.id not in calls:
-            caused.setdefault(e.cause, []).append(e)
+        cause = _cause(e)
+        if _answerable(e) and cause is not None and cause in responses and e.id not in calls:
+            caused.setdefault(cause, []).append(e)
     for position, response in enumerate(events):
         if not isinstance(response, LlmResponse) or response.id is None:
             continue
@@ -191,7 +214,7 @@ def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, l
                 e = events[index]
                 if isinstance(e, LlmResponse) or (isinstance(e, Message) and e.source != "agent"):
                     break
-                if _answerable(e) and e.source == "agent" and e.cause is None and e.id not in calls:
+                if _answerable(e) and e.source == "agent" and _cause(e) is None and e.id not in calls:
                     claimants.append(e)
         claimants = [e for e in claimants if not isinstance(getattr(e, "tool_call_id", None), str)]
         if not claimants or len(claimants) != len(answered_calls):
@@ -251,22 +274,55 @@ def to_messages(
     view: Iterable[Event], *, system_prompt: str | None = None, images: ImageSource | None = None
 ) -> list[ChatMessage]:
     """OpenAI chat messages for a view (see the module docstring for the rules)."""
-    events = [e for e in view if not isinstance(e, McpList | McpTools)]
-    by_id = {e.id: e for e in events if e.id is not None}
-    results: dict[int, list[Observation]] = {}
-    for e in events:
-        if isinstance(e, Observation) and e.cause is not None:
-            action = by_id.get(e.cause)
-            if action is not None and _answerable(action):
-                results.setdefault(e.cause, []).append(e)
-    calls, claimed_by = _claims(events)
-    spoken = {e.cause for e in events if isinstance(e, Message | Think | Finish) and e.source == "agent"}
-    claimed = {action_id for ids in claimed_by.values() for action_id in ids}
-
     out: list[ChatMessage] = []
     if system_prompt:
         out.append({"role": "system", "content": system_prompt})
-    used_ids: set[str] = set()
+    convert([e for e in view if not shown_by_tools(e)], out, set(), images=images)
+    return out
+
+
+def shown_by_tools(event: Event) -> bool:
+    """An MCP server's listing, which the request's tools show (never a message)."""
+    return isinstance(event, McpList | McpTools)
+
+
+def starts_turn(event: Event) -> bool:
+    """Whether ``event`` ends the actions a response before it can claim by position (a later
+    response, or a message from anyone but the agent)."""
+    return isinstance(event, LlmResponse) or (isinstance(event, Message) and event.source != "agent")
+
+
+Mark = tuple[int, int, int]
+"""A place where :func:`convert` could start again: the event's index, the messages and the
+tool call ids used before it."""
+
+
+def convert(
+    events: list[Event],
+    out: list[ChatMessage],
+    used_ids: set[str],
+    *,
+    images: ImageSource | None = None,
+    added: list[str] | None = None,
+    marks: list[Mark] | None = None,
+) -> None:
+    """Append the messages of ``events`` (a view without MCP listings) to ``out``.
+
+    ``used_ids``: the tool call ids the messages before them use (each id is used once);
+    ``added`` collects the ids used here, in order.  ``marks`` collects, before each event that
+    starts a turn (:func:`starts_turn`), where the conversion could start again: a caller that
+    keeps the messages of a growing view converts again only from the last such place that no
+    later event refers back across (:class:`riverbed.agent.prompt.Prompt`)."""
+    by_id = {e.id: e for e in events if e.id is not None}
+    results: dict[int, list[Observation]] = {}
+    for e in events:
+        if isinstance(e, Observation) and (cause := _cause(e)) is not None:
+            action = by_id.get(cause)
+            if action is not None and _answerable(action):
+                results.setdefault(cause, []).append(e)
+    calls, claimed_by = _claims(events)
+    spoken = {_cause(e) for e in events if isinstance(e, Message | Think | Finish) and e.source == "agent"}
+    claimed = {action_id for ids in claimed_by.values() for action_id in ids}
 
     def emit_calls(content: str | None, action_ids: list[int]) -> None:
         answered = [a for a in action_ids if a in results]
@@ -276,6 +332,8 @@ def to_messages(
             if call["id"] in used_ids:
                 call = {**call, "id": tool_call_id(action_id)}
             used_ids.add(call["id"])
+            if added is not None:
+                added.append(call["id"])
             tool_calls.append(call)
         if not tool_calls:
             if content:
@@ -297,7 +355,9 @@ def to_messages(
                 parts.extend(_image_parts(files, images))
             out.append({"role": "user", "content": parts})
 
-    for e in events:
+    for index, e in enumerate(events):
+        if marks is not None and starts_turn(e):
+            marks.append((index, len(out), len(added) if added is not None else 0))
         match e:
             case Summary():
                 out.append({"role": "user", "content": SUMMARY_PREFIX + e.content})
@@ -314,9 +374,9 @@ def to_messages(
                 if e.id is not None and e.id not in claimed:
                     emit_calls(None, [e.id])
             case Observation():
-                if e.cause is None or (e.cause in by_id and not _answerable(by_id[e.cause])):
+                cause = _cause(e)
+                if cause is None or (cause in by_id and not _answerable(by_id[cause])):
                     out.append({"role": "user", "content": f"[{e.kind}]\n{_result_text([e])}"})
-    return out
 
 
 CACHE_MODES = ("none", "anthropic")

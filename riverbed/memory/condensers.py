@@ -65,6 +65,9 @@ __all__ = [
     "condense",
     "config_from_log",
     "mask_observations",
+    "maskable",
+    "masked",
+    "masked_count",
     "prepare",
     "should_condense",
 ]
@@ -157,6 +160,11 @@ class CondenserConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         """Tokens the view may use: ``budget_tokens - headroom_tokens`` (None: no token limit)."""
         return None if self.budget_tokens is None else self.budget_tokens - self.headroom_tokens
 
+    @property
+    def forgets(self) -> bool:
+        """Whether this stage forgets events: its budget is what makes the view condense."""
+        return self.strategy in _FORGETTING
+
     def flat(self) -> tuple[CondenserConfig, ...]:
         """The stages to run: a pipeline's stages, or this config alone."""
         return self.stages if self.strategy == "pipeline" else (self,)
@@ -183,33 +191,43 @@ def mask_observations(view: View, config: CondenserConfig) -> View:
     prefix changes rarely.  A masked observation becomes a :class:`~riverbed.memory.view.Masked`
     event with the same id and cause; only observations longer than the placeholder change.
     """
-    placeholder = config.mask_placeholder
-    step = max(1, config.mask_window // 2)
-    positions = [
-        i
-        for i, e in enumerate(view.events)
-        if isinstance(e, Observation) and not isinstance(e, Error | Masked) and e.id not in view.pinned
-    ]
-    count = max(0, len(positions) - config.mask_window) // step * step
+    positions = [i for i, e in enumerate(view.events) if maskable(e, view.pinned)]
+    count = masked_count(len(positions), config)
     if count == 0:
         return view
     events = list(view.events)
     for i in positions[:count]:
-        original = events[i]
-        if len(event_text(original)) <= len(placeholder):
-            continue
-        events[i] = Masked(
-            id=original.id,
-            source=original.source,
-            cause=original.cause,
-            ts=original.ts,
-            agent=original.agent,
-            tenant=original.tenant,
-            trace=original.trace,
-            original_kind=original.kind,
-            content=placeholder,
-        )
+        events[i] = masked(events[i], config.mask_placeholder)
     return View(tuple(events), view.last_id, view.summary_index, view.pinned)
+
+
+def maskable(event: Event, pinned: frozenset[int]) -> bool:
+    """Whether masking may hide ``event``: an observation, not an error, not masked already,
+    not pinned."""
+    return isinstance(event, Observation) and not isinstance(event, Error | Masked) and event.id not in pinned
+
+
+def masked_count(maskable_count: int, config: CondenserConfig) -> int:
+    """How many of the view's maskable observations, the oldest first, masking hides."""
+    step = max(1, config.mask_window // 2)
+    return max(0, maskable_count - config.mask_window) // step * step
+
+
+def masked(original: Event, placeholder: str) -> Event:
+    """``original`` as masking shows it: itself when its text is no longer than the placeholder."""
+    if len(event_text(original)) <= len(placeholder):
+        return original
+    return Masked(
+        id=original.id,
+        source=original.source,
+        cause=original.cause,
+        ts=original.ts,
+        agent=original.agent,
+        tenant=original.tenant,
+        trace=original.trace,
+        original_kind=original.kind,
+        content=placeholder,
+    )
 
 
 def prepare(view: View, config: CondenserConfig) -> View:

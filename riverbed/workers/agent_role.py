@@ -92,15 +92,14 @@ from riverbed.agent.delegation import REFUSED, ChildPlan, plan_child, refusal, r
 from riverbed.agent.images import ImageSource, WorkspaceImages, vision
 from riverbed.agent.llm import (
     bounded_response,
-    build_messages,
     model_parameters,
-    over_budget,
     recorded_response,
     system_prompt,
     timeout_sentence,
 )
 from riverbed.agent.mcp import answer_remote
 from riverbed.agent.messages import cache_breakpoints
+from riverbed.agent.prompt import Prompt
 from riverbed.agent.quotas import Quotas, TenantQuota, call_estimate, model_refusal
 from riverbed.agent.registry import Hosted, load
 from riverbed.agent.retry import GaveUp, RetryPolicy, Saturated, retry_after, retrying
@@ -269,6 +268,8 @@ class _Session:
     builder: ViewBuilder = field(default_factory=ViewBuilder)
     """the fold of ``seen`` up to ``built``, kept as the log grows (:meth:`view`)"""
     built: int = 0
+    kept: Prompt | None = None
+    """the prompt of ``seen``, kept between steps (:meth:`prompt`)"""
 
     def add(self, event: events.Event) -> None:
         if event.id is not None and event.id > self.fold.last:
@@ -281,6 +282,13 @@ class _Session:
             self.builder.extend(self.seen[self.built :])
             self.built = len(self.seen)
         return self.builder.view()
+
+    def prompt(self, system: str, condenser_defaults: dict[str, Any] | None, images: ImageSource | None) -> Prompt:
+        """The prompt of ``seen`` (:mod:`riverbed.agent.prompt`): a step converts only what is new."""
+        if self.kept is None or not self.kept.fits(system, condenser_defaults):
+            self.kept = Prompt(system=system, condenser_defaults=condenser_defaults, images=images)
+        self.kept.update(self.seen, self.view())
+        return self.kept
 
 
 SUMMARY_EVERY = 1.0
@@ -669,6 +677,11 @@ class AgentHandler:
                 self._toolboxes.pop(next(iter(self._toolboxes)))
         return made
 
+    def _prompt(self, ctx: SessionContext, state: _Session, agent: Agent) -> Prompt:
+        """The session's prompt for ``agent``, caught up with the log."""
+        images = self.images(ctx.session) if self.images is not None else None
+        return state.prompt(system_prompt(agent), self._condenser(agent), images)
+
     def _condenser(self, agent: Agent) -> dict[str, Any] | None:
         """The condenser settings of ``agent``'s runs: the worker's, with the agent's over them."""
         if agent.condenser:
@@ -681,7 +694,7 @@ class AgentHandler:
         :data:`CONDENSE_WAIT_SECONDS`: the agent answered it, and goes on).  Else the request is
         made (once a step) and the step waits for its answer: a condenser that is behind never
         lets a prompt over the budget go out."""
-        if not over_budget(state.seen, self._condenser(agent), view=state.view()):
+        if not self._prompt(ctx, state, agent).over_budget():
             return True
         since = run.response.id if run.response is not None and run.response.id is not None else run.opened
         asked = asked_to_condense(state.seen, since)
@@ -1116,19 +1129,14 @@ class AgentHandler:
     ) -> Any:
         """The model's response to the prompt the log makes; a model error is retried by
         ``self.retry`` (``agent/retry.py``; a cancel stops that)."""
-        condenser = self._condenser(agent)
+        prompt = self._prompt(ctx, state, agent)
         request: dict[str, Any] = {
             "model": model,
-            "messages": cache_breakpoints(
-                build_messages(
-                    state.seen,
-                    view=state.view(),
-                    condenser_defaults=condenser,
-                    system=system_prompt(agent),
-                    images=self.images(ctx.session) if self.images is not None else None,
-                ),
-                self.prompt_cache,
-            ),
+            # (the kept messages' JSON, joined: only what is new is encoded; a client of the
+            # caller's is given the messages themselves)
+            "messages": prompt.encoded(self.prompt_cache)
+            if isinstance(self.client, CheckedClient)
+            else cache_breakpoints(prompt.messages(), self.prompt_cache),
             "tools": offered,
             "tool_choice": "auto",
             # Several calls in one response: the role appends them in order (each after the one

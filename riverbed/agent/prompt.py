@@ -1,0 +1,322 @@
+"""A session's prompt kept as its log grows: a step converts only what is new.
+
+:func:`~riverbed.agent.llm.build_messages` and :func:`~riverbed.agent.llm.over_budget` are pure
+functions of the log: each call masks and converts the whole context, so a step would cost more
+the longer its context.  The agent role keeps a :class:`Prompt` per session instead, which gives
+the same answers from what it kept of the step before::
+
+    prompt = Prompt(system=system_prompt(agent), condenser_defaults=defaults)
+    prompt.update(seen, builder.view())   # the log so far and its fold (ViewBuilder: incremental)
+    prompt.over_budget()                  # over_budget(seen, defaults)
+    prompt.messages()                     # build_messages(seen, system=..., condenser_defaults=...)
+    prompt.encoded("none")                # those messages' JSON (cache_breakpoints applied)
+
+Between two steps the view only grows at its end, unless a condensation or a context edit came:
+then every part below starts again from the first event, once.  Otherwise:
+
+- each masking stage keeps which observations it hides; its boundary moves in steps of half its
+  window, so an observation is masked once, and what follows it is converted again then;
+- a context recall's rendering is kept with its event;
+- the messages are kept with the places where the conversion could start again
+  (:func:`~riverbed.agent.messages.convert`'s marks: before each model response and each user
+  message).  An update converts again from the last place that no new or changed event refers
+  back across (an observation to its action and that action's response, an action to its
+  response, the agent's words to the response they speak for): usually the step's own turn;
+- each message's JSON is kept, so a request's body is joined rather than encoded again;
+- the condenser's token counts are kept per event.
+
+Nothing here reads the log or the model: it is as pure as the functions it stands for, and a
+property test (``tests/test_prompt.py``) checks it against them on random agent-shaped logs.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import structlog
+
+from riverbed import events
+from riverbed.agent.images import ImageSource
+from riverbed.agent.llm import context_shown
+from riverbed.agent.messages import ChatMessage, cache_breakpoints, convert, shown_by_tools
+from riverbed.errors import ConfigError
+from riverbed.memory.condensers import CondenserConfig, maskable, masked, masked_count
+from riverbed.memory.tokens import TokenCounter
+from riverbed.memory.view import View
+
+__all__ = ["Prompt"]
+
+log = structlog.get_logger("riverbed.agent")
+
+Event = events.Event
+_encode = msgspec.json.Encoder().encode
+
+
+class _Masking:
+    """One masking stage (:func:`~riverbed.memory.condensers.mask_observations`) over a list
+    that changes only from a known index on: ``out`` is the list as the stage shows it."""
+
+    def __init__(self, config: CondenserConfig) -> None:
+        self.config = config
+        self.out: list[Event] = []
+        self.positions: list[int] = []
+        """the input's maskable observations, by index"""
+        self.count = 0
+        """how many of them (the oldest) are masked"""
+
+    def update(self, given: Sequence[Event], changed: int, pinned: frozenset[int]) -> int:
+        """Bring ``out`` up to ``given`` (the last input up to ``changed``); the first index of
+        ``out`` that changed."""
+        positions, out = self.positions, self.out
+        kept = bisect_left(positions, changed)
+        del positions[kept:]
+        positions.extend(i for i in range(changed, len(given)) if maskable(given[i], pinned))
+        before, count = self.count, masked_count(len(positions), self.config)
+        self.count = count
+        del out[changed:]
+        out.extend(given[changed:])
+        placeholder = self.config.mask_placeholder
+        for i in positions[kept:count]:
+            out[i] = masked(given[i], placeholder)
+        # The boundary moved among the observations before ``changed``: mask (or show again) those.
+        low, high = min(before, count), min(max(before, count), kept)
+        for j in range(low, high):
+            i = positions[j]
+            out[i] = masked(given[i], placeholder) if j < count else given[i]
+        return min(changed, positions[low]) if low < high else changed
+
+
+class _Tally:
+    """A forgetting stage's budget over the list at its place in the pipeline
+    (:func:`~riverbed.memory.condensers.should_condense`): its events and tokens."""
+
+    def __init__(self, config: CondenserConfig) -> None:
+        self.config = config
+        self.counter = TokenCounter(config.model, config.tokenizer) if config.token_limit is not None else None
+        self.counts: list[int] = []
+        self.tokens = 0
+        self.size = 0
+
+    def update(self, given: Sequence[Event], changed: int) -> None:
+        self.size = len(given)
+        if self.counter is None:
+            return
+        counts = self.counts
+        self.tokens -= sum(counts[changed:])
+        del counts[changed:]
+        count = self.counter.event
+        counts.extend(count(e) for e in given[changed:])
+        self.tokens += sum(counts[changed:])
+
+    def over(self, summarised: bool) -> bool:
+        config = self.config
+        if config.max_events is not None and self.size - summarised > config.max_events:
+            return True
+        limit = config.token_limit
+        return limit is not None and self.tokens > limit
+
+
+class _Context:
+    """The context recalls rendered (:func:`~riverbed.agent.llm.context_shown`) and MCP
+    listings left out, over a list that changes only from a known index on."""
+
+    def __init__(self) -> None:
+        self.out: list[Event] = []
+        self.starts: list[int] = []
+        """for each input index, the length of ``out`` before it"""
+        self.by_id: dict[int, Event] = {}
+        self.automatic: set[int] = set()
+
+    def update(self, given: Sequence[Event], changed: int) -> int:
+        cut = self.starts[changed] if changed < len(self.starts) else len(self.out)
+        out, starts, by_id, automatic = self.out, self.starts, self.by_id, self.automatic
+        del out[cut:]
+        del starts[changed:]
+        for e in given[changed:]:
+            starts.append(len(out))
+            shown = context_shown(e, by_id, automatic)
+            if shown is not None and not shown_by_tools(shown):
+                out.append(shown)
+            if e.id is not None:
+                by_id[e.id] = e
+        return cut
+
+
+class _Messages:
+    """The messages of a list of events (:func:`~riverbed.agent.messages.convert`), kept with
+    their JSON and the places where converting can start again."""
+
+    def __init__(self, system: str | None, images: ImageSource | None) -> None:
+        self.images = images
+        self.out: list[ChatMessage] = [{"role": "system", "content": system}] if system else []
+        self.encoded: list[msgspec.Raw] = [msgspec.Raw(_encode(m)) for m in self.out]
+        self.used: set[str] = set()
+        self.added: list[str] = []
+        self.marks: list[tuple[int, int, int]] = [(0, len(self.out), 0)]
+        """where converting can start again: index, messages before it, ``added`` before it"""
+        self.position: dict[int, int] = {}
+        """event id -> index"""
+        self.root: dict[int, int] = {}
+        """an action's id -> the id of the response it may be shown under (its own when none)"""
+        self.first_call: dict[str, int] = {}
+        """a tool call id -> the first response that made it"""
+        self.length = 0
+        """the events converted"""
+
+    def _anchor(self, e: Event, i: int) -> int:
+        """The first index whose messages ``e`` (at ``i``) may change: where the response is
+        that its call or its words (an action: the agent's messages too) or its result go with."""
+        position = self.position
+        if isinstance(e, events.Action):
+            return min(i, position.get(self.root.get(e.id or 0, 0), i))
+        if isinstance(e, events.Observation):
+            cause = e.cause
+            if cause is None or e.id is None or cause >= e.id:
+                return i
+            # (not the action's response: no place to start again lies between the two)
+            return min(i, position.get(cause, i))
+        return i
+
+    def _note(self, e: Event, i: int) -> None:
+        """Remember where ``e`` is, and which response an action of it may go with."""
+        eid = e.id
+        if eid is None:
+            return
+        self.position[eid] = i
+        if isinstance(e, events.LlmResponse):
+            for call in e.tool_calls:
+                call_id = call.get("id") if isinstance(call, Mapping) else None
+                if isinstance(call_id, str):
+                    self.first_call.setdefault(call_id, eid)
+        elif isinstance(e, events.Action):
+            cause = e.cause
+            if cause is not None and cause < eid:
+                self.root[eid] = cause
+            elif cause is None and isinstance(e.tool_call_id, str):
+                self.root[eid] = self.first_call.get(e.tool_call_id, eid)
+
+    def update(self, given: Sequence[Event], changed: int) -> None:
+        if changed >= len(given) == self.length:
+            return
+        self.length = len(given)
+        anchors = [0] * (len(given) - changed)
+        for i in range(changed, len(given)):
+            e = given[i]
+            self._note(e, i)
+            anchors[i - changed] = self._anchor(e, i)
+        first = min(anchors, default=changed)
+        marks = self.marks
+        while marks[-1][0] > min(first, changed):
+            marks.pop()
+        start, count, used_count = marks[-1]
+        del self.out[count:]
+        del self.encoded[count:]
+        for call_id in self.added[used_count:]:
+            self.used.discard(call_id)
+        del self.added[used_count:]
+        found: list[tuple[int, int, int]] = []
+        convert(list(given[start:]), self.out, self.used, images=self.images, added=self.added, marks=found)
+        self.encoded.extend(msgspec.Raw(_encode(m)) for m in self.out[count:])
+        # A place stays one to start again from while nothing after it refers back across it.
+        lowest = len(given)
+        valid: set[int] = set()
+        for i in range(len(given) - 1, start, -1):
+            lowest = min(lowest, anchors[i - changed] if i >= changed else self._anchor(given[i], i))
+            if lowest >= i:
+                valid.add(i)
+        marks.extend((start + at, n, used) for at, n, used in found if at > 0 and start + at in valid)
+
+
+class Prompt:
+    """The prompt of one session's log as it grows (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        system: str | None,
+        condenser_defaults: Mapping[str, Any] | None = None,
+        images: ImageSource | None = None,
+    ) -> None:
+        self.system = system
+        self.condenser_defaults = dict(condenser_defaults or {})
+        self.images = images
+        self._scanned = 0
+        self._raw: Mapping[str, Any] | None = None
+        self.config = self._config()
+        self._view: tuple[Event, ...] = ()
+        self._pinned: frozenset[int] = frozenset()
+        self._summarised = False
+        self._reset()
+
+    def fits(self, system: str | None, condenser_defaults: Mapping[str, Any] | None) -> bool:
+        """Whether this prompt is the one of ``system`` and ``condenser_defaults``."""
+        return self.system == system and self.condenser_defaults == dict(condenser_defaults or {})
+
+    def _config(self) -> CondenserConfig:
+        try:
+            return CondenserConfig.from_dict(self._raw, self.condenser_defaults)
+        except ConfigError as exc:
+            log.warning("agent.bad_condenser_config", error=str(exc))
+            return CondenserConfig()
+
+    def _reset(self) -> None:
+        self._stages: list[_Masking | _Tally] = [
+            _Masking(stage) if stage.strategy == "masking" else _Tally(stage)
+            for stage in self.config.flat()
+            if stage.strategy == "masking" or stage.forgets
+        ]
+        self._context = _Context()
+        self._messages = _Messages(self.system, self.images)
+        self._view = ()
+
+    def update(self, seen: Sequence[Event], view: View) -> None:
+        """Catch up with the log ``seen`` and its fold ``view`` (both only grow)."""
+        raw = self._raw
+        for e in seen[self._scanned :]:
+            if isinstance(e, events.SessionConfig) and e.condenser is not None:
+                raw = e.condenser
+        self._scanned = len(seen)
+        if raw is not self._raw:
+            self._raw = raw
+            config = self._config()
+            if config != self.config:
+                self.config = config
+                self._reset()
+        given = view.events
+        old = self._view
+        changed = len(old)
+        if view.pinned != self._pinned or len(given) < changed or given[:changed] != old:
+            self._reset()
+            changed = 0
+        self._view, self._pinned, self._summarised = given, view.pinned, view.summary_index is not None
+        shown: Sequence[Event] = given
+        for stage in self._stages:
+            if isinstance(stage, _Masking):
+                changed = stage.update(shown, changed, view.pinned)
+                shown = stage.out
+            else:
+                stage.update(shown, changed)
+        changed = self._context.update(shown, changed)
+        self._messages.update(self._context.out, changed)
+
+    def over_budget(self) -> bool:
+        """Whether the session's condenser would condense the view now."""
+        return any(stage.over(self._summarised) for stage in self._stages if isinstance(stage, _Tally))
+
+    def messages(self) -> list[ChatMessage]:
+        """The chat messages (a copy of the list; the messages themselves are shared)."""
+        return list(self._messages.out)
+
+    def encoded(self, cache: str = "none") -> list[msgspec.Raw]:
+        """The messages' JSON with :func:`~riverbed.agent.messages.cache_breakpoints`' marks for
+        ``cache``: a request's ``messages`` to encode (only the marked ones are encoded again)."""
+        out = self._messages.out
+        encoded = list(self._messages.encoded)
+        with_marks = cache_breakpoints(out, cache)
+        for i in {0, len(out) - 1} if out else ():
+            if with_marks[i] is not out[i]:
+                encoded[i] = msgspec.Raw(_encode(with_marks[i]))
+        return encoded

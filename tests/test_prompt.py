@@ -1,0 +1,237 @@
+"""A session's prompt kept between steps (riverbed.agent.prompt) is the one built from scratch."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from riverbed.agent.llm import build_messages, over_budget
+from riverbed.agent.messages import cache_breakpoints
+from riverbed.agent.prompt import Prompt
+from riverbed.events import (
+    CmdOutput,
+    CmdRun,
+    Condensation,
+    ContextEdit,
+    Error,
+    Event,
+    Finish,
+    LlmResponse,
+    McpList,
+    McpTools,
+    Message,
+    Recall,
+    RecallResult,
+    SessionConfig,
+    Think,
+    with_id,
+)
+from riverbed.memory.view import ViewBuilder
+from tests.kit.openai_server import tool_call
+
+MASK_AND_FORGET = {
+    "strategy": "pipeline",
+    "stages": [{"strategy": "masking", "mask_window": 2}, {"strategy": "recent", "max_events": 40}],
+}
+MASK_TWICE = {
+    "strategy": "pipeline",
+    "stages": [
+        {"strategy": "masking", "mask_window": 6},
+        {"strategy": "amortized", "max_events": None, "budget_tokens": 400},
+        {"strategy": "masking", "mask_window": 3, "mask_placeholder": "[hidden]"},
+    ],
+}
+CONFIGS = [None, MASK_AND_FORGET, MASK_TWICE, {"strategy": "noop"}, {"strategy": "masking", "mask_window": 1}]
+
+op = st.one_of(
+    st.tuples(st.just("user")),
+    st.tuples(st.just("llm"), st.integers(0, 3), st.booleans(), st.booleans(), st.booleans()),
+    st.tuples(st.just("run"), st.sampled_from(["named", "caused", "bare", "skip"])),
+    st.tuples(st.just("run"), st.sampled_from(["named", "caused"])),
+    st.tuples(st.just("foreign"), st.sampled_from(["agent", "user"])),
+    st.tuples(st.just("obs"), st.integers(0, 5), st.booleans()),
+    st.tuples(st.just("obs"), st.integers(0, 5), st.booleans()),
+    st.tuples(st.just("again"), st.integers(0, 5)),
+    st.tuples(st.just("said"), st.sampled_from(["message", "think", "finish"])),
+    st.tuples(st.just("recall")),
+    st.tuples(st.just("recalled"), st.booleans()),
+    st.tuples(st.just("ahead")),
+    st.tuples(st.just("notice"), st.integers(1, 12)),
+    st.tuples(st.just("mcp")),
+    st.tuples(st.just("error")),
+    st.tuples(st.just("config"), st.integers(0, len(CONFIGS) - 1)),
+    st.tuples(st.just("cond"), st.integers(0, 30), st.integers(0, 6), st.sampled_from([None, "", "so far"])),
+    st.tuples(
+        st.just("edit"), st.sampled_from(["forget", "restore", "pin", "unpin"]), st.integers(0, 30), st.integers(0, 6)
+    ),
+)
+
+
+@st.composite
+def agent_logs(draw: st.DrawFn) -> list[Event]:
+    """Logs as agents write them (responses of tool calls with ids, their actions and results,
+    late and repeated results, words the agent says for a response, context recalls, MCP
+    listings), with what changes a view in the middle: condensations, context edits, masking
+    configs changed by a ``session_config``, and causes that name a later event."""
+    size = draw(st.integers(0, 60))
+    out: list[Event] = []
+    response: LlmResponse | None = None
+    pending: list[dict[str, Any]] = []
+    unanswered: list[int] = []
+    answered: list[int] = []
+    recalls: list[int] = []
+    user: int | None = None
+    for o in draw(st.lists(op, min_size=size, max_size=size)):
+        eid = len(out) + 1
+        ev: Event
+        match o:
+            case ("user",):
+                ev = Message(content=f"u{eid}", source="user")
+                user = eid
+            case ("llm", n, reuse_ids, with_think, said):
+                raw = [tool_call("cmd_run", {"command": f"c{eid}.{k}"}, f"call_{k}" if reuse_ids else None)
+                       for k in range(n)]  # fmt: skip
+                if with_think:
+                    raw.insert(0, tool_call("think", {"thought": "hm"}, f"call_t{eid}"))
+                ev = response = LlmResponse(
+                    model="m", tool_calls=raw, content=f"r{eid}" if said else None, cause=eid - 1 or None
+                )
+                pending = [c for c in raw if c["function"]["name"] == "cmd_run"]
+            case ("run", how) if pending and response is not None:
+                call = pending.pop(0)
+                if how == "skip":
+                    continue
+                command = json.loads(call["function"]["arguments"])["command"]
+                ev = CmdRun(
+                    command=command,
+                    cause=response.id if how in ("named", "caused") else None,
+                    **({"tool_call_id": call["id"]} if how == "named" else {}),
+                )
+            case ("run", _) | ("foreign", _):
+                source = o[1] if o[0] == "foreign" and o[1] == "user" else "agent"
+                ev = CmdRun(command=f"x{eid}", source=source)
+            case ("obs", back, long) if unanswered:
+                target = unanswered.pop(back % len(unanswered))
+                answered.append(target)
+                ev = CmdOutput(content=("out " * 30 if long else "o") + str(target), cause=target)
+            case ("again", back) if answered:
+                ev = CmdOutput(
+                    content=f"more of {answered[back % len(answered)]}", cause=answered[back % len(answered)]
+                )
+            case ("said", kind) if response is not None:
+                ev = {
+                    "message": Message(content=f"m{eid}", source="agent", cause=response.id),
+                    "think": Think(thought=f"t{eid}", source="agent", cause=response.id),
+                    "finish": Finish(final_thought=f"f{eid}", source="agent", cause=response.id),
+                }[kind]
+            case ("recall",) if user is not None:
+                ev = Recall(recall_type="workspace_context", cause=user, source="agent")
+                recalls.append(eid)
+            case ("recalled", empty) if recalls:
+                ev = RecallResult(
+                    recall_type="workspace_context", repo_name=None if empty else "acme/app", cause=recalls.pop(0)
+                )
+            case ("notice", back) if eid > back:
+                ev = CmdOutput(content="about an event that is no call", cause=eid - back)
+            case ("ahead",):
+                ev = CmdOutput(content="from the future", cause=eid + 2)
+            case ("mcp",):
+                ev = McpList(server="s", source="agent")
+            case ("error",):
+                ev = Error(source="agent", content=f"e{eid}")
+            case ("config", which):
+                ev = SessionConfig(condenser=CONFIGS[which])
+            case ("cond", back, length, summary):
+                start = max(1, eid - back)
+                ev = Condensation(forgotten=[(start, start + length)], summary=summary, summary_offset=back % 3 or None)
+            case ("edit", edit_op, back, length):
+                start = max(1, eid - back)
+                ev = ContextEdit(op=edit_op, ranges=[(start, start + length)])
+            case _:
+                ev = Think(thought=f"filler {eid}")
+        ev = with_id(ev, eid)
+        out.append(ev)
+        if isinstance(ev, CmdRun):
+            unanswered.append(eid)
+        if isinstance(ev, McpList):
+            out.append(with_id(McpTools(server="s", cause=eid), eid + 1))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(agent_logs(), st.lists(st.integers(1, 4), max_size=30), st.sampled_from(CONFIGS), st.booleans())
+def test_a_prompt_kept_between_steps_is_the_prompt_built_from_the_whole_log(
+    log: list[Event], chunks: list[int], defaults: dict[str, Any] | None, cached: bool
+) -> None:
+    """At every step (the log grown by a few events) the kept prompt's messages, their JSON
+    and the budget check are those of the pure functions over the whole log."""
+    builder = ViewBuilder()
+    prompt = Prompt(system="sys", condenser_defaults=defaults)
+    seen: list[Event] = []
+    rest = list(log)
+    mode = "anthropic" if cached else "none"
+    for size in [*chunks, len(rest)]:
+        new, rest = rest[:size], rest[size:]
+        seen += new
+        builder.extend(new)
+        prompt.update(seen, builder.view())
+        wanted = build_messages(seen, system="sys", condenser_defaults=defaults)
+        assert prompt.messages() == wanted
+        assert msgspec.json.encode(prompt.encoded(mode)) == msgspec.json.encode(cache_breakpoints(wanted, mode))
+        assert prompt.over_budget() == over_budget(seen, defaults)
+
+
+def steps(log: list[Event], defaults: dict[str, Any] | None = None) -> None:
+    """Fold ``log`` one event a step, comparing the kept prompt with the one from scratch."""
+    builder, prompt = ViewBuilder(), Prompt(system="sys", condenser_defaults=defaults)
+    for n, event in enumerate(log, start=1):
+        builder.append(event)
+        prompt.update(log[:n], builder.view())
+        assert prompt.messages() == build_messages(log[:n], system="sys", condenser_defaults=defaults), n
+
+
+def test_what_comes_after_a_new_turn_still_goes_with_the_response_before_it() -> None:
+    """The places a step converts again from are before responses and user messages; an action,
+    a result or the agent's words that go with a response before such a place take the
+    conversion back to that response."""
+    calls = [tool_call("cmd_run", {"command": "ls"}, "call_a"), tool_call("cmd_run", {"command": "pwd"}, "call_b")]
+    steps(
+        [
+            with_id(e, i)
+            for i, e in enumerate(
+                [
+                    Message(content="go", source="user"),
+                    LlmResponse(model="m", tool_calls=calls, content="two things"),
+                    Message(content="and hurry", source="user"),
+                    CmdRun(command="ls", cause=2, tool_call_id="call_a"),  # (its response is before the message)
+                    CmdOutput(content="a", cause=4),
+                    Message(content="well?", source="user"),
+                    CmdRun(command="pwd", cause=2, tool_call_id="call_b"),
+                    Message(content="done soon", source="agent", cause=2),  # (speaks for the response)
+                    CmdOutput(content="b", cause=7),
+                    CmdOutput(content="more a", cause=4),  # (a second result of the first call)
+                    Message(content="next", source="user"),
+                    CmdOutput(content="about the user's words", cause=6),  # (a notice of an event that is no call)
+                ],
+                start=1,
+            )
+        ]
+    )
+
+
+def test_masking_moving_its_boundary_changes_the_results_it_hides() -> None:
+    """Each step adds a result; every other one, masking hides two more older ones."""
+    log: list[Event] = [with_id(SessionConfig(condenser={"strategy": "masking", "mask_window": 4}), 1)]
+    for k in range(12):
+        eid = len(log) + 1
+        call = tool_call("cmd_run", {"command": f"c{k}"}, f"call_{k}")
+        log += [
+            with_id(LlmResponse(model="m", tool_calls=[call]), eid),
+            with_id(CmdRun(command=f"c{k}", cause=eid, tool_call_id=f"call_{k}"), eid + 1),
+            with_id(CmdOutput(content="output " * 20, cause=eid + 1), eid + 2),
+        ]
+    steps(log)
