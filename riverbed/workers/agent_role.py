@@ -45,7 +45,7 @@ from the first failure, honouring ``Retry-After``), within the model's limits sh
 agent worker (:mod:`riverbed.agent.throttle`), then the run ends with ``llm_error`` saying what the
 server said; a prompt over the model's context window gets one condensation and one retry first
 (:mod:`riverbed.agent.window`).  A ``run_cancel`` ends the run at the next move; a model call in flight is given
-up within :data:`CANCEL_POLL_SECONDS` (a command in flight is interrupted by the runtime role,
+up when the cancel's append wakes the session (a command in flight is interrupted by the runtime role,
 which watches the log for the same ``run_cancel``).  Once the run ended
 the idle session is *retired* (released without being announced again until another run opens).
 
@@ -134,6 +134,7 @@ from riverbed.bus.handling import Entry, SessionContext
 from riverbed.bus.keys import AGENT_ROLE
 from riverbed.bus.redis_client import Pipeline
 from riverbed.bus.status import live_workers
+from riverbed.bus.wakeups import Wakeups
 from riverbed.errors import AppendConflict, ConfigError, FencedError, RiverbedError, TenantMismatch
 from riverbed.memory.view import View, ViewBuilder
 from riverbed.runtime.paths import workspace_name
@@ -148,7 +149,15 @@ log = structlog.get_logger("riverbed.worker")
 AGENT_NAME = "llm"
 """The ``agent`` of what the role appends."""
 CANCEL_POLL_SECONDS = 0.5
-"""How often the log is looked at for a ``run_cancel`` while a model call is in flight."""
+"""How often the log is looked at for a ``run_cancel`` while waiting for the condenser, and while
+a model call is in flight on a handler without the worker's wake-ups."""
+CALL_LOOK_SECONDS = 5.0
+"""How often the log is read while a model call is in flight when no wake-up said it moved (one
+may be lost while a feed reconnects).  Polling every run's log twice a second instead was four
+reads a step with a model that answers in 2 s, most of a worker's Redis commands with 10,000 runs."""
+CALL_WATCHER = "agent:call"
+"""The name a model call in flight watches its session's wake-ups under (never skipped: a
+wake-up that skips the agent role's loop still says the log moved)."""
 CONDENSE_WAIT_SECONDS = 60.0
 """How long a step whose prompt did not fit waits for the condenser's answer before it retries."""
 QUOTA_CACHE_SECONDS = 2.0
@@ -367,6 +376,9 @@ class AgentHandler:
         """how many runs this worker takes on at once (None: as many as its capacity)"""
         self.secrets: TenantSecrets | None = None
         """the tenants' secrets (set by the worker: none without ``RIVERBED_SECRETS_KEY``)"""
+        self.wakeups: Wakeups | None = None
+        """the worker's wake-up feeds (set by the worker): a model call in flight reads the log
+        when its session's wake-up rings, not on a clock"""
         self.sessions: dict[str, _Session] = {}
         self.counters = AgentCounters(known=frozenset({model, *self.prices} - {"*"}))
         self._quotas: Quotas | None = None
@@ -1191,8 +1203,10 @@ class AgentHandler:
         self, ctx: SessionContext, state: _Session, request: dict[str, Any], timeout: float
     ) -> dict[str, Any]:
         """One model call, its answer as the server's JSON; given up (:class:`_ModelFailed`)
-        when the run is cancelled meanwhile: the log is looked at every
-        :data:`CANCEL_POLL_SECONDS` while the call is in flight."""
+        when the run is cancelled meanwhile: the log is read when the session's wake-up says it
+        moved past the fold while the call is in flight, and every :data:`CALL_LOOK_SECONDS`
+        in case a wake-up was lost (without the worker's wake-ups: every
+        :data:`CANCEL_POLL_SECONDS`)."""
         outcome: list[dict[str, Any]] = []
         failure: list[BaseException] = []
         checked = self.client if isinstance(self.client, CheckedClient) else None
@@ -1233,13 +1247,27 @@ class AgentHandler:
                 tg.cancel_scope.cancel()
 
             async def watch() -> None:
-                while True:
-                    await anyio.sleep(CANCEL_POLL_SECONDS)
-                    await self._catch_up(ctx, state)
-                    run = state.fold.run
-                    if run is None or not run.open or run.cancel_requested is not None:
-                        tg.cancel_scope.cancel()
-                        return
+                wakeups = self.wakeups
+                bell = await wakeups.watch(ctx.session, CALL_WATCHER) if wakeups is not None else None
+                mark = bell.rung if bell is not None else 0
+                try:
+                    while True:
+                        if bell is None:
+                            await anyio.sleep(CANCEL_POLL_SECONDS)
+                        else:
+                            rang = await bell.wait(mark, CALL_LOOK_SECONDS)
+                            mark = bell.rung
+                            if rang and bell.news is not None and bell.news <= state.fold.last:
+                                continue  # (nothing past what is folded)
+                        await self._catch_up(ctx, state)
+                        run = state.fold.run
+                        if run is None or not run.open or run.cancel_requested is not None:
+                            tg.cancel_scope.cancel()
+                            return
+                finally:
+                    if wakeups is not None and bell is not None:
+                        with anyio.CancelScope(shield=True):
+                            await wakeups.unwatch(ctx.session, bell)
 
             tg.start_soon(call)
             tg.start_soon(watch)
@@ -1378,6 +1406,7 @@ def build_agent_handler(settings: Settings, **overrides: Any) -> AgentHandler:
             api_key=settings.openai_api_key or "unused",
             base_url=settings.openai_base_url or None,
             max_response_bytes=settings.llm_max_response_bytes,
+            calls=settings.concurrency,  # (a call in flight per run held, at most)
         )
     return AgentHandler(**options)
 

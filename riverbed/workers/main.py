@@ -112,6 +112,8 @@ class Worker:
         for handler in handlers.values():
             if hasattr(handler, "secrets"):
                 setattr(handler, "secrets", self.secrets)  # noqa: B010  (a role's handler that uses them)
+            if hasattr(handler, "wakeups"):
+                setattr(handler, "wakeups", self.wakeups)  # noqa: B010  (the agent role's model calls in flight)
         self.owners = {
             role: Owner(
                 redis,

@@ -50,8 +50,23 @@ SHARDS = 8
 holds on each request (and asks the kernel whether each idle one was closed), so with hundreds
 of model calls in flight one pool's bookkeeping becomes a large part of a request's CPU."""
 LIMITS = httpx2.Limits(max_connections=1000 // SHARDS, max_keepalive_connections=100 // SHARDS)
-"""Each pool's connections to the model server: all of them together, what the model client
-library allows by default."""
+"""Each pool's connections to the model server at least: all of them together, what the model
+client library allows by default (more for a worker that may make more calls at once:
+:func:`limits_for`)."""
+
+
+def limits_for(calls: int) -> httpx2.Limits:
+    """Each pool's connections for a client that makes up to ``calls`` model calls at once (an
+    agent worker: one per run it holds, ``RIVERBED_CONCURRENCY``), kept open between calls.
+
+    A run's next call follows its last one within seconds, so a connection closed after a
+    call is opened again for the next: with the library's default of 100 kept open, 250 runs
+    of a model answering in 2 s made the model server accept a connection for every other call,
+    and past 1,000 calls in flight the rest waited for a connection, unseen by the model's
+    latency (``python -m bench agents --latency 2.0``)."""
+    most = max(LIMITS.max_connections or 0, -(-calls // SHARDS))
+    kept = max(LIMITS.max_keepalive_connections or 0, -(-calls // SHARDS))
+    return httpx2.Limits(max_connections=most, max_keepalive_connections=kept)
 
 
 MAX_RESPONSE_BYTES = 8 * 1024 * 1024
@@ -173,8 +188,8 @@ def proxy_for(base_url: str) -> str | None:
 class _Shards(httpx2.AsyncBaseTransport):
     """Requests spread, in turn, over :data:`SHARDS` checked transports."""
 
-    def __init__(self, proxy: str | None) -> None:
-        self._transports = [CheckedTransport(limits=LIMITS, proxy=proxy) for _ in range(SHARDS)]
+    def __init__(self, proxy: str | None, limits: httpx2.Limits) -> None:
+        self._transports = [CheckedTransport(limits=limits, proxy=proxy) for _ in range(SHARDS)]
         self._turn = itertools.cycle(self._transports)
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
@@ -194,10 +209,13 @@ class CheckedClient(AsyncOpenAI):
     a request and its response objects were about a sixth of the role's CPU per step
     (``python -m bench agents``); its errors are kept, made from the response as it makes them."""
 
-    def __init__(self, *, api_key: str, base_url: str | None, max_response_bytes: int = MAX_RESPONSE_BYTES) -> None:
+    def __init__(
+        self, *, api_key: str, base_url: str | None, max_response_bytes: int = MAX_RESPONSE_BYTES, calls: int = 0
+    ) -> None:
+        """``calls``: the model calls it may have in flight at once (:func:`limits_for`)."""
         self.max_response_bytes = max_response_bytes
         server = base_url or OPENAI_URL  # (``OPENAI_BASE_URL`` is read by the settings)
-        http = httpx2.AsyncClient(transport=_Shards(proxy_for(server)), follow_redirects=True)
+        http = httpx2.AsyncClient(transport=_Shards(proxy_for(server), limits_for(calls)), follow_redirects=True)
         super().__init__(api_key=api_key, base_url=server, max_retries=0, http_client=http)
         self._http = http
         self._completions = str(self.base_url).rstrip("/") + "/chat/completions"
