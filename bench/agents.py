@@ -29,12 +29,38 @@ the model server's journal (when each request's body was read, when its answer w
 - **runs completed per second**: runs / (the last run's end - the first run's ``run_started``);
   beside it, the floor's rate: every run at once, each step taking the floor's median;
 - **Redis connections per agent worker**: ``CLIENT LIST`` by the name every connection of a
-  worker carries, sampled while the runs go on (the most of any sample, the most of the 4).
+  worker carries, sampled while the runs go on (the most of any sample, the most of the 4);
+- **RSS per agent worker**: ``VmRSS``, sampled with the connections (the most), beside the
+  same worker idle after its first run;
+- **the longest wait of a run to start** (``run_started`` -> its first model request; target
+  5 s), beside the longest of the runs that went alone first; with ``--tenants N`` the runs
+  are spread over N tenants in turn (each made as ``riverbed tenants set T --max-runs 0`` makes
+  one, and each run opened for its tenant as the HTTP API opens a tenant key's run: the session
+  belongs to the tenant, and a worker gives a tenant at most ``RIVERBED_TENANT_SHARE`` of its
+  runs), and each tenant's p50 and longest wait are printed: the fairness among them.
+
+``--latency S`` sets the model's time per call (default 0.2 s).  The speed issue's figure is
+``python -m bench agents --runs 10000 --workers 4 --latency 2.0 --tenants 10 --steps 5``.
 
 The CPU time the agent workers used during the runs, per step, is reported too (beside
-it the runtime workers' per action): on a shared machine it says what the role costs where
+it the runtime workers' per action; the model server's and Redis's in the note, with the agent
+workers' CPU while idle just before): on a shared machine it says what the role costs where
 the wall-clock figures also hold the waits for a CPU.  With ``BENCH_AGENTS_PROFILE=DIR`` the
-agent workers run under ``cProfile`` and write ``DIR/NAME.prof`` when they stop.
+agent workers run under ``cProfile`` and write ``DIR/NAME.prof`` when they stop (wall-clock
+time: on a busy machine the waits for a CPU land on whatever was running).  With
+``BENCH_AGENTS_PYSPY=DIR`` each round's runs are sampled instead by ``py-spy record`` (on
+``PATH``; the stacks on a CPU only) into ``DIR/NAME-ROUND.txt``, and the functions most on a CPU
+are printed with the progress.
+
+``--context 20,2000`` seeds each run's session first with about that many events of earlier
+turns, as the agent writes them (a user message; three steps of an ``llm_response`` whose tool
+call carries an id, the action with that ``tool_call_id`` and the response as its cause, and
+its observation; a last response and its ``finish``), one round of runs per size (100 runs by
+default) on the same workers, and prints each size's overhead per step and agent CPU per step,
+and the largest size's against the smallest's (goals: 1.2x, and 1 ms of CPU a step).  The
+seeded sessions' condenser config is ``noop`` (a ``session_config`` first): nothing is
+condensed, every prompt holds the whole context.  Every role's consumer group starts past the
+seeded events, as after the runs that wrote them, so the runtime role does not run them again.
 
 Before them, one run per agent worker goes alone, and its overhead per step is reported
 beside the big one's: the role's own latency, without the queue for a CPU that 1,000 runs at
@@ -47,8 +73,9 @@ With ``--tools`` each step's tool call is a Python tool of a hosted agent (``ben
 which the agent workers host with ``RIVERBED_AGENTS``): the agent worker claims the call, runs it
 and appends its ``tool_result``, so the action round trip is the agent role's own.
 
-Run alone: ``python -m bench.agents [--runs N] [--steps N] [--workers N] [--action A] [--tools] [--json]``
-(``--quick``: 100 runs).  Progress goes to stderr.
+Run alone: ``python -m bench.agents [--runs N] [--steps N] [--workers N] [--action A] [--tools]
+[--latency S] [--tenants N] [--context N,N] [--json]`` (``--quick``: 100 runs).  Progress goes to
+stderr.
 """
 
 from __future__ import annotations
@@ -57,6 +84,8 @@ import argparse
 import json
 import math
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -64,11 +93,15 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
 import msgspec
 import redis.asyncio as aioredis
+from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 import riverbed
@@ -78,7 +111,9 @@ from bench.roundtrip import FILE_NAME, Workers, _prepare_workspace
 from bench.tool_agent import bench_agent
 from riverbed import events
 from riverbed.agent.hosted import RunLimits, open_run
+from riverbed.agent.quotas import Quotas
 from riverbed.agent.runs import RunSummary
+from riverbed.bus.keys import AGENT_ROLE, ROLES
 
 RUNS = 1000
 STEPS = 10
@@ -87,8 +122,15 @@ RUNTIME_WORKERS = 2
 LATENCY = 0.2
 MODEL = "bench-model"
 TARGET_OVERHEAD_MS = 10.0
+TARGET_OVERHEAD_P99_MS = 100.0
+TARGET_RSS_MIB = 300.0
+TARGET_START_WAIT = 5.0
+TARGET_CONTEXT_RATIO = 1.2
+TARGET_CPU_MS = 1.0
 TARGET_CONNECTIONS = 20
 IDLE_ROUNDS = 20
+IDLE_SECONDS = 2.0
+"""How long the agent workers' CPU is watched, idle, before a round's runs open."""
 
 
 def _progress(message: str) -> None:
@@ -98,11 +140,11 @@ def _progress(message: str) -> None:
 class _ModelServer:
     """``python -m bench.model_server`` as a child process."""
 
-    def __init__(self, log_dir: Path, steps: int, action: str) -> None:
+    def __init__(self, log_dir: Path, steps: int, action: str, latency: float) -> None:
         self.log = (log_dir / "model-server.log").open("wb")
         self.proc = subprocess.Popen(
             [
-                *(sys.executable, "-m", "bench.model_server", "--latency", str(LATENCY)),
+                *(sys.executable, "-m", "bench.model_server", "--latency", str(latency)),
                 *("--steps", str(steps), "--action", action),
             ],
             stdout=subprocess.PIPE,
@@ -166,18 +208,39 @@ async def _idle_floor(bus: riverbed.Bus, base_url: str, action: events.Action) -
     return statistics.median(model[1:]), statistics.median(acted[1:])
 
 
+class _Sampled:
+    """The most of each worker's Redis connections and of its RSS (MiB), over the samples taken."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.connections = dict.fromkeys(names, 0)
+        self.rss = dict.fromkeys(names, 0.0)
+
+    async def sample(self, url: str, pids: dict[str, int]) -> None:
+        for name, count in (await _connections(url, list(self.connections))).items():
+            self.connections[name] = max(self.connections[name], count)
+        for name, pid in pids.items():
+            self.rss[name] = max(self.rss[name], _rss_mib(pid))
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 async def _wait_for_runs(
-    bus: riverbed.Bus, url: str, sessions: list[str], names: list[str], steps: int
-) -> tuple[dict[str, RunSummary], dict[str, int]]:
-    """Poll the run summaries until every run ended; sample the workers' connections meanwhile."""
+    bus: riverbed.Bus, url: str, sessions: list[str], sampled: _Sampled, pids: dict[str, int], steps: int
+) -> dict[str, RunSummary]:
+    """Poll the run summaries until every run ended; sample the workers' connections and RSS meanwhile."""
     remaining = list(sessions)
     done: dict[str, RunSummary] = {}
     steps_seen: dict[str, int] = {}
-    most = dict.fromkeys(names, 0)
     last_report = 0.0
+    pause = max(1.0, len(sessions) / 2000)  # (10,000 summaries read every second are work for Redis too)
     with anyio.fail_after(max(600.0, len(sessions) * steps * 0.5)):
         while remaining:
-            await anyio.sleep(1.0)
+            await anyio.sleep(pause)
             async with bus.redis.pipeline(transaction=False) as pipe:
                 for session in remaining:
                     pipe.get(bus.keys.run(session))
@@ -192,15 +255,15 @@ async def _wait_for_runs(
                 else:
                     left.append(session)
             remaining = left
-            for name, count in (await _connections(url, names)).items():
-                most[name] = max(most[name], count)
+            await sampled.sample(url, pids)
             if time.monotonic() - last_report >= 5 or not remaining:
                 last_report = time.monotonic()
                 _progress(
-                    f"agents: {len(done):,}/{len(sessions):,} runs ended, "
-                    f"{sum(steps_seen.values()):,} model calls; connections now at most {max(most.values())}"
+                    f"agents: {len(done):,}/{len(sessions):,} runs ended, {sum(steps_seen.values()):,} model calls; "
+                    f"connections now at most {max(sampled.connections.values())}, RSS at most "
+                    f"{max(sampled.rss.values()):.0f} MiB; load {os.getloadavg()[0]:.1f}"
                 )
-    return done, most
+    return done
 
 
 def _cpu_seconds(pids: list[int]) -> float:
@@ -211,6 +274,12 @@ def _cpu_seconds(pids: list[int]) -> float:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
         total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
     return total / tick
+
+
+async def _redis_cpu(bus: riverbed.Bus) -> float:
+    """The CPU seconds Redis used so far (``INFO cpu``: its main thread and the others)."""
+    info = await bus.redis.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 def _all_finished(summaries: dict[str, RunSummary]) -> None:
@@ -243,15 +312,19 @@ class _Steps:
         """per run: its run_started -> its first model request read (the wait for a worker with room)"""
         self.lasted: list[float] = []
         """per finished run: its run_started -> its finish"""
+        self.wait_of: dict[str, float] = {}
+        """session -> its run's wait to start"""
         self.unmatched = 0
 
-    def add_run(self, session: str, log: list[events.Event], journal: dict[tuple[str, int], tuple[float, float]]):
+    def add_run(
+        self, session: str, log: list[events.Event], journal: dict[tuple[str, int], tuple[float, float]]
+    ) -> None:
         by_cause: dict[int, events.Event] = {}
         responses: list[events.LlmResponse] = []
         started: events.RunStarted | None = None
         for event in log:
             if isinstance(event, events.RunStarted):
-                started = event
+                started, responses = event, []  # (the bench's run is the session's last)
             elif isinstance(event, events.LlmResponse):
                 responses.append(event)
             elif event.cause is not None and isinstance(event, events.Action | events.Observation):
@@ -270,6 +343,7 @@ class _Steps:
             received, sent = call
             if step == 1:
                 self.waited.append(received - _ts(started))
+                self.wait_of[session] = received - _ts(started)
             model = sent - received
             overhead = _ts(action) - due - model
             answer = by_cause.get(action.id) if action.id is not None else None
@@ -307,37 +381,217 @@ async def _read_logs(bus: riverbed.Bus, sessions: list[str]) -> dict[str, list[e
     return logs
 
 
+SEED_BATCH = 100
+"""Events per append while seeding a session's earlier turns."""
+NO_CONDENSING = {"strategy": "noop"}
+"""The seeded sessions' condenser config: the whole context is every prompt's, never condensed."""
+
+
+def _earlier_turns(size: int, tenant: str | None) -> list[events.Event]:
+    """About ``size`` events of earlier turns, as the agent role writes them: a ``session_config``
+    that turns condensing off, then turns of a user message, three steps (an ``llm_response``
+    whose tool call carries an id, the action with that ``tool_call_id`` and the response as its
+    cause, its observation) and a last response with its ``finish``; ids from 1."""
+    out: list[events.Event] = [events.SessionConfig(condenser=NO_CONDENSING, source="user")]
+    usage = {"prompt_tokens": 2000, "completion_tokens": 40, "total_tokens": 2040}
+    for turn in range(max(1, round((size - 1) / 12))):
+        out.append(events.Message(content=f"earlier turn {turn}: make tests/test_mod{turn}.py pass", source="user"))
+        for k in range(3):
+            call = f"call_seed_{len(out) + 1}"
+            action: events.Action
+            answer: events.Observation
+            if k % 2 == 0:
+                path = f"src/mod{turn}_{k}.py"
+                action = events.FileRead(path=path, end=40, tool_call_id=call)
+                text = "".join(f"def f{line}(x):\n    return x + {line}\n" for line in range(12))
+                answer = events.FileContent(path=path, content=text, source="runtime")
+                arguments = {"path": path, "end": 40}
+            else:
+                command = f"pytest tests/test_mod{turn}.py -q"
+                action = events.CmdRun(command=command, tool_call_id=call)
+                text = f"F.F.\nFAILED tests/test_mod{turn}.py::test_{k} - AssertionError: expected 3, got 2\n" * 4
+                answer = events.CmdOutput(content=text, exit_code=1, command=command, source="runtime")
+                arguments = {"command": command}
+            function = {"name": action.kind, "arguments": json.dumps(arguments)}
+            response_id = len(out) + 1
+            out.append(
+                events.LlmResponse(
+                    model=MODEL, tool_calls=[{"id": call, "type": "function", "function": function}], usage=usage,
+                    cause=len(out), agent="llm",
+                )
+            )  # fmt: skip
+            out.append(replace(action, cause=response_id, agent="llm"))
+            out.append(replace(answer, cause=response_id + 1))
+        out.append(events.LlmResponse(model=MODEL, content=f"tests/test_mod{turn}.py passes now.", usage=usage,
+                                      cause=len(out), agent="llm"))  # fmt: skip
+        out.append(events.Finish(final_thought=f"turn {turn} done", cause=len(out), agent="llm"))
+    return out if tenant is None else [replace(e, tenant=tenant) for e in out]
+
+
+async def _seed(bus: riverbed.Bus, session: str, size: int, tenant: str | None, limiter: anyio.CapacityLimiter) -> None:
+    batch = _earlier_turns(size, tenant)
+    async with limiter:
+        for begin in range(0, len(batch), SEED_BATCH):
+            await bus.log_store.append(session, batch[begin : begin + SEED_BATCH], expected_last=begin, tenant=tenant)
+        # Every role's group past the earlier turns, as after the runs that wrote them: the runtime
+        # role, which the seeded actions announce, does not run them again.
+        for role in (*ROLES, AGENT_ROLE):
+            await bus.redis.xgroup_create(bus.keys.log(session), role, id=f"{len(batch)}-0")
+
+
+async def _settle(pids: list[int], *, most: float = 120.0) -> None:
+    """Wait until the processes use less than a tenth of a CPU (the runtime role done with the
+    seeded sessions' actions, all answered already), for at most ``most`` seconds."""
+    deadline = time.monotonic() + most
+    while time.monotonic() < deadline:
+        before = _cpu_seconds(pids)
+        await anyio.sleep(1.0)
+        if _cpu_seconds(pids) - before < 0.1:
+            return
+
+
+class _Sampler:
+    """``py-spy record`` of each agent worker while a round's runs go on (``BENCH_AGENTS_PYSPY=DIR``):
+    the stacks on a CPU, 100 a second, whatever the machine's load, in ``DIR/NAME-ROUND.txt``."""
+
+    def __init__(self, directory: Path, pids: dict[str, int]) -> None:
+        self.directory = directory
+        self.pids = pids
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.files: list[Path] = []
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def start(self, label: str) -> None:
+        spy = shutil.which("py-spy") or "py-spy"
+        self.files = [self.directory / f"{name}-{label}.txt" for name in self.pids]
+        self.procs = [
+            subprocess.Popen(
+                [spy, "record", "--pid", str(pid), "--rate", "100", "--nonblocking", "--format", "raw", "-o", str(out)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for pid, out in zip(self.pids.values(), self.files, strict=True)
+        ]
+
+    def stop(self, label: str) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGINT)
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        _progress(f"agents: where the agent workers' CPU went ({label}):\n{_sampled_top(self.files)}")
+
+
+def _sampled_top(files: list[Path], rows: int = 25) -> str:
+    """The functions most on a CPU in ``py-spy``'s raw stacks: by their own samples, and riverbed's
+    own functions by the samples they were on the stack for."""
+    own: Counter[str] = Counter()
+    within: Counter[str] = Counter()
+    total = 0
+    for path in files:
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            samples = int(count)
+            total += samples
+            frames = [frame.rpartition(":")[0] + ")" if ":" in frame else frame for frame in stack.split(";")]
+            own[frames[-1]] += samples
+            for frame in set(frames):
+                if "riverbed/" in frame:
+                    within[frame] += samples
+    if not total:
+        return "  (no samples: is py-spy on PATH?)"
+    lines = [f"  {total:,} samples; own:"]
+    lines += [f"  {n / total:6.1%}  {frame}" for frame, n in own.most_common(rows)]
+    lines.append("  riverbed's functions, on the stack:")
+    lines += [f"  {n / total:6.1%}  {frame}" for frame, n in within.most_common(rows)]
+    return "\n".join(lines)
+
+
+@dataclass
+class _Round:
+    """Runs opened at once, each on a session seeded with ``context`` events first (0: none)."""
+
+    sessions: list[str]
+    context: int
+    cpu: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    """CPU seconds of the agent workers, the runtime workers, the model server and Redis during its runs"""
+    idle: float = 0.0
+    """the agent workers' CPU seconds per second just before its runs opened (the workers idle)"""
+    opened_in: float = 0.0
+    figures: _Steps = field(default_factory=_Steps)
+
+
+def _context_sizes(raw: str | None) -> list[int]:
+    try:
+        sizes = [int(part) for part in (raw or "").split(",") if part.strip()]
+    except ValueError:
+        sizes = [-1]
+    if any(size < 1 for size in sizes):
+        print("bench.agents: --context takes event counts separated by commas, e.g. 20,2000", file=sys.stderr)
+        raise SystemExit(2)
+    return sizes
+
+
 async def measure(url: str, args: argparse.Namespace) -> list[Result]:
-    runs = getattr(args, "runs", None) or (100 if args.quick else RUNS)
+    contexts = _context_sizes(getattr(args, "context", None))
+    runs = getattr(args, "runs", None) or (100 if args.quick or contexts else RUNS)
     steps = getattr(args, "steps", None) or STEPS
     count = getattr(args, "workers", None) or WORKERS
     runtime_count = getattr(args, "runtime_workers", None) or RUNTIME_WORKERS
+    latency = getattr(args, "latency", None) or LATENCY
+    tenant_count = getattr(args, "tenants", None) or 0
     tools = bool(getattr(args, "tools", False))
     kind = "note" if tools else getattr(args, "action", None) or "file_read"
     action: events.Action = events.FileRead(path=FILE_NAME) if kind != "cmd_run" else events.CmdRun(command="true")
     agent = bench_agent if tools else None
-    if runs < 1 or steps < 2 or count < 1 or runtime_count < 1:
-        print("bench.agents: --runs and the worker counts must be at least 1, --steps at least 2", file=sys.stderr)
+    if runs < 1 or steps < 2 or count < 1 or runtime_count < 1 or tenant_count < 0 or latency <= 0:
+        print(
+            "bench.agents: --runs and the worker counts must be at least 1, --steps at least 2, --latency above 0",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     prefix = f"bag{uuid.uuid4().hex[:6]}"
-    sessions = [f"run-{i}" for i in range(runs)]
+    rounds = [_Round([f"c{size}-run-{i}" for i in range(runs)], size) for size in contexts] or [
+        _Round([f"run-{i}" for i in range(runs)], 0)
+    ]
+    tenants = [f"tenant-{t}" for t in range(tenant_count)]
+
+    def tenant_of(index: int) -> str | None:
+        return tenants[index % len(tenants)] if tenants else None
+
     solo = [f"solo-{i}" for i in range(count)]
     with tempfile.TemporaryDirectory(prefix="riverbed-bench-agents-") as tmp:
         workspace = Path(tmp) / "workspace"
         workspace.mkdir()
         _progress(
-            f"agents: the model server ({_ms(LATENCY):.0f} ms a call), {count} agent + {runtime_count} runtime workers"
+            f"agents: the model server ({_ms(latency):.0f} ms a call), {count} agent + {runtime_count} runtime workers"
         )
-        for session in [*sessions, *solo, "idle-floor"]:
+        for session in [*(s for r in rounds for s in r.sessions), *solo, "idle-floor"]:
             _prepare_workspace(workspace, session)
-        server = _ModelServer(Path(tmp), steps, kind)
+        server = _ModelServer(Path(tmp), steps, kind, latency)
         agents: Workers | None = None
         runtimes: Workers | None = None
         try:
+            async with riverbed.connect(url, prefix=prefix) as bus:
+                quotas = Quotas(bus.log_store)
+                seeding = anyio.CapacityLimiter(20)
+                for tenant in tenants:  # (as `riverbed tenants set T --max-runs 0` makes one: no limit)
+                    await quotas.set(tenant, max_runs=0, tokens_per_day=0)
+                for seeded in (r for r in rounds if r.context):
+                    _progress(f"agents: seeding {runs:,} sessions with about {seeded.context:,} events each")
+                    async with anyio.create_task_group() as tg:
+                        for index, session in enumerate(seeded.sessions):
+                            tg.start_soon(_seed, bus, session, seeded.context, tenant_of(index), seeding)
             model_env = {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": "bench", "RIVERBED_LLM_MODEL": MODEL}
             if tools:
                 model_env["RIVERBED_AGENTS"] = "bench.tool_agent"
-            capacity = math.ceil(runs / runtime_count) + len(solo) + 1
+            capacity = math.ceil(runs * len(rounds) / runtime_count) + len(solo) + 1
             runtimes = Workers(url, prefix, workspace, runtime_count, capacity, "process")
             profile = os.environ.get("BENCH_AGENTS_PROFILE")
             agents = Workers(
@@ -353,6 +607,8 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
             )
             await runtimes.wait_ready(timeout=120)
             await agents.wait_ready(timeout=120)
+            pids = {name: proc.pid for name, proc in zip(agents.names, agents.procs, strict=True)}
+            sampled = _Sampled(agents.names)
             async with riverbed.connect(url, prefix=prefix) as bus:
                 idle_model, idle_action = await _idle_floor(bus, server.base_url, action)
                 _progress(f"agents: idle floor: model call {_ms(idle_model):.1f} ms, {kind} {_ms(idle_action):.1f} ms")
@@ -361,34 +617,68 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                     await open_run(
                         bus, session, task_text(session, steps), limits=RunLimits(max_steps=steps), agent=agent
                     )
-                _all_finished((await _wait_for_runs(bus, url, solo, agents.names, steps))[0])
+                _all_finished(await _wait_for_runs(bus, url, solo, sampled, pids, steps))
+                idle_rss = {name: _rss_mib(pid) for name, pid in pids.items()}
+                sampled = _Sampled(agents.names)
+                agent_pids, runtime_pids = list(pids.values()), [p.pid for p in runtimes.procs]
+                if contexts:
+                    await _settle([*agent_pids, *runtime_pids])
+                spy = os.environ.get("BENCH_AGENTS_PYSPY")
+                sampler = _Sampler(Path(spy), pids) if spy else None
                 limiter = anyio.CapacityLimiter(50)
-                agent_pids, runtime_pids = [p.pid for p in agents.procs], [p.pid for p in runtimes.procs]
-                cpu_before = _cpu_seconds(agent_pids), _cpu_seconds(runtime_pids), _cpu_seconds([server.proc.pid])
-                opening = time.perf_counter()
+                for taken in rounds:
+                    what = f" on sessions of about {taken.context:,} events" if taken.context else ""
+                    _progress(f"agents: {runs:,} runs at once{what}; load {os.getloadavg()[0]:.1f}")
+                    idle_from = _cpu_seconds(agent_pids)
+                    await anyio.sleep(IDLE_SECONDS)
+                    taken.idle = (_cpu_seconds(agent_pids) - idle_from) / IDLE_SECONDS
+                    cpu_before = (
+                        _cpu_seconds(agent_pids),
+                        _cpu_seconds(runtime_pids),
+                        _cpu_seconds([server.proc.pid]),
+                        await _redis_cpu(bus),
+                    )
+                    opening = time.perf_counter()
 
-                async def start(session: str) -> None:
-                    async with limiter:
-                        await open_run(
-                            bus, session, task_text(session, steps), limits=RunLimits(max_steps=steps), agent=agent
-                        )
+                    async def start(index: int, session: str) -> None:
+                        async with limiter:
+                            await open_run(
+                                bus, session, task_text(session, steps), limits=RunLimits(max_steps=steps),
+                                agent=agent, tenant=tenant_of(index),
+                            )  # fmt: skip
 
-                async with anyio.create_task_group() as tg:
-                    for session in sessions:
-                        tg.start_soon(start, session)
-                _progress(f"agents: {runs:,} runs opened in {time.perf_counter() - opening:.1f} s")
-                summaries, most = await _wait_for_runs(bus, url, sessions, agents.names, steps)
-                cpu_after = _cpu_seconds(agent_pids), _cpu_seconds(runtime_pids), _cpu_seconds([server.proc.pid])
-                cpu = tuple(after - before for after, before in zip(cpu_after, cpu_before, strict=True))
+                    label = f"c{taken.context}" if taken.context else "runs"
+                    if sampler is not None:
+                        sampler.start(label)
+                    async with anyio.create_task_group() as tg:
+                        for index, session in enumerate(taken.sessions):
+                            tg.start_soon(start, index, session)
+                    taken.opened_in = time.perf_counter() - opening
+                    _progress(f"agents: {runs:,} runs opened in {taken.opened_in:.1f} s")
+                    summaries = await _wait_for_runs(bus, url, taken.sessions, sampled, pids, steps)
+                    if sampler is not None:
+                        sampler.stop(label)
+                    cpu_after = (
+                        _cpu_seconds(agent_pids),
+                        _cpu_seconds(runtime_pids),
+                        _cpu_seconds([server.proc.pid]),
+                        await _redis_cpu(bus),
+                    )
+                    taken.cpu = (
+                        cpu_after[0] - cpu_before[0],
+                        cpu_after[1] - cpu_before[1],
+                        cpu_after[2] - cpu_before[2],
+                        cpu_after[3] - cpu_before[3],
+                    )
+                    _all_finished(summaries)
                 runtime_connections = await _connections(url, runtimes.names)
-                _all_finished(summaries)
                 _progress("agents: reading the logs and the model server's journal")
-                logs = await _read_logs(bus, [*sessions, *solo])
+                logs = await _read_logs(bus, [*(s for r in rounds for s in r.sessions), *solo])
                 journal: dict[tuple[str, int], tuple[float, float]] = {}
                 calls, connected = server.journal()
-                for session, step, received, sent in calls:
-                    if session is not None:
-                        journal[(session, step)] = (received, sent)
+                for called, step, received, sent in calls:
+                    if called is not None:
+                        journal[(called, step)] = (received, sent)
                 found = [k async for k in bus.redis.scan_iter(match=f"{prefix}:*", count=1000)]
                 for begin in range(0, len(found), 500):
                     await bus.redis.delete(*found[begin : begin + 500])
@@ -403,35 +693,59 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                 if workers is not None:
                     workers.stop()
             server.stop()
-    figures, alone = _Steps(), _Steps()
-    for session in sessions:
-        figures.add_run(session, logs[session], journal)
+    alone = _Steps()
+    for taken in rounds:
+        for session in taken.sessions:
+            taken.figures.add_run(session, logs[session], journal)
     for session in solo:
         alone.add_run(session, logs[session], journal)
+    shape = _Shape(runs, steps, count, kind, latency, tenant_of)
     http = (connected, len(calls))
-    return _results(
-        figures, runs, steps, count, most, runtime_connections, idle_model, idle_action, cpu, http, kind, alone
-    )
+    idle = (idle_model, idle_action)
+    if contexts:
+        return _context_results(rounds, shape, sampled, idle_rss)
+    figures = rounds[0].figures
+    return [
+        *_results(
+            figures, shape, sampled.connections, runtime_connections, idle, rounds[0].cpu, rounds[0].idle, http, alone
+        ),
+        *_capacity_results(figures, shape, sampled, idle_rss, alone),
+    ]
 
 
 def _ms(seconds: float) -> float:
     return seconds * 1000
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What the runs were: how many, their steps, the workers, the action, the model's latency."""
+
+    runs: int
+    steps: int
+    workers: int
+    kind: str
+    latency: float
+    tenant_of: Callable[[int], str | None]
+
+    def text(self) -> str:
+        model = f", the model {_ms(self.latency):,.0f} ms a call" if self.latency != LATENCY else ""
+        return f"{self.runs:,} detached runs of {self.steps} steps at once on {self.workers} agent workers{model}"
+
+
 def _results(
     figures: _Steps,
-    runs: int,
-    steps: int,
-    count: int,
+    shape: _Shape,
     most: dict[str, int],
     runtime_connections: dict[str, int],
-    idle_model: float,
-    idle_action: float,
+    floor: tuple[float, float],
     cpu: tuple[float, ...],
+    idle: float,
     http: tuple[int, int],
-    kind: str,
     alone: _Steps,
 ) -> list[Result]:
+    runs, steps, count, kind = shape.runs, shape.steps, shape.workers, shape.kind
+    idle_model, idle_action = floor
     if not figures.overhead:
         raise RuntimeError("no step could be measured (the logs and the journal do not match)")
     over50, over99 = percentile(figures.overhead, 50), percentile(figures.overhead, 99)
@@ -452,18 +766,17 @@ def _results(
     )
     if figures.unmatched:
         where += f"; {figures.unmatched} steps without a journal entry or an action were left out"
-    agent_cpu, runtime_cpu, server_cpu = cpu
+    agent_cpu, runtime_cpu, server_cpu, redis_cpu = cpu
     calls, actions = len(figures.model), len(figures.action)
-    shape = f"{runs:,} detached runs of {steps} steps at once on {count} agent workers"
     return [
         Result(
-            f"agent role overhead per step, p50 ({shape})", "ms", _ms(over50), _ms(floor50),
+            f"agent role overhead per step, p50 ({shape.text()})", "ms", _ms(over50), _ms(floor50),
             "the floor: model latency + action round trip, p50", over50 / floor50, TARGET_OVERHEAD_MS,
             len(figures.overhead), better="lower", target_on="figure", note=where,
         ),
         Result(
             "agent role overhead per step, p99", "ms", _ms(over99), _ms(floor99), "the floor, p99", over99 / floor99,
-            None, len(figures.overhead), better="lower",
+            TARGET_OVERHEAD_P99_MS, len(figures.overhead), better="lower", target_on="figure",
             note=f"step 1 (run_started -> its action, taking the session included) p50 "
             f"{_ms(percentile(figures.first, 50)):.0f} ms, p99 {_ms(percentile(figures.first, 99)):.0f} ms",
         ),
@@ -478,9 +791,10 @@ def _results(
             "agent workers' CPU time per step", "ms", _ms(agent_cpu / calls), _ms(runtime_cpu / actions),
             f"the runtime workers' per action ({kind})", agent_cpu / calls / (runtime_cpu / actions), None,
             calls, better="lower",
-            note=f"during the runs: agent workers {agent_cpu:.1f} s, runtime workers {runtime_cpu:.1f} s, "
-            f"the model server {server_cpu:.1f} s of CPU; it accepted {http[0]:,} connections for {http[1]:,} calls; "
-            f"{os.getloadavg()[0]:.1f} load average (1 min) at the end",
+            note=f"during the runs ({window:.0f} s): agent workers {agent_cpu:.1f} s, runtime workers "
+            f"{runtime_cpu:.1f} s, the model server {server_cpu:.1f} s, Redis {redis_cpu:.1f} s of CPU (the bench's "
+            f"polls included); the agent workers idle just before: {idle:.1%} of a CPU; the model server accepted "
+            f"{http[0]:,} connections for {http[1]:,} calls; {os.getloadavg()[0]:.1f} load average (1 min) at the end",
         ),
         Result(
             "a run, run_started -> its finish, p50", "s", lasted, steps * floor50,
@@ -503,6 +817,114 @@ def _results(
             f"each runtime worker at the end: {sorted(runtime_connections.values())}",
         ),
     ]  # fmt: skip
+
+
+def _capacity_results(
+    figures: _Steps, shape: _Shape, sampled: _Sampled, idle_rss: dict[str, float], alone: _Steps
+) -> list[Result]:
+    """RSS per agent worker, the longest wait of a run to start and, with tenants, its spread per tenant."""
+    rss, rss_idle = max(sampled.rss.values()), max(idle_rss.values())
+    owned = math.ceil(shape.runs / shape.workers)
+    longest, alone_longest = max(figures.waited), max(alone.waited)
+    out = [
+        Result(
+            f"RSS per agent worker ({owned:,} runs each; the most of the {shape.workers}, the most of any sample)",
+            "MiB", rss, rss_idle, "the same worker idle after a first run", rss / rss_idle, TARGET_RSS_MIB, 1,
+            better="lower", target_on="figure",
+            note=f"each agent worker, most while the runs went on: {[round(v) for v in sorted(sampled.rss.values())]} "
+            f"MiB; idle: {[round(v) for v in sorted(idle_rss.values())]} MiB; "
+            f"{(rss - rss_idle) / owned * 1000:.1f} MiB per 1,000 runs held",
+        ),
+        Result(
+            "the longest wait of a run to start (run_started -> its first model request)", "s", longest,
+            alone_longest, f"the longest of {shape.workers} runs at once on idle workers", longest / alone_longest,
+            TARGET_START_WAIT, len(figures.waited), better="lower", target_on="figure",
+            note=f"p50 {percentile(figures.waited, 50):.2f} s, p99 {percentile(figures.waited, 99):.2f} s",
+        ),
+    ]  # fmt: skip
+    by_tenant: dict[str, list[float]] = {}
+    for index in range(shape.runs):
+        tenant = shape.tenant_of(index)
+        wait = figures.wait_of.get(f"run-{index}")
+        if tenant is not None and wait is not None:
+            by_tenant.setdefault(tenant, []).append(wait)
+    if by_tenant:
+        middles = {tenant: percentile(waits, 50) for tenant, waits in by_tenant.items()}
+        worst, best = max(middles.values()), min(middles.values())
+        spread = "; ".join(
+            f"{tenant} {middles[tenant]:.2f}/{max(waits):.2f}" for tenant, waits in sorted(by_tenant.items())
+        )
+        out.append(
+            Result(
+                f"a run's wait to start, p50 of the slowest of {len(by_tenant)} tenants", "s", worst, best,
+                "p50 of the quickest tenant", worst / best if best else math.inf, None, len(by_tenant),
+                better="lower", note=f"per tenant, p50/max s: {spread}",
+            )
+        )  # fmt: skip
+    return out
+
+
+def _context_results(
+    rounds: list[_Round], shape: _Shape, sampled: _Sampled, idle_rss: dict[str, float]
+) -> list[Result]:
+    """Per context size: the overhead per step and the agent workers' CPU per step; then the
+    largest size's figures against the smallest's."""
+    out: list[Result] = []
+    per: list[tuple[int, float, float]] = []
+    for taken in rounds:
+        figures = taken.figures
+        if not figures.overhead:
+            raise RuntimeError("no step could be measured (the logs and the journal do not match)")
+        over50, floor50 = percentile(figures.overhead, 50), percentile(figures.floor, 50)
+        agent_cpu, runtime_cpu, server_cpu, redis_cpu = taken.cpu
+        calls = len(figures.model)
+        cpu = agent_cpu / calls
+        per.append((taken.context, over50, cpu))
+        size = f"{taken.context:,}-event context"
+        out += [
+            Result(
+                f"agent role overhead per step, p50, {size} ({shape.text()})", "ms", _ms(over50), _ms(floor50),
+                "the floor: model latency + action round trip, p50", over50 / floor50, TARGET_OVERHEAD_MS,
+                len(figures.overhead), better="lower", target_on="figure",
+                note=f"p99 {_ms(percentile(figures.overhead, 99)):.1f} ms; before the model call p50 "
+                f"{_ms(percentile(figures.before_call, 50)):.1f} ms, after it "
+                f"{_ms(percentile(figures.after_call, 50)):.1f} ms; runs opened in {taken.opened_in:.1f} s",
+            ),
+            Result(
+                f"agent workers' CPU time per step, {size}", "ms", _ms(cpu), _ms(runtime_cpu / len(figures.action)),
+                f"the runtime workers' per action ({shape.kind})", cpu / (runtime_cpu / len(figures.action)),
+                TARGET_CPU_MS, calls, better="lower", target_on="figure",
+                note=f"agent workers {agent_cpu:.1f} s, runtime workers {runtime_cpu:.1f} s, the model server "
+                f"{server_cpu:.1f} s, Redis {redis_cpu:.1f} s of CPU for {calls:,} model calls (taking each session, "
+                f"its whole log read once, included); the agent workers idle just before: {taken.idle:.1%} of a CPU; "
+                f"{os.getloadavg()[0]:.1f} load average (1 min) at the end",
+            ),
+        ]  # fmt: skip
+    (small, small_over, small_cpu), (large, large_over, large_cpu) = min(per), max(per)
+    if large != small:
+        out += [
+            Result(
+                f"overhead per step p50, {large:,}-event context / {small:,}-event context", "x",
+                large_over / small_over, 1.0, "the same", large_over / small_over, TARGET_CONTEXT_RATIO, 1,
+                better="lower",
+            ),
+            Result(
+                f"agent workers' CPU per step, {large:,}-event context / {small:,}-event context", "x",
+                large_cpu / small_cpu, 1.0, "the same", large_cpu / small_cpu, TARGET_CONTEXT_RATIO, 1,
+                better="lower",
+                note=f"the seeded sessions' condenser config is {NO_CONDENSING} (a session_config first): "
+                "every prompt holds the whole context",
+            ),
+        ]  # fmt: skip
+    rss = max(sampled.rss.values())
+    out.append(
+        Result(
+            f"RSS per agent worker (the most of the {shape.workers}, the most of any sample)", "MiB", rss,
+            max(idle_rss.values()), "the same worker idle after a first run", rss / max(idle_rss.values()),
+            TARGET_RSS_MIB, 1, better="lower", target_on="figure",
+        )
+    )  # fmt: skip
+    return out
 
 
 def main() -> int:

@@ -164,6 +164,15 @@ def options(description: str) -> argparse.ArgumentParser:
     agents.add_argument(
         "--action", choices=("file_read", "cmd_run"), help="the tool each step calls (default file_read; cmd_run: true)"
     )
+    agents.add_argument("--latency", type=float, help="seconds each model call takes (default 0.2)")
+    agents.add_argument(
+        "--tenants", type=int, help="spread the runs over this many tenants (default 0: sessions without a tenant)"
+    )
+    agents.add_argument(
+        "--context",
+        help="seed each run's session with about N events of earlier turns first, one round per size, "
+        "e.g. 20,2000 (default runs: 100)",
+    )
     return parser
 
 

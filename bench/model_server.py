@@ -4,8 +4,9 @@
 printed as ``port N`` on stdout once it listens) and answers ``POST /v1/chat/completions``
 after exactly ``--latency`` seconds, on asyncio, so a thousand calls in flight cost it little:
 
-- a request whose first user message says ``bench run SESSION`` is step ``n`` of that run,
-  ``n`` being one more than the assistant messages it carries; steps 1 to ``steps - 1`` answer
+- a request whose last user message that says ``bench run SESSION:`` (the run's task) is step
+  ``n`` of that run, ``n`` being one more than the assistant messages after it (a session seeded
+  with earlier turns carries theirs before it); steps 1 to ``steps - 1`` answer
   one tool call (``--action``: a ``file_read`` of ``small.txt``, or a ``cmd_run`` of ``true``),
   step ``steps`` answers a text (the agent's ``finish``);
 - any other request answers the tool call (the bench's own floor measurement).
@@ -138,15 +139,16 @@ class ModelServer:
 
 
 def _run_step(messages: list[dict[str, Any]]) -> tuple[str | None, int]:
-    session = None
-    for message in messages:
+    """The run a request belongs to and its step: one more than the assistant messages after the
+    run's task (a session seeded with earlier turns has assistant messages before it)."""
+    for at in range(len(messages) - 1, -1, -1):
+        message = messages[at]
         content = message.get("content")
         if message.get("role") == "user" and isinstance(content, str):
             found = TASK.search(content)
             if found:
-                session = found.group(1)
-                break
-    return session, 1 + sum(1 for m in messages if m.get("role") == "assistant")
+                return found.group(1), 1 + sum(1 for m in messages[at + 1 :] if m.get("role") == "assistant")
+    return None, 1 + sum(1 for m in messages if m.get("role") == "assistant")
 
 
 async def main_async(args: argparse.Namespace) -> None:
