@@ -71,6 +71,7 @@ memory role for context recalls.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from dataclasses import replace as dataclass_replace
@@ -1354,12 +1355,9 @@ def _stamped(event: events.Event, tenant: str | None, agent: str = AGENT_NAME) -
 
 def _started(seen: list[events.Event], opened: int) -> events.RunStarted | None:
     """The ``run_started`` that opened the run (its model settings)."""
-    for event in reversed(seen):
-        if event.id == opened:
-            return event if isinstance(event, events.RunStarted) else None
-        if event.id is not None and event.id < opened:
-            return None
-    return None
+    at = bisect_left(seen, opened, key=lambda event: event.id or 0)  # (the log's ids increase)
+    event = seen[at] if at < len(seen) else None
+    return event if isinstance(event, events.RunStarted) and event.id == opened else None
 
 
 def _said(exc: BaseException, timeout: float) -> str:
