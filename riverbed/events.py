@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeAlias, Union
 
 import msgspec
+import msgspec.inspect
 from msgspec.structs import force_setattr, replace
 
 from riverbed.errors import DecodeError, InputError, SystemEventRefused
@@ -1127,11 +1128,16 @@ def check(event: Event, *, max_bytes: int | None = None) -> bytes:
     nesting deeper than :data:`MAX_DEPTH`, a value out of the schema's bounds (Python
     constructors do not check them), a payload over ``max_bytes`` and a ``session_config``
     that sets an invalid or reserved environment name.
+
+    The event is encoded once.  Its values are looked at in one pass (:func:`_scan`), which
+    vouches for those of the common types (strings, numbers within their bounds, literals,
+    times, lists and dicts of them); only an event it cannot vouch for is decoded from its
+    payload, as the log's readers will, and refused with the decoder's own words.
     """
     if not isinstance(event, Event):
         raise InputError(f"only events can be appended, not {type(event).__name__}")
     kind = event.original_kind if isinstance(event, Unknown) else event.kind
-    _check_depth(event, kind)
+    vouched = _scan(event, kind)
     try:
         payload = encode(event)
     except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
@@ -1146,8 +1152,8 @@ def check(event: Event, *, max_bytes: int | None = None) -> bytes:
             f"the {kind} event is {len(payload):,} bytes encoded, over the limit of {max_bytes:,} "
             "(RIVERBED_MAX_EVENT_BYTES); store large data in a file and refer to it"
         )
-    if not isinstance(event, Unknown):
-        decoded = decode(payload)  # the schema's bounds are checked on decoding
+    if not vouched and not isinstance(event, Unknown):
+        decoded = decode(payload)  # the decoder says what is wrong, in the schema's words
         if isinstance(decoded, Unknown):
             raise DecodeError(f"the {kind} event cannot be read back: {decoded.payload.get('error', 'unknown kind')}")
     if isinstance(event, SessionConfig):
@@ -1214,7 +1220,7 @@ def _json_type(value: Any) -> str:
     return {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
 
 
-_FLAT = frozenset((str, int, float, bool, bytes, type(None), dt.datetime))
+_FLAT = frozenset((str, int, float, bool, bytes, type(None), dt.datetime, msgspec.UnsetType))
 """Types that hold nothing nested (most of an event's fields): never put on the stack."""
 
 
@@ -1223,11 +1229,15 @@ def _check_depth(value: Any, kind: str) -> None:
     if isinstance(value, msgspec.Struct):
         # Most events hold only flat values: looked at in one pass, with no stack.
         nested = [child for child in msgspec.structs.astuple(value) if type(child) not in _FLAT]
-        if not nested:
-            return
-        stack: list[tuple[Any, int]] = [(child, 1) for child in nested]
+        if nested:
+            _check_nesting(nested, kind)
     else:
-        stack = [(value, 0)]
+        _check_nesting([value], kind, depth=0)
+
+
+def _check_nesting(values: list[Any], kind: str, *, depth: int = 1) -> None:
+    """:func:`_check_depth` of ``values`` found at ``depth``."""
+    stack: list[tuple[Any, int]] = [(child, depth) for child in values]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, msgspec.Struct):
@@ -1241,6 +1251,172 @@ def _check_depth(value: Any, kind: str) -> None:
         if depth >= MAX_DEPTH:
             raise DecodeError(f"the {kind} event nests lists or objects more than {MAX_DEPTH} levels deep")
         stack.extend((child, depth + 1) for child in children if type(child) not in _FLAT)
+
+
+_Vouch: TypeAlias = Callable[[Any], "list[Any] | None"]
+"""Vouches for a Struct's values (:func:`_voucher`): None when it cannot, else the values that
+may nest (those of list, dict, Struct or ``Any`` fields) for the depth check."""
+
+
+def _scan(event: Event, kind: str) -> bool:
+    """One pass over an event's values, for :func:`check`: refuses nesting deeper than
+    :data:`MAX_DEPTH` (as :func:`_check_depth`) and says whether every value surely decodes back
+    within the schema's bounds, so that the payload need not be decoded to know.
+
+    It vouches only for what it knows the decoder accepts (:func:`_voucher`); anything else (a
+    value of another type, a kind with a ``__post_init__``, an unregistered class, another
+    version) is left to the decoder, so an event is accepted or refused as decoding it would."""
+    cls = type(event)
+    nested: list[Any] | None = None
+    if _kinds.get(kind) is cls and event.v == cls.version:
+        vouch = _vouchers.get(cls)
+        if vouch is None:
+            vouch = _vouchers[cls] = _voucher(cls)
+        nested = vouch(event)
+    if nested is None:  # (not vouched for: every value is looked at for nesting)
+        _check_depth(event, kind)
+        return False
+    if nested:
+        _check_nesting(nested, kind)
+    return True
+
+
+_vouchers: dict[type[msgspec.Struct], _Vouch] = {}
+
+
+def _voucher(cls: type[msgspec.Struct]) -> _Vouch:
+    """The voucher of a Struct class: one test per field, written out for the class (as
+    ``dataclasses`` writes an ``__init__``), since a loop over the fields costs more than
+    decoding the payload does.
+
+    A value that is the field's (flat) default, or unset for a field that has one, is not written
+    or decodes back as the default.  An event's ``id`` is not in its payload.  A class with a
+    ``__post_init__`` (which may refuse a value) is never vouched for."""
+    if hasattr(cls, "__post_init__"):
+        return _never
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    names = cls.__struct_fields__
+    defaults = dict(zip(names[len(names) - len(cls.__struct_defaults__) :], cls.__struct_defaults__, strict=True))
+    scope: dict[str, Any] = {"UNSET": msgspec.UNSET, "datetime": dt.datetime, "_vouched": _vouched, "FLAT": _FLAT}
+    lines = ["def vouch(event):", "    nested = []"]
+    for field in info.fields:
+        lines.append(f"    v = event.{field.name}")
+        if field.name == "id" and issubclass(cls, Event):
+            lines.append("    if type(v) not in FLAT:\n        nested.append(v)")  # (not written; nesting is refused)
+            continue
+        flat = _flat(field.type)
+        test = _test(field.type, "v", scope)
+        skip = []
+        if not field.required:
+            skip.append("v is not UNSET")
+            default = defaults.get(field.name, msgspec.NODEFAULT)
+            if (
+                field.default_factory is msgspec.NODEFAULT
+                and type(default) in _FLAT
+                and eval(test, scope, {"v": default})  # noqa: S307  (a default out of its bounds is looked at)
+            ):
+                scope[f"d_{field.name}"] = default
+                skip.append(f"v is not d_{field.name}")
+        if flat:
+            lines.append(f"    if {' and '.join([*skip, f'not ({test})'])}:\n        return None")
+        else:
+            lines.append(f"    if {' and '.join(skip) or 'True'}:")
+            lines.append(f"        if not ({test}):\n            return None")
+            lines.append("        nested.append(v)")
+    lines.append("    return nested")
+    exec("\n".join(lines), scope)  # noqa: S102  (source made above from the class's own field types)
+    vouch: _Vouch = scope["vouch"]
+    return vouch
+
+
+def _vouched(value: msgspec.Struct) -> bool:
+    """Whether a Struct held in an event is vouched for (its nesting is checked with the event's)."""
+    cls = type(value)
+    vouch = _vouchers.get(cls)
+    if vouch is None:
+        vouch = _vouchers[cls] = _voucher(cls)
+    return vouch(value) is not None
+
+
+def _flat(t: Any) -> bool:
+    """Whether a value of type ``t`` (``msgspec.inspect``) holds nothing nested."""
+    mi = msgspec.inspect
+    if isinstance(t, mi.Metadata):
+        return _flat(t.type)
+    if isinstance(t, mi.UnionType):
+        return all(_flat(option) for option in t.types)
+    return isinstance(t, mi.NoneType | mi.BoolType | mi.IntType | mi.FloatType | mi.StrType | mi.LiteralType
+                      | mi.DateTimeType)  # fmt: skip
+
+
+def _never(_value: Any) -> None:
+    return None
+
+
+def _test(t: Any, v: str, scope: dict[str, Any]) -> str:
+    """A Python expression that is True when ``v`` (an expression) surely decodes as the
+    ``msgspec.inspect`` type ``t``; names it needs go into ``scope``.  The types of riverbed's
+    kinds, with their bounds; any other type is never vouched for ("False")."""
+    mi = msgspec.inspect
+    name = f"c{len(scope)}"
+    if isinstance(t, mi.Metadata):
+        return _test(t.type, v, scope)
+    if isinstance(t, mi.AnyType):
+        return "True"
+    if isinstance(t, mi.NoneType):
+        return f"{v} is None"
+    if isinstance(t, mi.BoolType):
+        return f"type({v}) is bool"
+    if isinstance(t, mi.IntType | mi.FloatType):
+        if t.multiple_of is not None:
+            return "False"
+        kinds = f"type({v}) is int" if isinstance(t, mi.IntType) else f"(type({v}) is float or type({v}) is int)"
+        # (NaN is within no bound: never vouched for where there is one)
+        bounds = [f"{v} {op} {bound!r}" for op, bound in ((">", t.gt), (">=", t.ge), ("<", t.lt), ("<=", t.le))
+                  if bound is not None]  # fmt: skip
+        return " and ".join([kinds, *bounds])
+    if isinstance(t, mi.StrType):
+        parts = [f"type({v}) is str", *_lengths(t, v)]
+        if t.pattern is not None:
+            scope[name] = re.compile(t.pattern)  # (msgspec searches with Python's re, as here)
+            parts.append(f"{name}.search({v}) is not None")
+        return " and ".join(parts)
+    if isinstance(t, mi.LiteralType):
+        scope[name] = frozenset(t.values)
+        return f"(type({v}) is str or type({v}) is int) and {v} in {name}"
+    if isinstance(t, mi.DateTimeType) and t.tz is None:
+        return f"type({v}) is datetime"
+    if isinstance(t, mi.UnionType):
+        return " or ".join(f"({_test(option, v, scope)})" for option in t.types)
+    if isinstance(t, mi.StructType):
+        scope[name] = t.cls  # (its voucher is made when first needed: a Struct may hold itself)
+        return f"type({v}) is {name} and _vouched({v})"
+    if isinstance(t, mi.ListType | mi.VarTupleType | mi.TupleType | mi.DictType):
+        item = f"x{len(scope)}"
+        scope[name] = None  # (reserves the names)
+        if isinstance(t, mi.DictType):
+            key = f"k{len(scope)}"
+            each = f"({_test(t.key_type, key, scope)}) and ({_test(t.value_type, item, scope)})"
+            return " and ".join(
+                [f"type({v}) is dict", *_lengths(t, v), f"all({each} for {key}, {item} in {v}.items())"]
+            )
+        array = f"(type({v}) is list or type({v}) is tuple)"
+        if isinstance(t, mi.TupleType):
+            items = [f"({_test(each, f'{v}[{i}]', scope)})" for i, each in enumerate(t.item_types)]
+            return " and ".join([array, f"len({v}) == {len(items)}", *items])
+        return " and ".join([array, *_lengths(t, v), f"all({_test(t.item_type, item, scope)} for {item} in {v})"])
+    return "False"
+
+
+def _lengths(t: Any, v: str) -> list[str]:
+    """The tests of a type's ``min_length`` and ``max_length`` (characters of a str, as msgspec counts)."""
+    out = []
+    if t.min_length is not None:
+        out.append(f"len({v}) >= {t.min_length}")
+    if t.max_length is not None:
+        out.append(f"len({v}) <= {t.max_length}")
+    return out
 
 
 def _codecs_union() -> Any:
