@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -147,6 +148,7 @@ _RUN_KINDS = tuple(
 )
 """What a client appends that the agent role must see even while it let the session go: a run
 opens, is cancelled, is approved on, resumed or upgraded."""
+_RUN_KIND_MARKS = re.compile(b"|".join(re.escape(mark) for mark in _RUN_KINDS))
 
 
 def wakes_agent(payload: bytes) -> bool:
@@ -154,8 +156,7 @@ def wakes_agent(payload: bytes) -> bool:
 
     An event's msgpack form starts with its ``kind`` (the union's tag is encoded first), so a
     look at its first bytes tells, without decoding it."""
-    head = payload[:24]
-    return any(mark in head for mark in _RUN_KINDS)
+    return _RUN_KIND_MARKS.search(payload, 0, 24) is not None
 
 
 def payload_kind(payload: bytes) -> str | None:
@@ -285,6 +286,13 @@ class Log:
         once read their logs in one write."""
         self.append_script = self.redis.script(scripts.APPEND)
         self._sandbox_user = self.redis.script(scripts.SANDBOX_USER)
+        self._announce_keys: tuple[str, ...] = (
+            ()
+            if self.redis.cluster
+            else (*(keys.directory(role) for role in ROLES), keys.sessions, keys.directory(AGENT_ROLE))
+        )
+        """The directories and the sessions index, which the append script reaches on a standalone
+        Redis (none on a cluster: they are in other slots, and the caller announces)."""
 
     def check_session(self, session: str) -> None:
         require_session(session)
@@ -352,9 +360,9 @@ class Log:
         for payload, cause in batch:
             args.append(payload)
             args.append(cause)
-            wake_agent = wake_agent or wakes_agent(payload)
-            # (an owner's answers are never runtime work: no look at them)
-            wake_runtime = wake_runtime or (not cause and wakes_runtime(payload))
+            if not cause:  # (an answer is never a run's event nor runtime work: no look at it)
+                wake_agent = wake_agent or wakes_agent(payload)
+                wake_runtime = wake_runtime or wakes_runtime(payload)
         args.append("1" if wake_agent else "")
         args.append("1" if wake_runtime else "")
         keys = self.keys
@@ -366,9 +374,9 @@ class Log:
             keys.claims(session),
             keys.wake(session),
         ]
-        if not self.redis.cluster:
+        if self._announce_keys:
             # Keys of other slots: on a standalone Redis the script announces the session itself.
-            script_keys += [*(keys.directory(role) for role in ROLES), keys.sessions, keys.directory(AGENT_ROLE)]
+            script_keys += self._announce_keys
             if tenant:
                 script_keys.append(keys.tenant_sessions(tenant))
         return PreparedAppend(self, session, script_keys, args, expected_last, fence, tenant)
