@@ -248,6 +248,8 @@ def read_small(workspace: Path, action: events.FileRead, limits: Limits, most: i
             text = _text_at_most(rel, *found, limits, most)
     if text is None:
         return None
+    if action.start == 1 and action.end is None:  # the whole file (most reads): no lines to count
+        return events.FileContent(path=rel, content=_cap(text, limits), cause=action.id)
     lines = text.splitlines(keepends=True)
     if action.start < 1:
         raise FileActionError("bad_range", f"start must be 1 or more (lines are numbered from 1), not {action.start}")

@@ -135,6 +135,20 @@ async def _in_time(change: Callable[[], events.Observation]) -> events.Observati
     raise SandboxUnavailable(f"the file change was not made in time, {LATE_TRIES} times; the file is as it was")
 
 
+def _handled(session_id: str, action: events.Event, obs: events.Observation, seconds: float) -> None:
+    """The worker's one line for a handled action."""
+    log.info(
+        "action handled",
+        session=session_id,
+        event_id=action.id,
+        kind=action.kind,
+        result=obs.kind,
+        reason=obs.reason if isinstance(obs, events.Error) else None,
+        seconds=round(seconds, 3),
+        trace_id=tracing.trace_id(action.trace),
+    )
+
+
 def _error(reason: str, content: str, *, retryable: bool = False) -> events.Error:
     return events.Error(content=content, reason=reason, retryable=retryable)
 
@@ -407,20 +421,9 @@ class Runtime:
         if obs.cause != action.id:
             obs = replace(obs, cause=action.id)
         # Written once the event loop turns, which is after the answer went out: the line costs
-        # tens of microseconds, and an action's answer should not wait for the worker's own log.
-        asyncio.get_running_loop().call_soon(
-            partial(
-                log.info,
-                "action handled",
-                session=session_id,
-                event_id=action.id,
-                kind=action.kind,
-                result=obs.kind,
-                reason=obs.reason if isinstance(obs, events.Error) else None,
-                seconds=round(time.perf_counter() - started, 3),
-                trace_id=tracing.trace_id(action.trace),
-            )
-        )
+        # tens of microseconds, and an action's answer should not wait for the worker's own log
+        # (nor for the line's fields to be worked out).
+        asyncio.get_running_loop().call_soon(_handled, session_id, action, obs, time.perf_counter() - started)
         return obs
 
     async def _execute(self, session_id: str, action: events.Event) -> events.Observation:
