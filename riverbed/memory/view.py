@@ -35,11 +35,11 @@ The fold, event by event in id order:
   forgets the anchor moves the summary to the next surviving event, and events appended
   later come after it.
 
-:class:`ViewBuilder` folds incrementally (amortized O(1) per event, plus O(log n) per
-unit member a condensation hides; a user's edit costs O(n)), and :func:`view` is the full
-fold.  ``append`` checks the id and queues the event; the queue is folded in one pass when
-anything is read (a context edit folds it first), which costs a fraction of a call per
-event; :meth:`ViewBuilder.hidden` says which condensation or edit hid each hidden event.
+:class:`ViewBuilder` folds incrementally (amortized O(1) per event; a condensation costs
+O(view), column by column, and a user's edit O(n)), and :func:`view` is the full fold.
+``append`` checks the id and queues the event; the queue is folded in one pass when anything
+is read (a context edit folds it first); :meth:`ViewBuilder.hidden` says which condensation
+or edit hid each hidden event.
 :class:`Masked` is the synthetic observation that observation masking puts in place of an
 old observation's content (see ``riverbed.memory.condensers.mask_observations``); it keeps the original id and
 cause, so pairs stay whole.
@@ -52,13 +52,13 @@ from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import compress, takewhile
-from typing import overload
+from itertools import compress, islice, takewhile
+from operator import attrgetter, lt
+from typing import Any, overload
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
-from msgspec import UNSET
 
 from riverbed.errors import InputError
 from riverbed.events import (
@@ -73,6 +73,7 @@ from riverbed.events import (
     kind_of,
 )
 from riverbed.events import kinds as event_kinds
+from riverbed.memory.units import ANSWERABLE, CALL_IDS_KEPT, RESPONSE, CallOwners, unit_links
 
 __all__ = ["HistoryReleased", "Masked", "Summary", "View", "ViewBuilder", "id_runs", "unit_links", "view"]
 
@@ -137,9 +138,6 @@ class View(Sequence[Event]):
         return iter(self.events)
 
 
-_ANSWERABLE = 1
-_RESPONSE = 2
-
 # How the fold treats an event class (ViewBuilder._learn); the two kinds of actions first.
 _ACTION = 0  # joins the response it names; nothing joins it
 _ANSWERABLE_ACTION = 1  # joins the response it names; its observations join it
@@ -149,82 +147,8 @@ _CONDENSATION = 4
 _REQUEST = 5
 _OTHER = 6
 _EDIT = 7  # (a subclass of ContextEdit: ContextEdit itself is folded when appended)
-CALL_IDS_KEPT = 4096
-"""Tool call ids remembered (the latest responses'): an action names a call of a recent response."""
-
-
-class _Units:
-    """Which earlier event's unit each event joins (see the module docstring): the rule
-    shared by the fold and the condensers' planning.  A byte of flags per event id (from
-    the first one added), and the latest :data:`CALL_IDS_KEPT` tool call ids."""
-
-    __slots__ = ("_base", "_call_owner", "_flags")
-
-    def __init__(self) -> None:
-        self._base = -1
-        self._flags = bytearray()  # event id - base -> _ANSWERABLE | _RESPONSE
-        self._call_owner: dict[str, int] = {}  # tool call id -> latest response naming it
-
-    def _flag(self, eid: int) -> int:
-        at = eid - self._base
-        return self._flags[at] if 0 <= at < len(self._flags) and self._base >= 0 else 0
-
-    def parent(self, event: Event) -> int | None:
-        """The id of the earlier event whose unit ``event`` joins (None: it starts its own)."""
-        cause = event.cause
-        if isinstance(event, Observation):
-            if cause is not None and self._flag(cause):
-                return cause
-        elif isinstance(event, Action):
-            if cause is not None:
-                return cause if self._flag(cause) & _RESPONSE else None
-            if isinstance(event.tool_call_id, str):
-                return self._call_owner.get(event.tool_call_id)
-        return None
-
-    def add(self, event: Event) -> None:
-        eid = event.id
-        assert eid is not None
-        if isinstance(event, Action) and event.answered_by is not None:
-            flag = _ANSWERABLE
-        elif isinstance(event, LlmResponse):
-            flag = _RESPONSE
-            self.name_calls(event, eid)
-        else:
-            return
-        if self._base < 0:
-            self._base = eid
-        at = eid - self._base
-        if at >= len(self._flags):
-            self._flags.extend(bytes(at + 1 - len(self._flags)))
-        self._flags[at] = flag
-
-    def name_calls(self, response: LlmResponse, eid: int) -> None:
-        """Actions naming one of the tool calls of ``response`` (event ``eid``) join it."""
-        owners = self._call_owner
-        for call in response.tool_calls:
-            call_id = call.get("id") if isinstance(call, dict) else None
-            if isinstance(call_id, str):
-                owners.pop(call_id, None)
-                owners[call_id] = eid
-        while len(owners) > CALL_IDS_KEPT:
-            del owners[next(iter(owners))]
-
-
-def unit_links(events: Sequence[Event]) -> list[tuple[int, int]]:
-    """Index pairs ``(parent, child)`` of ``events`` (in id order) that belong to one unit."""
-    units = _Units()
-    index: dict[int, int] = {}
-    links = []
-    for i, event in enumerate(events):
-        if event.id is None:
-            continue
-        parent = units.parent(event)
-        if parent is not None and parent in index:
-            links.append((index[parent], i))
-        units.add(event)
-        index[event.id] = i
-    return links
+_id_of = attrgetter("id")
+_BATCH = 1024  # events appended to the last batch kept rather than starting one
 
 
 class HistoryReleased(Exception):
@@ -233,9 +157,6 @@ class HistoryReleased(Exception):
 
 
 _KIND_CODES: dict[str, int] = {}
-
-TAILS_KEPT = 1024
-"""Units whose last member the fold remembers (the latest ones): new members join recent units."""
 
 
 def _kind_code(kind: str) -> int:
@@ -258,6 +179,14 @@ def _packed(values: npt.NDArray[np.int64], itemsize: int) -> bytes:
     return values.astype(np.int32 if itemsize == 4 else np.int64).tobytes()
 
 
+Numbers = npt.NDArray[np.signedinteger[Any]]
+
+
+def _seen(column: array[int]) -> Numbers:
+    """A column as numpy sees it, without a copy (the column cannot grow while it is seen)."""
+    return np.frombuffer(column, dtype=np.int32 if column.itemsize == 4 else np.int64)
+
+
 class _Frozen(msgspec.Struct, array_like=True):
     """A lean :class:`ViewBuilder` without its events (see :meth:`ViewBuilder.freeze`)."""
 
@@ -267,7 +196,7 @@ class _Frozen(msgspec.Struct, array_like=True):
     kind: bytes
     itemsize: int
     root: bytes  # id - root (-1: not folded), compressed
-    next: bytes  # next member - id (0: none), compressed
+    next: bytes  # next member - id (0: none), compressed (written for earlier readers; read from root)
     hidden_by: bytes
     visible: list[int]
     pinned: list[int]
@@ -277,38 +206,39 @@ class _Frozen(msgspec.Struct, array_like=True):
     units_base: int
     units_flags: bytes
     call_owner: list[tuple[str, int]]
-    tails: list[tuple[int, int]]
+    tails: list[tuple[int, int]]  # (for earlier readers: written empty, not read)
 
 
 class ViewBuilder:
     """Incremental fold: ``append`` events in id order, read :meth:`view` at any time.
 
-    Per folded event it keeps a few bytes (kind, unit links, what hid it: arrays indexed by
-    id) and the visible events themselves.  Hidden events are kept too (a ``restore`` shows
-    them again) unless ``keep_hidden`` is False: then a long session costs a role only its
-    visible context, and a restore of released events raises :class:`HistoryReleased`.
+    Per folded event it keeps a few bytes (kind, unit, what hid it: arrays indexed by id)
+    and the visible events themselves.  Hidden events are kept too (the events as they were
+    appended: a ``restore`` shows them again) unless ``keep_hidden`` is False: then a long
+    session costs a role only its visible context, and a restore of released events raises
+    :class:`HistoryReleased`.
     """
 
     __slots__ = (
         "_anchor",
+        "_batches",
+        "_calls",
         "_events",
+        "_firsts",
         "_flag_of",
         "_hidden_by",
         "_ids",
         "_keep_hidden",
         "_kind",
         "_last",
-        "_next",
         "_pending",
         "_pinned",
+        "_pinned_ids",
         "_requests",
         "_root",
-        "_store",
         "_summary",
         "_summary_from",
-        "_tails",
         "_types",
-        "_units",
     )
 
     def __init__(self, events: Iterable[Event] = (), *, keep_hidden: bool = True) -> None:
@@ -317,20 +247,20 @@ class ViewBuilder:
         self._events: list[Event] = []  # visible events, parallel to _ids
         self._kind = bytearray(1)  # event id -> kind code (0: not folded, e.g. a condensation)
         self._root = array("i", [0])  # event id -> its unit's first event id (0: itself, or not folded)
-        self._next = array("i", [0])  # event id -> the next member of its unit (0: none)
         self._hidden_by = array("i", [0])  # unit root -> the condensation or edit hiding it (0: none)
-        self._tails: dict[int, int] = {}  # unit root -> its last member, for the latest units
-        self._store: dict[int, Event] = {}  # hidden events (with keep_hidden)
+        self._batches: list[list[Event]] = []  # every event folded, as appended (with keep_hidden)
+        self._firsts: list[int] = []  # the id of each batch's first event
         self._pinned: set[int] = set()  # pinned unit roots
-        self._units = _Units()
+        self._pinned_ids: tuple[frozenset[int], int] | None = None  # their members, folded up to an id
+        self._calls = CallOwners()
         self._requests: set[int] = set()  # condensation_request ids (hidden)
         self._summary: Summary | None = None
         self._summary_from = 0  # (a thawed builder: the condensation whose summary it awaits)
         self._anchor = 0
         self._last = 0
         self._pending: list[Event] = []  # appended, not folded yet (see _fold)
-        self._types: dict[type[Event], int] = {}  # event class -> its kind code | its role << 8
-        self._flag_of = bytearray(256)  # kind code -> _ANSWERABLE | _RESPONSE: what other events join
+        self._types: dict[type[Event], tuple[int, int]] = {}  # event class -> its kind code and fold role
+        self._flag_of = bytearray(256)  # kind code -> ANSWERABLE | RESPONSE: what other events join
         self.extend(events)
 
     @property
@@ -342,6 +272,18 @@ class ViewBuilder:
         return len(self._ids) + (self._summary is not None)
 
     def extend(self, events: Iterable[Event]) -> None:
+        if isinstance(events, list) and events:
+            # At once when every id is new and increasing and no event is a context edit.
+            ids = list(map(_id_of, events))
+            if (
+                None not in ids
+                and ids[0] > self._last
+                and all(map(lt, ids, islice(ids, 1, None)))
+                and ContextEdit not in set(map(type, events))
+            ):
+                self._pending += events
+                self._last = ids[-1]
+                return
         pending, last = self._pending, self._last
         for event in events:
             eid = event.id
@@ -362,9 +304,15 @@ class ViewBuilder:
         self._flush()
         size = self._root.itemsize
         ids = np.arange(len(self._kind), dtype=np.int64)
-        root, nxt = _column(self._root.tobytes(), size), _column(self._next.tobytes(), size)
+        root = _column(self._root.tobytes(), size)
         folded = np.frombuffer(bytes(self._kind), dtype=np.uint8) > 0
         root = np.where(root > 0, root, np.where(folded, ids, 0))  # (a unit's first event: 0 in the column)
+        # Each member's next one in its unit, in id order (what readers before this one walk).
+        members = np.flatnonzero(folded)
+        chained = members[np.argsort(root[members], kind="stable")]
+        same = root[chained[1:]] == root[chained[:-1]]
+        nxt = np.zeros_like(ids)
+        nxt[chained[:-1][same]] = chained[1:][same]
         frozen = _Frozen(
             version=FROZEN_VERSION,
             last=self._last,
@@ -381,8 +329,8 @@ class ViewBuilder:
             anchor=self._anchor,
             units_base=0,
             units_flags=zlib.compress(bytes(self._kind).translate(bytes(self._flag_of)), 1),
-            call_owner=list(self._units._call_owner.items()),
-            tails=list(self._tails.items()),
+            call_owner=self._calls.items(),
+            tails=[],
         )
         return msgspec.msgpack.encode(frozen)
 
@@ -410,18 +358,16 @@ class ViewBuilder:
         builder._last = frozen.last
         builder._kind = kind
         builder._root = array(typecode, _packed(np.where(root_delta >= 0, ids - root_delta, 0), size))
-        builder._next = array(typecode, _packed(np.where(next_delta > 0, ids + next_delta, 0), size))
         builder._hidden_by = array(typecode, hidden_by)
         builder._ids = list(frozen.visible)
         builder._pinned = set(frozen.pinned)
         builder._requests = set(frozen.requests)
         builder._anchor = frozen.anchor
-        builder._units._call_owner = dict(frozen.call_owner)
+        builder._calls = CallOwners(frozen.call_owner)
         known = event_kinds()
         for name in frozen.kinds:  # (what joins what follows from the kinds, see _learn)
             if name in known:
                 builder._learn(known[name])
-        builder._tails = dict(frozen.tails)
         builder._summary_from = frozen.summary
         wanted = [*frozen.visible, frozen.summary] if frozen.summary else list(frozen.visible)
         return builder, sorted(set(wanted))
@@ -447,9 +393,19 @@ class ViewBuilder:
         """From now on keep no hidden event (see :class:`HistoryReleased`)."""
         self._flush()
         self._keep_hidden = False
-        self._store.clear()
+        self._batches.clear()
+        self._firsts.clear()
 
     def append(self, event: Event) -> None:
+        eid = event.id
+        if eid is None or eid <= self._last or type(event) is ContextEdit:
+            self._append_slowly(event)
+            return
+        self._pending.append(event)
+        self._last = eid
+
+    def _append_slowly(self, event: Event) -> None:
+        """An event ``append`` does not only queue: it raises, or folds a context edit now."""
         eid = event.id
         if eid is None:
             raise InputError(f"a {event.kind} event without an id cannot be folded into a view; read it from a log")
@@ -457,11 +413,8 @@ class ViewBuilder:
             raise InputError(
                 f"event {eid} arrived after event {self._last}: a view folds events in increasing id order"
             )
-        if type(event) is ContextEdit:  # (a subclass is folded in its turn, see _fold)
-            self._flush()
-            self._edit(event, eid)  # (first: a restore that cannot be done changes nothing)
-        else:
-            self._pending.append(event)
+        self._flush()  # (a subclass of ContextEdit is folded in its turn, see _fold)
+        self._edit(event, eid)  # type: ignore[arg-type]  # (first: a restore that cannot be done changes nothing)
         self._last = eid
 
     def _flush(self) -> None:
@@ -469,7 +422,7 @@ class ViewBuilder:
             batch, self._pending = self._pending, []
             self._fold(batch)
 
-    def _learn(self, cls: type[Event]) -> int:
+    def _learn(self, cls: type[Event]) -> tuple[int, int]:
         """The kind code and fold role of an event class (this builder's table: kind codes
         are this process's, see :meth:`thaw`)."""
         if issubclass(cls, ContextEdit):
@@ -487,86 +440,82 @@ class ViewBuilder:
         else:
             role = _OTHER
         code = _kind_code(kind_of(cls))
-        self._flag_of[code] = _ANSWERABLE if role == _ANSWERABLE_ACTION else _RESPONSE if role == _LLM_RESPONSE else 0
-        info = self._types[cls] = code | role << 8
+        self._flag_of[code] = ANSWERABLE if role == _ANSWERABLE_ACTION else RESPONSE if role == _LLM_RESPONSE else 0
+        info = self._types[cls] = (code, role)
         return info
 
     def _fold(self, batch: list[Event]) -> None:
         """Fold appended events (ids increasing, no context edit among them) in one pass.
 
-        The unit rule is :class:`_Units`' (an observation joins the action or response it
+        The unit rule is :mod:`riverbed.memory.units`' (an observation joins the action or response it
         answers; an action joins the response it names), inlined here over the builder's
-        columns (whether an event can be joined follows from its kind: ``_flag_of``):
-        folding is most of the CPU an agent's step spends on its context.
+        columns (whether an event can be joined follows from its kind: ``_flag_of``): a
+        member of a unit records the unit's first event (``_root``), and responses only
+        queue their tool call ids (``_calls``).  Folding is most of the CPU an agent's step
+        spends on its context.
         """
         last = batch[-1].id
         assert last is not None
         self._grow(last)
-        units, flag_of = self._units, self._flag_of
-        owners = units._call_owner
-        kind, root, nxt, hidden_by, tails = self._kind, self._root, self._next, self._hidden_by, self._tails
-        ids, evs, store, requests, types = self._ids, self._events, self._store, self._requests, self._types
-        keep_hidden, n_kind = self._keep_hidden, len(self._kind)
+        flag_of, types, requests, calls = self._flag_of, self._types, self._requests, self._calls
+        kind, root, hidden_by = self._kind, self._root, self._hidden_by
+        show_id, show = self._ids.append, self._events.append
+        queue = calls.queued.append
+        if self._keep_hidden:  # (hidden events are found there: nothing is copied when they hide)
+            if self._batches and len(self._batches[-1]) < _BATCH:
+                self._batches[-1] += batch  # (a step's few events: one list for many steps)
+            else:
+                self._batches.append(batch)
+                self._firsts.append(batch[0].id)  # type: ignore[arg-type]
+        n_kind = len(kind)
         # (The roles are written as numbers in the loop: see the constants above.)
         for event in batch:
             eid: int = event.id  # type: ignore[assignment]
             try:
-                info = types[type(event)]
+                code, role = types[type(event)]
             except KeyError:
-                info = self._learn(type(event))
-            role = info >> 8
-            parent = 0
+                code, role = self._learn(type(event))
             if role == 2:  # _OBSERVATION
-                cause = event.cause
-                if cause is not None:
-                    if 0 < cause < n_kind and flag_of[kind[cause]]:
-                        parent = cause
-                    elif cause in requests:
+                parent = event.cause
+                if parent is None or not (0 < parent < n_kind and flag_of[kind[parent]]):
+                    if parent is not None and parent in requests:
                         continue  # the answer to a condensation request
+                    parent = 0
             elif role < 2:  # _ACTION, _ANSWERABLE_ACTION
-                cause = event.cause
-                if cause is not None:
-                    if 0 < cause < n_kind and flag_of[kind[cause]] == 2:  # _RESPONSE
-                        parent = cause
-                else:
+                parent = event.cause
+                if parent is None:
                     call_id = event.tool_call_id  # type: ignore[attr-defined]
-                    if call_id is not UNSET and isinstance(call_id, str):
-                        parent = owners.get(call_id, 0)
+                    parent = calls.get(call_id) if isinstance(call_id, str) else 0
+                elif not (0 < parent < n_kind and flag_of[kind[parent]] == 2):  # _RESPONSE
+                    parent = 0
+            elif role == 3:  # _LLM_RESPONSE
+                queue(event)  # type: ignore[arg-type]
+                parent = 0
             elif role == 4:  # _CONDENSATION
                 self._condense(event, eid)  # type: ignore[arg-type]
                 continue
             elif role == 5:  # _REQUEST
                 requests.add(eid)
                 continue
-            elif role == 3:  # _LLM_RESPONSE
-                units.name_calls(event, eid)  # type: ignore[arg-type]
             elif role == 7:  # _EDIT
                 self._edit(event, eid)  # type: ignore[arg-type]
                 continue
-            kind[eid] = info & 255
+            else:
+                parent = 0
+            kind[eid] = code
             if not parent:
-                ids.append(eid)
-                evs.append(event)
+                show_id(eid)
+                show(event)
                 continue
             top = root[parent] or parent
             root[eid] = top
-            if nxt[top]:  # a unit's third member on (long units keep their tail in _tails)
-                tail = tails.get(top, top)
-                while nxt[tail]:
-                    tail = nxt[tail]
-                nxt[tail] = eid
-                tails.pop(top, None)
-                tails[top] = eid
-                if len(tails) > TAILS_KEPT:
-                    del tails[next(iter(tails))]
-            else:
-                nxt[top] = eid
-            if hidden_by[top]:
-                if keep_hidden:
-                    store[eid] = event
-            else:
-                ids.append(eid)
-                evs.append(event)
+            if not hidden_by[top]:
+                show_id(eid)
+                show(event)
+        # Queued responses are read back only as far as the ids kept (a long queue saves
+        # work); they stay alive until then, so a builder that lets hidden events go keeps few.
+        if len(calls.queued) >= (4 * CALL_IDS_KEPT if self._keep_hidden else 256):
+            calls.settle()
 
     def _grow(self, eid: int) -> None:
         """Make room for ids up to ``eid`` (4 bytes an id, 8 past 2**31 - 1)."""
@@ -574,15 +523,15 @@ class ViewBuilder:
         if grow <= 0:
             return
         if eid > 2**31 - 1 and self._root.typecode == "i":
-            self._root, self._next, self._hidden_by = (array("q", c) for c in (self._root, self._next, self._hidden_by))
+            self._root, self._hidden_by = array("q", self._root), array("q", self._hidden_by)
         self._kind.extend(bytes(grow))
         zeros = bytes(self._root.itemsize * grow)
-        for column in (self._root, self._next, self._hidden_by):
-            column.frombytes(zeros)
+        self._root.frombytes(zeros)
+        self._hidden_by.frombytes(zeros)
 
     def view(self) -> View:
         self._flush()
-        pinned = frozenset(m for root in self._pinned for m in self._members(root))
+        pinned = self._pinned_members()
         if self._summary is None:
             return View(tuple(self._events), self._last, None, pinned)
         pos = bisect_left(self._ids, self._anchor)
@@ -595,11 +544,28 @@ class ViewBuilder:
         kind, root, hidden_by = self._kind, self._root, self._hidden_by
         return {i: hidden_by[root[i] or i] for i in range(1, len(kind)) if kind[i] and hidden_by[root[i] or i]}
 
-    def _members(self, root: int) -> Iterator[int]:
-        member = root
-        while member:
-            yield member
-            member = self._next[member]
+    def _pinned_members(self) -> frozenset[int]:
+        """The ids of the pinned units' members (kept: a step only adds what it folded)."""
+        if not self._pinned:
+            return frozenset()
+        known, upto = self._pinned_ids if self._pinned_ids is not None else (frozenset(), 0)
+        if upto < self._last:
+            known = known.union(self._members(self._pinned, upto + 1))
+            self._pinned_ids = (known, self._last)
+        return known
+
+    def _members(self, roots: Iterable[int], first: int = 1) -> list[int]:
+        """The folded events from id ``first`` on whose unit is one of those that start at ``roots``."""
+        wanted = np.fromiter(roots, dtype=np.int64)
+        if not len(wanted) or first >= len(self._kind):
+            return []
+        root = _seen(self._root)[first:]
+        ids = np.arange(first, first + len(root))
+        tops = np.where(root > 0, root, ids)
+        folded = np.frombuffer(self._kind, dtype=np.uint8)[first:] > 0
+        found: list[int] = ids[folded & np.isin(tops, wanted)].tolist()
+        del root  # (a column cannot grow while it is viewed)
+        return found
 
     # --- condensations and edits ----------------------------------------------------------
 
@@ -618,7 +584,7 @@ class ViewBuilder:
             self._summary = None
             return
         if cond.summary_offset is None:
-            self._anchor = cid if not removed else min(removed)
+            self._anchor = removed or cid
         else:
             offset = min(max(cond.summary_offset, 0), len(ids))
             self._anchor = ids[offset] if offset < len(ids) else cid
@@ -648,29 +614,23 @@ class ViewBuilder:
             self._show({r for r in roots if self._hidden_by[r]})
         elif edit.op == "pin":
             self._pinned |= roots
+            self._pinned_ids = None
         elif edit.op == "unpin":
             self._pinned -= roots
+            self._pinned_ids = None
 
-    def _hide(self, roots: Iterable[int], by: int) -> list[int]:
-        """Hide these units (the visible ones); return the ids that were visible."""
-        hidden_by, nxt = self._hidden_by, self._next
-        fresh: list[int] = []
+    def _hide(self, roots: Iterable[int], by: int) -> int:
+        """Hide these units (the visible ones); return the smallest id that was visible (0: none)."""
+        hidden_by = self._hidden_by
+        fresh = False
         for root in roots:
             if not hidden_by[root]:
                 hidden_by[root] = by
-                fresh.append(root)
-        wanted: set[int] = set()
-        for root in fresh:
-            member = root
-            while member:
-                wanted.add(member)
-                member = nxt[member]
-            if len(wanted) > 64:
-                return self._remove_hidden()
-        return self._remove(wanted)
+                fresh = True
+        return self._remove_hidden() if fresh else 0
 
     def _show(self, roots: set[int]) -> None:
-        back = [m for root in roots for m in self._members(root)]
+        back = self._members(roots)
         if not back:
             return
         if not self._keep_hidden:
@@ -679,74 +639,64 @@ class ViewBuilder:
             self._hidden_by[root] = 0
         if len(back) > 64:
             by_id = dict(zip(self._ids, self._events, strict=True))
-            by_id.update((i, self._store.pop(i)) for i in back)
+            by_id.update((i, self._folded(i)) for i in back)
             self._ids[:] = sorted(by_id)
             self._events[:] = [by_id[i] for i in self._ids]
             return
         for i in back:
             pos = bisect_left(self._ids, i)
             self._ids.insert(pos, i)
-            self._events.insert(pos, self._store.pop(i))
+            self._events.insert(pos, self._folded(i))
 
-    def _remove(self, wanted: set[int]) -> list[int]:
-        """Remove the visible events with these ids (kept aside with ``keep_hidden``);
-        return the ids that were visible."""
-        ids, events = self._ids, self._events
-        keep = self._store if self._keep_hidden else None
-        out: list[int] = []
-        for wid in sorted(wanted, reverse=True):
-            pos = bisect_left(ids, wid)
-            if pos < len(ids) and ids[pos] == wid:
-                out.append(wid)
-                if keep is not None:
-                    keep[wid] = events[pos]
-                del ids[pos], events[pos]
-        return out
+    def _folded(self, eid: int) -> Event:
+        """The event ``eid`` as it was folded (with keep_hidden)."""
+        batch = self._batches[bisect_right(self._firsts, eid) - 1]
+        return batch[bisect_left(batch, eid, key=_id_of)]
 
-    def _hide_spans(self, spans: list[tuple[int, int]], by: int) -> list[int]:
+    def _hide_spans(self, spans: list[tuple[int, int]], by: int) -> int:
         """Hide the units of the visible events ``ids[lo:hi]`` of each span (a condensation's
-        ranges, nothing pinned); return the ids that were visible.  Every event in a span
-        goes; outside them only the other members of those units (few) are looked for."""
+        ranges, nothing pinned); return the smallest id that was visible (0: none).  Every
+        event in a span goes, and outside them the other members of those units."""
         if not spans:
-            return []
-        ids, events, root, hidden_by = self._ids, self._events, self._root, self._hidden_by
+            return 0
+        visible, tops = self._visible_units()
+        hidden_by = _seen(self._hidden_by)
         for lo, hi in spans:
-            for i in ids[lo:hi]:
-                top = root[i] or i
-                if not hidden_by[top]:
-                    hidden_by[top] = by
-        keep = self._store if self._keep_hidden else None
-        kept_ids: list[int] = []
-        kept_events: list[Event] = []
-        out: list[int] = []
-        at = 0
-        for lo, hi in [*spans, (len(ids), len(ids))]:
-            if at < lo:  # between spans: members of a hidden unit go too
-                stays = [not hidden_by[root[i] or i] for i in ids[at:lo]]
-                kept_ids += compress(ids[at:lo], stays)
-                kept_events += compress(events[at:lo], stays)
-                if not all(stays):
-                    gone = [not s for s in stays]
-                    out += compress(ids[at:lo], gone)
-                    if keep is not None:
-                        keep.update(compress(zip(ids[at:lo], events[at:lo], strict=True), gone))
-            out += ids[lo:hi]
-            if keep is not None:
-                keep.update(zip(ids[lo:hi], events[lo:hi], strict=True))
-            at = hi
-        ids[:], events[:] = kept_ids, kept_events
-        return out
+            hit = tops[lo:hi]
+            hidden_by[hit[hidden_by[hit] == 0]] = by
+        gone = hidden_by[tops] != 0
+        del hidden_by  # (a column cannot grow while it is viewed)
+        return self._drop(visible, gone)
 
-    def _remove_hidden(self) -> list[int]:
-        """Remove the visible events whose unit was just hidden, in one pass (for many)."""
-        ids, events, root, hidden_by = self._ids, self._events, self._root, self._hidden_by
-        stays = [not hidden_by[root[i] or i] for i in ids]
-        gone = [not s for s in stays]
-        if self._keep_hidden:
-            self._store.update(compress(zip(ids, events, strict=True), gone))
-        out = list(compress(ids, gone))
-        ids[:], events[:] = compress(ids, stays), compress(events, stays)
-        return out
+    def _remove_hidden(self) -> int:
+        """Remove the visible events whose unit is hidden, in one pass; return the smallest id removed (0: none)."""
+        visible, tops = self._visible_units()
+        hidden_by = _seen(self._hidden_by)
+        gone = hidden_by[tops] != 0
+        del hidden_by
+        return self._drop(visible, gone)
+
+    def _visible_units(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The visible ids and the first event of each one's unit."""
+        if not self._ids:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        root = _seen(self._root)
+        visible = np.fromiter(self._ids, dtype=np.int64, count=len(self._ids))
+        up = root[visible]
+        del root
+        return visible, np.where(up > 0, up, visible)
+
+    def _drop(self, visible: npt.NDArray[np.int64], gone: npt.NDArray[np.bool_]) -> int:
+        """Remove the visible events marked ``gone`` (kept aside with ``keep_hidden``); return
+        the smallest id removed (0: none)."""
+        out = visible[gone]
+        if not len(out):
+            return 0
+        events = self._events
+        stays = ~gone
+        events[:] = compress(events, stays.tolist())
+        self._ids[:] = visible[stays].tolist()
+        return int(out[0])
 
 
 def id_runs(ids: Iterable[int]) -> list[tuple[int, int]]:
