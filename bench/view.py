@@ -1,28 +1,48 @@
-"""The View fold over a long session against a plain Python loop over the same events.
+"""The View fold and the prompt over long sessions, against a plain loop and the OpenHands SDK.
 
-The session: 100,000 events (ids 1..100,000) of an agent at work: user messages, ``cmd_run``
-/ ``cmd_output`` and ``file_edit`` / ``file_edited`` pairs, thoughts, and every 1,000th
-event a ``condensation`` (100 in all) that keeps the first 4 events and the last 200,
-forgets everything between and puts its summary after the kept head (what a summarizing
-condenser writes).
+Two shapes of log, both reported:
 
-- fold: ``view(events)``, the full fold and the final ``View`` (target < 1 s); baseline: a
-  loop that only appends every event to a list, the least any fold can cost;
-- incremental: ``ViewBuilder.append`` per event over the same session (µs per event,
-  condensations included), against ``list.append`` in the same loop.
+- **the agent's** (first): what the agent role writes.  A ``session_config`` that turns on
+  observation masking (a pipeline: masking, then a summarizing condenser), the user's task
+  and a ``run_started``; then steps.  A step is an ``llm_response`` (on most steps the
+  model's text before its calls; 1-3 tool calls in OpenAI wire form, with ids) and the
+  actions its calls ask for, in call order, each with ``cause`` the response and
+  ``tool_call_id`` its call (``cmd_run``, ``file_read``, ``file_edit``, ``think``), each but
+  ``think`` answered by its observation (``cmd_output``, ``file_content`` or, one read in ten,
+  an ``error``, ``file_edited``) before the next action runs.  Every 40 steps the user
+  says something, and every 1,000 events the condenser role writes a ``condensation``: it
+  forgets everything from the end of the head (the first 3 events) to the end of the last
+  step 200 events back and puts its summary after the head.
+- **the old one**, from before tool call ids, kept to compare with earlier figures: user
+  messages, ``cmd_run`` / ``cmd_output`` and ``file_edit`` / ``file_edited`` pairs (the
+  action without a ``cause``), thoughts, and every 1,000th event a condensation keeping
+  the first 4 events and the last 200.
 
-And against the peer: the first 10,000 events of that session (10 condensations), folded by
-riverbed and by the OpenHands SDK's ``View.from_events`` (``bench/openhands_view.py``, one
-SDK event per riverbed event) in the same run, in thread CPU (``time.thread_time``):
+Against a loop, 100,000 events (100 condensations), thread CPU (``time.thread_time``):
 
-- the fold (target <= 0.4x the peer's);
-- ``ViewBuilder.append`` of every event, then ``view()`` (target <= 0.5 µs per event).
+- fold: ``view(events)``, the full fold (target < 1 s), against a loop that only appends
+  every event to a list, the least any fold can cost;
+- incremental: ``ViewBuilder.append`` of every event, then ``view()``, per event (target on
+  the agent's shape: <= 0.5 µs), against ``list.append`` in the same loop.
+
+Against the OpenHands SDK 1.58, the first 10,000 events (10 condensations) converted one for
+one into the SDK's events by ``bench/openhands_view.py`` (the one exception: the SDK's
+``think`` tool answers with an observation, which riverbed's does not write), in thread
+CPU, rounds alternating between the two processes, the median of the rounds' ratios:
+
+- fold: ``view(events)`` against ``View.from_events`` (target <= 0.4x the peer's);
+- prompt: ``to_messages`` of the view of the events before the last condensation,
+  masked as the session's config says (``prepare``, timed apart and named in the note),
+  against the SDK's ``LLMConvertibleEvent.events_to_messages`` of its view of the same
+  events (target <= 0.4x; the SDK's ``to_chat_dict`` that makes its wire form, which
+  ``to_messages`` returns, is in the note, not in the figure);
+- ``ViewBuilder.append`` of every event then ``view()``, per event, against the SDK's fold
+  per event.
 
 The SDK needs Python >= 3.12: it runs in its own environment, ``.venv-openhands`` (made here
 on first use with a Python 3.12 found on PATH or under pyenv, or ``RIVERBED_BENCH_PYTHON312``;
-``--no-peer`` skips it).
-
-Medians of ``--repeats`` runs, alternating.  Run alone: ``python -m bench.view``.
+``--no-peer`` skips it).  ``--repeats`` rounds (at least 3; 2x that against the peer).  Run
+alone: ``python -m bench.view``.
 """
 
 from __future__ import annotations
@@ -32,18 +52,26 @@ import gc
 import glob
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from bench.common import Result, options, print_results, private_redis
 from riverbed import events
+from riverbed.agent.messages import to_messages
 from riverbed.cli.output import json_bytes
-from riverbed.memory.view import ViewBuilder, view
+from riverbed.memory.condensers import CondenserConfig, config_from_log, prepare
+from riverbed.memory.tokens import action_arguments
+from riverbed.memory.view import View, ViewBuilder, view
 
 EVENTS = 100_000
 PEER_EVENTS = 10_000
@@ -51,11 +79,118 @@ PEER_SDK = "openhands-sdk==1.58.0"
 ROOT = Path(__file__).resolve().parent.parent
 PEER_VENV = ROOT / ".venv-openhands"
 CONDENSE_EVERY = 1000
-KEEP_HEAD = 4
+KEEP_HEAD = 4  # (the old shape's)
+AGENT_HEAD = 3  # the agent's: its config, the task, the run's start
 KEEP_TAIL = 200
+MASKING: dict[str, Any] = {
+    "strategy": "pipeline",
+    "stages": [{"strategy": "masking", "mask_window": 10}, {"strategy": "summarizing", "max_events": 1000}],
+}
+
+Shape = Callable[[int], list[events.Event]]
+
+# --- the agent's shape -----------------------------------------------------------------------
+
+_PASSED = [f"tests/test_parser.py::test_case_{i} PASSED" for i in range(40)]
+
+
+def agent_events(count: int = EVENTS, seed: int = 44) -> list[events.Event]:
+    """``count`` events of an agent's session as the agent and condenser roles write them."""
+    rng = random.Random(seed)
+    out: list[events.Event] = []
+
+    def add(event: events.Event) -> int:
+        out.append(events.with_id(event, len(out) + 1))
+        return len(out)
+
+    add(events.SessionConfig(source="user", condenser=MASKING))
+    add(events.Message(source="user", content="The parser test fails on inputs without a trailing newline; fix it."))
+    add(events.RunStarted())
+    forgotten_to, step_ends, step, due = AGENT_HEAD, [AGENT_HEAD], 0, CONDENSE_EVERY - 8
+    while len(out) < count:
+        if len(out) + 1 >= due:
+            cid = len(out) + 1
+            end = max(e for e in step_ends if e <= cid - KEEP_TAIL)
+            due += CONDENSE_EVERY
+            if end > forgotten_to:
+                summary = f"TASK: fix the parser. DONE: steps up to event {end}: ran the tests, edited the tokenizer."
+                add(
+                    events.Condensation(
+                        source="condenser",
+                        cause=cid - 1,
+                        forgotten=[(forgotten_to + 1, end)],
+                        summary=summary,
+                        summary_offset=AGENT_HEAD,
+                    )
+                )
+                forgotten_to = end
+                continue
+        step += 1
+        if step % 40 == 0:
+            add(events.Message(source="user", content=f"Also keep the CLI's output as it is (note {step})."))
+        planned = [_planned(rng, step) for _ in range(rng.choices((1, 2, 3), (6, 3, 1))[0])]
+        calls = [
+            {
+                "id": f"call_{rng.getrandbits(64):016x}",
+                "type": "function",
+                "function": {"name": action.kind, "arguments": json.dumps(action_arguments(action))},
+            }
+            for action in planned
+        ]
+        said = rng.random() < 0.7  # (on most steps the model says something before its calls)
+        thought = f"Step {step}: the tokenizer drops the last line when it has no newline; checking." if said else None
+        response = add(
+            events.LlmResponse(
+                source="agent",
+                model="gpt-4.1",
+                content=thought,
+                tool_calls=calls,
+                usage={"prompt_tokens": 9000 + 40 * step % 20000, "completion_tokens": 120},
+                cause=len(out),
+            )
+        )
+        for action, call in zip(planned, calls, strict=True):
+            asked = add(msgspec.structs.replace(action, source="agent", cause=response, tool_call_id=call["id"]))
+            answer = _answer(rng, action, step, asked)
+            if answer is not None:
+                add(answer)
+        step_ends.append(len(out))
+    return out[:count]
+
+
+def _planned(rng: random.Random, step: int) -> events.Action:
+    path = f"src/parser/module_{step % 17}.py"
+    pick = rng.random()
+    if pick < 0.45:
+        return events.CmdRun(command=f"pytest tests/test_parser.py -x -q -k case_{step}")
+    if pick < 0.65:
+        return events.FileRead(path=path)
+    if pick < 0.9:
+        return events.FileEdit(command="str_replace", path=path, old_str="return tokens[:-1]", new_str="return tokens")
+    return events.Think(thought=f"The failure at step {step} comes from the newline handling, in the tokenizer.")
+
+
+def _answer(rng: random.Random, action: events.Action, step: int, asked: int) -> events.Event | None:
+    match action:
+        case events.CmdRun():
+            passed = "\n".join(_PASSED[: rng.randint(3, 30)])
+            content = f"{passed}\nFAILED tests/test_parser.py::test_case_{step} - AssertionError"
+            return events.CmdOutput(cause=asked, content=content, exit_code=1, command=action.command)
+        case events.FileRead() if rng.random() < 0.1:
+            return events.Error(cause=asked, content=f"no such file: {action.path}")
+        case events.FileRead():
+            lines = (f"    line {i} of {action.path}" for i in range(rng.randint(10, 60)))
+            return events.FileContent(cause=asked, path=action.path, content="\n".join(lines))
+        case events.FileEdit():
+            return events.FileEdited(cause=asked, path=action.path, diff=f"-{action.old_str}\n+{action.new_str}")
+    return None
+
+
+# --- the old shape ---------------------------------------------------------------------------
 
 
 def session_events(count: int = EVENTS) -> list[events.Event]:
+    """``count`` events of a session from before tool call ids (see the module docstring)."""
     out: list[events.Event] = []
     n = 0
 
@@ -111,44 +246,56 @@ def session_events(count: int = EVENTS) -> list[events.Event]:
     return out[:count]
 
 
+SHAPES: dict[str, Shape] = {"agent's": agent_events, "old": session_events}
+
+# --- measuring -------------------------------------------------------------------------------
+
+
 def _plain(evs: list[events.Event]) -> float:
-    started = time.perf_counter()
+    started = time.thread_time()
     out: list[events.Event] = []
     for event in evs:
         out.append(event)  # noqa: PERF402  (the baseline is this very loop)
-    return time.perf_counter() - started
+    return time.thread_time() - started
 
 
-def _fold(evs: list[events.Event], clock: Callable[[], float] = time.perf_counter) -> float:
-    started = clock()
+def _fold(evs: list[events.Event]) -> float:
+    started = time.thread_time()
     view(evs)
-    return clock() - started
+    return time.thread_time() - started
 
 
-def _appends(evs: list[events.Event], clock: Callable[[], float] = time.perf_counter) -> float:
+def _appends(evs: list[events.Event]) -> float:
     builder = ViewBuilder()
     append = builder.append
-    started = clock()
+    started = time.thread_time()
     for event in evs:
         append(event)
     builder.view()  # (folding is lazy: the view is where appended events are folded)
-    return clock() - started
+    return time.thread_time() - started
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    started = time.thread_time()
+    fn()
+    return time.thread_time() - started
 
 
 async def measure(_url: str, args: argparse.Namespace) -> list[Result]:
     repeats = max(args.repeats, 3)
-    results = _against_a_loop(repeats)
-    if args.no_peer:
-        return results
-    return results + _against_openhands(repeats)
+    results: list[Result] = []
+    for name, shape in SHAPES.items():
+        results += _against_a_loop(name, shape(EVENTS), repeats)
+    if not args.no_peer:
+        for name, shape in SHAPES.items():
+            results += _against_openhands(name, shape(PEER_EVENTS), repeats * 2)
+    return results
 
 
-def _against_a_loop(repeats: int) -> list[Result]:
-    evs = session_events()
+def _against_a_loop(shape: str, evs: list[events.Event], repeats: int) -> list[Result]:
     conds = sum(isinstance(e, events.Condensation) for e in evs)
     folded = view(evs)
     assert folded.summary is not None
-    assert len(folded) <= KEEP_HEAD + 1 + KEEP_TAIL
     plain, fold, appends = [], [], []
     gc.collect()
     for _ in range(repeats):
@@ -161,7 +308,7 @@ def _against_a_loop(repeats: int) -> list[Result]:
     base_us = base / len(evs) * 1e6
     return [
         Result(
-            f"view fold, {len(evs):,} events / {conds} condensations",
+            f"view fold, {shape} shape, {len(evs):,} events / {conds} condensations, thread CPU",
             "ms",
             fold_ms,
             base * 1000,
@@ -171,81 +318,175 @@ def _against_a_loop(repeats: int) -> list[Result]:
             repeats,
             better="lower",
             target_on="figure",
+            note=f"the view: {len(folded)} events",
         ),
         Result(
-            "ViewBuilder.append per event",
+            f"ViewBuilder.append per event, then view(), {shape} shape, thread CPU",
             "µs",
             append_us,
             base_us,
             "list.append in the loop",
             append_us / base_us,
-            None,
+            0.5 if shape == "agent's" else None,
             repeats,
-            better="lower",
-        ),
-    ]
-
-
-def _against_openhands(repeats: int) -> list[Result]:
-    evs = session_events(PEER_EVENTS)
-    conds = sum(isinstance(e, events.Condensation) for e in evs)
-    python = peer_python()
-    if isinstance(python, str):
-        print(f"bench.view: the OpenHands SDK comparison is skipped: {python}", file=sys.stderr)
-        return []
-    history = b"".join(json_bytes(e) + b"\n" for e in evs)
-    folds: list[float] = []
-    appends: list[float] = []
-    peer: list[float] = []
-    peer_length = 0
-    gc.collect()
-    for _ in range(2):  # riverbed, the peer, riverbed again: a load change hits both alike
-        for _ in range(repeats):
-            folds.append(_fold(evs, time.thread_time))
-            appends.append(_appends(evs, time.thread_time))
-        if not peer:
-            peer, peer_length = _peer_folds(python, history, repeats * 2)
-    fold_ms, peer_ms = statistics.median(folds) * 1000, statistics.median(peer) * 1000
-    append_us = statistics.median(appends) / len(evs) * 1e6
-    note = f"OpenHands SDK 1.58 view: {peer_length} events (one summary per condensation), riverbed's: {len(view(evs))}"
-    return [
-        Result(
-            f"view fold, {len(evs):,} events / {conds} condensations, thread CPU",
-            "ms",
-            fold_ms,
-            peer_ms,
-            "OpenHands SDK View.from_events",
-            fold_ms / peer_ms,
-            0.4,
-            repeats * 2,
-            better="lower",
-            note=note,
-        ),
-        Result(
-            "ViewBuilder.append per event, then view(), thread CPU",
-            "µs",
-            append_us,
-            peer_ms * 1000 / len(evs),
-            "OpenHands SDK, per event",
-            append_us / (peer_ms * 1000 / len(evs)),
-            0.5,
-            repeats * 2,
             better="lower",
             target_on="figure",
         ),
     ]
 
 
-def _peer_folds(python: Path, history: bytes, repeats: int) -> tuple[list[float], int]:
-    env = {**os.environ, "OPENHANDS_SUPPRESS_BANNER": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    script = Path(__file__).with_name("openhands_view.py")
-    done = subprocess.run(
-        [str(python), str(script), str(repeats)], input=history, capture_output=True, env=env, check=False
+class _Peer:
+    """The SDK's side (``bench/openhands_view.py``) in its own process, asked one round at a time."""
+
+    def __init__(self, python: Path, history: Path, until: int) -> None:
+        env = {**os.environ, "OPENHANDS_SUPPRESS_BANNER": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+        script = Path(__file__).with_name("openhands_view.py")
+        self._process = subprocess.Popen(
+            [str(python), str(script), str(history), str(until)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        self.facts = self._answer()
+
+    def _answer(self) -> dict[str, Any]:
+        assert self._process.stdout is not None
+        line = self._process.stdout.readline()
+        if not line:
+            self._process.wait(timeout=30)
+            stderr = self._process.stderr.read() if self._process.stderr is not None else ""
+            raise SystemExit(f"the OpenHands SDK side failed: {stderr[-2000:]}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def seconds(self, what: str) -> float:
+        """The thread CPU of one ``fold`` or ``messages`` (or ``wire``: messages and their dicts)."""
+        assert self._process.stdin is not None
+        self._process.stdin.write(what + "\n")
+        self._process.stdin.flush()
+        return float(self._answer()["seconds"])
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        self._process.wait(timeout=30)
+
+
+def _against_openhands(shape: str, evs: list[events.Event], rounds: int) -> list[Result]:
+    python = peer_python()
+    if isinstance(python, str):
+        print(f"bench.view: the OpenHands SDK comparison is skipped: {python}", file=sys.stderr)
+        return []
+    conds = [e.id for e in evs if isinstance(e, events.Condensation) and e.id is not None]
+    until = conds[-1] - 1
+    prefix = [e for e in evs if e.id is not None and e.id <= until]
+    config = config_from_log(evs) if shape == "agent's" else CondenserConfig()
+    folded = view(prefix)
+    masked = prepare(folded, config)
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as history:
+        history.write(b"".join(json_bytes(e) + b"\n" for e in evs))
+        history.flush()
+        peer = _Peer(python, Path(history.name), until)
+        try:
+            figures = _rounds(peer, evs, folded, masked, config, rounds)
+        finally:
+            peer.close()
+    fold, messages, appends, peer_fold, peer_messages, peer_wire, prepared, fold_ratio, messages_ratio = figures
+    facts = peer.facts
+    append_us = appends / len(evs) * 1e6
+    peer_us = peer_fold / len(evs) * 1e6
+    sdk = "OpenHands SDK 1.58"
+    return [
+        Result(
+            f"view fold, {shape} shape, {len(evs):,} events / {len(conds)} condensations, thread CPU",
+            "ms",
+            fold * 1000,
+            peer_fold * 1000,
+            f"{sdk} View.from_events",
+            fold_ratio,
+            0.4,
+            rounds,
+            better="lower",
+            note=f"views: riverbed {len(view(evs))} events, the SDK {facts['view_length']}",
+        ),
+        Result(
+            f"to_messages of the view before the last condensation, {shape} shape, thread CPU",
+            "ms",
+            messages * 1000,
+            peer_messages * 1000,
+            f"{sdk} events_to_messages",
+            messages_ratio,
+            0.4,
+            rounds,
+            better="lower",
+            note=(
+                f"{len(masked)} events in the view, {len(to_messages(masked))} messages "
+                f"(the SDK: {facts['messages_view']} events, {facts['messages']} messages); masking them first "
+                f"(prepare) took {prepared * 1000:.3g} ms more; the SDK's messages as dicts "
+                f"(to_chat_dict) {peer_wire * 1000:.3g} ms in all"
+            ),
+        ),
+        Result(
+            f"ViewBuilder.append per event, then view(), {shape} shape, thread CPU",
+            "µs",
+            append_us,
+            peer_us,
+            f"{sdk} fold, per event",
+            append_us / peer_us,
+            None,
+            rounds,
+            better="lower",
+        ),
+    ]
+
+
+def _rounds(
+    peer: _Peer,
+    evs: list[events.Event],
+    folded: View,
+    masked: View,
+    config: CondenserConfig,
+    rounds: int,
+) -> tuple[float, ...]:
+    """Medians over alternating rounds (riverbed first in every other one): riverbed's fold,
+    messages and appends, the peer's fold, messages and messages as dicts, riverbed's masking,
+    and the medians of the rounds' fold and messages ratios."""
+    ours: dict[str, list[float]] = {"fold": [], "messages": [], "appends": [], "prepare": []}
+    theirs: dict[str, list[float]] = {"fold": [], "messages": [], "wire": []}
+    ratios: dict[str, list[float]] = {"fold": [], "messages": []}
+    riverbed: dict[str, Callable[[], float]] = {
+        "fold": lambda: _fold(evs),
+        "messages": lambda: _timed(lambda: to_messages(masked)),
+    }
+    for what in ("fold", "messages", "wire"):  # (warm-up)
+        peer.seconds(what)
+    gc.collect()
+    for n in range(rounds):
+        for what, ours_now in riverbed.items():
+            if n % 2 == 0:
+                mine, other = ours_now(), peer.seconds(what)
+            else:
+                other, mine = peer.seconds(what), ours_now()
+            ours[what].append(mine)
+            theirs[what].append(other)
+            ratios[what].append(mine / other)
+        theirs["wire"].append(peer.seconds("wire"))
+        ours["appends"].append(_appends(evs))
+        ours["prepare"].append(_timed(lambda: prepare(folded, config)))
+    med = statistics.median
+    return (
+        med(ours["fold"]),
+        med(ours["messages"]),
+        med(ours["appends"]),
+        med(theirs["fold"]),
+        med(theirs["messages"]),
+        med(theirs["wire"]),
+        med(ours["prepare"]),
+        med(ratios["fold"]),
+        med(ratios["messages"]),
     )
-    if done.returncode != 0:
-        raise SystemExit(f"the OpenHands SDK fold failed: {done.stderr.decode(errors='replace')[-2000:]}")
-    answer = json.loads(done.stdout)
-    return answer["fold_seconds"], answer["view_length"]
 
 
 def peer_python() -> Path | str:
@@ -281,7 +522,7 @@ def _python312() -> str | None:
 
 
 def main() -> int:
-    args = options("The View fold against a plain loop and the OpenHands SDK's, on the same events.").parse_args()
+    args = options("The View fold and the prompt against a plain loop and the OpenHands SDK's.").parse_args()
     import anyio  # noqa: PLC0415
 
     with private_redis(args.redis_url) as url:
