@@ -24,7 +24,17 @@ import pytest
 from riverbed import events
 from riverbed.agent.hosted import RunLimits, open_run
 from riverbed.client.session import Bus
-from riverbed.workers.agent_pace import GROW, MIN_STEPS, SHRINK, START, START_GROW, WINDOW, Pace
+from riverbed.workers.agent_pace import (
+    GROW,
+    LAG_LIMIT,
+    LAG_PROBE,
+    MIN_STEPS,
+    SHRINK,
+    START,
+    START_GROW,
+    WINDOW,
+    Pace,
+)
 from tests.kit.agent_role import roles
 from tests.kit.delegation import call, finish, run_end, script, task_of
 from tests.kit.openai_server import OpenAIServer
@@ -123,6 +133,26 @@ def test_it_waits_for_enough_steps_to_tell_and_grows_when_none_came() -> None:
     window(pace, clock, int(limit), [0.050])
     assert pace.limit < limit
     # Runs waiting on slow model calls make no step: the pace grows.
+    before = pace.limit
+    window(pace, clock, int(pace.limit), [])
+    assert pace.limit == pytest.approx(before * GROW)
+
+
+def test_an_event_loop_that_runs_late_shrinks_it_with_steps_or_without() -> None:
+    """A loop far behind makes few steps; a look with none must not read as runs waiting on a
+    slow model."""
+    clock = Clock()
+    pace = Pace(4, clock=clock)
+    window(pace, clock, START, [0.004] * 5)
+    grown = pace.limit
+    for _ in range(int(WINDOW / LAG_PROBE)):
+        pace.lagged(LAG_LIMIT * 3)
+    assert window(pace, clock, int(grown), []) == 0
+    assert pace.limit == pytest.approx(grown * SHRINK)
+    assert pace.lag == pytest.approx(LAG_LIMIT * 3)
+    # On time again: a look with no step grows it, as before.
+    for _ in range(int(WINDOW / LAG_PROBE)):
+        pace.lagged(0.001)
     before = pace.limit
     window(pace, clock, int(pace.limit), [])
     assert pace.limit == pytest.approx(before * GROW)

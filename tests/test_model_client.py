@@ -20,7 +20,16 @@ import openai
 import pytest
 
 from riverbed.errors import FencedError
-from riverbed.workers.model_client import LIMITS, SHARDS, CheckedClient, checked_by, limits_for, proxy_for
+from riverbed.workers.model_client import (
+    LIMITS,
+    SHARD_CONNECTIONS,
+    SHARDS,
+    CheckedClient,
+    checked_by,
+    limits_for,
+    proxy_for,
+    shards_for,
+)
 from tests.kit.openai_server import OpenAIServer, server  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.anyio
@@ -278,11 +287,14 @@ async def test_requests_go_through_the_proxy_the_environment_names(
 def test_a_worker_that_holds_many_runs_keeps_a_connection_open_for_each() -> None:
     """A run's next call follows its last within seconds: a worker that may hold 2,500 runs keeps
     2,500 connections to the model server open, not the client library's 100 (and lets 2,500
-    calls be in flight, not 1,000); a small worker keeps the library's defaults."""
+    calls be in flight, not 1,000), over more pools; a small worker keeps the library's defaults."""
     assert limits_for(0) == LIMITS
     assert limits_for(50) == LIMITS
+    assert shards_for(0) == shards_for(500) == SHARDS
     many = limits_for(2500)
     assert many.max_connections is not None
     assert many.max_keepalive_connections is not None
-    assert many.max_connections * SHARDS >= 2500
-    assert many.max_keepalive_connections * SHARDS >= 2500
+    assert many.max_connections * shards_for(2500) >= 2500
+    assert many.max_keepalive_connections * shards_for(2500) >= 2500
+    # (more pools rather than longer ones: a pool looks at each of its connections on every request)
+    assert -(-2500 // shards_for(2500)) <= SHARD_CONNECTIONS

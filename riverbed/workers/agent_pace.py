@@ -24,6 +24,13 @@ while they wait, and counting them could hold back the very children they wait f
 
 The baseline is the least window median, and it drifts up by :data:`DRIFT` each window, so a
 worker whose steps get dearer for good (longer prompts) settles on the new cost.
+
+A look also asks how late the worker's event loop ran a timer (:meth:`Pace.lagged`, probed every
+:data:`LAG_PROBE` by the role): a mean lag over :data:`LAG_LIMIT` counts as past the slack,
+with steps or without.  A loop that far behind makes few steps, and a look with none would
+otherwise read as runs waiting on slow model calls: with 10,000 runs of a 2 s model on 4
+workers of a 2-core machine, the looks without steps let each worker take 1,600 to 2,400 runs,
+whose model calls then went unsent past their 120 s timeout (``python -m bench agents``).
 """
 
 from __future__ import annotations
@@ -54,6 +61,11 @@ GROW = 1.25
 """...and after that."""
 SHRINK = 0.8
 DRIFT = 1.02
+LAG_PROBE = 0.1
+"""How often the role looks how late its event loop runs a timer (:meth:`Pace.lagged`)."""
+LAG_LIMIT = 0.05
+"""A window's mean timer lateness past which the worker's loop is behind: a step's every part
+waits that long for the loop (the overhead goal of a step is 10 ms)."""
 
 
 class Pace:
@@ -71,11 +83,18 @@ class Pace:
         self._clock = clock
         self._since = clock()
         self._steps: list[float] = []
+        self._lags: list[float] = []
         self._starting = True
+        self.lag: float | None = None
+        """the last window's mean lateness of the event loop's timers (seconds), when probed"""
 
     def observe(self, seconds: float) -> None:
         """A step took the role ``seconds`` of its own (the model's wait left out)."""
         self._steps.append(seconds)
+
+    def lagged(self, seconds: float) -> None:
+        """A timer of the worker's event loop ran ``seconds`` late."""
+        self._lags.append(max(0.0, seconds))
 
     def room(self, served: int) -> int:
         """How many more runs the worker may take now, serving ``served``."""
@@ -90,10 +109,16 @@ class Pace:
         if 0 < len(steps) < MIN_STEPS and elapsed < 4 * WINDOW:
             return False
         self._steps = []
-        if steps:
-            median = self.median = statistics.median(steps)
-            baseline = self.baseline = median if self.baseline is None else min(median, self.baseline * DRIFT)
-            if median > baseline * self.slack + SLACK_SECONDS:
+        lags, self._lags = self._lags, []
+        self.lag = statistics.fmean(lags) if lags else None
+        behind = self.lag is not None and self.lag > LAG_LIMIT
+        if steps or behind:
+            over = behind
+            if steps:
+                median = self.median = statistics.median(steps)
+                baseline = self.baseline = median if self.baseline is None else min(median, self.baseline * DRIFT)
+                over = over or median > baseline * self.slack + SLACK_SECONDS
+            if over:
                 self.limit = max(float(self.floor), min(self.limit, served) * SHRINK)
                 self._starting = False
                 return True

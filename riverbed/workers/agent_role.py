@@ -83,6 +83,7 @@ import anyio
 import msgspec
 import openai
 import structlog
+from anyio.abc import TaskStatus
 from msgspec.structs import replace
 from openai import AsyncOpenAI
 
@@ -140,7 +141,7 @@ from riverbed.errors import AppendConflict, ConfigError, FencedError, RiverbedEr
 from riverbed.memory.view import View, ViewBuilder
 from riverbed.runtime.paths import workspace_name
 from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
-from riverbed.workers.agent_pace import Pace
+from riverbed.workers.agent_pace import LAG_PROBE, Pace
 from riverbed.workers.model_client import CheckedClient, checked_by
 
 __all__ = ["AgentCounters", "AgentHandler", "build_agent_handler"]
@@ -363,6 +364,10 @@ class AgentHandler:
         triggers) before the model reads it, waiting up to ``recall_timeout`` seconds for it
         (None: when a live worker of the deployment serves the memory role)"""
         self._memory_seen: tuple[float, bool] = (0.0, False)
+        self._memory_look = anyio.Lock()
+        """Held while the memory role's live workers are looked at: each run's step asks whether to
+        recall, and without it every run that asked after the look expired read every worker's
+        description (with 2,500 runs on a worker, an eighth of its CPU)."""
         self.recall_timeout = recall_timeout
         self.only_session = only_session
         """serve this session alone (a run served in the caller's process), leaving others to workers"""
@@ -465,6 +470,18 @@ class AgentHandler:
     def open_runs(self) -> int:
         """Open runs of the sessions this worker owns now."""
         return sum(1 for state in self.sessions.values() if state.fold.run is not None and state.fold.run.open)
+
+    async def background(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Tell the pace how late the worker's event loop runs a timer, every :data:`LAG_PROBE`
+        (a worker without a pace has nothing to tell)."""
+        task_status.started()
+        pace = self.pace
+        if pace is None:
+            return
+        while True:
+            asked = time.monotonic()
+            await anyio.sleep(LAG_PROBE)
+            pace.lagged(time.monotonic() - asked - LAG_PROBE)
 
     async def aclose(self) -> None:
         await self.client.close()
@@ -571,10 +588,14 @@ class AgentHandler:
         if all(message in run.recalls for message, _text in run.said):
             return True  # (nothing left to ask: the answer changes nothing)
         checked, live = self._memory_seen
-        if time.monotonic() - checked > MEMORY_LOOK_SECONDS:
-            workers = await live_workers(ctx.log.redis, ctx.log.keys)
-            live = any("memory" in w.description.get("roles", []) for w in workers)
-            self._memory_seen = (time.monotonic(), live)
+        if time.monotonic() - checked <= MEMORY_LOOK_SECONDS:
+            return live
+        async with self._memory_look:  # (one look for all the runs that ask while it is made)
+            checked, live = self._memory_seen
+            if time.monotonic() - checked > MEMORY_LOOK_SECONDS:
+                workers = await live_workers(ctx.log.redis, ctx.log.keys)
+                live = any("memory" in w.description.get("roles", []) for w in workers)
+                self._memory_seen = (time.monotonic(), live)
         return live
 
     def leaves(self, ctx: SessionContext) -> bool:

@@ -64,9 +64,21 @@ def limits_for(calls: int) -> httpx2.Limits:
     of a model answering in 2 s made the model server accept a connection for every other call,
     and past 1,000 calls in flight the rest waited for a connection, unseen by the model's
     latency (``python -m bench agents --latency 2.0``)."""
-    most = max(LIMITS.max_connections or 0, -(-calls // SHARDS))
-    kept = max(LIMITS.max_keepalive_connections or 0, -(-calls // SHARDS))
+    shards = shards_for(calls)
+    most = max(LIMITS.max_connections or 0, -(-calls // shards))
+    kept = max(LIMITS.max_keepalive_connections or 0, -(-calls // shards))
     return httpx2.Limits(max_connections=most, max_keepalive_connections=kept)
+
+
+SHARD_CONNECTIONS = 64
+"""The connections a pool holds for a client that makes more calls at once than :data:`SHARDS`
+pools hold well: such a client has more pools (a pool's look at each of its connections on every
+request grows with them: 2,500 runs on a worker, 312 a pool, took a few percent of its CPU)."""
+
+
+def shards_for(calls: int) -> int:
+    """The pools of a client that makes up to ``calls`` model calls at once."""
+    return max(SHARDS, -(-calls // SHARD_CONNECTIONS))
 
 
 MAX_RESPONSE_BYTES = 8 * 1024 * 1024
@@ -186,10 +198,12 @@ def proxy_for(base_url: str) -> str | None:
 
 
 class _Shards(httpx2.AsyncBaseTransport):
-    """Requests spread, in turn, over :data:`SHARDS` checked transports."""
+    """Requests spread, in turn, over checked transports: :data:`SHARDS`, more for many ``calls``
+    at once (:func:`shards_for`)."""
 
-    def __init__(self, proxy: str | None, limits: httpx2.Limits) -> None:
-        self._transports = [CheckedTransport(limits=limits, proxy=proxy) for _ in range(SHARDS)]
+    def __init__(self, proxy: str | None, calls: int) -> None:
+        limits = limits_for(calls)
+        self._transports = [CheckedTransport(limits=limits, proxy=proxy) for _ in range(shards_for(calls))]
         self._turn = itertools.cycle(self._transports)
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
@@ -215,7 +229,7 @@ class CheckedClient(AsyncOpenAI):
         """``calls``: the model calls it may have in flight at once (:func:`limits_for`)."""
         self.max_response_bytes = max_response_bytes
         server = base_url or OPENAI_URL  # (``OPENAI_BASE_URL`` is read by the settings)
-        http = httpx2.AsyncClient(transport=_Shards(proxy_for(server), limits_for(calls)), follow_redirects=True)
+        http = httpx2.AsyncClient(transport=_Shards(proxy_for(server), calls), follow_redirects=True)
         super().__init__(api_key=api_key, base_url=server, max_retries=0, http_client=http)
         self._http = http
         self._completions = str(self.base_url).rstrip("/") + "/chat/completions"
