@@ -48,13 +48,12 @@ cause, so pairs stay whole.
 from __future__ import annotations
 
 import zlib
-from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import compress, islice, takewhile
 from operator import attrgetter, lt
-from typing import Any, overload
+from typing import overload
 
 import msgspec
 import numpy as np
@@ -179,12 +178,8 @@ def _packed(values: npt.NDArray[np.int64], itemsize: int) -> bytes:
     return values.astype(np.int32 if itemsize == 4 else np.int64).tobytes()
 
 
-Numbers = npt.NDArray[np.signedinteger[Any]]
-
-
-def _seen(column: array[int]) -> Numbers:
-    """A column as numpy sees it, without a copy (the column cannot grow while it is seen)."""
-    return np.frombuffer(column, dtype=np.int32 if column.itemsize == 4 else np.int64)
+def _numbers(column: list[int], first: int = 0) -> npt.NDArray[np.int64]:
+    return np.fromiter(islice(column, first, None), dtype=np.int64, count=max(0, len(column) - first))
 
 
 class _Frozen(msgspec.Struct, array_like=True):
@@ -245,9 +240,10 @@ class ViewBuilder:
         self._keep_hidden = keep_hidden
         self._ids: list[int] = []  # visible event ids, ascending
         self._events: list[Event] = []  # visible events, parallel to _ids
-        self._kind = bytearray(1)  # event id -> kind code (0: not folded, e.g. a condensation)
-        self._root = array("i", [0])  # event id -> its unit's first event id (0: itself, or not folded)
-        self._hidden_by = array("i", [0])  # unit root -> the condensation or edit hiding it (0: none)
+        # The columns, indexed by event id: lists, which Python reads and writes fastest.
+        self._kind = [0]  # event id -> kind code (0: not folded, e.g. a condensation)
+        self._root = [0]  # event id -> its unit's first event id (0: itself, or not folded)
+        self._hidden_by = [0]  # unit root -> the condensation or edit hiding it (0: none)
         self._batches: list[list[Event]] = []  # every event folded, as appended (with keep_hidden)
         self._firsts: list[int] = []  # the id of each batch's first event
         self._pinned: set[int] = set()  # pinned unit roots
@@ -260,7 +256,7 @@ class ViewBuilder:
         self._last = 0
         self._pending: list[Event] = []  # appended, not folded yet (see _fold)
         self._types: dict[type[Event], tuple[int, int]] = {}  # event class -> its kind code and fold role
-        self._flag_of = bytearray(256)  # kind code -> ANSWERABLE | RESPONSE: what other events join
+        self._flag_of = [0] * 256  # kind code -> ANSWERABLE | RESPONSE: what other events join
         self.extend(events)
 
     @property
@@ -302,10 +298,11 @@ class ViewBuilder:
         """This fold without any event (a few bytes per event, compressed): :meth:`thaw` and
         :meth:`fill` with the visible events and the summary's condensation make it again."""
         self._flush()
-        size = self._root.itemsize
-        ids = np.arange(len(self._kind), dtype=np.int64)
-        root = _column(self._root.tobytes(), size)
-        folded = np.frombuffer(bytes(self._kind), dtype=np.uint8) > 0
+        kinds = bytes(self._kind)
+        size = 4 if len(kinds) <= 2**31 else 8
+        ids = np.arange(len(kinds), dtype=np.int64)
+        root = _numbers(self._root)
+        folded = np.frombuffer(kinds, dtype=np.uint8) > 0
         root = np.where(root > 0, root, np.where(folded, ids, 0))  # (a unit's first event: 0 in the column)
         # Each member's next one in its unit, in id order (what readers before this one walk).
         members = np.flatnonzero(folded)
@@ -317,18 +314,18 @@ class ViewBuilder:
             version=FROZEN_VERSION,
             last=self._last,
             kinds=list(_KIND_CODES),
-            kind=zlib.compress(bytes(self._kind), 1),
-            itemsize=self._root.itemsize,
+            kind=zlib.compress(kinds, 1),
+            itemsize=size,
             root=zlib.compress(_packed(np.where(root > 0, ids - root, -1), size), 1),
             next=zlib.compress(_packed(np.where(nxt > 0, nxt - ids, 0), size), 1),
-            hidden_by=zlib.compress(self._hidden_by.tobytes(), 1),
+            hidden_by=zlib.compress(_packed(_numbers(self._hidden_by), size), 1),
             visible=list(self._ids),
             pinned=sorted(self._pinned),
             requests=sorted(self._requests),
             summary=self._summary.cause or 0 if self._summary is not None else 0,
             anchor=self._anchor,
             units_base=0,
-            units_flags=zlib.compress(bytes(self._kind).translate(bytes(self._flag_of)), 1),
+            units_flags=zlib.compress(kinds.translate(bytes(self._flag_of)), 1),
             call_owner=self._calls.items(),
             tails=[],
         )
@@ -353,12 +350,11 @@ class ViewBuilder:
                 raise InputError("a saved view's columns differ in length")
         except (msgspec.DecodeError, zlib.error, ValueError) as exc:
             raise InputError(f"a saved view cannot be read: {exc}") from exc
-        typecode = "i" if frozen.itemsize == 4 else "q"
         builder = cls(keep_hidden=False)
         builder._last = frozen.last
-        builder._kind = kind
-        builder._root = array(typecode, _packed(np.where(root_delta >= 0, ids - root_delta, 0), size))
-        builder._hidden_by = array(typecode, hidden_by)
+        builder._kind = list(kind)
+        builder._root = np.where(root_delta >= 0, ids - root_delta, 0).tolist()
+        builder._hidden_by = _column(hidden_by, size).tolist()
         builder._ids = list(frozen.visible)
         builder._pinned = set(frozen.pinned)
         builder._requests = set(frozen.requests)
@@ -518,16 +514,14 @@ class ViewBuilder:
             calls.settle()
 
     def _grow(self, eid: int) -> None:
-        """Make room for ids up to ``eid`` (4 bytes an id, 8 past 2**31 - 1)."""
+        """Make room for ids up to ``eid``."""
         grow = eid + 1 - len(self._kind)
         if grow <= 0:
             return
-        if eid > 2**31 - 1 and self._root.typecode == "i":
-            self._root, self._hidden_by = array("q", self._root), array("q", self._hidden_by)
-        self._kind.extend(bytes(grow))
-        zeros = bytes(self._root.itemsize * grow)
-        self._root.frombytes(zeros)
-        self._hidden_by.frombytes(zeros)
+        zeros = [0] * grow
+        self._kind += zeros
+        self._root += zeros
+        self._hidden_by += zeros
 
     def view(self) -> View:
         self._flush()
@@ -559,12 +553,11 @@ class ViewBuilder:
         wanted = np.fromiter(roots, dtype=np.int64)
         if not len(wanted) or first >= len(self._kind):
             return []
-        root = _seen(self._root)[first:]
+        root = _numbers(self._root, first)
         ids = np.arange(first, first + len(root))
         tops = np.where(root > 0, root, ids)
-        folded = np.frombuffer(self._kind, dtype=np.uint8)[first:] > 0
+        folded = _numbers(self._kind, first) > 0
         found: list[int] = ids[folded & np.isin(tops, wanted)].tolist()
-        del root  # (a column cannot grow while it is viewed)
         return found
 
     # --- condensations and edits ----------------------------------------------------------
@@ -656,47 +649,40 @@ class ViewBuilder:
     def _hide_spans(self, spans: list[tuple[int, int]], by: int) -> int:
         """Hide the units of the visible events ``ids[lo:hi]`` of each span (a condensation's
         ranges, nothing pinned); return the smallest id that was visible (0: none).  Every
-        event in a span goes, and outside them the other members of those units."""
+        event in a span goes; outside them only the other members of those units (few) are
+        looked for."""
         if not spans:
             return 0
-        visible, tops = self._visible_units()
-        hidden_by = _seen(self._hidden_by)
+        ids, events, root, hidden_by = self._ids, self._events, self._root, self._hidden_by
         for lo, hi in spans:
-            hit = tops[lo:hi]
-            hidden_by[hit[hidden_by[hit] == 0]] = by
-        gone = hidden_by[tops] != 0
-        del hidden_by  # (a column cannot grow while it is viewed)
-        return self._drop(visible, gone)
+            for i in ids[lo:hi]:
+                top = root[i] or i
+                if not hidden_by[top]:
+                    hidden_by[top] = by
+        first = ids[spans[0][0]]
+        kept_ids: list[int] = []
+        kept_events: list[Event] = []
+        at = 0
+        for lo, hi in [*spans, (len(ids), len(ids))]:
+            if at < lo:  # between spans: members of a hidden unit go too
+                stays = [not hidden_by[root[i] or i] for i in ids[at:lo]]
+                kept_ids += compress(ids[at:lo], stays)
+                kept_events += compress(events[at:lo], stays)
+                if at == 0 and not all(stays):  # (a member before the first span)
+                    first = ids[stays.index(False)]
+            at = hi
+        ids[:], events[:] = kept_ids, kept_events
+        return first
 
     def _remove_hidden(self) -> int:
         """Remove the visible events whose unit is hidden, in one pass; return the smallest id removed (0: none)."""
-        visible, tops = self._visible_units()
-        hidden_by = _seen(self._hidden_by)
-        gone = hidden_by[tops] != 0
-        del hidden_by
-        return self._drop(visible, gone)
-
-    def _visible_units(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """The visible ids and the first event of each one's unit."""
-        if not self._ids:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        root = _seen(self._root)
-        visible = np.fromiter(self._ids, dtype=np.int64, count=len(self._ids))
-        up = root[visible]
-        del root
-        return visible, np.where(up > 0, up, visible)
-
-    def _drop(self, visible: npt.NDArray[np.int64], gone: npt.NDArray[np.bool_]) -> int:
-        """Remove the visible events marked ``gone`` (kept aside with ``keep_hidden``); return
-        the smallest id removed (0: none)."""
-        out = visible[gone]
-        if not len(out):
+        ids, events, root, hidden_by = self._ids, self._events, self._root, self._hidden_by
+        stays = [not hidden_by[root[i] or i] for i in ids]
+        if all(stays):
             return 0
-        events = self._events
-        stays = ~gone
-        events[:] = compress(events, stays.tolist())
-        self._ids[:] = visible[stays].tolist()
-        return int(out[0])
+        first = ids[stays.index(False)]
+        ids[:], events[:] = compress(ids, stays), compress(events, stays)
+        return first
 
 
 def id_runs(ids: Iterable[int]) -> list[tuple[int, int]]:
