@@ -38,8 +38,8 @@ The fold, event by event in id order:
 :class:`ViewBuilder` folds incrementally (amortized O(1) per event; a condensation costs
 O(view), column by column, and a user's edit O(n)), and :func:`view` is the full fold.
 ``append`` checks the id and queues the event; the queue is folded in one pass when anything
-is read (a context edit folds it first); :meth:`ViewBuilder.hidden` says which condensation
-or edit hid each hidden event.
+is read (or when a builder that lets hidden events go is given a user's edit);
+:meth:`ViewBuilder.hidden` says which condensation or edit hid each hidden event.
 :class:`Masked` is the synthetic observation that observation masking puts in place of an
 old observation's content (see ``riverbed.memory.condensers.mask_observations``); it keeps the original id and
 cause, so pairs stay whole.
@@ -145,7 +145,7 @@ _LLM_RESPONSE = 3
 _CONDENSATION = 4
 _REQUEST = 5
 _OTHER = 6
-_EDIT = 7  # (a subclass of ContextEdit: ContextEdit itself is folded when appended)
+_EDIT = 7  # (a builder that lets hidden events go folds a ContextEdit itself when appended)
 _id_of = attrgetter("id")
 _BATCH = 1024  # events appended to the last batch kept rather than starting one
 
@@ -275,7 +275,7 @@ class ViewBuilder:
                 None not in ids
                 and ids[0] > self._last
                 and all(map(lt, ids, islice(ids, 1, None)))
-                and ContextEdit not in set(map(type, events))
+                and (self._keep_hidden or ContextEdit not in set(map(type, events)))
             ):
                 self._pending += events
                 self._last = ids[-1]
@@ -283,7 +283,7 @@ class ViewBuilder:
         pending, last = self._pending, self._last
         for event in events:
             eid = event.id
-            if eid is None or eid <= last or type(event) is ContextEdit:
+            if eid is None or eid <= last or (not self._keep_hidden and type(event) is ContextEdit):
                 self._last = last
                 self.append(event)  # (raises, or folds the edit at once)
                 pending, last = self._pending, self._last
@@ -393,8 +393,12 @@ class ViewBuilder:
         self._firsts.clear()
 
     def append(self, event: Event) -> None:
+        """Queue ``event`` (:class:`InputError` for one without an id or out of order).  A
+        builder that lets hidden events go folds a user's edit at once: a restore it cannot
+        do raises :class:`HistoryReleased` here and changes nothing (one that keeps them
+        folds an edit in its turn, with the same result)."""
         eid = event.id
-        if eid is None or eid <= self._last or type(event) is ContextEdit:
+        if eid is None or eid <= self._last or (not self._keep_hidden and type(event) is ContextEdit):
             self._append_slowly(event)
             return
         self._pending.append(event)
@@ -409,7 +413,7 @@ class ViewBuilder:
             raise InputError(
                 f"event {eid} arrived after event {self._last}: a view folds events in increasing id order"
             )
-        self._flush()  # (a subclass of ContextEdit is folded in its turn, see _fold)
+        self._flush()
         self._edit(event, eid)  # type: ignore[arg-type]  # (first: a restore that cannot be done changes nothing)
         self._last = eid
 
@@ -441,7 +445,7 @@ class ViewBuilder:
         return info
 
     def _fold(self, batch: list[Event]) -> None:
-        """Fold appended events (ids increasing, no context edit among them) in one pass.
+        """Fold appended events (ids increasing) in one pass.
 
         The unit rule is :mod:`riverbed.memory.units`' (an observation joins the action or response it
         answers; an action joins the response it names), inlined here over the builder's
