@@ -40,7 +40,12 @@ the model server's journal (when each request's body was read, when its answer w
   runs), and each tenant's p50 and longest wait are printed: the fairness among them.
 
 ``--latency S`` sets the model's time per call (default 0.2 s).  The speed issue's figure is
-``python -m bench agents --runs 10000 --workers 4 --latency 2.0 --tenants 10 --steps 5``.
+``python -m bench agents --runs 10000 --workers 4 --latency 2.0 --tenants 10 --steps 5``.  On a
+2-core VM shared with other work (2026-11-29, ``docs/benchmarks.md``) it did not finish: the
+CPU was the limit (a step cost about 27 ms of CPU in all there, agent, runtime, Redis and the
+model server; 5,000 steps a second asked for), and the pace left runs waiting minutes to start.
+1,000 runs: overhead p50 32 ms, p99 5.9 s, the longest wait to start 305 s, every tenant's p50
+within 5% of the others', 17 Redis connections and 120 MiB per agent worker.
 
 The CPU time the agent workers used during the runs, per step, is reported too (beside
 it the runtime workers' per action; the model server's and Redis's in the note, with the agent
@@ -61,6 +66,9 @@ and the largest size's against the smallest's (goals: 1.2x, and 1 ms of CPU a st
 seeded sessions' condenser config is ``noop`` (a ``session_config`` first): nothing is
 condensed, every prompt holds the whole context.  Every role's consumer group starts past the
 seeded events, as after the runs that wrote them, so the runtime role does not run them again.
+Measured there: overhead p50 138 and 125 ms (0.90, both a queue for the CPU), agent CPU per step
+7.39 and 16.8 ms (2.28; 5.43 before the prompt was kept between steps); what 2,000 events still
+cost is paid once a run (reading the log when the session is taken, the first prompt).
 
 Before them, one run per agent worker goes alone, and its overhead per step is reported
 beside the big one's: the role's own latency, without the queue for a CPU that 1,000 runs at

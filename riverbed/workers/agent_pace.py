@@ -29,8 +29,8 @@ A look also asks how late the worker's event loop ran a timer (:meth:`Pace.lagge
 :data:`LAG_PROBE` by the role): a mean lag over :data:`LAG_LIMIT` counts as past the slack,
 with steps or without.  A loop that far behind makes few steps, and a look with none would
 otherwise read as runs waiting on slow model calls: with 10,000 runs of a 2 s model on 4
-workers of a 2-core machine, the looks without steps let each worker take 1,600 to 2,400 runs,
-whose model calls then went unsent past their 120 s timeout (``python -m bench agents``).
+workers of a 2-core machine, the looks without steps let each worker take 1,400 to 2,400 runs,
+whose model calls then timed out (120 s) and were tried again (``python -m bench agents``).
 """
 
 from __future__ import annotations
