@@ -109,6 +109,35 @@ def _answerable(event: Event) -> bool:
     return isinstance(event, Action) and event.answered_by is not None and event.id is not None
 
 
+# What the conversion does with an event, by its class (looked up once per class, not tested
+# with a chain of isinstance per event: most of the conversion's CPU on long views).
+_OTHER, _SUMMARY, _MESSAGE, _SAID, _RESPONSE, _CALL, _RESULT = range(7)
+_ROLES: dict[type, int] = {}
+
+
+def _role(cls: type) -> int:
+    role = _ROLES.get(cls)
+    if role is None:
+        if issubclass(cls, Summary):
+            role = _SUMMARY
+        elif issubclass(cls, Message):
+            role = _MESSAGE
+        elif issubclass(cls, Think | Finish):
+            role = _SAID
+        elif issubclass(cls, LlmResponse):
+            role = _RESPONSE
+        elif issubclass(cls, Action) and cls.answered_by is not None:
+            role = _CALL
+        elif issubclass(cls, Observation):
+            role = _RESULT
+        else:
+            role = _OTHER
+        _ROLES[cls] = role
+    return role
+
+
+_MAPPINGS = (dict, Mapping)
+"""(a dict is tested first: the ABC's check costs much more)"""
 _UNANSWERED_TOOLS = frozenset(tool_name(kind) for kind in ("think", "finish", "message"))
 _KNOWN_TOOLS = frozenset(tool_names())
 
@@ -135,8 +164,12 @@ def _normalise_call(raw: Mapping[str, Any], fallback_id: str) -> dict[str, Any] 
     }
 
 
-def _call_ids(response: LlmResponse) -> set[str]:
-    return {c["id"] for c in response.tool_calls if isinstance(c, Mapping) and isinstance(c.get("id"), str)}
+def _call_of(response: LlmResponse, call_id: str) -> Mapping[str, Any] | None:
+    """The response's first recorded call with that id."""
+    for raw in response.tool_calls:
+        if isinstance(raw, _MAPPINGS) and raw.get("id") == call_id:
+            return raw
+    return None
 
 
 def _lines_up(action: Event, raw: Mapping[str, Any]) -> bool:
@@ -165,45 +198,54 @@ def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, l
     """
     calls: dict[int, dict[str, Any]] = {}
     claimed_by: dict[int, list[int]] = {}
-    responses = {e.id: e for e in events if isinstance(e, LlmResponse) and e.id is not None}
+    responses: dict[int, LlmResponse] = {}
+    order: list[int] = []  # (the responses' places)
     taken: dict[int, set[str]] = {}
     latest: dict[str, int] = {}
-    for e in events:
-        if isinstance(e, LlmResponse) and e.id is not None:
-            for call_id in _call_ids(e):
-                latest[call_id] = e.id
-            continue
-        if not (_answerable(e) and isinstance(e, Action) and isinstance(e.tool_call_id, str)):
-            continue
-        assert e.id is not None
-        cause = _cause(e)
-        owner = cause if cause in responses else (latest.get(e.tool_call_id) if cause is None else None)
-        if owner is None or e.tool_call_id in taken.setdefault(owner, set()):
-            continue
-        raw = next(
-            (c for c in responses[owner].tool_calls if isinstance(c, Mapping) and c.get("id") == e.tool_call_id), None
-        )
-        call = _normalise_call(raw, tool_call_id(e.id)) if raw is not None else None
-        if call is not None:
-            calls[e.id] = call
-            taken[owner].add(e.tool_call_id)
-            claimed_by.setdefault(owner, []).append(e.id)
-
     caused: dict[int, list[Event]] = {}
-    for e in events:
-        cause = _cause(e)
-        if _answerable(e) and cause is not None and cause in responses and e.id not in calls:
-            caused.setdefault(cause, []).append(e)
-    for position, response in enumerate(events):
-        if not isinstance(response, LlmResponse) or response.id is None:
+    for position, e in enumerate(events):
+        role = _ROLES.get(type(e)) or _role(type(e))
+        eid = e.id
+        if eid is None:
             continue
+        if role == _RESPONSE:
+            assert isinstance(e, LlmResponse)
+            responses[eid] = e
+            order.append(position)
+            for recorded in e.tool_calls:
+                if isinstance(recorded, _MAPPINGS) and isinstance(call_id := recorded.get("id"), str):
+                    latest[call_id] = eid
+            continue
+        if role != _CALL:
+            continue
+        cause = e.cause
+        if cause is not None and cause >= eid:
+            cause = -1  # (a later event: see _cause)
+        call_id = e.tool_call_id  # type: ignore[attr-defined]
+        if isinstance(call_id, str):
+            owner = cause if cause in responses else (latest.get(call_id) if cause is None else None)
+            if owner is not None and call_id not in taken.setdefault(owner, set()):
+                raw = _call_of(responses[owner], call_id)
+                call = _normalise_call(raw, tool_call_id(eid)) if raw is not None else None
+                if call is not None:
+                    calls[eid] = call
+                    taken[owner].add(call_id)
+                    claimed_by.setdefault(owner, []).append(eid)
+                    continue
+        if cause is not None and cause in responses:
+            caused.setdefault(cause, []).append(e)
+
+    for position in order:
+        response = events[position]
+        assert isinstance(response, LlmResponse)
+        assert response.id is not None
         ids = claimed_by.setdefault(response.id, [])
         # Calls that publish no answered action (think, finish) take no position among the claimants.
         used = taken.get(response.id, set())
         answered_calls = [
             raw
             for raw in response.tool_calls
-            if isinstance(raw, Mapping) and _call_name(raw) not in _UNANSWERED_TOOLS and raw.get("id") not in used
+            if isinstance(raw, _MAPPINGS) and _call_name(raw) not in _UNANSWERED_TOOLS and raw.get("id") not in used
         ]
         if not answered_calls:
             continue  # (every call went to its action by id: nothing is left to line up)
@@ -212,7 +254,7 @@ def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, l
             claimants = []
             for index in range(position + 1, len(events)):
                 e = events[index]
-                if isinstance(e, LlmResponse) or (isinstance(e, Message) and e.source != "agent"):
+                if starts_turn(e):
                     break
                 if _answerable(e) and e.source == "agent" and _cause(e) is None and e.id not in calls:
                     claimants.append(e)
@@ -313,15 +355,23 @@ def convert(
     starts a turn (:func:`starts_turn`), where the conversion could start again: a caller that
     keeps the messages of a growing view converts again only from the last such place that no
     later event refers back across (:class:`riverbed.agent.prompt.Prompt`)."""
-    by_id = {e.id: e for e in events if e.id is not None}
+    by_id: dict[int, Event] = {}
     results: dict[int, list[Observation]] = {}
+    spoken: set[int | None] = set()
+    roles = _ROLES
     for e in events:
-        if isinstance(e, Observation) and (cause := _cause(e)) is not None:
-            action = by_id.get(cause)
-            if action is not None and _answerable(action):
-                results.setdefault(cause, []).append(e)
+        role = roles.get(type(e)) or _role(type(e))
+        if role == _RESULT:
+            cause = _cause(e)
+            if cause is not None:
+                action = by_id.get(cause)  # (an earlier event: folded already)
+                if action is not None and _answerable(action):
+                    results.setdefault(cause, []).append(e)  # type: ignore[arg-type]
+        elif role in (_MESSAGE, _SAID) and e.source == "agent":
+            spoken.add(_cause(e))
+        if e.id is not None:
+            by_id[e.id] = e
     calls, claimed_by = _claims(events)
-    spoken = {_cause(e) for e in events if isinstance(e, Message | Think | Finish) and e.source == "agent"}
     claimed = {action_id for ids in claimed_by.values() for action_id in ids}
 
     def emit_calls(content: str | None, action_ids: list[int]) -> None:
@@ -356,27 +406,27 @@ def convert(
             out.append({"role": "user", "content": parts})
 
     for index, e in enumerate(events):
-        if marks is not None and starts_turn(e):
+        role = roles.get(type(e)) or _role(type(e))
+        if marks is not None and (role == _RESPONSE or (role == _MESSAGE and e.source != "agent")):
             marks.append((index, len(out), len(added) if added is not None else 0))
-        match e:
-            case Summary():
-                out.append({"role": "user", "content": SUMMARY_PREFIX + e.content})
-            case Message():
-                out.append(_message(e, images))
-            case Think() | Finish():
-                text = event_text(e)
-                if text:
-                    out.append({"role": "assistant" if e.source == "agent" else "user", "content": text})
-            case LlmResponse():
-                content = None if e.id in spoken else e.content
-                emit_calls(content, claimed_by.get(e.id, []) if e.id is not None else [])
-            case Action() if _answerable(e):
-                if e.id is not None and e.id not in claimed:
-                    emit_calls(None, [e.id])
-            case Observation():
-                cause = _cause(e)
-                if cause is None or (cause in by_id and not _answerable(by_id[cause])):
-                    out.append({"role": "user", "content": f"[{e.kind}]\n{_result_text([e])}"})
+        if role == _MESSAGE:
+            out.append(_message(e, images))  # type: ignore[arg-type]
+        elif role == _RESPONSE:
+            content = None if e.id in spoken else e.content  # type: ignore[attr-defined]
+            emit_calls(content, claimed_by.get(e.id, []) if e.id is not None else [])
+        elif role == _CALL:
+            if e.id is not None and e.id not in claimed:
+                emit_calls(None, [e.id])
+        elif role == _RESULT:
+            cause = _cause(e)
+            if cause is None or (cause in by_id and not _answerable(by_id[cause])):
+                out.append({"role": "user", "content": f"[{e.kind}]\n{_result_text([e])}"})  # type: ignore[list-item]
+        elif role == _SUMMARY:
+            out.append({"role": "user", "content": SUMMARY_PREFIX + e.content})  # type: ignore[attr-defined]
+        elif role == _SAID:
+            text = event_text(e)
+            if text:
+                out.append({"role": "assistant" if e.source == "agent" else "user", "content": text})
 
 
 CACHE_MODES = ("none", "anthropic")
