@@ -201,9 +201,11 @@ def build_messages(
     return chat.to_messages(_with_context(prepared), system_prompt=system, images=images)
 
 
+@functools.lru_cache(maxsize=256)
 def system_prompt(definition: Agent) -> str:
     """The system prompt of a hosted agent: the reference agent's ``system.j2``; any other
-    agent's own instructions (``agent.j2`` when it has none)."""
+    agent's own instructions (``agent.j2`` when it has none).  Kept per definition (a step asks
+    for it, and the template takes longer to render than the rest of a step's prompt)."""
     if definition is REFERENCE:
         return render("system.j2", agent=definition.name, instructions=definition.instructions)
     return definition.instructions or render("agent.j2", agent=definition.name)
