@@ -85,6 +85,8 @@ def auto_key() -> str:
 
 
 PAGE = 2000
+SESSION_KEYS_KEPT = 4096
+"""Sessions whose append keys a :class:`Log` keeps made (all are made again past that many)."""
 LAST_ID = 2**63 - 1
 """The largest event id a read asks for (Redis stream ids and the archive's bigint end there):
 a range past it reads what the log has, not an error."""
@@ -293,9 +295,21 @@ class Log:
         )
         """The directories and the sessions index, which the append script reaches on a standalone
         Redis (none on a cluster: they are in other slots, and the caller announces)."""
+        self._session_keys: dict[str, tuple[str, str, str, str, str]] = {}
 
     def check_session(self, session: str) -> None:
         require_session(session)
+
+    def _keys_of(self, session: str) -> tuple[str, str, str, str, str]:
+        """The keys of a valid ``session`` that every append names (log, meta, answers, claims,
+        wake-up channel), made once: a worker appends to the same few sessions again and again."""
+        self.check_session(session)
+        if len(self._session_keys) >= SESSION_KEYS_KEPT:
+            self._session_keys.clear()
+        keys = self.keys
+        made = (keys.log(session), keys.meta(session), keys.answers(session), keys.claims(session), keys.wake(session))
+        self._session_keys[session] = made
+        return made
 
     async def append(
         self, session: str, batch: Sequence[events.Event], **options: Unpack[AppendOptions]
@@ -327,7 +341,9 @@ class Log:
     ) -> PreparedAppend:
         """An append of (payload, answered cause) pairs, ready to run alone or in an exchange
         (:class:`AppendOptions` says what each option does)."""
-        self.check_session(session)
+        session_keys = self._session_keys.get(session)
+        if session_keys is None:
+            session_keys = self._keys_of(session)
         if idempotency_key is not None and not (0 < len(idempotency_key) <= 200):
             raise InputError("an idempotency key must be 1 to 200 characters long")
         ttl: int | str = IDEMPOTENCY_TTL_MS
@@ -366,14 +382,8 @@ class Log:
         args.append("1" if wake_agent else "")
         args.append("1" if wake_runtime else "")
         keys = self.keys
-        script_keys = [
-            keys.log(session),
-            keys.meta(session),
-            keys.answers(session),
-            keys.idem(session, idempotency_key),
-            keys.claims(session),
-            keys.wake(session),
-        ]
+        log_key, meta_key, answers_key, claims_key, wake_key = session_keys
+        script_keys = [log_key, meta_key, answers_key, keys.idem(session, idempotency_key), claims_key, wake_key]
         if self._announce_keys:
             # Keys of other slots: on a standalone Redis the script announces the session itself.
             script_keys += self._announce_keys

@@ -368,7 +368,7 @@ class RuntimeHandler:
         server = event.server if isinstance(event, events.ToolCall) else None
         if server and not self.runtime.knows_mcp(ctx.session, server):
             await self._learn_mcp(ctx, server, event.id or 0)
-        refused = await self._arm(ctx)
+        refused = await self._arm(ctx) if self.secrets is not None else None
         observation: events.Observation
         if refused is not None:
             observation = refused
@@ -385,9 +385,8 @@ class RuntimeHandler:
     async def _arm(self, ctx: SessionContext) -> events.Error | None:
         """Give the session's sandbox the values of the secrets its runs may use, and mask its
         outputs with its tenant's as they are read; the error that answers the action instead
-        when a value cannot be had (the action does not run without it)."""
-        if self.secrets is None:
-            return None
+        when a value cannot be had (the action does not run without it).  Only with secrets."""
+        assert self.secrets is not None
         folded = self._folds.get(ctx.session)
         names = sorted(folded.secrets) if folded is not None else []
         try:
