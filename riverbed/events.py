@@ -1114,11 +1114,18 @@ def _user_json(data: bytes | str) -> Any:
     except RecursionError:
         raise DecodeError(f"the JSON is nested too deeply (events nest at most {MAX_DEPTH} levels)") from None
     except msgspec.DecodeError as exc:
+        if isinstance(data, bytes) and "UTF-8" in str(exc):  # (msgspec 0.23 on: its own words, no place)
+            try:
+                data.decode()
+            except UnicodeDecodeError as bad:
+                raise _not_utf8(bad) from None
         raise DecodeError(f"not valid JSON ({exc})") from exc
-    except UnicodeDecodeError as exc:  # (msgspec decodes a string's bytes with Python's codec)
-        raise DecodeError(
-            f"not valid JSON: a string holds bytes that are not UTF-8 ({exc.reason} at byte {exc.start})"
-        ) from None
+    except UnicodeDecodeError as exc:  # (msgspec before 0.23 decodes a string's bytes with Python's codec)
+        raise _not_utf8(exc) from None
+
+
+def _not_utf8(exc: UnicodeDecodeError) -> DecodeError:
+    return DecodeError(f"not valid JSON: it holds bytes that are not UTF-8 ({exc.reason} at byte {exc.start})")
 
 
 def check(event: Event, *, max_bytes: int | None = None) -> bytes:
