@@ -218,9 +218,7 @@ def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, l
             continue
         if role != _CALL:
             continue
-        cause = e.cause
-        if cause is not None and cause >= eid:
-            cause = -1  # (a later event: see _cause)
+        cause = _cause(e)
         call_id = e.tool_call_id  # type: ignore[attr-defined]
         if isinstance(call_id, str):
             owner = cause if cause in responses else (latest.get(call_id) if cause is None else None)
@@ -331,7 +329,8 @@ def shown_by_tools(event: Event) -> bool:
 def starts_turn(event: Event) -> bool:
     """Whether ``event`` ends the actions a response before it can claim by position (a later
     response, or a message from anyone but the agent)."""
-    return isinstance(event, LlmResponse) or (isinstance(event, Message) and event.source != "agent")
+    role = _ROLES.get(type(event)) or _role(type(event))
+    return role == _RESPONSE or (role == _MESSAGE and event.source != "agent")
 
 
 Mark = tuple[int, int, int]
@@ -407,7 +406,7 @@ def convert(
 
     for index, e in enumerate(events):
         role = roles.get(type(e)) or _role(type(e))
-        if marks is not None and (role == _RESPONSE or (role == _MESSAGE and e.source != "agent")):
+        if marks is not None and starts_turn(e):
             marks.append((index, len(out), len(added) if added is not None else 0))
         if role == _MESSAGE:
             out.append(_message(e, images))  # type: ignore[arg-type]
