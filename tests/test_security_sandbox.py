@@ -344,12 +344,15 @@ async def test_outbound_network_reaches_out_but_not_this_hosts_services(
     assert not [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "slirp4netns"]
 
 
-async def _runs_a_command_and_a_cell(rt: Runtime) -> None:
-    """A session of ``rt`` runs a shell command and a Python cell (then ``rt`` is closed)."""
+async def _runs_a_command_and_a_cell(rt: Runtime, before_each: Callable[[str], None]) -> None:
+    """A session of ``rt`` runs a shell command and a Python cell (then ``rt`` is closed);
+    ``before_each`` is told which process ("shell", then "python") the next action starts."""
     try:
+        before_each("shell")
         out = await rt.execute("s", events.CmdRun(id=1, command="echo up", timeout=20, blocking=True))
         assert isinstance(out, events.CmdOutput), out
         assert out.content == "up\n"
+        before_each("python")
         cell = await rt.execute("s", events.PythonRun(id=2, code="6 * 7"))
         assert isinstance(cell, events.PythonOutput), cell
         assert cell.result == "42"
@@ -365,26 +368,30 @@ async def test_a_sandbox_that_exits_while_its_network_is_set_up_is_started_once_
     if shutil.which("slirp4netns") is None:
         pytest.skip("slirp4netns is not installed (.ci/run installs it)")
     attach = Outbound.attach
-    attempts: list[str] = []
+    attempts: dict[str, list[str]] = {}  # each process's tries, in order
+    starting: list[str] = []  # the process the next action starts, while its first try is to fail
 
     def flaky(self: Outbound, timeout: float = 10.0) -> None:
-        # The first try of the shell, then the first of the Python driver (once the shell is up):
-        # counted by what happened, so a real race lost on a busy machine shifts nothing.
-        if attempts.count("failed") == attempts.count("attached") < 2:
-            attempts.append("failed")
+        # The first try of the shell, then the first of the Python driver: armed per action, so
+        # a real race lost on a busy machine (a further try) shifts nothing.
+        if starting:
+            attempts[starting.pop()] = ["failed"]
             raise NetworkSetupFailed(errno.EPIPE, "the sandbox exited while its network was set up")
+        tries = list(attempts.values())[-1]  # (the process this action starts)
         try:
             attach(self, timeout)
         except NetworkSetupFailed:
-            attempts.append("raced")  # (the real race, lost)
+            tries.append("raced")  # (the real race, lost)
             raise
-        attempts.append("attached")
+        tries.append("attached")
 
     monkeypatch.setattr(Outbound, "attach", flaky)
     rt = Runtime(workspace_root=workspace, sandbox=Sandbox(network="outbound"))
-    await _runs_a_command_and_a_cell(rt)
-    # each forced failure was followed by a fresh sandbox (one more when the real race was lost too)
-    assert [a for a in attempts if a != "raced"] == ["failed", "attached", "failed", "attached"], attempts
+    await _runs_a_command_and_a_cell(rt, starting.append)
+    # each forced failure was followed by a fresh sandbox (more when a real race was lost too)
+    for process in ("shell", "python"):
+        tries = attempts[process]
+        assert (tries[0], tries.count("failed"), tries[-1]) == ("failed", 1, "attached"), attempts
     assert not [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "slirp4netns"]
 
 
@@ -398,18 +405,20 @@ async def test_a_sandbox_whose_loopback_setup_failed_is_started_once_more(
     attempts: list[str] = []
     complaint = "bwrap: loopback: Failed RTM_NEWADDR: Operation not permitted"
 
+    starting: list[str] = []  # armed before each action: its process's first sandbox fails
+
     def flaky(self: Sandbox, argv: Sequence[str], **kw: Any) -> list[str]:
-        attempts.append("failed" if len(attempts) in (0, 2) else "started")
-        if attempts[-1] == "failed":  # the first sandbox of the shell, then of the Python driver
+        attempts.append("failed" if starting else "started")
+        if starting:  # the first sandbox of the shell, then of the Python driver
+            starting.pop()
             return ["/bin/sh", "-c", f"echo '{complaint}' >&2; exit 1"]
         return wrap(self, argv, **kw)
 
     monkeypatch.setattr(Sandbox, "wrap", flaky)
     rt = Runtime(workspace_root=workspace, sandbox=Sandbox())
-    await _runs_a_command_and_a_cell(rt)
-    # each forced failure was followed by a fresh sandbox (one more when the real race was lost too)
-    assert attempts[:3] == ["failed", "started", "failed"], attempts
-    assert set(attempts[3:]) == {"started"}, attempts
+    await _runs_a_command_and_a_cell(rt, starting.append)
+    # each forced failure was followed by a fresh sandbox (more when a real race was lost too)
+    assert (attempts[:2], attempts.count("failed"), attempts[-1]) == (["failed", "started"], 2, "started"), attempts
 
     def broken(self: Sandbox, argv: Sequence[str], **kw: Any) -> list[str]:
         return ["/bin/sh", "-c", "echo 'bwrap: No permissions to create new namespace' >&2; exit 1"]
