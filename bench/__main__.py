@@ -8,10 +8,11 @@ import time
 
 import anyio
 
-from bench.common import MODULES, Result, options, print_results, private_redis
+from bench.common import MODULES, Result, options, print_results, private_redis, stop_on_sigterm
 
 
 def main() -> int:
+    stop_on_sigterm()
     parser = options("Run every riverbed benchmark against its baseline.")
     parser.add_argument("names", nargs="*", help=f"run only these ({', '.join(m.split('.')[1] for m in MODULES)})")
     args = parser.parse_args()

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import math
+import signal
 import statistics
 import sys
 import tempfile
@@ -176,10 +177,18 @@ def options(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def stop_on_sigterm() -> None:
+    """Let SIGTERM (``timeout``, ``kill``) stop a benchmark as Ctrl-C does: its ``finally``
+    blocks stop the workers, the model server and the private Redis it started, where the
+    default action would leave them running."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def run_alone(module_measure: Callable[[str, argparse.Namespace], Awaitable[list[Result]]], description: str) -> int:
     """``main()`` of a benchmark module run alone: a private Redis, one table."""
     import anyio  # noqa: PLC0415
 
+    stop_on_sigterm()
     args = options(description).parse_args()
     with private_redis(args.redis_url) as url:
         results = anyio.run(module_measure, url, args)

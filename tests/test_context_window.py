@@ -174,6 +174,38 @@ async def test_a_prompt_that_never_fits_ends_the_run_naming_the_window(
     assert len(model.requests) == 2  # the call, and its one retry after the condensation
 
 
+@pytest.mark.parametrize("model", [(None, False)], indirect=True)
+async def test_with_no_condenser_worker_a_prompt_over_the_budget_goes_out_whole(
+    bus: Bus, spawn: Spawn, model: OpenAIServer
+) -> None:
+    # The condenser keeps 10 events, which the history outgrows by step 4; no worker serves the
+    # condenser role, so no step asks it (and waits a minute for nobody): the model reads the
+    # whole history.
+    model.respond(thinking(8, 200), times=100)
+    await ready(spawn("w-uncondensed", ["agent"], **env(model, RIVERBED_CONDENSER_MAX_EVENTS="10")))
+    seen = await run_to_end(bus, "s-uncondensed", "think a lot", steps=10)
+    assert isinstance(seen[-1], events.Finish), seen[-1]
+    assert len(seen) > 10  # (over the budget: the condenser would have kept 10)
+    assert not [e for e in seen if isinstance(e, (events.CondensationRequest, events.Condensation))]
+    last = json.dumps(model.last_request)
+    assert all(thought(step, 200) in last for step in range(8))
+
+
+@pytest.mark.parametrize("model", [(WINDOW, False)], indirect=True)
+async def test_with_no_condenser_worker_a_prompt_that_does_not_fit_ends_the_run_at_once(
+    bus: Bus, spawn: Spawn, model: OpenAIServer
+) -> None:
+    model.respond(thinking(1, 10), times=10)
+    await ready(spawn("w-window-alone", ["agent"], **env(model)))
+    seen = await run_to_end(bus, "s-window-alone", "read this: " + thought(0, 4 * WINDOW), steps=5)
+    end = seen[-1]
+    assert isinstance(end, events.Error)
+    assert end.reason == "llm_error"
+    assert "no condenser worker runs" in end.content, end.content
+    assert not [e for e in seen if isinstance(e, events.CondensationRequest)]
+    assert len(model.requests) == 1
+
+
 @pytest.mark.parametrize(
     "model", [(WINDOW + 1200, True), (WINDOW + 1200, False)], indirect=True, ids=["reported", "set"]
 )

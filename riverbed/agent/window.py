@@ -164,9 +164,15 @@ def asked_to_condense(seen: Sequence[events.Event], since: int) -> events.Conden
     return None
 
 
-def too_long(window: int | None, said: str) -> str:
-    """Why the run ends: the prompt still does not fit after one condensation."""
+def too_long(window: int | None, said: str, *, condensed: bool = True) -> str:
+    """Why the run ends: the prompt still does not fit after one condensation (or, with
+    ``condensed`` false, no condenser worker runs to make one)."""
     size = f"the model's context window of {window} tokens" if window else "the model's context window"
+    if not condensed:
+        return (
+            f"the prompt does not fit {size} ({said}), and no condenser worker runs to condense the "
+            "history: start one (riverbed worker condenser, or riverbed worker all)"
+        )
     return (
         f"the prompt does not fit {size}, even after condensing the history once ({said}): set "
         "RIVERBED_LLM_CONTEXT_TOKENS to the window the server runs with (the condenser then keeps the "

@@ -166,8 +166,9 @@ QUOTA_CACHE_SECONDS = 2.0
 """How long a worker keeps a tenant's quotas before reading them again."""
 
 
-MEMORY_LOOK_SECONDS = 10.0
-"""How long an agent worker trusts what it saw of the memory role's live workers (auto recalls)."""
+ROLE_LOOK_SECONDS = 10.0
+"""How long an agent worker trusts what it saw of another role's live workers (the memory role's
+for auto recalls, the condenser role's before a step waits for a condensation)."""
 
 APPROVAL = "approval"
 """The deadline kind of a call waiting for a person (``Agent.approval_timeout``)."""
@@ -272,6 +273,8 @@ class _Session:
     the step's own time leaves it out (:mod:`agent_pace`)"""
     calls: int = 0
     """the model calls made in the batch in hand"""
+    uncondensed: bool = False
+    """a prompt over the condenser's budget went out whole, as no condenser worker runs (said once)"""
     foreign: str | None = None
     """why this worker does not work on the open run (its agent definition or run rules are not
     the ones this worker hosts): the session is left to a worker that matches"""
@@ -363,11 +366,12 @@ class AgentHandler:
         """ask the memory role for each user message's context (the workspace's, the knowledge it
         triggers) before the model reads it, waiting up to ``recall_timeout`` seconds for it
         (None: when a live worker of the deployment serves the memory role)"""
-        self._memory_seen: tuple[float, bool] = (0.0, False)
-        self._memory_look = anyio.Lock()
-        """Held while the memory role's live workers are looked at: each run's step asks whether to
-        recall, and without it every run that asked after the look expired read every worker's
-        description (with 2,500 runs on a worker, an eighth of its CPU)."""
+        self._roles_seen: tuple[float, frozenset[str]] = (-ROLE_LOOK_SECONDS, frozenset())
+        """when the live workers were last looked at, and the roles they serve"""
+        self._roles_look = anyio.Lock()
+        """Held while the live workers are looked at: each run's step asks whether to recall, and
+        without it every run that asked after the look expired read every worker's description
+        (with 2,500 runs on a worker, an eighth of its CPU)."""
         self.recall_timeout = recall_timeout
         self.only_session = only_session
         """serve this session alone (a run served in the caller's process), leaving others to workers"""
@@ -582,21 +586,25 @@ class AgentHandler:
 
     async def _recalls(self, ctx: SessionContext, run: Run) -> bool:
         """Whether the run's user messages get their context recalls: as configured, or (auto) when
-        a live worker serves the memory role (looked at every :data:`MEMORY_LOOK_SECONDS`)."""
+        a live worker serves the memory role."""
         if self.context_recalls is not None:
             return self.context_recalls
         if all(message in run.recalls for message, _text in run.said):
             return True  # (nothing left to ask: the answer changes nothing)
-        checked, live = self._memory_seen
-        if time.monotonic() - checked <= MEMORY_LOOK_SECONDS:
-            return live
-        async with self._memory_look:  # (one look for all the runs that ask while it is made)
-            checked, live = self._memory_seen
-            if time.monotonic() - checked > MEMORY_LOOK_SECONDS:
-                workers = await live_workers(ctx.log.redis, ctx.log.keys)
-                live = any("memory" in w.description.get("roles", []) for w in workers)
-                self._memory_seen = (time.monotonic(), live)
-        return live
+        return await self._served(ctx, "memory")
+
+    async def _served(self, ctx: SessionContext, role: str) -> bool:
+        """Whether a live worker of the deployment serves ``role`` (looked at every
+        :data:`ROLE_LOOK_SECONDS`)."""
+        checked, roles = self._roles_seen
+        if time.monotonic() - checked > ROLE_LOOK_SECONDS:
+            async with self._roles_look:  # (one look for all the runs that ask while it is made)
+                checked, roles = self._roles_seen
+                if time.monotonic() - checked > ROLE_LOOK_SECONDS:
+                    workers = await live_workers(ctx.log.redis, ctx.log.keys)
+                    roles = frozenset(r for w in workers for r in w.description.get("roles", []))
+                    self._roles_seen = (time.monotonic(), roles)
+        return role in roles
 
     def leaves(self, ctx: SessionContext) -> bool:
         """The session's open run is not this worker's to work on: leave it to a worker that matches."""
@@ -732,6 +740,13 @@ class AgentHandler:
             return True
         since = run.response.id if run.response is not None and run.response.id is not None else run.opened
         asked = asked_to_condense(state.seen, since)
+        if asked is None and not await self._served(ctx, "condenser"):
+            # Nobody would answer: the prompt goes out whole (the model may still take it; when it
+            # does not, the run ends with a sentence that names the window).
+            if not state.uncondensed:
+                state.uncondensed = True
+                log.warning("agent.no_condenser", session=ctx.session, run=run.opened)
+            return True
         if asked is None:
             request = events.CondensationRequest(source="agent", cause=state.fold.last)
             await self._append(ctx, state, request, f"run-{run.opened}-step-{run.steps + 1}-condense")
@@ -899,6 +914,8 @@ class AgentHandler:
         asked = asked_to_condense(state.seen, since)
         if asked is not None and asked.id is not None and await ctx.is_answered(asked.id):
             raise _ModelFailed(too_long(window, _said(error, 0))) from error
+        if asked is None and not await self._served(ctx, "condenser"):
+            raise _ModelFailed(too_long(window, _said(error, 0), condensed=False)) from error
         if asked is None:
             request = events.CondensationRequest(source="agent", cause=state.fold.last)
             await self._append(ctx, state, request, f"run-{run.opened}-step-{run.steps + 1}-condense")
