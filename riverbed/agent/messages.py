@@ -45,8 +45,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from operator import attrgetter
+from typing import Any, NamedTuple
 
 from riverbed.agent.images import ImageSource, is_image
 from riverbed.agent.tools import action_from_call, tool_names
@@ -55,6 +56,7 @@ from riverbed.events import (
     Action,
     Error,
     Event,
+    FileContent,
     Finish,
     LlmResponse,
     McpList,
@@ -65,7 +67,7 @@ from riverbed.events import (
     Think,
 )
 from riverbed.memory.tokens import action_arguments, event_text
-from riverbed.memory.view import Summary
+from riverbed.memory.view import Masked, Summary
 
 __all__ = [
     "CACHE_MODES",
@@ -113,6 +115,8 @@ def _answerable(event: Event) -> bool:
 # with a chain of isinstance per event: most of the conversion's CPU on long views).
 _OTHER, _SUMMARY, _MESSAGE, _SAID, _RESPONSE, _CALL, _RESULT = range(7)
 _ROLES: dict[type, int] = {}
+_ANSWERABLE: dict[type, bool] = {}
+"""Whether the class is an action that expects an observation (:func:`_answerable` but for the id)."""
 
 
 def _role(cls: type) -> int:
@@ -132,26 +136,48 @@ def _role(cls: type) -> int:
             role = _RESULT
         else:
             role = _OTHER
+        _ANSWERABLE[cls] = issubclass(cls, Action) and cls.answered_by is not None
         _ROLES[cls] = role
     return role
+
+
+def _learn(events: Iterable[Event]) -> None:
+    """Read the role of each class among ``events`` that no conversion has met yet, so that the
+    passes over them look their classes up without a test."""
+    for cls in set(map(type, events)).difference(_ROLES):
+        _role(cls)
+
+
+_READERS: dict[type, Callable[[Any], str]] = {
+    **dict.fromkeys((Message, Summary, Masked, FileContent), attrgetter("content")),
+    Think: attrgetter("thought"),
+}
+""":func:`event_text` of an event of one of these very classes (not of a subclass), read
+without matching the event against each kind in turn."""
+
+
+def _text(event: Event) -> str:
+    read = _READERS.get(type(event))
+    return read(event) if read is not None else event_text(event)
 
 
 _MAPPINGS = (dict, Mapping)
 """(a dict is tested first: the ABC's check costs much more)"""
 _UNANSWERED_TOOLS = frozenset(tool_name(kind) for kind in ("think", "finish", "message"))
 _KNOWN_TOOLS = frozenset(tool_names())
+_NONE: frozenset[str] = frozenset()
 
 
 def _call_name(raw: Mapping[str, Any]) -> str | None:
     function = raw.get("function")
-    name = function.get("name") if isinstance(function, Mapping) else None
+    name = function.get("name") if isinstance(function, _MAPPINGS) else None
     return name if isinstance(name, str) else None
 
 
 def _normalise_call(raw: Mapping[str, Any], fallback_id: str) -> dict[str, Any] | None:
     """A recorded tool call in wire form, or None when it cannot be used."""
     function = raw.get("function")
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+    if not isinstance(function, _MAPPINGS) or not isinstance(name := function.get("name"), str):
         return None
     arguments = function.get("arguments", "{}")
     if not isinstance(arguments, str):
@@ -160,7 +186,7 @@ def _normalise_call(raw: Mapping[str, Any], fallback_id: str) -> dict[str, Any] 
     return {
         "id": call_id if isinstance(call_id, str) and call_id else fallback_id,
         "type": "function",
-        "function": {"name": function["name"], "arguments": arguments},
+        "function": {"name": name, "arguments": arguments},
     }
 
 
@@ -186,16 +212,31 @@ def _lines_up(action: Event, raw: Mapping[str, Any]) -> bool:
     return asked.kind == action.kind and action_arguments(asked) == action_arguments(action)
 
 
-def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, list[int]]]:
-    """Recorded tool calls per action id, and the actions each llm_response claims.
+class _Scan(NamedTuple):
+    """What the conversion needs to know before it emits the first message."""
 
-    First by identity: an action that records ``tool_call_id`` takes that call of the response
-    it names as ``cause`` (without a cause: of the latest earlier response with that call).
-    Then, for actions without the id (logs written before it existed), by position: the
-    response's remaining calls go to its remaining actions only when they line up one to
-    one (as many actions as calls, each action what its call asks for); otherwise every one
-    of those actions is shown under a synthesised call.
+    by_id: dict[int, Event]
+    results: dict[int, list[Observation]]
+    """the observations answering each action that expects them, by the action's id"""
+    spoken: set[int | None]
+    """the causes of what the agent said (a response whose words were said apart)"""
+    calls: dict[int, dict[str, Any]]
+    """recorded tool calls in wire form, by the id of the action each goes with"""
+    claimed_by: dict[int, list[int]]
+    """the actions each llm_response claims, by its id"""
+
+
+def _scan(events: list[Event]) -> _Scan:
+    """One pass over ``events`` (their classes learned): the facts of :class:`_Scan`.
+
+    Tool calls are claimed first by identity: an action that records ``tool_call_id`` takes
+    that call of the response it names as ``cause`` (without a cause: of the latest earlier
+    response with that call).  The rest go by :func:`_claim_by_position`.
     """
+    roles, answerable = _ROLES, _ANSWERABLE
+    by_id: dict[int, Event] = {}
+    results: dict[int, list[Observation]] = {}
+    spoken: set[int | None] = set()
     calls: dict[int, dict[str, Any]] = {}
     claimed_by: dict[int, list[int]] = {}
     responses: dict[int, LlmResponse] = {}
@@ -204,47 +245,88 @@ def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, l
     latest: dict[str, int] = {}
     caused: dict[int, list[Event]] = {}
     for position, e in enumerate(events):
-        role = _ROLES.get(type(e)) or _role(type(e))
+        role = roles[type(e)]
         eid = e.id
-        if eid is None:
-            continue
-        if role == _RESPONSE:
-            assert isinstance(e, LlmResponse)
-            responses[eid] = e
-            order.append(position)
-            for recorded in e.tool_calls:
-                if isinstance(recorded, _MAPPINGS) and isinstance(call_id := recorded.get("id"), str):
-                    latest[call_id] = eid
-            continue
-        if role != _CALL:
-            continue
-        cause = _cause(e)
-        call_id = e.tool_call_id  # type: ignore[attr-defined]
-        if isinstance(call_id, str):
-            owner = cause if cause in responses else (latest.get(call_id) if cause is None else None)
-            if owner is not None and call_id not in taken.setdefault(owner, set()):
-                raw = _call_of(responses[owner], call_id)
-                call = _normalise_call(raw, tool_call_id(eid)) if raw is not None else None
-                if call is not None:
-                    calls[eid] = call
-                    taken[owner].add(call_id)
-                    claimed_by.setdefault(owner, []).append(eid)
-                    continue
-        if cause is not None and cause in responses:
-            caused.setdefault(cause, []).append(e)
+        if role == _CALL:
+            if eid is not None:
+                cause = e.cause
+                if cause is not None and cause >= eid:
+                    cause = -1  # (as _cause reads it)
+                call_id = e.tool_call_id  # type: ignore[attr-defined]
+                if isinstance(call_id, str):
+                    owner = cause if cause in responses else (latest.get(call_id) if cause is None else None)
+                    if owner is not None:
+                        owner_taken = taken.get(owner)
+                        if owner_taken is None:
+                            owner_taken = taken[owner] = set()
+                        if call_id not in owner_taken:
+                            raw = _call_of(responses[owner], call_id)
+                            call = _normalise_call(raw, tool_call_id(eid)) if raw is not None else None
+                            if call is not None:
+                                calls[eid] = call
+                                owner_taken.add(call_id)
+                                claimed_by.setdefault(owner, []).append(eid)
+                                by_id[eid] = e
+                                continue
+                if cause in responses:
+                    caused.setdefault(cause, []).append(e)
+        elif role == _RESULT:
+            cause = e.cause
+            if cause is not None:
+                if eid is not None and cause >= eid:
+                    cause = -1
+                action = by_id.get(cause)  # (an earlier event: folded already)
+                if action is not None and answerable[type(action)]:
+                    answers = results.get(cause)
+                    if answers is None:
+                        results[cause] = [e]  # type: ignore[list-item]
+                    else:
+                        answers.append(e)  # type: ignore[arg-type]
+        elif role == _RESPONSE:
+            if eid is not None:
+                responses[eid] = e  # type: ignore[assignment]
+                order.append(position)
+                for recorded in e.tool_calls:  # type: ignore[attr-defined]
+                    if isinstance(recorded, _MAPPINGS) and isinstance(call_id := recorded.get("id"), str):
+                        latest[call_id] = eid
+        elif role in (_SAID, _MESSAGE) and e.source == "agent":
+            spoken.add(_cause(e))
+        if eid is not None:
+            by_id[eid] = e
+    if order:
+        _claim_by_position(events, order, calls, claimed_by, taken, caused)
+    return _Scan(by_id, results, spoken, calls, claimed_by)
 
+
+def _claim_by_position(
+    events: list[Event],
+    order: list[int],
+    calls: dict[int, dict[str, Any]],
+    claimed_by: dict[int, list[int]],
+    taken: dict[int, set[str]],
+    caused: dict[int, list[Event]],
+) -> None:
+    """Claim the calls of the responses (at the places ``order``) that no action took by id.
+
+    For actions without the id (logs written before it existed), by position: the
+    response's remaining calls go to its remaining actions only when they line up one to
+    one (as many actions as calls, each action what its call asks for); otherwise every one
+    of those actions is shown under a synthesised call.
+    """
     for position in order:
         response = events[position]
         assert isinstance(response, LlmResponse)
         assert response.id is not None
         ids = claimed_by.setdefault(response.id, [])
         # Calls that publish no answered action (think, finish) take no position among the claimants.
-        used = taken.get(response.id, set())
-        answered_calls = [
-            raw
-            for raw in response.tool_calls
-            if isinstance(raw, _MAPPINGS) and _call_name(raw) not in _UNANSWERED_TOOLS and raw.get("id") not in used
-        ]
+        used = taken.get(response.id, _NONE)
+        answered_calls = []
+        for raw in response.tool_calls:
+            if isinstance(raw, _MAPPINGS):
+                function = raw.get("function")
+                name = function.get("name") if isinstance(function, _MAPPINGS) else None
+                if not (isinstance(name, str) and name in _UNANSWERED_TOOLS) and raw.get("id") not in used:
+                    answered_calls.append(raw)
         if not answered_calls:
             continue  # (every call went to its action by id: nothing is left to line up)
         claimants = caused.get(response.id)
@@ -268,7 +350,6 @@ def _claims(events: list[Event]) -> tuple[dict[int, dict[str, Any]], dict[int, l
                 calls[action.id] = call
                 ids.append(action.id)
         ids.sort()
-    return calls, claimed_by
 
 
 def _synthesised_call(action: Event) -> dict[str, Any]:
@@ -281,9 +362,13 @@ def _synthesised_call(action: Event) -> dict[str, Any]:
 
 
 def _result_text(observations: list[Observation]) -> str:
+    if len(observations) == 1:
+        obs = observations[0]
+        text = _text(obs)
+        return f"error: {text}" if isinstance(obs, Error) else text
     parts = []
     for obs in observations:
-        text = event_text(obs)
+        text = _text(obs)
         parts.append(f"error: {text}" if isinstance(obs, Error) else text)
     return "\n".join(parts)
 
@@ -317,7 +402,11 @@ def to_messages(
     out: list[ChatMessage] = []
     if system_prompt:
         out.append({"role": "system", "content": system_prompt})
-    convert([e for e in view if not shown_by_tools(e)], out, set(), images=images)
+    events = list(view)
+    listings = {cls for cls in set(map(type, events)) if issubclass(cls, McpList | McpTools)}
+    if listings:
+        events = [e for e in events if type(e) not in listings]
+    convert(events, out, set(), images=images)
     return out
 
 
@@ -354,27 +443,17 @@ def convert(
     starts a turn (:func:`starts_turn`), where the conversion could start again: a caller that
     keeps the messages of a growing view converts again only from the last such place that no
     later event refers back across (:class:`riverbed.agent.prompt.Prompt`)."""
-    by_id: dict[int, Event] = {}
-    results: dict[int, list[Observation]] = {}
-    spoken: set[int | None] = set()
-    roles = _ROLES
-    for e in events:
-        role = roles.get(type(e)) or _role(type(e))
-        if role == _RESULT:
-            cause = _cause(e)
-            if cause is not None:
-                action = by_id.get(cause)  # (an earlier event: folded already)
-                if action is not None and _answerable(action):
-                    results.setdefault(cause, []).append(e)  # type: ignore[arg-type]
-        elif role in (_MESSAGE, _SAID) and e.source == "agent":
-            spoken.add(_cause(e))
-        if e.id is not None:
-            by_id[e.id] = e
-    calls, claimed_by = _claims(events)
+    _learn(events)
+    roles, answerable = _ROLES, _ANSWERABLE
+    by_id, results, spoken, calls, claimed_by = _scan(events)
     claimed = {action_id for ids in claimed_by.values() for action_id in ids}
 
     def emit_calls(content: str | None, action_ids: list[int]) -> None:
         answered = [a for a in action_ids if a in results]
+        if not answered:
+            if content:
+                out.append({"role": "assistant", "content": content})
+            return
         tool_calls = []
         for action_id in answered:
             call = calls.get(action_id) or _synthesised_call(by_id[action_id])
@@ -384,20 +463,19 @@ def convert(
             if added is not None:
                 added.append(call["id"])
             tool_calls.append(call)
-        if not tool_calls:
-            if content:
-                out.append({"role": "assistant", "content": content})
-            return
         # Content is a string even when empty: strict OpenAI-compatible servers refuse null.
         out.append({"role": "assistant", "content": content or "", "tool_calls": tool_calls})
-        saved: list[tuple[int, list[str]]] = []
         for action_id, call in zip(answered, tool_calls, strict=True):
             out.append({"role": "tool", "tool_call_id": call["id"], "content": _result_text(results[action_id])})
+        if images is None:
+            return
+        saved: list[tuple[int, list[str]]] = []
+        for action_id in answered:
             for obs in results[action_id]:
                 files = [f for f in obs.files if is_image(f)] if isinstance(obs, PythonOutput) else []
                 if files and obs.id is not None:
                     saved.append((obs.id, files))
-        if images is not None and saved:
+        if saved:
             parts: list[dict[str, Any]] = []
             for obs_id, files in saved:
                 parts.append({"type": "text", "text": f"Images saved by the Python cell (event {obs_id}):"})
@@ -405,27 +483,35 @@ def convert(
             out.append({"role": "user", "content": parts})
 
     for index, e in enumerate(events):
-        role = roles.get(type(e)) or _role(type(e))
-        if marks is not None and starts_turn(e):
-            marks.append((index, len(out), len(added) if added is not None else 0))
-        if role == _MESSAGE:
-            out.append(_message(e, images))  # type: ignore[arg-type]
-        elif role == _RESPONSE:
-            content = None if e.id in spoken else e.content  # type: ignore[attr-defined]
-            emit_calls(content, claimed_by.get(e.id, []) if e.id is not None else [])
-        elif role == _CALL:
-            if e.id is not None and e.id not in claimed:
-                emit_calls(None, [e.id])
+        role = roles[type(e)]
+        if marks is not None and (role == _RESPONSE or (role == _MESSAGE and e.source != "agent")):
+            marks.append((index, len(out), len(added) if added is not None else 0))  # (starts_turn)
+        if role == _CALL:
+            eid = e.id
+            if eid is not None and eid not in claimed:
+                emit_calls(None, [eid])
         elif role == _RESULT:
-            cause = _cause(e)
-            if cause is None or (cause in by_id and not _answerable(by_id[cause])):
-                out.append({"role": "user", "content": f"[{e.kind}]\n{_result_text([e])}"})  # type: ignore[list-item]
-        elif role == _SUMMARY:
-            out.append({"role": "user", "content": SUMMARY_PREFIX + e.content})  # type: ignore[attr-defined]
+            cause = e.cause
+            if cause is not None:
+                eid = e.id
+                if eid is not None and cause >= eid:
+                    cause = -1
+                action = by_id.get(cause)
+                if action is None or answerable[type(action)]:
+                    continue
+            out.append({"role": "user", "content": f"[{e.kind}]\n{_result_text([e])}"})  # type: ignore[list-item]
+        elif role == _RESPONSE:
+            eid = e.id
+            content = None if eid in spoken else e.content  # type: ignore[attr-defined]
+            emit_calls(content, claimed_by.get(eid, []) if eid is not None else [])
         elif role == _SAID:
-            text = event_text(e)
+            text = _text(e)
             if text:
                 out.append({"role": "assistant" if e.source == "agent" else "user", "content": text})
+        elif role == _MESSAGE:
+            out.append(_message(e, images))  # type: ignore[arg-type]
+        elif role == _SUMMARY:
+            out.append({"role": "user", "content": SUMMARY_PREFIX + e.content})  # type: ignore[attr-defined]
 
 
 CACHE_MODES = ("none", "anthropic")
