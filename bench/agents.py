@@ -60,15 +60,18 @@ are printed with the progress.
 ``--context 20,2000`` seeds each run's session first with about that many events of earlier
 turns, as the agent writes them (a user message; three steps of an ``llm_response`` whose tool
 call carries an id, the action with that ``tool_call_id`` and the response as its cause, and
-its observation; a last response and its ``finish``), one round of runs per size (100 runs by
-default) on the same workers, and prints each size's overhead per step and agent CPU per step,
-and the largest size's against the smallest's (goals: 1.2x, and 1 ms of CPU a step).  The
-seeded sessions' condenser config is ``noop`` (a ``session_config`` first): nothing is
-condensed, every prompt holds the whole context.  Every role's consumer group starts past the
-seeded events, as after the runs that wrote them, so the runtime role does not run them again.
-Measured there: overhead p50 138 and 125 ms (0.90, both a queue for the CPU), agent CPU per step
-7.39 and 16.8 ms (2.28; 5.43 before the prompt was kept between steps); what 2,000 events still
-cost is paid once a run (reading the log when the session is taken, the first prompt).
+its observation; a last response and its ``finish``).  Per size, two rounds of runs (100 each by
+default) go on the same workers: runs of 2 steps, then runs of ``--steps``, each on sessions of
+their own seeded alike.  Each size's overhead per step and agent CPU per step are printed, and
+the CPU of a *later step*: the longer runs' agent CPU less the shorter runs', per model call
+more.  Taking a session (its whole log read and its first prompt made, once a run) is in both
+rounds alike, so it drops out: what is left is a step's own cost.  Then the largest size's
+figures against the smallest's (goals: 1.2x for the overhead and a later step's CPU, and 1 ms
+of CPU a step).  The seeded sessions' condenser config is ``noop`` (a ``session_config``
+first): nothing is condensed, every prompt holds the whole context.  Every role's consumer
+group starts past the seeded events, as after the runs that wrote them, so the runtime role does
+not run them again.  The model server reads only the fields it needs of a request (a 300 KB
+prompt of 2,000 events had cost it 5 ms of CPU to parse whole, and the machine's CPU is shared).
 
 Before them, one run per agent worker goes alone, and its overhead per step is reported
 beside the big one's: the role's own latency, without the queue for a CPU that 1,000 runs at
@@ -125,6 +128,8 @@ from riverbed.bus.keys import AGENT_ROLE, ROLES
 
 RUNS = 1000
 STEPS = 10
+SHORT_STEPS = 2
+"""The steps of the shorter runs of ``--context``: a tool call and the finish."""
 WORKERS = 4
 RUNTIME_WORKERS = 2
 LATENCY = 0.2
@@ -527,6 +532,7 @@ class _Round:
 
     sessions: list[str]
     context: int
+    steps: int
     cpu: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     """CPU seconds of the agent workers, the runtime workers, the model server and Redis during its runs"""
     idle: float = 0.0
@@ -558,16 +564,22 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
     kind = "note" if tools else getattr(args, "action", None) or "file_read"
     action: events.Action = events.FileRead(path=FILE_NAME) if kind != "cmd_run" else events.CmdRun(command="true")
     agent = bench_agent if tools else None
-    if runs < 1 or steps < 2 or count < 1 or runtime_count < 1 or tenant_count < 0 or latency <= 0:
+    least = SHORT_STEPS + 1 if contexts else 2
+    if runs < 1 or steps < least or count < 1 or runtime_count < 1 or tenant_count < 0 or latency <= 0:
         print(
-            "bench.agents: --runs and the worker counts must be at least 1, --steps at least 2, --latency above 0",
+            f"bench.agents: --runs and the worker counts must be at least 1, --steps at least {least}"
+            f"{' with --context' if contexts else ''}, --latency above 0",
             file=sys.stderr,
         )
         raise SystemExit(2)
     prefix = f"bag{uuid.uuid4().hex[:6]}"
-    rounds = [_Round([f"c{size}-run-{i}" for i in range(runs)], size) for size in contexts] or [
-        _Round([f"run-{i}" for i in range(runs)], 0)
-    ]
+    # Per context size, runs of SHORT_STEPS first and then of ``steps``: what the longer runs cost
+    # more is their later steps' own, without taking the session (its whole log read once).
+    rounds = [
+        _Round([f"c{size}-{name}-{i}" for i in range(runs)], size, length)
+        for size in contexts
+        for name, length in (("short", SHORT_STEPS), ("run", steps))
+    ] or [_Round([f"run-{i}" for i in range(runs)], 0, steps)]
     tenants = [f"tenant-{t}" for t in range(tenant_count)]
 
     def tenant_of(index: int) -> str | None:
@@ -592,7 +604,10 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                 for tenant in tenants:  # (as `riverbed tenants set T --max-runs 0` makes one: no limit)
                     await quotas.set(tenant, max_runs=0, tokens_per_day=0)
                 for seeded in (r for r in rounds if r.context):
-                    _progress(f"agents: seeding {runs:,} sessions with about {seeded.context:,} events each")
+                    _progress(
+                        f"agents: seeding {runs:,} sessions with about {seeded.context:,} events each "
+                        f"(for runs of {seeded.steps} steps)"
+                    )
                     async with anyio.create_task_group() as tg:
                         for index, session in enumerate(seeded.sessions):
                             tg.start_soon(_seed, bus, session, seeded.context, tenant_of(index), seeding)
@@ -636,7 +651,9 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                 limiter = anyio.CapacityLimiter(50)
                 for taken in rounds:
                     what = f" on sessions of about {taken.context:,} events" if taken.context else ""
-                    _progress(f"agents: {runs:,} runs at once{what}; load {os.getloadavg()[0]:.1f}")
+                    _progress(
+                        f"agents: {runs:,} runs of {taken.steps} steps at once{what}; load {os.getloadavg()[0]:.1f}"
+                    )
                     idle_from = _cpu_seconds(agent_pids)
                     await anyio.sleep(IDLE_SECONDS)
                     taken.idle = (_cpu_seconds(agent_pids) - idle_from) / IDLE_SECONDS
@@ -648,22 +665,22 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                     )
                     opening = time.perf_counter()
 
-                    async def start(index: int, session: str) -> None:
+                    async def start(index: int, session: str, length: int) -> None:
                         async with limiter:
                             await open_run(
-                                bus, session, task_text(session, steps), limits=RunLimits(max_steps=steps),
+                                bus, session, task_text(session, length), limits=RunLimits(max_steps=length),
                                 agent=agent, tenant=tenant_of(index),
                             )  # fmt: skip
 
-                    label = f"c{taken.context}" if taken.context else "runs"
+                    label = f"c{taken.context}-{taken.steps}" if taken.context else "runs"
                     if sampler is not None:
                         sampler.start(label)
                     async with anyio.create_task_group() as tg:
                         for index, session in enumerate(taken.sessions):
-                            tg.start_soon(start, index, session)
+                            tg.start_soon(start, index, session, taken.steps)
                     taken.opened_in = time.perf_counter() - opening
                     _progress(f"agents: {runs:,} runs opened in {taken.opened_in:.1f} s")
-                    summaries = await _wait_for_runs(bus, url, taken.sessions, sampled, pids, steps)
+                    summaries = await _wait_for_runs(bus, url, taken.sessions, sampled, pids, taken.steps)
                     if sampler is not None:
                         sampler.stop(label)
                     cpu_after = (
@@ -875,11 +892,13 @@ def _capacity_results(
 def _context_results(
     rounds: list[_Round], shape: _Shape, sampled: _Sampled, idle_rss: dict[str, float]
 ) -> list[Result]:
-    """Per context size: the overhead per step and the agent workers' CPU per step; then the
-    largest size's figures against the smallest's."""
+    """Per context size: the overhead per step and the agent workers' CPU per step (taking the
+    session included), and the CPU of a later step alone (the longer runs' CPU less the shorter
+    runs', per model call more); then the largest size's figures against the smallest's."""
     out: list[Result] = []
-    per: list[tuple[int, float, float]] = []
-    for taken in rounds:
+    per: list[tuple[int, float, float, float]] = []
+    short = {taken.context: taken for taken in rounds if taken.steps == SHORT_STEPS}
+    for taken in (r for r in rounds if r.steps != SHORT_STEPS):
         figures = taken.figures
         if not figures.overhead:
             raise RuntimeError("no step could be measured (the logs and the journal do not match)")
@@ -887,7 +906,9 @@ def _context_results(
         agent_cpu, runtime_cpu, server_cpu, redis_cpu = taken.cpu
         calls = len(figures.model)
         cpu = agent_cpu / calls
-        per.append((taken.context, over50, cpu))
+        brief = short[taken.context]
+        later = (agent_cpu - brief.cpu[0]) / (calls - len(brief.figures.model))
+        per.append((taken.context, over50, cpu, later))
         size = f"{taken.context:,}-event context"
         out += [
             Result(
@@ -899,16 +920,24 @@ def _context_results(
                 f"{_ms(percentile(figures.after_call, 50)):.1f} ms; runs opened in {taken.opened_in:.1f} s",
             ),
             Result(
-                f"agent workers' CPU time per step, {size}", "ms", _ms(cpu), _ms(runtime_cpu / len(figures.action)),
-                f"the runtime workers' per action ({shape.kind})", cpu / (runtime_cpu / len(figures.action)),
-                TARGET_CPU_MS, calls, better="lower", target_on="figure",
+                f"agent workers' CPU time per step, {size}, taking the session included", "ms", _ms(cpu),
+                _ms(runtime_cpu / len(figures.action)), f"the runtime workers' per action ({shape.kind})",
+                cpu / (runtime_cpu / len(figures.action)), TARGET_CPU_MS, calls, better="lower", target_on="figure",
                 note=f"agent workers {agent_cpu:.1f} s, runtime workers {runtime_cpu:.1f} s, the model server "
                 f"{server_cpu:.1f} s, Redis {redis_cpu:.1f} s of CPU for {calls:,} model calls (taking each session, "
                 f"its whole log read once, included); the agent workers idle just before: {taken.idle:.1%} of a CPU; "
                 f"{os.getloadavg()[0]:.1f} load average (1 min) at the end",
             ),
+            Result(
+                f"agent workers' CPU time per later step, {size} (runs of {shape.steps} steps less runs of "
+                f"{SHORT_STEPS})", "ms", _ms(later), _ms(cpu), "per step, taking the session included",
+                later / cpu, TARGET_CPU_MS, calls, better="lower", target_on="figure",
+                note=f"{agent_cpu:.1f} s for {calls:,} model calls less {brief.cpu[0]:.1f} s for "
+                f"{len(brief.figures.model):,} (the runs of {SHORT_STEPS} steps, on sessions seeded alike)",
+            ),
         ]  # fmt: skip
-    (small, small_over, small_cpu), (large, large_over, large_cpu) = min(per), max(per)
+    (small, small_over, small_cpu, small_later) = min(per)
+    (large, large_over, large_cpu, large_later) = max(per)
     if large != small:
         out += [
             Result(
@@ -917,11 +946,16 @@ def _context_results(
                 better="lower",
             ),
             Result(
-                f"agent workers' CPU per step, {large:,}-event context / {small:,}-event context", "x",
-                large_cpu / small_cpu, 1.0, "the same", large_cpu / small_cpu, TARGET_CONTEXT_RATIO, 1,
-                better="lower",
+                f"agent workers' CPU per step, taking the session included, {large:,}-event context / "
+                f"{small:,}-event context", "x", large_cpu / small_cpu, 1.0, "the same", large_cpu / small_cpu,
+                None, 1, better="lower",
                 note=f"the seeded sessions' condenser config is {NO_CONDENSING} (a session_config first): "
                 "every prompt holds the whole context",
+            ),
+            Result(
+                f"agent workers' CPU per later step, {large:,}-event context / {small:,}-event context", "x",
+                large_later / small_later, 1.0, "the same", large_later / small_later, TARGET_CONTEXT_RATIO, 1,
+                better="lower",
             ),
         ]  # fmt: skip
     rss = max(sampled.rss.values())

@@ -8,7 +8,8 @@ after exactly ``--latency`` seconds, on asyncio, so a thousand calls in flight c
   ``n`` of that run, ``n`` being one more than the assistant messages after it (a session seeded
   with earlier turns carries theirs before it); steps 1 to ``steps - 1`` answer
   one tool call (``--action``: a ``file_read`` of ``small.txt``, or a ``cmd_run`` of ``true``),
-  step ``steps`` answers a text (the agent's ``finish``);
+  step ``steps`` answers a text (the agent's ``finish``); ``steps`` is the run's own when its
+  task says it (:func:`task_text`), else ``--steps``;
 - any other request answers the tool call (the bench's own floor measurement).
 
 ``GET /journal`` returns every chat request as ``[session, step, received, sent]`` (unix
@@ -29,7 +30,9 @@ import sys
 import time
 from typing import Any
 
-TASK = re.compile(r"bench run (\S+?):")
+import msgspec
+
+TASK = re.compile(r"bench run (\S+?):(?: use one tool per step (\d+) times)?")
 ACTIONS = {"file_read": {"path": "small.txt"}, "cmd_run": {"command": "true"}, "note": {"text": "a short note"}}
 """The tool calls a step may answer, with their arguments."""
 
@@ -100,13 +103,12 @@ class ModelServer:
             return 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]}, None
         if method != "POST" or path != "/v1/chat/completions":
             return 404, {"error": {"message": f"no route {method} {path}", "type": "invalid_request_error"}}, None
-        request = json.loads(body)
-        messages = request.get("messages", [])
-        session, step = _run_step(messages)
+        request = _REQUEST.decode(body)  # (the fields it reads only: a long prompt costs the server little)
+        session, step, steps = _run_step(request.messages)
         await asyncio.sleep(self.latency)
         self.count += 1
         message: dict[str, Any] = {"role": "assistant", "content": None}
-        if session is not None and step >= self.steps:
+        if session is not None and step >= (steps or self.steps):
             message["content"] = "done"
         else:
             message["tool_calls"] = [
@@ -123,7 +125,7 @@ class ModelServer:
                 "id": f"chatcmpl-{self.count}",
                 "object": "chat.completion",
                 "created": int(time.time()),
-                "model": request.get("model", self.model),
+                "model": request.model or self.model,
                 "choices": [
                     {
                         "index": 0,
@@ -138,17 +140,32 @@ class ModelServer:
         )
 
 
-def _run_step(messages: list[dict[str, Any]]) -> tuple[str | None, int]:
-    """The run a request belongs to and its step: one more than the assistant messages after the
-    run's task (a session seeded with earlier turns has assistant messages before it)."""
-    for at in range(len(messages) - 1, -1, -1):
-        message = messages[at]
-        content = message.get("content")
-        if message.get("role") == "user" and isinstance(content, str):
-            found = TASK.search(content)
+class _Message(msgspec.Struct):
+    role: str = ""
+    content: Any = None
+
+
+class _Request(msgspec.Struct):
+    model: str = ""
+    messages: list[_Message] = msgspec.field(default_factory=list)
+
+
+_REQUEST = msgspec.json.Decoder(_Request)
+
+
+def _run_step(messages: list[_Message] | list[dict[str, Any]]) -> tuple[str | None, int, int | None]:
+    """The run a request belongs to, its step (one more than the assistant messages after the
+    run's task: a session seeded with earlier turns has assistant messages before it) and its
+    steps in all when the task says (else the server's ``--steps``)."""
+    given = [m if isinstance(m, _Message) else _Message(m.get("role", ""), m.get("content")) for m in messages]
+    for at in range(len(given) - 1, -1, -1):
+        message = given[at]
+        if message.role == "user" and isinstance(message.content, str):
+            found = TASK.search(message.content)
             if found:
-                return found.group(1), 1 + sum(1 for m in messages[at + 1 :] if m.get("role") == "assistant")
-    return None, 1 + sum(1 for m in messages if m.get("role") == "assistant")
+                step = 1 + sum(1 for m in given[at + 1 :] if m.role == "assistant")
+                return found.group(1), step, int(found.group(2)) + 1 if found.group(2) else None
+    return None, 1 + sum(1 for m in given if m.role == "assistant"), None
 
 
 async def main_async(args: argparse.Namespace) -> None:

@@ -31,14 +31,16 @@ def test_earlier_turns_are_shaped_as_the_agent_writes_them() -> None:
     assert all(isinstance(by_id[f.cause], events.LlmResponse) for f in finishes)
 
 
-def test_a_step_is_counted_from_the_runs_own_task() -> None:
+def test_a_step_is_counted_from_the_runs_own_task_which_says_its_steps() -> None:
     earlier = [
         {"role": "user", "content": "earlier turn 0: make the tests pass"},
         {"role": "assistant", "content": None, "tool_calls": []},
         {"role": "assistant", "content": "done"},
     ]
     task = {"role": "user", "content": task_text("s-1", 5)}
-    assert _run_step([{"role": "system", "content": "sys"}, *earlier, task]) == ("s-1", 1)
+    assert _run_step([{"role": "system", "content": "sys"}, *earlier, task]) == ("s-1", 1, 5)
     answered = [task, {"role": "assistant", "content": None}, {"role": "tool", "content": "x"}]
-    assert _run_step([*earlier, *answered]) == ("s-1", 2)
-    assert _run_step(earlier) == (None, 3)
+    assert _run_step([*earlier, *answered]) == ("s-1", 2, 5)
+    assert _run_step([{"role": "user", "content": task_text("s-2", 2)}]) == ("s-2", 1, 2)
+    assert _run_step([{"role": "user", "content": "bench run s-3: anything"}]) == ("s-3", 1, None)
+    assert _run_step(earlier) == (None, 3, None)
