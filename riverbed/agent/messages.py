@@ -174,8 +174,9 @@ def _call_name(raw: Mapping[str, Any]) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def _normalise_call(raw: Mapping[str, Any], fallback_id: str) -> dict[str, Any] | None:
-    """A recorded tool call in wire form, or None when it cannot be used."""
+def _normalise_call(raw: Mapping[str, Any], action_id: int) -> dict[str, Any] | None:
+    """A recorded tool call in wire form (shown for the action ``action_id``), or None when it
+    cannot be used."""
     function = raw.get("function")
     if not isinstance(function, _MAPPINGS) or not isinstance(name := function.get("name"), str):
         return None
@@ -184,18 +185,10 @@ def _normalise_call(raw: Mapping[str, Any], fallback_id: str) -> dict[str, Any] 
         arguments = json.dumps(arguments, ensure_ascii=False)
     call_id = raw.get("id")
     return {
-        "id": call_id if isinstance(call_id, str) and call_id else fallback_id,
+        "id": call_id if isinstance(call_id, str) and call_id else tool_call_id(action_id),
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
-
-
-def _call_of(response: LlmResponse, call_id: str) -> Mapping[str, Any] | None:
-    """The response's first recorded call with that id."""
-    for raw in response.tool_calls:
-        if isinstance(raw, _MAPPINGS) and raw.get("id") == call_id:
-            return raw
-    return None
 
 
 def _lines_up(action: Event, raw: Mapping[str, Any]) -> bool:
@@ -260,8 +253,12 @@ def _scan(events: list[Event]) -> _Scan:
                         if owner_taken is None:
                             owner_taken = taken[owner] = set()
                         if call_id not in owner_taken:
-                            raw = _call_of(responses[owner], call_id)
-                            call = _normalise_call(raw, tool_call_id(eid)) if raw is not None else None
+                            for raw in responses[owner].tool_calls:  # (the first call with that id)
+                                if isinstance(raw, _MAPPINGS) and raw.get("id") == call_id:
+                                    call = _normalise_call(raw, eid)
+                                    break
+                            else:
+                                call = None
                             if call is not None:
                                 calls[eid] = call
                                 owner_taken.add(call_id)
@@ -294,7 +291,7 @@ def _scan(events: list[Event]) -> _Scan:
         if eid is not None:
             by_id[eid] = e
     if order:
-        _claim_by_position(events, order, calls, claimed_by, taken, caused)
+        _claim_by_position(events, order, calls, claimed_by, taken, caused, one_each=len(order) == len(responses))
     return _Scan(by_id, results, spoken, calls, claimed_by)
 
 
@@ -305,8 +302,11 @@ def _claim_by_position(
     claimed_by: dict[int, list[int]],
     taken: dict[int, set[str]],
     caused: dict[int, list[Event]],
+    *,
+    one_each: bool,
 ) -> None:
-    """Claim the calls of the responses (at the places ``order``) that no action took by id.
+    """Claim the calls of the responses (at the places ``order``) that no action took by id
+    (``taken``: the call ids each took; ``one_each``: no two responses have the same id).
 
     For actions without the id (logs written before it existed), by position: the
     response's remaining calls go to its remaining actions only when they line up one to
@@ -320,6 +320,8 @@ def _claim_by_position(
         ids = claimed_by.setdefault(response.id, [])
         # Calls that publish no answered action (think, finish) take no position among the claimants.
         used = taken.get(response.id, _NONE)
+        if len(used) == len(response.tool_calls) and one_each:
+            continue  # (each call went to its action by id, for its ids are as many as its calls)
         answered_calls = []
         for raw in response.tool_calls:
             if isinstance(raw, _MAPPINGS):
@@ -345,7 +347,7 @@ def _claim_by_position(
             continue
         for action, raw in zip(claimants, answered_calls, strict=True):
             assert action.id is not None
-            call = _normalise_call(raw, tool_call_id(action.id))
+            call = _normalise_call(raw, action.id)
             if call is not None and action.id not in calls:
                 calls[action.id] = call
                 ids.append(action.id)
@@ -449,29 +451,43 @@ def convert(
     claimed = {action_id for ids in claimed_by.values() for action_id in ids}
 
     def emit_calls(content: str | None, action_ids: list[int]) -> None:
-        answered = [a for a in action_ids if a in results]
-        if not answered:
+        tool_calls = []
+        answers: list[ChatMessage] = []
+        readers = _READERS
+        for action_id in action_ids:
+            observations = results.get(action_id)
+            if observations is None:
+                continue
+            call = calls.get(action_id) or _synthesised_call(by_id[action_id])
+            call_id = call["id"]
+            if call_id in used_ids:
+                call_id = tool_call_id(action_id)
+                call = {**call, "id": call_id}
+            used_ids.add(call_id)
+            if added is not None:
+                added.append(call_id)
+            tool_calls.append(call)
+            if len(observations) == 1:  # (the rule: one observation per action, read here without a call)
+                obs = observations[0]
+                read = readers.get(type(obs))
+                text = read(obs) if read is not None else event_text(obs)
+                if isinstance(obs, Error):
+                    text = f"error: {text}"
+            else:
+                text = _result_text(observations)
+            answers.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        if not tool_calls:
             if content:
                 out.append({"role": "assistant", "content": content})
             return
-        tool_calls = []
-        for action_id in answered:
-            call = calls.get(action_id) or _synthesised_call(by_id[action_id])
-            if call["id"] in used_ids:
-                call = {**call, "id": tool_call_id(action_id)}
-            used_ids.add(call["id"])
-            if added is not None:
-                added.append(call["id"])
-            tool_calls.append(call)
         # Content is a string even when empty: strict OpenAI-compatible servers refuse null.
         out.append({"role": "assistant", "content": content or "", "tool_calls": tool_calls})
-        for action_id, call in zip(answered, tool_calls, strict=True):
-            out.append({"role": "tool", "tool_call_id": call["id"], "content": _result_text(results[action_id])})
+        out.extend(answers)
         if images is None:
             return
         saved: list[tuple[int, list[str]]] = []
-        for action_id in answered:
-            for obs in results[action_id]:
+        for action_id in action_ids:
+            for obs in results.get(action_id, ()):
                 files = [f for f in obs.files if is_image(f)] if isinstance(obs, PythonOutput) else []
                 if files and obs.id is not None:
                     saved.append((obs.id, files))
