@@ -354,12 +354,19 @@ def _claim_by_position(
         ids.sort()
 
 
+_TOOL_NAMES: dict[type, str] = {}
+""":func:`tool_name` of each class's kind, as synthesised calls name it"""
+
+
 def _synthesised_call(action: Event) -> dict[str, Any]:
     assert action.id is not None
+    name = _TOOL_NAMES.get(type(action))
+    if name is None:
+        name = _TOOL_NAMES[type(action)] = tool_name(action.kind)
     return {
         "id": tool_call_id(action.id),
         "type": "function",
-        "function": {"name": tool_name(action.kind), "arguments": json.dumps(action_arguments(action))},
+        "function": {"name": name, "arguments": json.dumps(action_arguments(action))},
     }
 
 
