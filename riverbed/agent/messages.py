@@ -214,7 +214,8 @@ class _Scan(NamedTuple):
     spoken: set[int | None]
     """the causes of what the agent said (a response whose words were said apart)"""
     calls: dict[int, dict[str, Any]]
-    """recorded tool calls in wire form, by the id of the action each goes with"""
+    """recorded tool calls in wire form, by the id of the action each goes with (the actions
+    some response claims)"""
     claimed_by: dict[int, list[int]]
     """the actions each llm_response claims, by its id"""
 
@@ -235,7 +236,8 @@ def _scan(events: list[Event]) -> _Scan:
     responses: dict[int, LlmResponse] = {}
     order: list[int] = []  # (the responses' places)
     taken: dict[int, set[str]] = {}
-    latest: dict[str, int] = {}
+    latest: dict[str, int] = {}  # call id -> the latest of the responses order[:indexed] to make it
+    indexed = 0
     caused: dict[int, list[Event]] = {}
     for position, e in enumerate(events):
         role = roles[type(e)]
@@ -247,7 +249,16 @@ def _scan(events: list[Event]) -> _Scan:
                     cause = -1  # (as _cause reads it)
                 call_id = e.tool_call_id  # type: ignore[attr-defined]
                 if isinstance(call_id, str):
-                    owner = cause if cause in responses else (latest.get(call_id) if cause is None else None)
+                    if cause is None:
+                        while indexed < len(order):  # (read only for an action without a cause)
+                            response = events[order[indexed]]
+                            indexed += 1
+                            for recorded in response.tool_calls:  # type: ignore[attr-defined]
+                                if isinstance(recorded, _MAPPINGS) and isinstance(named := recorded.get("id"), str):
+                                    latest[named] = response.id  # type: ignore[assignment]
+                        owner = latest.get(call_id)
+                    else:
+                        owner = cause if cause in responses else None
                     if owner is not None:
                         owner_taken = taken.get(owner)
                         if owner_taken is None:
@@ -283,9 +294,6 @@ def _scan(events: list[Event]) -> _Scan:
             if eid is not None:
                 responses[eid] = e  # type: ignore[assignment]
                 order.append(position)
-                for recorded in e.tool_calls:  # type: ignore[attr-defined]
-                    if isinstance(recorded, _MAPPINGS) and isinstance(call_id := recorded.get("id"), str):
-                        latest[call_id] = eid
         elif role in (_SAID, _MESSAGE) and e.source == "agent":
             spoken.add(_cause(e))
         if eid is not None:
@@ -314,13 +322,11 @@ def _claim_by_position(
     of those actions is shown under a synthesised call.
     """
     for position in order:
-        response = events[position]
-        assert isinstance(response, LlmResponse)
+        response: LlmResponse = events[position]  # type: ignore[assignment]
         assert response.id is not None
-        ids = claimed_by.setdefault(response.id, [])
         # Calls that publish no answered action (think, finish) take no position among the claimants.
         used = taken.get(response.id, _NONE)
-        if len(used) == len(response.tool_calls) and one_each:
+        if one_each and len(used) == len(response.tool_calls):
             continue  # (each call went to its action by id, for its ids are as many as its calls)
         answered_calls = []
         for raw in response.tool_calls:
@@ -345,6 +351,7 @@ def _claim_by_position(
             continue
         if not all(_lines_up(a, raw) for a, raw in zip(claimants, answered_calls, strict=True)):
             continue
+        ids = claimed_by.setdefault(response.id, [])
         for action, raw in zip(claimants, answered_calls, strict=True):
             assert action.id is not None
             call = _normalise_call(raw, action.id)
@@ -455,7 +462,6 @@ def convert(
     _learn(events)
     roles, answerable = _ROLES, _ANSWERABLE
     by_id, results, spoken, calls, claimed_by = _scan(events)
-    claimed = {action_id for ids in claimed_by.values() for action_id in ids}
 
     def emit_calls(content: str | None, action_ids: list[int]) -> None:
         tool_calls = []
@@ -511,7 +517,7 @@ def convert(
             marks.append((index, len(out), len(added) if added is not None else 0))  # (starts_turn)
         if role == _CALL:
             eid = e.id
-            if eid is not None and eid not in claimed:
+            if eid is not None and eid not in calls:  # (a claimed action is shown with its response)
                 emit_calls(None, [eid])
         elif role == _RESULT:
             cause = e.cause
