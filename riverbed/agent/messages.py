@@ -141,7 +141,7 @@ def _role(cls: type) -> int:
     return role
 
 
-def _learn(events: Iterable[Event]) -> None:
+def _learn(events: list[Event]) -> None:
     """Read the role of each class among ``events`` that no conversion has met yet, so that the
     passes over them look their classes up without a test."""
     for cls in set(map(type, events)).difference(_ROLES):
