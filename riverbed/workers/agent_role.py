@@ -366,8 +366,9 @@ class AgentHandler:
         """ask the memory role for each user message's context (the workspace's, the knowledge it
         triggers) before the model reads it, waiting up to ``recall_timeout`` seconds for it
         (None: when a live worker of the deployment serves the memory role)"""
-        self._roles_seen: tuple[float, frozenset[str]] = (-ROLE_LOOK_SECONDS, frozenset())
-        """when the live workers were last looked at, and the roles they serve"""
+        self._roles_seen: tuple[float, frozenset[str] | None] = (-ROLE_LOOK_SECONDS, None)
+        """when the live workers were last looked at, and the roles they serve (None: no live
+        worker is registered, as when the roles are driven by owners of their own)"""
         self._roles_look = anyio.Lock()
         """Held while the live workers are looked at: each run's step asks whether to recall, and
         without it every run that asked after the look expired read every worker's description
@@ -591,20 +592,27 @@ class AgentHandler:
             return self.context_recalls
         if all(message in run.recalls for message, _text in run.said):
             return True  # (nothing left to ask: the answer changes nothing)
-        return await self._served(ctx, "memory")
+        roles = await self._live_roles(ctx)
+        return roles is not None and "memory" in roles
 
-    async def _served(self, ctx: SessionContext, role: str) -> bool:
-        """Whether a live worker of the deployment serves ``role`` (looked at every
-        :data:`ROLE_LOOK_SECONDS`)."""
+    async def _unserved(self, ctx: SessionContext, role: str) -> bool:
+        """Whether the deployment's live workers say that none of them serves ``role`` (not
+        when no worker is registered: the roles may be driven by owners of their own)."""
+        roles = await self._live_roles(ctx)
+        return roles is not None and role not in roles
+
+    async def _live_roles(self, ctx: SessionContext) -> frozenset[str] | None:
+        """The roles the deployment's live workers serve (None: no live worker is registered),
+        looked at every :data:`ROLE_LOOK_SECONDS`."""
         checked, roles = self._roles_seen
         if time.monotonic() - checked > ROLE_LOOK_SECONDS:
             async with self._roles_look:  # (one look for all the runs that ask while it is made)
                 checked, roles = self._roles_seen
                 if time.monotonic() - checked > ROLE_LOOK_SECONDS:
                     workers = await live_workers(ctx.log.redis, ctx.log.keys)
-                    roles = frozenset(r for w in workers for r in w.description.get("roles", []))
+                    roles = frozenset(r for w in workers for r in w.description.get("roles", [])) if workers else None
                     self._roles_seen = (time.monotonic(), roles)
-        return role in roles
+        return roles
 
     def leaves(self, ctx: SessionContext) -> bool:
         """The session's open run is not this worker's to work on: leave it to a worker that matches."""
@@ -740,7 +748,7 @@ class AgentHandler:
             return True
         since = run.response.id if run.response is not None and run.response.id is not None else run.opened
         asked = asked_to_condense(state.seen, since)
-        if asked is None and not await self._served(ctx, "condenser"):
+        if asked is None and await self._unserved(ctx, "condenser"):
             # Nobody would answer: the prompt goes out whole (the model may still take it; when it
             # does not, the run ends with a sentence that names the window).
             if not state.uncondensed:
@@ -914,7 +922,7 @@ class AgentHandler:
         asked = asked_to_condense(state.seen, since)
         if asked is not None and asked.id is not None and await ctx.is_answered(asked.id):
             raise _ModelFailed(too_long(window, _said(error, 0))) from error
-        if asked is None and not await self._served(ctx, "condenser"):
+        if asked is None and await self._unserved(ctx, "condenser"):
             raise _ModelFailed(too_long(window, _said(error, 0), condensed=False)) from error
         if asked is None:
             request = events.CondensationRequest(source="agent", cause=state.fold.last)
