@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from dataclasses import replace as dataclass_replace
@@ -166,6 +167,9 @@ QUOTA_CACHE_SECONDS = 2.0
 """How long a worker keeps a tenant's quotas before reading them again."""
 
 
+KEPT_EVENTS = 20_000
+"""How many events of the sessions it let go an agent worker keeps folded (about 1.6 KB an event
+with their prompt), so that taking one again (its next run) reads only the log after them."""
 ROLE_LOOK_SECONDS = 10.0
 """How long an agent worker trusts what it saw of another role's live workers (the memory role's
 for auto recalls, the condenser role's before a step waits for a condensation)."""
@@ -190,6 +194,12 @@ class AgentCounters:
     """the time model calls took, summed"""
     taken_over: int = 0
     """open runs this worker picked up with model calls already made (from a lost or drained owner)"""
+    taken: int = 0
+    """sessions this worker took"""
+    taken_kept: int = 0
+    """of them, sessions it had let go and kept folded (:data:`KEPT_EVENTS`): it read only the log after"""
+    taken_events: int = 0
+    """the events it read from the logs of the sessions it took"""
     latency: dict[str, Latency] = field(default_factory=dict)
     """model -> how long its calls took (each try)"""
     tokens: dict[tuple[str, str, str], int] = field(default_factory=dict)
@@ -253,6 +263,8 @@ class _Session:
     fold: RunFold
     seen: list[events.Event] = field(default_factory=list)
     """the log's events 1..``fold.last`` (the prompt is built from them)"""
+    created: str = ""
+    """the log's creation stamp ('' unknown)"""
     summary: RunSummary | None = None
     saved_at: float = 0.0
     """when ``summary`` was saved (``time.monotonic()``)"""
@@ -284,6 +296,13 @@ class _Session:
     built: int = 0
     kept: Prompt | None = None
     """the prompt of ``seen``, kept between steps (:meth:`prompt`)"""
+
+    def kept_fold(self) -> _Session:
+        """What of this session is the log's alone (the events, their folds, the prompt), for a
+        later owner: the moves this owner made and their bookkeeping start afresh."""
+        return _Session(
+            fold=self.fold, seen=self.seen, created=self.created, builder=self.builder, built=self.built, kept=self.kept
+        )
 
     def add(self, event: events.Event) -> None:
         if event.id is not None and event.id > self.fold.last:
@@ -370,6 +389,9 @@ class AgentHandler:
         """when the live workers were last looked at, and the roles they serve (None: no live
         worker is registered, as when the roles are driven by owners of their own)"""
         self._roles_look = anyio.Lock()
+        self._let_go: OrderedDict[str, _Session] = OrderedDict()
+        """the sessions this worker let go, kept folded (:data:`KEPT_EVENTS`), the last let go last"""
+        self._let_go_events = 0
         """Held while the live workers are looked at: each run's step asks whether to recall, and
         without it every run that asked after the look expired read every worker's description
         (with 2,500 runs on a worker, an eighth of its CPU)."""
@@ -399,14 +421,26 @@ class AgentHandler:
 
     async def open(self, ctx: SessionContext) -> None:
         await ctx.read_tenant()
-        state = _Session(fold=RunFold(self.prices))
-        async for event in ctx.log.read(ctx.session, 1):
+        created = await ctx.created()
+        state = self._let_go.pop(ctx.session, None)
+        if state is not None:
+            self._let_go_events -= len(state.seen)
+        if state is None or not created or state.created != created:  # (a log made again under the id)
+            state = _Session(fold=RunFold(self.prices), created=created)
+        known = state.fold.last
+        async for event in ctx.log.read(ctx.session, known + 1):
             state.add(event)
         self.sessions[ctx.session] = state
+        self.counters.taken += 1
+        self.counters.taken_kept += int(known > 0)
+        self.counters.taken_events += state.fold.last - known
         run = state.fold.run
         if run is not None and run.open and run.steps > 0:
             self.counters.taken_over += 1
-        log.info("agent.opened", session=ctx.session, run=run.opened if run else None, open=bool(run and run.open))
+        log.info(
+            "agent.opened", session=ctx.session, run=run.opened if run else None, open=bool(run and run.open),
+            kept=known, read=state.fold.last - known,
+        )  # fmt: skip
 
     async def recover(self, ctx: SessionContext, entries: list[Entry]) -> None:
         await self.handle(ctx, entries)
@@ -454,7 +488,16 @@ class AgentHandler:
         return not (isinstance(agent, Agent) and agent.approval_timeout)
 
     async def close(self, ctx: SessionContext) -> None:
-        self.sessions.pop(ctx.session, None)
+        state = self.sessions.pop(ctx.session, None)
+        if state is None or not state.created or not 0 < len(state.seen) <= KEPT_EVENTS:
+            return
+        # Kept, the oldest let go first, within KEPT_EVENTS: the log only grows, so a later take
+        # of the session (its next run, on this worker) folds only what came after.
+        self._let_go[ctx.session] = state.kept_fold()
+        self._let_go_events += len(state.seen)
+        while self._let_go_events > KEPT_EVENTS:
+            _session, oldest = self._let_go.popitem(last=False)
+            self._let_go_events -= len(oldest.seen)
 
     def room(self, owned: int) -> int | None:
         """How many more sessions this worker may take now, owning ``owned`` (None: no pace).

@@ -24,6 +24,11 @@ riverbed_agent_runs_ended_total       counter    worker, reason: runs the agent 
 riverbed_agent_model_calls_total      counter    worker: model calls (every try); also
                                                  ``_failures_total`` and ``_call_seconds_total``
 riverbed_agent_runs_taken_over_total  counter    worker: open runs picked up after a crash or drain
+riverbed_agent_sessions_taken_total   counter    worker: sessions the agent role took; also
+                                                 ``_taken_kept_total``, those taken again from the
+                                                 fold it kept when it let them go, and
+                                                 ``riverbed_agent_take_events_read_total``, the
+                                                 events their takes read from the logs
 riverbed_agent_runs                   gauge      worker, state: ``running``: open runs this worker owns
                                                  now; ``finished``, ``failed``, ``cancelled``: runs
                                                  it ended since it started
@@ -262,6 +267,9 @@ class WorkerMetrics:
             ("riverbed_agent_model_failures", "model_failures", "Model calls that failed (every try)."),
             ("riverbed_agent_model_call_seconds", "model_seconds", "Time the model calls took, summed."),
             ("riverbed_agent_runs_taken_over", "taken_over", "Open runs picked up from a lost or drained owner."),
+            ("riverbed_agent_sessions_taken", "taken", "Sessions the agent role took."),
+            ("riverbed_agent_sessions_taken_kept", "taken_kept", "Sessions taken again from the fold kept of them."),
+            ("riverbed_agent_take_events_read", "taken_events", "Events read from the logs of sessions taken."),
         ):
             family = CounterMetricFamily(name, doc, labels=("worker",))
             family.add_metric([worker], float(getattr(counters, attr)))
