@@ -26,6 +26,7 @@ from riverbed.agent.hosted import RunLimits, open_run
 from riverbed.client.session import Bus
 from riverbed.workers.agent_pace import (
     GROW,
+    IDLE_ROOM,
     LAG_LIMIT,
     LAG_PROBE,
     MIN_STEPS,
@@ -33,7 +34,9 @@ from riverbed.workers.agent_pace import (
     START,
     START_GROW,
     WINDOW,
+    MachineIdle,
     Pace,
+    own_cgroup,
 )
 from tests.kit.agent_role import roles
 from tests.kit.delegation import call, finish, run_end, script, task_of
@@ -156,6 +159,57 @@ def test_an_event_loop_that_runs_late_shrinks_it_with_steps_or_without() -> None
     before = pace.limit
     window(pace, clock, int(pace.limit), [])
     assert pace.limit == pytest.approx(before * GROW)
+
+
+def test_steps_that_cost_more_while_the_cpus_are_idle_do_not_shrink_it() -> None:
+    """A step that took longer while a fifth of the machine's CPU time was idle waited for
+    Redis, the model server or its loop's turn, not for a CPU: fewer runs would leave the CPUs
+    idle while runs wait to start.  Once the CPUs are busy, the same steps shrink it."""
+    clock = Clock()
+    idle: list[float | None] = [0.9]
+    pace = Pace(2, clock=clock, idle=lambda: idle[0])
+    for _ in range(2):
+        window(pace, clock, int(pace.limit), [0.004] * 5)
+    grown = pace.limit
+    for _ in range(3):  # two and a half times the baseline, the CPUs idle: it goes on growing
+        window(pace, clock, int(pace.limit), [0.010] * 5)
+    assert pace.limit > grown
+    assert pace.idle == 0.9
+    idle[0] = IDLE_ROOM / 2
+    served = int(pace.limit)
+    assert window(pace, clock, served, [0.010] * 5) == 0
+    assert pace.limit == pytest.approx(served * SHRINK)
+    idle[0] = None  # (unreadable: as busy)
+    served = int(pace.limit)
+    assert window(pace, clock, served, [0.010] * 5) == 0
+    assert pace.limit == pytest.approx(served * SHRINK)
+
+
+def test_the_idle_share_is_the_machines_or_a_containers_quotas(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 100 700 100 0 0 0 0 0\ncpu0 50 0 50 350 50 0 0 0 0 0\n")
+    idle = MachineIdle(str(stat))
+    assert idle() is None  # (no time passed)
+    stat.write_text("cpu  150 0 150 1000 100 0 0 0 0 0\n")
+    assert idle() == pytest.approx(300 / 400)
+    assert MachineIdle(str(tmp_path / "missing"))() is None
+    # A container limited to 1.5 CPUs that used 0.6 s of CPU in 1 s: 0.9 of its 1.5 left idle.
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "cpu.max").write_text("150000 100000\n")
+    (cgroup / "cpu.stat").write_text("usage_usec 1000000\nuser_usec 800000\n")
+    clock = Clock()
+    limited = MachineIdle(str(stat), cgroup=str(cgroup), clock=clock)
+    clock.now += 1.0
+    (cgroup / "cpu.stat").write_text("usage_usec 1600000\nuser_usec 1300000\n")
+    assert limited() == pytest.approx(0.9 / 1.5)
+    (cgroup / "cpu.max").write_text("max 100000\n")  # no limit: the machine's
+    assert MachineIdle(str(stat), cgroup=str(cgroup))._quota() is None
+    if Path("/proc/stat").exists():
+        real = MachineIdle(cgroup=own_cgroup())
+        time.sleep(0.05)
+        share = real()
+        assert share is None or 0.0 <= share <= 1.0
 
 
 # --- the role under a pace ----------------------------------------------------------------------

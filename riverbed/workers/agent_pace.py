@@ -25,6 +25,14 @@ while they wait, and counting them could hold back the very children they wait f
 The baseline is the least window median, and it drifts up by :data:`DRIFT` each window, so a
 worker whose steps get dearer for good (longer prompts) settles on the new cost.
 
+Steps that cost more shrink the limit only while the CPUs are busy: with half of their time idle
+or more over the window (:data:`IDLE_ROOM`: the machine's, or a container's quota: :class:`MachineIdle`),
+a step that took longer waited for Redis, the model server or its turn in the event loop, not
+for a CPU, and taking fewer runs would only leave the CPUs idle while runs wait to start
+(1,000 runs of a 2 s model on 4 workers of a 2-core machine held the load under 1 while runs
+waited minutes to start: ``python -m bench agents``).  Where that cannot be read, steps that
+cost more shrink it whatever the CPUs do.
+
 A look also asks how late the worker's event loop ran a timer (:meth:`Pace.lagged`, probed every
 :data:`LAG_PROBE` by the role): a mean lag over :data:`LAG_LIMIT` counts as past the slack,
 with steps or without.  A loop that far behind makes few steps, and a look with none would
@@ -39,8 +47,9 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["Pace"]
+__all__ = ["MachineIdle", "Pace", "own_cgroup"]
 
 WINDOW = 0.5
 """Seconds between two looks at the steps' own time."""
@@ -66,14 +75,94 @@ LAG_PROBE = 0.1
 LAG_LIMIT = 0.05
 """A window's mean timer lateness past which the worker's loop is behind: a step's every part
 waits that long for the loop (the overhead goal of a step is 10 ms)."""
+IDLE_ROOM = 0.5
+"""The share of the CPU time left idle over a window from which steps that cost more are not the
+CPU's doing (the limit does not shrink for them).  A fifth let the runs in so fast that their
+steps queued for Redis and the runtime role (``docs/benchmarks.md``)."""
+
+
+class MachineIdle:
+    """The share of the CPU time the worker may use that was left idle since the last call, None
+    when it cannot be read or no time passed.  Under a cgroup v2 CPU limit (``cpu.max``: a
+    container's), what the cgroup did not use of its quota (``cpu.stat``); else the machine's
+    idle and I/O wait time over all its CPUs (``/proc/stat``)."""
+
+    def __init__(
+        self, stat: str = "/proc/stat", cgroup: str | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """``cgroup``: the worker's cgroup v2 directory (:func:`own_cgroup`; None: none)."""
+        self._stat = stat
+        self._cgroup = cgroup
+        self._clock = clock
+        self._cores = self._quota()
+        self._last = self._times()
+
+    def _quota(self) -> float | None:
+        """The CPUs the cgroup may use (``cpu.max``'s quota over its period), None: no limit."""
+        if self._cgroup is None:
+            return None
+        try:
+            quota, period = Path(self._cgroup, "cpu.max").read_text().split()[:2]
+            return int(quota) / int(period) if quota != "max" else None
+        except (OSError, ValueError):
+            return None
+
+    def _times(self) -> tuple[float, float] | None:
+        """(idle, all) CPU time so far, in any unit: the cgroup's quota less its usage, or the
+        machine's idle and I/O wait against all of its time."""
+        try:
+            if self._cores is not None and self._cgroup is not None:
+                for line in Path(self._cgroup, "cpu.stat").read_text().splitlines():
+                    name, _, value = line.partition(" ")
+                    if name == "usage_usec":
+                        allowed = self._clock() * self._cores
+                        return allowed - int(value) / 1e6, allowed
+                return None
+            with open(self._stat, "rb") as stat:
+                fields = [int(value) for value in stat.readline().split()[1:8]]
+        except (OSError, ValueError):
+            return None
+        if len(fields) < 5:
+            return None
+        return fields[3] + fields[4], sum(fields)  # (idle + iowait, user .. softirq)
+
+    def __call__(self) -> float | None:
+        now, last = self._times(), self._last
+        self._last = now
+        if now is None or last is None or now[1] <= last[1]:
+            return None
+        return min(1.0, max(0.0, (now[0] - last[0]) / (now[1] - last[1])))
+
+
+def own_cgroup() -> str | None:
+    """This process's cgroup v2 directory, None where there is none."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                return str(Path("/sys/fs/cgroup", line[3:].lstrip("/")))
+    except OSError:
+        return None
+    return None
 
 
 class Pace:
     """The number of runs a worker takes on at once, moved by its steps' own time."""
 
-    def __init__(self, floor: int, *, slack: float = SLACK, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        floor: int,
+        *,
+        slack: float = SLACK,
+        clock: Callable[[], float] = time.monotonic,
+        idle: Callable[[], float | None] | None = None,
+    ) -> None:
+        """``idle``: the share of the machine's CPU time left idle since its last call
+        (:class:`MachineIdle`); None: steps that cost more always shrink the limit."""
         self.floor = max(1, floor)
         self.slack = slack
+        self._idle = idle
+        self.idle: float | None = None
+        """the last window's share of the machine's CPU time left idle, when read"""
         self.limit = float(max(self.floor, START))
         """how many runs the worker serves at once now (never below ``floor``)"""
         self.baseline: float | None = None
@@ -111,13 +200,15 @@ class Pace:
         self._steps = []
         lags, self._lags = self._lags, []
         self.lag = statistics.fmean(lags) if lags else None
+        self.idle = self._idle() if self._idle is not None else None
         behind = self.lag is not None and self.lag > LAG_LIMIT
         if steps or behind:
             over = behind
             if steps:
                 median = self.median = statistics.median(steps)
                 baseline = self.baseline = median if self.baseline is None else min(median, self.baseline * DRIFT)
-                over = over or median > baseline * self.slack + SLACK_SECONDS
+                busy = self.idle is None or self.idle < IDLE_ROOM
+                over = over or (busy and median > baseline * self.slack + SLACK_SECONDS)
             if over:
                 self.limit = max(float(self.floor), min(self.limit, served) * SHRINK)
                 self._starting = False

@@ -142,7 +142,7 @@ from riverbed.errors import AppendConflict, ConfigError, FencedError, RiverbedEr
 from riverbed.memory.view import View, ViewBuilder
 from riverbed.runtime.paths import workspace_name
 from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
-from riverbed.workers.agent_pace import LAG_PROBE, Pace
+from riverbed.workers.agent_pace import LAG_PROBE, MachineIdle, Pace, own_cgroup
 from riverbed.workers.model_client import CheckedClient, checked_by
 
 __all__ = ["AgentCounters", "AgentHandler", "build_agent_handler"]
@@ -1474,7 +1474,9 @@ def build_agent_handler(settings: Settings, **overrides: Any) -> AgentHandler:
         "temperature": settings.llm_temperature,
         "max_output_tokens": settings.llm_max_output_tokens,
         "condenser_defaults": settings.condenser_defaults(),
-        "pace": Pace(settings.agent_min_runs, slack=settings.agent_pace_slack) if settings.agent_pace else None,
+        "pace": Pace(settings.agent_min_runs, slack=settings.agent_pace_slack, idle=MachineIdle(cgroup=own_cgroup()))
+        if settings.agent_pace
+        else None,
         "max_calls_per_step": settings.agent_max_calls_per_step,
         "action_timeout": settings.agent_action_timeout,
         "context_recalls": recall_setting(settings),
