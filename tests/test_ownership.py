@@ -196,6 +196,30 @@ async def test_a_tenant_holds_its_share_and_what_it_has_beyond_waits_set_aside_n
         await owner.drain(2)
 
 
+async def test_with_room_for_one_the_tenants_set_aside_take_their_turns(bus: Bus) -> None:
+    """Three tenants' sessions wait set aside; a worker with room for one session at a time
+    reads one tenant's stream, a tenant further on each time: no tenant waits behind another's
+    every session (reading every tenant in sorted order had taken all of a's first), and each
+    tenant's sessions are taken in the order they came."""
+    owner, _ = make_owner(bus, "w1", capacity=1, tenant_share=1.0)
+    tenants = ["a", "b", "c"]
+    for number in range(3):
+        for tenant in tenants:
+            await bus.session(f"{tenant}{number}", tenant=tenant).append(events.FileRead(path="x"))
+    leases = owner.lease_loops.leases
+    await leases.ensure_group()  # (as the owner does when it starts)
+    announced = await leases.with_tenants(await leases.read_new(9, block_ms=100))
+    assert len(announced) == 9
+    await leases.set_aside(announced)
+    taken = []
+    for _ in range(3):
+        claims = await owner.lease_loops._read_fairly()
+        assert len(claims) == 1  # (room for one)
+        taken.append(claims[0])
+    assert sorted(claim.tenant for claim in taken) == tenants, [c.session for c in taken]
+    assert {claim.session for claim in taken} == {"a0", "b0", "c0"}  # (each tenant's own in order)
+
+
 async def test_a_lease_taken_from_a_set_aside_stream_is_renewed_there_and_reclaimed_from_there(bus: Bus) -> None:
     """A session taken from its tenant's set-aside stream keeps that entry as its lease's handle:
     the renewal claims it there, and when its holder stops renewing a peer reclaims it from there."""

@@ -78,6 +78,8 @@ class LeaseLoops:
         self.leases = handles.leases
         self.role = handles.role
         self._taking: set[str] = set()
+        self._turn = 0
+        """how many intake reads were made: the tenant read first moves on by one each read"""
         self.slot_freed = anyio.Event()
 
     def free(self) -> int:
@@ -125,10 +127,18 @@ class LeaseLoops:
         where this worker looks again once the tenant holds less, and where every other worker
         looks as long as the tenant holds less there.  So a tenant with a thousand sessions
         waiting delays another tenant's new session by one read, not by a thousand sessions;
-        and the set-aside streams are read one entry of each tenant in turn."""
+        and the set-aside streams are read one entry of each tenant in turn.  With room for
+        fewer sessions than there are tenants waiting, only as many tenants' streams are read as
+        there is room for, starting one tenant further on each read: each tenant's turn comes,
+        and the sessions of the tenants not read keep their order (an entry read and not taken
+        goes to the end of its stream)."""
         free = self.free()
         held = self.held()
         tenants = sorted(t for t in await self.leases.refresh_waiting() if held[t] < self.share(t))
+        if tenants:
+            first = self._turn % len(tenants)
+            tenants = (tenants[first:] + tenants[:first])[:free]
+        self._turn += 1
         per_stream = max(1, -(-free // (len(tenants) + 1)))
         claims = await self.leases.with_tenants(await self.leases.read_new(per_stream, block_ms=1000, tenants=tenants))
         take: list[Claim] = []
