@@ -160,10 +160,12 @@ async def test_restoring_what_a_condenser_hid_says_it_will_hide_them_again(bus: 
         # The user's own forget, restored, warns of nothing.
         await page.select_option("#ctx-op", "forget")
         await page.click("#ctx-preview")
+        await expect(result).to_contain_text("forget as edit #16: would hide 4 events")  # (read, then applied)
         await page.click("#ctx-apply")
         await expect(result).to_contain_text("applied edit #16 (forget)")
         await page.select_option("#ctx-op", "restore")
         await page.click("#ctx-preview")
+        await expect(result).to_contain_text("restore as edit #17: would show again 4 events")
         await page.click("#ctx-apply")
         await expect(result).to_contain_text("applied edit #17 (restore)")
         await expect(result).not_to_contain_text("condenser")
