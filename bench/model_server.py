@@ -153,19 +153,18 @@ class _Request(msgspec.Struct):
 _REQUEST = msgspec.json.Decoder(_Request)
 
 
-def _run_step(messages: list[_Message] | list[dict[str, Any]]) -> tuple[str | None, int, int | None]:
+def _run_step(messages: list[_Message]) -> tuple[str | None, int, int | None]:
     """The run a request belongs to, its step (one more than the assistant messages after the
     run's task: a session seeded with earlier turns has assistant messages before it) and its
     steps in all when the task says (else the server's ``--steps``)."""
-    given = [m if isinstance(m, _Message) else _Message(m.get("role", ""), m.get("content")) for m in messages]
-    for at in range(len(given) - 1, -1, -1):
-        message = given[at]
+    for at in range(len(messages) - 1, -1, -1):
+        message = messages[at]
         if message.role == "user" and isinstance(message.content, str):
             found = TASK.search(message.content)
             if found:
-                step = 1 + sum(1 for m in given[at + 1 :] if m.role == "assistant")
+                step = 1 + sum(1 for m in messages[at + 1 :] if m.role == "assistant")
                 return found.group(1), step, int(found.group(2)) + 1 if found.group(2) else None
-    return None, 1 + sum(1 for m in given if m.role == "assistant"), None
+    return None, 1 + sum(1 for m in messages if m.role == "assistant"), None
 
 
 async def main_async(args: argparse.Namespace) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -35,6 +36,13 @@ async def run_once(bus: Bus, agent: AgentHandler, session: str, task: str) -> li
     return seen
 
 
+def assert_the_logs_prompt(log: list[events.Event], response: events.LlmResponse, request: dict[str, Any]) -> None:
+    """The model was asked, for ``response``, the prompt the log up to its cause makes."""
+    assert response.cause is not None
+    before = [e for e in log if (e.id or 0) <= response.cause]
+    assert json.loads(json.dumps(build_messages(before))) == request["messages"]
+
+
 def answers(server: OpenAIServer, runs: int) -> None:
     for _ in range(runs):
         server.reply(tool_calls=[("think", {"thought": "a thought"})])
@@ -61,9 +69,7 @@ async def test_the_next_run_reads_only_the_log_after_the_kept_fold(
     second = [e for e in log if isinstance(e, events.LlmResponse)][2:]
     assert len(second) == len(server.requests[2:]) == 2
     for response, request in zip(second, server.requests[2:], strict=True):
-        assert response.cause is not None
-        before = [e for e in log if (e.id or 0) <= response.cause]
-        assert json.loads(json.dumps(build_messages(before))) == request["messages"]
+        assert_the_logs_prompt(log, response, request)
     assert "the first task" in json.dumps(server.requests[-1]["messages"])
 
 
@@ -83,7 +89,4 @@ async def test_a_log_made_again_under_the_same_id_is_read_whole(
     assert value(scraped, "riverbed_agent_sessions_taken_kept_total") == 0
     log = await session.events()
     assert "the lost task" not in json.dumps(server.requests[-1]["messages"])
-    last = [e for e in log if isinstance(e, events.LlmResponse)][-1]
-    assert last.cause is not None
-    before = [e for e in log if (e.id or 0) <= last.cause]
-    assert json.loads(json.dumps(build_messages(before))) == server.requests[-1]["messages"]
+    assert_the_logs_prompt(log, [e for e in log if isinstance(e, events.LlmResponse)][-1], server.requests[-1])

@@ -3,9 +3,17 @@ scripted model tells a run's step (pure, no Redis)."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from bench.agents import NO_CONDENSING, _earlier_turns
-from bench.model_server import _run_step, task_text
+from bench.model_server import _REQUEST, _run_step, task_text
 from riverbed import events
+
+
+def step_of(messages: list[dict[str, Any]]) -> tuple[str | None, int, int | None]:
+    """``_run_step`` of a request holding ``messages``, decoded as the server decodes it."""
+    return _run_step(_REQUEST.decode(json.dumps({"model": "m", "messages": messages})).messages)
 
 
 def test_earlier_turns_are_shaped_as_the_agent_writes_them() -> None:
@@ -38,9 +46,9 @@ def test_a_step_is_counted_from_the_runs_own_task_which_says_its_steps() -> None
         {"role": "assistant", "content": "done"},
     ]
     task = {"role": "user", "content": task_text("s-1", 5)}
-    assert _run_step([{"role": "system", "content": "sys"}, *earlier, task]) == ("s-1", 1, 5)
+    assert step_of([{"role": "system", "content": "sys"}, *earlier, task]) == ("s-1", 1, 5)
     answered = [task, {"role": "assistant", "content": None}, {"role": "tool", "content": "x"}]
-    assert _run_step([*earlier, *answered]) == ("s-1", 2, 5)
-    assert _run_step([{"role": "user", "content": task_text("s-2", 2)}]) == ("s-2", 1, 2)
-    assert _run_step([{"role": "user", "content": "bench run s-3: anything"}]) == ("s-3", 1, None)
-    assert _run_step(earlier) == (None, 3, None)
+    assert step_of([*earlier, *answered]) == ("s-1", 2, 5)
+    assert step_of([{"role": "user", "content": task_text("s-2", 2)}]) == ("s-2", 1, 2)
+    assert step_of([{"role": "user", "content": "bench run s-3: anything"}]) == ("s-3", 1, None)
+    assert step_of(earlier) == (None, 3, None)

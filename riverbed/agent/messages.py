@@ -434,7 +434,7 @@ def shown_by_tools(event: Event) -> bool:
 def starts_turn(event: Event) -> bool:
     """Whether ``event`` ends the actions a response before it can claim by position (a later
     response, or a message from anyone but the agent)."""
-    role = _ROLES.get(type(event)) or _role(type(event))
+    role = _role(type(event))
     return role == _RESPONSE or (role == _MESSAGE and event.source != "agent")
 
 
@@ -466,7 +466,6 @@ def convert(
     def emit_calls(content: str | None, action_ids: list[int]) -> None:
         tool_calls = []
         answers: list[ChatMessage] = []
-        readers = _READERS
         for action_id in action_ids:
             observations = results.get(action_id)
             if observations is None:
@@ -480,15 +479,7 @@ def convert(
             if added is not None:
                 added.append(call_id)
             tool_calls.append(call)
-            if len(observations) == 1:  # (the rule: one observation per action, read here without a call)
-                obs = observations[0]
-                read = readers.get(type(obs))
-                text = read(obs) if read is not None else event_text(obs)
-                if isinstance(obs, Error):
-                    text = f"error: {text}"
-            else:
-                text = _result_text(observations)
-            answers.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            answers.append({"role": "tool", "tool_call_id": call_id, "content": _result_text(observations)})
         if not tool_calls:
             if content:
                 out.append({"role": "assistant", "content": content})

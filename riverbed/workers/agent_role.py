@@ -389,12 +389,12 @@ class AgentHandler:
         """when the live workers were last looked at, and the roles they serve (None: no live
         worker is registered, as when the roles are driven by owners of their own)"""
         self._roles_look = anyio.Lock()
-        self._let_go: OrderedDict[str, _Session] = OrderedDict()
-        """the sessions this worker let go, kept folded (:data:`KEPT_EVENTS`), the last let go last"""
-        self._let_go_events = 0
         """Held while the live workers are looked at: each run's step asks whether to recall, and
         without it every run that asked after the look expired read every worker's description
         (with 2,500 runs on a worker, an eighth of its CPU)."""
+        self._let_go: OrderedDict[str, _Session] = OrderedDict()
+        """the sessions this worker let go, kept folded (:data:`KEPT_EVENTS`), the last let go last"""
+        self._let_go_events = 0
         self.recall_timeout = recall_timeout
         self.only_session = only_session
         """serve this session alone (a run served in the caller's process), leaving others to workers"""
