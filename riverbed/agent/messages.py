@@ -466,6 +466,7 @@ def convert(
     def emit_calls(content: str | None, action_ids: list[int]) -> None:
         tool_calls = []
         answers: list[ChatMessage] = []
+        readers = _READERS
         for action_id in action_ids:
             observations = results.get(action_id)
             if observations is None:
@@ -479,7 +480,15 @@ def convert(
             if added is not None:
                 added.append(call_id)
             tool_calls.append(call)
-            answers.append({"role": "tool", "tool_call_id": call_id, "content": _result_text(observations)})
+            if len(observations) == 1:  # (_result_text's own path, inline: one call less per result)
+                obs = observations[0]
+                read = readers.get(type(obs))
+                text = read(obs) if read is not None else event_text(obs)
+                if isinstance(obs, Error):
+                    text = f"error: {text}"
+            else:
+                text = _result_text(observations)
+            answers.append({"role": "tool", "tool_call_id": call_id, "content": text})
         if not tool_calls:
             if content:
                 out.append({"role": "assistant", "content": content})
