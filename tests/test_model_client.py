@@ -35,6 +35,8 @@ from tests.kit.openai_server import OpenAIServer, server  # noqa: F401  (fixture
 pytestmark = pytest.mark.anyio
 
 ASK = {"model": "test-model", "messages": [{"role": "user", "content": "hello"}]}
+LONG_ASK = {"model": "test-model", "messages": [{"role": "user", "content": "a long prompt " * 20_000}]}
+"""A body of 280 KB: written, but for its last byte, with no copy (``_CheckedStream.write``)."""
 
 
 def connected_to(port: int) -> int:
@@ -91,6 +93,7 @@ class _RawServer:
         self.whole = 0
         """The length of the request being received, known from its headers (0 before)."""
         self.answered = 0
+        self.bodies: list[bytes] = []
         threading.Thread(target=self._serve, daemon=True).start()
 
     @property
@@ -122,6 +125,7 @@ class _RawServer:
                 if length is not None:
                     self.whole = len(head) + 4 + length
                 if length is not None and len(body) >= length:
+                    self.bodies.append(body)
                     self.answered += 1
                     conn.sendall(_answer("whole"))
                     break
@@ -154,22 +158,29 @@ def _settled(server: _RawServer) -> int:
     return seen
 
 
-async def ask(client: CheckedClient, direct: bool) -> str | None:
-    """The content of the answer to :data:`ASK`: through ``chat_completion`` (the agent role's
+async def ask(client: CheckedClient, direct: bool, body: dict[str, object] = ASK) -> str | None:
+    """The content of the answer to ``body``: through ``chat_completion`` (the agent role's
     way), or through the client library's ``create``."""
     if direct:
-        answer = await client.chat_completion(ASK)
+        answer = await client.chat_completion(body)
         content: str | None = answer["choices"][0]["message"]["content"]
         return content
-    reply = await client.chat.completions.create(**ASK)  # type: ignore[call-overload]
+    reply = await client.chat.completions.create(**body)  # type: ignore[call-overload]
     return reply.choices[0].message.content  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["chat_completion", "create"])
+@pytest.mark.parametrize(
+    ("direct", "body"),
+    [(True, ASK), (False, ASK), (True, LONG_ASK)],
+    ids=["chat_completion", "create", "chat_completion-long"],
+)
 @pytest.mark.parametrize("passes", [True, False])
-async def test_the_check_runs_with_all_of_the_request_but_its_last_byte_sent(passes: bool, direct: bool) -> None:
+async def test_the_check_runs_with_all_of_the_request_but_its_last_byte_sent(
+    passes: bool, direct: bool, body: dict[str, object]
+) -> None:
     """A pause before the check (or during it) leaves the server with an incomplete request: it
-    answers only once the byte that follows a passing check came, and nothing for a failing one."""
+    answers only once the byte that follows a passing check came, and nothing for a failing one.
+    The body that arrives is the request's, byte for byte, short or long."""
     server = _RawServer()
     client = CheckedClient(api_key="k", base_url=server.base_url)
     at_check: list[tuple[int, int]] = []
@@ -182,14 +193,15 @@ async def test_the_check_runs_with_all_of_the_request_but_its_last_byte_sent(pas
     try:
         with checked_by(check):
             if passes:
-                assert await ask(client, direct) == "whole"
+                assert await ask(client, direct, body) == "whole"
             else:
                 with pytest.raises(FencedError):
-                    await ask(client, direct)
+                    await ask(client, direct, body)
         assert server.whole > 0
         assert at_check == [(server.whole - 1, 0)]
         assert _settled(server) == (server.whole if passes else server.whole - 1)
         assert server.answered == (1 if passes else 0)
+        assert [json.loads(b) for b in server.bodies] == ([body] if passes else [])
     finally:
         await client.close()
         server.close()

@@ -27,7 +27,7 @@ import ssl
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, cast
 
 import httpcore2
 import httpx2
@@ -81,6 +81,10 @@ def shards_for(calls: int) -> int:
     return max(SHARDS, -(-calls // SHARD_CONNECTIONS))
 
 
+COPIED_HEAD = 4096
+"""The bytes of a write that go out joined to the byte held back from the write before (the
+rest of it goes out as it is)."""
+
 MAX_RESPONSE_BYTES = 8 * 1024 * 1024
 """The largest model answer read by default (``RIVERBED_LLM_MAX_RESPONSE_BYTES``)."""
 
@@ -116,9 +120,18 @@ class _CheckedStream(httpcore2.AsyncNetworkStream):
             await self._inner.write(buffer, timeout)
             return
         self._check = check
-        data = self._held + buffer
-        self._held = data[-1:]
-        await self._inner.write(data[:-1], timeout)
+        if not buffer:
+            return
+        held, self._held = self._held, buffer[-1:]
+        # A long body goes out as it is, not copied: two copies of a 400 KB prompt (fresh pages
+        # each call) cost 0.3 ms of CPU a call on 25 connections at once, most of it the kernel's.
+        cut = min(COPIED_HEAD, len(buffer) - 1) if held else 0
+        head = held + buffer[:cut]
+        rest = memoryview(buffer)[cut:-1]
+        if head:
+            await self._inner.write(head, timeout)
+        if rest:
+            await self._inner.write(cast(bytes, rest), timeout)  # (the streams take any bytes-like)
         crashpoint("model_sending")
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
