@@ -60,17 +60,21 @@ are printed with the progress.
 ``--context 20,2000`` seeds each run's session first with about that many events of earlier
 turns, as the agent writes them (a user message; three steps of an ``llm_response`` whose tool
 call carries an id, the action with that ``tool_call_id`` and the response as its cause, and
-its observation; a last response and its ``finish``).  Per size, two rounds of runs (100 each by
-default) go on the same workers: runs of 2 steps, then runs of ``--steps``, each on sessions of
-their own seeded alike.  Each size's overhead per step and agent CPU per step are printed, and
-the CPU of a *later step*: the longer runs' agent CPU less the shorter runs', per model call
-more.  Taking a session (its whole log read and its first prompt made, once a run) is in both
-rounds alike, so it drops out: what is left is a step's own cost.  Then the largest size's
-figures against the smallest's (goals: 1.2x for the overhead and a later step's CPU, and 1 ms
-of CPU a step).  The seeded sessions' condenser config is ``noop`` (a ``session_config``
-first): nothing is condensed, every prompt holds the whole context.  Every role's consumer
-group starts past the seeded events, as after the runs that wrote them, so the runtime role does
-not run them again.  The model server reads only the fields it needs of a request (a 300 KB
+its observation; a last response and its ``finish``).  Per size, one round of runs (100 by
+default) goes on the same workers, each run on a session of its own.  The model server holds
+each run's first model call until every run is at its first (each session taken: its whole log
+read and its first prompt made), and each run's last call until every run is at its last:
+between the two, the agent workers do the runs' later steps and nothing else, so their CPU then
+per model call is a *later step's* own, and their CPU before it, per run, is taking a session.
+With two sizes or more, a last round runs the smallest size again with its first message padded
+so that its prompt is as long in bytes as the largest size's: what a later step costs more at
+the largest size than there is its events' cost, not its bytes'.  Then the largest size's
+figures against the smallest's (goals: 1.2x for a later step's CPU, and 1 ms of CPU a step;
+the overhead's ratio has none: at 2,000 events the round asks more of a 2-core machine's CPUs
+than they have, so it holds the waits for one).  The seeded sessions' condenser config is
+``noop`` (a ``session_config`` first): nothing is condensed, every prompt holds the whole context.
+Every role's consumer group starts past the seeded events, as after the runs that wrote them, so
+the runtime role does not run them again.  The model server reads only the fields it needs of a request (a 300 KB
 prompt of 2,000 events had cost it 5 ms of CPU to parse whole, and the machine's CPU is shared).
 
 Before them, one run per agent worker goes alone, and its overhead per step is reported
@@ -122,14 +126,14 @@ from bench.roundtrip import FILE_NAME, Workers, _prepare_workspace
 from bench.tool_agent import bench_agent
 from riverbed import events
 from riverbed.agent.hosted import RunLimits, open_run
+from riverbed.agent.prompt import Prompt
 from riverbed.agent.quotas import Quotas
 from riverbed.agent.runs import RunSummary
 from riverbed.bus.keys import AGENT_ROLE, ROLES
+from riverbed.memory.view import view
 
 RUNS = 1000
 STEPS = 10
-SHORT_STEPS = 2
-"""The steps of the shorter runs of ``--context``: a tool call and the finish."""
 WORKERS = 4
 RUNTIME_WORKERS = 2
 LATENCY = 0.2
@@ -175,6 +179,24 @@ class _ModelServer:
         with urllib.request.urlopen(self.base_url.removesuffix("/v1") + "/journal", timeout=60) as reply:
             journal = json.loads(reply.read())
         return [tuple(row) for row in journal["calls"]], journal["connections"]
+
+    def _call(self, method: str, path: str) -> dict[str, int]:
+        request = urllib.request.Request(self.base_url.removesuffix("/v1") + path, method=method)
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            answer: dict[str, int] = json.loads(reply.read())
+        return answer
+
+    def gates(self, action: str) -> None:
+        """``close``: hold each run's first and last model calls from now on; ``release``: answer
+        the calls held; ``open``: answer them and hold no more (``bench/model_server.py``)."""
+        self._call("POST", f"/gates/{action}")
+
+    async def gathered(self, runs: int, *, most: float = 300.0) -> int:
+        """Wait until ``runs`` calls are held at a gate; the chat requests received so far."""
+        with anyio.fail_after(most):
+            while (held := self._call("GET", "/gates"))["held"] < runs:  # noqa: ASYNC110 (another process's)
+                await anyio.sleep(0.02)
+        return held["received"]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -397,18 +419,24 @@ async def _read_logs(bus: riverbed.Bus, sessions: list[str]) -> dict[str, list[e
 SEED_BATCH = 100
 """Events per append while seeding a session's earlier turns."""
 NO_CONDENSING = {"strategy": "noop"}
+PADDING = "The spec the tests follow: each function f<n>(x) returns x + n, and the tests check both.\n"
+"""The text a padded session's first message repeats."""
 """The seeded sessions' condenser config: the whole context is every prompt's, never condensed."""
 
 
-def _earlier_turns(size: int, tenant: str | None) -> list[events.Event]:
+def _earlier_turns(size: int, tenant: str | None, pad: int = 0) -> list[events.Event]:
     """About ``size`` events of earlier turns, as the agent role writes them: a ``session_config``
     that turns condensing off, then turns of a user message, three steps (an ``llm_response``
     whose tool call carries an id, the action with that ``tool_call_id`` and the response as its
-    cause, its observation) and a last response with its ``finish``; ids from 1."""
+    cause, its observation) and a last response with its ``finish``; ids from 1.  ``pad``: about
+    that many bytes more in the first user message (a prompt as long as a longer context's)."""
     out: list[events.Event] = [events.SessionConfig(condenser=NO_CONDENSING, source="user")]
     usage = {"prompt_tokens": 2000, "completion_tokens": 40, "total_tokens": 2040}
     for turn in range(max(1, round((size - 1) / 12))):
-        out.append(events.Message(content=f"earlier turn {turn}: make tests/test_mod{turn}.py pass", source="user"))
+        said = f"earlier turn {turn}: make tests/test_mod{turn}.py pass"
+        if turn == 0 and pad:
+            said += "\n" + PADDING * (pad // len(PADDING) + 1)
+        out.append(events.Message(content=said, source="user"))
         for k in range(3):
             call = f"call_seed_{len(out) + 1}"
             action: events.Action
@@ -441,8 +469,22 @@ def _earlier_turns(size: int, tenant: str | None) -> list[events.Event]:
     return out if tenant is None else [replace(e, tenant=tenant) for e in out]
 
 
-async def _seed(bus: riverbed.Bus, session: str, size: int, tenant: str | None, limiter: anyio.CapacityLimiter) -> None:
-    batch = _earlier_turns(size, tenant)
+def _padded(taken: _Round) -> str:
+    return f" (their first message {taken.pad:,} bytes longer)" if taken.pad else ""
+
+
+def _prompt_bytes(size: int, pad: int = 0) -> int:
+    """The bytes of the ``messages`` of the prompt that :func:`_earlier_turns` make."""
+    seeded = [replace(e, id=i) for i, e in enumerate(_earlier_turns(size, None, pad), 1)]
+    prompt = Prompt(system=None)
+    prompt.update(seeded, view(seeded))
+    return len(msgspec.json.encode(prompt.encoded()))
+
+
+async def _seed(
+    bus: riverbed.Bus, session: str, taken: _Round, tenant: str | None, limiter: anyio.CapacityLimiter
+) -> None:
+    batch = _earlier_turns(taken.context, tenant, taken.pad)
     async with limiter:
         for begin in range(0, len(batch), SEED_BATCH):
             await bus.log_store.append(session, batch[begin : begin + SEED_BATCH], expected_last=begin, tenant=tenant)
@@ -533,11 +575,19 @@ class _Round:
     sessions: list[str]
     context: int
     steps: int
+    pad: int = 0
+    """bytes more in each session's first message: its prompt as long as the largest context's"""
     cpu: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     """CPU seconds of the agent workers, the runtime workers, the model server and Redis during its runs"""
     idle: float = 0.0
     """the agent workers' CPU seconds per second just before its runs opened (the workers idle)"""
     opened_in: float = 0.0
+    taking: float = 0.0
+    """with ``--context``: the agent workers' CPU seconds from the runs' opening until each run
+    was at its first model call (each session taken, its whole log read, and its first prompt)"""
+    later: tuple[float, int] = (0.0, 0)
+    """with ``--context``: the agent workers' CPU seconds from each run at its first model call to
+    each at its last, and the model calls made in between (every run's later steps, exactly)"""
     figures: _Steps = field(default_factory=_Steps)
 
 
@@ -564,22 +614,20 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
     kind = "note" if tools else getattr(args, "action", None) or "file_read"
     action: events.Action = events.FileRead(path=FILE_NAME) if kind != "cmd_run" else events.CmdRun(command="true")
     agent = bench_agent if tools else None
-    least = SHORT_STEPS + 1 if contexts else 2
-    if runs < 1 or steps < least or count < 1 or runtime_count < 1 or tenant_count < 0 or latency <= 0:
+    if runs < 1 or steps < 2 or count < 1 or runtime_count < 1 or tenant_count < 0 or latency <= 0:
         print(
-            f"bench.agents: --runs and the worker counts must be at least 1, --steps at least {least}"
-            f"{' with --context' if contexts else ''}, --latency above 0",
+            "bench.agents: --runs and the worker counts must be at least 1, --steps at least 2, --latency above 0",
             file=sys.stderr,
         )
         raise SystemExit(2)
     prefix = f"bag{uuid.uuid4().hex[:6]}"
-    # Per context size, runs of SHORT_STEPS first and then of ``steps``: what the longer runs cost
-    # more is their later steps' own, without taking the session (its whole log read once).
-    rounds = [
-        _Round([f"c{size}-{name}-{i}" for i in range(runs)], size, length)
-        for size in contexts
-        for name, length in (("short", SHORT_STEPS), ("run", steps))
-    ] or [_Round([f"run-{i}" for i in range(runs)], 0, steps)]
+    rounds = [_Round([f"c{size}-{i}" for i in range(runs)], size, steps) for size in contexts] or [
+        _Round([f"run-{i}" for i in range(runs)], 0, steps)
+    ]
+    if len(set(contexts)) > 1:  # (the smallest context again, its prompt padded to the largest's bytes)
+        small, large = min(contexts), max(contexts)
+        pad = _prompt_bytes(large) - _prompt_bytes(small)
+        rounds.append(_Round([f"p{small}-{i}" for i in range(runs)], small, steps, pad=pad))
     tenants = [f"tenant-{t}" for t in range(tenant_count)]
 
     def tenant_of(index: int) -> str | None:
@@ -605,12 +653,12 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                     await quotas.set(tenant, max_runs=0, tokens_per_day=0)
                 for seeded in (r for r in rounds if r.context):
                     _progress(
-                        f"agents: seeding {runs:,} sessions with about {seeded.context:,} events each "
-                        f"(for runs of {seeded.steps} steps)"
+                        f"agents: seeding {runs:,} sessions with about {seeded.context:,} events each"
+                        f"{_padded(seeded)} (for runs of {seeded.steps} steps)"
                     )
                     async with anyio.create_task_group() as tg:
                         for index, session in enumerate(seeded.sessions):
-                            tg.start_soon(_seed, bus, session, seeded.context, tenant_of(index), seeding)
+                            tg.start_soon(_seed, bus, session, seeded, tenant_of(index), seeding)
             model_env = {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": "bench", "RIVERBED_LLM_MODEL": MODEL}
             if tools:
                 model_env["RIVERBED_AGENTS"] = "bench.tool_agent"
@@ -650,7 +698,7 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                 sampler = _Sampler(Path(spy), pids) if spy else None
                 limiter = anyio.CapacityLimiter(50)
                 for taken in rounds:
-                    what = f" on sessions of about {taken.context:,} events" if taken.context else ""
+                    what = f" on sessions of about {taken.context:,} events{_padded(taken)}" if taken.context else ""
                     _progress(
                         f"agents: {runs:,} runs of {taken.steps} steps at once{what}; load {os.getloadavg()[0]:.1f}"
                     )
@@ -672,7 +720,9 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                                 agent=agent, tenant=tenant_of(index),
                             )  # fmt: skip
 
-                    label = f"c{taken.context}-{taken.steps}" if taken.context else "runs"
+                    label = f"{'p' if taken.pad else 'c'}{taken.context}-{taken.steps}" if taken.context else "runs"
+                    if contexts:  # (each run's first and last model calls wait: between the two, its later steps alone)
+                        server.gates("close")
                     if sampler is not None:
                         sampler.start(label)
                     async with anyio.create_task_group() as tg:
@@ -680,9 +730,27 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                             tg.start_soon(start, index, session, taken.steps)
                     taken.opened_in = time.perf_counter() - opening
                     _progress(f"agents: {runs:,} runs opened in {taken.opened_in:.1f} s")
+                    if contexts:
+                        first = await server.gathered(runs)
+                        at_first = _cpu_seconds(agent_pids)
+                        taken.taking = at_first - cpu_before[0]
+                        if sampler is not None:
+                            sampler.stop(label)
+                            sampler.start(f"{label}-later")
+                        _progress(
+                            f"agents: every run at its first model call; measuring to each run's last ({taken.steps})"
+                        )
+                        server.gates("release")
+                        last = await server.gathered(runs)
+                        if sampler is not None:
+                            sampler.stop(f"{label}-later")
+                        taken.later = (_cpu_seconds(agent_pids) - at_first, last - first)
+                        server.gates("open")
+                        if sampler is not None:
+                            sampler.start(f"{label}-last")
                     summaries = await _wait_for_runs(bus, url, taken.sessions, sampled, pids, taken.steps)
                     if sampler is not None:
-                        sampler.stop(label)
+                        sampler.stop(f"{label}-last" if contexts else label)
                     cpu_after = (
                         _cpu_seconds(agent_pids),
                         _cpu_seconds(runtime_pids),
@@ -892,13 +960,14 @@ def _capacity_results(
 def _context_results(
     rounds: list[_Round], shape: _Shape, sampled: _Sampled, idle_rss: dict[str, float]
 ) -> list[Result]:
-    """Per context size: the overhead per step and the agent workers' CPU per step (taking the
-    session included), and the CPU of a later step alone (the longer runs' CPU less the shorter
-    runs', per model call more); then the largest size's figures against the smallest's."""
+    """Per context size: the overhead per step, the agent workers' CPU per step (taking the
+    session included), taking a session, and a later step's CPU alone (between the model
+    server's gates: every run at its first call, every run at its last); then the largest size's
+    figures against the smallest's."""
     out: list[Result] = []
     per: list[tuple[int, float, float, float]] = []
-    short = {taken.context: taken for taken in rounds if taken.steps == SHORT_STEPS}
-    for taken in (r for r in rounds if r.steps != SHORT_STEPS):
+    padded: tuple[int, int, float] | None = None
+    for taken in rounds:
         figures = taken.figures
         if not figures.overhead:
             raise RuntimeError("no step could be measured (the logs and the journal do not match)")
@@ -906,10 +975,20 @@ def _context_results(
         agent_cpu, runtime_cpu, server_cpu, redis_cpu = taken.cpu
         calls = len(figures.model)
         cpu = agent_cpu / calls
-        brief = short[taken.context]
-        later = (agent_cpu - brief.cpu[0]) / (calls - len(brief.figures.model))
-        per.append((taken.context, over50, cpu, later))
-        size = f"{taken.context:,}-event context"
+        later_cpu, later_calls = taken.later
+        expected = len(taken.sessions) * (taken.steps - 1)
+        if later_calls != expected:
+            raise RuntimeError(
+                f"{later_calls:,} model calls between the gates, not {expected:,}: a run was retried or ended early"
+            )
+        later = later_cpu / later_calls
+        if taken.pad:
+            padded = (taken.context, taken.pad, later)
+        else:
+            per.append((taken.context, over50, cpu, later))
+        size = f"{taken.context:,}-event context" + (
+            ", its prompt padded to the largest one's bytes" if taken.pad else ""
+        )
         out += [
             Result(
                 f"agent role overhead per step, p50, {size} ({shape.text()})", "ms", _ms(over50), _ms(floor50),
@@ -929,11 +1008,16 @@ def _context_results(
                 f"{os.getloadavg()[0]:.1f} load average (1 min) at the end",
             ),
             Result(
-                f"agent workers' CPU time per later step, {size} (runs of {shape.steps} steps less runs of "
-                f"{SHORT_STEPS})", "ms", _ms(later), _ms(cpu), "per step, taking the session included",
-                later / cpu, TARGET_CPU_MS, calls, better="lower", target_on="figure",
-                note=f"{agent_cpu:.1f} s for {calls:,} model calls less {brief.cpu[0]:.1f} s for "
-                f"{len(brief.figures.model):,} (the runs of {SHORT_STEPS} steps, on sessions seeded alike)",
+                f"agent workers' CPU time per later step, {size} (every run at its first model call to every run "
+                "at its last)", "ms", _ms(later), _ms(cpu), "per step, taking the session included",
+                later / cpu, TARGET_CPU_MS, later_calls, better="lower", target_on="figure",
+                note=f"{later_cpu:.2f} s for the {later_calls:,} model calls between the gates",
+            ),
+            Result(
+                f"agent workers' CPU time to take a session of about {size} and make its first prompt, per run",
+                "ms", _ms(taken.taking / len(taken.sessions)), _ms(later), "a later step's CPU",
+                taken.taking / len(taken.sessions) / later, None, len(taken.sessions), better="lower",
+                note=f"{taken.taking:.2f} s for {len(taken.sessions):,} runs, opened to each at its first model call",
             ),
         ]  # fmt: skip
     (small, small_over, small_cpu, small_later) = min(per)
@@ -942,7 +1026,7 @@ def _context_results(
         out += [
             Result(
                 f"overhead per step p50, {large:,}-event context / {small:,}-event context", "x",
-                large_over / small_over, 1.0, "the same", large_over / small_over, TARGET_CONTEXT_RATIO, 1,
+                large_over / small_over, 1.0, "the same", large_over / small_over, None, 1,
                 better="lower",
             ),
             Result(
@@ -958,6 +1042,18 @@ def _context_results(
                 better="lower",
             ),
         ]  # fmt: skip
+    if padded is not None:
+        context, pad, same_bytes = padded
+        out.append(
+            Result(
+                f"agent workers' CPU per later step, {large:,}-event context / {context:,}-event context whose prompt "
+                "is as long", "x", large_later / same_bytes, 1.0, "the same", large_later / same_bytes, None, 1,
+                better="lower",
+                note=f"the {context:,}-event sessions' first message {pad:,} bytes longer, their prompt "
+                f"{_prompt_bytes(context, pad):,} bytes against {_prompt_bytes(large):,}: what is left is the "
+                "context's events, not its bytes",
+            )
+        )  # fmt: skip
     rss = max(sampled.rss.values())
     out.append(
         Result(

@@ -12,6 +12,13 @@ after exactly ``--latency`` seconds, on asyncio, so a thousand calls in flight c
   task says it (:func:`task_text`), else ``--steps``;
 - any other request answers the tool call (the bench's own floor measurement).
 
+After ``POST /gates/close`` a run's first and last calls wait, held, until the bench releases
+them: every run taken and at its first call, then every run at its last (``GET /gates``: the
+calls held and the chat requests received so far; ``POST /gates/release``: answer the held calls;
+``POST /gates/open``: answer them and hold no more).  Between the two releases the agent workers
+do exactly the runs' later steps, so their CPU then is a later step's own (``bench.agents
+--context``).
+
 ``GET /journal`` returns every chat request as ``[session, step, received, sent]`` (unix
 seconds: when its body was read, when its answer was written), the model's side of each step,
 under ``calls``, and how many connections the server accepted, under ``connections``.
@@ -45,6 +52,9 @@ def task_text(session: str, steps: int) -> str:
 class ModelServer:
     def __init__(self, latency: float, steps: int, model: str, action: str = "file_read") -> None:
         self.latency = latency
+        self.gates = False
+        self.held: list[asyncio.Future[int]] = []
+        self.received = 0
         self.action = action
         self.steps = steps
         self.model = model
@@ -99,12 +109,28 @@ class ModelServer:
     async def answer(self, method: str, path: str, body: bytes) -> tuple[int, Any, tuple[str | None, int] | None]:
         if method == "GET" and path == "/journal":
             return 200, {"calls": self.journal, "connections": self.connections}, None
+        if method == "GET" and path == "/gates":
+            return 200, {"held": len(self.held), "received": self.received}, None
+        if method == "POST" and path in ("/gates/close", "/gates/release", "/gates/open"):
+            self.gates = path != "/gates/open"
+            held, self.held = self.held, []
+            for gate in held:
+                gate.set_result(len(held))
+            return 200, {"released": len(held)}, None
         if method == "GET" and path == "/v1/models":
             return 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]}, None
         if method != "POST" or path != "/v1/chat/completions":
             return 404, {"error": {"message": f"no route {method} {path}", "type": "invalid_request_error"}}, None
         request = _REQUEST.decode(body)  # (the fields it reads only: a long prompt costs the server little)
         session, step, steps = _run_step(request.messages)
+        self.received += 1
+        if self.gates and session is not None and step in (1, steps or self.steps):
+            gate: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            self.held.append(gate)
+            at = len(self.held)
+            released = await gate
+            if step == 1:  # (the runs spread over a call's time again, as runs opened one by one are)
+                await asyncio.sleep(self.latency * at / released)
         await asyncio.sleep(self.latency)
         self.count += 1
         message: dict[str, Any] = {"role": "assistant", "content": None}
