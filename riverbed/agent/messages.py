@@ -166,6 +166,8 @@ _MAPPINGS = (dict, Mapping)
 _UNANSWERED_TOOLS = frozenset(tool_name(kind) for kind in ("think", "finish", "message"))
 _KNOWN_TOOLS = frozenset(tool_names())
 _NONE: frozenset[str] = frozenset()
+_LISTINGS = (McpList, McpTools)
+"""An MCP server's listings: the request's tools show them (:func:`shown_by_tools`)."""
 
 
 def _call_name(raw: Mapping[str, Any]) -> str | None:
@@ -328,13 +330,11 @@ def _claim_by_position(
         used = taken.get(response.id, _NONE)
         if one_each and len(used) == len(response.tool_calls):
             continue  # (each call went to its action by id, for its ids are as many as its calls)
-        answered_calls = []
-        for raw in response.tool_calls:
-            if isinstance(raw, _MAPPINGS):
-                function = raw.get("function")
-                name = function.get("name") if isinstance(function, _MAPPINGS) else None
-                if not (isinstance(name, str) and name in _UNANSWERED_TOOLS) and raw.get("id") not in used:
-                    answered_calls.append(raw)
+        answered_calls = [
+            raw
+            for raw in response.tool_calls
+            if isinstance(raw, _MAPPINGS) and _call_name(raw) not in _UNANSWERED_TOOLS and raw.get("id") not in used
+        ]
         if not answered_calls:
             continue  # (every call went to its action by id: nothing is left to line up)
         claimants = caused.get(response.id)
@@ -419,7 +419,7 @@ def to_messages(
     if system_prompt:
         out.append({"role": "system", "content": system_prompt})
     events = list(view)
-    listings = {cls for cls in set(map(type, events)) if issubclass(cls, McpList | McpTools)}
+    listings = {cls for cls in set(map(type, events)) if issubclass(cls, _LISTINGS)}
     if listings:
         events = [e for e in events if type(e) not in listings]
     convert(events, out, set(), images=images)
@@ -428,7 +428,7 @@ def to_messages(
 
 def shown_by_tools(event: Event) -> bool:
     """An MCP server's listing, which the request's tools show (never a message)."""
-    return isinstance(event, McpList | McpTools)
+    return isinstance(event, _LISTINGS)
 
 
 def starts_turn(event: Event) -> bool:
