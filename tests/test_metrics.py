@@ -16,12 +16,14 @@ from riverbed.bus.consumer import Entry, SessionContext
 from riverbed.client.session import Bus
 from riverbed.errors import ConfigError
 from riverbed.memory.embedcache import CachedEmbedder
+from riverbed.services import free_port
 from riverbed.settings import Settings
 from riverbed.workers.http import Health, serve
 from riverbed.workers.main import Worker
 from riverbed.workers.metrics import METRIC_NAMES, WorkerMetrics
 from tests.kit.metrics import get, samples, value
 from tests.kit.owners import EchoHandler
+from tests.kit.workers import Spawn, ready, spawn, workers  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.anyio
 
@@ -186,6 +188,26 @@ async def test_worker_endpoints_serve_metrics_health_and_readiness(bus: Bus, pre
 
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
         pass
+
+
+async def test_a_worker_process_leaves_its_startup_heap_out_of_the_collector(bus: Bus, spawn: Spawn) -> None:
+    """Once started, a worker collects its heap and freezes it (the modules, settings and handlers
+    it built): the collector's full collections no longer walk them, and the scrape says how many."""
+    port = free_port()
+    worker = spawn("w-gc", ["runtime"], RIVERBED_METRICS_PORT=str(port))
+    await ready(worker)
+    obs = await bus.session("gc").act(events.FileRead(path="nothing.txt"), timeout=10)
+    assert isinstance(obs, events.Error)  # (no such file: answered all the same)
+    with anyio.fail_after(10):
+        while True:
+            status, _, text = await get(port, "/metrics")
+            scraped = samples(text.decode()) if status == 200 else {}
+            if scraped and value(scraped, "riverbed_gc_frozen_objects", worker="w-gc") > 0:
+                break
+            await anyio.sleep(0.1)
+    # the imports alone are tens of thousands of tracked objects; a worker that froze nothing says 0
+    assert value(scraped, "riverbed_gc_frozen_objects", worker="w-gc") > 20_000
+    assert value(scraped, "python_gc_collections_total", generation="2") >= 1  # the collection before the freeze
 
 
 async def test_backlog_gauges_follow_redis(bus: Bus, prefix: str) -> None:

@@ -44,6 +44,12 @@ riverbed_agent_tokens_total           counter    worker, tenant, model, kind (``
 riverbed_agent_cost_usd_total         counter    worker, tenant, model: their cost (``RIVERBED_PRICES``);
                                                  ``model`` is the worker's or a priced one, else
                                                  ``other`` (a run's model is its client's choice)
+riverbed_gc_frozen_objects            gauge      worker: objects the garbage collector leaves out
+                                                 (the heap frozen once the worker started:
+                                                 :func:`~riverbed.workers.main.tune_collector`)
+python_gc_collections_total           counter    generation: the collector's runs (``2``: full
+                                                 ones); also ``python_gc_objects_collected_total``
+                                                 and ``python_gc_objects_uncollectable_total``
 ====================================  =========  ===============================================
 
 Counters and ``owned_sessions`` are read from each :class:`~riverbed.bus.consumer.OwnerStats`
@@ -63,12 +69,13 @@ counters (:class:`~riverbed.memory.embedcache.CachedEmbedder`), given with
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import anyio
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, GCCollector, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -105,6 +112,8 @@ METRIC_NAMES = frozenset(
         "riverbed_embedding_cache_hit_ratio",
         *(f"{name}_total" for name in _COUNTERS),
         *(f"riverbed_handler_seconds{suffix}" for suffix in ("_bucket", "_sum", "_count")),
+        "riverbed_gc_frozen_objects",
+        "python_gc_collections_total",
     }
 )
 
@@ -143,6 +152,7 @@ class WorkerMetrics:
         self._caches: dict[str, list[CacheCounters]] = {}
         self._observing: set[int] = set()
         self.registry.register(_ScrapeCollector(self))
+        GCCollector(registry=self.registry)
         self.lag = Gauge(
             "riverbed_lag_events",
             "Events appended but not yet delivered to the role, summed over the sessions this worker owns.",
@@ -249,6 +259,11 @@ class WorkerMetrics:
         yield ratio
         yield from self._usage(owners, worker)
         yield from self._agent(owners, worker)
+        frozen = GaugeMetricFamily(
+            "riverbed_gc_frozen_objects", "Objects the garbage collector leaves out (frozen).", labels=("worker",)
+        )
+        frozen.add_metric([worker], float(gc.get_freeze_count()))
+        yield frozen
 
     @staticmethod
     def _agent(owners: Mapping[str, Any], worker: str) -> Iterator[Metric]:
