@@ -20,16 +20,7 @@ import openai
 import pytest
 
 from riverbed.errors import FencedError
-from riverbed.workers.model_client import (
-    LIMITS,
-    SHARD_CONNECTIONS,
-    SHARDS,
-    CheckedClient,
-    checked_by,
-    limits_for,
-    proxy_for,
-    shards_for,
-)
+from riverbed.workers.model_client import CONNECTIONS, CheckedClient, checked_by, connections_for, proxy_for
 from tests.kit.openai_server import OpenAIServer, server  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.anyio
@@ -288,6 +279,13 @@ async def test_requests_go_through_the_proxy_the_environment_names(
         assert reply.choices[0].message.content == "through the proxy"
         assert _Forwarder.seen == [f"{server.base_url}/chat/completions"]
         assert checks == [True]
+        # the agent role's own call (on aiohttp) goes the same way
+        server.reply("the role's call, through the proxy")
+        with checked_by(holds):
+            answer = await client.chat_completion(ASK)
+        assert answer["choices"][0]["message"]["content"] == "the role's call, through the proxy"
+        assert _Forwarder.seen == [f"{server.base_url}/chat/completions"] * 2
+        assert checks == [True, True]
         await client.close()
         monkeypatch.setenv("NO_PROXY", "127.0.0.1")
         assert proxy_for(server.base_url) is None
@@ -296,17 +294,19 @@ async def test_requests_go_through_the_proxy_the_environment_names(
         proxy.server_close()
 
 
-def test_a_worker_that_holds_many_runs_keeps_a_connection_open_for_each() -> None:
+async def test_a_worker_that_holds_many_runs_keeps_a_connection_open_for_each(server: OpenAIServer) -> None:
     """A run's next call follows its last within seconds: a worker that may hold 2,500 runs keeps
-    2,500 connections to the model server open, not the client library's 100 (and lets 2,500
-    calls be in flight, not 1,000), over more pools; a small worker keeps the library's defaults."""
-    assert limits_for(0) == LIMITS
-    assert limits_for(50) == LIMITS
-    assert shards_for(0) == shards_for(500) == SHARDS
-    many = limits_for(2500)
-    assert many.max_connections is not None
-    assert many.max_keepalive_connections is not None
-    assert many.max_connections * shards_for(2500) >= 2500
-    assert many.max_keepalive_connections * shards_for(2500) >= 2500
-    # (more pools rather than longer ones: a pool looks at each of its connections on every request)
-    assert -(-2500 // shards_for(2500)) <= SHARD_CONNECTIONS
+    2,500 connections to the model server open and lets 2,500 calls be in flight, not the client
+    library's 1,000; a small worker keeps the library's limit."""
+    assert connections_for(0) == connections_for(50) == CONNECTIONS
+    assert connections_for(2500) == 2500
+    server.reply("hi")
+    client = CheckedClient(api_key="k", base_url=server.base_url, calls=2500)
+    try:
+        assert (await client.chat_completion(ASK))["choices"][0]["message"]["content"] == "hi"
+        pool = client._pool()  # (the connections the agent role's calls go out on)
+        assert pool.connector is not None
+        assert pool.connector.limit == 2500
+        assert pool.connector.limit_per_host == 0  # (all of them to the one model server)
+    finally:
+        await client.close()

@@ -7,28 +7,31 @@ request is complete: a check made earlier (before the client prepares the reques
 connects, or before its first bytes leave) leaves a window in which a pause lets a stale
 request out, or finishes one whose headers had left, once the worker resumes.
 
-The check therefore sits in the network stream itself.  The role sets the check for the task
-that makes the call (:func:`checked_by`).  The stream sends every byte of the request but its
-last one, which it holds back; a server cannot answer a request it has not received whole.
-When the client turns to read the answer, the stream awaits the check and then writes the
-held byte with no await in between.  A check that raises closes the connection instead, so
-the server sees a request cut short and answers nothing.
+The check therefore sits in the request's sending itself.  The role sets the check for the
+task that makes the call (:func:`checked_by`).  Every byte of the request but its last one is
+sent, and the last is held back; a server cannot answer a request it has not received whole.
+The held byte goes out once the check passed, with no await in between.  A check that raises
+closes the connection instead, so the server sees a request cut short and answers nothing.
 
-The stream is put under the client by giving the HTTP transport's connection pool a network
-backend of ours (:class:`CheckedTransport`): the one place this module reaches into httpx2, a
-pool's ``_network_backend`` (httpx2 and httpcore2 2.16, as in httpx 0.28 and httpcore 1.0).
+:meth:`CheckedClient.chat_completion`, the agent role's call, sends its body on aiohttp, the
+last byte held by the body itself (:func:`_held_back`).  The client library's own calls
+(``chat.completions.create`` and the rest) go through httpx2, with the stream put under the
+client by giving the HTTP transport's connection pool a network backend of ours
+(:class:`CheckedTransport`): the one place this module reaches into httpx2, a pool's
+``_network_backend`` (httpx2 and httpcore2 2.16, as in httpx 0.28 and httpcore 1.0); the stream
+awaits the check when the client turns to read the answer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import ssl
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextvars import ContextVar
 from typing import Any, cast
 
+import aiohttp
 import httpcore2
 import httpx2
 import msgspec
@@ -37,7 +40,7 @@ from openai import AsyncOpenAI
 
 from riverbed.bus.faults import crashpoint
 
-__all__ = ["CheckedClient", "CheckedTransport", "checked_by", "proxy_for"]
+__all__ = ["CheckedClient", "CheckedTransport", "checked_by", "connections_for", "proxy_for"]
 
 Check = Callable[[], Awaitable[None]]
 _check: ContextVar[Check | None] = ContextVar("riverbed_model_check", default=None)
@@ -45,40 +48,21 @@ _check: ContextVar[Check | None] = ContextVar("riverbed_model_check", default=No
 OPENAI_URL = "https://api.openai.com/v1"
 """The model server when none is configured."""
 
-SHARDS = 8
-"""Connection pools a client spreads its requests over.  A pool looks at every connection it
-holds on each request (and asks the kernel whether each idle one was closed), so with hundreds
-of model calls in flight one pool's bookkeeping becomes a large part of a request's CPU."""
-LIMITS = httpx2.Limits(max_connections=1000 // SHARDS, max_keepalive_connections=100 // SHARDS)
-"""Each pool's connections to the model server at least: all of them together, what the model
-client library allows by default (more for a worker that may make more calls at once:
-:func:`limits_for`)."""
+CONNECTIONS = 1000
+"""The connections a client keeps to model servers at least: what the client library allows by
+default (more for a worker that may make more calls at once: :func:`connections_for`)."""
 
 
-def limits_for(calls: int) -> httpx2.Limits:
-    """Each pool's connections for a client that makes up to ``calls`` model calls at once (an
-    agent worker: one per run it holds, ``RIVERBED_CONCURRENCY``), kept open between calls.
+def connections_for(calls: int) -> int:
+    """The connections :meth:`CheckedClient.chat_completion` keeps open for a client that makes up
+    to ``calls`` model calls at once (an agent worker: one per run it holds, ``RIVERBED_CONCURRENCY``).
 
-    A run's next call follows its last one within seconds, so a connection closed after a
-    call is opened again for the next: with the library's default of 100 kept open, 250 runs
-    of a model answering in 2 s made the model server accept a connection for every other call,
-    and past 1,000 calls in flight the rest waited for a connection, unseen by the model's
-    latency (``python -m bench agents --latency 2.0``)."""
-    shards = shards_for(calls)
-    most = max(LIMITS.max_connections or 0, -(-calls // shards))
-    kept = max(LIMITS.max_keepalive_connections or 0, -(-calls // shards))
-    return httpx2.Limits(max_connections=most, max_keepalive_connections=kept)
-
-
-SHARD_CONNECTIONS = 64
-"""The connections a pool holds for a client that makes more calls at once than :data:`SHARDS`
-pools hold well: such a client has more pools (a pool's look at each of its connections on every
-request grows with them: 2,500 runs on a worker, 312 a pool, took a few percent of its CPU)."""
-
-
-def shards_for(calls: int) -> int:
-    """The pools of a client that makes up to ``calls`` model calls at once."""
-    return max(SHARDS, -(-calls // SHARD_CONNECTIONS))
+    A run's next call follows its last one within seconds, so a connection closed after a call
+    is opened again for the next: with the library's default of 100 kept open, 250 runs of a
+    model answering in 2 s made the model server accept a connection for every other call, and
+    past 1,000 calls in flight the rest waited for a connection, unseen by the model's latency
+    (``python -m bench agents --latency 2.0``).  Every connection is kept open between calls."""
+    return max(CONNECTIONS, calls)
 
 
 COPIED_HEAD = 4096
@@ -210,23 +194,6 @@ def proxy_for(base_url: str) -> str | None:
     return proxies.get(url.scheme) or proxies.get("all")
 
 
-class _Shards(httpx2.AsyncBaseTransport):
-    """Requests spread, in turn, over checked transports: :data:`SHARDS`, more for many ``calls``
-    at once (:func:`shards_for`)."""
-
-    def __init__(self, proxy: str | None, calls: int) -> None:
-        limits = limits_for(calls)
-        self._transports = [CheckedTransport(limits=limits, proxy=proxy) for _ in range(shards_for(calls))]
-        self._turn = itertools.cycle(self._transports)
-
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        return await next(self._turn).handle_async_request(request)
-
-    async def aclose(self) -> None:
-        for transport in self._transports:
-            await transport.aclose()
-
-
 class CheckedClient(AsyncOpenAI):
     """An OpenAI client whose requests pass the check set by :func:`checked_by` (no retries:
     they are the role's own).  Any other client makes its requests unchecked.
@@ -239,10 +206,11 @@ class CheckedClient(AsyncOpenAI):
     def __init__(
         self, *, api_key: str, base_url: str | None, max_response_bytes: int = MAX_RESPONSE_BYTES, calls: int = 0
     ) -> None:
-        """``calls``: the model calls it may have in flight at once (:func:`limits_for`)."""
+        """``calls``: the model calls it may have in flight at once (:func:`connections_for`)."""
         self.max_response_bytes = max_response_bytes
         server = base_url or OPENAI_URL  # (``OPENAI_BASE_URL`` is read by the settings)
-        http = httpx2.AsyncClient(transport=_Shards(proxy_for(server), calls), follow_redirects=True)
+        self._proxy = proxy_for(server)
+        http = httpx2.AsyncClient(transport=CheckedTransport(proxy=self._proxy), follow_redirects=True)
         super().__init__(api_key=api_key, base_url=server, max_retries=0, http_client=http)
         self._http = http
         self._completions = str(self.base_url).rstrip("/") + "/chat/completions"
@@ -251,6 +219,28 @@ class CheckedClient(AsyncOpenAI):
             "Content-Type": "application/json",
             "Accept": "application/json",
         }
+        self._calls = calls
+        self._aio: aiohttp.ClientSession | None = None
+
+    def _pool(self) -> aiohttp.ClientSession:
+        """The connections :meth:`chat_completion` asks on (made in the running event loop)."""
+        if self._aio is None or self._aio.closed:
+            trace = aiohttp.TraceConfig()
+            trace.on_connection_create_end.append(_connected)
+            connector = aiohttp.TCPConnector(limit=connections_for(self._calls), limit_per_host=0)
+            # (the proxy is read from the environment once, not on every request: ``trust_env``
+            # made aiohttp's own reading of it cost three times the rest of a call)
+            # (no time limit of its own: aiohttp's default of 5 minutes would end a longer call
+            # that the caller's RIVERBED_LLM_TIMEOUT allows)
+            self._aio = aiohttp.ClientSession(
+                connector=connector, trace_configs=[trace], timeout=aiohttp.ClientTimeout(total=None)
+            )
+        return self._aio
+
+    async def close(self) -> None:
+        await super().close()
+        if self._aio is not None:
+            await self._aio.close()
 
     async def chat_completion(self, body: dict[str, Any]) -> dict[str, Any]:
         """The server's answer to the chat completion ``body`` (its JSON, decoded).
@@ -258,32 +248,46 @@ class CheckedClient(AsyncOpenAI):
         No time limit of its own (the caller sets one).  A status of 400 or more raises the
         client library's error for it (``openai.RateLimitError``, ``InternalServerError``...), a
         connection that fails ``openai.APIConnectionError``, an answer that is not a JSON object
-        ``openai.APIResponseValidationError``."""
-        request = self._http.build_request(
-            "POST", self._completions, content=msgspec.json.encode(body), headers=self._headers, timeout=None
-        )
+        ``openai.APIResponseValidationError``.
+
+        It goes out on aiohttp rather than the client library's httpx2: its C parser and lean
+        request path cost about a fifth of the CPU a call (0.12 against 0.64 ms, 25 calls at
+        once against the scripted model server of ``bench.agents``).  With a check set
+        (:func:`checked_by`), the body's last byte waits for it, as on the library's path."""
+        payload = msgspec.json.encode(body)
+        check = _check.get()
+        failed: list[BaseException] = []
+        data: bytes | AsyncIterator[bytes] = payload if check is None else _held_back(payload, check, failed)
+        headers = {**self._headers, "Content-Length": str(len(payload))}
         try:
-            response = await self._http.send(request, stream=True)
-            try:
+            async with self._pool().post(self._completions, data=data, headers=headers, proxy=self._proxy) as response:
                 content = await self._read_bounded(response)
-            finally:
-                await response.aclose()
-        except httpx2.TransportError as exc:
-            raise openai.APIConnectionError(request=request) from exc
-        if response.status_code >= 400:
-            read = httpx2.Response(response.status_code, headers=response.headers, content=content, request=request)
+                status, answered = response.status, response.headers
+        except aiohttp.ClientError as exc:
+            if failed:
+                raise failed[0] from None  # the check's own error (the request was cut short)
+            raise openai.APIConnectionError(request=self._request()) from exc
+        if failed:
+            raise failed[0]
+        if status >= 400:
+            read = httpx2.Response(status, headers=list(answered.items()), content=content, request=self._request())
             raise self._make_status_error_from_response(read)
         try:
             answer = msgspec.json.decode(content)
         except msgspec.DecodeError:
             answer = None
         if not isinstance(answer, dict):
+            read = httpx2.Response(status, headers=list(answered.items()), content=content, request=self._request())
             raise openai.APIResponseValidationError(
-                response, None, message="the model server's answer is not a JSON object"
+                read, None, message="the model server's answer is not a JSON object"
             )
         return answer
 
-    async def _read_bounded(self, response: httpx2.Response) -> bytes:
+    def _request(self) -> httpx2.Request:
+        """The request, as the client library's errors carry it."""
+        return httpx2.Request("POST", self._completions, headers=self._headers)
+
+    async def _read_bounded(self, response: aiohttp.ClientResponse) -> bytes:
         """The body, refused (:class:`ResponseTooLarge`) as soon as it is known to be over the
         cap: by its ``Content-Length``, else while it is read, before anything is parsed."""
         cap = self.max_response_bytes
@@ -292,12 +296,32 @@ class CheckedClient(AsyncOpenAI):
             raise ResponseTooLarge(int(declared), cap)
         chunks: list[bytes] = []
         size = 0
-        async for chunk in response.aiter_bytes():
+        async for chunk in response.content.iter_any():
             size += len(chunk)
             if cap and size > cap:
                 raise ResponseTooLarge(None, cap)
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+async def _held_back(payload: bytes, check: Check, failed: list[BaseException]) -> AsyncIterator[bytes]:
+    """``payload`` with its last byte sent only once ``check`` passed (what failed is kept in
+    ``failed``: the HTTP client reports a body that failed as a connection error of its own).
+    The client writes each part as it gets it, the request's head with the first, and nothing
+    suspends between the check's end and the last byte's write."""
+    if len(payload) > 1:
+        yield cast(bytes, memoryview(payload)[:-1])  # (not copied: the client writes any buffer)
+        crashpoint("model_sending")
+    try:
+        await check()
+    except BaseException as exc:
+        failed.append(exc)
+        raise
+    yield payload[-1:]
+
+
+async def _connected(_session: aiohttp.ClientSession, _context: Any, _params: Any) -> None:
+    crashpoint("model_connected")
 
 
 class ResponseTooLarge(openai.OpenAIError):
