@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import threading
 import time
 import urllib.request
@@ -18,6 +19,7 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+import trustme
 
 from riverbed.errors import FencedError
 from riverbed.workers.model_client import CONNECTIONS, CheckedClient, checked_by, connections_for, proxy_for
@@ -310,3 +312,34 @@ async def test_a_worker_that_holds_many_runs_keeps_a_connection_open_for_each(se
         assert pool.connector.limit_per_host == 0  # (all of them to the one model server)
     finally:
         await client.close()
+
+
+async def test_a_model_server_over_tls_is_trusted_as_the_client_librarys_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent role's calls trust the certificates the client library's do: certifi's, or the
+    ones ``SSL_CERT_FILE`` names (a private CA in front of a local model server); a server whose
+    certificate nothing vouches for is a connection error, not an answer."""
+    authority = trustme.CA()
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    authority.issue_cert("127.0.0.1").configure_cert(served)
+    bundle = tmp_path / "ca.pem"
+    authority.cert_pem.write_to_path(str(bundle))
+    with OpenAIServer(tls=served) as server:
+        assert server.base_url.startswith("https://")
+        monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+        monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
+        server.reply("over TLS")
+        trusting = CheckedClient(api_key="k", base_url=server.base_url)
+        try:
+            answer = await trusting.chat_completion(ASK)
+            assert answer["choices"][0]["message"]["content"] == "over TLS"
+        finally:
+            await trusting.close()
+        monkeypatch.delenv("SSL_CERT_FILE")
+        doubting = CheckedClient(api_key="k", base_url=server.base_url)
+        try:
+            with pytest.raises(openai.APIConnectionError):
+                await doubting.chat_completion(ASK)
+        finally:
+            await doubting.close()

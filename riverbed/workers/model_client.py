@@ -227,7 +227,10 @@ class CheckedClient(AsyncOpenAI):
         if self._aio is None or self._aio.closed:
             trace = aiohttp.TraceConfig()
             trace.on_connection_create_end.append(_connected)
-            connector = aiohttp.TCPConnector(limit=connections_for(self._calls), limit_per_host=0)
+            # (the certificates the library's own client trusts: certifi's, or SSL_CERT_FILE / SSL_CERT_DIR)
+            connector = aiohttp.TCPConnector(
+                limit=connections_for(self._calls), limit_per_host=0, ssl=httpx2.create_ssl_context()
+            )
             # (the proxy is read from the environment once, not on every request: ``trust_env``
             # made aiohttp's own reading of it cost three times the rest of a call)
             # (no time limit of its own: aiohttp's default of 5 minutes would end a longer call

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -77,8 +78,16 @@ def tool_call(name: str, arguments: Mapping[str, Any] | str, call_id: str | None
 
 class OpenAIServer:
     def __init__(
-        self, *, model: str = "test-model", embedding_dim: int = 8, window: int | None = None, reports: bool = False
+        self,
+        *,
+        model: str = "test-model",
+        embedding_dim: int = 8,
+        window: int | None = None,
+        reports: bool = False,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """``tls``: served over HTTPS with that context (its certificate for 127.0.0.1)."""
+        self.tls = tls
         self.model = model
         self.window = window
         self.reports = reports
@@ -171,7 +180,7 @@ class OpenAIServer:
     def base_url(self) -> str:
         assert self._httpd is not None, "the server is not started"
         host, port = self._httpd.server_address[:2]
-        return f"http://{host!s}:{port}/v1"
+        return f"{'https' if self.tls else 'http'}://{host!s}:{port}/v1"
 
     def client(self, **kwargs: Any) -> AsyncOpenAI:
         """A real OpenAI client pointed at this server (no retries, short timeout)."""
@@ -182,6 +191,8 @@ class OpenAIServer:
     def start(self) -> OpenAIServer:
         handler = type("Handler", (_Handler,), {"server_state": self})
         self._httpd = _QuietServer(("127.0.0.1", 0), handler)
+        if self.tls is not None:
+            self._httpd.socket = self.tls.wrap_socket(self._httpd.socket, server_side=True)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.02}, name="openai-test-server", daemon=True
