@@ -419,9 +419,9 @@ async def _read_logs(bus: riverbed.Bus, sessions: list[str]) -> dict[str, list[e
 SEED_BATCH = 100
 """Events per append while seeding a session's earlier turns."""
 NO_CONDENSING = {"strategy": "noop"}
+"""The seeded sessions' condenser config: the whole context is every prompt's, never condensed."""
 PADDING = "The spec the tests follow: each function f<n>(x) returns x + n, and the tests check both.\n"
 """The text a padded session's first message repeats."""
-"""The seeded sessions' condenser config: the whole context is every prompt's, never condensed."""
 
 
 def _earlier_turns(size: int, tenant: str | None, pad: int = 0) -> list[events.Event]:

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.anyio
 
 ASK = {"model": "test-model", "messages": [{"role": "user", "content": "hello"}]}
 LONG_ASK = {"model": "test-model", "messages": [{"role": "user", "content": "a long prompt " * 20_000}]}
-"""A body of 280 KB: written, but for its last byte, with no copy (``_CheckedStream.write``)."""
+"""A body of 280 KB: written, but for its last byte, before the check (``_held_back``)."""
 
 
 def connected_to(port: int) -> int:

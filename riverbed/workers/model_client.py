@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import ssl
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any, cast
 
@@ -65,10 +65,6 @@ def connections_for(calls: int) -> int:
     return max(CONNECTIONS, calls)
 
 
-COPIED_HEAD = 4096
-"""The bytes of a write that go out joined to the byte held back from the write before (the
-rest of it goes out as it is)."""
-
 MAX_RESPONSE_BYTES = 8 * 1024 * 1024
 """The largest model answer read by default (``RIVERBED_LLM_MAX_RESPONSE_BYTES``)."""
 
@@ -104,18 +100,9 @@ class _CheckedStream(httpcore2.AsyncNetworkStream):
             await self._inner.write(buffer, timeout)
             return
         self._check = check
-        if not buffer:
-            return
-        held, self._held = self._held, buffer[-1:]
-        # A long body goes out as it is, not copied: two copies of a 400 KB prompt (fresh pages
-        # each call) cost 0.3 ms of CPU a call on 25 connections at once, most of it the kernel's.
-        cut = min(COPIED_HEAD, len(buffer) - 1) if held else 0
-        head = held + buffer[:cut]
-        rest = memoryview(buffer)[cut:-1]
-        if head:
-            await self._inner.write(head, timeout)
-        if rest:
-            await self._inner.write(cast(bytes, rest), timeout)  # (the streams take any bytes-like)
+        data = self._held + buffer
+        self._held = data[-1:]
+        await self._inner.write(data[:-1], timeout)
         crashpoint("model_sending")
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
@@ -209,10 +196,11 @@ class CheckedClient(AsyncOpenAI):
         """``calls``: the model calls it may have in flight at once (:func:`connections_for`)."""
         self.max_response_bytes = max_response_bytes
         server = base_url or OPENAI_URL  # (``OPENAI_BASE_URL`` is read by the settings)
+        # (read once, not on every request: aiohttp's ``trust_env`` reading of it cost three
+        # times the rest of a call)
         self._proxy = proxy_for(server)
         http = httpx2.AsyncClient(transport=CheckedTransport(proxy=self._proxy), follow_redirects=True)
         super().__init__(api_key=api_key, base_url=server, max_retries=0, http_client=http)
-        self._http = http
         self._completions = str(self.base_url).rstrip("/") + "/chat/completions"
         self._headers = {
             "Authorization": f"Bearer {api_key}",
@@ -231,8 +219,6 @@ class CheckedClient(AsyncOpenAI):
             connector = aiohttp.TCPConnector(
                 limit=connections_for(self._calls), limit_per_host=0, ssl=httpx2.create_ssl_context()
             )
-            # (the proxy is read from the environment once, not on every request: ``trust_env``
-            # made aiohttp's own reading of it cost three times the rest of a call)
             # (no time limit of its own: aiohttp's default of 5 minutes would end a longer call
             # that the caller's RIVERBED_LLM_TIMEOUT allows)
             self._aio = aiohttp.ClientSession(
@@ -273,22 +259,24 @@ class CheckedClient(AsyncOpenAI):
         if failed:
             raise failed[0]
         if status >= 400:
-            read = httpx2.Response(status, headers=list(answered.items()), content=content, request=self._request())
-            raise self._make_status_error_from_response(read)
+            raise self._make_status_error_from_response(self._as_read(status, answered, content))
         try:
             answer = msgspec.json.decode(content)
         except msgspec.DecodeError:
             answer = None
         if not isinstance(answer, dict):
-            read = httpx2.Response(status, headers=list(answered.items()), content=content, request=self._request())
             raise openai.APIResponseValidationError(
-                read, None, message="the model server's answer is not a JSON object"
+                self._as_read(status, answered, content), None, message="the model server's answer is not a JSON object"
             )
         return answer
 
     def _request(self) -> httpx2.Request:
         """The request, as the client library's errors carry it."""
         return httpx2.Request("POST", self._completions, headers=self._headers)
+
+    def _as_read(self, status: int, headers: Mapping[str, str], content: bytes) -> httpx2.Response:
+        """The answer, as the client library's errors carry it."""
+        return httpx2.Response(status, headers=list(headers.items()), content=content, request=self._request())
 
     async def _read_bounded(self, response: aiohttp.ClientResponse) -> bytes:
         """The body, refused (:class:`ResponseTooLarge`) as soon as it is known to be over the
