@@ -89,7 +89,8 @@ async def runtime_and_agent(start: Callable[..., WorkerProcess], **agent_env: st
 
 @pytest.mark.parametrize(
     ("point", "nth"),
-    [("agent_before_llm", 5), ("agent_after_response", 4), ("agent_between_actions", 3)],
+    # (``before_ack``: the batch's acknowledgement held for the loop's next read, never sent)
+    [("agent_before_llm", 5), ("agent_after_response", 4), ("agent_between_actions", 3), ("before_ack", 4)],
 )
 async def test_a_worker_killed_in_the_loop_loses_nothing_and_repeats_nothing(
     bus: Bus,

@@ -57,6 +57,33 @@ async def test_reads_asked_together_go_in_one_command_and_each_gets_its_own_entr
     assert await reads.read(keys[0]) == []
 
 
+async def test_writes_held_for_a_read_are_made_in_its_round_trip_grouped_or_alone(bus: Bus, backend: str) -> None:
+    """The agent role acknowledges a batch, and saves its run's summary, with its loop's next
+    read (``SessionContext.ack_with_read``): each loop's writes are made, and its read still
+    gets only its own entries."""
+    sessions = [f"w{i}" for i in range(3)]
+    keys = await _logs(bus, sessions)
+    reads = GroupedReads(bus.client, GROUP, "w1", 1)  # (one entry a read: the first is delivered, then acked)
+    assert [_thoughts(e) for e in await _together([lambda k=k: reads.read(k) for k in keys])] == [
+        [f"{s} 1"] for s in sessions
+    ]
+
+    def writes(session: str, key: str) -> list[tuple[str, ...]]:
+        return [("XACK", key, GROUP, "1-0"), ("SET", bus.keys.run(session), f"{session} saved")]
+
+    got = await _together([lambda s=s, k=k: reads.read(k, writes(s, k)) for s, k in zip(sessions, keys, strict=True)])
+    assert [_thoughts(e) for e in got] == [[f"{s} 2"] for s in sessions]
+    assert (reads.gather.round_trips, reads.gather.items) == ((2, 6) if backend == "standalone" else (0, 0))
+    for session, key in zip(sessions, keys, strict=True):
+        pending = await bus.client.xpending_range(key, GROUP, min="-", max="+", count=10)
+        assert [p["message_id"] for p in pending] == [b"2-0"]  # (the first acknowledged)
+        assert await bus.client.raw.get(bus.keys.run(session)) == f"{session} saved".encode()
+    # A loop reading alone makes its writes too (one round trip on a standalone Redis).
+    assert await reads.read(keys[0], [("XACK", keys[0], GROUP, "2-0"), ("SET", bus.keys.run("w0"), "again")]) == []
+    assert await bus.client.xpending_range(keys[0], GROUP, min="-", max="+", count=10) == []
+    assert await bus.client.raw.get(bus.keys.run("w0")) == b"again"
+
+
 async def test_a_log_without_its_group_fails_only_its_own_read(bus: Bus) -> None:
     """One missing group fails a grouped XREADGROUP as a whole (NOGROUP): every loop then reads
     alone, the others get their entries and the one without a group meets its own error."""

@@ -373,8 +373,8 @@ async def _end_queued(bus: Bus, session_id: str, fold: RunFold, cancel_id: int) 
     parent = ended.delegated.parent if ended.delegated else None
     summary = summarize(session_id, ended.run, parent=parent)
     async with bus.client.pipeline() as pipe:
-        pipe.set(bus.keys.run(session_id), msgspec.json.encode(msgspec.structs.replace(summary, updated=time.time())))
-        run_index.queue_summary(pipe, bus.keys, summary)
+        for command in run_index.summary_writes(bus.keys, summary):
+            pipe.command(*command)
         await pipe.execute()
     if tenant is not None:
         await Quotas(bus.log_store).release(tenant, session_id)

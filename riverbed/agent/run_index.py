@@ -33,7 +33,7 @@ import msgspec
 
 from riverbed.agent.runs import RunSummary, saved_summary
 from riverbed.bus.keys import AGENT_ROLE, Keys
-from riverbed.bus.redis_client import Pipeline, RedisClient
+from riverbed.bus.redis_client import Arg, Pipeline, RedisClient
 from riverbed.errors import InputError
 
 __all__ = [
@@ -46,9 +46,11 @@ __all__ = [
     "candidates",
     "decode_cursor",
     "encode_cursor",
+    "index_writes",
     "queue_opened",
     "queue_summary",
     "scan",
+    "summary_writes",
     "trim",
 ]
 
@@ -75,18 +77,30 @@ def queue_opened(
         pipe.hdel(keys.runs_agents, session)
 
 
-def queue_summary(pipe: Pipeline, keys: Keys, summary: RunSummary, *, now: float | None = None) -> None:
+def summary_writes(keys: Keys, summary: RunSummary) -> list[tuple[Arg, ...]]:
+    """The writes that save ``summary`` (stamped now) and index its run as it now stands."""
+    saved = msgspec.json.encode(msgspec.structs.replace(summary, updated=time.time()))
+    return [("SET", keys.run(summary.session), saved), *index_writes(keys, summary)]
+
+
+def index_writes(keys: Keys, summary: RunSummary, *, now: float | None = None) -> list[tuple[Arg, ...]]:
     """The writes that index ``summary``'s run as it now stands (open, or ended now)."""
-    session, opened_at = summary.session, summary.opened_at
-    pipe.zadd(keys.runs, {session: opened_at})
+    session, opened = summary.session, repr(summary.opened_at)
+    writes: list[tuple[Arg, ...]] = [("ZADD", keys.runs, opened, session)]
     if summary.tenant is not None:
-        pipe.zadd(keys.tenant_runs(summary.tenant), {session: opened_at})
+        writes.append(("ZADD", keys.tenant_runs(summary.tenant), opened, session))
     if summary.state == "running":
-        pipe.zadd(keys.runs_open, {session: opened_at})
-        pipe.zrem(keys.runs_ended, session)
+        writes += [("ZADD", keys.runs_open, opened, session), ("ZREM", keys.runs_ended, session)]
     else:
-        pipe.zrem(keys.runs_open, session)
-        pipe.zadd(keys.runs_ended, {session: time.time() if now is None else now}, nx=True)
+        ended = repr(time.time() if now is None else now)
+        writes += [("ZREM", keys.runs_open, session), ("ZADD", keys.runs_ended, "NX", ended, session)]
+    return writes
+
+
+def queue_summary(pipe: Pipeline, keys: Keys, summary: RunSummary, *, now: float | None = None) -> None:
+    """Queue :func:`index_writes` on ``pipe``."""
+    for command in index_writes(keys, summary, now=now):
+        pipe.command(*command)
 
 
 async def trim(redis: RedisClient, keys: Keys, retention: float, *, now: float | None = None) -> int:

@@ -14,6 +14,7 @@ error, a cancellation, a caller that stopped early) is closed rather than reused
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ import redis.exceptions as rexc
 
 from riverbed.bus.connection import RawClient, Shared, Turn, release_at_once, translate
 
-__all__ = ["Exchange", "exchange", "stream_entries"]
+__all__ = ["Exchange", "exchange", "stream_entries", "stream_entries_by_key", "written"]
 
 
 class Exchange:
@@ -103,16 +104,29 @@ def exchange(client: RawClient, *commands: Sequence[Any], url: str = "") -> Exch
     return Exchange(client, commands, url)
 
 
+async def written(replies: Exchange, count: int) -> None:
+    """Read the replies of ``count`` writes sent first (held writes: an error reply is the
+    server refusing a write it would refuse again, and stops nothing)."""
+    for _ in range(count):
+        with contextlib.suppress(rexc.ResponseError):
+            await replies.read()
+
+
 def stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
     """The (entry id, fields) pairs of a raw ``XREAD``/``XREADGROUP`` reply (RESP2 or RESP3)."""
+    return [entry for _key, entries in stream_entries_by_key(reply) for entry in entries]
+
+
+def stream_entries_by_key(reply: Any) -> list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]:
+    """Each stream's key and (entry id, fields) pairs in a raw ``XREAD``/``XREADGROUP`` reply."""
     if not reply:
         return []
-    streams = reply.values() if isinstance(reply, dict) else (entries for _key, entries in reply)
-    out: list[tuple[bytes, dict[bytes, bytes]]] = []
-    for entries in streams:
+    streams = reply.items() if isinstance(reply, dict) else reply
+    out: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = []
+    for key, entries in streams:
+        pairs: list[tuple[bytes, dict[bytes, bytes]]] = []
         for raw_id, flat in entries:
-            if flat is None:  # an entry deleted while pending
-                out.append((raw_id, {}))
-            else:
-                out.append((raw_id, dict(zip(flat[::2], flat[1::2], strict=True))))
+            # (an entry deleted while pending has no fields)
+            pairs.append((raw_id, {} if flat is None else dict(zip(flat[::2], flat[1::2], strict=True))))
+        out.append((key, pairs))
     return out

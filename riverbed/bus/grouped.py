@@ -36,6 +36,7 @@ import anyio.lowlevel
 import redis.exceptions as rexc
 
 from riverbed.bus.connection import translate
+from riverbed.bus.exchange import stream_entries, stream_entries_by_key, written
 from riverbed.bus.log import PreparedAppend
 from riverbed.bus.redis_client import Arg, PendingEntry, RedisClient, Script, StreamEntry
 
@@ -131,27 +132,49 @@ class Gather(Generic[T, R]):
 
 
 class GroupedReads:
-    """New entries of one role's sessions, read together when their loops ask together."""
+    """New entries of one role's sessions, read together when their loops ask together.
+
+    A loop's held writes (``SessionContext.ack_with_read``: the agent role's acknowledgements
+    and run summaries) go in the same write, before the read."""
 
     def __init__(self, client: RedisClient, group: str, consumer: str, count: int) -> None:
         self._client = client
         self._group = group
         self._consumer = consumer
         self._count = count
-        self.gather: Gather[str, list[StreamEntry]] = Gather(client, self._send)
+        self.gather: Gather[tuple[str, Sequence[tuple[Arg, ...]]], list[StreamEntry]] = Gather(client, self._send)
 
-    async def read(self, key: str) -> list[StreamEntry]:
-        """The new entries of the log at ``key`` for this owner (none waited for)."""
-        got = await self.gather.join(key)
+    async def read(self, key: str, writes: Sequence[tuple[Arg, ...]] = ()) -> list[StreamEntry]:
+        """The new entries of the log at ``key`` for this owner (none waited for), after ``writes``."""
+        got = await self.gather.join((key, writes))
         if not isinstance(got, _Alone):
             return got
+        read = ("XREADGROUP", "GROUP", self._group, self._consumer, "COUNT", self._count, "STREAMS", key, ">")
+        if writes:
+            async with self._client.exchange(*writes, read) as replies:
+                if replies is not None:
+                    await written(replies, len(writes))
+                    return stream_entries(await replies.read())
+            async with self._client.pipeline() as pipe:  # a cluster: the writes' keys may be anywhere
+                for command in writes:
+                    pipe.command(*command)
+                await pipe.execute(raise_on_error=False)
         return await self._client.xreadgroup(self._group, self._consumer, key, ">", count=self._count)
 
-    async def _send(self, keys: list[str]) -> list[list[StreamEntry] | _Alone]:
+    async def _send(self, items: list[tuple[str, Sequence[tuple[Arg, ...]]]]) -> list[list[StreamEntry] | _Alone]:
+        keys = [key for key, _writes in items]
         if len(set(keys)) < len(keys):  # one loop per session: never expected, never wrong
             return [ALONE] * len(keys)
-        got = await self._client.xreadgroup_many(self._group, self._consumer, keys, count=self._count)
-        return [got.get(key, []) for key in keys]
+        writes = [command for _key, held in items for command in held]
+        read = ("XREADGROUP", "GROUP", self._group, self._consumer, "COUNT", self._count, "STREAMS", *keys)
+        read += (">",) * len(keys)
+        async with self._client.exchange(*writes, read) as replies:
+            if replies is None:
+                return [ALONE] * len(keys)
+            await written(replies, len(writes))
+            got = await replies.read()
+        by_key = dict(stream_entries_by_key(got))
+        return [by_key.get(key.encode(), []) for key in keys]
 
 
 class GroupedAnswers:

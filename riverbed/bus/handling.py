@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -26,7 +26,7 @@ from riverbed.bus.grouped import ALONE
 from riverbed.bus.handles import Handles, OwnerStats
 from riverbed.bus.keys import PAYLOAD_FIELD
 from riverbed.bus.log import AlreadyAnswered, Fence, PreparedAppend, answered_cause, decode_entry, entry_id
-from riverbed.bus.redis_client import Pipeline
+from riverbed.bus.redis_client import Arg
 from riverbed.errors import AppendConflict
 
 __all__ = ["Answer", "Entry", "Handler", "OwnerStats", "SessionContext"]
@@ -105,6 +105,8 @@ class SessionContext:
         self.tenant: str | None = meta[0] if meta else None
         self._created_stamp: str | None = meta[1] if meta else None
         self._tenant_read = meta is not None
+        self.held_writes: list[tuple[Arg, ...]] = []
+        """Writes the session loop sends in the round trip of its next read (:meth:`ack_with_read`)."""
 
     async def answer(
         self, entry: Entry, observation: events.Observation, *, ack: bool = True, together: bool = False
@@ -224,22 +226,52 @@ class SessionContext:
             self._stats.append_conflicts += 1
             raise
 
-    async def ack(self, ids: Sequence[int], *, along: Callable[[Pipeline], None] | None = None) -> None:
-        """Acknowledge ``ids``; ``along`` queues other writes to go in the same round trip (the
-        agent role's run summary)."""
-        if not ids and along is None:
+    async def ack(self, ids: Sequence[int]) -> None:
+        """Acknowledge ``ids``."""
+        if not ids:
             return
         crashpoint("before_ack")
         handles = self._handles
-        key, acked = handles.keys.log(self.session), [f"{i}-0" for i in ids]
-        if along is None:
-            await handles.client.xack(key, self.role, *acked)
+        await handles.client.xack(handles.keys.log(self.session), self.role, *[f"{i}-0" for i in ids])
+
+    def ack_with_read(self, ids: Sequence[int], *, along: Sequence[tuple[Arg, ...]] = ()) -> None:
+        """Acknowledge ``ids``, and make the writes ``along`` (commands as Redis takes them), in
+        the round trip of the session loop's next read rather than one of their own: that read
+        follows the handler's return at once, and anything else the loop sends goes after them.
+
+        For a handler that folds the log itself (the agent role): a batch delivered again because
+        its worker stopped before that read is folded already, and handling it finds what the
+        log calls for, as before.  The writes must be safe to make twice."""
+        if ids:
+            key = self._handles.keys.log(self.session)
+            self.held_writes.append(("XACK", key, self.role, *[f"{i}-0" for i in ids]))
+        self.held_writes.extend(along)
+
+    def take_writes(self) -> list[tuple[Arg, ...]]:
+        """The held writes, for the caller to send (:meth:`hold_again` those it could not)."""
+        writes, self.held_writes = self.held_writes, []
+        if writes:
+            crashpoint("before_ack")
+        return writes
+
+    def hold_again(self, writes: list[tuple[Arg, ...]]) -> None:
+        """Writes taken and not known to be made: they go first with the next read."""
+        if writes:
+            self.held_writes[:0] = writes
+
+    async def send_writes(self) -> None:
+        """Send the held writes now, on their own."""
+        writes = self.take_writes()
+        if not writes:
             return
-        async with handles.client.pipeline() as pipe:
-            along(pipe)
-            if acked:
-                pipe.xack(key, self.role, *acked)
-            await pipe.execute()
+        try:
+            async with self._handles.client.pipeline() as pipe:
+                for command in writes:
+                    pipe.command(*command)
+                await pipe.execute(raise_on_error=False)  # (one the server refuses would be refused again)
+        except BaseException:
+            self.hold_again(writes)
+            raise
 
     async def claim(self, entry: Entry, *, force: bool = False, again: Claimed | None = None) -> Claimed:
         """Claim ``entry`` with the owner's fencing token before running it (``bus/action_claims.py``);

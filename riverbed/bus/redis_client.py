@@ -436,6 +436,11 @@ class Pipeline:
         self._replies.append(reply)
         return reply
 
+    def command(self, *args: Arg) -> Reply[Any]:
+        """Any command as Redis takes it (a held write, ``SessionContext.ack_with_read``); its raw reply."""
+        self._pipe.execute_command(*args)
+        return self._queued()
+
     def evalsha(self, sha: str, keys: Sequence[str], args: Sequence[Arg]) -> Reply[Any]:
         """A script already loaded (:meth:`RedisClient.script_load`); ``NOSCRIPT`` otherwise."""
         self._pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)

@@ -1,4 +1,4 @@
-"""The loop serving one owned session: read, recover strays, park, send the answer with the next read.
+"""The loop serving one owned session: read, recover strays, park, send what it holds with the next read.
 
 It creates the role's consumer group on the log, watches the session's wake-ups
 (``bus/wakeups.py``), hands entries that were in flight on the previous owner to the handler's
@@ -7,7 +7,9 @@ connection pool) whenever the session's bell rings, and at least every few secon
 also recovers entries left pending with nobody working on them (a delivery whose reply was
 lost with a broken connection, or one that a stale owner read after the takeover).  An answer
 the handler returned (:class:`~riverbed.bus.handling.Answer`) goes out in one write with the
-next read (``bus/exchange.py``); anything else the loop does first sends it on its own.
+next read (``bus/exchange.py``), and so do the writes the handler held for it
+(``SessionContext.ack_with_read``: the agent role's acknowledgements and run summaries);
+anything else the loop does first sends them on their own.
 
 A session idle for ``park_after`` is parked: released without an owner until its next append
 announces it again.  One whose handler says it ``retires`` (the agent role, once the run ended)
@@ -31,7 +33,7 @@ import structlog
 
 from riverbed.bus.backoff import Backoff
 from riverbed.bus.connection import group_lost
-from riverbed.bus.exchange import stream_entries
+from riverbed.bus.exchange import stream_entries, written
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.handles import READ_COUNT, Handles, Owned, OwnerState
 from riverbed.bus.handling import Answer, Entry, Handler, SessionContext
@@ -255,6 +257,7 @@ class SessionLoop:
         held, self.held = self.held, None
         if held is not None:
             await self.ctx.answer(*held, together=together)
+        await self.ctx.send_writes()
 
     async def _read_and_dispatch(self) -> bool:
         """Read new entries (never blocking) and dispatch them; False when none came."""
@@ -285,8 +288,9 @@ class SessionLoop:
             hot.slots.release_on_behalf_of(self)
 
     async def _read_on(self, client: RedisClient, block_ms: int | None) -> list[StreamEntry]:
-        """New entries read on ``client`` (waiting up to ``block_ms``); an answer held for this
-        read goes out in the same round trip, and its outcome is handled before the read returns."""
+        """New entries read on ``client`` (waiting up to ``block_ms``); the writes and the answer
+        held for this read go out in the same round trip, and the answer's outcome is handled
+        before the read returns."""
         handles, ctx = self.handles, self.ctx
         key = handles.keys.log(self.session)
         if block_ms is None and self.held is not None:
@@ -295,30 +299,42 @@ class SessionLoop:
             # loop reads again only if the bell rang.
             answer, self.held = self.held, None
             await ctx.answer(*answer, together=True)
+            await ctx.send_writes()
             return []
         self.mark = self.bell.rung
         held, self.held = self.held, None
-        if held is not None:
-            read: tuple[Any, ...] = ("XREADGROUP", "GROUP", handles.role, handles.worker, "COUNT", READ_COUNT)
-            if block_ms is not None:
-                read += ("BLOCK", block_ms)
-            read += ("STREAMS", key, ">")
-            prepared = ctx.prepare_answer(*held)
-            answered = False
-            try:
-                await handles.log.append_script.load()
-                async with client.exchange(prepared.command, read) as replies:
-                    if replies is not None:
-                        await ctx.answered(held.entry, await prepared.outcome(await replies.read()))
-                        answered = True
-                        return stream_entries(await replies.read())
-            except (rexc.NoScriptError, UnavailableError):
-                if answered:
-                    raise  # the loop backs off; entries this read may have taken are recovered as strays
-            if not answered:
-                await ctx.answer(*held)
+        writes = ctx.take_writes()
         if block_ms is None:
-            return await handles.reads.read(key)
+            try:
+                return await handles.reads.read(key, writes)
+            except BaseException:
+                ctx.hold_again(writes)
+                raise
+        if held is None and not writes:
+            return await client.xreadgroup(handles.role, handles.worker, key, ">", count=READ_COUNT, block=block_ms)
+        read: tuple[Any, ...] = ("XREADGROUP", "GROUP", handles.role, handles.worker, "COUNT", READ_COUNT)
+        read += ("BLOCK", block_ms)
+        read += ("STREAMS", key, ">")
+        prepared = None if held is None else ctx.prepare_answer(*held)
+        try:
+            if prepared is not None:
+                await handles.log.append_script.load()
+            async with client.exchange(*writes, *([] if prepared is None else [prepared.command]), read) as replies:
+                if replies is not None:
+                    await written(replies, len(writes))
+                    writes = []
+                    if held is not None and prepared is not None:
+                        await ctx.answered(held.entry, await prepared.outcome(await replies.read()))
+                        held = None
+                    return stream_entries(await replies.read())
+        except (rexc.NoScriptError, UnavailableError):
+            if held is None:
+                raise  # the loop backs off; entries this read may have taken are recovered as strays
+        finally:
+            ctx.hold_again(writes)  # (not known to be made: they go again, first)
+        if held is not None:
+            await ctx.answer(*held)
+        await ctx.send_writes()
         return await client.xreadgroup(handles.role, handles.worker, key, ">", count=READ_COUNT, block=block_ms)
 
     async def _recover_stray(self) -> bool:
@@ -336,7 +352,7 @@ class SessionLoop:
 
     async def _send_held_answer(self) -> None:
         """Send an answer still held when the loop ends (stopping, cancelled, failed)."""
-        if self.held is None:
+        if self.held is None and not self.ctx.held_writes:
             return
         try:
             with anyio.move_on_after(self.handles.lease_seconds):

@@ -81,7 +81,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 import openai
 import structlog
 from anyio.abc import TaskStatus
@@ -135,7 +134,6 @@ from riverbed.agent.window import asked_to_condense, exceeds_context, too_long, 
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.handling import Entry, SessionContext
 from riverbed.bus.keys import AGENT_ROLE
-from riverbed.bus.redis_client import Pipeline
 from riverbed.bus.status import live_workers
 from riverbed.bus.wakeups import Wakeups
 from riverbed.errors import AppendConflict, ConfigError, FencedError, RiverbedError, TenantMismatch
@@ -454,8 +452,10 @@ class AgentHandler:
             for entry in entries:
                 state.add(entry.event)
         await self._advance(ctx, state)
-        summary = self._summary_due(ctx, state)  # (saved in the round trip that acknowledges the batch)
-        await ctx.ack([e.id for e in entries], along=None if summary is None else partial(_queue_summary, ctx, summary))
+        # Acknowledged, and the run's summary saved, in the round trip of the loop's next read.
+        summary = self._summary_due(ctx, state)
+        along = () if summary is None else run_index.summary_writes(ctx.log.keys, summary)
+        ctx.ack_with_read([e.id for e in entries], along=along)
         if summary is not None:
             state.summary, state.saved_at = summary, time.monotonic()
         if self.pace is not None and state.calls:
@@ -1394,16 +1394,10 @@ class AgentHandler:
             if replace(summary, **counters) == saved:
                 return
         async with ctx.log.redis.pipeline() as pipe:
-            _queue_summary(ctx, summary, pipe)
+            for command in run_index.summary_writes(ctx.log.keys, summary):
+                pipe.command(*command)
             await pipe.execute()
         state.summary, state.saved_at = summary, time.monotonic()
-
-
-def _queue_summary(ctx: SessionContext, summary: RunSummary, pipe: Pipeline) -> None:
-    """The writes that save ``summary`` (``riverbed runs`` lists the session by when its run opened)."""
-    keys = ctx.log.keys
-    pipe.set(keys.run(ctx.session), msgspec.json.encode(replace(summary, updated=time.time())))
-    run_index.queue_summary(pipe, keys, summary)
 
 
 def _as_built(request: dict[str, Any]) -> dict[str, Any]:
