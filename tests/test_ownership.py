@@ -10,13 +10,15 @@ import msgspec
 import pytest
 
 from riverbed import events
+from riverbed.bus.consumer import Owner, SessionContext
 from riverbed.bus.dlq import DeadLetters
 from riverbed.bus.leases import Claim, Leases
 from riverbed.bus.log import Fence
 from riverbed.client.session import Bus
 from riverbed.errors import FencedError
+from tests.kit.agent_faults import wait_until
 from tests.kit.leases import ROLE, acquired, expiries
-from tests.kit.owners import make_owner
+from tests.kit.owners import EchoHandler, make_owner
 from tests.kit.patience import within
 
 pytestmark = pytest.mark.anyio
@@ -72,7 +74,7 @@ async def test_takeover_bumps_the_fencing_token(bus: Bus) -> None:
     assert got_new.token == 2
     with pytest.raises(FencedError):
         await bus.log_store.append("t", [events.Think(thought="zombie")], fence=Fence("runtime", got_old.token))
-    assert await old.renew({"t": ("0-1", got_old.token)}) == {"t"}
+    assert (await old.renew({"t": ("0-1", got_old.token)})).lost == {"t"}
 
 
 async def test_renewal_reloads_scripts_a_node_lost(bus: Bus) -> None:
@@ -82,11 +84,11 @@ async def test_renewal_reloads_scripts_a_node_lost(bus: Bus) -> None:
     before = await expiries(bus, names)
     await bus.redis.script_flush()
     await anyio.sleep(0.01)
-    assert await leases.renew(owned) == set()
+    assert (await leases.renew(owned)).lost == set()
     after = await expiries(bus, names)
     assert all(a > b for a, b in zip(after, before, strict=True))
     owned["r0"] = (owned["r0"][0], owned["r0"][1] + 1)  # a stale token is a lost lease
-    assert await leases.renew(owned) == {"r0"}
+    assert (await leases.renew(owned)).lost == {"r0"}
 
 
 async def test_a_worker_holding_more_sessions_than_a_renewal_call_takes_renews_each_and_loses_only_the_stale(
@@ -115,13 +117,58 @@ async def test_a_worker_holding_more_sessions_than_a_renewal_call_takes_renews_e
 
     monkeypatch.setattr(leases.redis, "pipeline", counted)
     await bus.redis.script_flush()  # the round is sent again once the scripts are loaded
-    assert await leases.renew(owned) == {"many7", "many1050", "many600"}
+    assert (await leases.renew(owned)).lost == {"many7", "many1050", "many600"}
     # Every chunk's script and XCLAIM in one write (two with the reload): a busy worker's
     # commands each wait for a connection and a turn, and a renewal in many waits ran out.
     assert len(pipelines) == 2
     expires = await expiries(bus, names)
     moved = {name for name, value in zip(names, expires, strict=True) if value > 1}
     assert moved == set(names) - {"many7", "many1050", "many600"}
+
+
+class _Contexts(EchoHandler):
+    """The echo handler, keeping each session's context (to ask it whether the lease holds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.contexts: dict[str, SessionContext] = {}
+
+    async def open(self, ctx: SessionContext) -> None:
+        self.contexts[ctx.session] = ctx
+
+
+async def test_an_owner_knows_it_holds_a_lease_its_renewal_confirmed_and_asks_redis_once_that_is_old(
+    bus: Bus,
+) -> None:
+    """``SessionContext.holds`` (what the agent role's model call waits for): no read while the
+    owner's last confirmed renewal was sent less than three quarters of a lease ago; past that
+    (the process was paused), Redis is asked, and a peer's lease there is seen."""
+    handler = _Contexts()
+    owner = Owner(bus.redis, bus.keys, handler, worker="w1", url=bus.url, lease_seconds=2)
+    meta = bus.keys.meta
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        for session in ("known", "paused"):
+            assert isinstance(await bus.session(session).act(events.FileRead(path="p"), timeout=5), events.FileContent)
+        await wait_until(
+            lambda: all(owner.owned[s].renewed > 0 for s in ("known", "paused")), 2, "no renewal confirmed"
+        )
+        known, paused = handler.contexts["known"], handler.contexts["paused"]
+        assert await known.holds()
+        assert await paused.holds()
+
+        # Another holder written under the owner (never a peer's doing within the lease): not read.
+        await bus.redis.hset(meta("known"), "holder:runtime", "w2")
+        assert await known.holds()
+        # The next renewal finds the lease lost: from then on, not held.
+        await wait_until(lambda: "known" not in owner.owned, 2, "the renewal did not find the lease lost")
+        assert not await known.holds()
+
+        # A renewal sent a lease ago (the owner was paused since): Redis is asked.
+        owner.owned["paused"].renewed -= 2.0
+        await bus.redis.hset(meta("paused"), "holder:runtime", "w2")
+        assert not await paused.holds()
+        await owner.drain(2)
 
 
 async def test_poison_entries_are_dead_lettered_and_the_worker_goes_on(bus: Bus) -> None:
@@ -235,7 +282,7 @@ async def test_a_lease_taken_from_a_set_aside_stream_is_renewed_there_and_reclai
     assert aside.session == "aside"
     got = await first.acquire(aside)
     assert got.token > 0
-    assert await first.renew({"aside": (aside.entry, got.token)}) == set()
+    assert (await first.renew({"aside": (aside.entry, got.token)})).lost == set()
 
     second = Leases(bus.redis, bus.keys, ROLE, worker="w2", lease_ms=300, url=bus.url)
     await second.ensure_group()

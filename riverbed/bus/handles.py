@@ -146,6 +146,9 @@ class Owned:
     """Its lease renewal failed (another owner holds it now): the loop was cancelled for it."""
     meta: tuple[str | None, str] | None = None
     """The session's tenant and creation stamp as the acquire read them (None: not read)."""
+    renewed: float = -math.inf
+    """When (``time.monotonic()``) the last renewal Redis confirmed was sent: the lease holds
+    for a lease from then (``SessionContext.holds``)."""
 
     @property
     def tenant(self) -> str | None:

@@ -23,7 +23,7 @@ from riverbed.bus.action_claims import Claimed
 from riverbed.bus.backoff import retry_unavailable
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.grouped import ALONE
-from riverbed.bus.handles import Handles, OwnerStats
+from riverbed.bus.handles import Handles, Owned, OwnerStats
 from riverbed.bus.keys import PAYLOAD_FIELD
 from riverbed.bus.log import AlreadyAnswered, Fence, PreparedAppend, answered_cause, decode_entry, entry_id
 from riverbed.bus.redis_client import Arg
@@ -89,8 +89,12 @@ class SessionContext:
         stopping: anyio.Event | None = None,
         stats: OwnerStats | None = None,
         ignores_own_answers: bool = False,
+        owned: Owned | None = None,
     ) -> None:
         self._handles = handles
+        self._owned = owned
+        """The owner's record of the session (its renewals: :meth:`holds`); None, a handler
+        driven without an owner."""
         self._stopping = stopping if stopping is not None else anyio.Event()
         self._stats = stats if stats is not None else OwnerStats()
         self._ignores_own_answers = ignores_own_answers
@@ -285,13 +289,24 @@ class SessionContext:
         )
 
     async def holds(self) -> bool:
-        """Whether this worker still holds the session with this context's fencing token (one
-        read): work that costs outside the log (a model call) asks first, so an owner paused past
-        its lease and resumed does not do it again for a session a peer has taken over.
+        """Whether this worker still holds the session with this context's fencing token: work
+        that costs outside the log (a model call) asks first, so an owner paused past its lease
+        and resumed does not do it again for a session a peer has taken over.
 
-        A reply that took more than a quarter of the lease to come is asked for again: the
-        process may have been paused while it waited (it says what held before the pause)."""
+        Known without a round trip while the owner's last renewal Redis confirmed was sent less
+        than three quarters of a lease ago (renewals go every quarter: a live owner's always
+        was): no peer takes a session before its lease ran out.  Else one read, and a reply
+        that took more than a quarter of the lease to come is asked for again: the process may
+        have been paused while it waited (it says what held before the pause)."""
         handles = self._handles
+        owned = self._owned
+        if (
+            owned is not None
+            and not owned.lost
+            and owned.token == self.fence.token
+            and time.monotonic() - owned.renewed < handles.lease_seconds * 3 / 4
+        ):
+            return True
         while True:
             asked = time.monotonic()
             held = await handles.leases.holds(self.session, self.fence.token)

@@ -17,6 +17,7 @@ session is taken as new.  A loop that keeps failing is recorded in the owner's f
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -178,19 +179,24 @@ class LeaseLoops:
             await anyio.sleep(max(0.0, due - now))
             snapshot = {s: (o.entry, o.token) for s, o in state.owned.items()}
             crashpoint("during_renew")
+            sent = time.monotonic()
             try:
-                lost = await self.leases.renew(snapshot)
+                renewed = await self.leases.renew(snapshot)
             except Exception as exc:
                 await self._round_failed("renew", exc, pause=False)  # the schedule paces it
                 continue
             state.failures.clear("renew")
-            for session in lost:
+            for session in renewed.lost:
                 owned = state.owned.get(session)
                 if owned is not None:
                     log.warning("lease.lost", role=self.role, session=session)
                     state.stats.lost += 1
                     owned.lost = True
                     owned.scope.cancel()
+            for session, (_entry, token) in snapshot.items():
+                owned = state.owned.get(session)
+                if owned is not None and owned.token == token and session not in renewed.lost | renewed.unanswered:
+                    owned.renewed = sent
 
     async def _round(self, loop: str, read: Callable[[], Awaitable[list[Claim]]], *, reclaimed: bool) -> None:
         """One round of intake or reclaim: read claims, take them; a failure is recorded (and

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
     from riverbed.bus.grouped import Batched
 
-__all__ = ["Claim", "Leases"]
+__all__ = ["Claim", "Leases", "Renewed"]
 
 log = structlog.get_logger("riverbed.worker")
 
@@ -96,6 +96,16 @@ class Acquired:
     """With token 0: how long the holder's lease still runs."""
     meta: tuple[str | None, str] | None = None
     """With a token: the session's tenant and creation stamp, read by the acquire."""
+
+
+@dataclass(frozen=True)
+class Renewed:
+    """What a round of renewals found: the sessions ``lost`` (another owner's now) and those whose
+    reply a lost connection took (``unanswered``: the next round asks again); every other
+    session of the round is held for a lease from when the round was sent."""
+
+    lost: set[str]
+    unanswered: set[str]
 
 
 class Leases:
@@ -258,9 +268,10 @@ class Leases:
         holder, fence = await self.redis.hmget(self.keys.meta(session), fields)
         return holder is not None and _text(holder) == self.worker and fence is not None and int(fence) == token
 
-    async def renew(self, owned: dict[str, tuple[str, int]]) -> set[str]:
-        """Renew every owned session (session -> (entry, token)); returns the sessions lost (not
-        those whose reply was a lost connection: :func:`_unanswered`, logged once a round).
+    async def renew(self, owned: dict[str, tuple[str, int]]) -> Renewed:
+        """Renew every owned session (session -> (entry, token)): the sessions lost, and those
+        whose reply was a lost connection (:func:`_unanswered`, logged once a round: not known
+        to be lost); every other one was renewed.
 
         On a standalone Redis, one script renews them all (:meth:`_renew_standalone`).  On a
         cluster, one pipeline of RENEW calls, one round trip per node (the client splits it by
@@ -269,22 +280,23 @@ class Leases:
         ``NOSCRIPT``; then the script is loaded on every primary and the round is repeated.
         """
         if not owned:
-            return set()
+            return Renewed(set(), set())
         items = list(owned.items())
         if not self.redis.cluster:
             return await self._renew_standalone(items)
         replies = await self._sent_with_script(partial(self._renew_round, items), scripts.RENEW)
-        lost: set[str] = set()
-        unanswered: list[Exception] = []
+        renewed = Renewed(set(), set())
+        errors: list[Exception] = []
         for (session, _), ok in zip(items, replies, strict=True):
             if (error := _unanswered(ok)) is not None:
-                unanswered.append(error)
+                errors.append(error)
+                renewed.unanswered.add(session)
             elif ok.error is not None or ok.value != 1:
-                lost.add(session)
-        _warn_unanswered(self.role, len(items), unanswered)
-        return lost
+                renewed.lost.add(session)
+        _warn_unanswered(self.role, len(items), errors)
+        return renewed
 
-    async def _renew_standalone(self, items: list[tuple[str, tuple[str, int]]]) -> set[str]:
+    async def _renew_standalone(self, items: list[tuple[str, tuple[str, int]]]) -> Renewed:
         """On a standalone Redis, one RENEW_ALL script per :data:`RENEW_CHUNK` sessions and one
         ``XCLAIM`` of their entries: a worker holding a thousand sessions renews them in a few
         commands, not a thousand scripts (the worker's and Redis's CPU).  They all go in one
@@ -293,18 +305,19 @@ class Leases:
         turn, ran out under a burst of new sessions."""
         chunks = [items[start : start + RENEW_CHUNK] for start in range(0, len(items), RENEW_CHUNK)]
         replies = await self._sent_with_script(partial(self._renew_all_round, chunks), scripts.RENEW_ALL)
-        lost: set[str] = set()
-        unanswered: list[Exception] = []
+        out = Renewed(set(), set())
+        errors: list[Exception] = []
         for chunk, reply in zip(chunks, replies, strict=True):
             if (error := _unanswered(reply)) is not None:
-                unanswered.append(error)
+                errors.append(error)
+                out.unanswered.update(session for session, _ in chunk)
                 continue
             renewed = reply.value if reply.error is None else ()
-            lost.update(
+            out.lost.update(
                 session for index, (session, _) in enumerate(chunk) if index >= len(renewed) or int(renewed[index]) != 1
             )
-        _warn_unanswered(self.role, len(items), unanswered)
-        return lost
+        _warn_unanswered(self.role, len(items), errors)
+        return out
 
     async def _sent_with_script(self, send: Callable[[], Awaitable[list[Reply[Any]]]], script: str) -> list[Reply[Any]]:
         """``send()``'s replies, sent once more after loading ``script`` when a node had lost it

@@ -112,6 +112,7 @@ class SessionLoop:
             stopping=state.stopping,
             stats=state.stats,
             ignores_own_answers=handler.ignores_own_answers,
+            owned=owned,
         )
         self.held: Answer | None = None
         self.hot = False
