@@ -92,6 +92,12 @@ async def test_a_token_report_counts_once(bus: Bus) -> None:
     assert await quotas.count_tokens("acme", "t", 2, 10) == 160
     assert await quotas.tokens_today("acme") == 160
     assert await quotas.tokens_today("globex") == 0
+    # The same report as a write sent along with others (the agent role's, with its next read).
+    async with bus.client.pipeline() as pipe:
+        for session, spent in (("s", 150), ("t", 30), ("t", 20)):
+            pipe.command(*quotas.count_tokens_write("acme", session, 2, spent))
+        await pipe.execute()
+    assert await quotas.tokens_today("acme") == 180
 
 
 async def test_the_last_slot_goes_to_exactly_one_of_racing_opens(bus: Bus, cli_env: dict[str, str]) -> None:

@@ -49,6 +49,7 @@ from riverbed.agent.runs import RunFold
 from riverbed.agent.usage import tokens
 from riverbed.bus import scripts
 from riverbed.bus.log import Log
+from riverbed.bus.redis_client import Arg
 from riverbed.errors import InputError, QuotaExceeded
 
 __all__ = [
@@ -321,14 +322,22 @@ class Quotas:
     async def count_tokens(self, tenant: str, session: str, run: int, tokens: int) -> int:
         """Report that run ``run`` of ``session`` spent ``tokens`` so far (settling the
         reservation of its call); today's total."""
+        total = await self._count(self._count_keys(tenant), [f"{session}:{run}", tokens, TOKENS_TTL])
+        return int(total)
+
+    def count_tokens_write(self, tenant: str, session: str, run: int, tokens: int) -> tuple[Arg, ...]:
+        """:meth:`count_tokens` as a command to send along with others (``SessionContext.write_with_read``:
+        the script's text, which a server that lost its script cache runs all the same)."""
+        keys = self._count_keys(tenant)
+        return ("EVAL", scripts.COUNT_TOKENS, len(keys), *keys, f"{session}:{run}", tokens, TOKENS_TTL)
+
+    def _count_keys(self, tenant: str) -> list[str]:
         day = today()
-        keys = [
+        return [
             self.keys.tenant_tokens(tenant, day),
             self.keys.tenant_tokens(tenant, _yesterday(day)),
             self.keys.tenant_inflight(tenant),
         ]
-        total = await self._count(keys, [f"{session}:{run}", tokens, TOKENS_TTL])
-        return int(total)
 
     async def reserve_call(
         self, tenant: str, session: str, run: int, quota: TenantQuota, *, estimate: Callable[[], int], ttl: float

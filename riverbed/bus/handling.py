@@ -251,6 +251,12 @@ class SessionContext:
             self.held_writes.append(("XACK", key, self.role, *[f"{i}-0" for i in ids]))
         self.held_writes.extend(along)
 
+    def write_with_read(self, *commands: tuple[Arg, ...]) -> None:
+        """Make the writes ``commands`` in the round trip of the session loop's next read, as
+        :meth:`ack_with_read` does (or with :meth:`send_writes`, when the handler sends them
+        before that: what it does next must see them)."""
+        self.held_writes.extend(commands)
+
     def take_writes(self) -> list[tuple[Arg, ...]]:
         """The held writes, for the caller to send (:meth:`hold_again` those it could not)."""
         writes, self.held_writes = self.held_writes, []

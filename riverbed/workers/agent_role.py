@@ -750,6 +750,7 @@ class AgentHandler:
             elif isinstance(move, CallModel):
                 if not await self._within_budget(ctx, state, run, agent):
                     break  # (the condenser's answer wakes the session)
+                await ctx.send_writes()  # (the tokens of this batch's steps before, counted)
                 refused = await self._over_quota(ctx, state, run)
                 if refused is not None:
                     await self._end(ctx, state, run, "budget_exhausted", refused)
@@ -940,8 +941,9 @@ class AgentHandler:
         self.counters.count(ctx.tenant, step(recorded, 0, self.prices))
         if ctx.tenant is not None:
             # Its own calls only: each sub-agent's run reports its own (its tokens also count into this run's budget).
+            # Counted with the loop's next read, or before this batch's next model call asks for the tenant's room.
             own = run.prompt_tokens + run.completion_tokens
-            await self._quotas_of(ctx).count_tokens(ctx.tenant, ctx.session, run.opened, own)
+            ctx.write_with_read(self._quotas_of(ctx).count_tokens_write(ctx.tenant, ctx.session, run.opened, own))
         crashpoint("agent_after_response")
 
     async def _condensed_retry(
