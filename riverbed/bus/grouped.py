@@ -178,20 +178,30 @@ class GroupedReads:
 
 
 class GroupedAnswers:
-    """Answers' append scripts of one role's sessions, sent together when their loops send together."""
+    """Answers' append scripts of one role's sessions, sent together when their loops send
+    together, each after the writes its loop held for it (``SessionContext.ack_with_read``)."""
 
     def __init__(self, client: RedisClient) -> None:
         self._client = client
-        self.gather: Gather[PreparedAppend, Any] = Gather(client, self._send)
+        self.gather: Gather[tuple[PreparedAppend, Sequence[tuple[Arg, ...]]], Any] = Gather(client, self._send)
 
-    async def reply(self, prepared: PreparedAppend) -> Any:
+    async def reply(self, prepared: PreparedAppend, writes: Sequence[tuple[Arg, ...]] = ()) -> Any:
         """The script's raw reply, or :data:`ALONE`: the caller runs ``prepared`` alone (its
-        idempotency key makes that safe even if the grouped write reached Redis)."""
-        return await self.gather.join(prepared)
+        idempotency key makes that safe even if the grouped write reached Redis), and sends
+        ``writes`` again (they were made, or not)."""
+        return await self.gather.join((prepared, writes))
 
-    async def _send(self, prepared: list[PreparedAppend]) -> list[Any]:
-        await prepared[0].log.append_script.load()
-        return await _exchanged(self._client, [p.command for p in prepared])
+    async def _send(self, items: list[tuple[PreparedAppend, Sequence[tuple[Arg, ...]]]]) -> list[Any]:
+        await items[0][0].log.append_script.load()
+        commands = [command for prepared, writes in items for command in (*writes, prepared.command)]
+        replies = await _exchanged(self._client, commands)
+        out: list[Any] = []
+        at = 0
+        for _prepared, writes in items:
+            at += len(writes)  # (a write the server refused is not the answer's concern)
+            out.append(replies[at])
+            at += 1
+        return out
 
 
 class GroupedPending:

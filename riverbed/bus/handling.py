@@ -119,13 +119,16 @@ class SessionContext:
 
         Returns its id, or None when the action was answered already (then only acks).
         ``ack=False`` leaves the entry pending: the handler is not done with it yet.
-        ``together``: in one write with the answers other loops send in this turn (``bus/grouped.py``).
+        ``together``: in one write with the answers other loops send in this turn (``bus/grouped.py``),
+        and the writes held for the loop's next read go first in it.
         """
         append = self.prepare_answer(entry, observation, ack=ack)
-        reply = await self._handles.answers.reply(append) if together else ALONE
+        writes = self.take_writes() if together else []
+        reply = await self._handles.answers.reply(append, writes) if together else ALONE
         if isinstance(reply, list):
             result = await append.outcome(reply)
         else:  # alone: not asked to group, a cluster, a lone answer, or a grouped write that failed for it
+            self.hold_again(writes)
             # Retried until Redis answers: the one-answer guard makes a repeat of an append that did
             # go through a no-op, and giving up here would make the loop run the action again.
             result = await retry_unavailable(append.run, stopping=self._stopping)
@@ -243,9 +246,10 @@ class SessionContext:
         the round trip of the session loop's next read rather than one of their own: that read
         follows the handler's return at once, and anything else the loop sends goes after them.
 
-        For a handler that folds the log itself (the agent role): a batch delivered again because
-        its worker stopped before that read is folded already, and handling it finds what the
-        log calls for, as before.  The writes must be safe to make twice."""
+        For entries whose handling is safe to repeat: a handler that folds the log itself (the
+        agent role), or entries the handler only looks at (the runtime role's, other than its
+        actions): a batch delivered again because its worker stopped before that read is handled
+        again and changes nothing.  The writes must be safe to make twice."""
         if ids:
             key = self._handles.keys.log(self.session)
             self.held_writes.append(("XACK", key, self.role, *[f"{i}-0" for i in ids]))

@@ -244,11 +244,11 @@ class RuntimeHandler:
             if events.for_runtime(event) and isinstance(event, events.Action) and event.awaits_approval:
                 done.append(entry.id)  # (it runs when an approval names it: see below)
             elif events.for_runtime(event):
-                await ctx.ack(done)
+                ctx.ack_with_read(done)
                 done = []
                 held = await self._claim_and_run(ctx, entry, hold=entry is last)
             elif isinstance(event, events.Approval) and event.source == "user" and event.decision == "approve":
-                await ctx.ack(done)
+                ctx.ack_with_read(done)
                 done = []
                 await self._run_approved(ctx, event)
                 done.append(entry.id)
@@ -262,7 +262,8 @@ class RuntimeHandler:
                 if isinstance(event, events.RunStarted) and event.secrets and ctx.session in self._folds:
                     self._folds[ctx.session].secrets.update(event.secrets)
                 done.append(entry.id)
-        await ctx.ack(done)
+        # (entries other than actions, acknowledged with the loop's next read: looked at again, they change nothing)
+        ctx.ack_with_read(done)
         folded = self._folds.get(ctx.session)
         if folded is not None:
             folded.last = max(folded.last, last.id)
