@@ -38,7 +38,7 @@ import riverbed
 from riverbed import services
 from riverbed.bus.connection import Cluster, connect_redis
 from riverbed.bus.keys import Keys
-from riverbed.bus.leases import Leases
+from riverbed.bus.leases import Leases, Renewed
 from riverbed.bus.redis_client import RedisClient
 from riverbed.client.session import Bus
 from tests.kit.faults import (
@@ -224,22 +224,24 @@ async def test_a_renewal_whose_master_dies_under_it_reports_none_of_its_sessions
     probe = session_names(cluster, bus.keys, cluster.master_of(bus.keys.log("c0")))
     victim = cluster.master_of(bus.keys.log(probe[0]))
     leases, owned = await acquired(bus, probe, 30_000)
-    assert await leases.renew(owned) == set()  # (the renewal's script is on every master now)
+    assert (await leases.renew(owned)).lost == set()  # (the renewal's script is on every master now)
     elsewhere = [name for name in probe if cluster.port_of(bus.keys.meta(name)) != victim.port]
     before = await expiries(bus, elsewhere)
 
     os.kill(victim.pid, signal.SIGSTOP)  # the renewal's commands reach it and wait for replies
     async with anyio.create_task_group() as tg:
-        lost: list[set[str]] = []
+        renewed: list[Renewed] = []
 
         async def renew() -> None:
-            lost.append(await leases.renew(owned))
+            renewed.append(await leases.renew(owned))
 
         tg.start_soon(renew)
         await anyio.sleep(0.3)
-        assert not lost, "the renewal did not wait for the stopped master"
+        assert not renewed, "the renewal did not wait for the stopped master"
         os.kill(victim.pid, signal.SIGKILL)
-    assert lost == [set()]
+    assert [r.lost for r in renewed] == [set()]
+    # (nor renewed: the owner does not count on those leases until a renewal is answered)
+    assert renewed[0].unanswered == set(probe) - set(elsewhere)
     after = await expiries(bus, elsewhere)
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
 
@@ -260,7 +262,7 @@ async def test_pipelines_held_up_by_a_stopped_master_do_not_hold_up_renewals_els
     raw = await connect_redis(cluster.url, shared=True, max_connections=6, name=f"held-{prefix}")
     client = RedisClient(raw, cluster.url)
     leases = Leases(client, bus.keys, ROLE, worker="w", lease_ms=30_000, url=cluster.url)
-    assert await leases.renew(owned) == set()  # (the script is loaded, the connections open)
+    assert (await leases.renew(owned)).lost == set()  # (the script is loaded, the connections open)
     assert isinstance(raw, Cluster)
     assert raw.pipelines is not None
     held = int(raw.pipelines.total_tokens)
@@ -280,7 +282,7 @@ async def test_pipelines_held_up_by_a_stopped_master_do_not_hold_up_renewals_els
             assert raw.pipelines.borrowed_tokens == held, "the pipelines are not waiting on the stopped master"
             before = await expiries(bus, elsewhere)
             with anyio.fail_after(3):
-                assert await leases.renew(owned) == set()
+                assert await leases.renew(owned) == Renewed(set(), set())
             after = await expiries(bus, elsewhere)
             assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
             tg.cancel_scope.cancel()
