@@ -170,6 +170,17 @@ async def test_stray_checks_asked_together_count_each_logs_own_pending_entries(b
     if backend == "standalone":
         assert [out[1], out[3]] == [2, 1]
         assert (pending.gather.round_trips, pending.gather.items) == (1, 4)
+    # A loop's held acknowledgements go first in its check: what it handled is not pending.
+    acks = [("XACK", keys[1], GROUP, "1-0"), ("XACK", keys[3], GROUP, "2-0")]
+    got = await _together(
+        [
+            lambda: pending.count(keys[0]),
+            lambda: pending.count(keys[1], acks[:1]),
+            lambda: pending.count(keys[3], acks[1:]),
+        ]
+    )
+    assert [bool(n) for n in got] == [False, True, False]
+    assert await pending.count(keys[1], [("XACK", keys[1], GROUP, "2-0")]) == 0  # (alone)
 
 
 async def test_the_steps_of_taking_sessions_together_go_in_one_write_each_with_its_own_reply(

@@ -155,10 +155,7 @@ class GroupedReads:
                 if replies is not None:
                     await written(replies, len(writes))
                     return stream_entries(await replies.read())
-            async with self._client.pipeline() as pipe:  # a cluster: the writes' keys may be anywhere
-                for command in writes:
-                    pipe.command(*command)
-                await pipe.execute(raise_on_error=False)
+            await _write_alone(self._client, writes)
         return await self._client.xreadgroup(self._group, self._consumer, key, ">", count=self._count)
 
     async def _send(self, items: list[tuple[str, Sequence[tuple[Arg, ...]]]]) -> list[list[StreamEntry] | _Alone]:
@@ -206,22 +203,46 @@ class GroupedAnswers:
 
 class GroupedPending:
     """How many entries of a session's log are pending for one role, asked together when the
-    loops check together (each check otherwise costs a detailed ``XPENDING`` of its own)."""
+    loops check together (each check otherwise costs a detailed ``XPENDING`` of its own), each
+    after the writes its loop held (its acknowledgements: what it handled is not pending)."""
 
     def __init__(self, client: RedisClient, group: str) -> None:
         self._client = client
         self._group = group
-        self.gather: Gather[str, int] = Gather(client, self._send)
+        self.gather: Gather[tuple[str, Sequence[tuple[Arg, ...]]], int] = Gather(client, self._send)
 
-    async def count(self, key: str) -> int:
-        got = await self.gather.join(key)
+    async def count(self, key: str, writes: Sequence[tuple[Arg, ...]] = ()) -> int:
+        """How many entries of the log at ``key`` are pending (alone on a cluster: 0 or 1), after ``writes``."""
+        got = await self.gather.join((key, writes))
         if not isinstance(got, _Alone):
             return got
+        if writes:
+            async with self._client.exchange(*writes, ("XPENDING", key, self._group)) as replies:
+                if replies is not None:
+                    await written(replies, len(writes))
+                    return int((await replies.read())[0])
+            await _write_alone(self._client, writes)
         return len(await self._client.xpending_range(key, self._group, min="-", max="+", count=1))
 
-    async def _send(self, keys: list[str]) -> list[int | _Alone]:
-        replies = await _exchanged(self._client, [("XPENDING", key, self._group) for key in keys])
-        return [ALONE if isinstance(reply, _Alone) else int(reply[0]) for reply in replies]
+    async def _send(self, items: list[tuple[str, Sequence[tuple[Arg, ...]]]]) -> list[int | _Alone]:
+        commands = [command for key, writes in items for command in (*writes, ("XPENDING", key, self._group))]
+        replies = await _exchanged(self._client, commands)
+        out: list[int | _Alone] = []
+        at = 0
+        for _key, writes in items:
+            at += len(writes)
+            reply = replies[at]
+            out.append(ALONE if isinstance(reply, _Alone) else int(reply[0]))
+            at += 1
+        return out
+
+
+async def _write_alone(client: RedisClient, writes: Sequence[tuple[Arg, ...]]) -> None:
+    """Make held writes in a pipeline of their own (a cluster: their keys may be anywhere)."""
+    async with client.pipeline() as pipe:
+        for command in writes:
+            pipe.command(*command)
+        await pipe.execute(raise_on_error=False)
 
 
 class _Refused:

@@ -182,7 +182,8 @@ class SessionLoop:
                     # idle: a thousand idle sessions must not keep the worker busy.
                     quiet = min(quiet * 2, MAX_STRAY_CHECK_SECONDS)
                     stray_check = time.monotonic() + quiet
-                    await self.flush(together=True)  # (with the answers other loops send in this turn)
+                    # (the answer with those other loops send in this turn; the writes go with the check)
+                    await self.flush(together=True, writes=False)
                     if await self._recover_stray():
                         idle_since = time.monotonic()
                         continue
@@ -252,13 +253,15 @@ class SessionLoop:
             backoff.reset()
         return False
 
-    async def flush(self, *, together: bool = False) -> None:
+    async def flush(self, *, together: bool = False, writes: bool = True) -> None:
         """Send the answer held for the next read now (``together``: in one write with the
-        answers other loops send in this turn)."""
+        answers other loops send in this turn, and the held writes with it), and the writes
+        held (unless not ``writes``: the caller sends them)."""
         held, self.held = self.held, None
         if held is not None:
             await self.ctx.answer(*held, together=together)
-        await self.ctx.send_writes()
+        if writes:
+            await self.ctx.send_writes()
 
     async def _read_and_dispatch(self) -> bool:
         """Read new entries (never blocking) and dispatch them; False when none came."""
@@ -342,7 +345,14 @@ class SessionLoop:
         """Recover entries pending while this loop works on nothing: a delivery whose reply was
         lost with a broken connection, or an entry a stale owner read after this worker took
         the session over.  Nobody is working on them, so they are handled as in flight."""
-        if not await self.handles.pending.count(self.handles.keys.log(self.session)):
+        ctx = self.ctx
+        writes = ctx.take_writes()  # (made first: what this loop handled is not pending)
+        try:
+            pending = await self.handles.pending.count(self.handles.keys.log(self.session), writes)
+        except BaseException:
+            ctx.hold_again(writes)
+            raise
+        if not pending:
             return False
         stray = await self.in_flight()
         if not stray:
