@@ -171,6 +171,37 @@ async def test_an_owner_knows_it_holds_a_lease_its_renewal_confirmed_and_asks_re
         await owner.drain(2)
 
 
+class _Retiring(EchoHandler):
+    """The echo handler with nothing more to do once a session is idle (as the agent role once a run ended)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened: list[str] = []
+
+    async def open(self, ctx: SessionContext) -> None:
+        self.opened.append(ctx.session)
+
+    def retires(self, ctx: SessionContext) -> bool:
+        return True
+
+
+async def test_a_session_whose_group_a_previous_owner_moved_past_its_last_events_is_retired(bus: Bus) -> None:
+    """A previous owner appended events and moved its group past them (its own moves), then lost
+    the lease before retiring the session: the next owner reads nothing new, and retires it
+    rather than being refused (the log's last is past what it read) look after look."""
+    session = bus.session("moved")
+    await session.append(events.FileRead(path="x"))
+    await bus.client.xgroup_create(bus.keys.log("moved"), "runtime", "$")  # (delivered, handled)
+    handler = _Retiring()
+    owner = Owner(bus.redis, bus.keys, handler, worker="w1", url=bus.url, lease_seconds=5)
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        await wait_until(lambda: "moved" in handler.opened, 5, "the session was not taken")
+        await wait_until(lambda: "moved" not in owner.owned, 3, "the idle session was not retired")
+        await owner.drain(2)
+    assert handler.seen == []  # (nothing was delivered again)
+
+
 async def test_poison_entries_are_dead_lettered_and_the_worker_goes_on(bus: Bus) -> None:
     owner, _ = make_owner(bus, "w1", lease_seconds=2, max_attempts=2)
     session = bus.session("poison")

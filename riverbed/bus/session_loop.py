@@ -231,6 +231,11 @@ class SessionLoop:
                         return True
                     if parked == 0:
                         raise FencedError(self.session, handles.role, self.owned.token)
+                    # Refused: the log holds events past the last this loop handled.  New ones are
+                    # read next; those a previous owner's group moved past (an append that passed
+                    # its own events, then lost its lease) this loop never reads: what the group
+                    # delivered counts as seen, or every look would be refused again at once.
+                    ctx.last_seen = max(ctx.last_seen, await ctx.delivered_up_to())
                     idle_since = time.monotonic()
                     continue
                 wake_by = min(stray_check, idle_since + handles.park_after)
