@@ -372,10 +372,7 @@ async def _end_queued(bus: Bus, session_id: str, fold: RunFold, cancel_id: int) 
         return
     parent = ended.delegated.parent if ended.delegated else None
     summary = summarize(session_id, ended.run, parent=parent)
-    async with bus.client.pipeline() as pipe:
-        for command in run_index.summary_writes(bus.keys, summary):
-            pipe.command(*command)
-        await pipe.execute()
+    await bus.client.send(run_index.summary_writes(bus.keys, summary))
     if tenant is not None:
         await Quotas(bus.log_store).release(tenant, session_id)
 

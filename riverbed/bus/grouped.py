@@ -149,13 +149,12 @@ class GroupedReads:
         got = await self.gather.join((key, writes))
         if not isinstance(got, _Alone):
             return got
-        read = ("XREADGROUP", "GROUP", self._group, self._consumer, "COUNT", self._count, "STREAMS", key, ">")
         if writes:
-            async with self._client.exchange(*writes, read) as replies:
-                if replies is not None:
-                    await written(replies, len(writes))
-                    return stream_entries(await replies.read())
-            await _write_alone(self._client, writes)
+            read = ("XREADGROUP", "GROUP", self._group, self._consumer, "COUNT", self._count, "STREAMS", key, ">")
+            reply = await _after_writes(self._client, writes, read)
+            if not isinstance(reply, _Alone):
+                return stream_entries(reply)
+            await self._client.send(writes, raise_on_error=False)  # (a cluster: their keys may be anywhere)
         return await self._client.xreadgroup(self._group, self._consumer, key, ">", count=self._count)
 
     async def _send(self, items: list[tuple[str, Sequence[tuple[Arg, ...]]]]) -> list[list[StreamEntry] | _Alone]:
@@ -163,13 +162,10 @@ class GroupedReads:
         if len(set(keys)) < len(keys):  # one loop per session: never expected, never wrong
             return [ALONE] * len(keys)
         writes = [command for _key, held in items for command in held]
-        read = ("XREADGROUP", "GROUP", self._group, self._consumer, "COUNT", self._count, "STREAMS", *keys)
-        read += (">",) * len(keys)
-        async with self._client.exchange(*writes, read) as replies:
-            if replies is None:
-                return [ALONE] * len(keys)
-            await written(replies, len(writes))
-            got = await replies.read()
+        read: tuple[Arg, ...] = ("XREADGROUP", "GROUP", self._group, self._consumer, "COUNT", self._count, "STREAMS")
+        got = await _after_writes(self._client, writes, (*read, *keys, *(">",) * len(keys)))
+        if isinstance(got, _Alone):
+            return [ALONE] * len(keys)
         by_key = dict(stream_entries_by_key(got))
         return [by_key.get(key.encode(), []) for key in keys]
 
@@ -190,15 +186,7 @@ class GroupedAnswers:
 
     async def _send(self, items: list[tuple[PreparedAppend, Sequence[tuple[Arg, ...]]]]) -> list[Any]:
         await items[0][0].log.append_script.load()
-        commands = [command for prepared, writes in items for command in (*writes, prepared.command)]
-        replies = await _exchanged(self._client, commands)
-        out: list[Any] = []
-        at = 0
-        for _prepared, writes in items:
-            at += len(writes)  # (a write the server refused is not the answer's concern)
-            out.append(replies[at])
-            at += 1
-        return out
+        return await _each_after_writes(self._client, [(writes, prepared.command) for prepared, writes in items])
 
 
 class GroupedPending:
@@ -217,32 +205,41 @@ class GroupedPending:
         if not isinstance(got, _Alone):
             return got
         if writes:
-            async with self._client.exchange(*writes, ("XPENDING", key, self._group)) as replies:
-                if replies is not None:
-                    await written(replies, len(writes))
-                    return int((await replies.read())[0])
-            await _write_alone(self._client, writes)
+            reply = await _after_writes(self._client, writes, ("XPENDING", key, self._group))
+            if not isinstance(reply, _Alone):
+                return int(reply[0])
+            await self._client.send(writes, raise_on_error=False)  # (a cluster: their keys may be anywhere)
         return len(await self._client.xpending_range(key, self._group, min="-", max="+", count=1))
 
     async def _send(self, items: list[tuple[str, Sequence[tuple[Arg, ...]]]]) -> list[int | _Alone]:
-        commands = [command for key, writes in items for command in (*writes, ("XPENDING", key, self._group))]
-        replies = await _exchanged(self._client, commands)
-        out: list[int | _Alone] = []
-        at = 0
-        for _key, writes in items:
-            at += len(writes)
-            reply = replies[at]
-            out.append(ALONE if isinstance(reply, _Alone) else int(reply[0]))
-            at += 1
-        return out
+        replies = await _each_after_writes(
+            self._client, [(writes, ("XPENDING", key, self._group)) for key, writes in items]
+        )
+        return [ALONE if isinstance(reply, _Alone) else int(reply[0]) for reply in replies]
 
 
-async def _write_alone(client: RedisClient, writes: Sequence[tuple[Arg, ...]]) -> None:
-    """Make held writes in a pipeline of their own (a cluster: their keys may be anywhere)."""
-    async with client.pipeline() as pipe:
-        for command in writes:
-            pipe.command(*command)
-        await pipe.execute(raise_on_error=False)
+async def _after_writes(client: RedisClient, writes: Sequence[tuple[Arg, ...]], command: tuple[Arg, ...]) -> Any:
+    """``command``'s raw reply, sent in one write after held ``writes`` (their refusals ignored:
+    the server would refuse them again); :data:`ALONE` on a cluster, where nothing was sent."""
+    async with client.exchange(*writes, command) as replies:
+        if replies is None:
+            return ALONE
+        await written(replies, len(writes))
+        return await replies.read()
+
+
+async def _each_after_writes(
+    client: RedisClient, items: Sequence[tuple[Sequence[tuple[Arg, ...]], tuple[Arg, ...]]]
+) -> list[Any]:
+    """Each item's command after its writes, all in one write: the commands' replies, in order
+    (:func:`_exchanged`'s, the writes' left out)."""
+    replies = await _exchanged(client, [command for writes, last in items for command in (*writes, last)])
+    out: list[Any] = []
+    at = -1
+    for writes, _command in items:
+        at += len(writes) + 1
+        out.append(replies[at])
+    return out
 
 
 class _Refused:

@@ -279,10 +279,7 @@ class SessionContext:
         if not writes:
             return
         try:
-            async with self._handles.client.pipeline() as pipe:
-                for command in writes:
-                    pipe.command(*command)
-                await pipe.execute(raise_on_error=False)  # (one the server refuses would be refused again)
+            await self._handles.client.send(writes, raise_on_error=False)
         except BaseException:
             self.hold_again(writes)
             raise

@@ -193,9 +193,10 @@ class LeaseLoops:
                     state.stats.lost += 1
                     owned.lost = True
                     owned.scope.cancel()
+            unconfirmed = renewed.lost | renewed.unanswered
             for session, (_entry, token) in snapshot.items():
                 owned = state.owned.get(session)
-                if owned is not None and owned.token == token and session not in renewed.lost | renewed.unanswered:
+                if owned is not None and owned.token == token and session not in unconfirmed:
                     owned.renewed = sent
 
     async def _round(self, loop: str, read: Callable[[], Awaitable[list[Claim]]], *, reclaimed: bool) -> None:

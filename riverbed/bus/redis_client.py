@@ -145,6 +145,14 @@ class RedisClient:
         async with opened as pipe:
             yield Pipeline(pipe, self.url)
 
+    async def send(self, commands: Sequence[tuple[Arg, ...]], *, raise_on_error: bool = True) -> None:
+        """Make ``commands`` (as Redis takes them) in one pipeline; a command the server refuses
+        raises, or with ``raise_on_error=False`` is left refused (one it would refuse again)."""
+        async with self.pipeline() as pipe:
+            for command in commands:
+                pipe.command(*command)
+            await pipe.execute(raise_on_error=raise_on_error)
+
     def exchange(self, *commands: Sequence[Any]) -> Exchange:
         """:func:`riverbed.bus.exchange.exchange` on this client: ``async with`` it for the
         replies (``None`` on a cluster), its errors (those of the replies read in the block

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import anyio
 import redis.exceptions as rexc
@@ -321,9 +321,8 @@ class SessionLoop:
                 raise
         if held is None and not writes:
             return await client.xreadgroup(handles.role, handles.worker, key, ">", count=READ_COUNT, block=block_ms)
-        read: tuple[Any, ...] = ("XREADGROUP", "GROUP", handles.role, handles.worker, "COUNT", READ_COUNT)
-        read += ("BLOCK", block_ms)
-        read += ("STREAMS", key, ">")
+        group = ("XREADGROUP", "GROUP", handles.role, handles.worker, "COUNT", READ_COUNT)
+        read = (*group, "BLOCK", block_ms, "STREAMS", key, ">")
         prepared = None if held is None else ctx.prepare_answer(*held)
         try:
             if prepared is not None:

@@ -1395,10 +1395,7 @@ class AgentHandler:
             counters = {"steps": saved.steps, "tokens": saved.tokens, "cost": saved.cost, "updated": saved.updated}
             if replace(summary, **counters) == saved:
                 return
-        async with ctx.log.redis.pipeline() as pipe:
-            for command in run_index.summary_writes(ctx.log.keys, summary):
-                pipe.command(*command)
-            await pipe.execute()
+        await ctx.log.redis.send(run_index.summary_writes(ctx.log.keys, summary))
         state.summary, state.saved_at = summary, time.monotonic()
 
 
