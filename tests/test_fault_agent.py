@@ -156,8 +156,8 @@ async def test_a_model_call_in_flight_on_a_killed_worker_is_made_again_at_most_o
 # agent_after_response:3: with a response just received (the other runs' calls in flight);
 # model_connected:1: connected to the model server for a first call, its request not yet sent
 # (a lease check made before connecting would let that request out once the worker resumes);
-# model_sending:1: a first request's headers written, its body not (a lease check made before the
-# first bytes left would let the rest out once the worker resumes, completing the request late).
+# model_sending:1: a first request about to be written, its head held to go with its body (a lease
+# check made before that would let the request out once the worker resumes, completing it late).
 @pytest.mark.parametrize("pause_at", ["agent_after_response:3", "model_connected:1", "model_sending:1"])
 async def test_a_frozen_worker_appends_nothing_once_resumed(
     pause_at: str, bus: Bus, start: Callable[..., WorkerProcess], server: OpenAIServer, workspace: Path

@@ -200,6 +200,36 @@ async def test_the_check_runs_with_all_of_the_request_but_its_last_byte_sent(
         server.close()
 
 
+@pytest.mark.parametrize("known", [True, False])
+async def test_a_check_known_to_pass_as_the_body_is_written_sends_the_request_whole(known: bool) -> None:
+    """The agent role's lease check is known to pass without Redis while its renewals are fresh
+    (``SessionContext.holds_now``): asked as the body is written (the connection made), a yes
+    sends the request whole in that write and the awaited check is not made; a no holds the
+    last byte for it, as before."""
+    server = _RawServer()
+    client = CheckedClient(api_key="k", base_url=server.base_url)
+    port = int(server.base_url.split(":")[2].split("/")[0])
+    asked: list[int] = []
+    at_check: list[int] = []
+
+    def now() -> bool:
+        asked.append(connected_to(port))
+        return known
+
+    async def check() -> None:
+        at_check.append(_settled(server))
+
+    try:
+        with checked_by(check, now):
+            assert await ask(client, True, LONG_ASK) == "whole"
+        assert asked == [1]
+        assert at_check == ([] if known else [server.whole - 1])
+        assert [json.loads(b) for b in server.bodies] == [LONG_ASK]
+    finally:
+        await client.close()
+        server.close()
+
+
 async def test_a_chat_completion_is_the_servers_json_and_its_errors_are_the_client_librarys(
     server: OpenAIServer,
 ) -> None:

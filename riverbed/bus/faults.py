@@ -11,7 +11,8 @@ the start through), ``after_side_effect``,
 session is made sure of), ``agent_creating`` (its checks passed, the child's session not made
 yet) and ``agent_reporting`` (before a child's ``delegate_result`` goes to its parent), and
 ``model_connected`` (the model client connected, its request not yet sent) and ``model_sending``
-(after each part of a request the model client wrote, the request not yet complete).
+(before the model client writes a request, and after each part it wrote, the request not yet
+complete).
 """
 
 from __future__ import annotations
@@ -41,3 +42,8 @@ def crashpoint(name: str) -> None:
     armed[0] -= 1
     if armed[0] == 0:
         os.kill(os.getpid(), armed[1])
+
+
+def armed(name: str) -> bool:
+    """Whether ``crashpoint(name)`` may stop the process (never, in production)."""
+    return name in _points

@@ -295,6 +295,16 @@ class SessionContext:
             self.session, action_id, self.fence, force=force, again=again, stopping=self._stopping
         )
 
+    def holds_now(self) -> bool:
+        """Whether :meth:`holds` is known to say yes without asking Redis (False: ask it)."""
+        owned = self._owned
+        return (
+            owned is not None
+            and not owned.lost
+            and owned.token == self.fence.token
+            and time.monotonic() - owned.renewed < self._handles.lease_seconds * 3 / 4
+        )
+
     async def holds(self) -> bool:
         """Whether this worker still holds the session with this context's fencing token: work
         that costs outside the log (a model call) asks first, so an owner paused past its lease
@@ -305,15 +315,9 @@ class SessionContext:
         was): no peer takes a session before its lease ran out.  Else one read, and a reply
         that took more than a quarter of the lease to come is asked for again: the process may
         have been paused while it waited (it says what held before the pause)."""
-        handles = self._handles
-        owned = self._owned
-        if (
-            owned is not None
-            and not owned.lost
-            and owned.token == self.fence.token
-            and time.monotonic() - owned.renewed < handles.lease_seconds * 3 / 4
-        ):
+        if self.holds_now():
             return True
+        handles = self._handles
         while True:
             asked = time.monotonic()
             held = await handles.leases.holds(self.session, self.fence.token)

@@ -1317,7 +1317,7 @@ class AgentHandler:
                 sent = True
                 try:
                     if checked is not None:
-                        with anyio.fail_after(timeout), checked_by(hold):
+                        with anyio.fail_after(timeout), checked_by(hold, ctx.holds_now):
                             outcome.append(await checked.chat_completion(request))
                     else:  # (a client of the caller's: through the client library)
                         with anyio.fail_after(timeout):
