@@ -62,6 +62,39 @@ async def test_a_command_is_written_before_the_caller_gives_up_the_event_loop(
         await raw.aclose()
 
 
+async def test_a_command_is_packed_by_hiredis_as_redis_py_would_pack_it(
+    standalone_bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``DirectSend.pack_command``: the bytes redis-py's packing makes, for every kind of value;
+    redis-py's own way for a first argument of two words and for a value it refuses."""
+    raw = await connect_redis(standalone_bus.url, shared=True)
+    assert isinstance(raw, aioredis.Redis)
+    plain = aioredis.Connection()
+    packs = [
+        ("SET", "k", "é"),
+        (b"SET", b"k", b"\x00\xff"),
+        ("ZADD", "z", 0.1 + 0.2, "m", 1e20, "n"),
+        ("SET", "k", 2**70),
+        ("EVALSHA", "a" * 40, 2, "k1", "k2", b"x" * 7000, memoryview(b"ab"), -5),
+    ]
+    try:
+        connection = await raw.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+        assert isinstance(connection, _redispy.DirectSend)
+        expected = [b"".join(plain.pack_command(*args)) for args in packs]
+        with monkeypatch.context() as patched:  # (the plain commands never reach redis-py's packing)
+            patched.setattr(aioredis.Connection, "pack_command", None)
+            assert [b"".join(connection.pack_command(*args)) for args in packs] == expected
+        assert connection.pack_command("CONFIG GET", "port") == plain.pack_command("CONFIG GET", "port")
+        with pytest.raises(redis.DataError):
+            connection.pack_command("SET", "k", True)
+        await raw.connection_pool.release(connection)
+        assert await raw.set("k", "é") and await raw.get("k") == "é".encode()
+        port = standalone_bus.url.rsplit(":", 1)[1].split("/")[0]
+        assert port in str(await raw.execute_command("CONFIG GET", "port"))
+    finally:
+        await raw.aclose()
+
+
 @pytest.mark.parametrize(
     ("command", "error"),
     [
