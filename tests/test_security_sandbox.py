@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import functools
 import io
 import os
 import shutil
@@ -31,7 +32,6 @@ import pytest
 from riverbed import events
 from riverbed.client.session import Bus
 from riverbed.runtime import Limits, Runtime, Sandbox, SandboxUnavailable
-from riverbed.runtime import sandbox as sandbox_module
 from riverbed.runtime.paths import workspace_name
 from riverbed.runtime.sandbox import NetworkSetupFailed, Outbound, probe
 from tests.kit.workers import WorkerProcess, run_cell, run_command, standalone_worker  # noqa: F401  (standalone_worker: a fixture)
@@ -345,6 +345,60 @@ async def test_outbound_network_reaches_out_but_not_this_hosts_services(
     assert not [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "slirp4netns"]
 
 
+async def test_outbound_sandboxes_started_at_once_under_load_get_their_network_on_the_first_try(
+    workspace: Path,
+) -> None:
+    """Many outbound sandboxes start at once, CPU hogs running, each the way the shell and the
+    Python driver start theirs (a link, the wrapped command, ``Link.attach``): every one gets
+    its network on the first try.  Each is started and attached in a thread of its own, with
+    no hop in between, where the race with bubblewrap's loopback was lost most: when
+    slirp4netns started as soon as the sandbox's pid was known, about one sandbox in ten lost
+    it here ("loopback: Failed RTM_NEWADDR", or gone before its network was up).  Run by a
+    non-root user, about one in three failed then, most because slirp4netns came after
+    bubblewrap's nested user namespace and could not join the network namespace."""
+    if shutil.which("slirp4netns") is None:
+        pytest.skip("slirp4netns is not installed (.ci/run installs it)")
+    sandbox = Sandbox(network="outbound")
+    lost: list[str] = []
+
+    def start(n: int) -> None:
+        home = workspace / f"s{n}"
+        sandbox.prepare_processes(home)
+        link = sandbox.link()
+        assert link is not None
+        argv = sandbox.wrap(["/bin/sh", "-c", "grep -c tap0 /proc/net/route"], workspace=home, link=link)
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=link.child_fds
+        )
+        try:
+            try:
+                link.attach()
+            except NetworkSetupFailed as exc:
+                failed = str(exc)
+            else:
+                failed = ""
+            out, err = proc.communicate(timeout=30)
+        finally:
+            link.close()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if failed or out != b"2\n":  # tap0's default route and its network's
+            lost.append(failed or err.decode(errors="replace").strip())
+
+    at_once = anyio.CapacityLimiter(16)
+    hogs = [await anyio.open_process([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        async with anyio.create_task_group() as tg:
+            for n in range(64):
+                tg.start_soon(functools.partial(anyio.to_thread.run_sync, start, n, limiter=at_once))
+    finally:
+        for hog in hogs:
+            hog.kill()
+            await hog.wait()
+    assert not lost, f"{len(lost)} of 64 sandboxes lost their network's setup: {lost[:3]}"
+
+
 async def _runs_a_command_and_a_cell(rt: Runtime, before_each: Callable[[str], None]) -> None:
     """A session of ``rt`` runs a shell command and a Python cell (then ``rt`` is closed);
     ``before_each`` is told which process ("shell", then "python") the next action starts."""
@@ -387,9 +441,6 @@ async def test_a_sandbox_that_exits_while_its_network_is_set_up_is_started_once_
         tries.append("attached")
 
     monkeypatch.setattr(Outbound, "attach", flaky)
-    # The forced failure takes a try of its own: real races lost after it (two in a row seen in
-    # a full run of the suite, many sandboxes starting at once) get the tries they get in use.
-    monkeypatch.setattr(sandbox_module, "NETWORK_RACE_TRIES", sandbox_module.NETWORK_RACE_TRIES + 1)
     rt = Runtime(workspace_root=workspace, sandbox=Sandbox(network="outbound"))
     await _runs_a_command_and_a_cell(rt, starting.append)
     # each forced failure was followed by a fresh sandbox (more when a real race was lost too)

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import functools
 import hashlib
 import io
@@ -60,6 +61,7 @@ import re
 import select
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -112,19 +114,22 @@ class SandboxUnavailable(ConfigError):
 
 class NetworkSetupFailed(OSError):
     """The sandbox exited while its network was being set up.  Seen under load with the outbound
-    network: bubblewrap bringing up the new namespace's loopback fails while slirp4netns
-    configures the same namespace.  A fresh sandbox starts, so the shell and the Python driver
-    try again (:func:`start_again_on_a_network_race`); when the last try fails too, that is an
-    OS error of the action (retryable)."""
+    network while slirp4netns started as soon as bubblewrap reported the sandbox's pid: its
+    ``--configure`` brought the namespace's loopback up while bubblewrap was setting up the
+    same loopback, and bubblewrap failed.  slirp4netns now waits for bubblewrap's loopback
+    (:func:`_wait_for_loopback`); this stays as the safety net.  A fresh sandbox starts, so
+    the shell and the Python driver try again (:func:`start_again_on_a_network_race`); when
+    the last try fails too, that is an OS error of the action (retryable)."""
 
 
 #: What bubblewrap says when bringing up the loopback of the sandbox's network namespace
-#: failed (the same race, seen before the sandbox got as far as reporting its pid).
+#: failed (how that race ended when bubblewrap lost it before the sandbox was waited for).
 LOOPBACK_FAILED = "loopback: Failed"
 
 
-#: How many fresh sandboxes a process start tries when each loses the race with its network's
-#: setup (seen twice running on a machine creating many network namespaces at once).
+#: How many fresh sandboxes a process start tries when each exits while its network is set up
+#: (two lost in a row were seen on a machine creating many network namespaces at once, before
+#: slirp4netns waited for bubblewrap's loopback).
 NETWORK_RACE_TRIES = 3
 
 
@@ -443,6 +448,11 @@ class Outbound:
     10.0.2.3), so the first command already has the network.  ``--disable-host-loopback``
     keeps the host's 127.0.0.1 (Redis, Postgres, the embedded services) out of reach.
     ``slirp4netns`` exits when the sandbox's namespace goes, or when its exit fd closes.
+
+    ``slirp4netns`` starts only once bubblewrap has given the namespace its 127.0.0.1
+    (:func:`_wait_for_loopback`): both set up the namespace's loopback, and bubblewrap fails
+    when ``slirp4netns`` is first.  It joins the namespace through the user namespace that
+    owns it (:func:`_network_owner`), not the sandbox's own.
     """
 
     def __init__(self) -> None:
@@ -473,21 +483,25 @@ class Outbound:
         if not reported:
             raise NetworkSetupFailed(errno.EPIPE, "the sandbox exited before it reported its process")
         pid = int(json.loads(reported)["child-pid"])
+        deadline = time.monotonic() + timeout
+        _wait_for_loopback(pid, deadline)
+        owner = _network_owner(pid)
         ready_r, ready_w = os.pipe()
         try:
             self._proc = subprocess.Popen(
                 [slirp, "--configure", "--mtu=65520", "--disable-host-loopback", f"--exit-fd={self._exit_r}",
-                 f"--ready-fd={ready_w}", str(pid), "tap0"],
-                pass_fds=(self._exit_r, ready_w),
+                 f"--ready-fd={ready_w}", f"--userns-path=/proc/self/fd/{owner}", str(pid), "tap0"],
+                pass_fds=(self._exit_r, ready_w, owner),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )  # fmt: skip
             os.close(ready_w)
             ready_w = -1
-            done = _read_with_timeout(ready_r, timeout)
+            done = _read_with_timeout(ready_r, max(0.0, deadline - time.monotonic()))
         finally:
             os.close(ready_r)
+            os.close(owner)
             if ready_w >= 0:
                 os.close(ready_w)
         if not done:
@@ -510,6 +524,84 @@ class Outbound:
                 self._proc.kill()
                 self._proc.wait(2)
             self._proc = None
+
+
+#: The longest the wait for a sandbox's loopback sleeps between two looks when no mount wakes
+#: it (:func:`_wait_for_loopback`): it notices a sandbox that died that soon.
+_LOOPBACK_RECHECK = 0.01
+
+
+def _wait_for_loopback(pid: int, deadline: float) -> None:
+    """Return once bubblewrap has given the network namespace of the sandbox ``pid`` its
+    127.0.0.1, so that ``slirp4netns`` can start.
+
+    Both set up the namespace's loopback.  bubblewrap's child adds 127.0.0.1 to ``lo`` (an
+    ``RTM_NEWADDR`` with ``NLM_F_EXCL``), then brings it up; ``slirp4netns --configure`` brings
+    ``lo`` up first thing, and the kernel gives a loopback that comes up its 127.0.0.1 by
+    itself.  When ``slirp4netns`` is first, bubblewrap's address exists already and it exits
+    ("loopback: Failed RTM_NEWADDR").  The pid on the info fd is no sign: bubblewrap writes
+    it before its child starts at all, and it tells nothing once the loopback is done.  The
+    address is: the namespace's routing table (``/proc/<pid>/net/fib_trie``) has it as soon
+    as it is added, the loopback still down, and nothing else adds it before ``slirp4netns``.
+
+    Between two looks the wait sleeps on ``/proc/<pid>/mountinfo``, which the kernel marks
+    (``POLLPRI``) at every change of the sandbox's mounts: bubblewrap's child mounts the
+    sandbox's root soon after its loopback, so that mount wakes the wait when the address is
+    there.  It is opened before the first look, so a mount after that look is not missed.  A
+    mount propagated from the host wakes it early (it looks again), and
+    :data:`_LOOPBACK_RECHECK` bounds the sleep when nothing does (a sandbox that died).
+    """
+    try:
+        mounts = os.open(f"/proc/{pid}/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        raise NetworkSetupFailed(errno.ESRCH, "the sandbox exited before its loopback was up") from None
+    try:
+        poller = select.poll()
+        poller.register(mounts, select.POLLPRI)
+        while not _has_loopback(pid):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SandboxUnavailable("bubblewrap did not bring the sandbox's loopback up")
+            poller.poll(min(left, _LOOPBACK_RECHECK) * 1000)
+    finally:
+        os.close(mounts)
+
+
+def _has_loopback(pid: int) -> bool:
+    """Whether the network namespace of the sandbox ``pid`` has 127.0.0.1 yet."""
+    try:
+        with open(f"/proc/{pid}/net/fib_trie", "rb") as fh:
+            return b" 127.0.0.1\n" in fh.read()
+    except OSError:
+        raise NetworkSetupFailed(errno.ESRCH, "the sandbox exited before its loopback was up") from None
+
+
+_NS_GET_USERNS = 0xB701
+"""``ioctl_ns(2)``: the user namespace that owns a namespace, as a new fd."""
+
+
+def _network_owner(pid: int) -> int:
+    """An fd of the user namespace that owns the network namespace of the sandbox ``pid``, for
+    ``slirp4netns --userns-path``.
+
+    Left to itself, ``slirp4netns`` joins ``/proc/<pid>/ns/user`` and then the network
+    namespace.  A non-root worker's bubblewrap puts the sandbox in a second user namespace
+    (``--disable-userns`` needs one) nested in the one that owns the network namespace, and
+    from in there the network namespace cannot be joined (``setns`` answers ``EPERM``).
+    bubblewrap makes it after its mounts, just before the command: whether ``slirp4netns``
+    joined before that was luck (run by a non-root user with many sandboxes starting at once,
+    one in three lost, with or without the wait for the loopback).  The owner the kernel names
+    is the one that works, whenever ``slirp4netns`` starts.  A root worker's sandbox has no
+    user namespace of its own: the owner is the worker's, which ``slirp4netns`` is in already.
+    """
+    try:
+        net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        raise NetworkSetupFailed(errno.ESRCH, "the sandbox exited while its network was set up") from None
+    try:
+        return fcntl.ioctl(net, _NS_GET_USERNS)
+    finally:
+        os.close(net)
 
 
 def _read_json_object(fh: io.BufferedReader) -> bytes:
