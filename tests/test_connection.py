@@ -88,7 +88,8 @@ async def test_a_command_is_packed_by_hiredis_as_redis_py_would_pack_it(
         with pytest.raises(redis.DataError):
             connection.pack_command("SET", "k", True)
         await raw.connection_pool.release(connection)
-        assert await raw.set("k", "é") and await raw.get("k") == "é".encode()
+        assert await raw.set("k", "é")
+        assert await raw.get("k") == "é".encode()
         port = standalone_bus.url.rsplit(":", 1)[1].split("/")[0]
         assert port in str(await raw.execute_command("CONFIG GET", "port"))
     finally:

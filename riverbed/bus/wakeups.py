@@ -262,8 +262,9 @@ class Wakeups:
             await self._subscribe(channel)
         bell = Bell(role)
         watched.bells.append(bell)
-        with anyio.move_on_after(CONFIRM_SECONDS):
-            await watched.confirmed.wait()
+        if not watched.confirmed.is_set():  # (a session watched already: at once, no turn given up)
+            with anyio.move_on_after(CONFIRM_SECONDS):
+                await watched.confirmed.wait()
         return bell
 
     async def unwatch(self, session: str, bell: Bell) -> None:

@@ -135,7 +135,7 @@ from riverbed.bus.faults import crashpoint
 from riverbed.bus.handling import Entry, SessionContext
 from riverbed.bus.keys import AGENT_ROLE
 from riverbed.bus.status import live_workers
-from riverbed.bus.wakeups import Wakeups
+from riverbed.bus.wakeups import Bell, Wakeups
 from riverbed.errors import AppendConflict, ConfigError, FencedError, RiverbedError, TenantMismatch
 from riverbed.memory.view import View, ViewBuilder
 from riverbed.runtime.paths import workspace_name
@@ -1309,10 +1309,13 @@ class AgentHandler:
 
         if checked is None:
             await hold()
+        done = False
+        watching: list[Bell] = []
 
         async with anyio.create_task_group() as tg:
 
             async def call() -> None:
+                nonlocal done
                 started = time.monotonic()
                 sent = True
                 try:
@@ -1336,19 +1339,27 @@ class AgentHandler:
                         self.counters.model_calls += 1
                         self.counters.model_seconds += took
                         self.counters.observe(str(request.get("model", "")), took)
-                tg.cancel_scope.cancel()
+                done = True
+                if watching:
+                    watching[0].ring()  # (the watch ends at that: no cancellation to deliver)
+                else:
+                    tg.cancel_scope.cancel()
 
             async def watch() -> None:
                 wakeups = self.wakeups
                 bell = await wakeups.watch(ctx.session, CALL_WATCHER) if wakeups is not None else None
+                if bell is not None:
+                    watching.append(bell)
                 mark = bell.rung if bell is not None else 0
                 try:
-                    while True:
+                    while not done:
                         if bell is None:
                             await anyio.sleep(CANCEL_POLL_SECONDS)
                         else:
                             rang = await bell.wait(mark, CALL_LOOK_SECONDS)
                             mark = bell.rung
+                            if done:
+                                return
                             if rang and bell.news is not None and bell.news <= state.fold.last:
                                 continue  # (nothing past what is folded)
                         await self._catch_up(ctx, state)
