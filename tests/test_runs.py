@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from msgspec.structs import replace
 
 from riverbed import events
+from riverbed.agent.define import Agent
 from riverbed.agent.delegation import plan_child, refusal, result
 from riverbed.agent.runs import (
     AppendAction,
@@ -16,10 +18,13 @@ from riverbed.agent.runs import (
     EndRun,
     RejectCalls,
     Wait,
+    _toolbox,
     child_session,
     fold_runs,
     next_move,
+    planned_actions,
 )
+from riverbed.agent.toolbox import Toolbox
 from riverbed.agent.usage import Price
 from riverbed.errors import ConfigError
 from riverbed.workers.main import parse_roles
@@ -38,6 +43,40 @@ USAGE = {"prompt_tokens": 100, "completion_tokens": 20}
 
 def opened(**limits: object) -> list[events.Event]:
     return [events.Message(content="list the files", source="user"), events.RunStarted(**limits)]  # type: ignore[arg-type]
+
+
+def test_a_response_is_planned_once_for_the_moves_of_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``next_move`` plans the run's response once per definition and listings; each caller gets
+    lists of its own, and another response (or another cap on its calls) is planned anew."""
+    parsed: list[str] = []
+    action = Toolbox.action
+
+    def counted(self: Toolbox, name: str, arguments: str) -> events.Action:
+        parsed.append(name)
+        return action(self, name, arguments)
+
+    monkeypatch.setattr(Toolbox, "action", counted)
+    agent = Agent("planner", tools=["cmd_run"])
+    calls = [call("cmd_run", {"command": "ls"}, "c1"), call("cmd_run", {"command": "pwd"}, "c2")]
+    log = [*opened(), events.LlmResponse(model="m", tool_calls=calls, usage=USAGE, cause=2)]
+    fold = fold_runs(numbered(*log))
+    first = next_move(fold.run, agent)
+    assert isinstance(first, AppendAction)
+    second = next_move(fold.run, agent)
+    assert isinstance(second, AppendAction)
+    assert second.action == replace(first.action, ts=second.action.ts)
+    assert second.action.ts >= first.action.ts  # (stamped when asked for, as before)
+    assert parsed == ["cmd_run", "cmd_run"]
+    assert fold.run is not None
+    assert fold.run.response is not None
+    planned, _problems = planned_actions(fold.run.response, _toolbox(agent, None))
+    planned.clear()
+    assert [a.tool_call_id for a in planned_actions(fold.run.response, _toolbox(agent, None))[0]] == ["c1", "c2"]
+    assert parsed == ["cmd_run", "cmd_run"]
+    planned_actions(fold.run.response, _toolbox(agent, None), max_calls=1)
+    again = fold_runs(numbered(*log))  # (the same response, decoded again)
+    assert isinstance(next_move(again.run, agent), AppendAction)
+    assert len(parsed) == 4
 
 
 def test_no_run_waits() -> None:

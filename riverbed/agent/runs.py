@@ -31,6 +31,7 @@ A response whose tool calls do not parse is answered by one ``error`` (reason
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import re
 from collections.abc import Iterable, Mapping
@@ -656,6 +657,17 @@ def planned_actions(
     if not response.tool_calls:
         return [events.Finish(final_thought=response.content or "", cause=response.id)], []
     box = toolbox if toolbox is not None else _reference_toolbox()
+    last = box.planned
+    if last is not None and last[0] is response and last[1] == max_calls:
+        # A step's moves ask for the same response's plan: its actions as made now (their stamp).
+        now = dt.datetime.now(dt.UTC)
+        return [replace(action, ts=now) for action in last[2]], list(last[3])
+    actions, problems = _plan(response, box, max_calls)
+    box.planned = (response, max_calls, actions, problems)
+    return list(actions), list(problems)
+
+
+def _plan(response: events.LlmResponse, box: Toolbox, max_calls: int) -> tuple[list[events.Action], list[str]]:
     actions: list[events.Action] = []
     problems: list[str] = []
     if len(response.tool_calls) > max_calls:
@@ -686,6 +698,21 @@ def _reference_toolbox() -> Toolbox:
     if not _REFERENCE_TOOLBOX:
         _REFERENCE_TOOLBOX.append(Toolbox(REFERENCE))
     return _REFERENCE_TOOLBOX[0]
+
+
+_TOOLBOXES: dict[tuple[Agent, tuple[tuple[str, int], ...]], Toolbox] = {}
+
+
+def _toolbox(agent: Agent, listed: Mapping[str, events.McpTools] | None) -> Toolbox:
+    """:func:`next_move`'s toolbox for ``agent`` with the MCP listings ``listed``: made once per
+    definition and listings (the newest 256 kept), so that each keeps its last plan."""
+    key = (agent, tuple(sorted((name, tools.id or 0) for name, tools in (listed or {}).items())))
+    made = _TOOLBOXES.get(key)
+    if made is None:
+        made = _TOOLBOXES[key] = Toolbox(agent, listed)
+        if len(_TOOLBOXES) > 256:
+            _TOOLBOXES.pop(next(iter(_TOOLBOXES)))
+    return made
 
 
 def appended_with(response: events.LlmResponse, toolbox: Toolbox | None = None) -> events.Action | None:
@@ -724,7 +751,7 @@ def next_move(
     definition = agent if agent is not None else REFERENCE
     response = run.response
     if response is not None and response.id is not None:
-        toolbox = None if agent is None else Toolbox(definition, listed)
+        toolbox = None if agent is None else _toolbox(definition, listed)
         planned, problems = planned_actions(response, toolbox)
         if problems:
             if not run.rejected:

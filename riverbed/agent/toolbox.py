@@ -59,6 +59,9 @@ class Toolbox:
         self, agent: Agent, listed: Mapping[str, events.McpTools] | None = None, *, sub_agents: bool = True
     ) -> None:
         self.agent = agent
+        self.planned: tuple[events.LlmResponse, int, list[events.Action], list[str]] | None = None
+        """The last response planned with this toolbox, with its ``max_calls`` and what the plan was
+        (``runs.planned_actions``: a step asks for it several times)."""
         kinds = agent.builtin_kinds
         if not sub_agents:
             kinds = tuple(k for k in kinds if k is not events.Delegate)
