@@ -70,6 +70,7 @@ memory role for context recalls.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from bisect import bisect_left
 from collections import OrderedDict
@@ -1311,69 +1312,72 @@ class AgentHandler:
             await hold()
         done = False
         watching: list[Bell] = []
+        scope = anyio.CancelScope()  # the call's: the watch cancels it when the run ended meanwhile
 
-        async with anyio.create_task_group() as tg:
-
-            async def call() -> None:
-                nonlocal done
-                started = time.monotonic()
-                sent = True
-                try:
-                    if checked is not None:
-                        with anyio.fail_after(timeout), checked_by(hold, ctx.holds_now):
-                            outcome.append(await checked.chat_completion(request))
-                    else:  # (a client of the caller's: through the client library)
-                        with anyio.fail_after(timeout):
-                            completion = await self.client.chat.completions.create(**_as_built(request))
-                        outcome.append(completion.model_dump(exclude_none=True))
-                except FencedError as exc:
-                    failure.append(exc)
-                    sent = False
-                except (TimeoutError, openai.OpenAIError) as exc:
-                    failure.append(exc)
-                    self.counters.model_failures += 1
-                finally:
-                    if sent:
-                        took = time.monotonic() - started
-                        state.waited += took
-                        self.counters.model_calls += 1
-                        self.counters.model_seconds += took
-                        self.counters.observe(str(request.get("model", "")), took)
-                done = True
-                if watching:
-                    watching[0].ring()  # (the watch ends at that: no cancellation to deliver)
-                else:
-                    tg.cancel_scope.cancel()
-
-            async def watch() -> None:
-                wakeups = self.wakeups
-                bell = await wakeups.watch(ctx.session, CALL_WATCHER) if wakeups is not None else None
-                if bell is not None:
-                    watching.append(bell)
-                mark = bell.rung if bell is not None else 0
-                try:
-                    while not done:
-                        if bell is None:
-                            await anyio.sleep(CANCEL_POLL_SECONDS)
-                        else:
-                            rang = await bell.wait(mark, CALL_LOOK_SECONDS)
-                            mark = bell.rung
-                            if done:
-                                return
-                            if rang and bell.news is not None and bell.news <= state.fold.last:
-                                continue  # (nothing past what is folded)
-                        await self._catch_up(ctx, state)
-                        run = state.fold.run
-                        if run is None or not run.open or run.cancel_requested is not None:
-                            tg.cancel_scope.cancel()
+        async def watch() -> None:
+            wakeups = self.wakeups
+            bell = await wakeups.watch(ctx.session, CALL_WATCHER) if wakeups is not None else None
+            if bell is not None:
+                watching.append(bell)
+            mark = bell.rung if bell is not None else 0
+            try:
+                while not done:
+                    if bell is None:
+                        await anyio.sleep(CANCEL_POLL_SECONDS)
+                    else:
+                        rang = await bell.wait(mark, CALL_LOOK_SECONDS)
+                        mark = bell.rung
+                        if done:
                             return
-                finally:
-                    if wakeups is not None and bell is not None:
-                        with anyio.CancelScope(shield=True):
-                            await wakeups.unwatch(ctx.session, bell)
+                        if rang and bell.news is not None and bell.news <= state.fold.last:
+                            continue  # (nothing past what is folded)
+                    await self._catch_up(ctx, state)
+                    run = state.fold.run
+                    if run is None or not run.open or run.cancel_requested is not None:
+                        scope.cancel()
+                        return
+            except Exception as exc:  # (a read that failed ends the call with it)
+                failure.append(exc)
+                scope.cancel()
+            finally:
+                if wakeups is not None and bell is not None:
+                    with anyio.CancelScope(shield=True):
+                        await wakeups.unwatch(ctx.session, bell)
 
-            tg.start_soon(call)
-            tg.start_soon(watch)
+        # The watch is a task of its own and the call this task's: in a task group of two tasks
+        # the same cost 40 us of CPU a call against 18 (uvloop, a loop of 20,000).
+        watcher = asyncio.get_running_loop().create_task(watch())
+        started = time.monotonic()
+        sent = True
+        try:
+            with scope:
+                if checked is not None:
+                    with anyio.fail_after(timeout), checked_by(hold, ctx.holds_now):
+                        outcome.append(await checked.chat_completion(request))
+                else:  # (a client of the caller's: through the client library)
+                    with anyio.fail_after(timeout):
+                        completion = await self.client.chat.completions.create(**_as_built(request))
+                    outcome.append(completion.model_dump(exclude_none=True))
+        except FencedError as exc:
+            failure.append(exc)
+            sent = False
+        except (TimeoutError, openai.OpenAIError) as exc:
+            failure.append(exc)
+            self.counters.model_failures += 1
+        finally:
+            if sent:
+                took = time.monotonic() - started
+                state.waited += took
+                self.counters.model_calls += 1
+                self.counters.model_seconds += took
+                self.counters.observe(str(request.get("model", "")), took)
+            done = True
+            if watching:
+                watching[0].ring()  # (the watch ends at that: no cancellation to deliver)
+            else:
+                watcher.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait([watcher])
         if failure:
             raise failure[0]
         if not outcome:
