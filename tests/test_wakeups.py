@@ -67,6 +67,34 @@ async def test_a_bell_rings_when_its_session_log_moves_and_only_then(bus: Bus) -
         tg.cancel_scope.cancel()
 
 
+async def test_a_watch_cancelled_before_its_subscription_is_confirmed_leaves_nothing_subscribed(bus: Bus) -> None:
+    """A model call that ends while its watch waits for the subscription's confirmation (a
+    session taken a moment before) cancels that watch: its bell goes, and the channel with it."""
+    wakeups = Wakeups(bus.redis, bus.keys)
+    channel = bus.keys.wake("s2")
+
+    async def subscribers() -> int:  # (every node's count: the channel's node has them)
+        async with node_clients(bus.url) as nodes:
+            return sum([int((await node.execute_command("PUBSUB", "SHARDNUMSUB", channel))[1]) for node in nodes])
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(wakeups.run)
+        kept = await wakeups.watch("s1", "memory")  # (the feed is up and confirmed)
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # (at the first wait: the confirmation's)
+            await wakeups.watch("s2", "agent:call")
+        with anyio.fail_after(5):
+            while await subscribers():
+                await anyio.sleep(0.01)
+        assert wakeups.connections == 1
+        mark = kept.rung
+        await bus.session("s1").append(events.Message(content="hi"))
+        assert await kept.wait(mark, 5.0)  # (the feed serves the other session still)
+        await wakeups.watch("s2", "memory")  # (and the channel can be watched again)
+        assert await subscribers() == 1
+        tg.cancel_scope.cancel()
+
+
 async def test_a_bell_wait_ends_at_a_ring_or_its_timeout_and_leaves_no_waiter_behind() -> None:
     bell = Bell("memory")
     mark = bell.rung

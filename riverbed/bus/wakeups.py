@@ -257,14 +257,24 @@ class Wakeups:
         wait, briefly, for the subscription to hold; the bell of ``role``'s loop."""
         channel = self.keys.wake(session)
         watched = self._watched.get(channel)
-        if watched is None:
-            watched = self._watched[channel] = _Watched()
-            await self._subscribe(channel)
         bell = Bell(role)
-        watched.bells.append(bell)
-        if not watched.confirmed.is_set():  # (a session watched already: at once, no turn given up)
+        if watched is not None and watched.confirmed.is_set():
+            watched.bells.append(bell)  # (a session watched already: at once, no turn given up)
+            return bell
+        try:
+            if watched is None:
+                watched = self._watched[channel] = _Watched()
+                watched.bells.append(bell)
+                await self._subscribe(channel)
+            else:
+                watched.bells.append(bell)
             with anyio.move_on_after(CONFIRM_SECONDS):
                 await watched.confirmed.wait()
+        except BaseException:
+            # Cancelled (or failed) on the way: nothing is left watching for it.
+            with anyio.CancelScope(shield=True):
+                await self.unwatch(session, bell)
+            raise
         return bell
 
     async def unwatch(self, session: str, bell: Bell) -> None:
