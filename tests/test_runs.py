@@ -18,13 +18,12 @@ from riverbed.agent.runs import (
     EndRun,
     RejectCalls,
     Wait,
-    _toolbox,
     child_session,
     fold_runs,
     next_move,
     planned_actions,
 )
-from riverbed.agent.toolbox import Toolbox
+from riverbed.agent.toolbox import Toolbox, made_toolbox
 from riverbed.agent.usage import Price
 from riverbed.errors import ConfigError
 from riverbed.workers.main import parse_roles
@@ -69,11 +68,11 @@ def test_a_response_is_planned_once_for_the_moves_of_a_step(monkeypatch: pytest.
     assert parsed == ["cmd_run", "cmd_run"]
     assert fold.run is not None
     assert fold.run.response is not None
-    planned, _problems = planned_actions(fold.run.response, _toolbox(agent, None))
+    planned, _problems = planned_actions(fold.run.response, made_toolbox(agent))
     planned.clear()
-    assert [a.tool_call_id for a in planned_actions(fold.run.response, _toolbox(agent, None))[0]] == ["c1", "c2"]
+    assert [a.tool_call_id for a in planned_actions(fold.run.response, made_toolbox(agent))[0]] == ["c1", "c2"]
     assert parsed == ["cmd_run", "cmd_run"]
-    planned_actions(fold.run.response, _toolbox(agent, None), max_calls=1)
+    planned_actions(fold.run.response, made_toolbox(agent), max_calls=1)
     again = fold_runs(numbered(*log))  # (the same response, decoded again)
     assert isinstance(next_move(again.run, agent), AppendAction)
     assert len(parsed) == 4

@@ -43,7 +43,7 @@ from msgspec.structs import replace
 
 from riverbed import events
 from riverbed.agent.define import REFERENCE, Agent, StuckLimits
-from riverbed.agent.toolbox import Toolbox
+from riverbed.agent.toolbox import Toolbox, made_toolbox
 from riverbed.agent.usage import Price, step
 from riverbed.bus.keys import valid_session
 from riverbed.errors import InputError
@@ -656,7 +656,7 @@ def planned_actions(
     model is told how many it may make."""
     if not response.tool_calls:
         return [events.Finish(final_thought=response.content or "", cause=response.id)], []
-    box = toolbox if toolbox is not None else _reference_toolbox()
+    box = toolbox if toolbox is not None else made_toolbox(REFERENCE)
     last = box.planned
     if last is not None and last[0] is response and last[1] == max_calls:
         # A step's moves ask for the same response's plan: its actions as made now (their stamp).
@@ -689,30 +689,6 @@ def _plan(response: events.LlmResponse, box: Toolbox, max_calls: int) -> tuple[l
             action = replace(action, tool_call_id=call_id)
         actions.append(replace(action, cause=response.id))
     return actions, problems
-
-
-_REFERENCE_TOOLBOX: list[Toolbox] = []
-
-
-def _reference_toolbox() -> Toolbox:
-    if not _REFERENCE_TOOLBOX:
-        _REFERENCE_TOOLBOX.append(Toolbox(REFERENCE))
-    return _REFERENCE_TOOLBOX[0]
-
-
-_TOOLBOXES: dict[tuple[Agent, tuple[tuple[str, int], ...]], Toolbox] = {}
-
-
-def _toolbox(agent: Agent, listed: Mapping[str, events.McpTools] | None) -> Toolbox:
-    """:func:`next_move`'s toolbox for ``agent`` with the MCP listings ``listed``: made once per
-    definition and listings (the newest 256 kept), so that each keeps its last plan."""
-    key = (agent, tuple(sorted((name, tools.id or 0) for name, tools in (listed or {}).items())))
-    made = _TOOLBOXES.get(key)
-    if made is None:
-        made = _TOOLBOXES[key] = Toolbox(agent, listed)
-        if len(_TOOLBOXES) > 256:
-            _TOOLBOXES.pop(next(iter(_TOOLBOXES)))
-    return made
 
 
 def appended_with(response: events.LlmResponse, toolbox: Toolbox | None = None) -> events.Action | None:
@@ -751,7 +727,7 @@ def next_move(
     definition = agent if agent is not None else REFERENCE
     response = run.response
     if response is not None and response.id is not None:
-        toolbox = None if agent is None else _toolbox(definition, listed)
+        toolbox = None if agent is None else made_toolbox(definition, listed)
         planned, problems = planned_actions(response, toolbox)
         if problems:
             if not run.rejected:

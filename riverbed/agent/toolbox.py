@@ -18,6 +18,7 @@ the model; nothing of that response runs (``riverbed.agent.runs``).
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -32,7 +33,7 @@ from riverbed.agent.tooling import check_arguments
 from riverbed.agent.tools import action_from_call, tools
 from riverbed.errors import InputError
 
-__all__ = ["Toolbox"]
+__all__ = ["Toolbox", "made_toolbox"]
 
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_-]")
 _arguments = msgspec.json.Decoder(dict[str, Any])
@@ -75,6 +76,11 @@ class Toolbox:
             runs_in = "agent" if servers[listing.server].url else "runtime"
             for tool in listing.tools:
                 self._mcp[model_name(listing.server, tool.name)] = (listing.server, tool, runs_in)
+
+    @functools.cached_property
+    def offered(self) -> list[dict[str, Any]]:
+        """:meth:`openai`, made once (a schema per tool is a few milliseconds to build)."""
+        return self.openai()
 
     def openai(self) -> list[dict[str, Any]]:
         """The request's ``tools``: built-ins (``finish`` last), the agent's functions, MCP tools."""
@@ -134,3 +140,22 @@ class Toolbox:
             server=server,
             runs_in="agent" if runs_in == "agent" else "runtime",
         )
+
+
+_MADE: dict[tuple[str, bool, tuple[tuple[str, int], ...]], Toolbox] = {}
+
+
+def made_toolbox(
+    agent: Agent, listed: Mapping[str, events.McpTools] | None = None, *, sub_agents: bool = True
+) -> Toolbox:
+    """``Toolbox(agent, listed, sub_agents=...)``, made once per definition (its digest), MCP
+    listings and ``sub_agents`` (the newest 256 kept): a toolbox keeps its request ``tools``
+    (:attr:`Toolbox.offered`) and its last plan (``runs.planned_actions``), which a run's
+    steps ask for again and again."""
+    key = (agent.digest, sub_agents, tuple(sorted((name, tools.id or 0) for name, tools in (listed or {}).items())))
+    made = _MADE.get(key)
+    if made is None:
+        made = _MADE[key] = Toolbox(agent, listed, sub_agents=sub_agents)
+        if len(_MADE) > 256:  # (listings of many sessions: keep the newest)
+            _MADE.pop(next(iter(_MADE)))
+    return made

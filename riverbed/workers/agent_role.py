@@ -129,7 +129,7 @@ from riverbed.agent.runs import (
 )
 from riverbed.agent.secrets import TenantSecrets
 from riverbed.agent.throttle import Throttle
-from riverbed.agent.toolbox import Toolbox
+from riverbed.agent.toolbox import Toolbox, made_toolbox
 from riverbed.agent.usage import Price, StepUsage, parse_prices, step, unpriced
 from riverbed.agent.window import asked_to_condense, exceeds_context, too_long, window_in
 from riverbed.bus.faults import crashpoint
@@ -398,7 +398,6 @@ class AgentHandler:
         self.only_session = only_session
         """serve this session alone (a run served in the caller's process), leaving others to workers"""
         self.max_event_bytes = max_event_bytes
-        self._toolboxes: dict[tuple[str, tuple[tuple[str, int], ...]], tuple[Toolbox, list[dict[str, Any]]]] = {}
         self.images = images
         """the images a session's prompt may show (a vision model), by session"""
         self.temperature = temperature
@@ -761,16 +760,9 @@ class AgentHandler:
         await self._release_slot(ctx, state)
 
     def _toolbox(self, agent: Agent, listed: dict[str, events.McpTools]) -> tuple[Toolbox, list[dict[str, Any]]]:
-        """The agent's toolbox with the MCP listings of the log, and the request's ``tools``: made
-        once per definition and listings (a schema per tool is a few milliseconds to build)."""
-        key = (agent.digest, tuple(sorted((name, tools.id or 0) for name, tools in listed.items())))
-        made = self._toolboxes.get(key)
-        if made is None:
-            toolbox = Toolbox(agent, listed, sub_agents=self.max_depth > 0)
-            made = self._toolboxes[key] = (toolbox, toolbox.openai())
-            if len(self._toolboxes) > 256:  # (listings of many sessions: keep the newest)
-                self._toolboxes.pop(next(iter(self._toolboxes)))
-        return made
+        """The agent's toolbox with the MCP listings of the log, and the request's ``tools``."""
+        toolbox = made_toolbox(agent, listed, sub_agents=self.max_depth > 0)
+        return toolbox, toolbox.offered
 
     def _prompt(self, ctx: SessionContext, state: _Session, agent: Agent) -> Prompt:
         """The session's prompt for ``agent``, caught up with the log."""
