@@ -257,17 +257,16 @@ class Wakeups:
         wait, briefly, for the subscription to hold; the bell of ``role``'s loop."""
         channel = self.keys.wake(session)
         watched = self._watched.get(channel)
+        new = watched is None
+        if watched is None:
+            watched = self._watched[channel] = _Watched()
         bell = Bell(role)
-        if watched is not None and watched.confirmed.is_set():
-            watched.bells.append(bell)  # (a session watched already: at once, no turn given up)
-            return bell
+        watched.bells.append(bell)
+        if watched.confirmed.is_set():
+            return bell  # (a session watched already: at once, no turn given up)
         try:
-            if watched is None:
-                watched = self._watched[channel] = _Watched()
-                watched.bells.append(bell)
+            if new:
                 await self._subscribe(channel)
-            else:
-                watched.bells.append(bell)
             with anyio.move_on_after(CONFIRM_SECONDS):
                 await watched.confirmed.wait()
         except BaseException:
