@@ -382,6 +382,7 @@ class _Handler(BaseHTTPRequestHandler):
             with state._lock:
                 state.in_flight += 1
                 state.most_in_flight = max(state.most_in_flight, state.in_flight)
+            self._answering = True
             try:
                 answer = state._chat(body)
                 if isinstance(answer, Scripted):
@@ -389,12 +390,21 @@ class _Handler(BaseHTTPRequestHandler):
                 else:
                     self._send(*answer)
             finally:
-                with state._lock:
-                    state.in_flight -= 1
+                self._answered()
         elif path == "/v1/embeddings":
             self._send(*self.server_state._embeddings(body))
         else:
             self._send(404, _error(f"no route {self.path}", "invalid_request_error"))
+
+    def _answered(self) -> None:
+        """The chat request being answered is answered: it counts in flight no more.  Called as
+        its answer's body goes out, not after it: the client may have read the answer and sent
+        its next request before this thread runs again."""
+        if getattr(self, "_answering", False):
+            self._answering = False
+            state = self.server_state
+            with state._lock:
+                state.in_flight -= 1
 
     def _send(self, status: int, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> None:
         data = json.dumps(payload).encode()
@@ -404,6 +414,7 @@ class _Handler(BaseHTTPRequestHandler):
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         self.end_headers()
+        self._answered()
         self.wfile.write(data)
 
     def _scripted(self, item: Scripted) -> None:
