@@ -7,6 +7,7 @@ import os
 import anyio
 import msgspec
 import pytest
+import redis.exceptions as redis_exceptions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio.cluster import RedisCluster
@@ -116,6 +117,34 @@ async def test_the_append_script_announces_a_new_session_itself_where_it_can(bus
         assert reply == [b"ok", 1, 1, 1, *(role.encode() for role in ROLES)]
         assert heard == {role: [] for role in ROLES}
         assert await bus.sessions() == []
+
+
+async def test_an_append_whose_reply_was_lost_or_whose_script_was_forgotten_appends_once(
+    standalone_bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A standalone client sends an append in an exchange; a reply lost to a broken connection
+    runs the call again under the same idempotency key (the first ids back, nothing appended
+    twice), and ``NOSCRIPT`` (Redis restarted) runs it alone, which loads the script."""
+    from riverbed.bus._redispy import DirectSend  # noqa: PLC0415
+
+    bus = standalone_bus
+    session = bus.session("s1")
+    assert await session.append(events.Think(thought="first")) == [1]  # (the script is loaded)
+    read = DirectSend.read_response
+    breaks = [redis_exceptions.ConnectionError("connection reset by peer")]
+
+    async def breaking(self: DirectSend, *args: object, **kwargs: object) -> object:
+        reply = await read(self, *args, **kwargs)  # type: ignore[arg-type]
+        if breaks:
+            raise breaks.pop()  # the append went through; its reply is lost
+        return reply
+
+    monkeypatch.setattr(DirectSend, "read_response", breaking)
+    assert await session.append(events.Think(thought="second")) == [2]
+    assert not breaks
+    await bus.redis.script_flush()
+    assert await session.append(events.Think(thought="third")) == [3]
+    assert [e.thought for e in await session.events() if isinstance(e, events.Think)] == ["first", "second", "third"]
 
 
 async def test_fencing_refuses_a_stale_token(bus: Bus) -> None:

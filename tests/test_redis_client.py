@@ -82,6 +82,41 @@ async def test_pipelined_replies_are_filled_in_and_an_error_stays_with_its_comma
         _ = wrong.value
 
 
+async def test_sent_writes_are_all_made_and_a_refused_one_raises_only_when_asked(bus: Bus, prefix: str) -> None:
+    client = bus.client
+    key, other = f"{prefix}:{{w}}:hash", f"{prefix}:{{w}}:set"
+    await client.hset(key, "f", "v")
+    writes = [("SET", other, "1"), ("XADD", key, "*", "a", "b"), ("SET", other, "2")]  # a hash is no stream
+    with pytest.raises(rexc.ResponseError, match="WRONGTYPE"):
+        await client.send(writes)
+    assert await bus.redis.get(other) == b"2"  # the write after the refused one was made
+    await client.send([("SET", other, "3"), ("XADD", key, "*", "a", "b")], raise_on_error=False)
+    assert await bus.redis.get(other) == b"3"
+    await client.send([])
+
+
+async def test_writes_sent_on_a_connection_that_breaks_are_sent_again(
+    standalone_bus: Bus, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A standalone client sends them in an exchange; a connection that breaks under it makes
+    them go again in a pipeline, as the client library's own retry of a pipeline does."""
+    from riverbed.bus._redispy import DirectSend  # noqa: PLC0415
+
+    send = DirectSend.send_packed_command
+    breaks = [rexc.ConnectionError("connection reset by peer")]
+
+    async def breaking(self: DirectSend, *args: object, **kwargs: object) -> None:
+        if breaks:
+            raise breaks.pop()
+        await send(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DirectSend, "send_packed_command", breaking)
+    key = f"{prefix}:{{w}}:k"
+    await standalone_bus.client.send([("SET", key, "1"), ("INCR", key)])
+    assert not breaks
+    assert await standalone_bus.redis.get(key) == b"2"
+
+
 async def test_retry_unavailable_calls_until_redis_answers() -> None:
     calls = 0
 

@@ -241,7 +241,19 @@ class PreparedAppend:
         return ("EVALSHA", self.log.append_script.sha, len(self.keys), *self.keys, *self.args)
 
     async def run(self) -> list[int] | AlreadyAnswered:
-        reply = await self.log.append_script(self.keys, self.args)
+        """Run the call alone: in an exchange of one command where the client offers that (a
+        sixth less CPU than the client library's command path, its retry wrapper and reply
+        callbacks), else, or after ``NOSCRIPT`` or a broken connection, as the library's script
+        call, which loads the script and retries (a repeat is safe: see the class)."""
+        script = self.log.append_script
+        try:
+            await script.load()
+            async with self.log.redis.exchange(self.command) as replies:
+                reply = None if replies is None else await replies.read()
+        except (rexc.NoScriptError, UnavailableError):
+            reply = None
+        if reply is None:  # (never the script's reply: that is always a list)
+            reply = await script(self.keys, self.args)
         return await self.outcome(reply)
 
     async def outcome(self, reply: list[Any]) -> list[int] | AlreadyAnswered:
