@@ -342,7 +342,7 @@ async def test_outbound_network_reaches_out_but_not_this_hosts_services(
         assert cell.result not in (None, "0")
     finally:
         await rt.aclose()
-    assert not [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "slirp4netns"]
+    assert not _our_slirp4netns()
 
 
 async def test_outbound_sandboxes_started_at_once_under_load_get_their_network_on_the_first_try(
@@ -415,6 +415,40 @@ async def _runs_a_command_and_a_cell(rt: Runtime, before_each: Callable[[str], N
         await rt.aclose()
 
 
+def test_the_network_set_up_is_the_reported_sandboxs_even_if_its_pid_went_to_another_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """slirp4netns is given the sandbox's namespace by an fd, opened by the pid that bubblewrap
+    reported while that process is pinned: a sandbox gone meanwhile, its pid given to another
+    process, is refused rather than that process's namespace getting the network."""
+    from riverbed.runtime import sandbox as sandbox_module  # noqa: PLC0415
+
+    sandboxed = subprocess.Popen(["sleep", "30"])  # (stands for the sandbox bubblewrap reported)
+    other = subprocess.Popen(["sleep", "30"])  # (stands for a process given its pid later)
+    try:
+        net = sandbox_module._network_of(sandboxed.pid)
+        try:
+            assert os.fstat(net).st_ino == os.stat(f"/proc/{sandboxed.pid}/ns/net").st_ino
+        finally:
+            os.close(net)
+        opened = os.open
+
+        def reused(path: Any, *args: Any, **kwargs: Any) -> int:
+            if path == f"/proc/{sandboxed.pid}/ns/net":
+                sandboxed.kill()  # the sandbox dies and its pid names another process now
+                sandboxed.wait()
+                path = f"/proc/{other.pid}/ns/net"
+            return opened(path, *args, **kwargs)
+
+        monkeypatch.setattr(sandbox_module.os, "open", reused)
+        with pytest.raises(NetworkSetupFailed, match="exited while its network was set up"):
+            sandbox_module._network_of(sandboxed.pid)
+    finally:
+        for proc in (sandboxed, other):
+            proc.kill()
+            proc.wait()
+
+
 async def test_a_sandbox_that_exits_while_its_network_is_set_up_is_started_once_more(
     workspace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -447,7 +481,7 @@ async def test_a_sandbox_that_exits_while_its_network_is_set_up_is_started_once_
     for process in ("shell", "python"):
         tries = attempts[process]
         assert (tries[0], tries.count("failed"), tries[-1]) == ("failed", 1, "attached"), attempts
-    assert not [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "slirp4netns"]
+    assert not _our_slirp4netns()
 
 
 async def test_a_sandbox_whose_loopback_setup_failed_is_started_once_more(
@@ -518,6 +552,20 @@ async def test_a_loopback_race_lost_on_every_try_is_the_actions_retryable_error(
     assert (cell.reason, cell.retryable) == ("sandbox_unavailable", True)
     assert complaint in cell.content
     assert losses == [0]
+
+
+def _our_slirp4netns() -> list[str]:
+    """The pids of the slirp4netns processes this test process started that still run (the
+    suite's other processes run outbound sandboxes of their own at the same time)."""
+    return [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "slirp4netns" and _parent(p) == os.getpid()]
+
+
+def _parent(pid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return int(fh.read().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _comm(pid: str) -> str:

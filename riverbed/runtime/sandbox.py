@@ -59,6 +59,7 @@ import json
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -485,13 +486,18 @@ class Outbound:
         pid = int(json.loads(reported)["child-pid"])
         deadline = time.monotonic() + timeout
         _wait_for_loopback(pid, deadline)
-        owner = _network_owner(pid)
+        net = _network_of(pid)
+        owner = -1
         ready_r, ready_w = os.pipe()
         try:
+            owner = _network_owner(net)
+            # (the namespace by the fd opened above, not by the pid: slirp4netns then reaches the
+            # sandbox's network whatever became of that pid since)
             self._proc = subprocess.Popen(
                 [slirp, "--configure", "--mtu=65520", "--disable-host-loopback", f"--exit-fd={self._exit_r}",
-                 f"--ready-fd={ready_w}", f"--userns-path=/proc/self/fd/{owner}", str(pid), "tap0"],
-                pass_fds=(self._exit_r, ready_w, owner),
+                 f"--ready-fd={ready_w}", f"--userns-path=/proc/self/fd/{owner}", "--netns-type=path",
+                 f"/proc/self/fd/{net}", "tap0"],
+                pass_fds=(self._exit_r, ready_w, owner, net),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -500,10 +506,9 @@ class Outbound:
             ready_w = -1
             done = _read_with_timeout(ready_r, max(0.0, deadline - time.monotonic()))
         finally:
-            os.close(ready_r)
-            os.close(owner)
-            if ready_w >= 0:
-                os.close(ready_w)
+            for fd in (ready_r, ready_w, owner, net):
+                if fd >= 0:
+                    os.close(fd)
         if not done:
             raise SandboxUnavailable("slirp4netns did not bring the sandbox's network up")
         try:
@@ -580,9 +585,36 @@ _NS_GET_USERNS = 0xB701
 """``ioctl_ns(2)``: the user namespace that owns a namespace, as a new fd."""
 
 
-def _network_owner(pid: int) -> int:
-    """An fd of the user namespace that owns the network namespace of the sandbox ``pid``, for
-    ``slirp4netns --userns-path``.
+def _network_of(pid: int) -> int:
+    """An fd of the network namespace of the sandbox ``pid``, known to be that sandbox's.
+
+    bubblewrap reported the pid; a pid is a name that the kernel gives again once its process is
+    gone, and a sandbox killed while its network was set up (its command waits on the block fd
+    until then: nothing else ends it) could leave its pid to another process, whose namespace
+    would get the network.  So the pid is pinned first (a pidfd), the namespace opened by it,
+    and the pinned process asked to be alive after that: the namespace opened was its.  Both
+    ``slirp4netns`` and :func:`_network_owner` then take the namespace by this fd."""
+    try:
+        pinned = os.pidfd_open(pid)
+    except OSError:
+        raise NetworkSetupFailed(errno.ESRCH, "the sandbox exited while its network was set up") from None
+    try:
+        net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            signal.pidfd_send_signal(pinned, 0)  # (ESRCH: gone, and the pid may be another's)
+        except OSError:
+            os.close(net)
+            raise
+        return net
+    except OSError:
+        raise NetworkSetupFailed(errno.ESRCH, "the sandbox exited while its network was set up") from None
+    finally:
+        os.close(pinned)
+
+
+def _network_owner(net: int) -> int:
+    """An fd of the user namespace that owns the network namespace ``net`` (an fd) of a
+    sandbox, for ``slirp4netns --userns-path``.
 
     Left to itself, ``slirp4netns`` joins ``/proc/<pid>/ns/user`` and then the network
     namespace.  A non-root worker's bubblewrap puts the sandbox in a second user namespace
@@ -594,14 +626,7 @@ def _network_owner(pid: int) -> int:
     is the one that works, whenever ``slirp4netns`` starts.  A root worker's sandbox has no
     user namespace of its own: the owner is the worker's, which ``slirp4netns`` is in already.
     """
-    try:
-        net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        raise NetworkSetupFailed(errno.ESRCH, "the sandbox exited while its network was set up") from None
-    try:
-        return fcntl.ioctl(net, _NS_GET_USERNS)
-    finally:
-        os.close(net)
+    return fcntl.ioctl(net, _NS_GET_USERNS)
 
 
 def _read_json_object(fh: io.BufferedReader) -> bytes:
