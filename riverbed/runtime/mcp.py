@@ -382,6 +382,11 @@ class McpServers:
     def knows(self, server: str) -> bool:
         return server in self._specs
 
+    @property
+    def running(self) -> bool:
+        """Whether a server of the session runs (started, and not exited)."""
+        return any(server.alive for server in self._running.values())
+
     def learn(self, spec: events.McpList) -> None:
         """Remember ``spec`` (the log's latest ``mcp_list`` of its server); a running server
         whose spec changed is stopped at its next use and started anew."""
