@@ -34,6 +34,7 @@ MODULES = (
     "bench.sandboxes",
     "bench.serve",
     "bench.agents",
+    "bench.model_request",
 )
 
 
