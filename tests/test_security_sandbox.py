@@ -443,6 +443,17 @@ def test_the_network_set_up_is_the_reported_sandboxs_even_if_its_pid_went_to_ano
         monkeypatch.setattr(sandbox_module.os, "open", reused)
         with pytest.raises(NetworkSetupFailed, match="exited while its network was set up"):
             sandbox_module._network_of(sandboxed.pid)
+        monkeypatch.undo()
+
+        def refused(pid: int) -> int:
+            raise OSError(errno.ENOSYS, "Function not implemented")
+
+        monkeypatch.setattr(sandbox_module.os, "pidfd_open", refused)  # (a host whose seccomp policy refuses pidfds)
+        net = sandbox_module._network_of(other.pid)
+        try:
+            assert os.fstat(net).st_ino == os.stat(f"/proc/{other.pid}/ns/net").st_ino
+        finally:
+            os.close(net)
     finally:
         for proc in (sandboxed, other):
             proc.kill()

@@ -593,15 +593,19 @@ def _network_of(pid: int) -> int:
     until then: nothing else ends it) could leave its pid to another process, whose namespace
     would get the network.  So the pid is pinned first (a pidfd), the namespace opened by it,
     and the pinned process asked to be alive after that: the namespace opened was its.  Both
-    ``slirp4netns`` and :func:`_network_owner` then take the namespace by this fd."""
+    ``slirp4netns`` and :func:`_network_owner` then take the namespace by this fd.  Where the
+    kernel or a seccomp policy refuses pidfds, the namespace is opened by the pid alone."""
     try:
         pinned = os.pidfd_open(pid)
-    except OSError:
-        raise NetworkSetupFailed(errno.ESRCH, "the sandbox exited while its network was set up") from None
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            raise NetworkSetupFailed(errno.ESRCH, "the sandbox exited while its network was set up") from None
+        pinned = -1
     try:
         net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            signal.pidfd_send_signal(pinned, 0)  # (ESRCH: gone, and the pid may be another's)
+            if pinned >= 0:
+                signal.pidfd_send_signal(pinned, 0)  # (ESRCH: gone, and the pid may be another's)
         except OSError:
             os.close(net)
             raise
@@ -609,7 +613,8 @@ def _network_of(pid: int) -> int:
     except OSError:
         raise NetworkSetupFailed(errno.ESRCH, "the sandbox exited while its network was set up") from None
     finally:
-        os.close(pinned)
+        if pinned >= 0:
+            os.close(pinned)
 
 
 def _network_owner(net: int) -> int:
