@@ -220,6 +220,7 @@ class Owner:
         """Serve ``session``, just acquired with ``token``, in a loop of its own (``meta``: its
         tenant and creation stamp, when the acquire read them)."""
         owned = self.state.owned[session] = Owned(entry=entry, token=token, scope=anyio.CancelScope(), meta=meta)
+        self.state.owned_changes += 1
         assert self._tg is not None
         loop = SessionLoop(
             self.handles,
@@ -242,6 +243,7 @@ class Owner:
             log.exception("handler.close_failed", role=role, session=loop.session)
         if self.state.owned.get(loop.session) is loop.owned:
             del self.state.owned[loop.session]
+            self.state.owned_changes += 1
         if not parked:
             try:
                 await self.handles.leases.release(

@@ -187,6 +187,8 @@ class OwnerState:
 
     def __init__(self) -> None:
         self.owned: dict[str, Owned] = {}
+        self.owned_changes = 0
+        """how many times a session was added to or removed from :attr:`owned`"""
         self.stats = OwnerStats()
         self.failures = Failures()
         """The role loops failing right now (shown by ``/readyz`` and ``riverbed status``)."""

@@ -385,7 +385,7 @@ class McpServers:
     @property
     def running(self) -> bool:
         """Whether a server of the session runs (started, and not exited)."""
-        return any(server.alive for server in self._running.values())
+        return bool(self._running) and any(server.alive for server in self._running.values())
 
     def learn(self, spec: events.McpList) -> None:
         """Remember ``spec`` (the log's latest ``mcp_list`` of its server); a running server
