@@ -383,9 +383,9 @@ class McpServers:
         return server in self._specs
 
     @property
-    def running(self) -> bool:
-        """Whether a server of the session runs (started, and not exited)."""
-        return bool(self._running) and any(server.alive for server in self._running.values())
+    def started(self) -> bool:
+        """Whether a server of the session was started and not stopped since."""
+        return bool(self._running)
 
     def learn(self, spec: events.McpList) -> None:
         """Remember ``spec`` (the log's latest ``mcp_list`` of its server); a running server

@@ -179,9 +179,10 @@ class _Session:
         self.created: str | None = None
         """the creation stamp of the log this session was opened for (None: opened by no owner)"""
 
-    def runs_processes(self) -> bool:
-        """Whether the session's shell, Python process or an MCP server of it runs."""
-        return self.shell.alive or self.python.alive or self.mcp.running
+    def started_processes(self) -> bool:
+        """Whether the session's shell, Python process or an MCP server of it was started (and
+        not dropped since): the watchdog's checks ask each whether it still runs."""
+        return self.shell.started or self.python.started or self.mcp.started
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
@@ -379,7 +380,7 @@ class Runtime:
         while not self._closed:
             await anyio.sleep(interval)
             for session in list(self._sessions.values()):
-                if not session.runs_processes():
+                if not session.started_processes():
                     continue  # (most of a worker's sessions: nothing to count, not even a scope to enter)
                 with anyio.move_on_after(interval * 5):
                     await session.shell.enforce_limits()

@@ -76,6 +76,11 @@ class SandboxedProcess:
         """the sandbox's own processes (bubblewrap's and the program), never killed as strays"""
 
     @property
+    def started(self) -> bool:
+        """Whether the program was started and not dropped since (it may have exited)."""
+        return self._proc is not None
+
+    @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
