@@ -82,6 +82,19 @@ async def test_pipelined_replies_are_filled_in_and_an_error_stays_with_its_comma
         _ = wrong.value
 
 
+def _failing_sends(monkeypatch: pytest.MonkeyPatch, connection: type, errors: list[Exception]) -> None:
+    """Make ``connection``'s sends raise the errors put in ``errors`` (one a send, last first),
+    and send as before while it is empty."""
+    send = connection.send_packed_command
+
+    async def failing(self: object, *args: object, **kwargs: object) -> None:
+        if errors:
+            raise errors.pop()
+        await send(self, *args, **kwargs)
+
+    monkeypatch.setattr(connection, "send_packed_command", failing)
+
+
 async def test_sent_writes_are_all_made_and_a_refused_one_raises_only_when_asked(bus: Bus, prefix: str) -> None:
     client = bus.client
     key, other = f"{prefix}:{{w}}:hash", f"{prefix}:{{w}}:set"
@@ -102,15 +115,8 @@ async def test_writes_sent_on_a_connection_that_breaks_are_sent_again(
     them go again in a pipeline, as the client library's own retry of a pipeline does."""
     from riverbed.bus._redispy import DirectSend  # noqa: PLC0415
 
-    send = DirectSend.send_packed_command
-    breaks = [rexc.ConnectionError("connection reset by peer")]
-
-    async def breaking(self: DirectSend, *args: object, **kwargs: object) -> None:
-        if breaks:
-            raise breaks.pop()
-        await send(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(DirectSend, "send_packed_command", breaking)
+    breaks: list[Exception] = [rexc.ConnectionError("connection reset by peer")]
+    _failing_sends(monkeypatch, DirectSend, breaks)
     key = f"{prefix}:{{w}}:k"
     await standalone_bus.client.send([("SET", key, "1"), ("INCR", key)])
     assert not breaks
@@ -164,15 +170,8 @@ async def test_a_connection_closed_under_a_command_is_unavailable_and_the_next_c
     one, while any other AttributeError or RuntimeError stays a bug."""
     from redis.asyncio.connection import AbstractConnection  # noqa: PLC0415
 
-    send = AbstractConnection.send_packed_command
     leaks: list[Exception] = []
-
-    async def closed_under_us(self: AbstractConnection, *args: object, **kwargs: object) -> None:
-        if leaks:
-            raise leaks.pop()
-        await send(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(AbstractConnection, "send_packed_command", closed_under_us)
+    _failing_sends(monkeypatch, AbstractConnection, leaks)
     key = f"{prefix}:{{s}}:k"
     await bus.redis.hset(key, "f", "v")
     leaks.append(AttributeError("'NoneType' object has no attribute 'writelines'"))
