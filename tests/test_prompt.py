@@ -168,9 +168,13 @@ def test_a_prompt_kept_between_steps_is_the_prompt_built_from_the_whole_log(
     log: list[Event], chunks: list[int], defaults: dict[str, Any] | None, cached: bool
 ) -> None:
     """At every step (the log grown by a few events) the kept prompt's messages, their JSON
-    and the budget check are those of the pure functions over the whole log."""
+    and the budget check are those of the pure functions over the whole log, whether it is
+    given each step's view or follows the builder (reading only what the view added)."""
     builder = ViewBuilder()
-    prompt = Prompt(system="sys", condenser_defaults=defaults)
+    given, following = (
+        Prompt(system="sys", condenser_defaults=defaults),
+        Prompt(system="sys", condenser_defaults=defaults),
+    )
     seen: list[Event] = []
     rest = list(log)
     mode = "anthropic" if cached else "none"
@@ -178,20 +182,26 @@ def test_a_prompt_kept_between_steps_is_the_prompt_built_from_the_whole_log(
         new, rest = rest[:size], rest[size:]
         seen += new
         builder.extend(new)
-        prompt.update(seen, builder.view())
+        following.follow(seen, builder)
+        given.update(seen, builder.view())
         wanted = build_messages(seen, system="sys", condenser_defaults=defaults)
-        assert prompt.messages() == wanted
-        assert msgspec.json.encode(prompt.encoded(mode)) == msgspec.json.encode(cache_breakpoints(wanted, mode))
-        assert prompt.over_budget() == over_budget(seen, defaults)
+        for prompt in (given, following):
+            assert prompt.messages() == wanted
+            assert msgspec.json.encode(prompt.encoded(mode)) == msgspec.json.encode(cache_breakpoints(wanted, mode))
+            assert prompt.over_budget() == over_budget(seen, defaults)
 
 
 def steps(log: list[Event], defaults: dict[str, Any] | None = None) -> None:
     """Fold ``log`` one event a step, comparing the kept prompt with the one from scratch."""
     builder, prompt = ViewBuilder(), Prompt(system="sys", condenser_defaults=defaults)
+    following = Prompt(system="sys", condenser_defaults=defaults)
     for n, event in enumerate(log, start=1):
         builder.append(event)
+        following.follow(log[:n], builder)
         prompt.update(log[:n], builder.view())
-        assert prompt.messages() == build_messages(log[:n], system="sys", condenser_defaults=defaults), n
+        wanted = build_messages(log[:n], system="sys", condenser_defaults=defaults)
+        assert prompt.messages() == wanted, n
+        assert following.messages() == wanted, n
 
 
 def test_what_comes_after_a_new_turn_still_goes_with_the_response_before_it() -> None:
@@ -235,3 +245,27 @@ def test_masking_moving_its_boundary_changes_the_results_it_hides() -> None:
             with_id(CmdOutput(content="output " * 20, cause=eid + 1), eid + 2),
         ]
     steps(log)
+
+
+def test_a_result_joining_a_pinned_call_late_stays_shown_under_masking() -> None:
+    """A pinned call's result that comes after other steps joins the pinned unit: masking never
+    hides it, however far back it goes (a prompt that follows the builder sees the pin grow)."""
+    log: list[Event] = [with_id(SessionConfig(condenser={"strategy": "masking", "mask_window": 2}), 1)]
+    late = tool_call("cmd_run", {"command": "slow"}, "call_slow")
+    log += [
+        with_id(LlmResponse(model="m", tool_calls=[late]), 2),
+        with_id(CmdRun(command="slow", cause=2, tool_call_id="call_slow"), 3),
+        with_id(ContextEdit(op="pin", ranges=[(2, 3)]), 4),
+        with_id(CmdOutput(content="slow output " * 20, cause=3), 5),
+    ]
+    for k in range(6):
+        eid = len(log) + 1
+        call = tool_call("cmd_run", {"command": f"c{k}"}, f"call_{k}")
+        log += [
+            with_id(LlmResponse(model="m", tool_calls=[call]), eid),
+            with_id(CmdRun(command=f"c{k}", cause=eid, tool_call_id=f"call_{k}"), eid + 1),
+            with_id(CmdOutput(content=f"output {k} " * 20, cause=eid + 1), eid + 2),
+        ]
+    steps(log)
+    shown = str(build_messages(log, system="sys"))
+    assert "slow output" in shown and "output 0" not in shown  # (an older result is masked)

@@ -7,9 +7,10 @@ the same answers from what it kept of the step before::
 
     prompt = Prompt(system=system_prompt(agent), condenser_defaults=defaults)
     prompt.update(seen, builder.view())   # the log so far and its fold (ViewBuilder: incremental)
+    prompt.follow(seen, builder)          # the same, reading only the builder's new events
     prompt.over_budget()                  # over_budget(seen, defaults)
     prompt.messages()                     # build_messages(seen, system=..., condenser_defaults=...)
-    prompt.encoded("none")                # those messages' JSON (cache_breakpoints applied)
+    prompt.encoded("none")                # those messages' JSON array (cache_breakpoints applied)
 
 Between two steps the view only grows at its end, unless a condensation or a context edit came:
 then every part below starts again from the first event, once.  Otherwise:
@@ -22,7 +23,8 @@ then every part below starts again from the first event, once.  Otherwise:
   message).  An update converts again from the last place that no new or changed event refers
   back across (an observation to its action and that action's response, an action to its
   response, the agent's words to the response they speak for): usually the step's own turn;
-- each message's JSON is kept, so a request's body is joined rather than encoded again;
+- the messages' JSON is kept joined, so a request's ``messages`` is one copy of it rather than
+  an encoding of each message (or of a list of 2,000 encoded parts);
 - the condenser's token counts are kept per event.
 
 Nothing here reads the log or the model: it is as pure as the functions it stands for, and a
@@ -45,14 +47,15 @@ from riverbed.agent.messages import ChatMessage, cache_breakpoints, convert, sho
 from riverbed.errors import ConfigError
 from riverbed.memory.condensers import CondenserConfig, maskable, masked, masked_count
 from riverbed.memory.tokens import TokenCounter
-from riverbed.memory.view import View
+from riverbed.memory.view import View, ViewBuilder
 
 __all__ = ["Prompt"]
 
 log = structlog.get_logger("riverbed.agent")
 
 Event = events.Event
-_encode = msgspec.json.Encoder().encode
+_encoder = msgspec.json.Encoder()
+_encode, _encode_into = _encoder.encode, _encoder.encode_into
 
 
 class _Masking:
@@ -152,7 +155,13 @@ class _Messages:
     def __init__(self, system: str | None, images: ImageSource | None) -> None:
         self.images = images
         self.out: list[ChatMessage] = [{"role": "system", "content": system}] if system else []
-        self.encoded: list[msgspec.Raw] = [msgspec.Raw(_encode(m)) for m in self.out]
+        self.joined = bytearray()
+        """the messages' JSON, each followed by a comma: a request's ``messages`` is this joined
+        (no message is encoded again, nor a list of them: msgspec's encoding of 2,000 parts
+        cost a step five times its copy of their bytes)"""
+        self.ends: list[int] = []
+        """where each message's JSON (and its comma) ends in ``joined``"""
+        self._encode_from(0)
         self.used: set[str] = set()
         self.added: list[str] = []
         self.marks: list[tuple[int, int, int]] = [(0, len(self.out), 0)]
@@ -165,6 +174,16 @@ class _Messages:
         """a tool call id -> the first response that made it"""
         self.length = 0
         """the events converted"""
+
+    def _encode_from(self, count: int) -> None:
+        """Encode the messages from index ``count`` on, those after it dropped first."""
+        joined, ends = self.joined, self.ends
+        del joined[ends[count - 1] if count else 0 :]
+        del ends[count:]
+        for message in self.out[count:]:
+            _encode_into(message, joined, -1)
+            joined += b","
+            ends.append(len(joined))
 
     def _anchor(self, e: Event, i: int) -> int:
         """The first index whose messages ``e`` (at ``i``) may change: where the response is
@@ -213,13 +232,12 @@ class _Messages:
             marks.pop()
         start, count, used_count = marks[-1]
         del self.out[count:]
-        del self.encoded[count:]
         for call_id in self.added[used_count:]:
             self.used.discard(call_id)
         del self.added[used_count:]
         found: list[tuple[int, int, int]] = []
         convert(list(given[start:]), self.out, self.used, images=self.images, added=self.added, marks=found)
-        self.encoded.extend(msgspec.Raw(_encode(m)) for m in self.out[count:])
+        self._encode_from(count)
         # A place stays one to start again from while nothing after it refers back across it.
         lowest = len(given)
         valid: set[int] = set()
@@ -246,7 +264,11 @@ class Prompt:
         self._scanned = 0
         self._raw: Mapping[str, Any] | None = None
         self.config = self._config()
-        self._view: tuple[Event, ...] = ()
+        self._view: list[Event] = []
+        """the view's events, as the stages were last given them"""
+        self._source: tuple[ViewBuilder, int, int] | None = None
+        """the builder :meth:`follow` read ``_view`` from, its ``changes`` then, and the log events of
+        its view then"""
         self._pinned: frozenset[int] = frozenset()
         self._summarised = False
         self._reset()
@@ -270,10 +292,10 @@ class Prompt:
         ]
         self._context = _Context()
         self._messages = _Messages(self.system, self.images)
-        self._view = ()
+        self._view = []
 
-    def update(self, seen: Sequence[Event], view: View) -> None:
-        """Catch up with the log ``seen`` and its fold ``view`` (both only grow)."""
+    def _configure(self, seen: Sequence[Event]) -> None:
+        """Take the condenser settings of the log's new ``session_config`` events, if any."""
         raw = self._raw
         for e in seen[self._scanned :]:
             if isinstance(e, events.SessionConfig) and e.condenser is not None:
@@ -285,17 +307,49 @@ class Prompt:
             if config != self.config:
                 self.config = config
                 self._reset()
+
+    def update(self, seen: Sequence[Event], view: View) -> None:
+        """Catch up with the log ``seen`` and its fold ``view`` (both only grow)."""
+        self._configure(seen)
         given = view.events
         old = self._view
         changed = len(old)
-        if view.pinned != self._pinned or len(given) < changed or given[:changed] != old:
+        if view.pinned != self._pinned or len(given) < changed or list(given[:changed]) != old:
             self._reset()
             changed = 0
-        self._view, self._pinned, self._summarised = given, view.pinned, view.summary_index is not None
-        shown: Sequence[Event] = given
+        self._view, self._pinned, self._summarised = list(given), view.pinned, view.summary_index is not None
+        self._source = None
+        self._convert(changed)
+
+    def follow(self, seen: Sequence[Event], builder: ViewBuilder) -> None:
+        """:meth:`update` with ``builder``'s view, read only as far as it is new: while the
+        builder's view changed only at its end since the last call, its events are not looked
+        at again (nor is a view of them made)."""
+        self._configure(seen)
+        source = self._source
+        if source is None or source[0] is not builder or source[1] != builder.changes or not self._view:
+            view = builder.view()
+            self.update(seen, view)
+            self._source = (builder, builder.changes, len(view.events) - (view.summary_index is not None))
+            return
+        if builder.pinned_ids() != self._pinned:  # (a pinned unit grew: masking sees it otherwise)
+            self._source = None
+            self.follow(seen, builder)
+            return
+        new = builder.shown_since(source[2])
+        if new:
+            changed = len(self._view)
+            self._view += new
+            self._source = (builder, source[1], source[2] + len(new))
+            self._convert(changed)
+
+    def _convert(self, changed: int) -> None:
+        """Bring the stages, the context and the messages up to ``self._view``, which changed
+        from index ``changed`` on."""
+        shown: Sequence[Event] = self._view
         for stage in self._stages:
             if isinstance(stage, _Masking):
-                changed = stage.update(shown, changed, view.pinned)
+                changed = stage.update(shown, changed, self._pinned)
                 shown = stage.out
             else:
                 stage.update(shown, changed)
@@ -310,13 +364,24 @@ class Prompt:
         """The chat messages (a copy of the list; the messages themselves are shared)."""
         return list(self._messages.out)
 
-    def encoded(self, cache: str = "none") -> list[msgspec.Raw]:
-        """The messages' JSON with :func:`~riverbed.agent.messages.cache_breakpoints`' marks for
-        ``cache``: a request's ``messages`` to encode (only the marked ones are encoded again)."""
-        out = self._messages.out
-        encoded = list(self._messages.encoded)
+    def encoded(self, cache: str = "none") -> msgspec.Raw:
+        """The messages' JSON array with :func:`~riverbed.agent.messages.cache_breakpoints`'
+        marks for ``cache``: a request's ``messages`` (only the marked ones are encoded again;
+        the rest is one copy of the JSON kept)."""
+        kept = self._messages
+        out, joined, ends = kept.out, kept.joined, kept.ends
+        if not out:
+            return msgspec.Raw(b"[]")
         with_marks = cache_breakpoints(out, cache)
-        for i in {0, len(out) - 1} if out else ():
-            if with_marks[i] is not out[i]:
-                encoded[i] = msgspec.Raw(_encode(with_marks[i]))
-        return encoded
+        head = _encode(with_marks[0]) if with_marks[0] is not out[0] else None
+        tail = _encode(with_marks[-1]) if len(out) > 1 and with_marks[-1] is not out[-1] else None
+        body = bytearray(b"[")
+        if head is not None:
+            body += head
+            body += b","
+        body += memoryview(joined)[ends[0] if head is not None else 0 : ends[-2] if tail is not None else len(joined)]
+        if tail is not None:
+            body += tail
+            body += b","
+        body[-1] = 0x5D  # "]" for the last comma
+        return msgspec.Raw(body)

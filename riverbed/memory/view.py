@@ -218,6 +218,7 @@ class ViewBuilder:
         "_anchor",
         "_batches",
         "_calls",
+        "_changes",
         "_events",
         "_firsts",
         "_flag_of",
@@ -256,6 +257,7 @@ class ViewBuilder:
         self._last = 0
         self._pending: list[Event] = []  # appended, not folded yet (see _fold)
         self._types: dict[type[Event], tuple[int, int]] = {}  # event class -> its kind code and fold role
+        self._changes = 0  # the folds that changed the view other than at its end (see changes)
         self._flag_of = [0] * 256  # kind code -> ANSWERABLE | RESPONSE: what other events join
         self.extend(events)
 
@@ -266,6 +268,26 @@ class ViewBuilder:
     def __len__(self) -> int:
         self._flush()
         return len(self._ids) + (self._summary is not None)
+
+    @property
+    def changes(self) -> int:
+        """How many times the view changed other than by events added at its end (a
+        condensation, a context edit, :meth:`fill`).  While it stays the same, the view is the
+        one read before with :meth:`shown_since`'s events after it: a reader that keeps what it
+        made of the view reads only those (``agent/prompt.py``) instead of the whole view."""
+        self._flush()
+        return self._changes
+
+    def shown_since(self, count: int) -> list[Event]:
+        """The visible events after the first ``count`` of them (the summary not counted): the
+        events added to the view since it showed ``count``, while :attr:`changes` stays."""
+        self._flush()
+        return self._events[count:]
+
+    def pinned_ids(self) -> frozenset[int]:
+        """The view's ``pinned``, without making the view."""
+        self._flush()
+        return self._pinned_members()
 
     def extend(self, events: Iterable[Event]) -> None:
         if isinstance(events, list) and events:
@@ -377,6 +399,7 @@ class ViewBuilder:
         if missing:
             raise InputError(f"a saved view needs events the log did not give: {missing[:5]}")
         self._events = [by_id[i] for i in self._ids]
+        self._changes += 1
         if self._summary_from:
             cond = by_id.get(self._summary_from)
             if not isinstance(cond, Condensation) or not cond.summary:
@@ -567,6 +590,7 @@ class ViewBuilder:
     # --- condensations and edits ----------------------------------------------------------
 
     def _condense(self, cond: Condensation, cid: int) -> None:
+        self._changes += 1
         ids = self._ids
         spans = [(bisect_left(ids, start), bisect_right(ids, end)) for start, end in _merge(cond.forgotten, cid - 1)]
         if self._pinned:
@@ -604,6 +628,7 @@ class ViewBuilder:
         return {self._root[i] or i for i in candidates if kind[i]}
 
     def _edit(self, edit: ContextEdit, eid: int) -> None:
+        self._changes += 1
         roots = self._targets(edit, eid)
         if edit.op == "forget":
             self._hide(roots, eid)

@@ -138,7 +138,7 @@ from riverbed.bus.keys import AGENT_ROLE
 from riverbed.bus.status import live_workers
 from riverbed.bus.wakeups import Bell, Wakeups
 from riverbed.errors import AppendConflict, ConfigError, FencedError, RiverbedError, TenantMismatch
-from riverbed.memory.view import View, ViewBuilder
+from riverbed.memory.view import ViewBuilder
 from riverbed.runtime.paths import workspace_name
 from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
 from riverbed.workers.agent_pace import LAG_PROBE, MachineIdle, Pace, own_cgroup
@@ -308,18 +308,18 @@ class _Session:
             self.seen.append(event)
             self.fold.add(event)
 
-    def view(self) -> View:
-        """The view of ``seen``: a step folds only the events that are new since the last."""
+    def folded(self) -> ViewBuilder:
+        """The fold of ``seen``: a step folds only the events that are new since the last."""
         if self.built < len(self.seen):
             self.builder.extend(self.seen[self.built :])
             self.built = len(self.seen)
-        return self.builder.view()
+        return self.builder
 
     def prompt(self, system: str, condenser_defaults: dict[str, Any] | None, images: ImageSource | None) -> Prompt:
         """The prompt of ``seen`` (:mod:`riverbed.agent.prompt`): a step converts only what is new."""
         if self.kept is None or not self.kept.fits(system, condenser_defaults):
             self.kept = Prompt(system=system, condenser_defaults=condenser_defaults, images=images)
-        self.kept.update(self.seen, self.view())
+        self.kept.follow(self.seen, self.folded())
         return self.kept
 
 
