@@ -65,9 +65,11 @@ default) goes on the same workers, each run on a session of its own.  The model 
 each run's first model call until every run is at its first (each session taken: its whole log
 read and its first prompt made), and each run's last call until every run is at its last:
 between the two, the agent workers do the runs' later steps and nothing else, so their CPU then
-per model call is a *later step's* own, and their CPU before it, per run, is taking a session.
-With two sizes or more, a last round runs the smallest size again with its first message padded
-so that its prompt is as long in bytes as the largest size's: what a later step costs more at
+per model call is a *later step's* own (its note says how much of it the kernel's was: the
+socket writes and reads, which on one machine also carry the receiving side's loopback TCP), and
+their CPU before it, per run, is taking a session.  With two sizes or more, a last round runs
+the smallest size again with its first message padded so that its prompt is as long in bytes
+as the largest size's: what a later step costs more at
 the largest size than there is its events' cost, not its bytes'.  Then the largest size's
 figures against the smallest's (goals: 1.2x for a later step's CPU, and 1 ms of CPU a step;
 the overhead's ratio has none: at 2,000 events the round asks more of a 2-core machine's CPUs
@@ -301,13 +303,13 @@ async def _wait_for_runs(
     return done
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds the processes used so far."""
+def _cpu_seconds(pids: list[int], *, kernel: bool = False) -> float:
+    """User + system CPU seconds the processes used so far (``kernel``: the system's alone)."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0
     for pid in pids:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        total += (0 if kernel else int(fields[11])) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
     return total / tick
 
 
@@ -585,9 +587,10 @@ class _Round:
     taking: float = 0.0
     """with ``--context``: the agent workers' CPU seconds from the runs' opening until each run
     was at its first model call (each session taken, its whole log read, and its first prompt)"""
-    later: tuple[float, int] = (0.0, 0)
+    later: tuple[float, int, float] = (0.0, 0, 0.0)
     """with ``--context``: the agent workers' CPU seconds from each run at its first model call to
-    each at its last, and the model calls made in between (every run's later steps, exactly)"""
+    each at its last, the model calls made in between (every run's later steps, exactly), and the
+    part of those seconds spent in the kernel (the sockets' writes and reads)"""
     figures: _Steps = field(default_factory=_Steps)
 
 
@@ -733,6 +736,7 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                     if contexts:
                         first = await server.gathered(runs)
                         at_first = _cpu_seconds(agent_pids)
+                        kernel_at_first = _cpu_seconds(agent_pids, kernel=True)
                         taken.taking = at_first - cpu_before[0]
                         if sampler is not None:
                             sampler.stop(label)
@@ -744,7 +748,11 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                         last = await server.gathered(runs)
                         if sampler is not None:
                             sampler.stop(f"{label}-later")
-                        taken.later = (_cpu_seconds(agent_pids) - at_first, last - first)
+                        taken.later = (
+                            _cpu_seconds(agent_pids) - at_first,
+                            last - first,
+                            _cpu_seconds(agent_pids, kernel=True) - kernel_at_first,
+                        )
                         server.gates("open")
                         if sampler is not None:
                             sampler.start(f"{label}-last")
@@ -975,7 +983,7 @@ def _context_results(
         agent_cpu, runtime_cpu, server_cpu, redis_cpu = taken.cpu
         calls = len(figures.model)
         cpu = agent_cpu / calls
-        later_cpu, later_calls = taken.later
+        later_cpu, later_calls, later_kernel = taken.later
         expected = len(taken.sessions) * (taken.steps - 1)
         if later_calls != expected:
             raise RuntimeError(
@@ -1011,7 +1019,8 @@ def _context_results(
                 f"agent workers' CPU time per later step, {size} (every run at its first model call to every run "
                 "at its last)", "ms", _ms(later), _ms(cpu), "per step, taking the session included",
                 later / cpu, TARGET_CPU_MS, later_calls, better="lower", target_on="figure",
-                note=f"{later_cpu:.2f} s for the {later_calls:,} model calls between the gates",
+                note=f"{later_cpu:.2f} s for the {later_calls:,} model calls between the gates, "
+                f"{later_kernel:.2f} s of it in the kernel: {_ms(later_kernel / later_calls):.2f} ms a step",
             ),
             Result(
                 f"agent workers' CPU time to take a session of about {size} and make its first prompt, per run",

@@ -35,6 +35,7 @@ MODULES = (
     "bench.serve",
     "bench.agents",
     "bench.model_request",
+    "bench.prompt_step",
 )
 
 
