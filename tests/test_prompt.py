@@ -268,4 +268,5 @@ def test_a_result_joining_a_pinned_call_late_stays_shown_under_masking() -> None
         ]
     steps(log)
     shown = str(build_messages(log, system="sys"))
-    assert "slow output" in shown and "output 0" not in shown  # (an older result is masked)
+    assert "slow output" in shown
+    assert "output 0" not in shown  # (an older result is masked)
