@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
+from unittest.mock import Mock
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,6 +33,7 @@ from riverbed.events import (
     Think,
     with_id,
 )
+from riverbed.memory.tokens import TokenCounter
 from riverbed.memory.view import ViewBuilder
 from tests.kit.openai_server import tool_call
 
@@ -270,3 +274,27 @@ def test_a_result_joining_a_pinned_call_late_stays_shown_under_masking() -> None
     shown = str(build_messages(log, system="sys"))
     assert "slow output" in shown
     assert "output 0" not in shown  # (an older result is masked)
+
+
+def test_a_step_cut_short_is_made_again_whole_at_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose update raised (here the condenser's token count, once) leaves nothing
+    half-kept: the next step's budget check and messages are the whole log's, whether the
+    prompt is given the view or follows the builder."""
+    defaults = {"strategy": "amortized", "max_events": None, "budget_tokens": 100}
+    log = [with_id(Message(content=f"message {i}: " + "word " * 30, source="user"), i) for i in (1, 2, 3)]
+    count = TokenCounter.event
+    for follows in (False, True):
+        builder, prompt = ViewBuilder(), Prompt(system="sys", condenser_defaults=defaults)
+        for n in (1, 2, 3):
+            builder.extend(log[n - 1 : n])
+            if n == 2:
+                monkeypatch.setattr(TokenCounter, "event", Mock(side_effect=OSError("the tokenizer failed")))
+            with pytest.raises(OSError, match="tokenizer failed") if n == 2 else contextlib.nullcontext():
+                if follows:
+                    prompt.follow(log[:n], builder)
+                else:
+                    prompt.update(log[:n], builder.view())
+            monkeypatch.setattr(TokenCounter, "event", count)
+        assert over_budget(log, defaults)  # (two messages are within the budget, three are not)
+        assert prompt.over_budget(), follows
+        assert prompt.messages() == build_messages(log, system="sys", condenser_defaults=defaults), follows

@@ -347,14 +347,18 @@ class Prompt:
         """Bring the stages, the context and the messages up to ``self._view``, which changed
         from index ``changed`` on."""
         shown: Sequence[Event] = self._view
-        for stage in self._stages:
-            if isinstance(stage, _Masking):
-                changed = stage.update(shown, changed, self._pinned)
-                shown = stage.out
-            else:
-                stage.update(shown, changed)
-        changed = self._context.update(shown, changed)
-        self._messages.update(self._context.out, changed)
+        try:
+            for stage in self._stages:
+                if isinstance(stage, _Masking):
+                    changed = stage.update(shown, changed, self._pinned)
+                    shown = stage.out
+                else:
+                    stage.update(shown, changed)
+            changed = self._context.update(shown, changed)
+            self._messages.update(self._context.out, changed)
+        except BaseException:
+            self._reset()  # (cut short, the parts disagree: the next update starts again from the first event)
+            raise
 
     def over_budget(self) -> bool:
         """Whether the session's condenser would condense the view now."""
