@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import math
+import resource
 import signal
 import statistics
 import sys
@@ -37,6 +38,12 @@ MODULES = (
     "bench.model_request",
     "bench.prompt_step",
 )
+
+
+def process_cpu() -> float:
+    """This process's CPU seconds so far, user and system (``getrusage``)."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from bench.common import Result, run_alone
+from bench.common import Result, process_cpu, run_alone
 from riverbed.workers.model_client import CheckedClient
 
 LARGE = 318_000
@@ -32,11 +32,6 @@ SMALL = 7_000
 """bytes of the small one: about a 20-event context's"""
 CALLS = 300
 """calls per size in a round"""
-
-
-def _cpu() -> float:
-    used = resource.getrusage(resource.RUSAGE_SELF)
-    return used.ru_utime + used.ru_stime
 
 
 def _system() -> float:
@@ -81,10 +76,10 @@ async def measure(_url: str, args: argparse.Namespace) -> list[Result]:
                     await client.chat_completion(body)
             for _ in range(max(args.repeats, 3)):
                 for size, body in bodies.items():
-                    started, started_system = _cpu(), _system()
+                    started, started_system = process_cpu(), _system()
                     for _ in range(CALLS):
                         await client.chat_completion(body)
-                    cpu[size].append((_cpu() - started) / CALLS * 1e6)
+                    cpu[size].append((process_cpu() - started) / CALLS * 1e6)
                     system[size].append((_system() - started_system) / CALLS * 1e6)
         finally:
             await client.close()

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import resource
 import statistics
 
 import msgspec
 from msgspec.structs import replace
 
 from bench.agents import MODEL, _earlier_turns, _prompt_bytes
-from bench.common import Result, run_alone
+from bench.common import Result, process_cpu, run_alone
 from riverbed import events
 from riverbed.agent.prompt import Prompt
 from riverbed.memory.view import ViewBuilder
@@ -38,11 +37,6 @@ SESSIONS, STEPS = 50, 10
 LARGE, SMALL = 2000, 20
 """the contexts' sizes, in events (about)"""
 _encode = msgspec.json.Encoder().encode
-
-
-def _cpu() -> float:
-    used = resource.getrusage(resource.RUSAGE_SELF)
-    return used.ru_utime + used.ru_stime
 
 
 class _Session:
@@ -86,11 +80,11 @@ async def measure(_url: str, args: argparse.Namespace) -> list[Result]:
             for session in sessions:  # (warm: the first step after taking a session)
                 session.step()
             gc.collect()
-            started = _cpu()
+            started = process_cpu()
             for session in sessions:
                 for _ in range(STEPS):
                     session.step()
-            cpu[name].append((_cpu() - started) / (SESSIONS * STEPS) * 1e6)
+            cpu[name].append((process_cpu() - started) / (SESSIONS * STEPS) * 1e6)
             sent[name] = sessions[0].bytes
     large, small, padded = (statistics.median(cpu[name]) for name in ("large", "small", "padded"))
     rounds = ", ".join(f"{a / b:.2f}" for a, b in zip(cpu["large"], cpu["small"], strict=True))

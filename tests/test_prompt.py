@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from typing import Any
 from unittest.mock import Mock
 
@@ -237,17 +238,23 @@ def test_what_comes_after_a_new_turn_still_goes_with_the_response_before_it() ->
     )
 
 
-def test_masking_moving_its_boundary_changes_the_results_it_hides() -> None:
-    """Each step adds a result; every other one, masking hides two more older ones."""
-    log: list[Event] = [with_id(SessionConfig(condenser={"strategy": "masking", "mask_window": 4}), 1)]
-    for k in range(12):
+def command_steps(log: list[Event], count: int, output: Callable[[int], str]) -> None:
+    """Append ``count`` steps to ``log``: a response calling ``cmd_run``, its action and the
+    result ``output(k)`` of step ``k``."""
+    for k in range(count):
         eid = len(log) + 1
         call = tool_call("cmd_run", {"command": f"c{k}"}, f"call_{k}")
         log += [
             with_id(LlmResponse(model="m", tool_calls=[call]), eid),
             with_id(CmdRun(command=f"c{k}", cause=eid, tool_call_id=f"call_{k}"), eid + 1),
-            with_id(CmdOutput(content="output " * 20, cause=eid + 1), eid + 2),
+            with_id(CmdOutput(content=output(k), cause=eid + 1), eid + 2),
         ]
+
+
+def test_masking_moving_its_boundary_changes_the_results_it_hides() -> None:
+    """Each step adds a result; every other one, masking hides two more older ones."""
+    log: list[Event] = [with_id(SessionConfig(condenser={"strategy": "masking", "mask_window": 4}), 1)]
+    command_steps(log, 12, lambda k: "output " * 20)
     steps(log)
 
 
@@ -262,14 +269,7 @@ def test_a_result_joining_a_pinned_call_late_stays_shown_under_masking() -> None
         with_id(ContextEdit(op="pin", ranges=[(2, 3)]), 4),
         with_id(CmdOutput(content="slow output " * 20, cause=3), 5),
     ]
-    for k in range(6):
-        eid = len(log) + 1
-        call = tool_call("cmd_run", {"command": f"c{k}"}, f"call_{k}")
-        log += [
-            with_id(LlmResponse(model="m", tool_calls=[call]), eid),
-            with_id(CmdRun(command=f"c{k}", cause=eid, tool_call_id=f"call_{k}"), eid + 1),
-            with_id(CmdOutput(content=f"output {k} " * 20, cause=eid + 1), eid + 2),
-        ]
+    command_steps(log, 6, lambda k: f"output {k} " * 20)
     steps(log)
     shown = str(build_messages(log, system="sys"))
     assert "slow output" in shown

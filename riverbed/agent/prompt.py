@@ -327,14 +327,16 @@ class Prompt:
         at again (nor is a view of them made)."""
         self._configure(seen)
         source = self._source
-        if source is None or source[0] is not builder or source[1] != builder.changes or not self._view:
+        if (
+            source is None
+            or source[0] is not builder
+            or source[1] != builder.changes
+            or not self._view
+            or builder.pinned_ids() != self._pinned  # (a pinned unit grew: masking sees it otherwise)
+        ):
             view = builder.view()
             self.update(seen, view)
             self._source = (builder, builder.changes, len(view.events) - (view.summary_index is not None))
-            return
-        if builder.pinned_ids() != self._pinned:  # (a pinned unit grew: masking sees it otherwise)
-            self._source = None
-            self.follow(seen, builder)
             return
         new = builder.shown_since(source[2])
         if new:
