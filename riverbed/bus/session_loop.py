@@ -62,8 +62,11 @@ LEAVE_AFTER = 2.0
 #: it is appended, with no wake-up and no second read in between.
 HOT_BLOCK_MS = 250
 #: How often an owned session looks for entries pending with nobody working on them, and reads
-#: once even when its bell did not ring (a wake-up lost while a feed reconnected): every second
-#: after activity, then twice as long after each quiet check, up to the maximum.
+#: once even when its bell did not ring (a wake-up lost while a feed reconnected): a second after
+#: the session is taken or a stray was found, at once after a failed read, then twice as long
+#: after each check that found none, up to the maximum, busy or idle.  A stray comes of a
+#: takeover (a stale owner's read) or of a lost reply (a failed read), not of the session's own
+#: work, so a busy session is checked no more often than an idle one (each action would cost one).
 STRAY_CHECK_SECONDS = 1.0
 MAX_STRAY_CHECK_SECONDS = 8.0
 
@@ -178,19 +181,17 @@ class SessionLoop:
         while not self.state.stopping.is_set():
             try:
                 if time.monotonic() >= stray_check:
-                    # Checked every second after activity, then less often while the session is
-                    # idle: a thousand idle sessions must not keep the worker busy.
                     quiet = min(quiet * 2, MAX_STRAY_CHECK_SECONDS)
                     stray_check = time.monotonic() + quiet
                     # (the answer with those other loops send in this turn; the writes go with the check)
                     await self.flush(together=True, writes=False)
                     if await self._recover_stray():
                         idle_since = time.monotonic()
+                        quiet = STRAY_CHECK_SECONDS
+                        stray_check = idle_since + quiet
                         continue
                 if await self._read_and_dispatch():
                     idle_since = time.monotonic()
-                    quiet = STRAY_CHECK_SECONDS
-                    stray_check = min(stray_check, idle_since + quiet)
                     backoff.reset()
                     continue
                 deadline = self.wake_at(ctx) if self.wake_at is not None and self.held is None else None
@@ -247,7 +248,8 @@ class SessionLoop:
             except UnavailableError as exc:
                 self.log.warning("read.unavailable", error=str(exc), retry_in=backoff.next)
                 await backoff.pause()
-                stray_check = 0.0  # a reply lost with the connection may have left entries pending here
+                # a reply lost with the connection may have left entries pending here
+                quiet, stray_check = STRAY_CHECK_SECONDS, 0.0
                 continue
             except rexc.ResponseError as exc:
                 if not group_lost(exc):

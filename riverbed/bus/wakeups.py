@@ -10,8 +10,8 @@ shared, bounded connection pool.
 
 Pub/Sub delivers at most once: a message sent while a feed reconnects is lost.  So every
 feed that (re)connects rings every bell it serves (each loop reads once more), and a loop that
-hears nothing still reads once a second (``SessionLoop`` does, with its stray check): a lost
-wake-up costs at most that second, never a stuck session.  On a cluster, a feed whose node
+hears nothing still reads every few seconds (``SessionLoop`` does, with its stray check, at most
+8 s apart): a lost wake-up costs at most those seconds, never a stuck session.  On a cluster, a feed whose node
 stops answering, refuses a channel (``MOVED``) or gives a channel up (a slot migrated) makes
 the worker reload the slot map and place every channel again.
 """
@@ -44,7 +44,8 @@ log = structlog.get_logger("riverbed.worker")
 #: the pong) for three times as long is taken for dead and reconnects.
 PING_SECONDS = 5.0
 #: How long :meth:`Wakeups.watch` waits for the subscription's confirmation before the loop
-#: goes on anyway (it still reads once a second).
+#: goes on anyway (it still reads with its stray checks: a second after it took the session, then
+#: ever less often).
 CONFIRM_SECONDS = 1.0
 #: How much a feed reads from its socket at once.
 _CHUNK = 1 << 16
