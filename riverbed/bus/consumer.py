@@ -219,8 +219,8 @@ class Owner:
     def start_session(self, session: str, entry: str, token: int, meta: tuple[str | None, str] | None = None) -> None:
         """Serve ``session``, just acquired with ``token``, in a loop of its own (``meta``: its
         tenant and creation stamp, when the acquire read them)."""
-        owned = self.state.owned[session] = Owned(entry=entry, token=token, scope=anyio.CancelScope(), meta=meta)
-        self.state.owned_changes += 1
+        owned = Owned(entry=entry, token=token, scope=anyio.CancelScope(), meta=meta)
+        self.state.own(session, owned)
         assert self._tg is not None
         loop = SessionLoop(
             self.handles,
@@ -241,9 +241,7 @@ class Owner:
             await self.handler.close(loop.ctx)
         except Exception:
             log.exception("handler.close_failed", role=role, session=loop.session)
-        if self.state.owned.get(loop.session) is loop.owned:
-            del self.state.owned[loop.session]
-            self.state.owned_changes += 1
+        self.state.disown(loop.session, loop.owned)
         if not parked:
             try:
                 await self.handles.leases.release(

@@ -20,6 +20,7 @@ without an owner taking sessions (``tests/test_handles.py``).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -187,13 +188,29 @@ class OwnerState:
 
     def __init__(self) -> None:
         self.owned: dict[str, Owned] = {}
-        self.owned_changes = 0
-        """how many times a session was added to or removed from :attr:`owned`"""
+        """the sessions owned now (changed only by :meth:`own` and :meth:`disown`)"""
+        self.tenants: Counter[str] = Counter()
+        """:attr:`owned` counted by tenant ('' none), kept with it: an intake round of a worker
+        holding thousands of sessions reads it instead of walking them"""
         self.stats = OwnerStats()
         self.failures = Failures()
         """The role loops failing right now (shown by ``/readyz`` and ``riverbed status``)."""
         self.stopping = anyio.Event()
         self._changed = anyio.Event()
+
+    def own(self, session: str, owned: Owned) -> None:
+        """``session`` is owned now (under ``owned``)."""
+        before = self.owned.get(session)
+        if before is not None:
+            self.tenants[before.tenant or ""] -= 1
+        self.owned[session] = owned
+        self.tenants[owned.tenant or ""] += 1
+
+    def disown(self, session: str, owned: Owned) -> None:
+        """``session`` is no longer owned, if ``owned`` is still what holds it."""
+        if self.owned.get(session) is owned:
+            del self.owned[session]
+            self.tenants[owned.tenant or ""] -= 1
 
     def changed(self) -> None:
         """The owned sessions changed: wake :meth:`wait_for`."""

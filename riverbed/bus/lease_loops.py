@@ -81,8 +81,6 @@ class LeaseLoops:
         self._taking: set[str] = set()
         self._turn = 0
         """how many intake reads were made: the tenant read first moves on by one each read"""
-        self._held: tuple[int, Counter[str]] | None = None
-        """:meth:`held`'s count without ``serves``, and the owned sessions' changes it was made at"""
         self.slot_freed = anyio.Event()
 
     def free(self) -> int:
@@ -103,15 +101,13 @@ class LeaseLoops:
     def held(self) -> Counter[str]:
         """The sessions held here that count toward their tenants' shares, by tenant ('' none).
 
-        Without ``serves`` every owned session counts, and the count is made again only when
-        the owned sessions changed: an intake round of a worker holding thousands of sessions
-        would walk them all (a session's tenant is fixed when it is taken)."""
+        Without ``serves`` every owned session counts: the owner's count, kept as sessions are
+        owned and let go (an intake round of a worker holding thousands of sessions would walk
+        them all; a session's tenant is fixed when it is taken)."""
         state, serves = self.state, self.serves
         if serves is not None:
             return Counter(owned.tenant or "" for session, owned in state.owned.items() if serves(session))
-        if self._held is None or self._held[0] != state.owned_changes:
-            self._held = (state.owned_changes, Counter(owned.tenant or "" for owned in state.owned.values()))
-        return self._held[1].copy()
+        return state.tenants.copy()
 
     async def intake(self) -> None:
         state = self.state
