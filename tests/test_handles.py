@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from riverbed import events
-from riverbed.bus.handles import Handles
+from riverbed.bus.handles import Handles, Owned, OwnerState
 from riverbed.bus.handling import Entry, SessionContext
 from riverbed.bus.leases import Acquired, Claim
 from riverbed.bus.wakeups import Wakeups
@@ -102,3 +102,24 @@ async def _task_taken(handles: Handles, session: Session) -> tuple[Claim, Acquir
         while not claims:
             claims = await handles.leases.read_new(10, block_ms=200)
     return claims[0], await handles.leases.acquire(claims[0])
+
+
+async def test_an_owners_count_by_tenant_holds_only_the_tenants_it_holds_now() -> None:
+    """Sessions of a thousand tenants owned and let go leave no count behind (an intake round
+    copies the count: it must not grow with every tenant ever held), and a session owned again
+    under a new lease counts once."""
+    state = OwnerState()
+    leases = [Owned(entry="e", token=1, scope=anyio.CancelScope(), meta=(f"t{i}", "c")) for i in range(1000)]
+    for i, owned in enumerate(leases):
+        state.own(f"s{i}", owned)
+    again = Owned(entry="e", token=2, scope=anyio.CancelScope(), meta=("t0", "c"))
+    state.own("s0", again)
+    assert len(state.tenants) == 1000
+    assert state.tenants["t0"] == 1
+    state.disown("s0", leases[0])  # (a stale lease's end lets nothing go)
+    assert state.tenants["t0"] == 1
+    state.disown("s0", again)
+    for i, owned in enumerate(leases[1:], start=1):
+        state.disown(f"s{i}", owned)
+    assert state.tenants == {}
+    assert state.owned == {}

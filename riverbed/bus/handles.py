@@ -202,15 +202,25 @@ class OwnerState:
         """``session`` is owned now (under ``owned``)."""
         before = self.owned.get(session)
         if before is not None:
-            self.tenants[before.tenant or ""] -= 1
+            self._count(before, -1)
         self.owned[session] = owned
-        self.tenants[owned.tenant or ""] += 1
+        self._count(owned, 1)
 
     def disown(self, session: str, owned: Owned) -> None:
         """``session`` is no longer owned, if ``owned`` is still what holds it."""
         if self.owned.get(session) is owned:
             del self.owned[session]
-            self.tenants[owned.tenant or ""] -= 1
+            self._count(owned, -1)
+
+    def _count(self, owned: Owned, by: int) -> None:
+        """Move :attr:`tenants` by ``by`` for ``owned``'s tenant; a tenant holding none is dropped
+        (the count stays as long as the tenants held now, not every tenant ever held)."""
+        tenant = owned.tenant or ""
+        left = self.tenants[tenant] + by
+        if left:
+            self.tenants[tenant] = left
+        else:
+            del self.tenants[tenant]
 
     def changed(self) -> None:
         """The owned sessions changed: wake :meth:`wait_for`."""
