@@ -147,6 +147,7 @@ async def test_restoring_what_a_condenser_hid_says_it_will_hide_them_again(bus: 
     key = await new_key(bus, "acme")
     async with running(bus) as base, console(base, key, "/s/fix-calc", width=WIDTH) as page:
         await expect(page.locator("#at")).to_have_text("14")
+        await expect(page.locator("#view-note")).to_contain_text("of 14 events in the context")
         await page.select_option("#ctx-op", "restore")
         await page.fill("#ctx-from", "3")
         await page.fill("#ctx-to", "6")
@@ -169,3 +170,21 @@ async def test_restoring_what_a_condenser_hid_says_it_will_hide_them_again(bus: 
         await page.click("#ctx-apply")
         await expect(result).to_contain_text("applied edit #17 (restore)")
         await expect(result).not_to_contain_text("condenser")
+
+
+async def test_the_edit_form_stays_under_the_pointer_while_the_view_reloads(bus: Bus) -> None:
+    """A live session reloads the view at every event: the view keeps its box, so the edit and
+    fork forms under it do not move (a click meant for Preview lands on Preview)."""
+    from playwright.async_api import expect  # noqa: PLC0415
+
+    await record_session(bus, "fix-calc")
+    key = await new_key(bus, "acme")
+    async with running(bus) as base, console(base, key, "/s/fix-calc", width=WIDTH) as page:
+        note = page.locator("#view-note")
+        await expect(note).to_contain_text("of 14 events in the context")
+        full = await box(page.locator("#ctx-preview"))
+        await page.locator("#slider").fill("3")
+        await expect(note).to_contain_text("3 of 3 events in the context")
+        assert await page.locator("#view > li").count() == 3
+        short = await box(page.locator("#ctx-preview"))
+        assert full["y"] == short["y"], (full, short)
