@@ -122,7 +122,7 @@ from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 import riverbed
-from bench.common import Result, percentile, run_alone
+from bench.common import Result, cpu_seconds, percentile, redis_cpu, run_alone
 from bench.model_server import task_text
 from bench.roundtrip import FILE_NAME, Workers, _prepare_workspace
 from bench.tool_agent import bench_agent
@@ -301,22 +301,6 @@ async def _wait_for_runs(
                     f"{max(sampled.rss.values()):.0f} MiB; load {os.getloadavg()[0]:.1f}"
                 )
     return done
-
-
-def _cpu_seconds(pids: list[int], *, kernel: bool = False) -> float:
-    """User + system CPU seconds the processes used so far (``kernel``: the system's alone)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        total += (0 if kernel else int(fields[11])) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / tick
-
-
-async def _redis_cpu(bus: riverbed.Bus) -> float:
-    """The CPU seconds Redis used so far (``INFO cpu``: its main thread and the others)."""
-    info = await bus.redis.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 def _all_finished(summaries: dict[str, RunSummary]) -> None:
@@ -501,9 +485,9 @@ async def _settle(pids: list[int], *, most: float = 120.0) -> None:
     seeded sessions' actions, all answered already), for at most ``most`` seconds."""
     deadline = time.monotonic() + most
     while time.monotonic() < deadline:
-        before = _cpu_seconds(pids)
+        before = cpu_seconds(pids)
         await anyio.sleep(1.0)
-        if _cpu_seconds(pids) - before < 0.1:
+        if cpu_seconds(pids) - before < 0.1:
             return
 
 
@@ -705,14 +689,14 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                     _progress(
                         f"agents: {runs:,} runs of {taken.steps} steps at once{what}; load {os.getloadavg()[0]:.1f}"
                     )
-                    idle_from = _cpu_seconds(agent_pids)
+                    idle_from = cpu_seconds(agent_pids)
                     await anyio.sleep(IDLE_SECONDS)
-                    taken.idle = (_cpu_seconds(agent_pids) - idle_from) / IDLE_SECONDS
+                    taken.idle = (cpu_seconds(agent_pids) - idle_from) / IDLE_SECONDS
                     cpu_before = (
-                        _cpu_seconds(agent_pids),
-                        _cpu_seconds(runtime_pids),
-                        _cpu_seconds([server.proc.pid]),
-                        await _redis_cpu(bus),
+                        cpu_seconds(agent_pids),
+                        cpu_seconds(runtime_pids),
+                        cpu_seconds([server.proc.pid]),
+                        await redis_cpu(bus.redis),
                     )
                     opening = time.perf_counter()
 
@@ -735,8 +719,8 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                     _progress(f"agents: {runs:,} runs opened in {taken.opened_in:.1f} s")
                     if contexts:
                         first = await server.gathered(runs)
-                        at_first = _cpu_seconds(agent_pids)
-                        kernel_at_first = _cpu_seconds(agent_pids, kernel=True)
+                        at_first = cpu_seconds(agent_pids)
+                        kernel_at_first = cpu_seconds(agent_pids, kernel=True)
                         taken.taking = at_first - cpu_before[0]
                         if sampler is not None:
                             sampler.stop(label)
@@ -749,9 +733,9 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                         if sampler is not None:
                             sampler.stop(f"{label}-later")
                         taken.later = (
-                            _cpu_seconds(agent_pids) - at_first,
+                            cpu_seconds(agent_pids) - at_first,
                             last - first,
-                            _cpu_seconds(agent_pids, kernel=True) - kernel_at_first,
+                            cpu_seconds(agent_pids, kernel=True) - kernel_at_first,
                         )
                         server.gates("open")
                         if sampler is not None:
@@ -760,10 +744,10 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                     if sampler is not None:
                         sampler.stop(f"{label}-last" if contexts else label)
                     cpu_after = (
-                        _cpu_seconds(agent_pids),
-                        _cpu_seconds(runtime_pids),
-                        _cpu_seconds([server.proc.pid]),
-                        await _redis_cpu(bus),
+                        cpu_seconds(agent_pids),
+                        cpu_seconds(runtime_pids),
+                        cpu_seconds([server.proc.pid]),
+                        await redis_cpu(bus.redis),
                     )
                     taken.cpu = (
                         cpu_after[0] - cpu_before[0],

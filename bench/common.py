@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import resource
 import signal
 import statistics
@@ -21,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from riverbed import services
 
@@ -44,6 +46,23 @@ def process_cpu() -> float:
     """This process's CPU seconds so far, user and system (``getrusage``)."""
     used = resource.getrusage(resource.RUSAGE_SELF)
     return used.ru_utime + used.ru_stime
+
+
+def cpu_seconds(pids: Sequence[int], *, kernel: bool = False) -> float:
+    """User + system CPU seconds the processes used so far (``kernel``: the system's alone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        total += (0 if kernel else int(fields[11])) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / tick
+
+
+async def redis_cpu(client: Any) -> float:
+    """The CPU seconds Redis used so far (``INFO cpu``: its main thread and the others); ``client``
+    is any redis-py asyncio client."""
+    info = await client.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 @dataclass(frozen=True)

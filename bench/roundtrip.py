@@ -16,7 +16,8 @@ command at a time, makes four; the floor's responder does pipeline its ``XADD`` 
 - latency: one session, sequential round trips, rounds alternating floor/riverbed; p50
   and p99 over every sample (target: riverbed p50 <= 2x the floor's), and each round's p50
   against the floor's in the same round, with the worst of them (goal: 1.2x in every one;
-  ``--repeats 10`` runs ten).  Only
+  ``--repeats 10`` runs ten), and the CPU each side's processes (the client, the worker or
+  responder, Redis) used per round trip over those rounds.  Only
   runtime workers run, so the sessions are marked as owned by the memory and condenser
   roles, as in a full deployment; one more row shows a runtime-only deployment, where the
   session stays announced to those roles (re-announced at most every 2 s);
@@ -46,13 +47,14 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 import redis.asyncio as aioredis
 
 import riverbed
-from bench.common import Result, percentile, run_alone
+from bench.common import Result, cpu_seconds, percentile, process_cpu, redis_cpu, run_alone
 from riverbed import events
 from riverbed.bus.keys import Keys
 from riverbed.runtime.paths import workspace_name
@@ -127,7 +129,9 @@ def responder_main(argv: list[str]) -> None:
 
 
 @contextmanager
-def responders(url: str, prefix: str, processes: int, streams: int, *, one_write: bool = False) -> Iterator[None]:
+def responders(
+    url: str, prefix: str, processes: int, streams: int, *, one_write: bool = False
+) -> Iterator[list[subprocess.Popen[bytes]]]:
     extra = ["one-write"] if one_write else []
     procs = [
         subprocess.Popen(
@@ -147,7 +151,7 @@ def responders(url: str, prefix: str, processes: int, streams: int, *, one_write
         for n in range(processes)
     ]
     try:
-        yield
+        yield procs
     finally:
         for proc in procs:
             proc.terminate()
@@ -308,6 +312,35 @@ async def _warm(fns: list[Callable[[], Awaitable[None]]]) -> float:
     return time.perf_counter() - started
 
 
+@dataclass
+class Cpu:
+    """CPU seconds of a side's processes: the client (this process), the workers or responders,
+    and Redis; and the round trips they made."""
+
+    client: float = 0.0
+    server: float = 0.0
+    redis: float = 0.0
+    trips: int = 0
+
+    @classmethod
+    def now(cls, pids: list[int], redis: float) -> Cpu:
+        return cls(process_cpu(), cpu_seconds(pids), redis)
+
+    def since(self, pids: list[int], redis: float) -> Cpu:
+        return Cpu(process_cpu() - self.client, cpu_seconds(pids) - self.server, redis - self.redis)
+
+    def add(self, used: Cpu, trips: int) -> None:
+        self.client += used.client
+        self.server += used.server
+        self.redis += used.redis
+        self.trips += trips
+
+    def per_trip_us(self) -> tuple[float, float, float]:
+        """(client, server, Redis) µs of CPU per round trip."""
+        trips = max(self.trips, 1)
+        return 1e6 * self.client / trips, 1e6 * self.server / trips, 1e6 * self.redis / trips
+
+
 def _ms(values: list[float]) -> list[float]:
     return [v * 1000 for v in values]
 
@@ -322,6 +355,7 @@ async def _phase(
     per_session: int,
     runtime_only: bool = False,
     one_write_lat: list[float] | None = None,
+    cpu: dict[str, Cpu] | None = None,
 ) -> tuple[list[float], list[float], list[float], list[float], float]:
     """Floor and riverbed, ``rounds`` alternating rounds of ``sessions`` concurrent loops.
 
@@ -330,7 +364,8 @@ async def _phase(
     the session stays announced to those roles (re-announced at most every 2 s).
     Returns (floor rates, riverbed rates, floor latencies, riverbed latencies, riverbed warm-up s);
     with ``one_write_lat``, a third contender alternates too (a floor sending each request and its
-    wait in one write, as riverbed does) and its latencies go there.
+    wait in one write, as riverbed does) and its latencies go there.  With ``cpu``, the CPU each
+    side's processes used over its rounds is added up under "floor" and "riverbed".
     """
     tag = uuid.uuid4().hex[:8]
     raw_prefix, rb_prefix = f"bpp{tag}", f"brt{tag}"
@@ -357,7 +392,7 @@ async def _phase(
         async with riverbed.connect(url, prefix=rb_prefix) as bus:
             actors = [_actor(bus.session(sid)) for sid in session_ids]
             with ExitStack() as stack:
-                stack.enter_context(responders(url, raw_prefix, processes, sessions))
+                floor_procs = stack.enter_context(responders(url, raw_prefix, processes, sessions))
                 if ow_pairs:
                     stack.enter_context(responders(url, ow_prefix, processes, sessions, one_write=True))
                     await _warm(list(ow_pairs))
@@ -368,12 +403,18 @@ async def _phase(
                         for sid in session_ids:
                             pipe.hdel(bus.keys.meta(sid), "need:memory", "need:condenser")
                         await pipe.execute()
-                sides = [(list(pairs), raw_rates, raw_lat), (actors, rb_rates, rb_lat)]
+                sides = [
+                    ("floor", [p.pid for p in floor_procs], list(pairs), raw_rates, raw_lat),
+                    ("riverbed", [p.pid for p in workers.procs], actors, rb_rates, rb_lat),
+                ]
                 for index in range(rounds):
                     # Every other round riverbed goes first, so a machine slowing down or speeding
                     # up across a pair of rounds favours neither side.
-                    for fns, rates, latencies in sides if index % 2 == 0 else sides[::-1]:
+                    for side, pids, fns, rates, latencies in sides if index % 2 == 0 else sides[::-1]:
+                        used = Cpu.now(pids, await redis_cpu(raw))
                         rate, lat = await _concurrent(fns, per_session)
+                        if cpu is not None:
+                            cpu.setdefault(side, Cpu()).add(used.since(pids, await redis_cpu(raw)), len(lat))
                         rates.append(rate)
                         latencies.extend(lat)
                     if one_write_lat is not None:
@@ -428,8 +469,9 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
         # Latency: one session, one worker; alternating rounds of sequential round trips.
         per_round = LATENCY_SAMPLES // (2 if args.quick else 1)
         one_write: list[float] = []
+        cpu: dict[str, Cpu] = {}
         _r, _b, raw_lat, rb_lat, _w = await _phase(
-            url, tmp, 1, 1, rounds=repeats, per_session=per_round, one_write_lat=one_write
+            url, tmp, 1, 1, rounds=repeats, per_session=per_round, one_write_lat=one_write, cpu=cpu
         )
         raw_ms, rb_ms = _ms(raw_lat), _ms(rb_lat)
         samples = len(rb_ms)
@@ -460,6 +502,13 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
             Result(f"act round trip p50, worst of {len(runs)} runs", "ms", rb, raw, floor, rb / raw, RUN_RATIO_GOAL,
                    len(runs), better="lower", note=f"the run whose p50 ratio is the highest, of {per_round} round "
                    "trips of each side")
+        )  # fmt: skip
+        rb_cpu, floor_cpu = cpu["riverbed"].per_trip_us(), cpu["floor"].per_trip_us()
+        results.append(
+            Result("act round trip, CPU of all the processes per round trip (1 session)", "µs", sum(rb_cpu),
+                   sum(floor_cpu), floor, sum(rb_cpu) / sum(floor_cpu), None, cpu["riverbed"].trips, better="lower",
+                   note="the client, the runtime worker and Redis: {:.0f}, {:.0f} and {:.0f} µs; the floor's client, "
+                   "responder and Redis: {:.0f}, {:.0f} and {:.0f} µs".format(*rb_cpu, *floor_cpu))
         )  # fmt: skip
         p50_ow = percentile(_ms(one_write), 50)
         results.append(
