@@ -223,3 +223,43 @@ async def test_runs_listed_before_the_indexes_are_indexed_once(bus: Bus) -> None
     assert [r.session for r in await list_runs(bus, tenant="b")] == ["was-done", "long-done"]
     assert [(r.session, r.state) for r in await list_runs(bus, state="waiting")] == [("was-open", "waiting")]
     assert [r.session for r in await list_runs(bus, retention=3_600)] == ["was-done", "was-open"]
+
+
+async def test_a_runs_later_summaries_write_its_index_only_when_it_stands_there_otherwise(bus: Bus) -> None:
+    """An agent saves a run's summary at every step; the run's index entries are written with the
+    first, when the run ends, when another run opens, and whenever the writer knows no summary it
+    saved (a new owner): not again at each step, unchanged."""
+    keys = bus.keys
+
+    async def listed() -> dict[str, list[str]]:
+        found = {}
+        for name, key in (("all", keys.runs), ("open", keys.runs_open), ("ended", keys.runs_ended)):
+            found[name] = [s.decode() for s in await bus.redis.zrange(key, 0, -1)]
+        found["tenant"] = [s.decode() for s in await bus.redis.zrange(keys.tenant_runs("acme"), 0, -1)]
+        return found
+
+    first = RunSummary(session="s", tenant="acme", steps=1, opened=1, opened_at=100.0)
+    writes = run_index.summary_writes(keys, first)
+    assert [w[0] for w in writes] == ["SET", "ZADD", "ZADD", "ZADD", "ZREM"]
+    await bus.client.send(writes)
+    assert await listed() == {"all": ["s"], "open": ["s"], "ended": [], "tenant": ["s"]}
+
+    later = RunSummary(session="s", tenant="acme", steps=2, tokens=900, opened=1, opened_at=100.0)
+    writes = run_index.summary_writes(keys, later, saved=first)
+    assert [w[0] for w in writes] == ["SET"]  # (the run stands in the index as it did)
+    await bus.client.send(writes)
+    assert msgspec.json.decode(await bus.redis.get(keys.run("s")), type=RunSummary).steps == 2
+
+    ended = RunSummary(session="s", tenant="acme", state="finished", steps=3, opened=1, opened_at=100.0, ended=9)
+    await bus.client.send(run_index.summary_writes(keys, ended, saved=later))
+    assert await listed() == {"all": ["s"], "open": [], "ended": ["s"], "tenant": ["s"]}
+
+    again = RunSummary(session="s", tenant="acme", steps=1, opened=11, opened_at=200.0)
+    await bus.client.send(run_index.summary_writes(keys, again, saved=ended))
+    assert await listed() == {"all": ["s"], "open": ["s"], "ended": [], "tenant": ["s"]}
+    assert await bus.redis.zscore(keys.runs, "s") == 200.0
+
+    # A new owner knows no summary it saved: it writes the index again, whatever stands there.
+    await bus.redis.zrem(keys.runs_open, "s")
+    await bus.client.send(run_index.summary_writes(keys, msgspec.structs.replace(again, steps=2)))
+    assert await listed() == {"all": ["s"], "open": ["s"], "ended": [], "tenant": ["s"]}

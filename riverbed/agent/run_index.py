@@ -77,10 +77,23 @@ def queue_opened(
         pipe.hdel(keys.runs_agents, session)
 
 
-def summary_writes(keys: Keys, summary: RunSummary) -> list[tuple[Arg, ...]]:
-    """The writes that save ``summary`` (stamped now) and index its run as it now stands."""
-    saved = msgspec.json.encode(msgspec.structs.replace(summary, updated=time.time()))
-    return [("SET", keys.run(summary.session), saved), *index_writes(keys, summary)]
+def summary_writes(keys: Keys, summary: RunSummary, *, saved: RunSummary | None = None) -> list[tuple[Arg, ...]]:
+    """The writes that save ``summary`` (stamped now) and index its run as it now stands.
+
+    ``saved``: the summary the caller saved last for the session, whose writes indexed the run
+    already; when the run stands in the index as it did then (the same run, its tenant, still
+    open or still ended), only the summary is written (an agent's every step saves one, and
+    its index entries would be written again unchanged)."""
+    encoded = msgspec.json.encode(msgspec.structs.replace(summary, updated=time.time()))
+    writes: list[tuple[Arg, ...]] = [("SET", keys.run(summary.session), encoded)]
+    if saved is None or _indexed_as(saved) != _indexed_as(summary):
+        writes += index_writes(keys, summary)
+    return writes
+
+
+def _indexed_as(summary: RunSummary) -> tuple[str, float, str | None, bool]:
+    """What of a summary :func:`index_writes` writes into the index."""
+    return summary.session, summary.opened_at, summary.tenant, summary.state == "running"
 
 
 def index_writes(keys: Keys, summary: RunSummary, *, now: float | None = None) -> list[tuple[Arg, ...]]:

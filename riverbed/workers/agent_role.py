@@ -454,7 +454,7 @@ class AgentHandler:
         await self._advance(ctx, state)
         # Acknowledged, and the run's summary saved, in the round trip of the loop's next read.
         summary = self._summary_due(ctx, state)
-        along = () if summary is None else run_index.summary_writes(ctx.log.keys, summary)
+        along = () if summary is None else run_index.summary_writes(ctx.log.keys, summary, saved=state.summary)
         ctx.ack_with_read([e.id for e in entries], along=along)
         if summary is not None:
             state.summary, state.saved_at = summary, time.monotonic()
@@ -1402,7 +1402,7 @@ class AgentHandler:
             counters = {"steps": saved.steps, "tokens": saved.tokens, "cost": saved.cost, "updated": saved.updated}
             if replace(summary, **counters) == saved:
                 return
-        await ctx.log.redis.send(run_index.summary_writes(ctx.log.keys, summary))
+        await ctx.log.redis.send(run_index.summary_writes(ctx.log.keys, summary, saved=saved))
         state.summary, state.saved_at = summary, time.monotonic()
 
 
