@@ -411,9 +411,9 @@ async def _phase(
                     # Every other round riverbed goes first, so a machine slowing down or speeding
                     # up across a pair of rounds favours neither side.
                     for side, pids, fns, rates, latencies in sides if index % 2 == 0 else sides[::-1]:
-                        used = Cpu.now(pids, await redis_cpu(raw))
+                        used = None if cpu is None else Cpu.now(pids, await redis_cpu(raw))
                         rate, lat = await _concurrent(fns, per_session)
-                        if cpu is not None:
+                        if cpu is not None and used is not None:
                             cpu.setdefault(side, Cpu()).add(used.since(pids, await redis_cpu(raw)), len(lat))
                         rates.append(rate)
                         latencies.extend(lat)
