@@ -203,6 +203,20 @@ class Run:
         ]
 
     @property
+    def waits_for_sub_agents_only(self) -> bool:
+        """Whether the last response's actions still waiting for an answer are all ``delegate``
+        calls (and one is): the run has nothing to do until its sub-agents answer.  One pass and
+        no lists: a pacing worker asks it of every session it owns, often."""
+        waiting = False
+        for a in self.actions:
+            if a.id is None or type(a).answered_by is None or a.id in self.answered:
+                continue
+            if not isinstance(a, events.Delegate):
+                return False
+            waiting = True
+        return waiting
+
+    @property
     def waiting_delegates(self) -> list[events.Delegate]:
         """The last response's ``delegate`` actions still waiting for their answer."""
         return [a for a in self.actions if isinstance(a, events.Delegate) and a.id not in self.answered]

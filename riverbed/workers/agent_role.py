@@ -1422,10 +1422,7 @@ def _as_built(request: dict[str, Any]) -> dict[str, Any]:
 
 def _served(run: Run | None) -> bool:
     """The run costs its worker CPU: it is open, and not waiting only for sub-agents."""
-    if run is None or not run.open:
-        return False
-    waiting = run.unanswered
-    return not waiting or len(run.waiting_delegates) < len(waiting)
+    return run is not None and run.open and not run.waits_for_sub_agents_only
 
 
 def _judged(run: Run, agent: Agent, action: events.Action) -> events.Action:
