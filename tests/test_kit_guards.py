@@ -85,16 +85,16 @@ def test_a_test_past_its_timeout_fails_alone_and_the_run_reaches_its_summary(tmp
         "import anyio\n"
         "import pytest\n\n"
         "@pytest.mark.anyio\n"
-        "@pytest.mark.timeout(40)\n"
+        "@pytest.mark.timeout(20)\n"
         "async def test_stuck_in_an_await():\n"
         "    await anyio.sleep(600)\n\n"
-        "@pytest.mark.timeout(40)\n"
+        "@pytest.mark.timeout(20)\n"
         "def test_stuck_in_a_call():\n"
         "    time.sleep(600)\n\n"
         "def test_fine():\n"
         "    pass\n"
     )
-    # the timeout: 40 s x 0.05 = 2 s; the hard stop 30 s x 0.05 = 1.5 s later (both scaled by this
+    # the timeout: 20 s x 0.05 = 1 s; the hard stop 30 s x 0.05 = 1.5 s later (both scaled by this
     # machine's load now: a starved event loop must not let the hard stop come first)
     env = {**os.environ, ENV: f"{0.05 * patience():.3f}", "COLUMNS": "300"}
     done = subprocess.run(
