@@ -67,6 +67,32 @@ async def test_a_bell_rings_when_its_session_log_moves_and_only_then(bus: Bus) -
         tg.cancel_scope.cancel()
 
 
+async def test_the_runtime_role_is_woken_only_by_what_it_acts_on(bus: Bus) -> None:
+    """The runtime role's loops hear only of the appends it acts on (actions it runs, and a
+    cancel, which stops a session's background commands); every other role hears of each one."""
+    wakeups = Wakeups(bus.redis, bus.keys)
+    async with anyio.create_task_group() as tg:
+        await tg.start(wakeups.run)
+        runtime = await wakeups.watch("s1", "runtime")
+        memory = await wakeups.watch("s1", "memory")
+        session = bus.session("s1")
+        marks = (runtime.rung, memory.rung)
+        await session.append(events.Message(content="hi"))
+        await session.append(events.Message(content="and again"))
+        [action] = await session.append(events.CmdRun(command="true"))
+        with anyio.fail_after(5):
+            while runtime.news != action or memory.news != action:
+                await anyio.sleep(0.01)
+        # (one feed, in the order published: the messages' wake-ups came before the action's)
+        assert (runtime.rung - marks[0], memory.rung - marks[1]) == (1, 3)
+        [cancel] = await session.append(events.RunCancel(note="enough"))
+        with anyio.fail_after(5):
+            while runtime.news != cancel or memory.news != cancel:
+                await anyio.sleep(0.01)
+        assert (runtime.rung - marks[0], memory.rung - marks[1]) == (2, 4)
+        tg.cancel_scope.cancel()
+
+
 async def test_a_watch_cancelled_before_its_subscription_is_confirmed_leaves_nothing_subscribed(bus: Bus) -> None:
     """A model call that ends while its watch waits for the subscription's confirmation (a
     session taken a moment before) cancels that watch: its bell goes, and the channel with it."""

@@ -134,7 +134,7 @@ class SessionContext:
             result = await retry_unavailable(append.run, stopping=self._stopping)
         if not ack:
             return None if isinstance(result, AlreadyAnswered) else result[0]
-        return await self.answered(entry, result)
+        return await self.answered(entry, append, result)
 
     def prepare_answer(self, entry: Entry, observation: events.Observation, *, ack: bool = True) -> PreparedAppend:
         """The fenced (and, with ``ack``, acknowledging) append of ``observation`` as the answer to ``entry``."""
@@ -154,12 +154,17 @@ class SessionContext:
             pass_own=self.delivered if self._ignores_own_answers else None,
         )
 
-    async def answered(self, entry: Entry, result: list[int] | AlreadyAnswered) -> int | None:
+    async def answered(self, entry: Entry, append: PreparedAppend, result: list[int] | AlreadyAnswered) -> int | None:
         """Finish an answer's append: the answer's id, or None (acknowledged) when one existed."""
         crashpoint("after_append")
         if isinstance(result, AlreadyAnswered):
             await self.ack([entry.id])
             return None
+        if append.pass_own is not None and result[0] == append.pass_own + 1:
+            # The group moved past the answer (the script's test): it counts as delivered and
+            # seen, so the answers to the rest of the batch move the group on too.
+            self.delivered = result[-1]
+            self.last_seen = max(self.last_seen, result[-1])
         return result[0]
 
     async def append(

@@ -200,6 +200,11 @@ def wakes_runtime(payload: bytes) -> bool:
     return events.for_runtime(event)
 
 
+RINGS_RUNTIME = frozenset({"run_cancel"})
+"""Kinds that are no work for the runtime role (they never announce a session to it) but that its
+owning loop hears of at once all the same: a cancel stops the session's background commands."""
+
+
 def answered_cause(event: events.Event) -> int:
     """The action id this event answers (0: it answers nothing)."""
     if isinstance(event, events.Observation) and event.cause is not None:
@@ -225,10 +230,14 @@ class PreparedAppend:
         expected_last: int | None,
         fence: Fence | None,
         tenant: str | None = None,
+        pass_own: int | None = None,
     ) -> None:
         self.log = log
         self.session = session
         self.tenant = tenant
+        self.pass_own = pass_own
+        """The last id the caller's group had delivered, when the append may move it past the
+        events appended (``AppendOptions.pass_own``)."""
         self.keys = keys
         self.args = args
         self.expected_last = expected_last
@@ -384,15 +393,16 @@ class Log:
             session,
             digest or "",
         ]
-        wake_agent = wake_runtime = False
+        wake_agent = wake_runtime = ring_runtime = False
         for payload, cause in batch:
             args.append(payload)
             args.append(cause)
             if not cause:  # (an answer is never a run's event nor runtime work: no look at it)
                 wake_agent = wake_agent or wakes_agent(payload)
                 wake_runtime = wake_runtime or wakes_runtime(payload)
+                ring_runtime = ring_runtime or payload_kind(payload) in RINGS_RUNTIME
         args.append("1" if wake_agent else "")
-        args.append("1" if wake_runtime else "")
+        args.append("1" if wake_runtime else "r" if ring_runtime else "")
         keys = self.keys
         log_key, meta_key, answers_key, claims_key, wake_key = session_keys
         script_keys = [log_key, meta_key, answers_key, keys.idem(session, idempotency_key), claims_key, wake_key]
@@ -401,7 +411,8 @@ class Log:
             script_keys += self._announce_keys
             if tenant:
                 script_keys.append(keys.tenant_sessions(tenant))
-        return PreparedAppend(self, session, script_keys, args, expected_last, fence, tenant)
+        passes = pass_own if ack is not None else None  # (the script moves only a group it names)
+        return PreparedAppend(self, session, script_keys, args, expected_last, fence, tenant, passes)
 
     async def append_then_read(
         self, session: str, batch: Sequence[tuple[bytes, int]], *, block_ms: int, tenant: str | None = None

@@ -35,7 +35,9 @@ _NOW = _CLOCK + "clock()\n"
 #       role is announced unless it holds the session or was announced already; the agent role is
 #       never announced otherwise), then wake_runtime ('1': the batch holds an action the runtime
 #       role runs, an approval, or a fork whose sandbox it builds: ``log.wakes_runtime``; likewise
-#       the only way the runtime role is announced)
+#       the only way the runtime role is announced; 'r': it holds none, but one the runtime role's
+#       owner hears of all the same), and ('1' or 'r') the only appends published on the runtime
+#       role's own wake channel, "<wake>:runtime": that role is not woken by any other event
 # Replies: {'ok', first, count, index, need...} | {'dup', first, count, index, need...} | {'conflict', last}
 #          | {'fenced', current} | {'answered', cause, existing id} | {'tenant', the session's tenant ('' none)}
 #          | {'reused', first}: the idempotency key was used with another digest (nothing appended)
@@ -149,6 +151,10 @@ if ARGV[5] ~= '' then
   end
 end
 redis.call('SPUBLISH', KEYS[6], wake)
+if ARGV[13 + 2 * n] ~= '' then
+  -- The runtime role hears only of what it acts on (its own channel, in the session's slot).
+  redis.call('SPUBLISH', KEYS[6] .. ':runtime', tostring(last))
+end
 local inline = #KEYS > 6
 local reply = {'ok', first, n, created}
 if inline and created == 1 then

@@ -334,7 +334,7 @@ class SessionLoop:
                     await written(replies, len(writes))
                     writes = []
                     if held is not None and prepared is not None:
-                        await ctx.answered(held.entry, await prepared.outcome(await replies.read()))
+                        await ctx.answered(held.entry, prepared, await prepared.outcome(await replies.read()))
                         held = None
                     return stream_entries(await replies.read())
         except (rexc.NoScriptError, UnavailableError):

@@ -3,9 +3,12 @@ logs moved, so no loop holds a connection of its own while it waits.
 
 The append script publishes the log's new last id on the session's shard channel
 (``SPUBLISH {p}:{s}:wake``, in the session's own slot, so on a cluster it goes to the node that
-holds the log).  A worker subscribes (``SSUBSCRIBE``) to the channels of the sessions it owns,
-on one connection per node that serves them, and rings each session's :class:`Bell`; the
-session loops then read without blocking (``XREADGROUP`` with no ``BLOCK``) on the worker's
+holds the log), and on the runtime role's own channel (``{p}:{s}:wake:runtime``) only when the
+append holds something that role acts on: its loops are not woken by the events it has no use
+for (the observations it writes itself, messages, the agent's and the memory's own events).
+A worker subscribes (``SSUBSCRIBE``) to the channels of the sessions it owns, on one
+connection per node that serves them, and rings each session's :class:`Bell`; the session
+loops then read without blocking (``XREADGROUP`` with no ``BLOCK``) on the worker's
 shared, bounded connection pool.
 
 Pub/Sub delivers at most once: a message sent while a feed reconnects is lost.  So every
@@ -210,7 +213,7 @@ class _Feed:
         channel = _text(message[1])
         if kind == b"smessage":
             # "<last id>" or "<last id> <role>": that role's group was moved past the append
-            # (a runtime answer the runtime has no use for), so its loop has nothing to read.
+            # (the agent role's own moves, which it folds as written), so its loop has nothing to read.
             last, _sep, skip = _text(message[2]).partition(" ")
             self.wakeups.ring(channel, skip=skip or None, news=int(last) if last.isdigit() else None)
         elif kind == b"ssubscribe":
@@ -256,7 +259,7 @@ class Wakeups:
     async def watch(self, session: str, role: str) -> Bell:
         """Subscribe to ``session``'s wake-ups (once per worker, however many roles watch it) and
         wait, briefly, for the subscription to hold; the bell of ``role``'s loop."""
-        channel = self.keys.wake(session)
+        channel = self.keys.wake(session, role)
         watched = self._watched.get(channel)
         new = watched is None
         if watched is None:
@@ -278,7 +281,7 @@ class Wakeups:
         return bell
 
     async def unwatch(self, session: str, bell: Bell) -> None:
-        channel = self.keys.wake(session)
+        channel = self.keys.wake(session, bell.role)
         watched = self._watched.get(channel)
         if watched is None or bell not in watched.bells:
             return
