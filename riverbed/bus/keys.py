@@ -200,11 +200,8 @@ class Keys:
     def idem(self, session: str, key: str) -> str:
         return f"{self.prefix}:{{{session}}}:idem:{key}"
 
-    def wake(self, session: str, role: str | None = None) -> str:
-        """The session's wake-up channel that ``role`` hears: the runtime role's own (only the
-        appends it acts on are published there: ``scripts.APPEND``), every other role's shared."""
-        shared = f"{self.prefix}:{{{session}}}:wake"
-        return f"{shared}:runtime" if role == "runtime" else shared
+    def wake(self, session: str) -> str:
+        return f"{self.prefix}:{{{session}}}:wake"
 
     def run(self, session: str) -> str:
         """The agent role's summary of the session's latest run (a string: one JSON ``RunSummary``)."""

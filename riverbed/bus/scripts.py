@@ -36,8 +36,8 @@ _NOW = _CLOCK + "clock()\n"
 #       never announced otherwise), then wake_runtime ('1': the batch holds an action the runtime
 #       role runs, an approval, or a fork whose sandbox it builds: ``log.wakes_runtime``; likewise
 #       the only way the runtime role is announced; 'r': it holds none, but one the runtime role's
-#       owner hears of all the same), and ('1' or 'r') the only appends published on the runtime
-#       role's own wake channel, "<wake>:runtime": that role is not woken by any other event
+#       owner hears of all the same); the wake-up of any other append tells the runtime role's
+#       loops to sleep on (see ``bus/wakeups.py``)
 # Replies: {'ok', first, count, index, need...} | {'dup', first, count, index, need...} | {'conflict', last}
 #          | {'fenced', current} | {'answered', cause, existing id} | {'tenant', the session's tenant ('' none)}
 #          | {'reused', first}: the idempotency key was used with another digest (nothing appended)
@@ -135,7 +135,10 @@ if ARGV[2] ~= '' then
   local bound = ARGV[11] ~= '' and (':' .. ARGV[11]) or ''
   redis.call('SET', KEYS[4], first .. ':' .. n .. bound, 'PX', ARGV[2])
 end
-local wake = tostring(last)  -- published on the session's shard channel: "<last>" or "<last> <role>"
+-- Published on the session's shard channel: "<last>", then the roles whose loops have nothing to
+-- read in it ("<last> agent runtime"): the runtime role reads only for what it acts on.
+local wake = tostring(last)
+local skip_runtime = ARGV[13 + 2 * n] == ''
 if ARGV[5] ~= '' then
   if ARGV[6] ~= '' then redis.call('XACK', KEYS[1], ARGV[5], ARGV[6]) end
   if ARGV[9] ~= '' and tonumber(ARGV[9]) == first - 1 then
@@ -146,15 +149,14 @@ if ARGV[5] ~= '' then
     -- out on its next read.
     local moved = redis.pcall('XGROUP', 'SETID', KEYS[1], ARGV[5], last .. '-0')
     if type(moved) ~= 'table' or not moved.err then
-      wake = wake .. ' ' .. ARGV[5]  -- that role's loop has nothing new to read: no need to wake it
+      if ARGV[5] ~= 'runtime' then
+        wake = wake .. ' ' .. ARGV[5]  -- that role's loop has nothing new to read: no need to wake it
+      end
     end
   end
 end
+if skip_runtime then wake = wake .. ' runtime' end
 redis.call('SPUBLISH', KEYS[6], wake)
-if ARGV[13 + 2 * n] ~= '' then
-  -- The runtime role hears only of what it acts on (its own channel, in the session's slot).
-  redis.call('SPUBLISH', KEYS[6] .. ':runtime', tostring(last))
-end
 local inline = #KEYS > 6
 local reply = {'ok', first, n, created}
 if inline and created == 1 then

@@ -3,9 +3,11 @@ logs moved, so no loop holds a connection of its own while it waits.
 
 The append script publishes the log's new last id on the session's shard channel
 (``SPUBLISH {p}:{s}:wake``, in the session's own slot, so on a cluster it goes to the node that
-holds the log), and on the runtime role's own channel (``{p}:{s}:wake:runtime``) only when the
-append holds something that role acts on: its loops are not woken by the events it has no use
-for (the observations it writes itself, messages, the agent's and the memory's own events).
+holds the log), followed by the roles whose loops have nothing to read in that append: the role
+whose group the append moved past its own events, and the runtime role unless the append holds
+something it acts on (``"12 agent runtime"``).  So the runtime role's loops are not woken by the
+events they have no use for (the observations they write, messages, the other roles' events).
+A wake-up from an older append script names no roles and rings every loop, as it always did.
 A worker subscribes (``SSUBSCRIBE``) to the channels of the sessions it owns, on one
 connection per node that serves them, and rings each session's :class:`Bell`; the session
 loops then read without blocking (``XREADGROUP`` with no ``BLOCK``) on the worker's
@@ -22,6 +24,7 @@ the worker reload the slot map and place every channel again.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,10 +215,10 @@ class _Feed:
         kind = message[0]
         channel = _text(message[1])
         if kind == b"smessage":
-            # "<last id>" or "<last id> <role>": that role's group was moved past the append
-            # (the agent role's own moves, which it folds as written), so its loop has nothing to read.
+            # "<last id>", then the roles whose loops have nothing to read in the append (one
+            # whose group was moved past it; the runtime, for what it does not act on).
             last, _sep, skip = _text(message[2]).partition(" ")
-            self.wakeups.ring(channel, skip=skip or None, news=int(last) if last.isdigit() else None)
+            self.wakeups.ring(channel, skip=skip.split(), news=int(last) if last.isdigit() else None)
         elif kind == b"ssubscribe":
             self.wakeups.confirmed(channel)
         elif kind == b"sunsubscribe" and channel in self.channels:
@@ -259,7 +262,7 @@ class Wakeups:
     async def watch(self, session: str, role: str) -> Bell:
         """Subscribe to ``session``'s wake-ups (once per worker, however many roles watch it) and
         wait, briefly, for the subscription to hold; the bell of ``role``'s loop."""
-        channel = self.keys.wake(session, role)
+        channel = self.keys.wake(session)
         watched = self._watched.get(channel)
         new = watched is None
         if watched is None:
@@ -281,7 +284,7 @@ class Wakeups:
         return bell
 
     async def unwatch(self, session: str, bell: Bell) -> None:
-        channel = self.keys.wake(session, bell.role)
+        channel = self.keys.wake(session)
         watched = self._watched.get(channel)
         if watched is None or bell not in watched.bells:
             return
@@ -304,13 +307,13 @@ class Wakeups:
             except (rexc.RedisError, OSError):
                 feed.scope.cancel()  # it reconnects with the channels it should have
 
-    def ring(self, channel: str, *, skip: str | None = None, news: int | None = None) -> None:
-        """Ring the bells of ``channel``'s session, but ``skip``'s (a role with nothing new);
-        ``news``: the log's last id, where the wake-up said."""
+    def ring(self, channel: str, *, skip: Sequence[str] = (), news: int | None = None) -> None:
+        """Ring the bells of ``channel``'s session, but those of the roles in ``skip`` (nothing
+        new for them); ``news``: the log's last id, where the wake-up said."""
         watched = self._watched.get(channel)
         if watched is not None:
             for bell in watched.bells:
-                if bell.role != skip:
+                if bell.role not in skip:
                     bell.ring(news)
 
     def ring_all(self) -> None:
