@@ -34,7 +34,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -193,14 +193,18 @@ class Run:
             return "finished"
         return "cancelled" if self.end_reason in ("cancelled", "forked") else "failed"
 
+    def _waiting(self) -> Iterator[events.Action]:
+        """The last response's appended actions that still wait for their answer."""
+        return (
+            a
+            for a in self.actions
+            if a.id is not None and type(a).answered_by is not None and a.id not in self.answered
+        )
+
     @property
     def unanswered(self) -> list[int]:
         """Ids of the last response's appended actions that still wait for their answer."""
-        return [
-            a.id
-            for a in self.actions
-            if a.id is not None and type(a).answered_by is not None and a.id not in self.answered
-        ]
+        return [a.id for a in self._waiting() if a.id is not None]
 
     @property
     def waits_for_sub_agents_only(self) -> bool:
@@ -208,9 +212,7 @@ class Run:
         calls (and one is): the run has nothing to do until its sub-agents answer.  One pass and
         no lists: a pacing worker asks it of every session it owns, often."""
         waiting = False
-        for a in self.actions:
-            if a.id is None or type(a).answered_by is None or a.id in self.answered:
-                continue
+        for a in self._waiting():
             if not isinstance(a, events.Delegate):
                 return False
             waiting = True

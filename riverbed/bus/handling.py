@@ -160,12 +160,15 @@ class SessionContext:
         if isinstance(result, AlreadyAnswered):
             await self.ack([entry.id])
             return None
-        if append.pass_own is not None and result[0] == append.pass_own + 1:
-            # The group moved past the answer (the script's test): it counts as delivered and
-            # seen, so the answers to the rest of the batch move the group on too.
-            self.delivered = result[-1]
-            self.last_seen = max(self.last_seen, result[-1])
+        self._passed(append, result)  # (so the answers to the rest of the batch move the group on too)
         return result[0]
+
+    def _passed(self, append: PreparedAppend, ids: list[int]) -> None:
+        """After ``append`` wrote ``ids``: where it moved this role's group past them (the script's
+        test: the group had delivered the whole log before them), they count as delivered and seen."""
+        if append.pass_own is not None and ids and ids[0] == append.pass_own + 1:
+            self.delivered = ids[-1]
+            self.last_seen = max(self.last_seen, ids[-1])
 
     async def append(
         self, batch: Sequence[events.Event], *, expected_last: int | None = None, idempotency_key: str | None = None
@@ -198,7 +201,6 @@ class SessionContext:
         reads the log for the rest), so when this role's group had delivered the whole log before
         them, the append moves the group past them (a read and an acknowledgement saved)."""
         pairs = [(events.encode(self.masked(event)), answered_cause(event)) for event in batch]
-        delivered = self.delivered
         prepared = self.log.prepare(
             self.session,
             pairs,
@@ -206,16 +208,13 @@ class SessionContext:
             expected_last=expected_last,
             idempotency_key=idempotency_key,
             ack=(self.role, "") if pass_own else None,
-            pass_own=delivered if pass_own else None,
+            pass_own=self.delivered if pass_own else None,
         )
         with self._conflicts_counted():
             result = await prepared.run()
         if isinstance(result, AlreadyAnswered) or not prepared.appended:
             return []
-        if pass_own and result and result[0] == delivered + 1:
-            # The group moved past them (the script's test): they count as delivered and seen.
-            self.delivered = result[-1]
-            self.last_seen = max(self.last_seen, result[-1])
+        self._passed(prepared, result)
         return [decode_entry(payload, event_id) for (payload, _cause), event_id in zip(pairs, result, strict=True)]
 
     def masked(self, event: E) -> E:
