@@ -171,6 +171,21 @@ async def test_an_owner_knows_it_holds_a_lease_its_renewal_confirmed_and_asks_re
         await owner.drain(2)
 
 
+async def test_an_owner_knows_it_holds_a_lease_it_just_acquired_before_any_renewal(bus: Bus) -> None:
+    """The acquire set the lease: it holds for a lease from when the acquire was sent, so the
+    session's first model calls need no read either (a lease of a minute: the first renewal
+    round comes 15 s after the owner started)."""
+    handler = _Contexts()
+    owner = Owner(bus.redis, bus.keys, handler, worker="w1", url=bus.url, lease_seconds=60)
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        started = time.monotonic()
+        assert isinstance(await bus.session("new").act(events.FileRead(path="p"), timeout=5), events.FileContent)
+        assert started < owner.owned["new"].renewed < time.monotonic()
+        assert handler.contexts["new"].holds_now()
+        await owner.drain(2)
+
+
 class _Retiring(EchoHandler):
     """The echo handler with nothing more to do once a session is idle (as the agent role once a run ended)."""
 

@@ -28,6 +28,7 @@ and re-announce each session so a peer takes it at once.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import anyio
@@ -216,10 +217,19 @@ class Owner:
         await state.wait_for(lambda: not state.owned, max(1.0, deadline))
         self._drained.set()
 
-    def start_session(self, session: str, entry: str, token: int, meta: tuple[str | None, str] | None = None) -> None:
+    def start_session(
+        self,
+        session: str,
+        entry: str,
+        token: int,
+        meta: tuple[str | None, str] | None = None,
+        acquired: float = -math.inf,
+    ) -> None:
         """Serve ``session``, just acquired with ``token``, in a loop of its own (``meta``: its
-        tenant and creation stamp, when the acquire read them)."""
-        owned = Owned(entry=entry, token=token, scope=anyio.CancelScope(), meta=meta)
+        tenant and creation stamp, when the acquire read them; ``acquired``: when the acquire
+        was sent, ``time.monotonic()``: it set the lease, which holds for a lease from then, as
+        after a renewal, so the session's first model calls need not ask Redis whether it does)."""
+        owned = Owned(entry=entry, token=token, scope=anyio.CancelScope(), meta=meta, renewed=acquired)
         self.state.own(session, owned)
         assert self._tg is not None
         loop = SessionLoop(

@@ -148,8 +148,8 @@ class Owned:
     meta: tuple[str | None, str] | None = None
     """The session's tenant and creation stamp as the acquire read them (None: not read)."""
     renewed: float = -math.inf
-    """When (``time.monotonic()``) the last renewal Redis confirmed was sent: the lease holds
-    for a lease from then (``SessionContext.holds``)."""
+    """When (``time.monotonic()``) the last renewal Redis confirmed was sent, or the acquire
+    that set the lease: the lease holds for a lease from then (``SessionContext.holds``)."""
 
     @property
     def tenant(self) -> str | None:

@@ -314,11 +314,12 @@ class SessionContext:
         that costs outside the log (a model call) asks first, so an owner paused past its lease
         and resumed does not do it again for a session a peer has taken over.
 
-        Known without a round trip while the owner's last renewal Redis confirmed was sent less
-        than three quarters of a lease ago (renewals go every quarter: a live owner's always
-        was): no peer takes a session before its lease ran out.  Else one read, and a reply
-        that took more than a quarter of the lease to come is asked for again: the process may
-        have been paused while it waited (it says what held before the pause)."""
+        Known without a round trip while the owner's last renewal Redis confirmed (or the acquire
+        that set the lease) was sent less than three quarters of a lease ago (renewals go every
+        quarter: a live owner's always was): no peer takes a session before its lease ran out.
+        Else one read, and a reply that took more than a quarter of the lease to come is asked
+        for again: the process may have been paused while it waited (it says what held before
+        the pause)."""
         if self.holds_now():
             return True
         handles = self._handles
