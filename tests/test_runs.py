@@ -78,6 +78,35 @@ def test_a_response_is_planned_once_for_the_moves_of_a_step(monkeypatch: pytest.
     assert len(parsed) == 4
 
 
+def test_the_steps_of_sessions_sharing_a_toolbox_keep_their_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sessions of one agent share its toolbox: their steps, interleaved, each plan their
+    response once, and the response as a step made it (before its append) and as the log gave it
+    back (its id, the same calls) share that plan."""
+    parsed: list[str] = []
+    action = Toolbox.action
+
+    def counted(self: Toolbox, name: str, arguments: str) -> events.Action:
+        parsed.append(name)
+        return action(self, name, arguments)
+
+    monkeypatch.setattr(Toolbox, "action", counted)
+    agent = Agent("sharing", tools=["cmd_run", "file_read"])
+    box = made_toolbox(agent)
+    made = [
+        events.LlmResponse(model="m", tool_calls=[call("cmd_run", {"command": "ls"}, "c1")], usage=USAGE, cause=2),
+        events.LlmResponse(model="m", tool_calls=[call("file_read", {"path": "p"}, "c2")], usage=USAGE, cause=2),
+    ]
+    for response in made:  # (each step plans its response with the id it will have)
+        planned_actions(replace(response, id=3), box)
+    folds = [fold_runs(numbered(*opened(), response)) for response in made]
+    for _ in range(3):
+        for fold in folds:
+            move = next_move(fold.run, agent)
+            assert isinstance(move, AppendAction)
+    assert parsed == ["cmd_run", "file_read"]
+    assert [type(m.action) for m in (next_move(f.run, agent) for f in folds)] == [events.CmdRun, events.FileRead]  # type: ignore[union-attr]
+
+
 def test_no_run_waits() -> None:
     fold = fold_runs(numbered(events.Message(content="hi", source="user")))
     assert fold.run is None

@@ -662,6 +662,10 @@ MAX_CALLS_PER_STEP = 32
 (``RIVERBED_AGENT_MAX_CALLS_PER_STEP``); the rest are answered by one error the model reads."""
 
 
+PLANS_KEPT = 1024
+"""Plans a toolbox keeps (``Toolbox.plans``): the responses of the steps in flight on a worker."""
+
+
 def planned_actions(
     response: events.LlmResponse, toolbox: Toolbox | None = None, *, max_calls: int = MAX_CALLS_PER_STEP
 ) -> tuple[list[events.Action], list[str]]:
@@ -673,13 +677,16 @@ def planned_actions(
     if not response.tool_calls:
         return [events.Finish(final_thought=response.content or "", cause=response.id)], []
     box = toolbox if toolbox is not None else made_toolbox(REFERENCE)
-    last = box.planned
-    if last is not None and last[0] is response and last[1] == max_calls:
+    calls = response.tool_calls
+    last = box.plans.get(id(calls))
+    if last is not None and last[0].tool_calls is calls and last[0].id == response.id and last[1] == max_calls:
         # A step's moves ask for the same response's plan: its actions as made now (their stamp).
         now = dt.datetime.now(dt.UTC)
         return [replace(action, ts=now) for action in last[2]], list(last[3])
     actions, problems = _plan(response, box, max_calls)
-    box.planned = (response, max_calls, actions, problems)
+    box.plans[id(calls)] = (response, max_calls, actions, problems)  # (it keeps the calls: their id stays theirs)
+    if len(box.plans) > PLANS_KEPT:
+        del box.plans[next(iter(box.plans))]
     return list(actions), list(problems)
 
 

@@ -60,9 +60,11 @@ class Toolbox:
         self, agent: Agent, listed: Mapping[str, events.McpTools] | None = None, *, sub_agents: bool = True
     ) -> None:
         self.agent = agent
-        self.planned: tuple[events.LlmResponse, int, list[events.Action], list[str]] | None = None
-        """The last response planned with this toolbox, with its ``max_calls`` and what the plan was
-        (``runs.planned_actions``: a step asks for it several times)."""
+        self.plans: dict[int, tuple[events.LlmResponse, int, list[events.Action], list[str]]] = {}
+        """The responses planned with this toolbox lately (``runs.planned_actions``: each step of
+        each session asks for its response's plan several times), by the identity of their tool
+        calls, with the ``max_calls`` and what the plan was: a response as the step made it and
+        as the log gave it back share their calls, and the sessions of one agent share a toolbox."""
         kinds = agent.builtin_kinds
         if not sub_agents:
             kinds = tuple(k for k in kinds if k is not events.Delegate)
@@ -81,6 +83,13 @@ class Toolbox:
     def offered(self) -> list[dict[str, Any]]:
         """:meth:`openai`, made once (a schema per tool is a few milliseconds to build)."""
         return self.openai()
+
+    @functools.cached_property
+    def offered_json(self) -> msgspec.Raw:
+        """:attr:`offered` as JSON, encoded once: a request of the agent role's own client
+        embeds it as it is (the reference agent's tools are about 500 JSON objects, which cost
+        a step about a twentieth of its CPU to encode again each time)."""
+        return msgspec.Raw(msgspec.json.encode(self.offered))
 
     def openai(self) -> list[dict[str, Any]]:
         """The request's ``tools``: built-ins (``finish`` last), the agent's functions, MCP tools."""

@@ -82,6 +82,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import openai
 import structlog
 from anyio.abc import TaskStatus
@@ -147,6 +148,9 @@ from riverbed.workers.model_client import CheckedClient, checked_by
 __all__ = ["AgentCounters", "AgentHandler", "build_agent_handler"]
 
 log = structlog.get_logger("riverbed.worker")
+
+Offered = list[dict[str, Any]] | msgspec.Raw
+"""A request's ``tools``: the toolbox's, or their JSON as it is (:attr:`Toolbox.offered_json`)."""
 
 AGENT_NAME = "llm"
 """The ``agent`` of what the role appends."""
@@ -759,10 +763,11 @@ class AgentHandler:
         await self._wind_up(ctx, state)
         await self._release_slot(ctx, state)
 
-    def _toolbox(self, agent: Agent, listed: dict[str, events.McpTools]) -> tuple[Toolbox, list[dict[str, Any]]]:
-        """The agent's toolbox with the MCP listings of the log, and the request's ``tools``."""
+    def _toolbox(self, agent: Agent, listed: dict[str, events.McpTools]) -> tuple[Toolbox, Offered]:
+        """The agent's toolbox with the MCP listings of the log, and the request's ``tools``
+        (their JSON for the role's own client, which sends it as it is)."""
         toolbox = made_toolbox(agent, listed, sub_agents=self.max_depth > 0)
-        return toolbox, toolbox.offered
+        return toolbox, toolbox.offered_json if isinstance(self.client, CheckedClient) else toolbox.offered
 
     def _prompt(self, ctx: SessionContext, state: _Session, agent: Agent) -> Prompt:
         """The session's prompt for ``agent``, caught up with the log."""
@@ -947,7 +952,7 @@ class AgentHandler:
         model: str,
         failed: _ModelFailed,
         agent: Agent,
-        offered: list[dict[str, Any]],
+        offered: Offered,
     ) -> tuple[Any, int]:
         """The prompt did not fit the model's context window: ask the condenser role once
         (a ``condensation_request``), wait for its answer, and ask the model once more (its
@@ -1222,7 +1227,7 @@ class AgentHandler:
         model: str,
         started: events.RunStarted | None,
         agent: Agent,
-        offered: list[dict[str, Any]],
+        offered: Offered,
     ) -> Any:
         """The model's response to the prompt the log makes; a model error is retried by
         ``self.retry`` (``agent/retry.py``; a cancel stops that)."""
