@@ -73,15 +73,18 @@ def test_a_response_is_planned_once_for_the_moves_of_a_step(monkeypatch: pytest.
     assert [a.tool_call_id for a in planned_actions(fold.run.response, made_toolbox(agent))[0]] == ["c1", "c2"]
     assert parsed == ["cmd_run", "cmd_run"]
     planned_actions(fold.run.response, made_toolbox(agent), max_calls=1)
-    again = fold_runs(numbered(*log))  # (the same response, decoded again)
+    again = fold_runs([events.decode(events.encode(e), e.id) for e in numbered(*log)])  # (as the log gives it back)
     assert isinstance(next_move(again.run, agent), AppendAction)
-    assert len(parsed) == 4
+    assert len(parsed) == 2
+    other = replace(log[-1], tool_calls=[call("cmd_run", {"command": "id"}, "c1")])  # (same id and stamp, other calls)
+    assert isinstance(next_move(fold_runs(numbered(*log[:-1], other)).run, agent), AppendAction)
+    assert len(parsed) == 3
 
 
 def test_the_steps_of_sessions_sharing_a_toolbox_keep_their_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sessions of one agent share its toolbox: their steps, interleaved, each plan their
-    response once, and the response as a step made it (before its append) and as the log gave it
-    back (its id, the same calls) share that plan."""
+    response once, and the response as a step made it (before its append) and as the log gives it
+    back (decoded again) share that plan."""
     parsed: list[str] = []
     action = Toolbox.action
 
@@ -98,7 +101,7 @@ def test_the_steps_of_sessions_sharing_a_toolbox_keep_their_plans(monkeypatch: p
     ]
     for response in made:  # (each step plans its response with the id it will have)
         planned_actions(replace(response, id=3), box)
-    folds = [fold_runs(numbered(*opened(), response)) for response in made]
+    folds = [fold_runs([events.decode(events.encode(e), e.id) for e in numbered(*opened(), r)]) for r in made]
     for _ in range(3):
         for fold in folds:
             move = next_move(fold.run, agent)

@@ -677,14 +677,14 @@ def planned_actions(
     if not response.tool_calls:
         return [events.Finish(final_thought=response.content or "", cause=response.id)], []
     box = toolbox if toolbox is not None else made_toolbox(REFERENCE)
-    calls = response.tool_calls
-    last = box.plans.get(id(calls))
-    if last is not None and last[0].tool_calls is calls and last[0].id == response.id and last[1] == max_calls:
+    key = (response.id, response.ts, max_calls)
+    last = box.plans.get(key)
+    if last is not None and last[0].tool_calls == response.tool_calls:
         # A step's moves ask for the same response's plan: its actions as made now (their stamp).
         now = dt.datetime.now(dt.UTC)
-        return [replace(action, ts=now) for action in last[2]], list(last[3])
+        return [replace(action, ts=now) for action in last[1]], list(last[2])
     actions, problems = _plan(response, box, max_calls)
-    box.plans[id(calls)] = (response, max_calls, actions, problems)  # (it keeps the calls: their id stays theirs)
+    box.plans[key] = (response, actions, problems)
     if len(box.plans) > PLANS_KEPT:
         del box.plans[next(iter(box.plans))]
     return list(actions), list(problems)

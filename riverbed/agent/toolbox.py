@@ -18,6 +18,7 @@ the model; nothing of that response runs (``riverbed.agent.runs``).
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import functools
 import re
 from collections.abc import Mapping
@@ -52,6 +53,10 @@ def _agent_as_sub_agent(arguments: str) -> str:
     return msgspec.json.encode(raw).decode()
 
 
+Plan = tuple[events.LlmResponse, list[events.Action], list[str]]
+"""A response, the actions its tool calls ask for, and what is wrong with those that do not parse."""
+
+
 class Toolbox:
     """The tools of ``agent`` in one step, with the MCP listings recorded on the log so far
     (``listed``: server -> its latest ``mcp_tools``)."""
@@ -60,11 +65,12 @@ class Toolbox:
         self, agent: Agent, listed: Mapping[str, events.McpTools] | None = None, *, sub_agents: bool = True
     ) -> None:
         self.agent = agent
-        self.plans: dict[int, tuple[events.LlmResponse, int, list[events.Action], list[str]]] = {}
+        self.plans: dict[tuple[int | None, dt.datetime, int], Plan] = {}
         """The responses planned with this toolbox lately (``runs.planned_actions``: each step of
-        each session asks for its response's plan several times), by the identity of their tool
-        calls, with the ``max_calls`` and what the plan was: a response as the step made it and
-        as the log gave it back share their calls, and the sessions of one agent share a toolbox."""
+        each session asks for its response's plan several times) by their id, stamp and
+        ``max_calls``, and what the plan was: a response as the step made it and as the log gave
+        it back (decoded again) share it when their tool calls are the same, and the sessions of
+        one agent share a toolbox."""
         kinds = agent.builtin_kinds
         if not sub_agents:
             kinds = tuple(k for k in kinds if k is not events.Delegate)

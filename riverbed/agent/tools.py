@@ -10,6 +10,7 @@ tools, arguments that are not a JSON object and fields of the wrong type.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import msgspec
@@ -159,9 +160,15 @@ def tools(kinds: tuple[type[events.Action], ...] = TOOL_ACTIONS) -> list[dict[st
 _arguments = msgspec.json.Decoder(dict[str, Any])
 
 
+@functools.lru_cache(maxsize=256)
+def _by_kind(kinds: tuple[type[events.Action], ...]) -> dict[str, type[events.Action]]:
+    """``kinds`` by their kind (each toolbox's, made once: a step turns a call into its action)."""
+    return {events.kind_of(cls): cls for cls in kinds}
+
+
 def action_from_call(name: str, arguments: str, kinds: tuple[type[events.Action], ...] = TOOL_ACTIONS) -> events.Action:
     """The action a tool call asks for (one of ``kinds``); :class:`InputError` says what is wrong with it."""
-    classes = {events.kind_of(cls): cls for cls in kinds}
+    classes = _by_kind(kinds)
     cls = classes.get(name)
     if cls is None:
         raise InputError(f"there is no tool {name!r}; the tools are {', '.join(classes)}")
