@@ -55,7 +55,11 @@ agent workers run under ``cProfile`` and write ``DIR/NAME.prof`` when they stop 
 time: on a busy machine the waits for a CPU land on whatever was running).  With
 ``BENCH_AGENTS_PYSPY=DIR`` each round's runs are sampled instead by ``py-spy record`` (on
 ``PATH``; the stacks on a CPU only) into ``DIR/NAME-ROUND.txt``, and the functions most on a CPU
-are printed with the progress.
+are printed with the progress.  With ``BENCH_AGENTS_CALLGRIND=DIR`` and ``--context``, the agent
+workers run under callgrind, which counts their instructions between each round's gates (its
+later steps) and prints them per step with the progress: a count that moves little from one run
+to the next, where CPU time on a shared machine moves by a fifth (the workers run some fifty times
+slower meanwhile: with ``--workers 1 --runs 50``, a round takes a few minutes).
 
 ``--context 20,2000`` seeds each run's session first with about that many events of earlier
 turns, as the agent writes them (a user message; three steps of an ``llm_response`` whose tool
@@ -525,6 +529,41 @@ class _Sampler:
         _progress(f"agents: where the agent workers' CPU went ({label}):\n{_sampled_top(self.files)}")
 
 
+class _Callgrind:
+    """The agent workers under ``valgrind --tool=callgrind`` (``BENCH_AGENTS_CALLGRIND=DIR``, with
+    ``--context``), counting instructions only between a round's gates: from every run at its first
+    model call to every run at its last, its later steps alone.  The same code counts about the same
+    whatever else the machine does, where a step's CPU time moves by a fifth from one run to the
+    next on a shared VM; each worker runs some fifty times slower meanwhile (the wall-clock figures
+    mean nothing then).  The counts are in ``DIR/NAME.cg.N``, for ``callgrind_annotate``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def wrap(self, name: str) -> list[str]:
+        out = self.directory / f"{name}.cg"
+        return ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+
+    def start(self, pids: list[int]) -> None:
+        for pid in pids:
+            subprocess.run(["callgrind_control", "-i", "on", str(pid)], capture_output=True, check=False)
+
+    def stop(self, pids: list[int]) -> int:
+        """Dump each worker's counts since :meth:`start` and stop counting: the instructions."""
+        before = set(self.directory.glob("*.cg.*"))
+        for pid in pids:
+            subprocess.run(["callgrind_control", "-d", str(pid)], capture_output=True, check=False)
+            subprocess.run(["callgrind_control", "-i", "off", str(pid)], capture_output=True, check=False)
+        total = 0
+        for dump in set(self.directory.glob("*.cg.*")) - before:
+            for line in dump.read_text(errors="replace").splitlines():
+                if line.startswith(("totals:", "summary:")):
+                    total += int(line.split()[1])
+                    break
+        return total
+
+
 def _sampled_top(files: list[Path], rows: int = 25) -> str:
     """The functions most on a CPU in ``py-spy``'s raw stacks: by their own samples, and riverbed's
     own functions by the samples they were on the stack for."""
@@ -652,6 +691,8 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
             capacity = math.ceil(runs * len(rounds) / runtime_count) + len(solo) + 1
             runtimes = Workers(url, prefix, workspace, runtime_count, capacity, "process")
             profile = os.environ.get("BENCH_AGENTS_PROFILE")
+            grind = os.environ.get("BENCH_AGENTS_CALLGRIND")
+            counter = _Callgrind(Path(grind)) if grind and contexts else None
             agents = Workers(
                 url,
                 prefix,
@@ -662,9 +703,10 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                 roles=("agent",),
                 env=model_env,
                 profile=Path(profile) if profile else None,
+                wrap=counter.wrap if counter is not None else None,
             )
             await runtimes.wait_ready(timeout=120)
-            await agents.wait_ready(timeout=120)
+            await agents.wait_ready(timeout=120 if counter is None else 900)
             pids = {name: proc.pid for name, proc in zip(agents.names, agents.procs, strict=True)}
             sampled = _Sampled(agents.names)
             async with riverbed.connect(url, prefix=prefix) as bus:
@@ -728,10 +770,18 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                         _progress(
                             f"agents: every run at its first model call; measuring to each run's last ({taken.steps})"
                         )
+                        if counter is not None:
+                            counter.start(agent_pids)
                         server.gates("release")
                         last = await server.gathered(runs)
                         if sampler is not None:
                             sampler.stop(f"{label}-later")
+                        if counter is not None:
+                            counted = counter.stop(agent_pids)
+                            _progress(
+                                f"agents: the agent workers ran {counted / max(1, last - first):,.0f} instructions a "
+                                f"later step ({label}: {counted:,} for {last - first:,} model calls, callgrind)"
+                            )
                         taken.later = (
                             cpu_seconds(agent_pids) - at_first,
                             last - first,

@@ -1,7 +1,9 @@
 """What a model request's bytes cost the agent role's client: CPU per call by prompt size.
 
 ``CheckedClient.chat_completion`` (the agent role's model call) against the scripted model
-server of ``bench.agents`` answering at once, sequential calls in this process: a prompt of
+server of ``bench.agents`` answering at once, sequential calls in this process, each with the
+lease check the role sets (:func:`~riverbed.workers.model_client.checked_by`), known to hold as a
+live owner's is (so the request goes out in one write, as the role's does): a prompt of
 the bytes of a 2,000-event context (318 KB, the size ``bench agents --context 20,2000`` sends)
 against one of a 20-event context's (7 KB), rounds alternating.  The figure is this process's
 CPU per call (user + system, ``getrusage``): building the body, writing it (the kernel's copy
@@ -24,7 +26,7 @@ from typing import Any
 import msgspec
 
 from bench.common import Result, process_cpu, run_alone
-from riverbed.workers.model_client import CheckedClient
+from riverbed.workers.model_client import CheckedClient, checked_by
 
 LARGE = 318_000
 """bytes of the large prompt: the 2,000-event context's in ``bench agents --context 20,2000``"""
@@ -63,6 +65,29 @@ def _model_server() -> tuple[subprocess.Popen[bytes], int]:
     return server, int(server.stdout.readline().split()[1])
 
 
+async def _lease_check() -> None:
+    """The role's check, which a request asks only when the owner's clock does not say its lease holds."""
+
+
+async def _rounds(
+    client: CheckedClient,
+    bodies: dict[int, dict[str, Any]],
+    cpu: dict[int, list[float]],
+    system: dict[int, list[float]],
+    rounds: int,
+) -> None:
+    for body in bodies.values():  # (warm: the connection, the allocator)
+        for _ in range(20):
+            await client.chat_completion(body)
+    for _ in range(rounds):
+        for size, body in bodies.items():
+            started, started_system = process_cpu(), _system()
+            for _ in range(CALLS):
+                await client.chat_completion(body)
+            cpu[size].append((process_cpu() - started) / CALLS * 1e6)
+            system[size].append((_system() - started_system) / CALLS * 1e6)
+
+
 async def measure(_url: str, args: argparse.Namespace) -> list[Result]:
     server, port = _model_server()
     try:
@@ -71,16 +96,8 @@ async def measure(_url: str, args: argparse.Namespace) -> list[Result]:
         cpu: dict[int, list[float]] = {SMALL: [], LARGE: []}
         system: dict[int, list[float]] = {SMALL: [], LARGE: []}
         try:
-            for body in bodies.values():  # (warm: the connection, the allocator)
-                for _ in range(20):
-                    await client.chat_completion(body)
-            for _ in range(max(args.repeats, 3)):
-                for size, body in bodies.items():
-                    started, started_system = process_cpu(), _system()
-                    for _ in range(CALLS):
-                        await client.chat_completion(body)
-                    cpu[size].append((process_cpu() - started) / CALLS * 1e6)
-                    system[size].append((_system() - started_system) / CALLS * 1e6)
+            with checked_by(_lease_check, lambda: True):
+                await _rounds(client, bodies, cpu, system, max(args.repeats, 3))
         finally:
             await client.close()
     finally:

@@ -197,7 +197,8 @@ class PingPong:
 class Workers:
     """``python -m riverbed.workers ROLE…`` processes under one key prefix (the runtime role
     by default); ``env`` adds variables; with ``profile`` (a directory) each runs under
-    ``cProfile`` and writes ``NAME.prof`` there when it stops."""
+    ``cProfile`` and writes ``NAME.prof`` there when it stops; ``wrap(NAME)`` is a command each
+    runs under (``valgrind …``)."""
 
     def __init__(
         self,
@@ -211,6 +212,7 @@ class Workers:
         roles: tuple[str, ...] = ("runtime",),
         env: dict[str, str] | None = None,
         profile: Path | None = None,
+        wrap: Callable[[str], list[str]] | None = None,
     ) -> None:
         self.url = url
         self.keys = Keys(prefix)
@@ -229,6 +231,7 @@ class Workers:
         self.procs = [
             subprocess.Popen(
                 [
+                    *(wrap(name) if wrap is not None else []),
                     sys.executable,
                     *(["-m", "cProfile", "-o", str(profile / f"{name}.prof")] if profile is not None else []),
                     *("-m", "riverbed.workers", *roles, "--name", name),
