@@ -330,10 +330,10 @@ class _CheckedBody(aiohttp.Payload):
 
     async def write(self, writer: aiohttp.abc.AbstractStreamWriter) -> None:
         payload = self._value
-        crashpoint("model_sending")  # (about to write: the request's head waits to go with its body)
+        crashpoint("model_sending")  # (about to write: nothing of the request has left yet)
         # The head as a buffer of its own: the client would join it with the body's first part
         # (a copy of the whole prompt, on Pythons before 3.12.9); the event loop still sends
-        # both in one write.
+        # both in one write.  (aiohttp 3.12 and later hold the head back until this is called.)
         writer.send_headers()
         if self._known is not None and self._known():
             await writer.write(payload)
