@@ -44,17 +44,23 @@ def opened(**limits: object) -> list[events.Event]:
     return [events.Message(content="list the files", source="user"), events.RunStarted(**limits)]  # type: ignore[arg-type]
 
 
-def test_a_response_is_planned_once_for_the_moves_of_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``next_move`` plans the run's response once per definition and listings; each caller gets
-    lists of its own, and another response (or another cap on its calls) is planned anew."""
-    parsed: list[str] = []
+@pytest.fixture
+def parsed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the tool calls a toolbox turns into actions (a plan made), in order."""
+    names: list[str] = []
     action = Toolbox.action
 
     def counted(self: Toolbox, name: str, arguments: str) -> events.Action:
-        parsed.append(name)
+        names.append(name)
         return action(self, name, arguments)
 
     monkeypatch.setattr(Toolbox, "action", counted)
+    return names
+
+
+def test_a_response_is_planned_once_for_the_moves_of_a_step(parsed: list[str]) -> None:
+    """``next_move`` plans the run's response once per definition and listings; each caller gets
+    lists of its own, and another response (or another cap on its calls) is planned anew."""
     agent = Agent("planner", tools=["cmd_run"])
     calls = [call("cmd_run", {"command": "ls"}, "c1"), call("cmd_run", {"command": "pwd"}, "c2")]
     log = [*opened(), events.LlmResponse(model="m", tool_calls=calls, usage=USAGE, cause=2)]
@@ -81,18 +87,10 @@ def test_a_response_is_planned_once_for_the_moves_of_a_step(monkeypatch: pytest.
     assert len(parsed) == 3
 
 
-def test_the_steps_of_sessions_sharing_a_toolbox_keep_their_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_steps_of_sessions_sharing_a_toolbox_keep_their_plans(parsed: list[str]) -> None:
     """The sessions of one agent share its toolbox: their steps, interleaved, each plan their
     response once, and the response as a step made it (before its append) and as the log gives it
     back (decoded again) share that plan."""
-    parsed: list[str] = []
-    action = Toolbox.action
-
-    def counted(self: Toolbox, name: str, arguments: str) -> events.Action:
-        parsed.append(name)
-        return action(self, name, arguments)
-
-    monkeypatch.setattr(Toolbox, "action", counted)
     agent = Agent("sharing", tools=["cmd_run", "file_read"])
     box = made_toolbox(agent)
     made = [

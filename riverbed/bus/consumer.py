@@ -28,7 +28,6 @@ and re-announce each session so a peer takes it at once.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import anyio
@@ -222,8 +221,8 @@ class Owner:
         session: str,
         entry: str,
         token: int,
-        meta: tuple[str | None, str] | None = None,
-        acquired: float = -math.inf,
+        meta: tuple[str | None, str] | None,
+        acquired: float,
     ) -> None:
         """Serve ``session``, just acquired with ``token``, in a loop of its own (``meta``: its
         tenant and creation stamp, when the acquire read them; ``acquired``: when the acquire
