@@ -67,6 +67,26 @@ async def test_a_bell_rings_when_its_session_log_moves_and_only_then(bus: Bus) -
         tg.cancel_scope.cancel()
 
 
+async def test_a_bell_released_while_another_watches_its_session_goes_and_the_other_still_rings(bus: Bus) -> None:
+    """A model call's watch lets its bell go without a turn while the session's loop watches
+    the session too; the last bell of a session is not released that way (unwatch unsubscribes)."""
+    wakeups = Wakeups(bus.redis, bus.keys)
+    async with anyio.create_task_group() as tg:
+        await tg.start(wakeups.run)
+        loop_bell = await wakeups.watch("s1", "agent")
+        call_bell = await wakeups.watch("s1", "agent:call")
+        assert wakeups.release("s1", call_bell)
+        assert not wakeups.release("s1", call_bell)  # (gone already)
+        assert not wakeups.release("s1", loop_bell)  # (the last one: unwatch's to let go)
+        marks = (loop_bell.rung, call_bell.rung)
+        await bus.session("s1").append(events.Message(content="hi"))
+        assert await loop_bell.wait(marks[0], 5.0)
+        assert call_bell.rung == marks[1]
+        await wakeups.unwatch("s1", loop_bell)
+        assert wakeups.connections == 0  # (its last bell gone, the session is unsubscribed)
+        tg.cancel_scope.cancel()
+
+
 async def test_the_runtime_role_is_woken_only_by_what_it_acts_on(bus: Bus) -> None:
     """The runtime role's loops are woken only by the appends it acts on (actions it runs, and a
     cancel, which stops a session's background commands); every other role's by each one."""

@@ -283,6 +283,15 @@ class Wakeups:
             raise
         return bell
 
+    def release(self, session: str, bell: Bell) -> bool:
+        """Let ``bell`` go at once when another bell still watches ``session`` (its subscription
+        stays): whether it did.  When it did not, :meth:`unwatch` does it all."""
+        watched = self._watched.get(self.keys.wake(session))
+        if watched is None or bell not in watched.bells or len(watched.bells) == 1:
+            return False
+        watched.bells.remove(bell)
+        return True
+
     async def unwatch(self, session: str, bell: Bell) -> None:
         channel = self.keys.wake(session)
         watched = self._watched.get(channel)
