@@ -115,16 +115,22 @@ if last == 0 then
   if ARGV[7] ~= '' then redis.call('HSET', KEYS[2], 'tenant', ARGV[7]) end
 end
 local first = last + 1
+-- Each new id is made text once: Lua writes a number as text with a floating-point printf, and
+-- the id is written up to five times (each is 1% of a round trip's Redis instructions).
+local first_text, last_text
 for i = 0, n - 1 do
   last = last + 1
-  redis.call('XADD', KEYS[1], last .. '-0', 'e', ARGV[12 + 2 * i])
+  last_text = string.format('%d', last)
+  first_text = first_text or last_text
+  redis.call('XADD', KEYS[1], last_text .. '-0', 'e', ARGV[12 + 2 * i])
   local cause = ARGV[13 + 2 * i]
   if cause ~= '0' then
-    redis.call('HSET', KEYS[3], cause, last)
+    redis.call('HSET', KEYS[3], cause, last_text)
     redis.call('HDEL', KEYS[5], cause)  -- answered: its claim has done its job
   end
 end
-redis.call('HSET', KEYS[2], 'last', last)
+if n == 0 then first_text, last_text = string.format('%d', first), string.format('%d', last) end
+redis.call('HSET', KEYS[2], 'last', last_text)
 if ARGV[12 + 2 * n] == '1' and not meta[7] and (not meta[8] or meta[8] == '') then
   meta[7] = '0'  -- a run opens (or is cancelled) with no agent owner: announce it below
 end
@@ -133,11 +139,11 @@ if ARGV[13 + 2 * n] == '1' and not meta[4] and (not meta[9] or meta[9] == '') th
 end
 if ARGV[2] ~= '' then
   local bound = ARGV[11] ~= '' and (':' .. ARGV[11]) or ''
-  redis.call('SET', KEYS[4], first .. ':' .. n .. bound, 'PX', ARGV[2])
+  redis.call('SET', KEYS[4], first_text .. ':' .. ARGV[8] .. bound, 'PX', ARGV[2])
 end
 -- Published on the session's shard channel: "<last>", then the roles whose loops have nothing to
 -- read in it ("<last> agent runtime"): the runtime role reads only for what it acts on.
-local wake = tostring(last)
+local wake = last_text
 local skip_runtime = ARGV[13 + 2 * n] == ''
 if ARGV[5] ~= '' then
   if ARGV[6] ~= '' then redis.call('XACK', KEYS[1], ARGV[5], ARGV[6]) end
@@ -147,7 +153,7 @@ if ARGV[5] ~= '' then
     -- past them instead of delivering them back (a read and an ack saved per append).  A group
     -- that is gone (the stream was deleted under its owner) is left alone: its owner finds that
     -- out on its next read.
-    local moved = redis.pcall('XGROUP', 'SETID', KEYS[1], ARGV[5], last .. '-0')
+    local moved = redis.pcall('XGROUP', 'SETID', KEYS[1], ARGV[5], last_text .. '-0')
     if type(moved) ~= 'table' or not moved.err then
       if ARGV[5] ~= 'runtime' then
         wake = wake .. ' ' .. ARGV[5]  -- that role's loop has nothing new to read: no need to wake it
