@@ -251,6 +251,26 @@ async def test_idle_sessions_are_parked_and_woken_by_the_next_append(bus: Bus) -
         await owner.drain(2)
 
 
+async def test_a_session_parked_while_its_close_is_slow_is_not_renewed_nor_reported_lost(bus: Bus) -> None:
+    """A loop that parks its session gives the lease back first, then the handler closes the
+    session (a runtime's sandbox: here a pause of several renewal rounds).  Meanwhile the owner
+    renews that lease no more, so none is reported lost, and once closed the session is let go."""
+
+    class SlowClose(EchoHandler):
+        async def close(self, ctx: SessionContext) -> None:
+            await anyio.sleep(1.6)  # (a renewal round every 0.5 s: three or four of them)
+
+    owner = Owner(bus.redis, bus.keys, SlowClose(), worker="w1", url=bus.url, lease_seconds=2, park_after=0.3)
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        await bus.session("slow-close").act(events.FileRead(path="a"), timeout=5)
+        with anyio.fail_after(10):
+            while owner.owned:
+                await anyio.sleep(0.05)
+        assert owner.stats.lost == 0
+        await owner.drain(2)
+
+
 def test_unknown_payload_is_kept_raw() -> None:
     raw = msgspec.msgpack.encode({"kind": "from_the_future", "x": 1, "source": "agent"})
     event = events.decode(raw, 4)

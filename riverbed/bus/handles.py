@@ -145,6 +145,8 @@ class Owned:
     scope: anyio.CancelScope
     lost: bool = False
     """Its lease renewal failed (another owner holds it now): the loop was cancelled for it."""
+    released: bool = False
+    """Its loop gave the lease back (parked, retired or left) and is closing: not renewed."""
     meta: tuple[str | None, str] | None = None
     """The session's tenant and creation stamp as the acquire read them (None: not read)."""
     renewed: float = -math.inf

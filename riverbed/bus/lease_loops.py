@@ -182,7 +182,9 @@ class LeaseLoops:
             if due < now - period:
                 due = now  # we fell more than a round behind: renew now, then keep the schedule
             await anyio.sleep(max(0.0, due - now))
-            snapshot = {s: (o.entry, o.token) for s, o in state.owned.items()}
+            # (Not the sessions whose loops gave their leases back and are closing: renewing a
+            # released lease fails, and a handler's close can outlast many rounds.)
+            snapshot = {s: (o.entry, o.token) for s, o in state.owned.items() if not o.released}
             crashpoint("during_renew")
             sent = time.monotonic()
             try:

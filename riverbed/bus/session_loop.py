@@ -213,6 +213,7 @@ class SessionLoop:
                     )
                     if left == 0:
                         raise FencedError(self.session, handles.role, self.owned.token)
+                    self.owned.released = True
                     self.log.info("session.left")
                     return True
                 retire = self.retires is not None and self.held is None and self.retires(ctx)
@@ -228,6 +229,7 @@ class SessionLoop:
                         retire=retire,
                     )
                     if parked == 1:
+                        self.owned.released = True
                         self.log.info("session.retired" if retire else "session.parked")
                         return True
                     if parked == 0:
