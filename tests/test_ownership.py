@@ -238,14 +238,19 @@ async def test_poison_entries_are_dead_lettered_and_the_worker_goes_on(bus: Bus)
     assert sum(isinstance(e, events.Error) and e.reason == "dead_letter" for e in log) == 2
 
 
+async def act_until_parked(bus: Bus, owner: Owner, session: str) -> None:
+    """One action on ``session``, answered by ``owner`` (running), then wait until it parked."""
+    await bus.session(session).act(events.FileRead(path="a"), timeout=5)
+    with anyio.fail_after(10):
+        while owner.owned:
+            await anyio.sleep(0.05)
+
+
 async def test_idle_sessions_are_parked_and_woken_by_the_next_append(bus: Bus) -> None:
     owner, _ = make_owner(bus, "w1", lease_seconds=2, park_after=0.3)
     async with anyio.create_task_group() as tg:
         await tg.start(owner.run)
-        await bus.session("sleepy").act(events.FileRead(path="a"), timeout=5)
-        with anyio.fail_after(5):
-            while owner.owned:
-                await anyio.sleep(0.05)
+        await act_until_parked(bus, owner, "sleepy")
         obs = await bus.session("sleepy").act(events.FileRead(path="b"), timeout=5)
         assert isinstance(obs, events.FileContent)
         await owner.drain(2)
@@ -263,10 +268,7 @@ async def test_a_session_parked_while_its_close_is_slow_is_not_renewed_nor_repor
     owner = Owner(bus.redis, bus.keys, SlowClose(), worker="w1", url=bus.url, lease_seconds=2, park_after=0.3)
     async with anyio.create_task_group() as tg:
         await tg.start(owner.run)
-        await bus.session("slow-close").act(events.FileRead(path="a"), timeout=5)
-        with anyio.fail_after(10):
-            while owner.owned:
-                await anyio.sleep(0.05)
+        await act_until_parked(bus, owner, "slow-close")
         assert owner.stats.lost == 0
         await owner.drain(2)
 
