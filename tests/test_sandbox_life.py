@@ -23,10 +23,9 @@ import pytest
 from riverbed import events
 from riverbed.client.session import Bus
 from riverbed.runtime import Runtime, Sandbox
-from riverbed.runtime import runtime as runtime_module
 from riverbed.runtime.limits import wait_exit
 from riverbed.runtime.paths import belongs_to, workspace_name
-from riverbed.runtime.runtime import CLOSING_AT_ONCE, SANDBOX_PATH
+from riverbed.runtime.runtime import SANDBOX_PATH
 from tests.kit.workers import (
     WorkerProcess,
     run_cell,
@@ -294,49 +293,6 @@ async def test_an_earlier_logs_workspace_is_put_away_and_not_read_for_context(wo
         listed = await rt.execute("s", events.CmdRun(id=1, command="ls -A | wc -l", blocking=True))
         assert isinstance(listed, events.CmdOutput), listed
         assert listed.content == "0\n"
-    finally:
-        await rt.aclose()
-
-
-async def test_sessions_parked_together_stop_a_few_sandboxes_at_a_time_while_a_new_one_starts(
-    workspace: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The idle sessions of a burst are parked together.  Stopping a sandbox holds a worker
-    thread, from the pool that starts sandboxes too, so a runtime stops at most
-    ``CLOSING_AT_ONCE`` at a time (counted here around each session's close), and a new
-    session's first command runs among them."""
-    stopping = most = 0
-    close = runtime_module._Session.close
-
-    async def counted(self: runtime_module._Session) -> None:
-        nonlocal stopping, most
-        stopping += 1
-        most = max(most, stopping)
-        try:
-            await close(self)
-        finally:
-            stopping -= 1
-
-    monkeypatch.setattr(runtime_module._Session, "close", counted)
-    rt = Runtime(workspace_root=workspace)
-    idle = [f"idle-{i}" for i in range(CLOSING_AT_ONCE + 8)]
-    try:
-        async with anyio.create_task_group() as tg:
-            for session in idle:
-                tg.start_soon(rt.execute, session, events.CmdRun(id=1, command="true", blocking=True))
-        new: list[events.Observation] = []
-
-        async def start_new() -> None:
-            new.append(await rt.execute("new", events.CmdRun(id=1, command="echo here", blocking=True)))
-
-        async with anyio.create_task_group() as tg:
-            for session in idle:
-                tg.start_soon(rt.close_session, session)
-            tg.start_soon(start_new)
-        assert most == CLOSING_AT_ONCE
-        [output] = new
-        assert isinstance(output, events.CmdOutput), output
-        assert output.content == "here\n"
     finally:
         await rt.aclose()
 

@@ -122,13 +122,6 @@ SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/op
 #: A ``file_read`` of a regular file up to this size runs on the event loop, not in a thread.
 INLINE_READ_BYTES = 64 * 1024
 
-#: Sessions whose sandboxes a runtime stops at once.  Stopping one holds a worker thread at a
-#: time (its processes killed and waited for, its cgroup emptied and removed), from the pool
-#: that starting sandboxes and running actions use too: the idle sessions of a burst, parked
-#: together a minute later, had held every thread and stalled new sessions' first actions for
-#: many seconds.
-CLOSING_AT_ONCE = 16
-
 
 async def _in_time(change: Callable[[], events.Observation]) -> events.Observation:
     """A file change, made in a worker thread only by the start gate's deadline (the thread may
@@ -222,7 +215,6 @@ class Runtime:
         self._sandbox = sandbox or Sandbox()
         self._cgroups = cgroups
         self._sessions: dict[str, _Session] = {}
-        self._closing = anyio.CapacityLimiter(CLOSING_AT_ONCE)
         self._handlers: dict[type[events.Action], Handler] = {}
         self._closed = False
         self._base_env = dict(base_env) if base_env is not None else None
@@ -367,12 +359,10 @@ class Runtime:
         return put_away
 
     async def close_session(self, session_id: str) -> None:
-        """Stop a session's shell and Python process (its workspace stays), a few sessions at
-        a time (:data:`CLOSING_AT_ONCE`)."""
+        """Stop a session's shell and Python process (its workspace stays)."""
         session = self._sessions.pop(session_id, None)
         if session is not None:
-            async with self._closing:
-                await session.close()
+            await session.close()
             self._sandbox.unassign(session.workspace)
 
     async def aclose(self) -> None:
