@@ -25,7 +25,7 @@ from riverbed.client.session import Bus
 from riverbed.runtime import Runtime, Sandbox
 from riverbed.runtime.limits import wait_exit
 from riverbed.runtime.paths import belongs_to, workspace_name
-from riverbed.runtime.runtime import SANDBOX_PATH
+from riverbed.runtime.runtime import SANDBOX_PATH, STOPS_AT_ONCE, _Session
 from tests.kit.workers import (
     WorkerProcess,
     run_cell,
@@ -107,6 +107,83 @@ async def test_sandboxes_started_together_outlive_the_threads_that_started_them(
         cell = await py(bus, session, "kept")
         assert cell.result == str(i * 6), cell
         assert not cell.state_lost, cell
+
+
+async def _mark(rt: Runtime, session: str, command: str) -> str:
+    out = await rt.execute(session, events.CmdRun(id=1, command=command, blocking=True))
+    assert isinstance(out, events.CmdOutput), out
+    return out.content
+
+
+async def test_a_session_given_back_keeps_its_sandbox_when_taken_again_before_its_stop(workspace: Path) -> None:
+    others = set(_children(os.getpid()))  # (the test's Redis, say)
+
+    def sandboxes() -> set[int]:
+        return set(_children(os.getpid())) - others
+
+    rt = Runtime(workspace_root=workspace)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(rt.watch)
+            await rt.open_session("s", created="1000")
+            assert await _mark(rt, "s", "export KEPT=yes; echo $KEPT") == "yes\n"
+            await rt.release_session("s")  # parked: its stop waits for the event loop's next turn
+            await rt.open_session("s", created="1000")
+            assert await _mark(rt, "s", "echo $KEPT") == "yes\n"  # the same shell
+            await rt.release_session("s")
+            for _ in range(500):  # its stop runs once its turn comes
+                await anyio.sleep(0.01)
+                if not sandboxes():
+                    break
+            assert not sandboxes()
+            await rt.open_session("s", created="1000")
+            assert await _mark(rt, "s", "echo ${KEPT:-new}") == "new\n"  # a new shell
+            tg.cancel_scope.cancel()
+    finally:
+        await rt.aclose()
+    assert not sandboxes()
+
+
+async def test_given_back_sessions_are_stopped_a_few_at_a_time_and_all_by_the_runtimes_close(
+    workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopping hundreds of parked sandboxes at once took every worker thread that starting a
+    new one needs too: the stops are bounded (``STOPS_AT_ONCE``), and those still queued when
+    the watchdog stops are done by :meth:`Runtime.aclose`."""
+    stopping, most, stopped = 0, 0, 0
+    close = _Session.close
+
+    async def counted(session: _Session) -> None:
+        nonlocal stopping, most, stopped
+        with anyio.CancelScope(shield=True):  # (as the stop it wraps)
+            stopping += 1
+            most = max(most, stopping)
+            await anyio.sleep(0.02)  # (long enough for every stop let through to overlap)
+            await close(session)
+            stopping -= 1
+            stopped += 1
+
+    monkeypatch.setattr(_Session, "close", counted)
+    count = 4 * STOPS_AT_ONCE
+    rt = Runtime(workspace_root=workspace)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(rt.watch)
+            for i in range(count):
+                await rt.open_session(f"p-{i}", created="1000")
+            for i in range(count):
+                await rt.release_session(f"p-{i}")
+            for _ in range(500):
+                await anyio.sleep(0.01)
+                if stopped >= 2 * STOPS_AT_ONCE:
+                    break
+            assert most == STOPS_AT_ONCE
+            assert stopped < count
+            tg.cancel_scope.cancel()  # the worker stops: what is still queued waits for aclose
+        await rt.aclose()
+        assert stopped == count
+    finally:
+        await rt.aclose()
 
 
 # --- 4. a fixed PATH ---------------------------------------------------------------------------------

@@ -299,6 +299,13 @@ class SessionContext:
             self.session, action_id, self.fence, force=force, again=again, stopping=self._stopping
         )
 
+    @property
+    def released(self) -> bool:
+        """Whether the session's loop gave it back (parked, retired or left), rather than lost
+        it, was fenced or stopped with its worker: a handler's ``close`` may then leave slow
+        work to finish after it returns."""
+        return self._owned is not None and self._owned.released
+
     def holds_now(self) -> bool:
         """Whether :meth:`holds` is known to say yes without asking Redis (False: ask it)."""
         owned = self._owned

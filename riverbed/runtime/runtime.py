@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 
 import anyio
 import structlog
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 from msgspec.structs import replace
 
 from riverbed import events, tracing
@@ -72,6 +72,12 @@ from riverbed.runtime.shell import Shell, ShellUnavailable
 from riverbed.runtime.tmp import SessionTmp
 
 log = structlog.get_logger("riverbed.runtime")
+
+#: Sandboxes of given-back sessions stopped at once (:meth:`Runtime.release_session`).  Each
+#: stop holds a worker thread of anyio's pool for its kills, waits and cgroup removal, which a
+#: new session's first command needs too: hundreds of sessions parked together, stopped all at
+#: once, took every thread and kept new sandboxes from starting for seconds.
+STOPS_AT_ONCE = 8
 
 A = TypeVar("A", bound=events.Action)
 Handler = Callable[["HandlerContext", Any], Awaitable[events.Observation]]
@@ -215,6 +221,13 @@ class Runtime:
         self._sandbox = sandbox or Sandbox()
         self._cgroups = cgroups
         self._sessions: dict[str, _Session] = {}
+        self._leaving: dict[str, _Session] = {}
+        """Sessions given back whose sandboxes are still to stop (:meth:`release_session`)."""
+        self._stopping: dict[str, anyio.Event] = {}
+        """Sessions whose sandboxes stop now: set when they have."""
+        self._stops: TaskGroup | None = None
+        """Where the stops of given-back sessions run (:meth:`watch`'s; None: it does not run)."""
+        self._stop_slots = anyio.CapacityLimiter(STOPS_AT_ONCE)
         self._handlers: dict[type[events.Action], Handler] = {}
         self._closed = False
         self._base_env = dict(base_env) if base_env is not None else None
@@ -308,6 +321,10 @@ class Runtime:
 
     def _session(self, session_id: str) -> _Session:
         session = self._sessions.get(session_id)
+        if session is None and self._leaving:
+            session = self._leaving.pop(session_id, None)  # taken again before its stop: it keeps its sandbox
+            if session is not None:
+                self._sessions[session_id] = session
         if session is None:
             ws = self.workspace(session_id)
             cgroup = self._cgroups.session() if self._cgroups is not None else None
@@ -325,7 +342,8 @@ class Runtime:
         is put away, so the new log starts with an empty one; sandboxes still running for that
         earlier log are closed first.
         """
-        session = self._sessions.get(session_id)
+        await self._stopped(session_id)
+        session = self._sessions.get(session_id) or self._leaving.get(session_id)
         if session is not None and session.created is not None and session.created != created:
             await self.close_session(session_id)
         session = self._session(session_id)
@@ -360,23 +378,71 @@ class Runtime:
 
     async def close_session(self, session_id: str) -> None:
         """Stop a session's shell and Python process (its workspace stays)."""
+        await self._stopped(session_id)
+        session = self._sessions.pop(session_id, None) or self._leaving.pop(session_id, None)
+        if session is not None:
+            await self._stop(session_id, session)
+
+    async def release_session(self, session_id: str) -> None:
+        """The session was given back (parked or retired by its owner): stop its sandbox soon,
+        at most :data:`STOPS_AT_ONCE` at a time, in :meth:`watch`'s task group (without it, at
+        once, as :meth:`close_session`).  Opened or run again before its turn, the session
+        keeps its sandbox, as if it had never been given back."""
+        if self._stops is None:
+            await self.close_session(session_id)
+            return
         session = self._sessions.pop(session_id, None)
         if session is not None:
+            self._leaving[session_id] = session
+            self._stops.start_soon(self._stop_when_due, session_id, session)
+
+    async def _stop_when_due(self, session_id: str, session: _Session) -> None:
+        async with self._stop_slots:
+            await self._stopped(session_id)  # (an earlier sandbox of the session, still stopping)
+            if self._leaving.get(session_id) is session:  # (else taken again, or closed already)
+                del self._leaving[session_id]
+                await self._stop(session_id, session)
+
+    async def _stop(self, session_id: str, session: _Session) -> None:
+        """Stop ``session``'s sandbox; meanwhile the session is neither run nor opened again."""
+        stopped = self._stopping[session_id] = anyio.Event()
+        try:
             await session.close()
             self._sandbox.unassign(session.workspace)
+        finally:
+            if self._stopping.get(session_id) is stopped:
+                del self._stopping[session_id]
+            stopped.set()
+
+    async def _stopped(self, session_id: str) -> None:
+        """Wait for the stop of the session's sandbox, if one runs."""
+        while (stopping := self._stopping.get(session_id)) is not None:
+            await stopping.wait()
 
     async def aclose(self) -> None:
         """Stop every sandbox; later actions get a retryable ``runtime_closed`` error."""
         self._closed = True
-        sessions, self._sessions = list(self._sessions.values()), {}
-        for session in sessions:
-            await session.close()
-            self._sandbox.unassign(session.workspace)
+        sessions = [*self._sessions.items(), *self._leaving.items()]
+        self._sessions, self._leaving = {}, {}
+        for session_id, session in sessions:
+            await self._stopped(session_id)
+            await self._stop(session_id, session)
+        for stopping in list(self._stopping.values()):
+            await stopping.wait()
 
     async def watch(self, *, interval: float = 1.0, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Enforce the process limit of idle sandboxes too (a fork loop left in the
-        background); run it in the worker's task group with ``await tg.start(rt.watch)``."""
-        task_status.started()
+        background), and stop given-back sessions' sandboxes (:meth:`release_session`); run it
+        in the worker's task group with ``await tg.start(rt.watch)``."""
+        async with anyio.create_task_group() as stops:
+            self._stops = stops
+            try:
+                task_status.started()
+                await self._enforce_limits(interval)
+            finally:
+                self._stops = None
+
+    async def _enforce_limits(self, interval: float) -> None:
         while not self._closed:
             await anyio.sleep(interval)
             for session in list(self._sessions.values()):
@@ -446,6 +512,8 @@ class Runtime:
         builtin = self._builtin.get(kind)
         if custom is None and builtin is None:
             return _error("unknown_kind", f"no runtime handler is registered for {action.kind!r}")
+        if self._stopping:
+            await self._stopped(session_id)
         session = self._session(session_id)
         try:
             session.lock.acquire_nowait()

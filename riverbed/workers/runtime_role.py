@@ -314,7 +314,10 @@ class RuntimeHandler:
             log.info("fold.not_saved", session=ctx.session, error=str(exc))
         finally:
             self._folds.pop(ctx.session, None)
-        await self.runtime.close_session(ctx.session)
+        if ctx.released:  # (its sandbox is stopped after this returns, unless it is taken again first)
+            await self.runtime.release_session(ctx.session)
+        else:
+            await self.runtime.close_session(ctx.session)
 
     async def _claim_and_run(self, ctx: SessionContext, entry: Entry, *, hold: bool = False) -> Answer | None:
         """Claim the action, then run it, acknowledge it (answered already) or answer it
