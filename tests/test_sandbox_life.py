@@ -23,7 +23,7 @@ import pytest
 from riverbed import events
 from riverbed.client.session import Bus
 from riverbed.runtime import Runtime, Sandbox
-from riverbed.runtime.limits import wait_exit
+from riverbed.runtime.limits import kill_processes, wait_exit
 from riverbed.runtime.paths import belongs_to, workspace_name
 from riverbed.runtime.runtime import SANDBOX_PATH, STOPS_AT_ONCE, _Session
 from tests.kit.workers import (
@@ -184,6 +184,27 @@ async def test_given_back_sessions_are_stopped_a_few_at_a_time_and_all_by_the_ru
         assert stopped == count
     finally:
         await rt.aclose()
+
+
+def test_a_kill_is_done_once_every_process_listed_was_signalled() -> None:
+    """A killed process is listed until it has exited, and it forks no more: the kill lists the
+    session again only while it finds processes not signalled yet (it had listed a dying
+    sandbox until empty, each listing a read of every process's ``/proc`` entry)."""
+    proc = subprocess.Popen(["sleep", "600"])
+    listings = 0
+
+    def dying(sid: int) -> list[tuple[int, int]]:  # the process, listed as if it took long to exit
+        nonlocal listings
+        listings += 1
+        return [(proc.pid, proc.pid)]
+
+    try:
+        assert kill_processes(proc.pid, lister=dying) == 1
+        assert proc.wait(timeout=10) == -9
+        assert listings == 2
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # --- 4. a fixed PATH ---------------------------------------------------------------------------------

@@ -226,11 +226,14 @@ def kill_processes(
 ) -> int:
     """SIGKILL processes of session ``sid`` (as ``lister`` finds them) except ``keep`` (and,
     when given, except those in ``only_new_since``).  Stops them first so a fork loop cannot
-    outrun us.  Returns how many were killed."""
+    outrun us: done once a listing finds none not signalled already (a killed process is
+    listed until it has exited, and it forks no more).  Returns how many were killed."""
     killed: set[int] = set()
     for _ in range(20):
         targets = [
-            pid for pid, _pg in lister(sid) if pid not in keep and (only_new_since is None or pid not in only_new_since)
+            pid
+            for pid, _pg in lister(sid)
+            if pid not in keep and pid not in killed and (only_new_since is None or pid not in only_new_since)
         ]
         if not targets:
             break

@@ -327,7 +327,7 @@ class PythonProcess(SandboxedProcess):
         )
         if not stopped:
             cell.notes.append("[the cell did not stop on KeyboardInterrupt; the Python process was killed]")
-            await anyio.to_thread.run_sync(partial(kill_processes, sid))
+            await anyio.to_thread.run_sync(partial(kill_processes, sid, lister=self._processes))
             await self._wait(cell, self._limits.interrupt_grace)
 
     async def enforce_limits(self) -> None:

@@ -424,9 +424,14 @@ class Runtime:
         self._closed = True
         sessions = [*self._sessions.items(), *self._leaving.items()]
         self._sessions, self._leaving = {}, {}
-        for session_id, session in sessions:
+
+        async def stop(session_id: str, session: _Session) -> None:
             await self._stopped(session_id)
             await self._stop(session_id, session)
+
+        async with anyio.create_task_group() as tg:  # (all at once: the worker is going)
+            for session_id, session in sessions:
+                tg.start_soon(stop, session_id, session)
         for stopping in list(self._stopping.values()):
             await stopping.wait()
 

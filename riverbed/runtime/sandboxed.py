@@ -104,7 +104,7 @@ class SandboxedProcess:
         """Kill the program and everything in its sandbox session (bounded); drop its network link."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            await anyio.to_thread.run_sync(partial(kill_processes, proc.pid))
+            await anyio.to_thread.run_sync(partial(kill_processes, proc.pid, lister=self._processes))
             await anyio.to_thread.run_sync(wait_exit, proc, 2.0)
         await self._drop_link()
 
