@@ -273,6 +273,42 @@ async def test_a_session_parked_while_its_close_is_slow_is_not_renewed_nor_repor
         await owner.drain(2)
 
 
+async def test_a_renewal_answered_after_the_session_was_given_back_reports_no_lost_lease(bus: Bus) -> None:
+    """A renewal round sent with the session in it, and answered only after the loop released
+    the lease (parked), finds the lease gone: that is no lost lease, and the park is no fence."""
+
+    class SlowClose(EchoHandler):
+        async def close(self, ctx: SessionContext) -> None:
+            await anyio.sleep(0.5)  # (the owner still holds the session when the renewal answers)
+
+    # (parked after two renewal rounds at least: the first one with the session in it waits)
+    owner = Owner(bus.redis, bus.keys, SlowClose(), worker="w1", url=bus.url, lease_seconds=2, park_after=1.2)
+    leases = owner.handles.leases
+    released = anyio.Event()
+    renew, release = leases.renew, leases.release
+
+    async def renew_after_the_release(snapshot: dict[str, tuple[str, int]]) -> Any:
+        if "given-back" in snapshot:
+            with anyio.move_on_after(5):
+                await released.wait()
+        return await renew(snapshot)
+
+    async def release_and_tell(*args: Any, **kwargs: Any) -> int:
+        answer = await release(*args, **kwargs)
+        released.set()
+        await anyio.sleep(0.2)  # (its answer comes after the renewal's)
+        return answer
+
+    object.__setattr__(leases, "renew", renew_after_the_release)
+    object.__setattr__(leases, "release", release_and_tell)
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        await act_until_parked(bus, owner, "given-back")
+        assert released.is_set()
+        assert owner.stats.lost == 0
+        await owner.drain(2)
+
+
 def test_unknown_payload_is_kept_raw() -> None:
     raw = msgspec.msgpack.encode({"kind": "from_the_future", "x": 1, "source": "agent"})
     event = events.decode(raw, 4)

@@ -146,7 +146,10 @@ class Owned:
     lost: bool = False
     """Its lease renewal failed (another owner holds it now): the loop was cancelled for it."""
     released: bool = False
-    """Its loop gave the lease back (parked, retired or left) and is closing: not renewed."""
+    """Its loop gives the lease back (parked, retired or left; set from before the release is
+    sent, cleared if Redis refuses it) or gave it back and is closing: not renewed, and a
+    renewal that finds the lease gone (one sent before the release, answered after it) does
+    not report it lost."""
     meta: tuple[str | None, str] | None = None
     """The session's tenant and creation stamp as the acquire read them (None: not read)."""
     renewed: float = -math.inf

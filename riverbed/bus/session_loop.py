@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 import redis.exceptions as rexc
@@ -171,6 +171,19 @@ class SessionLoop:
                     await handles.wakeups.unwatch(self.session, bell)
                 await self.finish(self, parked)
 
+    async def _give_back(self, **how: Any) -> int:
+        """Release the session's lease (``how``: :meth:`Leases.release`'s options); its answer.
+        The owner stops renewing the lease from before the release is sent, since a renewal
+        answered after it would find the lease gone, and renews it again if the release fails."""
+        owned = self.owned
+        owned.released = True
+        answer = 0
+        try:
+            answer = await self.handles.leases.release(self.session, owned.entry, owned.token, **how)
+        finally:
+            owned.released = answer == 1
+        return answer
+
     async def _loop(self, bell: Bell) -> bool:
         """Serve until stopping or idle; returns True when the session was parked."""
         handles, ctx = self.handles, self.ctx
@@ -208,28 +221,17 @@ class SessionLoop:
                     and time.monotonic() - idle_since > LEAVE_AFTER
                 ):
                     await self.flush()
-                    left = await handles.leases.release(
-                        self.session, self.owned.entry, self.owned.token, tenant=self.owned.tenant
-                    )
+                    left = await self._give_back(tenant=self.owned.tenant)
                     if left == 0:
                         raise FencedError(self.session, handles.role, self.owned.token)
-                    self.owned.released = True
                     self.log.info("session.left")
                     return True
                 retire = self.retires is not None and self.held is None and self.retires(ctx)
                 if retire or (deadline is None and time.monotonic() - idle_since > handles.park_after):
                     retire = retire or self.on_demand
                     await self.flush()
-                    parked = await handles.leases.release(
-                        self.session,
-                        self.owned.entry,
-                        self.owned.token,
-                        park=True,
-                        seen_last=ctx.last_seen,
-                        retire=retire,
-                    )
+                    parked = await self._give_back(park=True, seen_last=ctx.last_seen, retire=retire)
                     if parked == 1:
-                        self.owned.released = True
                         self.log.info("session.retired" if retire else "session.parked")
                         return True
                     if parked == 0:
