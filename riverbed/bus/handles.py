@@ -146,10 +146,12 @@ class Owned:
     lost: bool = False
     """Its lease renewal failed (another owner holds it now): the loop was cancelled for it."""
     released: bool = False
-    """Its loop gives the lease back (parked, retired or left; set from before the release is
-    sent, cleared if Redis refuses it) or gave it back and is closing: not renewed, and a
-    renewal that finds the lease gone (one sent before the release, answered after it) does
-    not report it lost."""
+    """Its loop gave the lease back (parked, retired or left) and is closing: not renewed, and a
+    renewal that finds the lease gone (sent before the release, answered after it) reports no loss."""
+    releasing: bool = False
+    """Its loop's release is on its way: a renewal answered meanwhile that finds the lease gone
+    (Redis ran the release first) reports no loss.  (It is still renewed: a refused release
+    leaves the lease in place, and the release may wait behind a busy connection pool.)"""
     meta: tuple[str | None, str] | None = None
     """The session's tenant and creation stamp as the acquire read them (None: not read)."""
     renewed: float = -math.inf

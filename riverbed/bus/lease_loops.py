@@ -195,7 +195,7 @@ class LeaseLoops:
             state.failures.clear("renew")
             for session in renewed.lost:
                 owned = state.owned.get(session)
-                if owned is not None and not owned.released:  # (else given back since the round began)
+                if owned is not None and not (owned.released or owned.releasing):  # (else given back meanwhile)
                     log.warning("lease.lost", role=self.role, session=session)
                     state.stats.lost += 1
                     owned.lost = True

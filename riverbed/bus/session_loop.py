@@ -173,14 +173,15 @@ class SessionLoop:
 
     async def _give_back(self, **how: Any) -> int:
         """Release the session's lease (``how``: :meth:`Leases.release`'s options); its answer.
-        The owner stops renewing the lease from before the release is sent, since a renewal
-        answered after it would find the lease gone, and renews it again if the release fails."""
+        While the release is on its way, a renewal that finds the lease gone (Redis ran the
+        release first) reports no loss; once released, the lease is renewed no more."""
         owned = self.owned
-        owned.released = True
+        owned.releasing = True
         answer = 0
         try:
             answer = await self.handles.leases.release(self.session, owned.entry, owned.token, **how)
         finally:
+            owned.releasing = False
             owned.released = answer == 1
         return answer
 
