@@ -256,16 +256,23 @@ async def test_idle_sessions_are_parked_and_woken_by_the_next_append(bus: Bus) -
         await owner.drain(2)
 
 
+class _SlowClose(EchoHandler):
+    """Closes a session after ``pause`` seconds (as a runtime stops a sandbox)."""
+
+    def __init__(self, pause: float) -> None:
+        super().__init__()
+        self.pause = pause
+
+    async def close(self, ctx: SessionContext) -> None:
+        await anyio.sleep(self.pause)
+
+
 async def test_a_session_parked_while_its_close_is_slow_is_not_renewed_nor_reported_lost(bus: Bus) -> None:
     """A loop that parks its session gives the lease back first, then the handler closes the
     session (a runtime's sandbox: here a pause of several renewal rounds).  Meanwhile the owner
     renews that lease no more, so none is reported lost, and once closed the session is let go."""
-
-    class SlowClose(EchoHandler):
-        async def close(self, ctx: SessionContext) -> None:
-            await anyio.sleep(1.6)  # (a renewal round every 0.5 s: three or four of them)
-
-    owner = Owner(bus.redis, bus.keys, SlowClose(), worker="w1", url=bus.url, lease_seconds=2, park_after=0.3)
+    # (a renewal round every 0.5 s: three or four of them during the close)
+    owner = Owner(bus.redis, bus.keys, _SlowClose(1.6), worker="w1", url=bus.url, lease_seconds=2, park_after=0.3)
     async with anyio.create_task_group() as tg:
         await tg.start(owner.run)
         await act_until_parked(bus, owner, "slow-close")
@@ -277,12 +284,9 @@ async def test_a_renewal_answered_after_the_session_was_given_back_reports_no_lo
     """A renewal round sent with the session in it, and answered only after the loop released
     the lease (parked), finds the lease gone: that is no lost lease, and the park is no fence."""
 
-    class SlowClose(EchoHandler):
-        async def close(self, ctx: SessionContext) -> None:
-            await anyio.sleep(0.5)  # (the owner still holds the session when the renewal answers)
-
-    # (parked after two renewal rounds at least: the first one with the session in it waits)
-    owner = Owner(bus.redis, bus.keys, SlowClose(), worker="w1", url=bus.url, lease_seconds=2, park_after=1.2)
+    # (parked after two renewal rounds at least: the first one with the session in it waits; the
+    # owner still holds the session, closing, when the renewal answers)
+    owner = Owner(bus.redis, bus.keys, _SlowClose(0.5), worker="w1", url=bus.url, lease_seconds=2, park_after=1.2)
     leases = owner.handles.leases
     released = anyio.Event()
     renew, release = leases.renew, leases.release

@@ -26,6 +26,7 @@ from riverbed.runtime import Runtime, Sandbox
 from riverbed.runtime.limits import kill_processes, wait_exit
 from riverbed.runtime.paths import belongs_to, workspace_name
 from riverbed.runtime.runtime import SANDBOX_PATH, STOPS_AT_ONCE, _Session
+from tests.kit.faults import wait_for
 from tests.kit.workers import (
     WorkerProcess,
     run_cell,
@@ -131,11 +132,7 @@ async def test_a_session_given_back_keeps_its_sandbox_when_taken_again_before_it
             await rt.open_session("s", created="1000")
             assert await _mark(rt, "s", "echo $KEPT") == "yes\n"  # the same shell
             await rt.release_session("s")
-            for _ in range(500):  # its stop runs once its turn comes
-                await anyio.sleep(0.01)
-                if not sandboxes():
-                    break
-            assert not sandboxes()
+            await wait_for(lambda: not sandboxes(), 5, "the given-back sandbox stopped once its turn came")
             await rt.open_session("s", created="1000")
             assert await _mark(rt, "s", "echo ${KEPT:-new}") == "new\n"  # a new shell
             tg.cancel_scope.cancel()
