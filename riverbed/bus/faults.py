@@ -5,8 +5,8 @@ the first) it passes ``crashpoint(<point>)``; ``RIVERBED_PAUSE_AT=<point>[:<n>]`
 SIGSTOP itself there instead (a GC stall, a frozen VM: the test sends SIGCONT).  Unset
 (always, in production) the check is one comparison.  Points: ``after_read``,
 ``after_claim``, ``start_gate`` (each check before a start), ``after_start_gate`` (a check that let
-the start through), ``after_side_effect``,
-``after_append``, ``before_ack``, ``during_renew``, ``after_index``; the agent role's ``agent_before_llm``,
+the start through), ``after_side_effect``, ``after_append``, ``before_ack``, ``during_renew`` (a
+renewal round with a lease to renew), ``after_index``; the agent role's ``agent_before_llm``,
 ``agent_after_response``, ``agent_between_actions``, ``agent_delegating`` (before each child
 session is made sure of), ``agent_creating`` (its checks passed, the child's session not made
 yet) and ``agent_reporting`` (before a child's ``delegate_result`` goes to its parent), and
