@@ -65,6 +65,13 @@ async def redis_cpu(client: Any) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
+async def redis_commands(client: Any) -> dict[str, float]:
+    """The µs Redis spent running each command so far (``INFO commandstats``, by command name):
+    a script's time holds the commands it called, which are counted under their own names too."""
+    stats = await client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): float(fields["usec"]) for name, fields in stats.items()}
+
+
 @dataclass(frozen=True)
 class Result:
     """One figure of riverbed against its baseline measured in the same run (medians).

@@ -47,14 +47,14 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
 import redis.asyncio as aioredis
 
 import riverbed
-from bench.common import Result, cpu_seconds, percentile, process_cpu, redis_cpu, run_alone
+from bench.common import Result, cpu_seconds, percentile, process_cpu, redis_commands, redis_cpu, run_alone
 from riverbed import events
 from riverbed.bus.keys import Keys
 from riverbed.runtime.paths import workspace_name
@@ -196,9 +196,9 @@ class PingPong:
 
 class Workers:
     """``python -m riverbed.workers ROLE…`` processes under one key prefix (the runtime role
-    by default); ``env`` adds variables; with ``profile`` (a directory) each runs under
-    ``cProfile`` and writes ``NAME.prof`` there when it stops; ``wrap(NAME)`` is a command each
-    runs under (``valgrind …``)."""
+    by default); ``env`` adds variables, ``options`` command-line options (``--park-after S``);
+    with ``profile`` (a directory) each runs under ``cProfile`` and writes ``NAME.prof`` there
+    when it stops; ``wrap(NAME)`` is a command each runs under (``valgrind …``)."""
 
     def __init__(
         self,
@@ -213,6 +213,7 @@ class Workers:
         env: dict[str, str] | None = None,
         profile: Path | None = None,
         wrap: Callable[[str], list[str]] | None = None,
+        options: tuple[str, ...] = (),
     ) -> None:
         self.url = url
         self.keys = Keys(prefix)
@@ -234,7 +235,7 @@ class Workers:
                     *(wrap(name) if wrap is not None else []),
                     sys.executable,
                     *(["-m", "cProfile", "-o", str(profile / f"{name}.prof")] if profile is not None else []),
-                    *("-m", "riverbed.workers", *roles, "--name", name),
+                    *("-m", "riverbed.workers", *roles, "--name", name, *options),
                 ],
                 env=env,
                 stdout=log,
@@ -315,28 +316,48 @@ async def _warm(fns: list[Callable[[], Awaitable[None]]]) -> float:
     return time.perf_counter() - started
 
 
+# The commands riverbed's append script calls (``riverbed/bus/scripts.py``): on riverbed's side of
+# a round trip, their time is inside its ``evalsha``.
+SCRIPTED = frozenset(
+    {"hmget", "get", "set", "xadd", "hset", "hget", "hdel", "xack", "xgroup|setid", "spublish", "time", "zadd"}
+)
+
+
 @dataclass
 class Cpu:
     """CPU seconds of a side's processes: the client (this process), the workers or responders,
-    and Redis; and the round trips they made."""
+    and Redis; Redis's µs in each command (``INFO commandstats``); and the round trips they made."""
 
     client: float = 0.0
     server: float = 0.0
     redis: float = 0.0
     trips: int = 0
+    commands: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def now(cls, pids: list[int], redis: float) -> Cpu:
-        return cls(process_cpu(), cpu_seconds(pids), redis)
+    async def now(cls, pids: list[int], raw: aioredis.Redis) -> Cpu:
+        return cls(process_cpu(), cpu_seconds(pids), await redis_cpu(raw), commands=await redis_commands(raw))
 
-    def since(self, pids: list[int], redis: float) -> Cpu:
-        return Cpu(process_cpu() - self.client, cpu_seconds(pids) - self.server, redis - self.redis)
+    async def since(self, pids: list[int], raw: aioredis.Redis) -> Cpu:
+        commands = {name: us - self.commands.get(name, 0.0) for name, us in (await redis_commands(raw)).items()}
+        return Cpu(
+            process_cpu() - self.client,
+            cpu_seconds(pids) - self.server,
+            await redis_cpu(raw) - self.redis,
+            commands={name: us for name, us in commands.items() if us > 0},
+        )
 
     def add(self, used: Cpu, trips: int) -> None:
         self.client += used.client
         self.server += used.server
         self.redis += used.redis
         self.trips += trips
+        for name, us in used.commands.items():
+            self.commands[name] = self.commands.get(name, 0.0) + us
+
+    def command_us(self, names: Callable[[str], bool] = lambda _name: True) -> float:
+        """Redis's µs per round trip in the commands ``names`` picks."""
+        return sum(us for name, us in self.commands.items() if names(name)) / max(self.trips, 1)
 
     def per_trip_us(self) -> tuple[float, float, float]:
         """(client, server, Redis) µs of CPU per round trip."""
@@ -414,10 +435,10 @@ async def _phase(
                     # Every other round riverbed goes first, so a machine slowing down or speeding
                     # up across a pair of rounds favours neither side.
                     for side, pids, fns, rates, latencies in sides if index % 2 == 0 else sides[::-1]:
-                        used = None if cpu is None else Cpu.now(pids, await redis_cpu(raw))
+                        used = None if cpu is None else await Cpu.now(pids, raw)
                         rate, lat = await _concurrent(fns, per_session)
                         if cpu is not None and used is not None:
-                            cpu.setdefault(side, Cpu()).add(used.since(pids, await redis_cpu(raw)), len(lat))
+                            cpu.setdefault(side, Cpu()).add(await used.since(pids, raw), len(lat))
                         rates.append(rate)
                         latencies.extend(lat)
                     if one_write_lat is not None:
@@ -512,6 +533,18 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                    sum(floor_cpu), floor, sum(rb_cpu) / sum(floor_cpu), None, cpu["riverbed"].trips, better="lower",
                    note="the client, the runtime worker and Redis: {:.0f}, {:.0f} and {:.0f} µs; the floor's client, "
                    "responder and Redis: {:.0f}, {:.0f} and {:.0f} µs".format(*rb_cpu, *floor_cpu))
+        )  # fmt: skip
+        rb_side, floor_side = cpu["riverbed"], cpu["floor"]
+        scripts, inner = rb_side.command_us(lambda name: name == "evalsha"), rb_side.command_us(SCRIPTED.__contains__)
+        rb_redis = rb_side.command_us(lambda name: name not in SCRIPTED)
+        results.append(
+            Result("act round trip, Redis's time in commands per round trip (1 session)", "µs", rb_redis,
+                   floor_side.command_us(), "the floor's commands", rb_redis / floor_side.command_us(), None,
+                   rb_side.trips, better="lower",
+                   note=f"INFO commandstats over the same rounds: riverbed's append scripts {scripts:.1f} µs, of "
+                   f"which the commands they call {inner:.1f} µs (the rest is Lua and calling: {scripts - inner:.1f} "
+                   f"µs), its reads {rb_redis - scripts:.1f} µs; Redis runs one command at a time, so each µs is on "
+                   "the round trip's path")
         )  # fmt: skip
         p50_ow = percentile(_ms(one_write), 50)
         results.append(

@@ -73,7 +73,9 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
     with tempfile.TemporaryDirectory(prefix="riverbed-bench-sandboxes-") as tmp:
         workspace = Path(tmp) / "workspace"
         workspace.mkdir()
-        workers = Workers(url, prefix, workspace, 1, count + 1, "namespaces")
+        # Every session keeps its sandbox until the end: the worker gives back a session idle for
+        # a minute (stopping its sandbox), and starting 2,000 can take longer than that.
+        workers = Workers(url, prefix, workspace, 1, count + 1, "namespaces", options=("--park-after", "3600"))
         try:
             await workers.wait_ready()
             pid = workers.procs[0].pid
