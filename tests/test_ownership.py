@@ -77,6 +77,32 @@ async def test_takeover_bumps_the_fencing_token(bus: Bus) -> None:
     assert (await old.renew({"t": ("0-1", got_old.token)})).lost == {"t"}
 
 
+async def test_a_live_owners_handle_is_claimed_every_other_renewal_and_never_reclaimed_by_a_peer(bus: Bus) -> None:
+    """An owner renews every quarter lease but claims its sessions' directory entries again
+    (``XCLAIM``, a few µs of Redis an entry) only every other round: an entry is idle for more
+    than a round at times, yet never for the lease after which a peer reclaims it, so a peer
+    reclaiming all the while takes none."""
+    owner, _ = make_owner(bus, "w1", capacity=4, lease_seconds=1)
+    peer = Leases(bus.redis, bus.keys, "runtime", worker="w2", lease_ms=1000, url=bus.url)
+    directory = bus.keys.directory("runtime")
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        assert isinstance(await bus.session("kept").act(events.FileRead(path="p"), timeout=5), events.FileContent)
+        idle: list[int] = []
+        deadline = time.monotonic() + 3.0  # three leases, twelve renewals
+        while time.monotonic() < deadline:
+            assert await peer.reclaim_stale(10) == [], "a peer reclaimed the session of a live owner"
+            [handle] = await bus.redis.xpending_range(directory, "runtime", "-", "+", 10)
+            assert handle["consumer"] == b"w1"
+            idle.append(handle["time_since_delivered"])
+            await anyio.sleep(0.05)
+        assert "kept" in owner.owned
+        assert max(idle) < 1000
+        # Claimed every round, the entry would be idle for a round (250 ms) at most.
+        assert max(idle) > 300, f"the handle was claimed again at every renewal: idle at most {max(idle)} ms"
+        await owner.drain(2)
+
+
 async def test_renewal_reloads_scripts_a_node_lost(bus: Bus) -> None:
     """A restarted or failed-over node has no scripts; renewing still works (and finds no loss)."""
     names = [f"r{i}" for i in range(6)]  # spread over the nodes of a cluster

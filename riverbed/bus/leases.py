@@ -9,8 +9,9 @@ group named after the role.  A session that needs an owner for a role has an ent
 
 - a free worker reads new entries (``XREADGROUP >``) and tries :meth:`Leases.acquire`;
   on success the entry stays pending on that worker: the pending entry is the lease's
-  handle, renewed with ``XCLAIM`` to itself while the ``expires`` field in the
-  session's meta hash is pushed forward by the RENEW script;
+  handle, claimed again with ``XCLAIM`` to itself (every other renewal: it stays idle for
+  under half a lease) while the ``expires`` field in the session's meta hash is pushed forward
+  by the RENEW script at each;
 - when an owner dies its entries go idle; peers take them with ``XAUTOCLAIM`` after the
   lease time and acquire the session, which bumps the fencing token so the dead (or
   merely stalled) owner can no longer append;
@@ -39,6 +40,7 @@ owners let their sessions go), reads answer ``NOGROUP`` (the owner creates the g
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -65,6 +67,12 @@ log = structlog.get_logger("riverbed.worker")
 #: Sessions renewed by one script call on a standalone Redis (a call blocks the server while it
 #: runs: about a millisecond for this many).
 RENEW_CHUNK = 500
+#: A renewal claims the sessions' directory entries to the worker again (``XCLAIM``, which makes
+#: them idle for none) when this share of a lease passed since it last did: every other round of
+#: a renewal every quarter lease, so an entry of a live owner is idle for about half a lease at
+#: most, well before peers reclaim it (after a whole one).  A claim costs Redis a few µs per entry
+#: (it records each as a command to replicate), the most of an idle session's renewal.
+CLAIM_HANDLES_AFTER = 0.4
 #: How often a worker reads again which tenants have set-aside streams (it knows its own at once).
 WAITING_REFRESH = 1.0
 
@@ -134,6 +142,8 @@ class Leases:
         self._renew = self.redis.script(scripts.RENEW)
         self._renew_all = self.redis.script(scripts.RENEW_ALL)
         self._release = self.redis.script(scripts.RELEASE)
+        self._handles_claimed = -math.inf
+        """When (``time.monotonic()``) a renewal last sent the ``XCLAIM`` of its sessions' entries."""
         self.waiting: set[str] = set()
         """The tenants with a set-aside stream for this role, as last read (:meth:`refresh_waiting`)."""
         self._waiting_read = 0.0
@@ -282,9 +292,20 @@ class Leases:
         if not owned:
             return Renewed(set(), set())
         items = list(owned.items())
+        now = time.monotonic()
+        claim = now - self._handles_claimed >= CLAIM_HANDLES_AFTER * self.lease_ms / 1000
         if not self.redis.cluster:
-            return await self._renew_standalone(items)
-        replies = await self._sent_with_script(partial(self._renew_round, items), scripts.RENEW)
+            renewed = await self._renew_standalone(items, claim=claim)
+        else:
+            renewed = await self._renew_cluster(items, claim=claim)
+        if claim and not renewed.unanswered:  # (a lost connection may have lost the claims too)
+            self._handles_claimed = now
+        return renewed
+
+    async def _renew_cluster(self, items: list[tuple[str, tuple[str, int]]], *, claim: bool) -> Renewed:
+        """On a cluster, one RENEW call per session (with the ``XCLAIM`` of their entries when
+        ``claim``), in one pipeline split by node."""
+        replies = await self._sent_with_script(partial(self._renew_round, items, claim=claim), scripts.RENEW)
         renewed = Renewed(set(), set())
         errors: list[Exception] = []
         for (session, _), ok in zip(items, replies, strict=True):
@@ -296,15 +317,15 @@ class Leases:
         _warn_unanswered(self.role, len(items), errors)
         return renewed
 
-    async def _renew_standalone(self, items: list[tuple[str, tuple[str, int]]]) -> Renewed:
+    async def _renew_standalone(self, items: list[tuple[str, tuple[str, int]]], *, claim: bool) -> Renewed:
         """On a standalone Redis, one RENEW_ALL script per :data:`RENEW_CHUNK` sessions and one
-        ``XCLAIM`` of their entries: a worker holding a thousand sessions renews them in a few
+        ``XCLAIM`` of their entries (when ``claim``): a worker holding a thousand sessions renews them in a few
         commands, not a thousand scripts (the worker's and Redis's CPU).  They all go in one
         pipeline, as the per-session calls did: a busy worker's commands wait for a connection
         and a turn of its event loop, and leases renewed chunk after chunk, each waiting its
         turn, ran out under a burst of new sessions."""
         chunks = [items[start : start + RENEW_CHUNK] for start in range(0, len(items), RENEW_CHUNK)]
-        replies = await self._sent_with_script(partial(self._renew_all_round, chunks), scripts.RENEW_ALL)
+        replies = await self._sent_with_script(partial(self._renew_all_round, chunks, claim=claim), scripts.RENEW_ALL)
         out = Renewed(set(), set())
         errors: list[Exception] = []
         for chunk, reply in zip(chunks, replies, strict=True):
@@ -328,27 +349,31 @@ class Leases:
             replies = await send()
         return replies
 
-    async def _renew_all_round(self, chunks: list[list[tuple[str, tuple[str, int]]]]) -> list[Reply[Any]]:
-        """The RENEW_ALL replies, one per chunk (the XCLAIMs that follow each are not read)."""
+    async def _renew_all_round(
+        self, chunks: list[list[tuple[str, tuple[str, int]]]], *, claim: bool
+    ) -> list[Reply[Any]]:
+        """The RENEW_ALL replies, one per chunk (the XCLAIMs that follow each when ``claim`` are not read)."""
         sha = self._renew_all.sha
         async with self.redis.pipeline(renewal=True) as pipe:
             replies = []
             for chunk in chunks:
                 args: list[Arg] = [self.role, self.worker, self.lease_ms, *(token for _s, (_e, token) in chunk)]
                 replies.append(pipe.evalsha(sha, [self.keys.meta(session) for session, _ in chunk], args))
-                self._xclaim_handles(pipe, [entry for _, (entry, _t) in chunk])
+                if claim:
+                    self._xclaim_handles(pipe, [entry for _, (entry, _t) in chunk])
             await pipe.execute(raise_on_error=False)
         return replies
 
-    async def _renew_round(self, items: list[tuple[str, tuple[str, int]]]) -> list[Reply[Any]]:
-        """The RENEW replies, one per session (the XCLAIM that follows them is not read)."""
+    async def _renew_round(self, items: list[tuple[str, tuple[str, int]]], *, claim: bool) -> list[Reply[Any]]:
+        """The RENEW replies, one per session (the XCLAIM that follows them when ``claim`` is not read)."""
         sha = self._renew.sha
         async with self.redis.pipeline(renewal=True) as pipe:
             replies = [
                 pipe.evalsha(sha, [self.keys.meta(session)], [self.role, self.worker, token, self.lease_ms])
                 for session, (_entry, token) in items
             ]
-            self._xclaim_handles(pipe, [entry for _, (entry, _t) in items])
+            if claim:
+                self._xclaim_handles(pipe, [entry for _, (entry, _t) in items])
             await pipe.execute(raise_on_error=False)
         return replies
 

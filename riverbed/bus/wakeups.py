@@ -15,8 +15,8 @@ shared, bounded connection pool.
 
 Pub/Sub delivers at most once: a message sent while a feed reconnects is lost.  So every
 feed that (re)connects rings every bell it serves (each loop reads once more), and a loop that
-hears nothing still reads every few seconds (``SessionLoop`` does, with its stray check, at most
-8 s apart): a lost wake-up costs at most those seconds, never a stuck session.  On a cluster, a feed whose node
+hears nothing still reads now and then (``SessionLoop`` does, with its stray check, at most
+30 s apart): a lost wake-up costs at most those seconds, never a stuck session.  On a cluster, a feed whose node
 stops answering, refuses a channel (``MOVED``) or gives a channel up (a slot migrated) makes
 the worker reload the slot map and place every channel again.
 """
