@@ -7,7 +7,12 @@ takes 1,000 new sessions at once, each answering one ``file_read``; then:
   name every connection of the worker carries.  The baseline is what a worker with a
   connection per session would hold (one per owned session); target: fewer than 20;
 - **RSS per 1,000 sessions**: the worker's resident memory after taking them, less its
-  resident memory when ready and idle (the baseline printed beside it).
+  resident memory when ready and idle (the baseline printed beside it);
+- **holding them idle**: the worker's CPU per held session and second over the 30 s starting 2 s
+  after the last answer (its renewals, its loops' stray checks and timers), Redis's in the note,
+  against the worker's CPU per action of the answers before; the ratio is what a minute of
+  holding a session costs against its action (a session is held for a minute after its last
+  action, then parked).  ``--quick``: 10 s.
 
 Then the roles that keep something per session for every event, memory and condenser: 10,000
 new sessions of 3 events each (a message, a thought, a message) over 4 ``python -m
@@ -33,7 +38,7 @@ import anyio
 import redis.asyncio as aioredis
 
 import riverbed
-from bench.common import Result, private_postgres, run_alone
+from bench.common import Result, cpu_seconds, private_postgres, redis_cpu, run_alone
 from bench.roundtrip import Workers, _prepare_workspace
 from riverbed import events
 
@@ -41,6 +46,9 @@ MANY = 10_000
 MANY_WORKERS = 4
 
 TARGET_CONNECTIONS = 20
+IDLE_FROM, IDLE_FOR = 2.0, 30.0
+"""the window in which the worker's idle sessions are measured: from this many seconds after the
+last answer, for this long (``--quick``: 10 s)"""
 
 
 def _rss_mib(pid: int) -> float:
@@ -179,6 +187,7 @@ async def _one_worker(url: str, args: argparse.Namespace) -> list[Result]:
             await anyio.sleep(1.0)
             idle_rss = _rss_mib(pid)
             started = time.perf_counter()
+            cpu_before = cpu_seconds([pid])
             async with riverbed.connect(url, prefix=prefix) as bus:
 
                 async def act(session: str) -> None:
@@ -188,9 +197,17 @@ async def _one_worker(url: str, args: argparse.Namespace) -> list[Result]:
                 async with anyio.create_task_group() as tg:
                     for session in sessions:
                         tg.start_soon(act, session)
-            took = time.perf_counter() - started
-            connections = await _connections_named(url, f"riverbed:{workers.names[0]}")
-            rss = _rss_mib(pid)
+                took = time.perf_counter() - started
+                per_action = (cpu_seconds([pid]) - cpu_before) / count
+                connections = await _connections_named(url, f"riverbed:{workers.names[0]}")
+                rss = _rss_mib(pid)
+                window = 10.0 if args.quick else IDLE_FOR
+                await anyio.sleep(IDLE_FROM)
+                worker_cpu, server_cpu, since = cpu_seconds([pid]), await redis_cpu(bus.redis), time.perf_counter()
+                await anyio.sleep(window)
+                elapsed = time.perf_counter() - since
+                holding = (cpu_seconds([pid]) - worker_cpu) / elapsed / count
+                holding_redis = (await redis_cpu(bus.redis) - server_cpu) / elapsed / count
         finally:
             workers.stop()
     per_thousand = (rss - idle_rss) * 1000 / count
@@ -204,6 +221,13 @@ async def _one_worker(url: str, args: argparse.Namespace) -> list[Result]:
         Result(
             "worker RSS per 1,000 owned sessions", "MiB", per_thousand, idle_rss, "the worker's RSS idle",
             per_thousand / idle_rss, None, 1, better="lower",
+        ),
+        Result(
+            f"worker CPU per session it holds idle, per second ({IDLE_FROM:.0f} s to {IDLE_FROM + window:.0f} s after "
+            f"the {count:,} answers)", "µs/s", holding * 1e6, per_action * 1e6, "the worker's CPU per action",
+            holding * 60 / per_action, None, 1, better="lower", baseline_unit="µs",
+            note=f"Redis's {holding_redis * 1e6:.1f} µs a second per session; the ratio: a minute of holding a "
+            "session against its action",
         ),
     ]  # fmt: skip
 
