@@ -37,6 +37,7 @@ from tests.kit.faults import (
     start_runtime_workers,
     wait_each_answered,
 )
+from tests.kit.patience import within
 from tests.kit.workers import WorkerProcess, workers  # noqa: F401  (workers: a fixture)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]
@@ -131,17 +132,29 @@ return id
 async def test_deliveries_nobody_works_on_are_answered(
     bus: Bus, redis_url: str, workers: list[WorkerProcess], prefix: str, workspace: Path, tmp_path: Path
 ) -> None:
-    """An entry delivered to the owner whose reply was lost with its connection, and one read by
-    a stale owner after the takeover, are pending with nobody working on them: neither was
-    claimed, so neither started, and the owner runs and answers each once within seconds."""
-    worker = WorkerProcess(
-        ["runtime"], name="owner", redis_url=redis_url, prefix=prefix, workspace=workspace, log_dir=tmp_path
-    )
-    workers.append(worker)
-    await anyio.to_thread.run_sync(worker.wait_ready)
+    """After a takeover, an entry delivered to the new owner whose reply was lost with its
+    connection, and one read by the stale owner, are pending with nobody working on them:
+    neither was claimed, so neither started, and the new owner runs and answers each once
+    within seconds (it looks for them a second after the takeover, then ever less often)."""
+
+    def start(name: str) -> WorkerProcess:
+        worker = WorkerProcess(
+            ["runtime"], name=name, redis_url=redis_url, prefix=prefix, workspace=workspace, log_dir=tmp_path
+        )
+        workers.append(worker)
+        return worker
+
+    stale = start("stale-owner")
+    await anyio.to_thread.run_sync(stale.wait_ready)
     session = bus.session("lost")
     assert isinstance(await session.act(events.CmdRun(command="echo owned"), timeout=20), events.CmdOutput)
+    owner = start("owner")
+    await anyio.to_thread.run_sync(owner.wait_ready)
+    await anyio.to_thread.run_sync(stale.kill)  # its lease runs out: the owner takes the session over
     key, meta = bus.keys.log(session.id), bus.keys.meta(session.id)
+    with anyio.fail_after(within(20)):
+        while await bus.redis.hget(meta, "holder:runtime") != b"owner":
+            await anyio.sleep(0.05)
     lost: list[int] = []
     for consumer in ("owner", "stale-owner"):
         # Append and deliver in one step, so the owner's blocking read never sees the entry.

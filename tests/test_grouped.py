@@ -106,6 +106,41 @@ async def test_a_log_without_its_group_fails_only_its_own_read(bus: Bus) -> None
     assert out[2].startswith("NOGROUP")
 
 
+async def test_a_grouped_read_whose_reply_was_lost_tells_each_of_its_loops(bus: Bus, backend: str) -> None:
+    """A grouped read that reached Redis and lost its reply (its connection broke under it)
+    delivered entries nobody got: each loop reads alone and is told, so that it looks for those
+    strays at once (``SessionLoop``).  A grouped read that got its reply tells nobody."""
+    if backend == "cluster":
+        pytest.skip("a cluster client never groups")
+    sessions = [f"l{i}" for i in range(3)]
+    keys = await _logs(bus, sessions)
+    reads = GroupedReads(bus.client, GROUP, "w1", 100)
+    send = reads.gather._send
+
+    async def reply_lost(items: list[Any]) -> Any:
+        await send(items)
+        raise ConnectionError("the connection broke before the reply")
+
+    told: list[int] = []
+
+    def read(i: int) -> Any:
+        return lambda: reads.read(keys[i], lost=lambda: told.append(i))
+
+    reads.gather._send = reply_lost
+    got = await _together([read(i) for i in range(3)])
+    assert got == [[], [], []], "the lost round trip delivered them: nothing is new for the reads alone"
+    assert sorted(told) == [0, 1, 2]
+    assert [(await bus.redis.xpending(key, GROUP))["pending"] for key in keys] == [2, 2, 2]
+
+    reads.gather._send = send
+    told.clear()
+    for session in sessions:
+        await bus.session(session).append(events.Think(thought=f"{session} 3"))
+    got = await _together([read(i) for i in range(3)])
+    assert [_thoughts(entries) for entries in got] == [[f"{s} 3"] for s in sessions]
+    assert told == []
+
+
 async def test_answers_sent_together_get_their_own_replies_and_a_failing_one_goes_alone(bus: Bus, backend: str) -> None:
     """Answers' append scripts in one write: each caller's reply is its own append's; one whose
     script fails (a log key of the wrong type) is left to run alone and see its error itself."""

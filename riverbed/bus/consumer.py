@@ -223,11 +223,13 @@ class Owner:
         token: int,
         meta: tuple[str | None, str] | None,
         acquired: float,
+        reclaimed: bool,
     ) -> None:
         """Serve ``session``, just acquired with ``token``, in a loop of its own (``meta``: its
         tenant and creation stamp, when the acquire read them; ``acquired``: when the acquire
         was sent, ``time.monotonic()``: it set the lease, which holds for a lease from then, as
-        after a renewal, so the session's first model calls need not ask Redis whether it does)."""
+        after a renewal, so the session's first model calls need not ask Redis whether it does;
+        ``reclaimed``: taken over from an owner that may still read its log for a while)."""
         owned = Owned(entry=entry, token=token, scope=anyio.CancelScope(), meta=meta, renewed=acquired)
         self.state.own(session, owned)
         assert self._tg is not None
@@ -239,6 +241,7 @@ class Owner:
             owned,
             dispatch=self.dispatcher.dispatch,
             finish=self.finish,
+            taken_over=reclaimed,
         )
         self._tg.start_soon(loop.serve)
 

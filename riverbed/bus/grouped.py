@@ -23,6 +23,8 @@ over the slots, so there each loop sends its own.  Whatever goes wrong with a gr
 trip (one log whose group is gone fails a whole grouped read with ``NOGROUP``; a connection
 breaks), each loop it concerned does its own command alone and meets its own outcome, which
 its loop knows how to handle (rebuild its group, back off, retry under the same idempotency key).
+A read whose grouped round trip failed may have delivered entries whose reply nobody got: its
+loop is told, and looks for such strays at once.
 """
 
 from __future__ import annotations
@@ -51,25 +53,35 @@ R = TypeVar("R")
 
 
 class _Alone:
-    """The reply slot of a command that must go alone (the grouped round trip failed for it)."""
+    """The reply slot of a command that must go alone (a lone item, a cluster client's, one of a
+    leader cancelled before it sent, one the group's command cannot carry)."""
+
+
+class _Lost(_Alone):
+    """The reply slot of a command whose grouped round trip failed: it goes alone, and what the
+    round trip did (it may have reached Redis) is not known."""
 
 
 ALONE = _Alone()
+LOST = _Lost()
 
 
 class _Gathering(Generic[T, R]):
     """The items asked for in one turn, their replies once sent, and a future for each caller
     (all but the leader) to wait on: a caller cancelled meanwhile cancels only its own."""
 
-    __slots__ = ("items", "replies", "waiters")
+    __slots__ = ("failed", "items", "replies", "waiters")
 
     def __init__(self, item: T) -> None:
         self.items: list[T] = [item]
         self.replies: Sequence[R | _Alone] = ()
         self.waiters: list[asyncio.Future[None]] = []
+        self.failed = False
 
     def reply(self, index: int) -> R | _Alone:
-        return self.replies[index] if index < len(self.replies) else ALONE
+        if index < len(self.replies):
+            return self.replies[index]
+        return LOST if self.failed else ALONE
 
     def settle(self) -> None:
         for waiter in self.waiters:
@@ -127,6 +139,7 @@ class Gather(Generic[T, R]):
                 gathering.replies = await self._send(list(gathering.items))
         except Exception:  # every caller goes alone and meets its own outcome
             gathering.replies = ()
+            gathering.failed = True
         finally:
             gathering.settle()
 
@@ -144,11 +157,18 @@ class GroupedReads:
         self._count = count
         self.gather: Gather[tuple[str, Sequence[tuple[Arg, ...]]], list[StreamEntry]] = Gather(client, self._send)
 
-    async def read(self, key: str, writes: Sequence[tuple[Arg, ...]] = ()) -> list[StreamEntry]:
-        """The new entries of the log at ``key`` for this owner (none waited for), after ``writes``."""
+    async def read(
+        self, key: str, writes: Sequence[tuple[Arg, ...]] = (), *, lost: Callable[[], None] | None = None
+    ) -> list[StreamEntry]:
+        """The new entries of the log at ``key`` for this owner (none waited for), after ``writes``;
+        ``lost()`` is called when a grouped read that carried it failed: it may have delivered
+        entries whose reply nobody got (they are pending with nobody working on them), and the
+        entries are read alone."""
         got = await self.gather.join((key, writes))
         if not isinstance(got, _Alone):
             return got
+        if isinstance(got, _Lost) and lost is not None:
+            lost()
         if writes:
             read = ("XREADGROUP", "GROUP", self._group, self._consumer, "COUNT", self._count, "STREAMS", key, ">")
             reply = await _after_writes(self._client, writes, read)

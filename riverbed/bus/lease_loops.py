@@ -35,8 +35,9 @@ from riverbed.errors import UnavailableError
 __all__ = ["LeaseLoops", "StartSession"]
 
 #: Serve a session just acquired: (session, entry, token, (tenant, created) or None, when the
-#: acquire that set its lease was sent, ``time.monotonic()``).
-StartSession = Callable[[str, str, int, tuple[str | None, str] | None, float], None]
+#: acquire that set its lease was sent, ``time.monotonic()``, whether it was taken over: reclaimed
+#: from an owner that stopped renewing, or this worker's before a restart).
+StartSession = Callable[[str, str, int, tuple[str | None, str] | None, float, bool], None]
 #: How many more sessions the role may take now, owning so many (None: up to its capacity).
 Room = Callable[[int], "int | None"]
 #: How often a paced intake looks again whether the role has room.
@@ -283,7 +284,7 @@ class LeaseLoops:
         if reclaimed:
             self.state.stats.takeovers += 1
         log.info("session.acquired", role=self.role, session=claim.session, token=got.token, reclaimed=reclaimed)
-        self.start_session(claim.session, claim.entry, got.token, got.meta, sent)
+        self.start_session(claim.session, claim.entry, got.token, got.meta, sent, reclaimed)
 
     async def _rebuild_directory(self) -> None:
         """The role's directory group is gone: create it again and let go of every session held

@@ -63,13 +63,16 @@ LEAVE_AFTER = 2.0
 HOT_BLOCK_MS = 250
 #: How often an owned session looks for entries pending with nobody working on them, and reads
 #: once even when its bell did not ring (a wake-up lost, though a feed that reconnects rings every
-#: bell it serves): a second after the session is taken or a stray was found, at once after a
-#: failed read, then twice as long after each check that found none, up to the maximum, busy or
-#: idle.  A stray comes of a takeover (a stale owner's read, in the seconds after it lost the
-#: lease) or of a lost reply (a failed read, checked at once), not of the session's own work, so a
-#: busy session is checked no more often than an idle one (each action would cost one).  Each check
-#: costs the worker about 0.1 ms: with an 8 s maximum they were half of what a runtime worker
-#: spent on the sessions it held idle (``docs/benchmarks.md``).
+#: bell it serves): a second after the session is taken over or a stray was found, or when its
+#: wake-ups' subscription was not confirmed yet when its loop began, at once after a failed read,
+#: then twice as long after each check that found none, up to the maximum, busy or idle.  A
+#: session taken from the directory (its last owner let it go, or it had none) is first checked
+#: after the maximum: what was pending when it was taken was handled then (``in_flight``), and no
+#: other owner reads it since.  A stray comes of a takeover (a stale owner's read, in the seconds
+#: after it lost the lease) or of a lost reply (a failed read, checked at once), not of the
+#: session's own work, so a busy session is checked no more often than an idle one (each action
+#: would cost one).  Each check costs the worker about 0.1 ms: at 1, 2, 4 and then 8 s apart they
+#: were half of what a runtime worker spent on the sessions it held idle (``docs/benchmarks.md``).
 STRAY_CHECK_SECONDS = 1.0
 MAX_STRAY_CHECK_SECONDS = 30.0
 
@@ -102,12 +105,16 @@ class SessionLoop:
         *,
         dispatch: Dispatch,
         finish: Finish,
+        taken_over: bool = True,
     ) -> None:
+        """``taken_over``: the session was reclaimed from an owner that stopped renewing (or
+        this worker held it before a restart): its first stray checks come soon."""
         self.handles = handles
         self.state = state
         self.handler = handler
         self.dispatch = dispatch
         self.finish = finish
+        self.taken_over = taken_over
         self.session = session
         self.owned = owned
         self.ctx = SessionContext(
@@ -123,6 +130,9 @@ class SessionLoop:
         self.held: Answer | None = None
         self.hot = False
         """The last read delivered entries: the next one may wait for more on a hot connection."""
+        self.strays_now = False
+        """A read's reply may have been lost (entries delivered to nobody working on them): look
+        for strays at once."""
         self.mark = 0
         """The bell's count when the last read was sent: a ring since means the log may have moved."""
         self.log = log.bind(role=handles.role, session=session, worker=handles.worker)
@@ -152,12 +162,13 @@ class SessionLoop:
                 await self.ensure_group()
                 await self.handler.open(ctx)
                 bell = await handles.wakeups.watch(self.session, handles.role)
+                heard = handles.wakeups.confirmed_for(self.session)
                 in_flight = await self.in_flight()
                 if in_flight:
                     self.log.info("session.recover", entries=len(in_flight))
                     self.held = await self.dispatch(ctx, in_flight, recovering=True)
                 self.bell = bell
-                parked = await self._loop(bell)
+                parked = await self._loop(bell, soon=self.taken_over or not heard)
             if self.owned.lost:
                 self.log.warning("session.fenced", found="its lease renewal failed")
         except FencedError:
@@ -188,14 +199,18 @@ class SessionLoop:
             owned.released = answer == 1
         return answer
 
-    async def _loop(self, bell: Bell) -> bool:
-        """Serve until stopping or idle; returns True when the session was parked."""
+    async def _loop(self, bell: Bell, *, soon: bool = True) -> bool:
+        """Serve until stopping or idle; returns True when the session was parked (``soon``: the
+        first stray check a second after the start, else :data:`MAX_STRAY_CHECK_SECONDS`)."""
         handles, ctx = self.handles, self.ctx
         idle_since = time.monotonic()
-        quiet = STRAY_CHECK_SECONDS
+        quiet = STRAY_CHECK_SECONDS if soon else MAX_STRAY_CHECK_SECONDS
         stray_check = idle_since + quiet
         backoff = Backoff()
         while not self.state.stopping.is_set():
+            if self.strays_now:
+                self.strays_now = False
+                quiet, stray_check = STRAY_CHECK_SECONDS, 0.0
             try:
                 if time.monotonic() >= stray_check:
                     quiet = min(quiet * 2, MAX_STRAY_CHECK_SECONDS)
@@ -325,7 +340,7 @@ class SessionLoop:
         writes = ctx.take_writes()
         if block_ms is None:
             try:
-                return await handles.reads.read(key, writes)
+                return await handles.reads.read(key, writes, lost=self._reply_lost)
             except BaseException:
                 ctx.hold_again(writes)
                 raise
@@ -348,12 +363,16 @@ class SessionLoop:
         except (rexc.NoScriptError, UnavailableError):
             if held is None:
                 raise  # the loop backs off; entries this read may have taken are recovered as strays
+            self._reply_lost()  # (the answer goes alone below, then a read)
         finally:
             ctx.hold_again(writes)  # (not known to be made: they go again, first)
         if held is not None:
             await ctx.answer(*held)
         await ctx.send_writes()
         return await client.xreadgroup(handles.role, handles.worker, key, ">", count=READ_COUNT, block=block_ms)
+
+    def _reply_lost(self) -> None:
+        self.strays_now = True
 
     async def _recover_stray(self) -> bool:
         """Recover entries pending while this loop works on nothing: a delivery whose reply was

@@ -283,6 +283,11 @@ class Wakeups:
             raise
         return bell
 
+    def confirmed_for(self, session: str) -> bool:
+        """Whether ``session``'s subscription holds (Redis confirmed it): every wake-up since reaches it."""
+        watched = self._watched.get(self.keys.wake(session))
+        return watched is not None and watched.confirmed.is_set()
+
     def release(self, session: str, bell: Bell) -> bool:
         """Let ``bell`` go at once when another bell still watches ``session`` (its subscription
         stays): whether it did.  When it did not, :meth:`unwatch` does it all."""
