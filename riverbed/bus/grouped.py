@@ -70,18 +70,15 @@ class _Gathering(Generic[T, R]):
     """The items asked for in one turn, their replies once sent, and a future for each caller
     (all but the leader) to wait on: a caller cancelled meanwhile cancels only its own."""
 
-    __slots__ = ("failed", "items", "replies", "waiters")
+    __slots__ = ("items", "replies", "waiters")
 
     def __init__(self, item: T) -> None:
         self.items: list[T] = [item]
         self.replies: Sequence[R | _Alone] = ()
         self.waiters: list[asyncio.Future[None]] = []
-        self.failed = False
 
     def reply(self, index: int) -> R | _Alone:
-        if index < len(self.replies):
-            return self.replies[index]
-        return LOST if self.failed else ALONE
+        return self.replies[index] if index < len(self.replies) else ALONE
 
     def settle(self) -> None:
         for waiter in self.waiters:
@@ -138,8 +135,7 @@ class Gather(Generic[T, R]):
             with anyio.fail_after(LEAD_TIMEOUT_SECONDS):
                 gathering.replies = await self._send(list(gathering.items))
         except Exception:  # every caller goes alone and meets its own outcome
-            gathering.replies = ()
-            gathering.failed = True
+            gathering.replies = [LOST] * len(gathering.items)
         finally:
             gathering.settle()
 
