@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -219,8 +220,39 @@ async def test_a_known_window_is_kept_by_the_condenser(bus: Bus, spawn: Spawn, m
     assert isinstance(seen[-1], events.Finish), seen[-1]
     assert model.context_errors == 0
     assert [e for e in seen if isinstance(e, events.Condensation)]  # (it had to condense to stay within)
-    assert not [e for e in seen if isinstance(e, events.CondensationRequest)]
     assert max(len(json.dumps(r["messages"])) // 4 for r in model.requests) > 1000
+
+
+@pytest.mark.parametrize("model", [(WINDOW + 1200, False)], indirect=True)
+async def test_a_step_over_the_windows_budget_waits_for_a_condenser_that_is_behind(
+    bus: Bus, spawn: Spawn, model: OpenAIServer
+) -> None:
+    # The condenser worker is frozen while the run outgrows the window: the agent role knows the
+    # budget the condenser keeps, so the step over it asks the condenser and waits, and the model
+    # is never sent a prompt over the window (a context error would be the retry's way instead).
+    model.respond(thinking(16, 1200), times=100)
+    known = env(model, RIVERBED_LLM_CONTEXT_TOKENS=str(model.window))
+    condenser = spawn("w-behind-condenser", ["condenser"], **known)
+    await ready(condenser, spawn("w-behind-agent", ["agent"], **known))
+    os.kill(condenser.proc.pid, signal.SIGSTOP)
+    try:
+        opened = await open_run(bus, "s-behind", "think a lot", limits=RunLimits(max_steps=20))
+        with anyio.fail_after(6):  # (well within the 10 s a frozen worker still counts as live)
+            while not [e for e in await bus.session("s-behind").events() if isinstance(e, events.CondensationRequest)]:
+                await anyio.sleep(0.05)
+    finally:
+        os.kill(condenser.proc.pid, signal.SIGCONT)
+    with anyio.fail_after(90):
+        seen = [event async for event in follow_run(bus, "s-behind", opened.task)]
+    assert isinstance(seen[-1], events.Finish), seen[-1]
+    assert model.context_errors == 0
+    asked = [e for e in seen if isinstance(e, events.CondensationRequest)]
+    answers = [
+        e for e in seen if e.cause in {a.id for a in asked} and isinstance(e, (events.Condensation, events.Error))
+    ]
+    assert answers
+    assert all(a.source == "condenser" for a in answers)
+    assert [e for e in seen if isinstance(e, events.Condensation) and e.forgotten]
 
 
 @pytest.fixture

@@ -8,7 +8,10 @@ vLLM ``max_model_len`` at ``GET /v1/models``; llama-cpp-python's server says not
 window is then read from its first context-length error).  The condenser keeps the prompt
 within it (:func:`fit_condenser`): the condenser's token budget becomes the window less the
 answer's ``max_tokens``, the system prompt and tools, and a tenth of the window for the
-difference between the condenser's token count and the model's tokenizer.
+difference between the condenser's token count and the model's tokenizer.  The agent role and
+the condenser role fit their defaults alike (:class:`WindowFit`): the condenser condenses to
+the budget as the log grows, and a step whose view is over it asks the condenser and waits, so a
+condenser that is behind never lets a prompt over the window go out.
 
 A server that still answers that the prompt is too long (:func:`exceeds_context`: HTTP 400
 ``context_length_exceeded``, "maximum context length is …") gets one condensation (a
@@ -20,26 +23,34 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import anyio
 import httpx2
+import structlog
 
 from riverbed import events
 from riverbed.agent.llm import render
 from riverbed.agent.tools import ROLE_TOOL_ACTIONS, tools
 from riverbed.errors import ConfigError
+from riverbed.memory.condensers import CondenserConfig
+from riverbed.settings import Settings
 
 __all__ = [
+    "WindowFit",
     "asked_to_condense",
     "exceeds_context",
     "fit_condenser",
     "prompt_overhead",
     "read_window",
     "too_long",
+    "window_fit",
     "window_in",
 ]
+
+log = structlog.get_logger("riverbed.worker")
 
 _CONTEXT_ERROR = re.compile(
     r"context[ _](?:length|window|size)|maximum context|exceeds? the available context|too many tokens"
@@ -151,6 +162,61 @@ def fit_condenser(defaults: Mapping[str, Any], window: int, max_output_tokens: i
     fitted["budget_tokens"] = window
     fitted["headroom_tokens"] = headroom
     return fitted
+
+
+class WindowFit:
+    """A role's condenser defaults, fitted to the model's context window: at once when the window
+    is set (``RIVERBED_LLM_CONTEXT_TOKENS``; :class:`ConfigError` when it leaves no room), else
+    once the server was asked (``ask``, the first time :meth:`learn` is awaited; a window the
+    server reports that leaves no room is logged as ``<role>.window_too_small`` and left out)."""
+
+    def __init__(
+        self,
+        role: str,
+        defaults: Mapping[str, Any] | None,
+        max_output_tokens: int,
+        *,
+        window: int = 0,
+        ask: Callable[[], Awaitable[int | None]] | None = None,
+    ) -> None:
+        self.role = role
+        self.max_output_tokens = max_output_tokens
+        self.defaults = fit_condenser(defaults or {}, window, max_output_tokens) if window else dict(defaults or {})
+        """what the role condenses to (fitted once the window is known)"""
+        self._ask = None if window else ask
+        self._asking = anyio.Lock()
+
+    async def learn(self) -> dict[str, Any]:
+        """The defaults, fitted to the window the server reports (asked once, by the first caller)."""
+        if self._ask is not None:
+            async with self._asking:
+                ask, self._ask = self._ask, None
+                window = await ask() if ask is not None else None
+                if window is not None:
+                    try:
+                        fitted = fit_condenser(self.defaults, window, self.max_output_tokens)
+                        CondenserConfig.from_dict(None, fitted)
+                    except ConfigError as exc:
+                        log.warning(f"{self.role}.window_too_small", window=window, error=str(exc))
+                    else:
+                        self.defaults = fitted
+                        log.info(f"{self.role}.window", window=window, budget=self.defaults.get("budget_tokens"))
+        return self.defaults
+
+
+def window_fit(role: str, settings: Settings) -> WindowFit:
+    """``role``'s condenser defaults (``RIVERBED_CONDENSER_*``) fitted to the window the settings
+    set, else to the one the model server reports when asked."""
+    ask = None
+    if not settings.llm_context_tokens and settings.openai_base_url:
+        ask = partial(read_window, settings.openai_base_url, api_key=settings.openai_api_key)
+    return WindowFit(
+        role,
+        settings.condenser_defaults(),
+        settings.llm_max_output_tokens,
+        window=settings.llm_context_tokens,
+        ask=ask,
+    )
 
 
 def asked_to_condense(seen: Sequence[events.Event], since: int) -> events.CondensationRequest | None:

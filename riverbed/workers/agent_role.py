@@ -74,7 +74,7 @@ import asyncio
 import time
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from dataclasses import replace as dataclass_replace
 from functools import partial
@@ -132,7 +132,7 @@ from riverbed.agent.secrets import TenantSecrets
 from riverbed.agent.throttle import Throttle
 from riverbed.agent.toolbox import Toolbox, made_toolbox
 from riverbed.agent.usage import Price, StepUsage, parse_prices, step, unpriced
-from riverbed.agent.window import asked_to_condense, exceeds_context, too_long, window_in
+from riverbed.agent.window import WindowFit, asked_to_condense, exceeds_context, too_long, window_fit, window_in
 from riverbed.bus.faults import crashpoint
 from riverbed.bus.handling import Entry, SessionContext
 from riverbed.bus.keys import AGENT_ROLE
@@ -349,7 +349,7 @@ class AgentHandler:
         max_fanout: int = 8,
         temperature: float | None = None,
         max_output_tokens: int = 0,
-        condenser_defaults: dict[str, Any] | None = None,
+        condenser_defaults: WindowFit | Mapping[str, Any] | None = None,
         pace: Pace | None = None,
         hosted: Hosted | None = None,
         max_calls_per_step: int = 32,
@@ -406,7 +406,14 @@ class AgentHandler:
         """the images a session's prompt may show (a vision model), by session"""
         self.temperature = temperature
         self.max_output_tokens = max_output_tokens
-        self.condenser_defaults = condenser_defaults
+        self.fit = (
+            condenser_defaults
+            if isinstance(condenser_defaults, WindowFit)
+            else WindowFit(self.role, condenser_defaults, max_output_tokens)
+        )
+        """the condenser config of a session whose ``session_config`` does not say, fitted to the
+        model's context window as the condenser role's is (asked of the server before the first
+        session opens): a step whose view is over it waits for the condenser"""
         self.pace = pace
         """how many runs this worker takes on at once (None: as many as its capacity)"""
         self.secrets: TenantSecrets | None = None
@@ -422,6 +429,7 @@ class AgentHandler:
     # --- the Handler protocol -----------------------------------------------------------------
 
     async def open(self, ctx: SessionContext) -> None:
+        await self.fit.learn()
         await ctx.read_tenant()
         created = await ctx.created()
         state = self._let_go.pop(ctx.session, None)
@@ -777,8 +785,8 @@ class AgentHandler:
     def _condenser(self, agent: Agent) -> dict[str, Any] | None:
         """The condenser settings of ``agent``'s runs: the worker's, with the agent's over them."""
         if agent.condenser:
-            return {**(self.condenser_defaults or {}), **agent.condenser}
-        return self.condenser_defaults
+            return {**self.fit.defaults, **agent.condenser}
+        return self.fit.defaults
 
     async def _within_budget(self, ctx: SessionContext, state: _Session, run: Run, agent: Agent) -> bool:
         """Whether the model may be sent the view now: it is within the session's condenser
@@ -1486,7 +1494,7 @@ def build_agent_handler(settings: Settings, **overrides: Any) -> AgentHandler:
         "max_fanout": settings.agent_max_fanout,
         "temperature": settings.llm_temperature,
         "max_output_tokens": settings.llm_max_output_tokens,
-        "condenser_defaults": settings.condenser_defaults(),
+        "condenser_defaults": window_fit("agent", settings),
         "pace": Pace(settings.agent_min_runs, slack=settings.agent_pace_slack, idle=MachineIdle(cgroup=own_cgroup()))
         if settings.agent_pace
         else None,

@@ -23,9 +23,8 @@ known (``RIVERBED_LLM_CONTEXT_TOKENS``, else asked of the server once: ``agent/w
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, TypeVar
 
 import msgspec
@@ -35,7 +34,7 @@ from openai import AsyncOpenAI
 
 from riverbed import events, tracing
 from riverbed.agent.runs import END_REASONS
-from riverbed.agent.window import fit_condenser, read_window
+from riverbed.agent.window import WindowFit, window_fit
 from riverbed.bus.consumer import Entry, SessionContext
 from riverbed.errors import ConfigError, InputError, RiverbedError, UnavailableError
 from riverbed.memory.condensers import CondenserConfig, condense, should_condense
@@ -99,46 +98,25 @@ class CondenserHandler:
     ignores_own_answers = False
 
     def __init__(
-        self,
-        *,
-        llm: AsyncOpenAI | None,
-        model: str | None,
-        defaults: Mapping[str, Any] | None = None,
-        window: Callable[[], Awaitable[int | None]] | None = None,
-        max_output_tokens: int = 0,
+        self, *, llm: AsyncOpenAI | None, model: str | None, defaults: WindowFit | Mapping[str, Any] | None = None
     ) -> None:
         self.llm = llm
         self.model = model
-        self.defaults = dict(defaults or {})
-        """the config of a session whose ``session_config`` does not say (``RIVERBED_CONDENSER_*``)"""
+        self.fit = defaults if isinstance(defaults, WindowFit) else WindowFit(self.role, defaults, 0)
+        """the config of a session whose ``session_config`` does not say (``RIVERBED_CONDENSER_*``),
+        fitted to the model's context window (asked of the server before the first session opens)"""
         self.states: dict[str, _State] = {}
-        self._window = window
-        """asks the model server for its context window, once, before the first session opens"""
-        self.max_output_tokens = max_output_tokens
 
-    async def _learn_window(self) -> None:
-        """Fit the defaults' token budget to the window the model server reports (``agent/window.py``)."""
-        ask, self._window = self._window, None
-        if ask is None:
-            return
-        window = await ask()
-        if window is None:
-            return
-        try:
-            fitted = fit_condenser(self.defaults, window, self.max_output_tokens)
-            CondenserConfig.from_dict(None, fitted)
-            self.defaults = fitted
-        except ConfigError as exc:
-            log.warning("condenser.window_too_small", window=window, error=str(exc))
-            return
-        log.info("condenser.window", window=window, budget=self.defaults.get("budget_tokens"))
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.fit.defaults
 
     def _state(self, builder: ViewBuilder | None = None) -> _State:
         config = CondenserConfig.from_dict(None, self.defaults)
         return _State(builder=_lean() if builder is None else builder, config=config)
 
     async def open(self, ctx: SessionContext) -> None:
-        await self._learn_window()
+        await self.fit.learn()
         await ctx.read_tenant()
         group_next = await ctx.delivered_up_to()
         state = await self._thawed(ctx) or self._state()
@@ -401,23 +379,12 @@ def _stamped(ctx: SessionContext, state: _State, event: E, requests: Sequence[En
 
 
 def build_condenser_handler(settings: Settings) -> CondenserHandler:
-    defaults = settings.condenser_defaults()
-    window = None
-    if settings.llm_context_tokens:  # (else the server is asked, when it is one)
-        defaults = fit_condenser(defaults, settings.llm_context_tokens, settings.llm_max_output_tokens)
-    elif settings.openai_base_url:
-        window = partial(read_window, settings.openai_base_url, api_key=settings.openai_api_key)
+    fit = window_fit("condenser", settings)
     try:
-        CondenserConfig.from_dict(None, defaults)
+        CondenserConfig.from_dict(None, fit.defaults)
     except ConfigError as exc:
         raise ConfigError(f"the RIVERBED_CONDENSER_* settings do not go together: {exc}") from exc
     llm = None
     if settings.openai_api_key or settings.openai_base_url:
         llm = AsyncOpenAI(api_key=settings.openai_api_key or "unused", base_url=settings.openai_base_url)
-    return CondenserHandler(
-        llm=llm,
-        model=settings.llm_model,
-        defaults=defaults,
-        window=window,
-        max_output_tokens=settings.llm_max_output_tokens,
-    )
+    return CondenserHandler(llm=llm, model=settings.llm_model, defaults=fit)
