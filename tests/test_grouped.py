@@ -253,6 +253,38 @@ async def test_the_steps_of_taking_sessions_together_go_in_one_write_each_with_i
     assert (batch.gather.round_trips, batch.gather.items) == expected
 
 
+async def test_a_step_whose_round_trip_failed_is_sent_by_each_caller_alone(bus: Bus, backend: str) -> None:
+    """A grouped step whose round trip failed (its connection broke, or it outlasted its
+    timeout) answers each caller what the client's own command gives: every such command is
+    safe to send again, and none answers the failure's marker instead of its reply."""
+    if backend == "cluster":
+        pytest.skip("a cluster client never groups")
+    sessions = [f"f{i}" for i in range(3)]
+    keys = await _logs(bus, sessions)
+    await bus.client.hset(bus.keys.folds("f1"), GROUP, b"saved")
+    batch = Batched(bus.client)
+    send = batch.gather._send
+
+    async def reply_lost(items: list[Any]) -> Any:
+        await send(items)
+        raise ConnectionError("the connection broke before the reply")
+
+    batch.gather._send = reply_lost
+    script = bus.client.script("return {KEYS[1], ARGV[1]}")
+    ranges = await _together([lambda k=k: batch.xrange(k, "-", "+", count=10) for k in keys])
+    assert [_thoughts(entries) for entries in ranges] == [[f"{s} 1", f"{s} 2"] for s in sessions]
+    assert await _together([lambda s=s: batch.hget(bus.keys.folds(s), GROUP) for s in sessions]) == [
+        None, b"saved", None
+    ]  # fmt: skip
+    assert await _together([lambda k=k: batch.xgroup_create(k, GROUP, "0") for k in keys]) == [False] * 3
+    assert await _together([lambda k=k: batch.run(script, [k], ["x"]) for k in keys]) == [
+        [k.encode(), b"x"] for k in keys
+    ]
+    pending = await _together([lambda k=k: batch.xpending_range(k, GROUP, count=10) for k in keys])
+    assert pending == [[], [], []]
+    assert batch.gather.round_trips == 5  # (each step was grouped, and failed)
+
+
 async def test_a_step_the_server_refuses_fails_only_its_own_caller(bus: Bus, backend: str) -> None:
     """One log of the wrong type in a batch: its caller meets the server's error (as alone),
     the others their replies; a script the server lost is loaded and run by its callers."""

@@ -282,12 +282,13 @@ class Batched:
 
     async def _call(self, *command: Arg) -> Any:
         """The raw reply of ``command`` sent with the others asked in this turn, or
-        :data:`ALONE` (send it yourself); the server's error raises (translated)."""
+        :data:`ALONE` (send it yourself: also when the round trip failed, :data:`LOST`; these
+        commands are safe to send again); the server's error raises (translated)."""
         got = await self.gather.join(command)
         if isinstance(got, _Refused):
             with translate(self.client.url):
                 raise got.error
-        return got
+        return ALONE if isinstance(got, _Alone) else got
 
     async def run(self, script: Script, keys: Sequence[str], args: Sequence[Arg]) -> Any:
         """``script``'s reply (see :meth:`Script.__call__`)."""
