@@ -12,7 +12,11 @@ takes 1,000 new sessions at once, each answering one ``file_read``; then:
   after the last answer (its renewals, its loops' stray checks and timers), Redis's in the note,
   against the worker's CPU per action of the answers before; the ratio is what a minute of
   holding a session costs against its action (a session is held for a minute after its last
-  action, then parked).  ``--quick``: 10 s.
+  action, then parked).  ``--quick``: 10 s;
+- **held by four workers**: the same 1,000 sessions taken by 4 workers with room for all of
+  them, Redis's CPU per session held idle over the same window, against one worker's: each
+  worker's reclaim rounds look for the sessions of peers that stopped among all those the role's
+  workers hold, and should cost what the workers are, not what they hold (target: at most 1.5 times).
 
 Then the roles that keep something per session for every event, memory and condenser: 10,000
 new sessions of 3 events each (a message, a thought, a message) over 4 ``python -m
@@ -23,7 +27,7 @@ how long that took (the baseline: writing the 30,000 events), each worker's Redi
 (the most of the 4; baseline: a connection per owned session and role) and RSS per 1,000
 owned sessions.
 
-Run alone: ``python -m bench.scale [--quick] [--json]`` (``--quick``: 250 and 2,500 sessions).
+Run alone: ``python -m bench.scale [--quick] [--json]`` (``--quick``: 250, 250 and 2,500 sessions).
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ MANY = 10_000
 MANY_WORKERS = 4
 
 TARGET_CONNECTIONS = 20
+SPREAD_WORKERS = 4
+TARGET_SPREAD = 1.5
+"""an idle session's Redis cost with the role's workers four, against one: about the same"""
 IDLE_FROM, IDLE_FOR = 2.0, 30.0
 """the window in which the worker's idle sessions are measured: from this many seconds after the
 last answer, for this long (``--quick``: 10 s)"""
@@ -168,10 +175,12 @@ async def _many(url: str, database_url: str, count: int) -> list[Result]:
 async def measure(url: str, args: argparse.Namespace) -> list[Result]:
     with private_postgres(args.database_url) as database_url:
         many = await _many(url, database_url, MANY // 4 if args.quick else MANY)
-    return [*await _one_worker(url, args), *many]
+    alone, alone_redis = await _one_worker(url, args)
+    return [*alone, *await _spread(url, args, alone_redis), *many]
 
 
-async def _one_worker(url: str, args: argparse.Namespace) -> list[Result]:
+async def _one_worker(url: str, args: argparse.Namespace) -> tuple[list[Result], float]:
+    """The rows of one worker, and Redis's CPU a second per session it held idle."""
     count = 250 if args.quick else 1000
     prefix = f"bsc{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory(prefix="riverbed-bench-scale-") as tmp_name:
@@ -202,16 +211,11 @@ async def _one_worker(url: str, args: argparse.Namespace) -> list[Result]:
                 connections = await _connections_named(url, f"riverbed:{workers.names[0]}")
                 rss = _rss_mib(pid)
                 window = 10.0 if args.quick else IDLE_FOR
-                await anyio.sleep(IDLE_FROM)
-                worker_cpu, server_cpu, since = cpu_seconds([pid]), await redis_cpu(bus.redis), time.perf_counter()
-                await anyio.sleep(window)
-                elapsed = time.perf_counter() - since
-                holding = (cpu_seconds([pid]) - worker_cpu) / elapsed / count
-                holding_redis = (await redis_cpu(bus.redis) - server_cpu) / elapsed / count
+                holding, holding_redis = await _held_idle(bus, [pid], count, window)
         finally:
             workers.stop()
     per_thousand = (rss - idle_rss) * 1000 / count
-    return [
+    rows = [
         Result(
             f"Redis connections of a worker owning {count:,} sessions", "connections", connections, count,
             "a connection per owned session", connections / count, TARGET_CONNECTIONS, 1, better="lower",
@@ -228,6 +232,57 @@ async def _one_worker(url: str, args: argparse.Namespace) -> list[Result]:
             holding * 60 / per_action, None, 1, better="lower", baseline_unit="µs",
             note=f"Redis's {holding_redis * 1e6:.1f} µs a second per session; the ratio: a minute of holding a "
             "session against its action",
+        ),
+    ]  # fmt: skip
+    return rows, holding_redis
+
+
+async def _held_idle(bus: riverbed.Bus, pids: list[int], count: int, window: float) -> tuple[float, float]:
+    """The CPU seconds a second per session of the workers ``pids`` and of Redis, over ``window``
+    seconds from :data:`IDLE_FROM` on (the sessions' actions were answered)."""
+    await anyio.sleep(IDLE_FROM)
+    worker_cpu, server_cpu, since = cpu_seconds(pids), await redis_cpu(bus.redis), time.perf_counter()
+    await anyio.sleep(window)
+    elapsed = time.perf_counter() - since
+    return (cpu_seconds(pids) - worker_cpu) / elapsed / count, (
+        await redis_cpu(bus.redis) - server_cpu
+    ) / elapsed / count
+
+
+async def _spread(url: str, args: argparse.Namespace, alone_redis: float) -> list[Result]:
+    """The same sessions held idle by :data:`SPREAD_WORKERS` workers, each with room for them all:
+    Redis's CPU per session against one worker's (each worker's reclaim rounds look for the
+    sessions of peers that stopped, among all the sessions the role's workers hold)."""
+    count = 250 if args.quick else 1000
+    prefix = f"bsp{uuid.uuid4().hex[:6]}"
+    with tempfile.TemporaryDirectory(prefix="riverbed-bench-scale-") as tmp_name:
+        workspace = Path(tmp_name) / "workspace"
+        workspace.mkdir()
+        sessions = [f"spread-{i}" for i in range(count)]
+        for session in sessions:
+            _prepare_workspace(workspace, session)
+        workers = Workers(url, prefix, workspace, SPREAD_WORKERS, count, sandbox="process")
+        try:
+            await workers.wait_ready()
+            async with riverbed.connect(url, prefix=prefix) as bus:
+
+                async def act(session: str) -> None:
+                    obs = await bus.session(session).act(events.FileRead(path="small.txt"), timeout=120)
+                    assert isinstance(obs, events.FileContent), obs
+
+                async with anyio.create_task_group() as tg:
+                    for session in sessions:
+                        tg.start_soon(act, session)
+                pids = [proc.pid for proc in workers.procs]
+                holding, holding_redis = await _held_idle(bus, pids, count, 10.0 if args.quick else IDLE_FOR)
+        finally:
+            workers.stop()
+    return [
+        Result(
+            f"Redis CPU per session {SPREAD_WORKERS} workers hold idle, per second ({count:,} sessions)", "µs/s",
+            holding_redis * 1e6, alone_redis * 1e6, "the same with one worker", holding_redis / alone_redis,
+            TARGET_SPREAD, 1, better="lower",
+            note=f"the {SPREAD_WORKERS} workers' CPU: {holding * 1e6:.1f} µs a second per session",
         ),
     ]  # fmt: skip
 

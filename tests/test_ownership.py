@@ -103,6 +103,64 @@ async def test_a_live_owners_handle_is_claimed_every_other_renewal_and_never_rec
         await owner.drain(2)
 
 
+async def test_a_reclaim_round_reads_the_pending_entries_only_once_their_holder_went_quiet(bus: Bus) -> None:
+    """A live owner claims its handles every other renewal, so its consumer is never idle for
+    three quarters of a lease: a peer's round beside it asks the consumers and scans none of the
+    pending entries (every session the role's workers hold).  Once the holder stops, its consumer
+    goes quiet, and the round takes each of its sessions as the lease runs out."""
+    names = [f"q{i}" for i in range(6)]
+    holder, owned = await acquired(bus, names, 1500)
+    peer = Leases(bus.redis, bus.keys, ROLE, worker="p", lease_ms=1500, url=bus.url)
+    deadline = time.monotonic() + 2.4  # four claims of the handles, a renewal every 100 ms
+    while time.monotonic() < deadline:
+        assert (await holder.renew(owned)).lost == set()
+        assert await peer.quiet() == [], "a live holder's consumer looked quiet"
+        await anyio.sleep(0.1)
+    with anyio.fail_after(within(5)):
+        while not await peer.quiet():
+            await anyio.sleep(0.05)
+    assert await peer.quiet() == [(bus.keys.directory(ROLE), None)]
+    taken: list[Claim] = []
+    with anyio.fail_after(within(5)):
+        while len(taken) < len(names):
+            taken += await peer.reclaim_stale(10)
+            await anyio.sleep(0.05)
+    assert sorted(claim.session for claim in taken) == names
+    assert await peer.quiet() == []  # (the peer holds them now, and claimed them a moment ago)
+
+
+async def test_an_entry_a_busy_owner_left_behind_is_found_by_a_sweep(bus: Bus) -> None:
+    """An entry read and not taken (an acquire that failed) stays pending on a consumer that
+    goes on claiming its other handles: the consumers say nothing of it, and a round that sweeps
+    (each worker's, once a lease; its reader's, a lease after) takes it."""
+    holder, owned = await acquired(bus, ["kept"], 600)
+    await bus.session("left").append(events.Think(thought="x"))
+    [left] = await holder.read_new(10, 100)
+    peer = Leases(bus.redis, bus.keys, ROLE, worker="p", lease_ms=600, url=bus.url)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        assert (await holder.renew(owned)).lost == set()
+        assert await peer.reclaim_stale(10) == []
+        await anyio.sleep(0.1)
+    [swept] = await peer.reclaim_stale(10, sweep=True)
+    assert (swept.session, swept.entry) == ("left", left.entry)
+
+
+async def test_a_consumer_that_holds_nothing_and_went_quiet_is_forgotten(bus: Bus) -> None:
+    """The directory's group lists every worker name that ever read it (a restarted worker is a
+    new name): one that holds no entry and was quiet for twenty leases is forgotten; one that
+    holds entries never is."""
+    await acquired(bus, ["held"], 50)
+    directory = bus.keys.directory(ROLE)
+    await bus.redis.xgroup_createconsumer(directory, ROLE, "gone")
+    peer = Leases(bus.redis, bus.keys, ROLE, worker="p", lease_ms=50, url=bus.url)
+    assert await peer.quiet() == []  # (both touched the group a moment ago)
+    assert {c["name"] for c in await bus.redis.xinfo_consumers(directory, ROLE)} == {b"w", b"gone"}
+    await anyio.sleep(1.1)
+    assert await peer.quiet() == [(directory, None)]  # ("w" holds an entry it stopped claiming)
+    assert {c["name"] for c in await bus.redis.xinfo_consumers(directory, ROLE)} == {b"w"}
+
+
 async def test_renewal_reloads_scripts_a_node_lost(bus: Bus) -> None:
     """A restarted or failed-over node has no scripts; renewing still works (and finds no loss)."""
     names = [f"r{i}" for i in range(6)]  # spread over the nodes of a cluster

@@ -62,8 +62,11 @@ async def test_stream_replies_are_entries_and_a_deleted_pending_entry_has_no_fie
     await client.xdel(key, first.decode())
     pending = await client.xreadgroup("g", "c", key, "0", count=10)
     assert pending == [(first, {}), delivered[1]]
-    reclaimed = await client.xautoclaim(key, "g", "other", min_idle_ms=0, count=10)
+    due = await client.xpending_range(key, "g", count=10, idle_ms=0)
+    assert [entry["message_id"] for entry in due] == [first, delivered[1][0]]
+    reclaimed = await client.xclaim(key, "g", "other", [entry["message_id"].decode() for entry in due])
     assert [fields for _id, fields in reclaimed] == [{b"b": b"2"}]  # the deleted one is dropped
+    assert await client.xpending_range(key, "g", count=10, idle_ms=60_000) == []  # (none idle a minute)
 
 
 async def test_pipelined_replies_are_filled_in_and_an_error_stays_with_its_command(bus: Bus, prefix: str) -> None:

@@ -17,6 +17,8 @@ session is taken as new.  A loop that keeps failing is recorded in the owner's f
 
 from __future__ import annotations
 
+import math
+import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -81,6 +83,9 @@ class LeaseLoops:
         self.leases = handles.leases
         self.role = handles.role
         self._taking: set[str] = set()
+        self._sweep_due = math.inf
+        """when (``time.monotonic()``) the reclaim loop next scans the pending entries whatever the
+        consumers say"""
         self._turn = 0
         """how many intake reads were made: the tenant read first moves on by one each read"""
         self.slot_freed = anyio.Event()
@@ -162,14 +167,27 @@ class LeaseLoops:
         return take
 
     async def reclaim(self) -> None:
+        # Each round asks whether a holder of entries went quiet (a few µs a consumer); every
+        # lease (from a phase of its own) and a lease after this worker left an entry behind,
+        # a round scans the entries all the same (``Leases.reclaim_stale``).
         state = self.state
-        period = max(0.05, min(self.handles.lease_seconds / 16, 0.25))
+        lease = self.handles.lease_seconds
+        period = max(0.05, min(lease / 16, 0.25))
+        self._sweep_due = min(self._sweep_due, time.monotonic() + random.uniform(0, lease))
         while not state.stopping.is_set():
             await anyio.sleep(period)
             if self.spare() <= 0:
                 state.failures.clear("reclaim")
                 continue
-            await self._round("reclaim", lambda: self.leases.reclaim_stale(self.spare()), reclaimed=True)
+            sweep = time.monotonic() >= self._sweep_due
+            if sweep:
+                self._sweep_due = time.monotonic() + lease
+            reclaim = partial(self.leases.reclaim_stale, self.spare(), sweep=sweep)
+            await self._round("reclaim", reclaim, reclaimed=True)
+
+    def _left_behind(self) -> None:
+        """An entry read here was not taken: it stays pending here, and comes due after a lease."""
+        self._sweep_due = min(self._sweep_due, time.monotonic() + self.handles.lease_seconds * 1.05)
 
     async def renew(self) -> None:
         # A fixed schedule, four rounds a lease: a round that runs late (a busy event loop) does
@@ -237,8 +255,10 @@ class LeaseLoops:
             await self._try_take(claim, reclaimed=reclaimed)
         except UnavailableError as exc:
             log.warning("take.unavailable", role=self.role, session=claim.session, error=str(exc))
+            self._left_behind()
         except Exception:
             log.exception("take.failed", role=self.role, session=claim.session)
+            self._left_behind()
 
     async def _try_take(self, claim: Claim, *, reclaimed: bool) -> None:
         state = self.state
@@ -261,7 +281,8 @@ class LeaseLoops:
             owned.scope.cancel()
             await state.wait_for(lambda: state.owned.get(claim.session) is not owned, self.handles.lease_seconds)
             if claim.session in state.owned:
-                return  # still closing: the entry stays pending here and is reclaimed after a lease
+                self._left_behind()  # still closing: the entry stays pending here
+                return
         self._taking.add(claim.session)
         try:
             await self._acquire(claim, reclaimed=reclaimed)
@@ -274,6 +295,7 @@ class LeaseLoops:
             got = await self.leases.acquire(claim)
         except UnavailableError as exc:
             log.warning("acquire.unavailable", role=self.role, session=claim.session, error=str(exc))
+            self._left_behind()
             return
         if got.token == 0:
             if reclaimed and got.holder_entry == claim.entry:

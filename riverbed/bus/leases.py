@@ -73,6 +73,13 @@ RENEW_CHUNK = 500
 #: most, well before peers reclaim it (after a whole one).  A claim costs Redis a few µs per entry
 #: (it records each as a command to replicate), the most of an idle session's renewal.
 CLAIM_HANDLES_AFTER = 0.4
+#: A consumer of a directory that holds entries and has not touched it for this share of a lease is
+#: a dead or stalled owner (a live one claims its handles every half lease): a reclaim round scans
+#: that directory's pending entries for those come due.
+STALE_HOLDER_AFTER = 0.75
+#: A consumer that holds no entries and has not touched its directory for this many leases is
+#: forgotten (the group lists every worker name that ever read it: a restarted worker is a new one).
+FORGET_CONSUMER_AFTER = 20
 #: How often a worker reads again which tenants have set-aside streams (it knows its own at once).
 WAITING_REFRESH = 1.0
 
@@ -142,6 +149,7 @@ class Leases:
         self._renew = self.redis.script(scripts.RENEW)
         self._renew_all = self.redis.script(scripts.RENEW_ALL)
         self._release = self.redis.script(scripts.RELEASE)
+        self._stale_holder = self.redis.script(scripts.STALE_HOLDER)
         self._handles_claimed = -math.inf
         """When (``time.monotonic()``) a renewal last sent the ``XCLAIM`` of its sessions' entries."""
         self.waiting: set[str] = set()
@@ -201,26 +209,49 @@ class Leases:
         )
         return self._claims(got, streams)
 
-    async def reclaim_stale(self, count: int) -> list[Claim]:
-        """Entries whose holder stopped renewing for a whole lease (the set-aside streams' too,
-        in the same round trip), up to ``count``."""
-        streams: list[tuple[str, str | None]] = [(self.directory, None)]
-        streams += [(self.keys.waiting(self.role, t), t) for t in sorted(await self.refresh_waiting())]
-        async with self.redis.pipeline() as pipe:
-            replies = [
-                pipe.xautoclaim(key, self.role, self.worker, min_idle_ms=self.lease_ms, count=count)
-                for key, _ in streams
-            ]
-            await pipe.execute()
+    async def reclaim_stale(self, count: int, *, sweep: bool = False) -> list[Claim]:
+        """Entries whose holder stopped renewing for a whole lease (the set-aside streams' too),
+        up to ``count``.
+
+        A stream's pending entries are scanned (``XPENDING`` of those idle for a lease, then their
+        ``XCLAIM`` if they still are) only when one of its consumers that holds entries has not
+        touched it for :data:`STALE_HOLDER_AFTER` of a lease (the STALE_HOLDER script): a live
+        owner claims its handles every other renewal, so its consumer is never that idle, and a
+        round costs what the consumers are, not what every worker of the role holds.  ``sweep``
+        scans them all the same: an entry a live owner left behind (a take that failed) comes due
+        while its consumer stays busy."""
+        streams = await self._streams() if sweep else await self.quiet()
         claims: list[Claim] = []
-        for (_key, tenant), reply in zip(streams, replies, strict=True):
-            claims += [_claim(i, f, tenant=tenant, stream_tenant=tenant) for i, f in reply.value[1] or () if f]
-        for surplus in claims[count:]:
-            # Claimed here beyond what there is room for: idle for a lease again at once, so the
-            # next round (here or at a peer) takes it, not a lease later.
-            stream, entry = self._locate(surplus.entry)
-            await self.redis.xclaim_ids(stream, self.role, self.worker, [entry], idle_ms=self.lease_ms)
-        return claims[:count]
+        for key, tenant in streams:
+            if len(claims) >= count:
+                break
+            due = await self.redis.xpending_range(key, self.role, count=count - len(claims), idle_ms=self.lease_ms)
+            if due:
+                ids = [_text(entry["message_id"]) for entry in due]
+                got = await self.redis.xclaim(key, self.role, self.worker, ids, min_idle_ms=self.lease_ms)
+                claims += [_claim(i, f, tenant=tenant, stream_tenant=tenant) for i, f in got if f]
+        return claims
+
+    async def _streams(self) -> list[tuple[str, str | None]]:
+        """The role's streams of lease handles, with their tenants: the directory, and the set-aside streams."""
+        streams: list[tuple[str, str | None]] = [(self.directory, None)]
+        return streams + [(self.keys.waiting(self.role, t), t) for t in sorted(await self.refresh_waiting())]
+
+    async def quiet(self) -> list[tuple[str, str | None]]:
+        """The streams (with their tenants) where a consumer that holds entries has not touched
+        the group for :data:`STALE_HOLDER_AFTER` of a lease: one STALE_HOLDER call each, in one
+        round trip (a stream whose group cannot be read is in the list)."""
+        streams = await self._streams()
+        replies = await self._sent_with_script(partial(self._stale_holders, streams), scripts.STALE_HOLDER)
+        return [stream for stream, reply in zip(streams, replies, strict=True) if reply.error or reply.value]
+
+    async def _stale_holders(self, streams: list[tuple[str, str | None]]) -> list[Reply[Any]]:
+        after = int(self.lease_ms * STALE_HOLDER_AFTER)
+        forget = int(self.lease_ms * FORGET_CONSUMER_AFTER)
+        async with self.redis.pipeline() as pipe:
+            replies = [pipe.evalsha(self._stale_holder.sha, [key], [self.role, after, forget]) for key, _ in streams]
+            await pipe.execute(raise_on_error=False)
+        return replies
 
     async def with_tenants(self, claims: list[Claim]) -> list[Claim]:
         """``claims`` with every tenant known: an entry that does not name it (an announce by a

@@ -340,19 +340,21 @@ class RedisClient:
             reply = await self._raw.xclaim(key, group, consumer, 0, list(ids), idle=idle_ms, justid=True)
         return cast(list[bytes], reply)
 
-    async def xautoclaim(
-        self, key: str, group: str, consumer: str, *, min_idle_ms: int, start: str = "0-0", count: int
-    ) -> list[StreamEntry]:
-        """Up to ``count`` entries idle for ``min_idle_ms``, from ``start`` on, given to ``consumer``."""
-        with translate(self.url):
-            reply = await self._raw.xautoclaim(key, group, consumer, min_idle_ms, start_id=start, count=count)
-        return _entries(reply[1])
-
     async def xpending_range(
-        self, key: str, group: str, *, min: str = "-", max: str = "+", count: int, consumer: str | None = None
+        self,
+        key: str,
+        group: str,
+        *,
+        min: str = "-",
+        max: str = "+",
+        count: int,
+        consumer: str | None = None,
+        idle_ms: int | None = None,
     ) -> list[PendingEntry]:
+        """The first ``count`` pending entries (of ``consumer``; idle for ``idle_ms``) between ``min``
+        and ``max``: with ``idle_ms`` the whole list is scanned for them in one command."""
         with translate(self.url):
-            reply = await self._raw.xpending_range(key, group, min, max, count, consumername=consumer)
+            reply = await self._raw.xpending_range(key, group, min, max, count, consumername=consumer, idle=idle_ms)
         return cast(list[PendingEntry], reply)
 
     async def xgroup_create(self, key: str, group: str, after: str, *, mkstream: bool = True) -> bool:
@@ -554,11 +556,6 @@ class Pipeline:
 
     def xpending(self, key: str, group: str) -> Reply[PendingSummary]:
         self._pipe.xpending(key, group)
-        return self._queued()
-
-    def xautoclaim(self, key: str, group: str, consumer: str, *, min_idle_ms: int, count: int) -> Reply[Any]:
-        """Its reply as redis-py parses ``XAUTOCLAIM`` (the entries are its second item)."""
-        self._pipe.xautoclaim(key, group, consumer, min_idle_ms, start_id="0-0", count=count)
         return self._queued()
 
     def xpending_range(self, key: str, group: str, *, count: int) -> Reply[list[PendingEntry]]:

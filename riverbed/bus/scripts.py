@@ -241,6 +241,30 @@ return out
 """
 )
 
+# KEYS: a directory (or set-aside) stream.  ARGV: its group, ms, ms.  Reply: 1 when a consumer that
+# holds entries has not touched the group for the first ms (an owner claims its handles every other
+# renewal: one that stopped is dead or stalled, and its entries come due), else 0; 1 also when the
+# group cannot be read (the caller's XAUTOCLAIM says why).  A consumer that holds none and has not
+# touched the group for the second ms is forgotten (``XGROUP DELCONSUMER``: it loses nothing, and a
+# worker of that name that reads again is its consumer anew), so the list stays as long as the
+# workers alive.  ``XINFO CONSUMERS`` costs a few µs a consumer; scanning the pending entries for
+# idle ones (``XAUTOCLAIM``) costs one each, every session every worker of the role holds.
+STALE_HOLDER = """
+local consumers = redis.pcall('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])
+if consumers.err then return 1 end
+local stale, after, forget = 0, tonumber(ARGV[2]), tonumber(ARGV[3])
+for _, consumer in ipairs(consumers) do
+  local seen = {}
+  for i = 1, #consumer, 2 do seen[consumer[i]] = consumer[i + 1] end
+  if seen['pending'] > 0 then
+    if seen['idle'] >= after then stale = 1 end
+  elseif seen['idle'] >= forget then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], seen['name'])
+  end
+end
+return stale
+"""
+
 # KEYS: meta, claims, answers.  ARGV: role, worker, token, lease_ms, action id, claim, force ('1': claim
 # even over another claim, for actions safe to repeat).
 # Replies: {'ok'} | {'fenced', current token} | {'answered', existing id} | {'claimed', the other claim}
