@@ -184,11 +184,8 @@ async def _one_worker(url: str, args: argparse.Namespace) -> tuple[list[Result],
     count = 250 if args.quick else 1000
     prefix = f"bsc{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory(prefix="riverbed-bench-scale-") as tmp_name:
-        workspace = Path(tmp_name) / "workspace"
-        workspace.mkdir()
         sessions = [f"scale-{i}" for i in range(count)]
-        for session in sessions:
-            _prepare_workspace(workspace, session)
+        workspace = _workspace(Path(tmp_name), sessions)
         workers = Workers(url, prefix, workspace, 1, count, sandbox="process")
         try:
             await workers.wait_ready()
@@ -198,14 +195,7 @@ async def _one_worker(url: str, args: argparse.Namespace) -> tuple[list[Result],
             started = time.perf_counter()
             cpu_before = cpu_seconds([pid])
             async with riverbed.connect(url, prefix=prefix) as bus:
-
-                async def act(session: str) -> None:
-                    obs = await bus.session(session).act(events.FileRead(path="small.txt"), timeout=120)
-                    assert isinstance(obs, events.FileContent), obs
-
-                async with anyio.create_task_group() as tg:
-                    for session in sessions:
-                        tg.start_soon(act, session)
+                await _first_answers(bus, sessions)
                 took = time.perf_counter() - started
                 per_action = (cpu_seconds([pid]) - cpu_before) / count
                 connections = await _connections_named(url, f"riverbed:{workers.names[0]}")
@@ -237,6 +227,27 @@ async def _one_worker(url: str, args: argparse.Namespace) -> tuple[list[Result],
     return rows, holding_redis
 
 
+def _workspace(tmp: Path, sessions: list[str]) -> Path:
+    """A workspace under ``tmp`` with the file each of ``sessions`` reads."""
+    workspace = tmp / "workspace"
+    workspace.mkdir()
+    for session in sessions:
+        _prepare_workspace(workspace, session)
+    return workspace
+
+
+async def _first_answers(bus: riverbed.Bus, sessions: list[str]) -> None:
+    """One ``file_read`` of each of ``sessions``, all at once, each answered."""
+
+    async def act(session: str) -> None:
+        obs = await bus.session(session).act(events.FileRead(path="small.txt"), timeout=120)
+        assert isinstance(obs, events.FileContent), obs
+
+    async with anyio.create_task_group() as tg:
+        for session in sessions:
+            tg.start_soon(act, session)
+
+
 async def _held_idle(bus: riverbed.Bus, pids: list[int], count: int, window: float) -> tuple[float, float]:
     """The CPU seconds a second per session of the workers ``pids`` and of Redis, over ``window``
     seconds from :data:`IDLE_FROM` on (the sessions' actions were answered)."""
@@ -256,23 +267,13 @@ async def _spread(url: str, args: argparse.Namespace, alone_redis: float) -> lis
     count = 250 if args.quick else 1000
     prefix = f"bsp{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory(prefix="riverbed-bench-scale-") as tmp_name:
-        workspace = Path(tmp_name) / "workspace"
-        workspace.mkdir()
         sessions = [f"spread-{i}" for i in range(count)]
-        for session in sessions:
-            _prepare_workspace(workspace, session)
+        workspace = _workspace(Path(tmp_name), sessions)
         workers = Workers(url, prefix, workspace, SPREAD_WORKERS, count, sandbox="process")
         try:
             await workers.wait_ready()
             async with riverbed.connect(url, prefix=prefix) as bus:
-
-                async def act(session: str) -> None:
-                    obs = await bus.session(session).act(events.FileRead(path="small.txt"), timeout=120)
-                    assert isinstance(obs, events.FileContent), obs
-
-                async with anyio.create_task_group() as tg:
-                    for session in sessions:
-                        tg.start_soon(act, session)
+                await _first_answers(bus, sessions)
                 pids = [proc.pid for proc in workers.procs]
                 holding, holding_redis = await _held_idle(bus, pids, count, 10.0 if args.quick else IDLE_FOR)
         finally:

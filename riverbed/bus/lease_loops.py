@@ -186,7 +186,8 @@ class LeaseLoops:
             await self._round("reclaim", reclaim, reclaimed=True)
 
     def _left_behind(self) -> None:
-        """An entry read here was not taken: it stays pending here, and comes due after a lease."""
+        """An entry read here was not taken: it stays pending here, and comes due after a lease
+        (this worker's next sweep is then just past it)."""
         self._sweep_due = min(self._sweep_due, time.monotonic() + self.handles.lease_seconds * 1.05)
 
     async def renew(self) -> None:

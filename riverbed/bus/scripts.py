@@ -244,11 +244,12 @@ return out
 # KEYS: a directory (or set-aside) stream.  ARGV: its group, ms, ms.  Reply: 1 when a consumer that
 # holds entries has not touched the group for the first ms (an owner claims its handles every other
 # renewal: one that stopped is dead or stalled, and its entries come due), else 0; 1 also when the
-# group cannot be read (the caller's XAUTOCLAIM says why).  A consumer that holds none and has not
-# touched the group for the second ms is forgotten (``XGROUP DELCONSUMER``: it loses nothing, and a
-# worker of that name that reads again is its consumer anew), so the list stays as long as the
-# workers alive.  ``XINFO CONSUMERS`` costs a few µs a consumer; scanning the pending entries for
-# idle ones (``XAUTOCLAIM``) costs one each, every session every worker of the role holds.
+# group cannot be read (the caller's read of the pending entries says why).  A consumer that holds
+# none and has not touched the group for the second ms is forgotten (``XGROUP DELCONSUMER``: it
+# loses nothing, and a worker of that name that reads again is its consumer anew), so the list stays
+# as long as the workers alive.  ``XINFO CONSUMERS`` costs a few µs a consumer; scanning the pending
+# entries for idle ones (``XPENDING … IDLE``) costs one each, every session every worker of the
+# role holds.
 STALE_HOLDER = """
 local consumers = redis.pcall('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])
 if consumers.err then return 1 end
