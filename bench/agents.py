@@ -51,8 +51,8 @@ The CPU time the agent workers used during the runs, per step, is reported too (
 it the runtime workers' per action; the model server's and Redis's in the note, with the agent
 workers' CPU while idle just before): on a shared machine it says what the role costs where
 the wall-clock figures also hold the waits for a CPU.  With ``BENCH_AGENTS_PROFILE=DIR`` the
-agent workers run under ``cProfile`` and write ``DIR/NAME.prof`` when they stop (wall-clock
-time: on a busy machine the waits for a CPU land on whatever was running).  With
+agent workers run under ``cProfile`` timed by their CPU clock (``bench/cpu_profile.py``: a wait for a
+CPU or the network counts nothing) and write ``DIR/NAME.prof`` when they stop.  With
 ``BENCH_AGENTS_PYSPY=DIR`` each round's runs are sampled instead by ``py-spy record`` (on
 ``PATH``; the stacks on a CPU only) into ``DIR/NAME-ROUND.txt``, and the functions most on a CPU
 are printed with the progress.  With ``BENCH_AGENTS_CALLGRIND=DIR`` and ``--context``, the agent

@@ -199,8 +199,9 @@ class PingPong:
 class Workers:
     """``python -m riverbed.workers ROLE…`` processes under one key prefix (the runtime role
     by default); ``env`` adds variables, ``options`` command-line options (``--park-after S``);
-    with ``profile`` (a directory) each runs under ``cProfile`` and writes ``NAME.prof`` there
-    when it stops; ``wrap(NAME)`` is a command each runs under (``valgrind …``)."""
+    with ``profile`` (a directory) each runs under ``cProfile`` timed by its CPU clock
+    (``bench/cpu_profile.py``) and writes ``NAME.prof`` there when it stops; ``wrap(NAME)`` is
+    a command each runs under (``valgrind …``)."""
 
     def __init__(
         self,
@@ -236,7 +237,7 @@ class Workers:
                 [
                     *(wrap(name) if wrap is not None else []),
                     sys.executable,
-                    *(["-m", "cProfile", "-o", str(profile / f"{name}.prof")] if profile is not None else []),
+                    *(["-m", "bench.cpu_profile", str(profile / f"{name}.prof")] if profile is not None else []),
                     *("-m", "riverbed.workers", *roles, "--name", name, *options),
                 ],
                 env=env,

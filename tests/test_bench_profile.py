@@ -1,0 +1,61 @@
+"""``bench.cpu_profile``: the benches' workers profiled by their CPU clock, written when stopped."""
+
+from __future__ import annotations
+
+import pstats
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODULE = """
+import sys, time
+
+def busy():
+    end = time.thread_time() + 0.2
+    while time.thread_time() < end:
+        pass
+
+def idle(seconds):
+    time.sleep(seconds)
+
+busy()
+print("busy done", flush=True)
+idle(float(sys.argv[1]))
+"""
+
+
+def _run(tmp_path: Path, seconds: str) -> subprocess.Popen[str]:
+    (tmp_path / "spin_then_sleep.py").write_text(MODULE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "bench.cpu_profile", str(tmp_path / "out.prof"), "-m", "spin_then_sleep", seconds],
+        env={"PYTHONPATH": f"{tmp_path}:{Path.cwd()}", "PATH": "/usr/bin:/bin"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _own_time(stats: pstats.Stats, name: str) -> float:
+    found = [row for key, row in stats.stats.items() if key[2] == name]  # type: ignore[attr-defined]
+    assert found, name
+    return float(found[0][3])  # cumulative
+
+
+def test_a_wait_counts_nothing_and_spent_cpu_counts(tmp_path: Path) -> None:
+    with _run(tmp_path, "0.6") as proc:
+        assert proc.wait(30) == 0
+    stats = pstats.Stats(str(tmp_path / "out.prof"))
+    assert _own_time(stats, "busy") >= 0.15
+    assert _own_time(stats, "idle") < 0.1  # the wall clock would give it 0.6 s
+
+
+def test_a_process_stopped_with_sigterm_still_writes_its_profile(tmp_path: Path) -> None:
+    with _run(tmp_path, "60") as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "busy done"
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    stats = pstats.Stats(str(tmp_path / "out.prof"))
+    assert _own_time(stats, "busy") >= 0.15
