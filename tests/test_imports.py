@@ -4,6 +4,9 @@ functions (grimp, the graph import-linter checks, sees both: shown on a sample p
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -68,3 +71,30 @@ def test_the_graph_counts_imports_under_type_checking_and_inside_functions(
         ("ringed.b", "ringed.c"),
         ("ringed.c", "ringed.b"),
     ]
+
+
+HEAVY = ("openai", "numpy", "jinja2")
+"""Packages that take a tenth of a second to a second each to load, which only the roles that
+call a model, index memory or render a prompt need."""
+
+
+def test_the_cli_serve_and_a_runtime_worker_start_without_the_heavy_packages(tmp_path: Path) -> None:
+    """Every ``riverbed`` command, ``riverbed serve`` and a runtime worker (whose handlers are
+    built as its process builds them) start without loading what only other roles use: each
+    costs a command or a replacement worker its time to start."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import riverbed.cli, riverbed.cli.app, riverbed.serve.app
+        from riverbed.settings import Settings
+        from riverbed.workers.main import build_handlers
+        handlers, _ = build_handlers(["runtime"], Settings())
+        assert list(handlers) == ["runtime"]
+        print("loaded:", *(name for name in sys.argv[1:] if name in sys.modules))
+        """
+    )
+    env = {**os.environ, "RIVERBED_SANDBOX": "process", "RIVERBED_WORKSPACE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script, *HEAVY], env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    loaded = [line for line in done.stdout.splitlines() if line.startswith("loaded:")]
+    assert loaded == ["loaded:"]

@@ -31,12 +31,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import replace as replace_options
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
 import structlog
 from msgspec.structs import replace
-from openai import AsyncOpenAI
 
 from riverbed import events
 from riverbed.agent import messages as chat
@@ -47,6 +45,10 @@ from riverbed.memory.condensers import CondenserConfig, config_from_log, prepare
 from riverbed.memory.view import View
 from riverbed.memory.view import view as fold
 from riverbed.settings import Settings
+
+if TYPE_CHECKING:
+    import jinja2
+    from openai import AsyncOpenAI
 
 __all__ = [
     "OVERSIZED",
@@ -99,6 +101,8 @@ class AgentOptions:
 
 @functools.cache
 def _templates() -> jinja2.Environment:
+    import jinja2  # noqa: PLC0415  (loaded at the first prompt: the CLI and every worker import this module)
+
     root = resources.files("riverbed.agent") / "prompts"
     return jinja2.Environment(
         loader=jinja2.FunctionLoader(lambda name: (root / name).read_text(encoding="utf-8")),
@@ -218,6 +222,8 @@ def make_client(settings: Settings) -> AsyncOpenAI:
     """An OpenAI client from settings (``OPENAI_API_KEY``, ``OPENAI_BASE_URL``)."""
     if not settings.openai_api_key and not settings.openai_base_url:
         raise ConfigError("the LLM agent needs OPENAI_API_KEY (or OPENAI_BASE_URL for a local server) to be set")
+    from openai import AsyncOpenAI  # noqa: PLC0415  (a second to load: only the roles that call a model do)
+
     return AsyncOpenAI(
         api_key=settings.openai_api_key or "unused",
         base_url=settings.openai_base_url or None,

@@ -53,11 +53,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import compress, islice, takewhile
 from operator import attrgetter, lt
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 
 from riverbed.errors import InputError
 from riverbed.events import (
@@ -73,6 +71,10 @@ from riverbed.events import (
 )
 from riverbed.events import kinds as event_kinds
 from riverbed.memory.units import ANSWERABLE, CALL_IDS_KEPT, RESPONSE, CallOwners, unit_links
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = ["HistoryReleased", "Masked", "Summary", "View", "ViewBuilder", "id_runs", "unit_links", "view"]
 
@@ -171,14 +173,20 @@ FROZEN_VERSION = 1
 
 
 def _column(raw: bytes, itemsize: int) -> npt.NDArray[np.int64]:
+    import numpy as np  # noqa: PLC0415  (a tenth of a second to load: only a frozen fold and pins read columns)
+
     return np.frombuffer(raw, dtype=np.int32 if itemsize == 4 else np.int64).astype(np.int64)
 
 
 def _packed(values: npt.NDArray[np.int64], itemsize: int) -> bytes:
+    import numpy as np  # noqa: PLC0415  (see _column)
+
     return values.astype(np.int32 if itemsize == 4 else np.int64).tobytes()
 
 
 def _numbers(column: list[int], first: int = 0) -> npt.NDArray[np.int64]:
+    import numpy as np  # noqa: PLC0415  (see _column)
+
     return np.fromiter(islice(column, first, None), dtype=np.int64, count=max(0, len(column) - first))
 
 
@@ -319,6 +327,8 @@ class ViewBuilder:
     def freeze(self) -> bytes:
         """This fold without any event (a few bytes per event, compressed): :meth:`thaw` and
         :meth:`fill` with the visible events and the summary's condensation make it again."""
+        import numpy as np  # noqa: PLC0415  (see _column)
+
         self._flush()
         kinds = bytes(self._kind)
         size = 4 if len(kinds) <= 2**31 else 8
@@ -357,6 +367,8 @@ class ViewBuilder:
     def thaw(cls, blob: bytes) -> tuple[ViewBuilder, list[int]]:
         """A lean builder from :meth:`freeze`'s bytes, and the ids of the events it still
         needs (:meth:`fill`).  :class:`InputError` when the bytes are not such a fold."""
+        import numpy as np  # noqa: PLC0415  (see _column)
+
         try:
             frozen = msgspec.msgpack.decode(blob, type=_Frozen)
             if frozen.version != FROZEN_VERSION or frozen.itemsize not in (4, 8):
@@ -577,6 +589,8 @@ class ViewBuilder:
 
     def _members(self, roots: Iterable[int], first: int = 1) -> list[int]:
         """The folded events from id ``first`` on whose unit is one of those that start at ``roots``."""
+        import numpy as np  # noqa: PLC0415  (see _column)
+
         wanted = np.fromiter(roots, dtype=np.int64)
         if not len(wanted) or first >= len(self._kind):
             return []
