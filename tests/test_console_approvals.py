@@ -153,9 +153,13 @@ async def test_what_a_model_wrote_shows_as_text_on_both_pages(bus: Bus) -> None:
         await expect(listed.locator(".risk-reason")).to_have_text(f"it writes {PAYLOAD}")
         await expect(listed.locator("td.args")).to_contain_text(PAYLOAD.replace('"', '\\"'))  # (JSON)
         assert await page.evaluate("document.querySelectorAll('#main img').length") == 0
+        await page.evaluate(PANEL_WHEN_CARD_CAME, action)
         await page.goto(f"{base}/#/s/xss")
         line = page.locator(f'#timeline > li[data-id="{action}"] .risk-line')
         await expect(line.locator(".risk-reason")).to_have_text(f"it writes {PAYLOAD}")
+        # The run's panel, above the timeline, was there when the call's card came: it does not
+        # push the card down under the pointer once the run's usage arrives.
+        assert await page.evaluate("window.panelWhenCardCame") is True
         # Reject with a reason that is markup too: the decision reads it back as text.
         await line.locator("button.reject").click()
         await line.locator("input.reject-reason").fill(PAYLOAD)
@@ -167,6 +171,17 @@ async def test_what_a_model_wrote_shows_as_text_on_both_pages(bus: Bus) -> None:
         assert await page.evaluate("window.pwned === undefined")
     decided = [e for e in await bus.session("xss").events() if isinstance(e, events.Approval)]
     assert [(a.actions, a.decision, a.reason) for a in decided] == [([action], "reject", PAYLOAD)]
+
+
+PANEL_WHEN_CARD_CAME = """(action) => {
+  window.panelWhenCardCame = null;
+  new MutationObserver((_, observer) => {
+    if (!document.querySelector(`#timeline > li[data-id="${action}"]`)) return;
+    window.panelWhenCardCame = !document.getElementById("run-panel").hidden;
+    observer.disconnect();
+  }).observe(document.getElementById("timeline"), { childList: true });
+}"""
+"""Records, when the call's card joins the timeline, whether the run's panel shows yet."""
 
 
 def test_the_console_never_parses_text_as_html() -> None:

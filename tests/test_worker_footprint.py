@@ -20,7 +20,7 @@ async def test_an_agent_only_worker_loads_no_embedding_model_nor_database_driver
     await ready(worker)
     proc = Path(f"/proc/{worker.proc.pid}")
     maps = (proc / "maps").read_text()
-    assert "pydantic_core" in maps  # (the check sees the role's own libraries: its model client's models are pydantic's)
+    assert "pydantic_core" in maps  # (it sees the role's own libraries: its model client's are pydantic's)
     for absent in ("onnxruntime", "fastembed", "tokenizers", "asyncpg"):
         assert absent not in maps, f"an agent-only worker mapped {absent}"
     status = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line)

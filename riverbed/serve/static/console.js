@@ -639,6 +639,7 @@ class SessionView {
     this.range = null; // [first, last] chosen for a context edit
     this.preview = null; // the body of the edit last previewed
     this.refreshTimer = null;
+    this.used = null; // the last GET usage: the run panel's steps, tokens and cost
     this.children = new Map(); // sub-agent session -> delegate_result
     this.parent = null; // the delegated event, when this session is a sub-agent
     this.decisions = new Map(); // action id -> the approval that decided it (the first holds)
@@ -659,6 +660,7 @@ class SessionView {
     try {
       const used = await (await api(`${sessionPath(this.session)}/usage`, { signal: this.signal })).json();
       if (!this.current) return;
+      this.used = used;
       const rows = used.steps.map((s) => el("tr", {}, el("td", { class: "num", text: `#${s.event_id}` }), el("td", { text: s.model }), el("td", { class: "num", text: String(s.prompt_tokens) }), el("td", { class: "num", text: String(s.cached_tokens) }), el("td", { class: "num", text: String(s.completion_tokens) }), moneyCell(s.cost, 6)));
       if (used.steps.length) rows.push(el("tr", { class: "total" }, el("td", { text: "total" }), el("td", { text: plural(used.steps.length, "call") }), el("td", { class: "num", text: String(used.prompt_tokens) }), el("td", { class: "num", text: String(used.cached_tokens) }), el("td", { class: "num", text: String(used.completion_tokens) }), moneyCell(used.cost, 6)));
       else rows.push(el("tr", {}, el("td", { colspan: "6", class: "muted", text: "no model calls in this session" })));
@@ -825,6 +827,9 @@ class SessionView {
       }
     }
     this.renderTree();
+    // A run's panel (above the timeline) shows up with the batch that opened it, not when its
+    // usage arrives: the cards below would move under a pointer about to click Approve or Reject.
+    if ($("run-panel").hidden && batch.some((e) => e.kind === "run_started")) this.renderRun(this.used);
     this.refreshSoon();
     $("session-meta").replaceChildren(`${this.tenantText} · ${plural(this.last, "event")} · `, statusBadge(sessionStatus([...this.events.values()])));
     const slider = $("slider");
