@@ -12,7 +12,7 @@ from tests.kit.workers import Spawn, ready, spawn, workers  # noqa: F401  (spawn
 pytestmark = pytest.mark.anyio
 
 MOST_MIB = 200
-"""An agent-only worker rests near 95 MiB (docs/operations.md); twice that is a regression."""
+"""An agent-only worker rests near 85 MiB (docs/operations.md); over twice that is a regression."""
 
 
 async def test_an_agent_only_worker_loads_no_embedding_model_nor_database_driver(spawn: Spawn) -> None:
