@@ -79,8 +79,9 @@ call a model, index memory or render a prompt need."""
 
 
 def test_the_cli_serve_and_a_runtime_worker_start_without_the_heavy_packages(tmp_path: Path) -> None:
-    """Every ``riverbed`` command, ``riverbed serve`` and a runtime worker (whose handlers are
-    built as its process builds them) start without loading what only other roles use: each
+    """Every ``riverbed`` command, ``riverbed serve`` and a runtime or condenser worker (whose
+    handlers are built as its process builds them; the condenser with a model configured, whose
+    client is made at its first LLM stage) start without loading what only other roles use: each
     costs a command or a replacement worker its time to start."""
     script = textwrap.dedent(
         """
@@ -88,12 +89,17 @@ def test_the_cli_serve_and_a_runtime_worker_start_without_the_heavy_packages(tmp
         import riverbed.cli, riverbed.cli.app, riverbed.serve.app
         from riverbed.settings import Settings
         from riverbed.workers.main import build_handlers
-        handlers, _ = build_handlers(["runtime"], Settings())
-        assert list(handlers) == ["runtime"]
+        handlers, _ = build_handlers(["runtime", "condenser"], Settings())
+        assert list(handlers) == ["runtime", "condenser"]
         print("loaded:", *(name for name in sys.argv[1:] if name in sys.modules))
         """
     )
-    env = {**os.environ, "RIVERBED_SANDBOX": "process", "RIVERBED_WORKSPACE": str(tmp_path)}
+    env = {
+        **os.environ,
+        "RIVERBED_SANDBOX": "process",
+        "RIVERBED_WORKSPACE": str(tmp_path),
+        "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
+    }
     done = subprocess.run([sys.executable, "-c", script, *HEAVY], env=env, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     loaded = [line for line in done.stdout.splitlines() if line.startswith("loaded:")]

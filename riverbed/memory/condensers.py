@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -382,7 +382,7 @@ def _ranges(events: list[Event], forget: list[bool]) -> list[tuple[int, int]]:
 async def condense(
     view: View,
     config: CondenserConfig,
-    llm_client: AsyncOpenAI | None = None,
+    llm_client: AsyncOpenAI | Callable[[], AsyncOpenAI] | None = None,
     *,
     requested: bool = False,
     model: str | None = None,
@@ -416,13 +416,14 @@ async def condense(
     return Condensation() if requested else None
 
 
-def _client(client: AsyncOpenAI | None, stage: CondenserConfig) -> AsyncOpenAI:
+def _client(client: AsyncOpenAI | Callable[[], AsyncOpenAI] | None, stage: CondenserConfig) -> AsyncOpenAI:
+    """The client an LLM stage asks (one given as a function is made at the first such stage)."""
     if client is None:
         raise ConfigError(
             f"the {stage.strategy} condenser needs an LLM: set OPENAI_API_KEY (and OPENAI_BASE_URL for "
             "a compatible server), or choose the amortized strategy"
         )
-    return client
+    return client() if callable(client) else client
 
 
 # --- LLM policies -----------------------------------------------------------------------

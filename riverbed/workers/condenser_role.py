@@ -23,14 +23,14 @@ known (``RIVERBED_LLM_CONTEXT_TOKENS``, else asked of the server once: ``agent/w
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import structlog
 from msgspec.structs import replace
-from openai import AsyncOpenAI
 
 from riverbed import events, tracing
 from riverbed.agent.runs import END_REASONS
@@ -40,6 +40,9 @@ from riverbed.errors import ConfigError, InputError, RiverbedError, UnavailableE
 from riverbed.memory.condensers import CondenserConfig, condense, should_condense
 from riverbed.memory.view import HistoryReleased, ViewBuilder, id_runs
 from riverbed.settings import Settings
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
 
 log = structlog.get_logger("riverbed.worker")
 
@@ -98,7 +101,11 @@ class CondenserHandler:
     ignores_own_answers = False
 
     def __init__(
-        self, *, llm: AsyncOpenAI | None, model: str | None, defaults: WindowFit | Mapping[str, Any] | None = None
+        self,
+        *,
+        llm: AsyncOpenAI | Callable[[], AsyncOpenAI] | None,
+        model: str | None,
+        defaults: WindowFit | Mapping[str, Any] | None = None,
     ) -> None:
         self.llm = llm
         self.model = model
@@ -384,7 +391,13 @@ def build_condenser_handler(settings: Settings) -> CondenserHandler:
         CondenserConfig.from_dict(None, fit.defaults)
     except ConfigError as exc:
         raise ConfigError(f"the RIVERBED_CONDENSER_* settings do not go together: {exc}") from exc
-    llm = None
-    if settings.openai_api_key or settings.openai_base_url:
-        llm = AsyncOpenAI(api_key=settings.openai_api_key or "unused", base_url=settings.openai_base_url)
-    return CondenserHandler(llm=llm, model=settings.llm_model, defaults=fit)
+    configured = bool(settings.openai_api_key or settings.openai_base_url)
+
+    def llm() -> AsyncOpenAI:
+        """The model client, made at the first LLM stage (loading the client library is a second
+        of a worker's start, which a condenser that only forgets never needs)."""
+        from openai import AsyncOpenAI  # noqa: PLC0415
+
+        return AsyncOpenAI(api_key=settings.openai_api_key or "unused", base_url=settings.openai_base_url)
+
+    return CondenserHandler(llm=functools.cache(llm) if configured else None, model=settings.llm_model, defaults=fit)
