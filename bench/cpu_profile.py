@@ -27,8 +27,8 @@ def main(argv: list[str]) -> None:
     profiler.enable()
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except (KeyboardInterrupt, SystemExit):
-        pass
+    except KeyboardInterrupt:
+        pass  # (stopped: SIGTERM or SIGINT; a module's own exit status goes on out)
     finally:
         profiler.disable()
         profiler.dump_stats(out)

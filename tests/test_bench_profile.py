@@ -59,3 +59,14 @@ def test_a_process_stopped_with_sigterm_still_writes_its_profile(tmp_path: Path)
         assert proc.wait(30) == 0
     stats = pstats.Stats(str(tmp_path / "out.prof"))
     assert _own_time(stats, "busy") >= 0.15
+
+
+def test_the_modules_own_exit_status_is_the_processs(tmp_path: Path) -> None:
+    (tmp_path / "fails.py").write_text("import sys\nsys.exit(3)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.cpu_profile", str(tmp_path / "out.prof"), "-m", "fails"],
+        env={"PYTHONPATH": f"{tmp_path}:{Path.cwd()}", "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
+    assert done.returncode == 3
+    assert (tmp_path / "out.prof").exists()
