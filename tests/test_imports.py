@@ -14,6 +14,8 @@ import grimp
 import pytest
 from importlinter.cli import lint_imports
 
+from tests.kit.openai_server import OpenAIServer, server  # noqa: F401  (fixture)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -89,7 +91,7 @@ def test_the_cli_serve_and_a_runtime_worker_start_without_the_heavy_packages(tmp
         import riverbed.cli, riverbed.cli.app, riverbed.serve.app
         from riverbed.settings import Settings
         from riverbed.workers.main import build_handlers
-        handlers, _ = build_handlers(["runtime", "condenser"], Settings())
+        handlers, _ = build_handlers(["runtime", "condenser"], Settings.from_env())
         assert list(handlers) == ["runtime", "condenser"]
         print("loaded:", *(name for name in sys.argv[1:] if name in sys.modules))
         """
@@ -104,3 +106,49 @@ def test_the_cli_serve_and_a_runtime_worker_start_without_the_heavy_packages(tmp
     assert done.returncode == 0, done.stderr
     loaded = [line for line in done.stdout.splitlines() if line.startswith("loaded:")]
     assert loaded == ["loaded:"]
+
+
+def test_an_agent_worker_asks_its_model_without_the_client_library(tmp_path: Path, server: OpenAIServer) -> None:
+    """An agent worker's handlers, built as its process builds them, and the role's model call
+    answered, leave the OpenAI client library unloaded; a failed answer still comes back as the
+    library's own error (loaded then), which the retry policy takes as a model error and retries."""
+    server.reply("an answer")
+    server.fail(429, "slow down")
+    script = textwrap.dedent(
+        """
+        import asyncio, sys
+        from riverbed.agent.retry import is_model_error, retryable
+        from riverbed.settings import Settings
+        from riverbed.workers.main import build_handlers
+
+        handlers, _ = build_handlers(["agent"], Settings.from_env())
+        client = handlers["agent"].client
+        ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+        async def main():
+            answer = await client.chat_completion(ask)
+            print("answered:", answer["choices"][0]["message"]["content"])
+            print("loaded:", *(name for name in sys.argv[1:] if name in sys.modules))
+            try:
+                await client.chat_completion(ask)
+            except Exception as exc:
+                library = type(exc).__module__.split(".")[0]
+                print("failed:", library, type(exc).__name__, is_model_error(exc), retryable(exc))
+            await client.close()
+
+        asyncio.run(main())
+        """
+    )
+    env = {
+        **os.environ,
+        "RIVERBED_SANDBOX": "process",
+        "RIVERBED_WORKSPACE": str(tmp_path),
+        "OPENAI_BASE_URL": server.base_url,
+    }
+    done = subprocess.run([sys.executable, "-c", script, *HEAVY], env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "answered: an answer",
+        "loaded:",
+        "failed: openai RateLimitError True True",
+    ]

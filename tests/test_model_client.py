@@ -50,7 +50,7 @@ async def test_a_check_that_fails_sends_nothing(server: OpenAIServer) -> None:
         raise FencedError("s", "agent", 1)
 
     with checked_by(taken_over), pytest.raises(FencedError):
-        await client.chat.completions.create(**ASK)  # type: ignore[call-overload]
+        await client.library.chat.completions.create(**ASK)  # type: ignore[call-overload]
     assert server.requests == []
     assert server.pending() == 1
     await client.close()
@@ -69,7 +69,7 @@ async def test_the_check_runs_once_a_request_with_the_connection_made(server: Op
 
     for _ in range(2):  # (the test server closes each connection after its answer)
         with checked_by(holds):
-            reply = await client.chat.completions.create(**ASK)  # type: ignore[call-overload]
+            reply = await client.library.chat.completions.create(**ASK)  # type: ignore[call-overload]
         assert reply.choices[0].message.content in ("one", "two")
     assert seen == [1, 1]
     assert len(server.requests) == 2
@@ -158,7 +158,7 @@ async def ask(client: CheckedClient, direct: bool, body: dict[str, object] = ASK
         answer = await client.chat_completion(body)
         content: str | None = answer["choices"][0]["message"]["content"]
         return content
-    reply = await client.chat.completions.create(**body)  # type: ignore[call-overload]
+    reply = await client.library.chat.completions.create(**body)  # type: ignore[call-overload]
     return reply.choices[0].message.content  # type: ignore[no-any-return]
 
 
@@ -307,7 +307,7 @@ async def test_requests_go_through_the_proxy_the_environment_names(
             checks.append(True)
 
         with checked_by(holds):
-            reply = await client.chat.completions.create(**ASK)  # type: ignore[call-overload]
+            reply = await client.library.chat.completions.create(**ASK)  # type: ignore[call-overload]
         assert reply.choices[0].message.content == "through the proxy"
         assert _Forwarder.seen == [f"{server.base_url}/chat/completions"]
         assert checks == [True]

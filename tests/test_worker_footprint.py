@@ -1,5 +1,6 @@
 """A worker loads what its roles use: a real agent-only worker process maps no embedding runtime
-(onnxruntime, fastembed) and, without a database, no Postgres driver; its resting RSS stays small."""
+(onnxruntime, fastembed), no pydantic (the OpenAI client library's models are pydantic's; the role
+asks its model on aiohttp) and, without a database, no Postgres driver; its resting RSS stays small."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.kit.workers import Spawn, ready, spawn, workers  # noqa: F401  (spawn
 pytestmark = pytest.mark.anyio
 
 MOST_MIB = 200
-"""An agent-only worker rests near 85 MiB (docs/operations.md); over twice that is a regression."""
+"""An agent-only worker rests near 60 MiB (docs/operations.md); over three times that is a regression."""
 
 
 async def test_an_agent_only_worker_loads_no_embedding_model_nor_database_driver(spawn: Spawn) -> None:
@@ -20,8 +21,8 @@ async def test_an_agent_only_worker_loads_no_embedding_model_nor_database_driver
     await ready(worker)
     proc = Path(f"/proc/{worker.proc.pid}")
     maps = (proc / "maps").read_text()
-    assert "pydantic_core" in maps  # (it sees the role's own libraries: its model client's are pydantic's)
-    for absent in ("onnxruntime", "fastembed", "tokenizers", "asyncpg"):
+    assert "aiohttp/_http_parser" in maps  # (it sees the role's own libraries: its model client's HTTP parser)
+    for absent in ("onnxruntime", "fastembed", "tokenizers", "asyncpg", "pydantic_core"):
         assert absent not in maps, f"an agent-only worker mapped {absent}"
     status = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line)
     rss_mib = int(status["VmRSS"].split()[0]) / 1024

@@ -5,10 +5,10 @@
     policy = RetryPolicy(budget=settings.agent_llm_retry_seconds)
     answer = await retrying(policy, lambda: client.chat_completion(body))
 
-A call fails with a *model error* (:data:`MODEL_ERRORS`: a timeout, an error of the client
-library, or :class:`Saturated`, the shared limits saying "not now"); any other exception is
-the caller's and goes through untouched.  A model error is retried when :func:`retryable`
-says so:
+A call fails with a *model error* (:func:`is_model_error`: a timeout, an error of the client
+library, a :class:`ModelError` of riverbed's own, or :class:`Saturated`, the shared limits saying
+"not now"); any other exception is the caller's and goes through untouched.  A model error is
+retried when :func:`retryable` says so:
 
 - the server could not be reached, or the connection broke before the whole answer came
   (refused, reset, closed mid-answer: the client library's ``APIConnectionError``), or the
@@ -34,15 +34,24 @@ from __future__ import annotations
 
 import email.utils
 import random
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
-import openai
 
-__all__ = ["MODEL_ERRORS", "GaveUp", "RetryPolicy", "Saturated", "retry_after", "retryable", "retrying"]
+__all__ = [
+    "GaveUp",
+    "ModelError",
+    "RetryPolicy",
+    "Saturated",
+    "is_model_error",
+    "retry_after",
+    "retryable",
+    "retrying",
+]
 
 T = TypeVar("T")
 
@@ -58,13 +67,35 @@ class Saturated(Exception):
         self.wait = wait
 
 
-MODEL_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, openai.OpenAIError, Saturated)
-"""What a model call raises when the model did not answer (anything else is not the model's)."""
+class ModelError(Exception):
+    """A model's answer that riverbed refuses itself (not an error of the client library)."""
+
+
+def _library() -> Any:
+    """The OpenAI client library, or None while nothing in this process has loaded it.
+
+    A worker that asks its model through its own HTTP client loads the library (a second of CPU
+    on these VMs) only when it makes one of the library's errors: until then, no exception can
+    be one of them."""
+    return sys.modules.get("openai")
+
+
+def is_model_error(exc: BaseException) -> bool:
+    """Whether a model call's exception says the model did not answer (anything else is not the
+    model's): a timeout, :class:`Saturated`, a :class:`ModelError`, or an error of the client
+    library."""
+    if isinstance(exc, TimeoutError | Saturated | ModelError):
+        return True
+    library = _library()
+    return library is not None and isinstance(exc, library.OpenAIError)
 
 
 def retryable(exc: BaseException) -> bool:
     """Whether a model error is worth another try (see the module docstring)."""
-    if isinstance(exc, TimeoutError | Saturated | openai.APIConnectionError | openai.APIResponseValidationError):
+    if isinstance(exc, TimeoutError | Saturated):
+        return True
+    library = _library()
+    if library is not None and isinstance(exc, library.APIConnectionError | library.APIResponseValidationError):
         return True
     status = getattr(exc, "status_code", None)
     return isinstance(status, int) and (status in RETRYABLE_STATUSES or status >= 500)
@@ -156,7 +187,9 @@ async def retrying(policy: RetryPolicy, call: Callable[[], Awaitable[T]], *, wai
     while True:
         try:
             return await call()
-        except MODEL_ERRORS as exc:
+        except Exception as exc:
+            if not is_model_error(exc):
+                raise
             saturated = isinstance(exc, Saturated)
             if not saturated:
                 tries += 1

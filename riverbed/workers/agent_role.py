@@ -79,15 +79,13 @@ from dataclasses import dataclass, field
 from dataclasses import replace as dataclass_replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
-import openai
 import structlog
 from anyio.abc import TaskStatus
 from msgspec.structs import replace
-from openai import AsyncOpenAI
 
 from riverbed import events
 from riverbed.agent import run_index, tooling
@@ -106,7 +104,7 @@ from riverbed.agent.messages import cache_breakpoints
 from riverbed.agent.prompt import Prompt
 from riverbed.agent.quotas import Quotas, TenantQuota, call_estimate, model_refusal
 from riverbed.agent.registry import Hosted, load
-from riverbed.agent.retry import GaveUp, RetryPolicy, Saturated, retry_after, retrying
+from riverbed.agent.retry import GaveUp, RetryPolicy, Saturated, is_model_error, retry_after, retrying
 from riverbed.agent.risk import judged
 from riverbed.agent.runs import (
     AppendAction,
@@ -144,6 +142,9 @@ from riverbed.runtime.paths import workspace_name
 from riverbed.settings import DEFAULT_MAX_EVENT_BYTES, Settings
 from riverbed.workers.agent_pace import LAG_PROBE, MachineIdle, Pace, own_cgroup
 from riverbed.workers.model_client import CheckedClient, checked_by
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
 
 __all__ = ["AgentCounters", "AgentHandler", "build_agent_handler"]
 
@@ -339,7 +340,7 @@ class AgentHandler:
     def __init__(
         self,
         *,
-        client: AsyncOpenAI,
+        client: CheckedClient | AsyncOpenAI,
         model: str,
         prices: dict[str, Price] | None = None,
         llm_timeout: float = 120.0,
@@ -1307,7 +1308,8 @@ class AgentHandler:
         :data:`CANCEL_POLL_SECONDS`)."""
         outcome: list[dict[str, Any]] = []
         failure: list[BaseException] = []
-        checked = self.client if isinstance(self.client, CheckedClient) else None
+        client = self.client
+        checked = client if isinstance(client, CheckedClient) else None
 
         async def hold() -> None:  # paused past the lease, then resumed: a peer has the run now
             if not await ctx.holds():
@@ -1365,16 +1367,18 @@ class AgentHandler:
         sent = True
         try:
             with scope:
-                if checked is not None:
+                if isinstance(client, CheckedClient):
                     with checked_by(hold, ctx.holds_now):
-                        outcome.append(await checked.chat_completion(request))
+                        outcome.append(await client.chat_completion(request))
                 else:  # (a client of the caller's: through the client library)
-                    completion = await self.client.chat.completions.create(**_as_built(request))
+                    completion = await client.chat.completions.create(**_as_built(request))
                     outcome.append(completion.model_dump(exclude_none=True))
         except FencedError as exc:
             failure.append(exc)
             sent = False
-        except (TimeoutError, openai.OpenAIError) as exc:
+        except Exception as exc:
+            if not is_model_error(exc):
+                raise
             failure.append(exc)
             self.counters.model_failures += 1
         finally:

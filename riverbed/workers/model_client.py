@@ -17,11 +17,15 @@ as the request is about to be written, and the request goes whole in that write.
 
 :meth:`CheckedClient.chat_completion`, the agent role's call, sends its body on aiohttp, the
 last byte held by the body itself (:class:`_CheckedBody`).  The client library's own calls
-(``chat.completions.create`` and the rest) go through httpx2, with the stream put under the
-client by giving the HTTP transport's connection pool a network backend of ours
+(``client.library.chat.completions.create`` and the rest) go through httpx2, with the stream put
+under the client by giving the HTTP transport's connection pool a network backend of ours
 (:class:`CheckedTransport`): the one place this module reaches into httpx2, a pool's
 ``_network_backend`` (httpx2 and httpcore2 2.16, as in httpx 0.28 and httpcore 1.0); the stream
 awaits the check when the client turns to read the answer.
+
+The OpenAI client library itself (a second of CPU to load on these VMs, and 30 MiB) is loaded
+only for those calls, or to make one of its errors from a failed answer: an agent worker that
+only asks through :meth:`CheckedClient.chat_completion` and gets answers never loads it.
 """
 
 from __future__ import annotations
@@ -31,17 +35,19 @@ import ssl
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import aiohttp.abc
 import httpcore2
 import httpx2
 import msgspec
-import openai
-from openai import AsyncOpenAI
 
+from riverbed.agent.retry import ModelError
 from riverbed.bus.faults import armed, crashpoint
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
 
 __all__ = ["CheckedClient", "CheckedTransport", "checked_by", "connections_for", "proxy_for"]
 
@@ -189,27 +195,27 @@ def proxy_for(base_url: str) -> str | None:
     return proxies.get(url.scheme) or proxies.get("all")
 
 
-class CheckedClient(AsyncOpenAI):
-    """An OpenAI client whose requests pass the check set by :func:`checked_by` (no retries:
+class CheckedClient:
+    """A model client whose requests pass the check set by :func:`checked_by` (no retries:
     they are the role's own).  Any other client makes its requests unchecked.
 
     :meth:`chat_completion` is the agent role's way to ask: the request body goes out as the
     role built it and the answer comes back as plain JSON.  The client library's own pass over
     a request and its response objects were about a sixth of the role's CPU per step
-    (``python -m bench agents``); its errors are kept, made from the response as it makes them."""
+    (``python -m bench agents``); its errors are kept, made from the response as it makes them.
+    :attr:`library` is the client library's client for any other call, checked the same way."""
 
     def __init__(
         self, *, api_key: str, base_url: str | None, max_response_bytes: int = MAX_RESPONSE_BYTES, calls: int = 0
     ) -> None:
         """``calls``: the model calls it may have in flight at once (:func:`connections_for`)."""
         self.max_response_bytes = max_response_bytes
-        server = base_url or OPENAI_URL  # (``OPENAI_BASE_URL`` is read by the settings)
+        self.api_key = api_key
+        self.base_url = base_url or OPENAI_URL  # (``OPENAI_BASE_URL`` is read by the settings)
         # (read once, not on every request: aiohttp's ``trust_env`` reading of it cost three
         # times the rest of a call)
-        self._proxy = proxy_for(server)
-        http = httpx2.AsyncClient(transport=CheckedTransport(proxy=self._proxy), follow_redirects=True)
-        super().__init__(api_key=api_key, base_url=server, max_retries=0, http_client=http)
-        self._completions = str(self.base_url).rstrip("/") + "/chat/completions"
+        self._proxy = proxy_for(self.base_url)
+        self._completions = self.base_url.rstrip("/") + "/chat/completions"
         self._headers = {
             "Authorization": f"Bearer {api_key}",
             "Content-Type": "application/json",
@@ -217,6 +223,18 @@ class CheckedClient(AsyncOpenAI):
         }
         self._calls = calls
         self._aio: aiohttp.ClientSession | None = None
+        self._library: AsyncOpenAI | None = None
+
+    @property
+    def library(self) -> AsyncOpenAI:
+        """The client library's client for the same server (its requests checked too, no retries),
+        made at its first use."""
+        if self._library is None:
+            from openai import AsyncOpenAI  # noqa: PLC0415  (see the module docstring)
+
+            http = httpx2.AsyncClient(transport=CheckedTransport(proxy=self._proxy), follow_redirects=True)
+            self._library = AsyncOpenAI(api_key=self.api_key, base_url=self.base_url, max_retries=0, http_client=http)
+        return self._library
 
     def _pool(self) -> aiohttp.ClientSession:
         """The connections :meth:`chat_completion` asks on (made in the running event loop)."""
@@ -238,7 +256,8 @@ class CheckedClient(AsyncOpenAI):
         return self._aio
 
     async def close(self) -> None:
-        await super().close()
+        if self._library is not None:
+            await self._library.close()
         if self._aio is not None:
             await self._aio.close()
 
@@ -267,16 +286,20 @@ class CheckedClient(AsyncOpenAI):
         except aiohttp.ClientError as exc:
             if failed:
                 raise failed[0] from None  # the check's own error (the request was cut short)
+            import openai  # noqa: PLC0415  (see the module docstring)
+
             raise openai.APIConnectionError(request=self._request()) from exc
         if failed:
             raise failed[0]
         if status >= 400:
-            raise self._make_status_error_from_response(self._as_read(status, answered, content))
+            raise self.library._make_status_error_from_response(self._as_read(status, answered, content))
         try:
             answer = msgspec.json.decode(content)
         except msgspec.DecodeError:
             answer = None
         if not isinstance(answer, dict):
+            import openai  # noqa: PLC0415  (see the module docstring)
+
             raise openai.APIResponseValidationError(
                 self._as_read(status, answered, content), None, message="the model server's answer is not a JSON object"
             )
@@ -353,7 +376,7 @@ async def _connected(_session: aiohttp.ClientSession, _context: Any, _params: An
     crashpoint("model_connected")
 
 
-class ResponseTooLarge(openai.OpenAIError):
+class ResponseTooLarge(ModelError):
     """The model server's answer was over the cap (``RIVERBED_LLM_MAX_RESPONSE_BYTES``): refused
     before it was parsed, and not asked again (the same request would bring the same answer)."""
 
