@@ -97,7 +97,9 @@ async def read_window(base_url: str, *, api_key: str | None = None, timeout: flo
     server = root.removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with anyio.move_on_after(timeout):
-        async with httpx2.AsyncClient(timeout=timeout, headers=headers) as http:
+        # (no certificates loaded for a server without TLS: it is asked without redirects)
+        verify = root.startswith("https:")
+        async with httpx2.AsyncClient(timeout=timeout, headers=headers, verify=verify) as http:
             return await _first_reported(http, [f"{server}/props", f"{server}/slots", f"{root}/models"])
     return None
 

@@ -244,10 +244,10 @@ class CheckedClient:
                 trace = aiohttp.TraceConfig()
                 trace.on_connection_create_end.append(_connected)
                 traces.append(trace)
-            # (the certificates the library's own client trusts: certifi's, or SSL_CERT_FILE / SSL_CERT_DIR)
-            connector = aiohttp.TCPConnector(
-                limit=connections_for(self._calls), limit_per_host=0, ssl=httpx2.create_ssl_context()
-            )
+            # (the certificates the library's own client trusts: certifi's, or SSL_CERT_FILE / SSL_CERT_DIR;
+            # loaded only for a server on TLS: a tenth of a second of CPU)
+            tls = httpx2.create_ssl_context() if self._completions.startswith("https:") else True
+            connector = aiohttp.TCPConnector(limit=connections_for(self._calls), limit_per_host=0, ssl=tls)
             # (no time limit of its own: aiohttp's default of 5 minutes would end a longer call
             # that the caller's RIVERBED_LLM_TIMEOUT allows)
             self._aio = aiohttp.ClientSession(
