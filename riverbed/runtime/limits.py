@@ -39,6 +39,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -223,11 +224,16 @@ def kill_processes(
     keep: frozenset[int] = frozenset(),
     only_new_since: set[int] | None = None,
     lister: Lister = session_processes,
+    settle: float = 2.0,
 ) -> int:
     """SIGKILL processes of session ``sid`` (as ``lister`` finds them) except ``keep`` (and,
     when given, except those in ``only_new_since``).  Stops them first so a fork loop cannot
     outrun us: done once a listing finds none not signalled already (a killed process is
-    listed until it has exited, and it forks no more).  Returns how many were killed."""
+    listed until it has exited, and it forks no more).  Returns how many were killed, once
+    they are gone (a zombie at most) or ``settle`` seconds have passed: a SIGKILLed process
+    still runs until the kernel schedules its exit, which on a loaded machine can be after
+    the sandbox's own process was reaped, so a stopped sandbox would otherwise still show a
+    command running."""
     killed: set[int] = set()
     for _ in range(20):
         targets = [
@@ -242,7 +248,23 @@ def kill_processes(
                 with contextlib.suppress(OSError):
                     os.kill(pid, sig)
         killed.update(targets)
+    deadline = time.monotonic() + settle
+    pending = sorted(killed)
+    while pending := [pid for pid in pending if not _exited(pid)]:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.005)
     return len(killed)
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie left for its parent to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[-1].split()[:1]
+    except OSError:
+        return True
+    return state in ([b"Z"], [b"X"])
 
 
 def wait_exit(proc: subprocess.Popen[bytes], seconds: float, *, reap_later: bool = True) -> bool:
