@@ -555,13 +555,21 @@ class _Callgrind:
         for pid in pids:
             subprocess.run(["callgrind_control", "-d", str(pid)], capture_output=True, check=False)
             subprocess.run(["callgrind_control", "-i", "off", str(pid)], capture_output=True, check=False)
-        total = 0
-        for dump in set(self.directory.glob("*.cg.*")) - before:
-            for line in dump.read_text(errors="replace").splitlines():
-                if line.startswith(("totals:", "summary:")):
-                    total += int(line.split()[1])
-                    break
-        return total
+        return sum(dump_instructions(dump) for dump in set(self.directory.glob("*.cg.*")) - before)
+
+
+def dump_instructions(dump: Path) -> int:
+    """The instructions a callgrind dump counted: its ``totals:`` line, the sum of its costs.
+    Its ``summary:`` line is that only in a worker's first dump: with the counting switched off
+    and on between dumps, callgrind 3.19 writes there this dump's totals less the dump's before
+    (which wraps below zero when a round counted fewer)."""
+    summary = None
+    for line in dump.read_text(errors="replace").splitlines():
+        if line.startswith("totals:"):
+            return int(line.split()[1])
+        if line.startswith("summary:") and summary is None:
+            summary = int(line.split()[1])
+    return summary or 0
 
 
 def _sampled_top(files: list[Path], rows: int = 25) -> str:

@@ -70,3 +70,21 @@ def test_the_modules_own_exit_status_is_the_processs(tmp_path: Path) -> None:
     )
     assert done.returncode == 3
     assert (tmp_path / "out.prof").exists()
+
+
+def test_a_callgrind_dump_counts_its_totals_not_its_summary(tmp_path: Path) -> None:
+    """A worker's second dump of ``bench agents --context 20,2000`` under callgrind: its summary
+    was the dump's totals less the first dump's (1,276,939,117 - 972,875,474), so the 2,000-event
+    round had read as a third of the 20-event one's instructions a step."""
+    from bench.agents import dump_instructions  # noqa: PLC0415  (the bench's imports are heavy)
+
+    dump = tmp_path / "bench-agent-1.cg.2"
+    dump.write_text(
+        "# callgrind format\nversion: 1\ncreator: callgrind-3.19.0\npart: 2\ndesc: Trigger: dump\n"
+        "positions: line\nevents: Ir\nsummary: 304063643\n\nfl=(1) ceval.c\nfn=(1) eval\n0 1276939117\n\n"
+        "totals: 1276939117\n"
+    )
+    assert dump_instructions(dump) == 1_276_939_117
+    first = tmp_path / "bench-agent-1.cg.1"
+    first.write_text("version: 1\nevents: Ir\nsummary: 972875474\n\nfn=(1) eval\n0 972875474\n")
+    assert dump_instructions(first) == 972_875_474  # (a dump without its totals line: the summary)
