@@ -57,6 +57,8 @@ from typing import Literal
 
 import structlog
 
+from riverbed.runtime.limits import proc_stat
+
 __all__ = ["Bounds", "Cgroups", "CgroupsUnusable", "SessionCgroup", "detect"]
 
 log = structlog.get_logger("riverbed.runtime.cgroups")
@@ -177,10 +179,11 @@ def _counter(text: str, key: str) -> int:
 
 def _identity(pid: int | str = "self") -> tuple[int, int] | None:
     """``(pid namespace inode, start time)`` of a process (None: it does not exist)."""
+    fields = proc_stat(pid)
+    if fields is None:
+        return None
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            start = int(fh.read().rsplit(b")", 1)[-1].split()[19])
-        return os.stat(f"/proc/{pid}/ns/pid").st_ino, start
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino, int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
 

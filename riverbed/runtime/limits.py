@@ -168,17 +168,22 @@ def _proc_entries() -> list[str]:
         return []
 
 
+def proc_stat(pid: int | str) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (the state first), None when
+    the process is gone; the name is skipped whole, whatever parentheses or spaces it holds."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[-1].split()
+    except OSError:
+        return None
+
+
 def session_processes(sid: int) -> list[tuple[int, int]]:
     """``(pid, pgrp)`` of every live process in POSIX session ``sid`` (zombies excluded)."""
     found: list[tuple[int, int]] = []
     for entry in _proc_entries():
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat.rsplit(b")", 1)[-1].split()
-        if len(fields) < 4 or fields[0] == b"Z":
+        fields = proc_stat(entry)
+        if fields is None or len(fields) < 4 or fields[0] == b"Z":
             continue
         if int(fields[3]) == sid:
             found.append((int(entry), int(fields[2])))
@@ -197,13 +202,12 @@ def tree_processes(root: int) -> list[tuple[int, int]]:
         if pid in seen:
             continue
         seen.add(pid)
+        fields = proc_stat(pid)
+        if fields is None or len(fields) < 4 or fields[0] == b"Z":
+            continue
         try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[-1].split()
             tasks = os.listdir(f"/proc/{pid}/task")
         except OSError:
-            continue
-        if len(fields) < 4 or fields[0] == b"Z":
             continue
         found.append((pid, int(fields[2])))
         for tid in tasks:
@@ -259,12 +263,8 @@ def kill_processes(
 
 def _exited(pid: int) -> bool:
     """Whether process ``pid`` has exited (gone, or a zombie left for its parent to reap)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            state = fh.read().rsplit(b")", 1)[-1].split()[:1]
-    except OSError:
-        return True
-    return state in ([b"Z"], [b"X"])
+    fields = proc_stat(pid)
+    return fields is None or fields[:1] in ([b"Z"], [b"X"])
 
 
 def wait_exit(proc: subprocess.Popen[bytes], seconds: float, *, reap_later: bool = True) -> bool:
