@@ -54,12 +54,13 @@ the wall-clock figures also hold the waits for a CPU.  With ``BENCH_AGENTS_PROFI
 agent workers run under ``cProfile`` timed by their CPU clock (``bench/cpu_profile.py``: a wait for a
 CPU or the network counts nothing) and write ``DIR/NAME.prof`` when they stop.  With
 ``BENCH_AGENTS_PYSPY=DIR`` each round's runs are sampled instead by ``py-spy record`` (on
-``PATH``; the stacks on a CPU only) into ``DIR/NAME-ROUND.txt``, and the functions most on a CPU
-are printed with the progress.  With ``BENCH_AGENTS_CALLGRIND=DIR`` and ``--context``, the agent
-workers run under callgrind, which counts their instructions between each round's gates (its
-later steps) and prints them per step with the progress: a count that moves little from one run
-to the next, where CPU time on a shared machine moves by a fifth (the workers run some fifty times
-slower meanwhile: with ``--workers 1 --runs 50``, a round takes a few minutes).
+``PATH`` or beside the bench's Python; the stacks on a CPU only) into ``DIR/NAME-ROUND.txt``,
+and the functions most on a CPU are printed with the progress.  With
+``BENCH_AGENTS_CALLGRIND=DIR`` and ``--context``, the agent workers run under callgrind, which
+counts their instructions between each round's gates (its later steps) and prints them per step
+with the progress: a count that moves little from one run to the next, where CPU time on a
+shared machine moves by a fifth (the workers run some fifty times slower meanwhile: with
+``--workers 1 --runs 50``, a round takes a few minutes).
 
 ``--context 20,2000`` seeds each run's session first with about that many events of earlier
 turns, as the agent writes them (a user message; three steps of an ``llm_response`` whose tool
@@ -495,6 +496,11 @@ async def _settle(pids: list[int], *, most: float = 120.0) -> None:
             return
 
 
+def _py_spy() -> str | None:
+    """``py-spy``: on ``PATH``, else beside this Python (installed into its environment)."""
+    return shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+
+
 class _Sampler:
     """``py-spy record`` of each agent worker while a round's runs go on (``BENCH_AGENTS_PYSPY=DIR``):
     the stacks on a CPU, 100 a second, whatever the machine's load, in ``DIR/NAME-ROUND.txt``."""
@@ -507,7 +513,7 @@ class _Sampler:
         directory.mkdir(parents=True, exist_ok=True)
 
     def start(self, label: str) -> None:
-        spy = shutil.which("py-spy") or "py-spy"
+        spy = _py_spy() or "py-spy"
         self.files = [self.directory / f"{name}-{label}.txt" for name in self.pids]
         self.procs = [
             subprocess.Popen(
@@ -654,6 +660,11 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
             file=sys.stderr,
         )
         raise SystemExit(2)
+    spy = os.environ.get("BENCH_AGENTS_PYSPY")
+    if spy and _py_spy() is None:
+        print("bench.agents: BENCH_AGENTS_PYSPY needs py-spy on PATH or beside this Python (pip install py-spy)",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
     prefix = f"bag{uuid.uuid4().hex[:6]}"
     rounds = [_Round([f"c{size}-{i}" for i in range(runs)], size, steps) for size in contexts] or [
         _Round([f"run-{i}" for i in range(runs)], 0, steps)
@@ -731,7 +742,6 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                 agent_pids, runtime_pids = list(pids.values()), [p.pid for p in runtimes.procs]
                 if contexts:
                     await _settle([*agent_pids, *runtime_pids])
-                spy = os.environ.get("BENCH_AGENTS_PYSPY")
                 sampler = _Sampler(Path(spy), pids) if spy else None
                 limiter = anyio.CapacityLimiter(50)
                 for taken in rounds:
