@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from bench.common import Result, process_cpu, run_alone
+from riverbed.agent.prompt import EncodedMessages
 from riverbed.workers.model_client import CheckedClient, checked_by
 
 LARGE = 318_000
@@ -41,14 +42,16 @@ def _system() -> float:
 
 
 def _body(size: int) -> dict[str, Any]:
-    """A chat request of about ``size`` bytes whose messages are JSON already, as the role sends them."""
+    """A chat request of about ``size`` bytes whose messages are JSON already, as the role sends
+    them: a prompt's kept JSON, each message followed by a comma, read in place."""
     messages = [
         {"role": "system", "content": "You are a bench."},
         {"role": "user", "content": "bench run s1: read the file\n" + "x" * size},
     ]
+    joined = bytearray(b"".join(msgspec.json.encode(m) + b"," for m in messages))
     return {
         "model": "bench-model",
-        "messages": [msgspec.Raw(msgspec.json.encode(m)) for m in messages],
+        "messages": EncodedMessages(joined, 0, len(joined), b"[", None),
         "tools": [],
         "tool_choice": "auto",
     }

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from riverbed.agent.llm import build_messages, over_budget
 from riverbed.agent.messages import cache_breakpoints
-from riverbed.agent.prompt import Prompt
+from riverbed.agent.prompt import EncodedMessages, Prompt
 from riverbed.events import (
     CmdOutput,
     CmdRun,
@@ -36,6 +36,7 @@ from riverbed.events import (
 )
 from riverbed.memory.tokens import TokenCounter
 from riverbed.memory.view import ViewBuilder
+from riverbed.workers.model_client import request_body
 from tests.kit.openai_server import tool_call
 
 MASK_AND_FORGET = {
@@ -173,8 +174,10 @@ def test_a_prompt_kept_between_steps_is_the_prompt_built_from_the_whole_log(
     log: list[Event], chunks: list[int], defaults: dict[str, Any] | None, cached: bool
 ) -> None:
     """At every step (the log grown by a few events) the kept prompt's messages, their JSON
-    and the budget check are those of the pure functions over the whole log, whether it is
-    given each step's view or follows the builder (reading only what the view added)."""
+    (and the request body the model client makes of it) and the budget check are those of the
+    pure functions over the whole log, whether it is given each step's view or follows the
+    builder (reading only what the view added).  A step's messages lent in place still make
+    their own array after the next step changed the prompt."""
     builder = ViewBuilder()
     given, following = (
         Prompt(system="sys", condenser_defaults=defaults),
@@ -183,16 +186,26 @@ def test_a_prompt_kept_between_steps_is_the_prompt_built_from_the_whole_log(
     seen: list[Event] = []
     rest = list(log)
     mode = "anthropic" if cached else "none"
+    lent: list[tuple[EncodedMessages, bytes]] = []
     for size in [*chunks, len(rest)]:
         new, rest = rest[:size], rest[size:]
         seen += new
         builder.extend(new)
         following.follow(seen, builder)
         given.update(seen, builder.view())
+        for parts, array in lent:
+            assert parts.join() == array
         wanted = build_messages(seen, system="sys", condenser_defaults=defaults)
+        lent = []
         for prompt in (given, following):
             assert prompt.messages() == wanted
-            assert msgspec.json.encode(prompt.encoded(mode)) == msgspec.json.encode(cache_breakpoints(wanted, mode))
+            array = msgspec.json.encode(cache_breakpoints(wanted, mode))
+            assert msgspec.json.encode(prompt.encoded(mode)) == array
+            parts = prompt.encoded_parts(mode)
+            body = {"model": "m", "messages": parts, "tools": [], "tool_choice": "auto"}
+            assert json.loads(request_body(body)) == {**body, "messages": json.loads(array)}
+            assert json.loads(request_body({"messages": parts})) == {"messages": json.loads(array)}
+            lent.append((parts, array))
             assert prompt.over_budget() == over_budget(seen, defaults)
 
 

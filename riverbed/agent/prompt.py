@@ -11,6 +11,7 @@ the same answers from what it kept of the step before::
     prompt.over_budget()                  # over_budget(seen, defaults)
     prompt.messages()                     # build_messages(seen, system=..., condenser_defaults=...)
     prompt.encoded("none")                # those messages' JSON array (cache_breakpoints applied)
+    prompt.encoded_parts("none")          # the same array's parts, read in place (EncodedMessages)
 
 Between two steps the view only grows at its end, unless a condensation or a context edit came:
 then every part below starts again from the first event, once.  Otherwise:
@@ -24,7 +25,8 @@ then every part below starts again from the first event, once.  Otherwise:
   back across (an observation to its action and that action's response, an action to its
   response, the agent's words to the response they speak for): usually the step's own turn;
 - the messages' JSON is kept joined, so a request's ``messages`` is one copy of it rather than
-  an encoding of each message (or of a list of 2,000 encoded parts);
+  an encoding of each message (or of a list of 2,000 encoded parts): the agent role's model
+  client copies it straight into the request's body (:class:`EncodedMessages`);
 - the condenser's token counts are kept per event.
 
 Nothing here reads the log or the model: it is as pure as the functions it stands for, and a
@@ -36,6 +38,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from typing import Any
+from weakref import ref
 
 import msgspec
 import structlog
@@ -49,7 +52,7 @@ from riverbed.memory.condensers import CondenserConfig, maskable, masked, masked
 from riverbed.memory.tokens import TokenCounter
 from riverbed.memory.view import View, ViewBuilder
 
-__all__ = ["Prompt"]
+__all__ = ["EncodedMessages", "Prompt"]
 
 log = structlog.get_logger("riverbed.agent")
 
@@ -154,6 +157,8 @@ class _Messages:
 
     def __init__(self, system: str | None, images: ImageSource | None) -> None:
         self.images = images
+        self.lent: ref[EncodedMessages] | None = None
+        """the last :class:`EncodedMessages` that reads ``joined`` in place, if any"""
         self.out: list[ChatMessage] = [{"role": "system", "content": system}] if system else []
         self.joined = bytearray()
         """the messages' JSON, each followed by a comma: a request's ``messages`` is this joined
@@ -177,6 +182,10 @@ class _Messages:
 
     def _encode_from(self, count: int) -> None:
         """Encode the messages from index ``count`` on, those after it dropped first."""
+        lent = self.lent() if self.lent is not None else None
+        if lent is not None:  # (it keeps the bytes it reads before they change)
+            lent.keep()
+        self.lent = None
         joined, ends = self.joined, self.ends
         del joined[ends[count - 1] if count else 0 :]
         del ends[count:]
@@ -374,20 +383,56 @@ class Prompt:
         """The messages' JSON array with :func:`~riverbed.agent.messages.cache_breakpoints`'
         marks for ``cache``: a request's ``messages`` (only the marked ones are encoded again;
         the rest is one copy of the JSON kept)."""
+        return msgspec.Raw(self.encoded_parts(cache).join())
+
+    def encoded_parts(self, cache: str = "none") -> EncodedMessages:
+        """:meth:`encoded`'s array as the parts it is made of, the kept JSON read in place (no
+        copy until the request's body is made: :meth:`EncodedMessages.parts`)."""
         kept = self._messages
-        out, joined, ends = kept.out, kept.joined, kept.ends
+        out, ends = kept.out, kept.ends
         if not out:
-            return msgspec.Raw(b"[]")
+            return EncodedMessages(b"", 0, 0, b"[", None)
         with_marks = cache_breakpoints(out, cache)
         head = _encode(with_marks[0]) if with_marks[0] is not out[0] else None
         tail = _encode(with_marks[-1]) if len(out) > 1 and with_marks[-1] is not out[-1] else None
-        body = bytearray(b"[")
-        if head is not None:
-            body += head
-            body += b","
-        body += memoryview(joined)[ends[0] if head is not None else 0 : ends[-2] if tail is not None else len(joined)]
-        if tail is not None:
-            body += tail
-            body += b","
-        body[-1] = 0x5D  # "]" for the last comma
-        return msgspec.Raw(body)
+        start = ends[0] if head is not None else 0
+        stop = ends[-2] if tail is not None else ends[-1]
+        parts = EncodedMessages(kept.joined, start, stop, b"[" + head + b"," if head is not None else b"[", tail)
+        kept.lent = ref(parts)
+        return parts
+
+
+class EncodedMessages:
+    """A request's ``messages`` JSON array as its parts: the kept messages' JSON, read in place
+    (:meth:`Prompt.encoded_parts`), between the ones encoded again for the cache's marks.
+
+    What it reads is the prompt's own buffer until the prompt changes it (its next update):
+    then it keeps a copy of its part first, so the array it makes is the one it was lent."""
+
+    __slots__ = ("__weakref__", "_head", "_source", "_start", "_stop", "_tail")
+
+    def __init__(self, source: bytearray | bytes, start: int, stop: int, head: bytes, tail: bytes | None) -> None:
+        self._source, self._start, self._stop = source, start, stop
+        self._head = head
+        """``[`` and the first message when it is encoded again (with its comma)"""
+        self._tail = tail
+        """the last message, when it is encoded again (without its comma)"""
+
+    def keep(self) -> None:
+        """Copy the part of the prompt's buffer read (before the prompt changes it)."""
+        self._source = bytes(memoryview(self._source)[self._start : self._stop])
+        self._start, self._stop = 0, len(self._source)
+
+    def parts(self) -> list[bytes | memoryview]:
+        """The array's bytes in order, to join at once (a view into the prompt's buffer is among
+        them: the prompt cannot grow while one is held)."""
+        middle = memoryview(self._source)[self._start : self._stop]
+        if self._tail is not None:
+            return [self._head, middle, self._tail, b"]"]
+        if self._stop > self._start:  # (its last comma left out)
+            return [self._head, middle[:-1], b"]"]
+        return [self._head[:-1] + b"]" if len(self._head) > 1 else b"[]"]  # (only the first message)
+
+    def join(self) -> bytes:
+        """The array's JSON."""
+        return b"".join(self.parts())

@@ -1245,7 +1245,7 @@ class AgentHandler:
             "model": model,
             # (the kept messages' JSON, joined: only what is new is encoded; a client of the
             # caller's is given the messages themselves)
-            "messages": prompt.encoded(self.prompt_cache)
+            "messages": prompt.encoded_parts(self.prompt_cache)
             if isinstance(self.client, CheckedClient)
             else cache_breakpoints(prompt.messages(), self.prompt_cache),
             "tools": offered,
