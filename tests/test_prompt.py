@@ -205,7 +205,7 @@ def test_a_prompt_kept_between_steps_is_the_prompt_built_from_the_whole_log(
             body = {"model": "m", "messages": parts, "tools": [], "tool_choice": "auto"}
             assert json.loads(request_body(body)) == {**body, "messages": json.loads(array)}
             assert json.loads(request_body({"messages": parts})) == {"messages": json.loads(array)}
-            lent.append((parts, array))
+            lent += [(parts, array), (prompt.encoded_parts(mode), array)]  # (two lent at once: both kept)
             assert prompt.over_budget() == over_budget(seen, defaults)
 
 

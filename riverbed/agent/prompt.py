@@ -157,8 +157,8 @@ class _Messages:
 
     def __init__(self, system: str | None, images: ImageSource | None) -> None:
         self.images = images
-        self.lent: ref[EncodedMessages] | None = None
-        """the last :class:`EncodedMessages` that reads ``joined`` in place, if any"""
+        self.lent: list[ref[EncodedMessages]] = []
+        """the :class:`EncodedMessages` that read ``joined`` in place (those still alive)"""
         self.out: list[ChatMessage] = [{"role": "system", "content": system}] if system else []
         self.joined = bytearray()
         """the messages' JSON, each followed by a comma: a request's ``messages`` is this joined
@@ -182,10 +182,11 @@ class _Messages:
 
     def _encode_from(self, count: int) -> None:
         """Encode the messages from index ``count`` on, those after it dropped first."""
-        lent = self.lent() if self.lent is not None else None
-        if lent is not None:  # (it keeps the bytes it reads before they change)
-            lent.keep()
-        self.lent = None
+        for held in self.lent:
+            lent = held()
+            if lent is not None:  # (it keeps the bytes it reads before they change)
+                lent.keep()
+        self.lent.clear()
         joined, ends = self.joined, self.ends
         del joined[ends[count - 1] if count else 0 :]
         del ends[count:]
@@ -398,7 +399,7 @@ class Prompt:
         start = ends[0] if head is not None else 0
         stop = ends[-2] if tail is not None else ends[-1]
         parts = EncodedMessages(kept.joined, start, stop, b"[" + head + b"," if head is not None else b"[", tail)
-        kept.lent = ref(parts)
+        kept.lent = [*(lent for lent in kept.lent if lent() is not None), ref(parts)]
         return parts
 
 
