@@ -5,6 +5,7 @@ across processes (the last slot goes to one of many racing opens), enforced by t
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import anyio
@@ -13,7 +14,7 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.hosted import RunLimits, cancel_run, open_run
-from riverbed.agent.quotas import Quotas, seconds_to_midnight
+from riverbed.agent.quotas import Quotas, _days, seconds_to_midnight, today
 from riverbed.client.session import Bus
 from riverbed.errors import QuotaExceeded
 from tests.kit.agent_role import ended, roles, server
@@ -81,6 +82,18 @@ async def test_the_operator_sets_quotas_and_an_open_over_them_is_refused(bus: Bu
     assert shown == [
         {"tenant": "acme", "max_runs": None, "running": 1, "tokens_per_day": 500, "tokens_today": 600, "models": None}
     ]
+
+
+def test_the_day_and_the_day_before_are_the_utc_calendar_s() -> None:
+    """The day keys of the token counts: UTC days across month, year and leap-day ends (and the
+    last second of a day, which belongs to it)."""
+    for stamp in ["1970-01-01T00:00:00", "2024-02-28T23:59:59", "2024-02-29T00:00:00", "2024-03-01T00:00:00.5",
+                  "2025-01-01T00:00:00", "2025-12-31T23:59:59.999", "2100-03-01T12:00:00"]:  # fmt: skip
+        moment = datetime.fromisoformat(stamp).replace(tzinfo=UTC)
+        now = moment.timestamp()
+        assert today(now) == moment.strftime("%Y-%m-%d")
+        before = moment - timedelta(days=1)
+        assert _days(int(now // 86400)) == (moment.strftime("%Y-%m-%d"), before.strftime("%Y-%m-%d"))
 
 
 async def test_a_token_report_counts_once(bus: Bus) -> None:
