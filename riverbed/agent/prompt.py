@@ -38,7 +38,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from typing import Any
-from weakref import ref
+from weakref import WeakSet
 
 import msgspec
 import structlog
@@ -157,7 +157,7 @@ class _Messages:
 
     def __init__(self, system: str | None, images: ImageSource | None) -> None:
         self.images = images
-        self.lent: list[ref[EncodedMessages]] = []
+        self.lent: WeakSet[EncodedMessages] = WeakSet()
         """the :class:`EncodedMessages` that read ``joined`` in place (those still alive)"""
         self.out: list[ChatMessage] = [{"role": "system", "content": system}] if system else []
         self.joined = bytearray()
@@ -182,10 +182,8 @@ class _Messages:
 
     def _encode_from(self, count: int) -> None:
         """Encode the messages from index ``count`` on, those after it dropped first."""
-        for held in self.lent:
-            lent = held()
-            if lent is not None:  # (it keeps the bytes it reads before they change)
-                lent.keep()
+        for lent in self.lent:  # (each keeps the bytes it reads before they change)
+            lent.keep()
         self.lent.clear()
         joined, ends = self.joined, self.ends
         del joined[ends[count - 1] if count else 0 :]
@@ -399,7 +397,7 @@ class Prompt:
         start = ends[0] if head is not None else 0
         stop = ends[-2] if tail is not None else ends[-1]
         parts = EncodedMessages(kept.joined, start, stop, b"[" + head + b"," if head is not None else b"[", tail)
-        kept.lent = [*(lent for lent in kept.lent if lent() is not None), ref(parts)]
+        kept.lent.add(parts)
         return parts
 
 

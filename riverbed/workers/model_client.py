@@ -206,11 +206,9 @@ def request_body(body: Mapping[str, Any]) -> bytes:
     if not isinstance(messages, EncodedMessages):
         return _encode(body)
     rest = _encode({key: value for key, value in body.items() if key != "messages"})
-    parts = [b'{"messages":', *messages.parts(), b"," if len(rest) > 2 else b"", rest[1:]]
-    try:
-        return b"".join(parts)
-    finally:
-        del parts  # (the views into the prompt's buffer go at once: it may grow at the next step)
+    # (the list, and with it the views into the prompt's buffer, goes with the join: the buffer may
+    # grow at the next step)
+    return b"".join([b'{"messages":', *messages.parts(), b"," if len(rest) > 2 else b"", rest[1:]])
 
 
 class CheckedClient:
