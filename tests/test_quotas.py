@@ -14,7 +14,7 @@ import pytest
 
 from riverbed import events
 from riverbed.agent.hosted import RunLimits, cancel_run, open_run
-from riverbed.agent.quotas import Quotas, _days, seconds_to_midnight, today
+from riverbed.agent.quotas import Quotas, seconds_to_midnight, today, today_and_before
 from riverbed.client.session import Bus
 from riverbed.errors import QuotaExceeded
 from tests.kit.agent_role import ended, roles, server
@@ -93,7 +93,7 @@ def test_the_day_and_the_day_before_are_the_utc_calendar_s() -> None:
         now = moment.timestamp()
         assert today(now) == moment.strftime("%Y-%m-%d")
         before = moment - timedelta(days=1)
-        assert _days(int(now // 86400)) == (moment.strftime("%Y-%m-%d"), before.strftime("%Y-%m-%d"))
+        assert today_and_before(now) == (moment.strftime("%Y-%m-%d"), before.strftime("%Y-%m-%d"))
 
 
 async def test_a_token_report_counts_once(bus: Bus) -> None:

@@ -149,7 +149,12 @@ class TenantUsage(msgspec.Struct, kw_only=True):
 
 def today(now: float | None = None) -> str:
     """The UTC day of ``now`` (the time when None), ``YYYY-MM-DD``."""
-    return _days(int((time.time() if now is None else now) // 86400))[0]
+    return today_and_before(now)[0]
+
+
+def today_and_before(now: float | None = None) -> tuple[str, str]:
+    """The UTC day of ``now`` (the time when None) and the day before it, ``YYYY-MM-DD``."""
+    return _days(int((time.time() if now is None else now) // 86400))
 
 
 _EPOCH = date(1970, 1, 1).toordinal()
@@ -342,7 +347,7 @@ class Quotas:
         return ("EVAL", scripts.COUNT_TOKENS, len(keys), *keys, f"{session}:{run}", tokens, TOKENS_TTL)
 
     def _count_keys(self, tenant: str) -> list[str]:
-        day, yesterday = _days(int(time.time() // 86400))
+        day, yesterday = today_and_before()
         return [
             self.keys.tenant_tokens(tenant, day),
             self.keys.tenant_tokens(tenant, yesterday),
