@@ -127,7 +127,7 @@ from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 import riverbed
-from bench.common import Result, cpu_seconds, percentile, redis_cpu, run_alone
+from bench.common import Result, cpu_seconds, dump_instructions, percentile, redis_cpu, run_alone
 from bench.model_server import task_text
 from bench.roundtrip import FILE_NAME, Workers, _prepare_workspace
 from bench.tool_agent import bench_agent
@@ -562,20 +562,6 @@ class _Callgrind:
             subprocess.run(["callgrind_control", "-d", str(pid)], capture_output=True, check=False)
             subprocess.run(["callgrind_control", "-i", "off", str(pid)], capture_output=True, check=False)
         return sum(dump_instructions(dump) for dump in set(self.directory.glob("*.cg.*")) - before)
-
-
-def dump_instructions(dump: Path) -> int:
-    """The instructions a callgrind dump counted: its ``totals:`` line, the sum of its costs.
-    Its ``summary:`` line is that only in a worker's first dump: with the counting switched off
-    and on between dumps, callgrind 3.19 writes there this dump's totals less the dump's before
-    (which wraps below zero when a round counted fewer)."""
-    summary = None
-    for line in dump.read_text(errors="replace").splitlines():
-        if line.startswith("totals:"):
-            return int(line.split()[1])
-        if line.startswith("summary:") and summary is None:
-            summary = int(line.split()[1])
-    return summary or 0
 
 
 def _sampled_top(files: list[Path], rows: int = 25) -> str:

@@ -259,3 +259,17 @@ def print_results(results: list[Result], *, as_json: bool = False) -> None:
     for r in results:
         if r.note:
             print(f"* {r.name}: {r.note}")
+
+
+def dump_instructions(dump: Path) -> int:
+    """The instructions a callgrind dump counted: its ``totals:`` line, the sum of its costs.
+    Its ``summary:`` line is that only in a worker's first dump: with the counting switched off
+    and on between dumps, callgrind 3.19 writes there this dump's totals less the dump's before
+    (which wraps below zero when a round counted fewer)."""
+    summary = None
+    for line in dump.read_text(errors="replace").splitlines():
+        if line.startswith("totals:"):
+            return int(line.split()[1])
+        if line.startswith("summary:") and summary is None:
+            summary = int(line.split()[1])
+    return summary or 0

@@ -76,7 +76,7 @@ def test_a_callgrind_dump_counts_its_totals_not_its_summary(tmp_path: Path) -> N
     """A worker's second dump of ``bench agents --context 20,2000`` under callgrind: its summary
     was the dump's totals less the first dump's (1,276,939,117 - 972,875,474), so the 2,000-event
     round had read as a third of the 20-event one's instructions a step."""
-    from bench.agents import dump_instructions  # noqa: PLC0415  (the bench's imports are heavy)
+    from bench.common import dump_instructions  # noqa: PLC0415  (the bench's imports are heavy)
 
     dump = tmp_path / "bench-agent-1.cg.2"
     dump.write_text(
