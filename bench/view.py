@@ -48,7 +48,8 @@ With ``BENCH_VIEW_CALLGRIND=1``, each shape's 100,000 events are also folded und
 --tool=callgrind`` (a few minutes): the instructions per event of ``ViewBuilder.append`` and the
 fold that ``view()`` then makes, against the ``list.append`` loop's, each less those of a run
 that only decodes the same events.  Thread CPU moves with the VM by a factor of two or more
-from one hour to the next; these counts do not, so they say what the 0.5 µs goal asks of a CPU.
+from one hour to the next (and within a run); these counts move by less than 1% from one run to
+the next, so they say what the 0.5 µs goal asks of a CPU.
 """
 
 from __future__ import annotations
