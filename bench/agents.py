@@ -127,7 +127,7 @@ from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 import riverbed
-from bench.common import Result, cpu_seconds, dump_instructions, percentile, redis_cpu, run_alone
+from bench.common import Callgrind, Result, cpu_seconds, percentile, redis_cpu, run_alone
 from bench.model_server import task_text
 from bench.roundtrip import FILE_NAME, Workers, _prepare_workspace
 from bench.tool_agent import bench_agent
@@ -535,35 +535,6 @@ class _Sampler:
         _progress(f"agents: where the agent workers' CPU went ({label}):\n{_sampled_top(self.files)}")
 
 
-class _Callgrind:
-    """The agent workers under ``valgrind --tool=callgrind`` (``BENCH_AGENTS_CALLGRIND=DIR``, with
-    ``--context``), counting instructions only between a round's gates: from every run at its first
-    model call to every run at its last, its later steps alone.  The same code counts about the same
-    whatever else the machine does, where a step's CPU time moves by a fifth from one run to the
-    next on a shared VM; each worker runs some fifty times slower meanwhile (the wall-clock figures
-    mean nothing then).  The counts are in ``DIR/NAME.cg.N``, for ``callgrind_annotate``."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
-
-    def wrap(self, name: str) -> list[str]:
-        out = self.directory / f"{name}.cg"
-        return ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
-
-    def start(self, pids: list[int]) -> None:
-        for pid in pids:
-            subprocess.run(["callgrind_control", "-i", "on", str(pid)], capture_output=True, check=False)
-
-    def stop(self, pids: list[int]) -> int:
-        """Dump each worker's counts since :meth:`start` and stop counting: the instructions."""
-        before = set(self.directory.glob("*.cg.*"))
-        for pid in pids:
-            subprocess.run(["callgrind_control", "-d", str(pid)], capture_output=True, check=False)
-            subprocess.run(["callgrind_control", "-i", "off", str(pid)], capture_output=True, check=False)
-        return sum(dump_instructions(dump) for dump in set(self.directory.glob("*.cg.*")) - before)
-
-
 def _sampled_top(files: list[Path], rows: int = 25) -> str:
     """The functions most on a CPU in ``py-spy``'s raw stacks: by their own samples, and riverbed's
     own functions by the samples they were on the stack for."""
@@ -697,7 +668,7 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
             runtimes = Workers(url, prefix, workspace, runtime_count, capacity, "process")
             profile = os.environ.get("BENCH_AGENTS_PROFILE")
             grind = os.environ.get("BENCH_AGENTS_CALLGRIND")
-            counter = _Callgrind(Path(grind)) if grind and contexts else None
+            counter = Callgrind(Path(grind)) if grind and contexts else None
             agents = Workers(
                 url,
                 prefix,

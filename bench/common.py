@@ -16,6 +16,7 @@ import os
 import resource
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -273,3 +274,32 @@ def dump_instructions(dump: Path) -> int:
         if line.startswith("summary:") and summary is None:
             summary = int(line.split()[1])
     return summary or 0
+
+
+class Callgrind:
+    """Processes run under ``valgrind --tool=callgrind`` (:meth:`wrap`), counting instructions only
+    between :meth:`start` and :meth:`stop`: the same code counts about the same whatever else the
+    machine does, where CPU time on a shared VM moves by a fifth or more from one run to the next.
+    Each process runs some fifty times slower meanwhile (wall-clock figures mean nothing then).
+    The counts are in ``DIR/NAME.cg.N``, for ``callgrind_annotate``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def wrap(self, name: str) -> list[str]:
+        """The command line's start that runs ``name`` under callgrind, counting nothing yet."""
+        out = self.directory / f"{name}.cg"
+        return ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+
+    def start(self, pids: list[int]) -> None:
+        for pid in pids:
+            subprocess.run(["callgrind_control", "-i", "on", str(pid)], capture_output=True, check=False)
+
+    def stop(self, pids: list[int]) -> int:
+        """Dump each process's counts since :meth:`start` and stop counting: the instructions."""
+        before = set(self.directory.glob("*.cg.*"))
+        for pid in pids:
+            subprocess.run(["callgrind_control", "-d", str(pid)], capture_output=True, check=False)
+            subprocess.run(["callgrind_control", "-i", "off", str(pid)], capture_output=True, check=False)
+        return sum(dump_instructions(dump) for dump in set(self.directory.glob("*.cg.*")) - before)

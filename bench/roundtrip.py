@@ -33,6 +33,12 @@ command at a time, makes four; the floor's responder does pipeline its ``XADD`` 
 
 Each session's first action (which makes a worker take the session) is a warm-up and is
 not measured.  Run alone: ``python -m bench.roundtrip [--quick] [--repeats N] [--json]``.
+
+With ``BENCH_ROUNDTRIP_CALLGRIND=DIR``, the latency rounds are followed by two rounds of each side
+(100 round trips each) on a second private redis-server run under ``valgrind --tool=callgrind``,
+which counts only while a side's round goes on: Redis's instructions per round trip of each side
+(the dumps in ``DIR``, for ``callgrind_annotate``).  Redis's microseconds in ``INFO commandstats``
+move with the VM; these counts move by a few percent (the worker's own rounds fall in them).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -55,8 +63,17 @@ import anyio
 import redis.asyncio as aioredis
 
 import riverbed
-from bench.common import Result, cpu_seconds, percentile, process_cpu, redis_commands, redis_cpu, run_alone
-from riverbed import events
+from bench.common import (
+    Callgrind,
+    Result,
+    cpu_seconds,
+    percentile,
+    process_cpu,
+    redis_commands,
+    redis_cpu,
+    run_alone,
+)
+from riverbed import events, services
 from riverbed.bus.keys import Keys
 from riverbed.bus.scripts import APPEND
 from riverbed.runtime.paths import workspace_name
@@ -65,6 +82,7 @@ FILE_NAME = "small.txt"
 FILE_TEXT = "riverbed benchmark file\n" + "0123456789abcdef" * 11 + "\n"
 GROUP = "responder"
 LATENCY_SAMPLES = 300  # per round
+CALLGRIND_SAMPLES = 100  # per round of each side, Redis under callgrind (some fifty times slower)
 RUN_RATIO_GOAL = 1.2
 """The goal for each run (round) of the latency phase: its p50 at most this times the floor's."""
 THROUGHPUT_ROUNDS_PER_REPEAT = 2
@@ -385,6 +403,7 @@ async def _phase(
     runtime_only: bool = False,
     one_write_lat: list[float] | None = None,
     cpu: dict[str, Cpu] | None = None,
+    counted: tuple[Callgrind, int, dict[str, list[int]]] | None = None,
 ) -> tuple[list[float], list[float], list[float], list[float], float]:
     """Floor and riverbed, ``rounds`` alternating rounds of ``sessions`` concurrent loops.
 
@@ -394,7 +413,9 @@ async def _phase(
     Returns (floor rates, riverbed rates, floor latencies, riverbed latencies, riverbed warm-up s);
     with ``one_write_lat``, a third contender alternates too (a floor sending each request and its
     wait in one write, as riverbed does) and its latencies go there.  With ``cpu``, the CPU each
-    side's processes used over its rounds is added up under "floor" and "riverbed".
+    side's processes used over its rounds is added up under "floor" and "riverbed".  With
+    ``counted`` (a counter, the pid of the Redis at ``url`` running under it, and a dict), the
+    instructions Redis ran during each side's rounds and their round trips are added up there.
     """
     tag = uuid.uuid4().hex[:8]
     raw_prefix, rb_prefix = f"bpp{tag}", f"brt{tag}"
@@ -441,7 +462,13 @@ async def _phase(
                     # up across a pair of rounds favours neither side.
                     for side, pids, fns, rates, latencies in sides if index % 2 == 0 else sides[::-1]:
                         used = None if cpu is None else await Cpu.now(pids, raw)
+                        if counted is not None:
+                            counted[0].start([counted[1]])
                         rate, lat = await _concurrent(fns, per_session)
+                        if counted is not None:
+                            totals = counted[2].setdefault(side, [0, 0])
+                            totals[0] += counted[0].stop([counted[1]])
+                            totals[1] += len(lat)
                         if cpu is not None and used is not None:
                             cpu.setdefault(side, Cpu()).add(await used.since(pids, raw), len(lat))
                         rates.append(rate)
@@ -487,6 +514,66 @@ async def _sandboxes(url: str, tmp: Path, *, rounds: int, per_round: int) -> tup
         for workers in sets.values():
             workers.stop()
     return out["process"], out["namespaces"]
+
+
+async def _redis_instructions(tmp: Path, counter: Callgrind) -> Result:
+    """Redis's instructions per act round trip against the floor's (``BENCH_ROUNDTRIP_CALLGRIND=DIR``):
+    two rounds of each side, one session, on a second private redis-server under callgrind that
+    counts only while a side's round goes on."""
+    print("bench.roundtrip: counting Redis's instructions under callgrind", file=sys.stderr, flush=True)
+    counted: dict[str, list[int]] = {}
+    with _redis_under(counter) as (url, pid):
+        await _phase(url, tmp, 1, 1, rounds=2, per_session=CALLGRIND_SAMPLES, counted=(counter, pid, counted))
+    (rb, rb_trips), (floor, floor_trips) = counted["riverbed"], counted["floor"]
+    return Result(
+        "act round trip, Redis's instructions per round trip (1 session, callgrind)",
+        "instructions",
+        rb / rb_trips,
+        floor / floor_trips,
+        "the floor's",
+        (rb / rb_trips) / (floor / floor_trips),
+        None,
+        rb_trips,
+        better="lower",
+        note=f"{rb_trips} round trips of each side, redis-server under callgrind counting only during a side's "
+        "rounds (the runtime worker's own rounds, renewals and heartbeats, fall in both sides' counts); "
+        f"the counts are in {counter.directory}, for callgrind_annotate",
+    )
+
+
+@contextmanager
+def _redis_under(counter: Callgrind) -> Iterator[tuple[str, int]]:
+    """A private redis-server under ``counter``'s callgrind, counting nothing yet: (its URL, its pid)."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("bench.roundtrip: BENCH_ROUNDTRIP_CALLGRIND needs valgrind on PATH (apt install valgrind)")
+    port = services.free_port()
+    command = [services.redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--dir", str(counter.directory)]  # fmt: skip
+    proc = subprocess.Popen([*counter.wrap("redis"), *command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not _pongs(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("bench.roundtrip: redis-server under callgrind did not start")
+            time.sleep(0.2)
+        yield f"redis://127.0.0.1:{port}/0", proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _pongs(port: int) -> bool:
+    """Whether a Redis on ``port`` answers a PING."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
 
 
 async def measure(url: str, args: argparse.Namespace) -> list[Result]:
@@ -558,6 +645,9 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                    note="a floor that sends each request with its wait, and each reply with the next read, in one "
                    "write (two trips to Redis per round trip, as riverbed makes)")
         )  # fmt: skip
+        grind = os.environ.get("BENCH_ROUNDTRIP_CALLGRIND")
+        if grind:
+            results.append(await _redis_instructions(tmp, Callgrind(Path(grind))))
         _r, _b, raw_lat, rb_lat, _w = await _phase(
             url, tmp, 1, 1, rounds=max(repeats // 2, 1), per_session=per_round, runtime_only=True
         )
