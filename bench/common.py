@@ -288,18 +288,32 @@ class Callgrind:
         directory.mkdir(parents=True, exist_ok=True)
 
     def wrap(self, name: str) -> list[str]:
-        """The command line's start that runs ``name`` under callgrind, counting nothing yet."""
+        """The command line's start that runs ``name`` under callgrind, counting nothing yet (the
+        dumps of an earlier run in the directory go first: callgrind numbers them from 1 again)."""
+        for stale in self.directory.glob(f"{name}.cg*"):
+            stale.unlink()
         out = self.directory / f"{name}.cg"
         return ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
 
     def start(self, pids: list[int]) -> None:
         for pid in pids:
-            subprocess.run(["callgrind_control", "-i", "on", str(pid)], capture_output=True, check=False)
+            self._control("-i", "on", pid)
 
     def stop(self, pids: list[int]) -> int:
         """Dump each process's counts since :meth:`start` and stop counting: the instructions."""
         before = set(self.directory.glob("*.cg.*"))
         for pid in pids:
-            subprocess.run(["callgrind_control", "-d", str(pid)], capture_output=True, check=False)
-            subprocess.run(["callgrind_control", "-i", "off", str(pid)], capture_output=True, check=False)
-        return sum(dump_instructions(dump) for dump in set(self.directory.glob("*.cg.*")) - before)
+            self._control("-d", "", pid)
+            self._control("-i", "off", pid)
+        dumps = set(self.directory.glob("*.cg.*")) - before
+        if len(dumps) < len(pids):
+            raise SystemExit(f"bench: callgrind wrote no count into {self.directory} (callgrind_control -d failed)")
+        return sum(dump_instructions(dump) for dump in dumps)
+
+    @staticmethod
+    def _control(option: str, value: str, pid: int) -> None:
+        command = ["callgrind_control", option, *([value] if value else []), str(pid)]
+        try:
+            subprocess.run(command, capture_output=True, check=False, timeout=120)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"bench: {' '.join(command)} did not answer within 120 s") from None

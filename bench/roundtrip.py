@@ -38,7 +38,8 @@ With ``BENCH_ROUNDTRIP_CALLGRIND=DIR``, the latency rounds are followed by two r
 (100 round trips each) on a second private redis-server run under ``valgrind --tool=callgrind``,
 which counts only while a side's round goes on: Redis's instructions per round trip of each side
 (the dumps in ``DIR``, for ``callgrind_annotate``).  Redis's microseconds in ``INFO commandstats``
-move with the VM; these counts move by a few percent (the worker's own rounds fall in them).
+move with the VM; over five runs these counts moved by 8% for riverbed and by 14% for the floor
+(the worker's own rounds, which take longer under callgrind, fall in both).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ import argparse
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -76,6 +76,7 @@ from bench.common import (
 from riverbed import events, services
 from riverbed.bus.keys import Keys
 from riverbed.bus.scripts import APPEND
+from riverbed.errors import ServiceError
 from riverbed.runtime.paths import workspace_name
 
 FILE_NAME = "small.txt"
@@ -392,6 +393,20 @@ def _ms(values: list[float]) -> list[float]:
     return [v * 1000 for v in values]
 
 
+@dataclass
+class _Counted:
+    """Redis under callgrind (``BENCH_ROUNDTRIP_CALLGRIND``): its counter and pid, and per side the
+    instructions it ran during that side's rounds and their round trips."""
+
+    counter: Callgrind
+    pid: int
+    instructions: dict[str, int] = field(default_factory=dict)
+    trips: dict[str, int] = field(default_factory=dict)
+
+    def per_trip(self, side: str) -> float:
+        return self.instructions[side] / self.trips[side]
+
+
 async def _phase(
     url: str,
     tmp: Path,
@@ -403,7 +418,7 @@ async def _phase(
     runtime_only: bool = False,
     one_write_lat: list[float] | None = None,
     cpu: dict[str, Cpu] | None = None,
-    counted: tuple[Callgrind, int, dict[str, list[int]]] | None = None,
+    counted: _Counted | None = None,
 ) -> tuple[list[float], list[float], list[float], list[float], float]:
     """Floor and riverbed, ``rounds`` alternating rounds of ``sessions`` concurrent loops.
 
@@ -414,8 +429,8 @@ async def _phase(
     with ``one_write_lat``, a third contender alternates too (a floor sending each request and its
     wait in one write, as riverbed does) and its latencies go there.  With ``cpu``, the CPU each
     side's processes used over its rounds is added up under "floor" and "riverbed".  With
-    ``counted`` (a counter, the pid of the Redis at ``url`` running under it, and a dict), the
-    instructions Redis ran during each side's rounds and their round trips are added up there.
+    ``counted`` (the Redis at ``url`` running under callgrind), the instructions it ran during
+    each side's rounds and their round trips are added up there.
     """
     tag = uuid.uuid4().hex[:8]
     raw_prefix, rb_prefix = f"bpp{tag}", f"brt{tag}"
@@ -463,12 +478,12 @@ async def _phase(
                     for side, pids, fns, rates, latencies in sides if index % 2 == 0 else sides[::-1]:
                         used = None if cpu is None else await Cpu.now(pids, raw)
                         if counted is not None:
-                            counted[0].start([counted[1]])
+                            counted.counter.start([counted.pid])
                         rate, lat = await _concurrent(fns, per_session)
                         if counted is not None:
-                            totals = counted[2].setdefault(side, [0, 0])
-                            totals[0] += counted[0].stop([counted[1]])
-                            totals[1] += len(lat)
+                            ran = counted.counter.stop([counted.pid])
+                            counted.instructions[side] = counted.instructions.get(side, 0) + ran
+                            counted.trips[side] = counted.trips.get(side, 0) + len(lat)
                         if cpu is not None and used is not None:
                             cpu.setdefault(side, Cpu()).add(await used.since(pids, raw), len(lat))
                         rates.append(rate)
@@ -521,41 +536,42 @@ async def _redis_instructions(tmp: Path, counter: Callgrind) -> Result:
     two rounds of each side, one session, on a second private redis-server under callgrind that
     counts only while a side's round goes on."""
     print("bench.roundtrip: counting Redis's instructions under callgrind", file=sys.stderr, flush=True)
-    counted: dict[str, list[int]] = {}
     with _redis_under(counter) as (url, pid):
-        await _phase(url, tmp, 1, 1, rounds=2, per_session=CALLGRIND_SAMPLES, counted=(counter, pid, counted))
-    (rb, rb_trips), (floor, floor_trips) = counted["riverbed"], counted["floor"]
+        counted = _Counted(counter, pid)
+        await _phase(url, tmp, 1, 1, rounds=2, per_session=CALLGRIND_SAMPLES, counted=counted)
+    rb, floor = counted.per_trip("riverbed"), counted.per_trip("floor")
     return Result(
         "act round trip, Redis's instructions per round trip (1 session, callgrind)",
         "instructions",
-        rb / rb_trips,
-        floor / floor_trips,
+        rb,
+        floor,
         "the floor's",
-        (rb / rb_trips) / (floor / floor_trips),
+        rb / floor,
         None,
-        rb_trips,
+        counted.trips["riverbed"],
         better="lower",
-        note=f"{rb_trips} round trips of each side, redis-server under callgrind counting only during a side's "
-        "rounds (the runtime worker's own rounds, renewals and heartbeats, fall in both sides' counts); "
-        f"the counts are in {counter.directory}, for callgrind_annotate",
+        note=f"{counted.trips['riverbed']} round trips of each side, redis-server under callgrind counting only "
+        "during a side's rounds (the runtime worker's own rounds, renewals and heartbeats, fall in both sides' "
+        f"counts); the counts are in {counter.directory}, for callgrind_annotate",
     )
 
 
 @contextmanager
 def _redis_under(counter: Callgrind) -> Iterator[tuple[str, int]]:
     """A private redis-server under ``counter``'s callgrind, counting nothing yet: (its URL, its pid)."""
-    if shutil.which("valgrind") is None:
-        raise SystemExit("bench.roundtrip: BENCH_ROUNDTRIP_CALLGRIND needs valgrind on PATH (apt install valgrind)")
     port = services.free_port()
     command = [services.redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", str(counter.directory)]  # fmt: skip
-    proc = subprocess.Popen([*counter.wrap("redis"), *command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = counter.directory / "redis.valgrind.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*counter.wrap("redis"), *command], stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while not _pongs(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("bench.roundtrip: redis-server under callgrind did not start")
-            time.sleep(0.2)
+        try:
+            services.wait_for_redis(port, 120, proc)
+        except ServiceError as exc:
+            raise SystemExit(
+                f"bench.roundtrip: redis-server under callgrind did not start ({exc}); see {log}"
+            ) from None
         yield f"redis://127.0.0.1:{port}/0", proc.pid
     finally:
         proc.terminate()
@@ -566,18 +582,11 @@ def _redis_under(counter: Callgrind) -> Iterator[tuple[str, int]]:
             proc.wait()
 
 
-def _pongs(port: int) -> bool:
-    """Whether a Redis on ``port`` answers a PING."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
 async def measure(url: str, args: argparse.Namespace) -> list[Result]:
     repeats = max(args.repeats, 1)
+    grind = os.environ.get("BENCH_ROUNDTRIP_CALLGRIND")
+    if grind and shutil.which("valgrind") is None:
+        raise SystemExit("bench.roundtrip: BENCH_ROUNDTRIP_CALLGRIND needs valgrind on PATH (apt install valgrind)")
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="riverbed-bench-rt-") as tmp_name:
         tmp = Path(tmp_name)
@@ -645,7 +654,6 @@ async def measure(url: str, args: argparse.Namespace) -> list[Result]:
                    note="a floor that sends each request with its wait, and each reply with the next read, in one "
                    "write (two trips to Redis per round trip, as riverbed makes)")
         )  # fmt: skip
-        grind = os.environ.get("BENCH_ROUNDTRIP_CALLGRIND")
         if grind:
             results.append(await _redis_instructions(tmp, Callgrind(Path(grind))))
         _r, _b, raw_lat, rb_lat, _w = await _phase(

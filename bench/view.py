@@ -48,8 +48,9 @@ With ``BENCH_VIEW_CALLGRIND=1``, each shape's 100,000 events are also folded und
 --tool=callgrind`` (a few minutes): the instructions per event of ``ViewBuilder.append`` and the
 fold that ``view()`` then makes, against the ``list.append`` loop's, each less those of a run
 that only decodes the same events.  Thread CPU moves with the VM by a factor of two or more
-from one hour to the next (and within a run); these counts move by less than 1% from one run to
-the next, so they say what the 0.5 µs goal asks of a CPU.
+from one hour to the next (and within a run); the fold's counts move by less than 1% from one run
+to the next (the bare loop's, a small difference of two large counts, by up to a tenth), so they
+say what the 0.5 µs goal asks of a CPU.
 """
 
 from __future__ import annotations
@@ -360,11 +361,16 @@ def _instructions(shape: str, evs: list[events.Event], timed_us: float) -> list[
         for part in ("decode", "loop", "append", "fold"):
             print(f"bench.view: counting the instructions of {part!r}, {shape} shape", file=sys.stderr, flush=True)
             out = Path(tmp) / f"{part}.cg"
-            subprocess.run(
-                ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-c",
-                 f"from bench.view import _count_part; _count_part({part!r}, {str(history)!r})"],
-                cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, check=True,
-            )  # fmt: skip
+            command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-c",
+                       f"from bench.view import _count_part; _count_part({part!r}, {str(history)!r})"]  # fmt: skip
+            try:
+                subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True,
+                               check=True, timeout=1800)  # fmt: skip
+            except subprocess.CalledProcessError as exc:
+                why = exc.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+                raise SystemExit(f"bench.view: counting {part!r} under callgrind failed: {why[0]}") from None
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"bench.view: counting {part!r} under callgrind took over 30 minutes") from None
             counts[part] = dump_instructions(out)
     per = {part: (counts[part] - counts["decode"]) / len(evs) for part in ("loop", "append", "fold")}
     return [
@@ -391,16 +397,13 @@ def _count_part(part: str, history: str) -> None:
     """One part of :func:`_instructions`, run under callgrind: decode the events, then do ``part``."""
     evs = [events.decode(payload, event_id) for event_id, payload in msgspec.msgpack.decode(Path(history).read_bytes())]
     if part == "loop":
-        out: list[events.Event] = []
-        for event in evs:
-            out.append(event)  # noqa: PERF402  (the baseline is this very loop)
-    elif part in ("append", "fold"):
-        builder = ViewBuilder()
-        append = builder.append
+        _plain(evs)
+    elif part == "fold":
+        _appends(evs)
+    elif part == "append":  # (the appends of _appends without its view())
+        append = ViewBuilder().append
         for event in evs:
             append(event)
-        if part == "fold":
-            builder.view()
 
 
 class _Peer:

@@ -105,7 +105,9 @@ def _redis_version(binary: str) -> tuple[int, ...] | None:
     return tuple(int(part) for part in match.groups()) if match else None
 
 
-def _wait_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_for_redis(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Return once a redis-server on 127.0.0.1:``port`` answers a PING; :class:`ServiceError` when
+    ``proc`` (its process, if known) exits first or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -155,7 +157,7 @@ def _start_daemon(directory: Path, port: int, name: str, options: list[str], *, 
         subprocess.run(args, check=True, capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError) as exc:
         raise ServiceError(f"could not start {what}: {exc}") from exc
-    _wait_port(port, 10)
+    wait_for_redis(port, 10)
     return int(pidfile.read_text().strip()) if pidfile.exists() else 0
 
 
