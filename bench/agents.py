@@ -127,7 +127,7 @@ from msgspec.structs import replace
 from openai import AsyncOpenAI
 
 import riverbed
-from bench.common import Callgrind, Result, cpu_seconds, percentile, redis_cpu, run_alone
+from bench.common import Callgrind, Result, cpu_seconds, percentile, redis_cpu, run_alone, stop_processes
 from bench.model_server import task_text
 from bench.roundtrip import FILE_NAME, Workers, _prepare_workspace
 from bench.tool_agent import bench_agent
@@ -206,13 +206,7 @@ class _ModelServer:
         return held["received"]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_processes([self.proc], 10)
         self.log.close()
 
 

@@ -262,6 +262,19 @@ def print_results(results: list[Result], *, as_json: bool = False) -> None:
             print(f"* {r.name}: {r.note}")
 
 
+def stop_processes(procs: Sequence[subprocess.Popen[Any]], grace: float) -> None:
+    """SIGTERM each of ``procs``, then SIGKILL each one still running ``grace`` seconds into its
+    wait; each is reaped."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
 def dump_instructions(dump: Path) -> int:
     """The instructions a callgrind dump counted: its ``totals:`` line, the sum of its costs.
     Its ``summary:`` line is that only in a worker's first dump: with the counting switched off
@@ -297,22 +310,22 @@ class Callgrind:
 
     def start(self, pids: list[int]) -> None:
         for pid in pids:
-            self._control("-i", "on", pid)
+            self._control("-i", "on", str(pid))
 
     def stop(self, pids: list[int]) -> int:
         """Dump each process's counts since :meth:`start` and stop counting: the instructions."""
         before = set(self.directory.glob("*.cg.*"))
         for pid in pids:
-            self._control("-d", "", pid)
-            self._control("-i", "off", pid)
+            self._control("-d", str(pid))
+            self._control("-i", "off", str(pid))
         dumps = set(self.directory.glob("*.cg.*")) - before
         if len(dumps) < len(pids):
             raise SystemExit(f"bench: callgrind wrote no count into {self.directory} (callgrind_control -d failed)")
         return sum(dump_instructions(dump) for dump in dumps)
 
     @staticmethod
-    def _control(option: str, value: str, pid: int) -> None:
-        command = ["callgrind_control", option, *([value] if value else []), str(pid)]
+    def _control(*arguments: str) -> None:
+        command = ["callgrind_control", *arguments]
         try:
             subprocess.run(command, capture_output=True, check=False, timeout=120)
         except subprocess.TimeoutExpired:

@@ -72,6 +72,7 @@ from bench.common import (
     redis_commands,
     redis_cpu,
     run_alone,
+    stop_processes,
 )
 from riverbed import events, services
 from riverbed.bus.keys import Keys
@@ -279,14 +280,7 @@ class Workers:
             await client.aclose()
 
     def stop(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        stop_processes(self.procs, 20)
         for log in self.logs:
             log.close()
 
@@ -574,12 +568,7 @@ def _redis_under(counter: Callgrind) -> Iterator[tuple[str, int]]:
             ) from None
         yield f"redis://127.0.0.1:{port}/0", proc.pid
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc], 60)
 
 
 async def measure(url: str, args: argparse.Namespace) -> list[Result]:

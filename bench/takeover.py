@@ -37,7 +37,7 @@ import anyio
 import redis.exceptions
 
 import riverbed
-from bench.common import Result, private_postgres, run_alone
+from bench.common import Result, private_postgres, run_alone, stop_processes
 from riverbed import events
 from riverbed.bus.keys import ROLES, Keys
 
@@ -107,13 +107,7 @@ class _Worker:
         return b"\n".join(text).decode(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_processes([self.proc], 20)
         self.log.close()
 
 
