@@ -21,8 +21,19 @@ import openai
 import pytest
 import trustme
 
+from riverbed.agent.prompt import Prompt
 from riverbed.errors import FencedError
-from riverbed.workers.model_client import CONNECTIONS, CheckedClient, checked_by, connections_for, proxy_for
+from riverbed.events import Event, Message, with_id
+from riverbed.memory.view import ViewBuilder
+from riverbed.workers.model_client import (
+    CONNECTIONS,
+    CheckedClient,
+    checked_by,
+    connections_for,
+    proxy_for,
+    request_body,
+    request_parts,
+)
 from tests.kit.openai_server import OpenAIServer, server  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.anyio
@@ -30,6 +41,23 @@ pytestmark = pytest.mark.anyio
 ASK = {"model": "test-model", "messages": [{"role": "user", "content": "hello"}]}
 LONG_ASK = {"model": "test-model", "messages": [{"role": "user", "content": "a long prompt " * 20_000}]}
 """A body of 280 KB: written, but for its last byte, before the check (``_held_back``)."""
+
+
+def prompt_ask() -> dict[str, object]:
+    """A body whose messages are a prompt's kept JSON (``EncodedMessages``), long enough to be
+    written from the prompt's buffer as it is, in parts (``request_parts``)."""
+    prompt = Prompt(system="sys")
+    log: list[Event] = [with_id(Message(content=f"turn {i} " + "x" * 20_000, source="user"), i) for i in range(1, 11)]
+    builder = ViewBuilder(log)
+    prompt.update(log, builder.view())
+    body: dict[str, object] = {"model": "test-model", "messages": prompt.encoded_parts()}
+    assert len(request_parts(body)) == 3  # (the kept JSON a part of its own)
+    return body
+
+
+def sent(body: dict[str, object]) -> object:
+    """``body`` as the server reads it."""
+    return json.loads(request_body(body))
 
 
 def connected_to(port: int) -> int:
@@ -164,16 +192,19 @@ async def ask(client: CheckedClient, direct: bool, body: dict[str, object] = ASK
 
 @pytest.mark.parametrize(
     ("direct", "body"),
-    [(True, ASK), (False, ASK), (True, LONG_ASK)],
-    ids=["chat_completion", "create", "chat_completion-long"],
+    [(True, ASK), (False, ASK), (True, LONG_ASK), (True, "prompt")],
+    ids=["chat_completion", "create", "chat_completion-long", "chat_completion-prompt"],
 )
 @pytest.mark.parametrize("passes", [True, False])
 async def test_the_check_runs_with_all_of_the_request_but_its_last_byte_sent(
-    passes: bool, direct: bool, body: dict[str, object]
+    passes: bool, direct: bool, body: dict[str, object] | str
 ) -> None:
     """A pause before the check (or during it) leaves the server with an incomplete request: it
     answers only once the byte that follows a passing check came, and nothing for a failing one.
-    The body that arrives is the request's, byte for byte, short or long."""
+    The body that arrives is the request's, byte for byte, short or long, or written in parts
+    from a prompt's buffer."""
+    body = prompt_ask() if body == "prompt" else body
+    assert isinstance(body, dict)
     server = _RawServer()
     client = CheckedClient(api_key="k", base_url=server.base_url)
     at_check: list[tuple[int, int]] = []
@@ -194,18 +225,23 @@ async def test_the_check_runs_with_all_of_the_request_but_its_last_byte_sent(
         assert at_check == [(server.whole - 1, 0)]
         assert _settled(server) == (server.whole if passes else server.whole - 1)
         assert server.answered == (1 if passes else 0)
-        assert [json.loads(b) for b in server.bodies] == ([body] if passes else [])
+        assert [json.loads(b) for b in server.bodies] == ([sent(body)] if passes else [])
     finally:
         await client.close()
         server.close()
 
 
+@pytest.mark.parametrize("body", [LONG_ASK, "prompt"], ids=["long", "prompt"])
 @pytest.mark.parametrize("known", [True, False])
-async def test_a_check_known_to_pass_as_the_body_is_written_sends_the_request_whole(known: bool) -> None:
+async def test_a_check_known_to_pass_as_the_body_is_written_sends_the_request_whole(
+    known: bool, body: dict[str, object] | str
+) -> None:
     """The agent role's lease check is known to pass without Redis while its renewals are fresh
     (``SessionContext.holds_now``): asked as the body is written (the connection made), a yes
     sends the request whole in that write and the awaited check is not made; a no holds the
-    last byte for it, as before."""
+    last byte for it, as before.  So for a body written in parts from a prompt's buffer."""
+    body = prompt_ask() if body == "prompt" else body
+    assert isinstance(body, dict)
     server = _RawServer()
     client = CheckedClient(api_key="k", base_url=server.base_url)
     port = int(server.base_url.split(":")[2].split("/")[0])
@@ -221,10 +257,10 @@ async def test_a_check_known_to_pass_as_the_body_is_written_sends_the_request_wh
 
     try:
         with checked_by(check, now):
-            assert await ask(client, True, LONG_ASK) == "whole"
+            assert await ask(client, True, body) == "whole"
         assert asked == [1]
         assert at_check == ([] if known else [server.whole - 1])
-        assert [json.loads(b) for b in server.bodies] == [LONG_ASK]
+        assert [json.loads(b) for b in server.bodies] == [sent(body)]
     finally:
         await client.close()
         server.close()

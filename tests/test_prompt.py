@@ -36,7 +36,7 @@ from riverbed.events import (
 )
 from riverbed.memory.tokens import TokenCounter
 from riverbed.memory.view import ViewBuilder
-from riverbed.workers.model_client import request_body
+from riverbed.workers.model_client import Part, request_body, request_parts
 from tests.kit.openai_server import tool_call
 
 MASK_AND_FORGET = {
@@ -177,7 +177,8 @@ def test_a_prompt_kept_between_steps_is_the_prompt_built_from_the_whole_log(
     (and the request body the model client makes of it) and the budget check are those of the
     pure functions over the whole log, whether it is given each step's view or follows the
     builder (reading only what the view added).  A step's messages lent in place still make
-    their own array after the next step changed the prompt."""
+    their own array after the next step changed the prompt, and so do the parts of a request
+    body still held as a transport sending it holds them (a view into the prompt's buffer)."""
     builder = ViewBuilder()
     given, following = (
         Prompt(system="sys", condenser_defaults=defaults),
@@ -187,6 +188,7 @@ def test_a_prompt_kept_between_steps_is_the_prompt_built_from_the_whole_log(
     rest = list(log)
     mode = "anthropic" if cached else "none"
     lent: list[tuple[EncodedMessages, bytes]] = []
+    sending: list[tuple[list[Part], bytes]] = []
     for size in [*chunks, len(rest)]:
         new, rest = rest[:size], rest[size:]
         seen += new
@@ -195,6 +197,9 @@ def test_a_prompt_kept_between_steps_is_the_prompt_built_from_the_whole_log(
         given.update(seen, builder.view())
         for parts, array in lent:
             assert parts.join() == array
+        for body_parts, sent in sending:
+            assert b"".join(body_parts) == sent
+        sending = []
         wanted = build_messages(seen, system="sys", condenser_defaults=defaults)
         lent = []
         for prompt in (given, following):
@@ -206,6 +211,8 @@ def test_a_prompt_kept_between_steps_is_the_prompt_built_from_the_whole_log(
             assert json.loads(request_body(body)) == {**body, "messages": json.loads(array)}
             assert json.loads(request_body({"messages": parts})) == {"messages": json.loads(array)}
             lent += [(parts, array), (prompt.encoded_parts(mode), array)]  # (two lent at once: both kept)
+            held = request_parts({"messages": prompt.encoded_parts(mode)}, write_apart=0)  # (however short)
+            sending.append((held, request_body({"messages": prompt.encoded_parts(mode)})))
             assert prompt.over_budget() == over_budget(seen, defaults)
 
 

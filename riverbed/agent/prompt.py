@@ -24,9 +24,10 @@ then every part below starts again from the first event, once.  Otherwise:
   message).  An update converts again from the last place that no new or changed event refers
   back across (an observation to its action and that action's response, an action to its
   response, the agent's words to the response they speak for): usually the step's own turn;
-- the messages' JSON is kept joined, so a request's ``messages`` is one copy of it rather than
-  an encoding of each message (or of a list of 2,000 encoded parts): the agent role's model
-  client copies it straight into the request's body (:class:`EncodedMessages`);
+- the messages' JSON is kept joined, so a request's ``messages`` is that buffer rather than an
+  encoding of each message (or of a list of 2,000 encoded parts): the agent role's model client
+  writes it to the connection as it is (:class:`EncodedMessages`); a buffer still being sent
+  when the prompt changes is left to the request, and the prompt goes on in a copy;
 - the condenser's token counts are kept per event.
 
 Nothing here reads the log or the model: it is as pure as the functions it stands for, and a
@@ -59,6 +60,16 @@ log = structlog.get_logger("riverbed.agent")
 Event = events.Event
 _encoder = msgspec.json.Encoder()
 _encode, _encode_into = _encoder.encode, _encoder.encode_into
+
+
+def _unshared(buffer: bytearray) -> bool:
+    """Whether no view of ``buffer`` is held (it can grow and shrink: one that is held cannot)."""
+    try:
+        buffer.append(0)
+    except BufferError:
+        return False
+    del buffer[-1]
+    return True
 
 
 class _Masking:
@@ -185,6 +196,10 @@ class _Messages:
         for lent in self.lent:  # (each keeps the bytes it reads before they change)
             lent.keep()
         self.lent.clear()
+        if not _unshared(self.joined):
+            # A view of it is still held: a request's body still being sent (a transport writes
+            # it as it is, ``model_client.request_parts``).  That one keeps the buffer as it was.
+            self.joined = bytearray(self.joined)
         joined, ends = self.joined, self.ends
         del joined[ends[count - 1] if count else 0 :]
         del ends[count:]
@@ -423,8 +438,8 @@ class EncodedMessages:
         self._start, self._stop = 0, len(self._source)
 
     def parts(self) -> list[bytes | memoryview]:
-        """The array's bytes in order, to join at once (a view into the prompt's buffer is among
-        them: the prompt cannot grow while one is held)."""
+        """The array's bytes in order, a view into the prompt's buffer among them (while one is
+        held, the prompt's next change goes to a copy of the buffer: :func:`_unshared`)."""
         middle = memoryview(self._source)[self._start : self._stop]
         if self._tail is not None:
             return [self._head, middle, self._tail, b"]"]
