@@ -3,8 +3,9 @@
 The part of a step that could grow with its context, as the agent role does it: the step's new
 events (a model response with one tool call and its id, the action, its result) folded into the
 session's view (``ViewBuilder``), its prompt caught up (``Prompt.follow``: what the view added
-since the step before), and the request's body encoded with the prompt's ``messages``
-(``request_body``, as the role's model client makes it).  Sessions
+since the step before), and the request's body made with the prompt's ``messages``
+(``request_parts``, as the role's model client makes it: a long prompt's kept JSON a view into its
+buffer, a short one's copied into the body).  Sessions
 are seeded with the earlier turns of ``bench agents --context`` (about 2,000 events against 20,
 and the 20 again with their first message padded to the 2,000's prompt bytes), then every size
 makes its steps in rounds that alternate (50 sessions of each, 10 steps each; the collector set
@@ -31,7 +32,7 @@ from riverbed import events
 from riverbed.agent.prompt import Prompt
 from riverbed.memory.view import ViewBuilder
 from riverbed.workers.main import tune_collector
-from riverbed.workers.model_client import request_body
+from riverbed.workers.model_client import request_parts
 
 SESSIONS, STEPS = 50, 10
 """sessions per size in a round, and the steps each makes (as a run of ``bench agents``)"""
@@ -65,7 +66,7 @@ class _Session:
         self.builder.extend(new)
         self.prompt.follow(self.seen, self.builder)
         body = {"model": MODEL, "messages": self.prompt.encoded_parts(), "tools": [], "tool_choice": "auto"}
-        self.bytes = len(request_body(body))
+        self.bytes = sum(map(len, request_parts(body)))
 
 
 async def measure(_url: str, args: argparse.Namespace) -> list[Result]:
