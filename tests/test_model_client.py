@@ -21,7 +21,7 @@ import openai
 import pytest
 import trustme
 
-from riverbed.agent.prompt import Prompt
+from riverbed.agent.prompt import EncodedMessages, Prompt
 from riverbed.errors import FencedError
 from riverbed.events import Event, Message, with_id
 from riverbed.memory.view import ViewBuilder
@@ -31,7 +31,6 @@ from riverbed.workers.model_client import (
     checked_by,
     connections_for,
     proxy_for,
-    request_body,
     request_parts,
 )
 from tests.kit.openai_server import OpenAIServer, server  # noqa: F401  (fixture)
@@ -50,14 +49,15 @@ def prompt_ask() -> dict[str, object]:
     log: list[Event] = [with_id(Message(content=f"turn {i} " + "x" * 20_000, source="user"), i) for i in range(1, 11)]
     builder = ViewBuilder(log)
     prompt.update(log, builder.view())
-    body: dict[str, object] = {"model": "test-model", "messages": prompt.encoded_parts()}
+    body: dict[str, object] = {"model": "test-model", "messages": prompt.encoded_parts(), "temperature": 0.5}
     assert len(request_parts(body)) == 3  # (the kept JSON a part of its own)
     return body
 
 
 def sent(body: dict[str, object]) -> object:
-    """``body`` as the server reads it."""
-    return json.loads(request_body(body))
+    """``body`` as the server should read it: its messages a prompt's array, as that array makes it."""
+    messages = body["messages"]
+    return {**body, "messages": json.loads(messages.join())} if isinstance(messages, EncodedMessages) else body
 
 
 def connected_to(port: int) -> int:

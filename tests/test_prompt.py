@@ -216,6 +216,31 @@ def test_a_prompt_kept_between_steps_is_the_prompt_built_from_the_whole_log(
             assert prompt.over_budget() == over_budget(seen, defaults)
 
 
+def test_a_prompt_goes_on_in_a_copy_of_its_json_only_while_a_request_still_sends_it() -> None:
+    """While a view of the prompt's JSON is held (a connection still sending a request's body as
+    ``request_parts`` lent it), the prompt's next change goes to a copy and the view's bytes stay
+    as they were; with none held, the prompt keeps changing its one buffer, copying nothing."""
+    log: list[Event] = [with_id(Message(content=f"turn {i}", source="user"), i) for i in range(1, 7)]
+    builder, prompt = ViewBuilder(), Prompt(system="sys")
+    builder.extend(log[:3])
+    prompt.follow(log[:3], builder)
+    buffer = prompt._messages.joined
+    assert len(request_parts({"messages": prompt.encoded_parts()}, write_apart=0)) == 3  # (sent, let go)
+    builder.extend(log[3:4])
+    prompt.follow(log[:4], builder)
+    assert prompt._messages.joined is buffer
+    held = request_parts({"messages": prompt.encoded_parts()}, write_apart=0)
+    sending = b"".join(held)
+    builder.extend(log[4:])
+    prompt.follow(log, builder)
+    assert prompt._messages.joined is not buffer
+    assert b"".join(held) == sending
+    assert json.loads(sending)["messages"] == build_messages(log[:4], system="sys")
+    assert json.loads(request_body({"messages": prompt.encoded_parts()}))["messages"] == build_messages(
+        log, system="sys"
+    )
+
+
 def steps(log: list[Event], defaults: dict[str, Any] | None = None) -> None:
     """Fold ``log`` one event a step, comparing the kept prompt with the one from scratch."""
     builder, prompt = ViewBuilder(), Prompt(system="sys", condenser_defaults=defaults)

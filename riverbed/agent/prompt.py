@@ -196,12 +196,14 @@ class _Messages:
         for lent in self.lent:  # (each keeps the bytes it reads before they change)
             lent.keep()
         self.lent.clear()
-        if not _unshared(self.joined):
+        joined, ends = self.joined, self.ends
+        cut = ends[count - 1] if count else 0
+        if _unshared(joined):
+            del joined[cut:]
+        else:
             # A view of it is still held: a request's body still being sent (a transport writes
             # it as it is, ``model_client.request_parts``).  That one keeps the buffer as it was.
-            self.joined = bytearray(self.joined)
-        joined, ends = self.joined, self.ends
-        del joined[ends[count - 1] if count else 0 :]
+            joined = self.joined = bytearray(memoryview(joined)[:cut])
         del ends[count:]
         for message in self.out[count:]:
             _encode_into(message, joined, -1)

@@ -13,7 +13,8 @@ sent, and the last is held back; a server cannot answer a request it has not rec
 The held byte goes out once the check passed, with no await in between.  A check that raises
 closes the connection instead, so the server sees a request cut short and answers nothing.
 When the role knows the check passes without asking (its lease renewals are fresh), it says so
-as the request is about to be written, and the request goes whole in that write.
+as the request is about to be written, and the whole request is handed to the connection then,
+with nothing suspending until its last byte is.
 
 :meth:`CheckedClient.chat_completion`, the agent role's call, sends its body on aiohttp, the
 last byte held by the body itself (:class:`_Body`).  The client library's own calls
